@@ -1,0 +1,29 @@
+"""stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
+
+from stackwise._layout import slice_layers as slice_layers
+from stackwise._layout import stack_layers as stack_layers
+from stackwise._layout import stacked_shardings as stacked_shardings
+from stackwise._layout import stacked_spec as stacked_spec
+from stackwise._layout import unstack_layers as unstack_layers
+from stackwise._stack import CARRY_NAME as CARRY_NAME
+from stackwise._stack import Stacked as Stacked
+from stackwise._stack import layer_index as layer_index
+from stackwise._stack import per_layer as per_layer
+from stackwise._stack import per_layer_keys as per_layer_keys
+from stackwise._stack import stack as stack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CARRY_NAME",
+    "Stacked",
+    "layer_index",
+    "per_layer",
+    "per_layer_keys",
+    "slice_layers",
+    "stack",
+    "stack_layers",
+    "stacked_shardings",
+    "stacked_spec",
+    "unstack_layers",
+]
