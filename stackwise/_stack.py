@@ -52,8 +52,13 @@ class Stacked(NamedTuple):
 # Per-layer arguments: markers resolved to one slice per layer.
 
 
+@jax.tree_util.register_pytree_node_class
 class _PerLayer:
-    """An argument that differs per layer; see :func:`per_layer`."""
+    """An argument that differs per layer; see :func:`per_layer`.
+
+    A pytree node, so a marked argument passes through ``jax.jit`` and other
+    transformations on its way to ``Stacked.apply``.
+    """
 
     __slots__ = ("kind", "value")
 
@@ -63,6 +68,13 @@ class _PerLayer:
 
     def __repr__(self) -> str:
         return f"stackwise.{_MARKER_NAMES[self.kind]}(...)"
+
+    def tree_flatten(self):
+        return (self.value,), self.kind
+
+    @classmethod
+    def tree_unflatten(cls, kind, children):
+        return cls(kind, *children)
 
     def stacked(self, n: int, where: str) -> Any:
         """The value with a leading axis ``n``: layer i receives ``[i]``."""
@@ -175,12 +187,12 @@ def _check_leading_axis(tree: Any, n: int, where: str, what: str) -> None:
         )
 
 
-def _check_carry(old: Any, new: Any) -> None:
+def _check_carry(old: Any, new: Any, who: str) -> None:
     """Raises if a layer changed the carry's structure, shape or dtype."""
     old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
     if old_def != new_def:
         raise TypeError(
-            "stackwise.stack: a layer must return its input `x` with the same "
+            f"{who}: a layer must return its input `x` with the same "
             f"pytree structure (it is fed to the next layer), but it took\n  {old_def}\n"
             f"and returned\n  {new_def}\n"
             "Per-layer outputs of another structure go in `aux`: build the "
@@ -199,7 +211,7 @@ def _check_carry(old: Any, new: Any) -> None:
                 else f"reshape or project it back to {a_shape}"
             )
             raise TypeError(
-                f"stackwise.stack: a layer changed carry leaf `{leaf}` from "
+                f"{who}: a layer changed carry leaf `{leaf}` from "
                 f"{a_type.name}{list(a_shape)} to {b_type.name}{list(b_shape)}; "
                 f"every layer must return x with the shape and dtype it received: {fix}."
             )
@@ -235,6 +247,7 @@ def stack(
     reverse: bool = False,
     has_aux: bool = False,
     with_state: bool = False,
+    name: str | None = None,
 ) -> Stacked:
     """Stacks ``n`` copies of one layer: stacked params, one scanned apply.
 
@@ -288,13 +301,15 @@ def stack(
         ``n``. Combines with ``remat``, which then applies inside each group.
       unroll: an int is passed to :func:`jax.lax.scan`; ``True`` runs a Python
         loop over the layers instead (same params layout; each layer traced
-        separately; runs under :func:`jax.disable_jit` for debugging).
+        separately; runs eagerly under :func:`jax.disable_jit` for debugging,
+        where ``remat`` is then skipped).
       reverse: run the last layer first. Per-layer inputs and outputs keep
         their layer order.
       has_aux: the layer returns ``(x, aux)``; ``Stacked.apply`` returns
         ``(x, aux)`` with every aux leaf stacked along a leading ``n`` axis.
       with_state: the layer carries per-layer mutable state (normalisation
         statistics, counters, a KV cache): see ``init`` and ``apply``.
+      name: what error messages call the layer (adapters pass the block's name).
 
     Per-layer arguments: wrap an argument of ``Stacked.init`` or
     ``Stacked.apply`` in :func:`per_layer` (layer i gets slice i),
@@ -344,10 +359,11 @@ def stack(
             f"got {nested!r}."
         )
     python_loop = unroll is True
+    who = f"stackwise.stack (layer {name})" if name else "stackwise.stack"
 
     def stacked_init(key, *args, **kwargs):
         keys = jax.random.split(key, n)
-        xs, rebuild = _split_markers(args, kwargs, n, "Stacked.init")
+        xs, rebuild = _split_markers(args, kwargs, n, f"{who}: Stacked.init")
 
         def one(key_i, slices):
             a, kw = rebuild(slices)
@@ -364,7 +380,7 @@ def stack(
         else:
             out = apply(p, x, *a, **kw)
         new_x, aux = out if has_aux else (out, None)
-        _check_carry(x, new_x)
+        _check_carry(x, new_x, who)
         return new_x, (s, aux)
 
     def stacked_apply(params, *args, **kwargs):
@@ -379,10 +395,10 @@ def stack(
             if not args:
                 raise TypeError("Stacked.apply is called as `apply(params, x, *args, **kwargs)`.")
             state, (x, *args) = None, args
-        _check_leading_axis(params, n, "Stacked.apply", "params")
+        _check_leading_axis(params, n, f"{who}: Stacked.apply", "params")
         if with_state:
-            _check_leading_axis(state, n, "Stacked.apply", "state")
-        xs, rebuild = _split_markers(tuple(args), kwargs, n, "Stacked.apply")
+            _check_leading_axis(state, n, f"{who}: Stacked.apply", "state")
+        xs, rebuild = _split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
 
         def body(x, per_layer):
             p, s, slices = per_layer
@@ -437,7 +453,7 @@ def _remat(body, enabled: bool, policy, python_loop: bool):
     carry ``x`` is protected; per-layer params and inputs ``xs`` (and
     closed-over constants, which ``jax.checkpoint`` never protects) are not.
     """
-    if not enabled:
-        return body
+    if not enabled or (python_loop and jax.config.jax_disable_jit):
+        return body  # eager debugging: nothing is staged, so nothing to remat
     prevent_cse = (True, False) if python_loop else False
     return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)

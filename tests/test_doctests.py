@@ -1,0 +1,46 @@
+"""Runs the doctest examples of every public module."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "stackwise._stack",
+    "stackwise._layout",
+    "stackwise._pipeline",
+    "stackwise._sharding",
+    "stackwise.haiku",
+    "stackwise.flax",
+    "stackwise.nnx",
+]
+
+
+def _submodules(name):
+    module = importlib.import_module(name)
+    yield module
+    # Adapters keep their code in private submodules of the package.
+    path = getattr(module, "__path__", None)
+    if path:
+        import pkgutil
+
+        for info in pkgutil.iter_modules(path):
+            yield importlib.import_module(f"{name}.{info.name}")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    try:
+        modules = list(_submodules(name))
+    except ModuleNotFoundError as e:
+        if e.name == name:  # the module itself is not written yet
+            pytest.skip(f"{name} does not exist")
+        raise
+    attempted = 0
+    for module in modules:
+        result = doctest.testmod(
+            module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
+        )
+        assert result.failed == 0, f"{result.failed} doctest(s) failed in {module.__name__}"
+        attempted += result.attempted
+    assert attempted > 0, f"{name} has no doctest examples"

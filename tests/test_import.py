@@ -1,0 +1,23 @@
+"""`import stackwise` must not import any framework."""
+
+import subprocess
+import sys
+
+
+def test_import_stackwise_imports_no_framework():
+    code = (
+        "import sys, stackwise\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('haiku', 'flax', 'optax', 'matplotlib', 'rich', 'tqdm'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"import stackwise imported: {out.stdout}"
+
+
+def test_no_top_level_adapters_package():
+    code = "import importlib.util; print(importlib.util.find_spec('adapters'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+    )
+    assert out.stdout.strip() == "None"
