@@ -225,7 +225,7 @@ def test_layer_index(unroll, reverse):
 
 
 def counter_init(key):
-    return {"w": jax.random.normal(key, (D,))}, {"count": jnp.zeros((), jnp.int32), "sum": jnp.zeros(D)}
+    return {"w": jax.random.normal(key, (1, D))}, {"count": jnp.zeros((), jnp.int32), "sum": jnp.zeros(D)}
 
 
 def counter_apply(params, state, x):
