@@ -1,0 +1,32 @@
+"""stackwise for Flax NNX: ``stackwise.nnx.Stack`` repeats an ``nnx.Module`` n times.
+
+>>> import jax.numpy as jnp, stackwise.nnx
+>>> from flax import nnx
+>>> blocks = stackwise.nnx.Stack(lambda rngs: nnx.Linear(4, 4, rngs=rngs), n=3, rngs=nnx.Rngs(0))
+>>> blocks.layers.kernel.shape
+(3, 4, 4)
+>>> blocks(jnp.ones((2, 4))).shape
+(2, 4)
+"""
+
+try:
+    import flax.nnx  # noqa: F401
+except ImportError:  # pragma: no cover - exercised only without flax
+    raise ImportError("`stackwise.nnx` needs flax: pip install 'stackwise[flax]'") from None
+
+from stackwise.nnx._stack import Stack as Stack
+from stackwise.nnx._stack import layer_index as layer_index
+
+__all__ = [
+    "Stack",
+    "layer_index",
+]
+
+# `doctest.testmod(stackwise.nnx)` skips objects defined in private modules:
+# list the public examples here so they run with this module's.
+__test__ = {
+    "Stack": Stack,
+    "Stack.from_layers": Stack.from_layers,
+    "Stack.to_layers": Stack.to_layers,
+    "layer_index": layer_index,
+}

@@ -1,0 +1,477 @@
+"""stackwise.nnx.Stack against a Python loop of the same blocks and against nnx.scan."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import stackwise
+import stackwise.nnx
+
+D, B = 8, 3  # features and batch: distinct, so params and activations differ in type
+TOL = dict(rtol=1e-5, atol=1e-5)  # float32 reassociation between scan and loop
+# Gradients: the bias before BatchNorm has a true gradient of 0, so what the
+# two programs compute there is float32 rounding noise of the batch mean.
+GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs, rate=0.0):
+        self.linear = nnx.Linear(d, d, rngs=rngs)
+        self.norm = nnx.BatchNorm(d, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.drop(self.norm(self.linear(x))))
+
+
+def make(rngs, rate=0.0):
+    return Block(D, rngs, rate)
+
+
+class Loop(nnx.Module):
+    """The reference: a Python loop over separately held blocks."""
+
+    def __init__(self, blocks, reverse=False):
+        self.blocks = nnx.List(blocks)
+        self.reverse = reverse
+
+    def __call__(self, x):
+        for block in reversed(self.blocks) if self.reverse else self.blocks:
+            x = block(x)
+        return x
+
+
+def plain(tree):
+    """Variables -> arrays (PRNG keys as key data), for exact comparisons."""
+    def leaf(a):
+        a = a.get_raw_value() if isinstance(a, nnx.Variable) else a
+        return jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+
+    return jax.tree.map(leaf, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def assert_equal(a, b):
+    a, b = plain(a), plain(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert bool(jnp.all(x == y))
+
+
+def assert_close(a, b, tol=TOL):
+    a, b = plain(a), plain(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.shape == y.shape
+        assert jnp.allclose(x, y, **tol), float(jnp.abs(x - y).max())
+
+
+def stacked(states):
+    return jax.tree.map(lambda *a: jnp.stack(a), *states)
+
+
+def loss_and_grads(model, x):
+    """``jax.grad`` through ``nnx.split``, as a user writes it."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        m = nnx.merge(graphdef, params, rest, copy=True)
+        return jnp.sum(m(x) ** 2)
+
+    return jax.value_and_grad(loss)(params)
+
+
+def scan_model(n, rngs, rate=0.0):
+    """NNX's own tool, as in the Flax docs: nnx.vmap to create, nnx.scan to apply."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return make(rngs, rate)
+
+    return create(rngs)
+
+
+@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+def scan_apply(x, block):
+    return block(x)
+
+
+X = jax.random.normal(jax.random.key(1), (B, D))
+
+
+# --------------------------------------------------------------------------
+# Creation and conversion.
+
+
+def test_creation_equals_nnx_vmap_and_a_loop_of_blocks():
+    n = 4
+    s = stackwise.nnx.Stack(lambda r: make(r, 0.5), n, rngs=nnx.Rngs(0, dropout=1))
+    assert s.layers.linear.kernel.shape == (n, D, D)
+    assert_equal(nnx.state(s.layers), nnx.state(scan_model(n, nnx.Rngs(0, dropout=1), 0.5)))
+    # A loop of blocks, each built from its own key per stream.
+    parent = nnx.Rngs(0, dropout=1)
+    keys = {name: jax.random.split(stream(), n) for name, stream in parent.items()}
+    blocks = [make(nnx.Rngs(**{k: v[i] for k, v in keys.items()}), 0.5) for i in range(n)]
+    assert_equal(nnx.state(s.layers), stacked([nnx.state(b) for b in blocks]))
+
+
+def test_conversion_round_trips_are_exact():
+    blocks = [make(nnx.Rngs(i, dropout=10 + i), 0.5) for i in range(3)]
+    s = stackwise.nnx.Stack.from_layers(blocks)
+    assert_equal(nnx.state(s.layers), stacked([nnx.state(b) for b in blocks]))
+    back = s.to_layers()
+    for a, b in zip(back, blocks):
+        assert type(a) is Block
+        assert_equal(nnx.state(a), nnx.state(b))
+    again = stackwise.nnx.Stack.from_layers(back)
+    assert_equal(nnx.state(again), nnx.state(s))
+    # nnx.scan's layout (the vmapped block) is the Stack's `layers`, both ways.
+    ref = scan_model(3, nnx.Rngs(5))
+    nnx.update(s.layers, nnx.state(ref))
+    assert_equal(nnx.state(s.layers), nnx.state(ref))
+    assert_equal(nnx.state(scan_model(3, nnx.Rngs(5))), nnx.state(s.layers))
+
+
+# --------------------------------------------------------------------------
+# Forward, grad and state updates against the loop.
+
+CASES = {
+    "scan": dict(),
+    "remat-unroll2": dict(remat=True, unroll=2),
+    "python-loop-remat-reverse": dict(unroll=True, remat=True, reverse=True),
+    "nested-reverse-policy": dict(
+        nested=2, reverse=True, remat=jax.checkpoint_policies.dots_saveable
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_grad_and_batch_stats_match_a_loop(case):
+    n = 5  # nested=2: two groups of two and a tail of one
+    s = stackwise.nnx.Stack(make, n, rngs=nnx.Rngs(0), **CASES[case])
+    loop = Loop(s.to_layers(), reverse=CASES[case].get("reverse", False))
+    y, y_loop = nnx.jit(lambda m, x: m(x))(s, X), nnx.jit(lambda m, x: m(x))(loop, X)
+    assert_close(y, y_loop)
+    # BatchNorm statistics were updated in place, per layer, as in the loop.
+    assert not jnp.allclose(s.layers.norm.mean[...], 0.0)
+    assert_close(nnx.state(s.layers, nnx.BatchStat),
+                 stacked([nnx.state(b, nnx.BatchStat) for b in loop.blocks]))
+    (l, g), (l_loop, g_loop) = loss_and_grads(s, X), loss_and_grads(loop, X)
+    assert_close(l, l_loop)
+    assert_close(g["layers"], stacked([g_loop["blocks"][i] for i in range(n)]), GRAD_TOL)
+
+
+def test_matches_nnx_scan_forward_grad_dropout_and_state():
+    n = 4
+    s = stackwise.nnx.Stack(lambda r: make(r, 0.5), n, rngs=nnx.Rngs(0, dropout=1))
+    ref = scan_model(n, nnx.Rngs(0, dropout=1), 0.5)
+    call = nnx.jit(lambda m, x: m(x))
+    ref_call = nnx.jit(scan_apply)
+    for _ in range(2):  # the dropout counters advance: the second call differs
+        assert_close(call(s, X), ref_call(X, ref))
+    assert_equal(nnx.state(s.layers), nnx.state(ref))  # stats, keys, counts
+    assert s.layers.drop.rngs.count[...].tolist() == [2] * n
+
+    def ref_loss(params, rest):
+        return jnp.sum(scan_apply(X, nnx.merge(graphdef, params, rest, copy=True)) ** 2)
+
+    graphdef, params, rest = nnx.split(ref, nnx.Param, ...)
+    g_ref = jax.jit(jax.grad(ref_loss))(params, rest)
+    _, g = loss_and_grads(s, X)
+    assert_close(g["layers"], g_ref, GRAD_TOL)
+
+
+def test_eval_mode_leaves_statistics_and_dropout_alone():
+    s = stackwise.nnx.Stack(lambda r: make(r, 0.5), 3, rngs=nnx.Rngs(0, dropout=1))
+    s.eval()
+    before = nnx.state(s, nnx.BatchStat, nnx.RngCount)
+    y = s(X)
+    assert_equal(nnx.state(s, nnx.BatchStat, nnx.RngCount), before)
+    assert_close(y, Loop(s.to_layers())(X))
+
+
+class Noise(nnx.Module):
+    def __init__(self, rngs):
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        self.sow(nnx.Intermediate, "mask", self.drop(jnp.ones((16,))))
+        return x
+
+
+def test_dropout_masks_are_independent_per_layer_and_per_call():
+    s = stackwise.nnx.Stack(Noise, 4, rngs=nnx.Rngs(dropout=0))
+    forward = nnx.capture(s, nnx.Intermediate)
+    (_, first), (_, second) = forward(X), forward(X)
+    first, second = first["layers"]["mask"][0], second["layers"]["mask"][0]
+    assert first.shape == (4, 16)
+    assert len({tuple(m.tolist()) for m in jnp.concatenate([first, second])}) == 8
+    assert s.layers.drop.rngs.count[...].tolist() == [2, 2, 2, 2]
+
+
+class CallRngs(nnx.Module):
+    def __init__(self, rngs):
+        pass
+
+    def __call__(self, x, rngs):
+        self.sow(nnx.Intermediate, "u", jax.random.uniform(rngs.noise(), (8,)))
+        return x
+
+
+def test_rngs_argument_is_split_per_layer():
+    s = stackwise.nnx.Stack(CallRngs, 3, rngs=nnx.Rngs(0))
+    rngs = nnx.Rngs(noise=7)
+    _, sown = nnx.capture(s, nnx.Intermediate)(X, rngs)
+    u = sown["layers"]["u"][0]
+    assert len({tuple(r.tolist()) for r in u}) == 3
+    assert int(rngs.noise.count[...]) == 1
+    key = jax.random.split(jax.random.fold_in(jax.random.key(7), 0), 3)[1]
+    assert_equal(u[1], jax.random.uniform(nnx.Rngs(noise=key).noise(), (8,)))
+
+
+# --------------------------------------------------------------------------
+# Per-layer inputs and outputs, layer index.
+
+
+class Indexed(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (2,)))
+
+    def __call__(self, x, scale, offset=0.0):
+        i = stackwise.nnx.layer_index()
+        return x * scale + self.w[...].sum() + offset + i, i
+
+
+def test_per_layer_inputs_aux_outputs_and_layer_index():
+    n = 4
+    for reverse in (False, True):
+        s = stackwise.nnx.Stack(Indexed, n, rngs=nnx.Rngs(0), has_aux=True, reverse=reverse)
+        scales = jnp.arange(1.0, n + 1)
+        y, idx = s(jnp.float32(1.0), stackwise.per_layer(scales), offset=0.5)
+        assert idx.tolist() == list(range(n))
+        want, w = 1.0, s.layers.w[...].sum(-1)
+        for i in reversed(range(n)) if reverse else range(n):
+            want = want * scales[i] + w[i] + 0.5 + i
+        assert_close(y, want)
+
+
+def test_layer_index_outside_a_stack_raises():
+    with pytest.raises(RuntimeError, match="outside a stacked block"):
+        stackwise.nnx.layer_index()
+
+
+class Outer(nnx.Module):
+    def __init__(self, rngs):
+        self.inner = stackwise.nnx.Stack(Indexed, 2, rngs=rngs, has_aux=True)
+
+    def __call__(self, x, outer_index=None):
+        x, inner_index = self.inner(x, 1.0)
+        if outer_index is None:  # the index is read after the inner stack ran
+            outer_index = stackwise.nnx.layer_index()
+        return x + 100 * outer_index + 10 * inner_index.sum()
+
+
+def test_nested_stacks():
+    s = stackwise.nnx.Stack(Outer, 3, rngs=nnx.Rngs(0))
+    assert s.layers.inner.layers.w.shape == (3, 2, 2)
+    blocks = s.to_layers()
+    assert blocks[1].inner.layers.w.shape == (2, 2)
+    y_loop = jnp.float32(0.0)
+    for i, block in enumerate(blocks):
+        y_loop = block(y_loop, outer_index=i)
+    assert_close(s(jnp.float32(0.0)), y_loop)
+
+
+# --------------------------------------------------------------------------
+# Training with nnx.Optimizer and optax.
+
+
+class Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+def test_optimizer_steps_match_the_loop_and_the_loss_falls():
+    s = stackwise.nnx.Stack(Mlp, 3, rngs=nnx.Rngs(0), remat=True)
+    loop = Loop(s.to_layers())
+    target = jnp.cos(X)
+
+    @nnx.jit
+    def step(model, opt):
+        def loss_fn(model):
+            return jnp.mean((model(X) - target) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    opt = nnx.Optimizer(s, optax.adam(1e-2), wrt=nnx.Param)
+    opt_loop = nnx.Optimizer(loop, optax.adam(1e-2), wrt=nnx.Param)
+    assert_close(step(s, opt), step(loop, opt_loop))
+    assert_close(nnx.state(s.layers), stacked([nnx.state(b) for b in loop.blocks]))
+    losses = [step(s, opt) for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+# --------------------------------------------------------------------------
+# Remat in the lowered program.
+
+
+def barrier_operand_types(text):
+    types = []
+    for line in text.splitlines():
+        if "optimization_barrier" in line:
+            types += re.findall(r"tensor<[^>]*>", line.split(":", 1)[-1])
+    return types
+
+
+def test_remat_barriers_hold_only_the_carry():
+    s = stackwise.nnx.Stack(make, 3, rngs=nnx.Rngs(0), remat=True, unroll=True)
+    graphdef, params, rest = nnx.split(s, nnx.Param, ...)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params, rest, copy=True)(X) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(params).as_text()
+    types = barrier_operand_types(text)
+    assert types, "remat=True with unroll=True should protect the carry with barriers"
+    assert set(types) == {f"tensor<{B}x{D}xf32>"}, types  # never params (DxD, D) or stats
+
+
+def test_trace_once():
+    calls = []
+
+    class Counted(Block):
+        def __call__(self, x):
+            calls.append(1)
+            return super().__call__(x)
+
+    s = stackwise.nnx.Stack(lambda r: Counted(D, r), 6, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(s, nnx.Param, ...)
+    jax.jit(lambda p: nnx.merge(graphdef, p, rest, copy=True)(X)).lower(params)
+    assert len(calls) == 1
+
+
+# --------------------------------------------------------------------------
+# Errors.
+
+
+def test_errors_name_the_block_and_variable():
+    with pytest.raises(TypeError, match="must return an nnx.Module.*returned Array"):
+        stackwise.nnx.Stack(lambda rngs: jnp.zeros(3), 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="got a built Block module.*lambda rngs: Block"):
+        stackwise.nnx.Stack(make(nnx.Rngs(0)), 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="at least 1, got n=0 for block make"):
+        stackwise.nnx.Stack(make, 0, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="`n` must be a Python int"):
+        stackwise.nnx.Stack(make, 2.0, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="`remat` must be"):
+        stackwise.nnx.Stack(make, 2, rngs=nnx.Rngs(0), remat="yes")
+
+    s = stackwise.nnx.Stack(lambda r: nnx.Linear(D, 2 * D, rngs=r), 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"block Linear changed `x` from float32\[3, 8\] to "
+                       r"float32\[3, 16\].*project it back"):
+        s(X)
+
+    class Cast(nnx.Module):
+        def __init__(self, rngs):
+            pass
+
+        def __call__(self, x):
+            return {"h": x["h"].astype(jnp.bfloat16)}
+
+    with pytest.raises(TypeError, match=r"block Cast changed `x\['h'\]` from float32.*astype"):
+        stackwise.nnx.Stack(Cast, 2, rngs=nnx.Rngs(0))({"h": X})
+
+    s = stackwise.nnx.Stack(make, 3, rngs=nnx.Rngs(0))
+    s.layers.linear.kernel = nnx.Param(s.layers.linear.kernel[:2])
+    with pytest.raises(ValueError, match=r"(?s)Stack of Block.*n=3.*linear\.kernel \(Param\): "
+                       r"shape \(2, 8, 8\)"):
+        s(X)
+
+    with pytest.raises(TypeError, match=r"block 1 \(Block\) differs in structure"):
+        stackwise.nnx.Stack.from_layers([Block(D, nnx.Rngs(0)), Block(D + 1, nnx.Rngs(0))])
+
+
+# --------------------------------------------------------------------------
+# Sharding metadata on 8 simulated devices, and the import guard.
+
+SHARDING_SCRIPT = """
+import json, jax, jax.numpy as jnp, stackwise.nnx
+from flax import nnx
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        self.linear = nnx.Linear(8, 8, kernel_init=init, rngs=rngs,
+            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",)))
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+out = {}
+with jax.set_mesh(mesh):
+    for name in (None, "data"):
+        s = stackwise.nnx.Stack(Block, n=4, rngs=nnx.Rngs(0), layer_axis_name=name)
+        ref = nnx.vmap(Block, transform_metadata={nnx.PARTITION_NAME: name})(
+            nnx.Rngs(0).split(4))
+        spec = lambda m: {k: tuple(v.value) for k, v in
+                          nnx.get_partition_spec(nnx.state(m))["linear"].items()}
+        y = nnx.jit(lambda m, x: m(x))(s, jnp.ones((4, 8)))
+        out[str(name)] = dict(
+            stack=spec(s.layers), vmap=spec(ref), layer=spec(s.to_layers()[0]),
+            placed=tuple(s.layers.linear.kernel[...].sharding.spec),
+            after_call=tuple(nnx.get_partition_spec(nnx.state(s))["layers"]["linear"]
+                             ["kernel"].value),
+            close=bool(jnp.allclose(y, nnx.scan(lambda x, b: (b(x), None))(
+                jnp.ones((4, 8)), ref)[0], atol=1e-5)))
+print(json.dumps(out))
+"""
+
+
+def run_python(code, **env):
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
+    )
+    return proc
+
+
+def test_partition_specs_gain_the_layer_axis_on_8_devices():
+    proc = run_python(SHARDING_SCRIPT, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for name, res in out.items():
+        axis = None if name == "None" else name
+        assert res["stack"] == {"kernel": [axis, None, "model"], "bias": [axis, "model"]}
+        assert res["stack"] == res["vmap"]  # as nnx.vmap with transform_metadata
+        assert res["layer"] == {"kernel": [None, "model"], "bias": ["model"]}
+        assert res["after_call"] == [axis, None, "model"]
+        assert res["placed"] == [axis, None, "model"]  # eager sharding by the stacked spec
+        assert res["close"]
+
+
+def test_missing_flax_gives_an_install_hint():
+    proc = run_python("""
+        import sys
+        sys.modules["flax"] = None
+        try:
+            import stackwise.nnx
+        except ImportError as e:
+            print(e)
+        """)
+    assert proc.stdout.strip() == "`stackwise.nnx` needs flax: pip install 'stackwise[flax]'"
