@@ -5,6 +5,10 @@ from stackwise._layout import stack_layers as stack_layers
 from stackwise._layout import stacked_shardings as stacked_shardings
 from stackwise._layout import stacked_spec as stacked_spec
 from stackwise._layout import unstack_layers as unstack_layers
+from stackwise._pipeline import pipeline as pipeline
+from stackwise._sharding import fsdp_specs as fsdp_specs
+from stackwise._sharding import gather_params as gather_params
+from stackwise._sharding import shard_stacked as shard_stacked
 from stackwise._stack import CARRY_NAME as CARRY_NAME
 from stackwise._stack import Stacked as Stacked
 from stackwise._stack import layer_index as layer_index
@@ -17,9 +21,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CARRY_NAME",
     "Stacked",
+    "fsdp_specs",
+    "gather_params",
     "layer_index",
     "per_layer",
     "per_layer_keys",
+    "pipeline",
+    "shard_stacked",
     "slice_layers",
     "stack",
     "stack_layers",

@@ -88,9 +88,9 @@ def stacked_spec(spec: PartitionSpec | None, layer_axis: str | None = None) -> P
     >>> from jax.sharding import PartitionSpec as P
     >>> import stackwise
     >>> stackwise.stacked_spec(P("data", None))
-    PartitionSpec(None, 'data', None)
+    P(None, 'data', None)
     >>> stackwise.stacked_spec(P(None, "model"), layer_axis="stage")
-    PartitionSpec('stage', None, 'model')
+    P('stage', None, 'model')
     """
     return PartitionSpec(layer_axis, *(spec or ()))
 
@@ -107,7 +107,7 @@ def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> 
     >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     >>> s = stackwise.stacked_shardings(mesh, {"w": P("data", None)})
     >>> s["w"].spec
-    PartitionSpec(None, 'data', None)
+    P(None, 'data', None)
     """
     is_spec = lambda s: s is None or isinstance(s, PartitionSpec)  # noqa: E731
     return jax.tree.map(

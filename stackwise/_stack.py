@@ -255,7 +255,7 @@ def stack(
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> def init(key, d):
-    ...     return {"w": jax.random.normal(key, (d, d)) / d**0.5, "b": jnp.zeros(d)}
+    ...     return {"w": jax.random.normal(key, (d, d)) / d**0.5, "b": jnp.zeros((1, d))}
     >>> def apply(params, x):
     ...     return x + jnp.tanh(x @ params["w"] + params["b"])
     >>> keys = jax.random.split(jax.random.key(0), 4)

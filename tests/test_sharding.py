@@ -1,0 +1,332 @@
+"""Stacked params on a mesh: FSDP and tensor parallel give one device's results.
+
+The multi-device checks run once, in a subprocess with 8 simulated CPU
+devices; this file is also that subprocess's script (see ``_worker``). The
+compiled HLO is read to show that FSDP weights are all-gathered inside the
+scan's while-loop body, one layer at a time, never the whole stack up front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import stackwise
+from stackwise._sharding import fsdp_specs, gather_params, shard_stacked
+
+# float32 sums reassociated across devices.
+SHARDED_TOL = 2e-5
+
+N, D = 4, 64  # layers, width: every weight dim divides by 8 devices
+
+
+def _init(key):
+    k1, k2 = jax.random.split(key)
+    return {
+        "w1": jax.random.normal(k1, (D, 2 * D)) / D**0.5,
+        "w2": jax.random.normal(k2, (2 * D, D)) / (2 * D) ** 0.5,
+        "b": jnp.full((D,), 0.1),
+    }
+
+
+def _apply(params, x):
+    h = jnp.tanh(jnp.einsum("bd,df->bf", x, params["w1"]))
+    # Under explicit axes the contraction over a sharded "model" axis needs
+    # its output sharding spelled out (the usual explicit-sharding rule).
+    y = jnp.einsum("bf,fd->bd", h, params["w2"], out_sharding=jax.typeof(x).sharding)
+    return x + y + params["b"][None, :]
+
+
+def _loss_and_grad(apply):
+    def loss(params, x):
+        y = apply(params, x)
+        return jnp.sum(jnp.sin(y)), y
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def _reference(params, x):
+    """One device, a Python loop over the per-layer params."""
+
+    def loop(params, x):
+        for p in stackwise.unstack_layers(params):
+            x = _apply(p, x)
+        return x
+
+    one = jax.devices()[0]
+    (_, y), g = _loss_and_grad(loop)(jax.device_put(params, one), jax.device_put(x, one))
+    return y, g
+
+
+def _specs(tree) -> dict:
+    """Each leaf's sharding spec as text, trailing ``None`` s dropped (same layout)."""
+
+    def one(a):
+        spec = list(a.sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return str(P(*spec))
+
+    return jax.tree.map(one, tree)
+
+
+def _max_diff(a, b) -> float:
+    diffs = jax.tree.map(lambda u, v: float(np.max(np.abs(np.asarray(u) - np.asarray(v)))), a, b)
+    return max(jax.tree.leaves(diffs))
+
+
+def _hlo_collectives(hlo: str) -> dict:
+    """All-gathers of a compiled module: ``{"in_loop": [...], "outside": [...]}``.
+
+    A collective is "in_loop" when its computation is reachable from the
+    body of a ``while`` (the scan), else "outside". Shapes as HLO prints them.
+    """
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    calls = {
+        c: set(re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", "\n".join(lines)))
+        for c, lines in comps.items()
+    }
+    loop, todo = set(), [b for ls in comps.values() for b in re.findall(
+        r" while\(.*body=%([\w.\-]+)", "\n".join(ls))]
+    while todo:
+        c = todo.pop()
+        if c not in loop:
+            loop.add(c)
+            todo.extend(calls.get(c, ()))
+    out = {"in_loop": [], "outside": []}
+    for c, lines in comps.items():
+        for line in lines:
+            m = re.search(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", line)
+            if m:
+                out["in_loop" if c in loop else "outside"].append(m.group(1))
+    return out
+
+
+def _case_fsdp(axis_type):
+    """FSDP over 8 devices: params' largest inner axis split over "data"."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    layers = stackwise.stack(_init, gather_params(_apply), N, remat=True)
+    params = jax.jit(layers.init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    placed = shard_stacked(params, mesh, fsdp_specs(params, mesh))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    f = _loss_and_grad(layers.apply)
+    if axis_type == AxisType.Auto:  # auto axes: the output layout is ours to ask for
+        f = jax.jit(f, out_shardings=(None, jax.tree.map(lambda a: a.sharding, placed)))
+    compiled = f.lower(placed, xs).compile()
+    (_, y), g = compiled(placed, xs)
+    y_ref, g_ref = _reference(params, x)
+    return {
+        "max_err": _max_diff((y, g), (y_ref, g_ref)),
+        "param_specs": _specs(placed),
+        "grad_specs": _specs(g),
+        "forward": _hlo_collectives(jax.jit(layers.apply).lower(placed, xs).compile().as_text()),
+        "backward": _hlo_collectives(compiled.as_text()),
+    }
+
+
+def _case_fsdp_tensor_parallel():
+    """FSDP over "data" on top of Megatron-style specs over "model"."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    layers = stackwise.stack(_init, gather_params(_apply), N)
+    params = jax.jit(layers.init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    tp = {"w1": P(None, "model"), "w2": P("model", None), "b": None}
+    placed = shard_stacked(params, mesh, fsdp_specs(params, mesh, base=tp))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    (_, y), g = _loss_and_grad(layers.apply)(placed, xs)
+    y_ref, g_ref = _reference(params, x)
+    return {
+        "max_err": _max_diff((y, g), (y_ref, g_ref)),
+        "param_specs": _specs(placed),
+        "grad_specs": _specs(g),
+    }
+
+
+def _case_layer_axis_and_errors():
+    """The layer axis over a stage axis; shard_stacked's error messages."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    params = jax.jit(stackwise.stack(_init, _apply, 8).init)(jax.random.key(0))
+    placed = shard_stacked(params, mesh, fsdp_specs(params, mesh), layer_axis="stage")
+    errors = {}
+    for name, (tree, specs, layer_axis) in {
+        "layers_indivisible": (jax.tree.map(lambda a: a[:6], params), None, "stage"),
+        "inner_indivisible": ({"b": params["b"][:, :6]}, {"b": P(("stage", "data"))}, None),
+        "spec_too_long": (params, {"w1": P(None, None, "data"), "w2": None, "b": None}, "stage"),
+        "unknown_axis": (params, P("model"), "stage"),
+        "mismatch": (params, {"w": P("data")}, "stage"),
+        "axis_twice": (params, P("stage"), "stage"),
+    }.items():
+        try:
+            shard_stacked(tree, mesh, specs, layer_axis=layer_axis)
+            errors[name] = "no error"
+        except ValueError as e:
+            errors[name] = str(e)
+    return {
+        "shard_shapes": sorted({tuple(s.data.shape) for s in placed["w1"].addressable_shards}),
+        "spec": _specs(placed)["w1"],
+        "errors": errors,
+    }
+
+
+_CASES = {
+    "fsdp_explicit": lambda: _case_fsdp(AxisType.Explicit),
+    "fsdp_auto": lambda: _case_fsdp(AxisType.Auto),
+    "fsdp_tensor_parallel": _case_fsdp_tensor_parallel,
+    "layer_axis_and_errors": _case_layer_axis_and_errors,
+}
+
+
+def _worker() -> None:
+    jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py does
+    results = {}
+    for name, case in _CASES.items():
+        try:
+            results[name] = case()
+        except Exception:  # noqa: BLE001 -- reported to the test that owns the case
+            results[name] = {"error": traceback.format_exc()}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode:
+        pytest.fail(f"the 8-device worker failed:\n{proc.stderr[-5000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _result(multi_device, name):
+    r = multi_device[name]
+    if "error" in r:
+        pytest.fail(f"case {name} raised:\n{r['error']}")
+    return r
+
+
+@pytest.mark.parametrize("name", ["fsdp_explicit", "fsdp_auto", "fsdp_tensor_parallel"])
+def test_sharded_matches_one_device_and_grads_stay_sharded(multi_device, name):
+    r = _result(multi_device, name)
+    assert r["max_err"] < SHARDED_TOL
+    assert r["grad_specs"] == r["param_specs"]
+    assert "'data'" in r["param_specs"]["w1"]  # really sharded
+
+
+def test_fsdp_specs_with_tensor_parallel(multi_device):
+    specs = _result(multi_device, "fsdp_tensor_parallel")["param_specs"]
+    assert specs == {
+        "w1": "P(None, 'data', 'model')",
+        "w2": "P(None, 'model', 'data')",
+        "b": "P(None, 'data')",
+    }
+
+
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_weights_gathered_per_layer_inside_the_loop(multi_device, program):
+    gathers = _result(multi_device, "fsdp_explicit")[program]
+    # With explicit axes and `gather_params`: one layer's full weights are
+    # gathered in the while body ...
+    assert f"f32[{D},{2 * D}]" in gathers["in_loop"]
+    assert f"f32[{2 * D},{D}]" in gathers["in_loop"]
+    # ... and nothing is gathered before or after the loop (no whole stack).
+    assert gathers["outside"] == []
+
+
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_auto_axes_gather_inside_the_loop_only(multi_device, program):
+    # On auto axes XLA picks what to gather (here it may gather activations
+    # instead of weights), but only ever inside the loop, never the stack.
+    gathers = _result(multi_device, "fsdp_auto")[program]
+    assert gathers["in_loop"]
+    assert gathers["outside"] == []
+    assert not any(g.startswith(f"f32[{N},") for g in gathers["in_loop"])
+
+
+def test_layer_axis_over_stages(multi_device):
+    r = _result(multi_device, "layer_axis_and_errors")
+    assert r["spec"] == "P('stage', None, 'data')"  # w1: 64 x 128, FSDP takes the 128
+    assert r["shard_shapes"] == [[2, D, D]]  # 8 layers / 4 stages; 2D / 2 data shards
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("layers_indivisible", r"the layer axis \(length 6\) cannot be split over mesh axis "
+         r"'stage' of size 4"),
+        ("inner_indivisible", r"leaf \['b'\] has shape \(8, 6\); axis 1 \(length 6\) cannot "
+         r"be split over mesh axis \('stage', 'data'\) of size 8"),
+        ("spec_too_long", r"leaf \['w1'\] has shape \(8, 64, 128\) .* names 4 axes.*leave out "
+         r"the layer axis"),
+        ("unknown_axis", r"`spec axis='model'` is not an axis of the mesh"),
+        ("mismatch", r"`specs` must mirror one layer's params"),
+        ("axis_twice", r"leaf \['b'\]'s stacked spec .* uses mesh axis 'stage' twice"),
+    ],
+)
+def test_shard_stacked_errors(multi_device, case, message):
+    assert re.search(message, _result(multi_device, "layer_axis_and_errors")["errors"][case],
+                     re.S)
+
+
+# --------------------------------------------------------------------------
+# fsdp_specs is pure shape logic: an abstract mesh, any shapes.
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 48), min_size=0, max_size=3), min_size=1, max_size=4),
+    size=st.sampled_from([1, 2, 3, 4, 8]),
+)
+def test_fsdp_specs_shards_the_largest_divisible_axis(shapes, size):
+    mesh = AbstractMesh((size,), ("data",))
+    params = {f"p{i}": jax.ShapeDtypeStruct((5, *s), jnp.float32) for i, s in enumerate(shapes)}
+    specs = fsdp_specs(params, mesh)
+    for key, leaf in params.items():
+        inner = leaf.shape[1:]
+        spec = tuple(specs[key]) + (None,) * (len(inner) - len(specs[key]))
+        divisible = [d for d, n in enumerate(inner) if n % size == 0]
+        if divisible:
+            best = max(inner[d] for d in divisible)
+            assert spec.count("data") == 1
+            assert inner[spec.index("data")] == best
+        else:
+            assert "data" not in spec
+
+
+def test_fsdp_specs_errors():
+    with pytest.raises(ValueError, match=r"`axis='fsdp'` is not an axis of the mesh"):
+        fsdp_specs({"w": jnp.zeros((2, 4))}, AbstractMesh((2,), ("data",)), "fsdp")
+
+
+def test_gather_params_is_a_no_op_off_mesh():
+    layers = stackwise.stack(_init, gather_params(_apply), 2)
+    params = {"w1": jnp.ones((2, D, 2 * D)), "w2": jnp.ones((2, 2 * D, D)), "b": jnp.ones((2, D))}
+    x = jnp.linspace(0, 1, 2 * D).reshape(2, D)
+    plain = stackwise.stack(_init, _apply, 2)
+    assert jnp.array_equal(jax.jit(layers.apply)(params, x), jax.jit(plain.apply)(params, x))
+
+
+if __name__ == "__main__":
+    _worker()
