@@ -1,0 +1,364 @@
+"""``Stack``: one Flax linen block repeated n times, built on :func:`stackwise.stack`.
+
+The adapter only turns the block into a per-layer function and binds the
+stacked variables into the ``Stack`` module's own scope; scanning and remat
+are the core's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+
+import stackwise
+
+__all__ = ["Stack", "layer_index"]
+
+
+# --------------------------------------------------------------------------
+# The layer index, readable from inside a block.
+
+_INDEX = threading.local()
+
+
+@contextlib.contextmanager
+def _layer_index_set(index: Any) -> Iterator[None]:
+    stack = _INDEX.__dict__.setdefault("stack", [])
+    stack.append(index)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def layer_index() -> jax.Array:
+    """The index of the layer being run, called from inside a block of a :class:`Stack`.
+
+    A traced int32 scalar (layer ``i`` of ``n`` gets ``i``, whatever
+    ``reverse``), usable in arithmetic, ``jnp.where`` or ``lax.switch``; to
+    record it, ``sow`` it.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, stackwise.flax
+    >>> class Scale(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         i = stackwise.flax.layer_index()
+    ...         self.sow("intermediates", "index", i)
+    ...         return x * 10 + i
+    >>> stack = stackwise.flax.Stack(Scale, n=3)
+    >>> y, state = stack.apply({}, jnp.zeros(()), mutable="intermediates")
+    >>> y, state["intermediates"]["index"][0]
+    (Array(12., dtype=float32), Array([0, 1, 2], dtype=int32))
+
+    Raises:
+      RuntimeError: called outside a block run by :class:`Stack`.
+    """
+    stack = getattr(_INDEX, "stack", None)
+    if not stack:
+        raise RuntimeError(
+            "stackwise.flax.layer_index() is only defined inside a block run by "
+            "`stackwise.flax.Stack`; outside a Stack, pass the index as an argument."
+        )
+    return stack[-1]
+
+
+# --------------------------------------------------------------------------
+# The block: a class, a partial of one, or an instance used as a template.
+
+
+def _block_name(block: Any) -> str:
+    if isinstance(block, functools.partial):
+        return f"{_block_name(block.func)} (a functools.partial)"
+    if isinstance(block, nn.Module):
+        return f"{type(block).__name__} (a template instance)"
+    return getattr(block, "__name__", repr(block))
+
+
+def _check_block(block: Any) -> None:
+    target = block
+    while isinstance(target, functools.partial):
+        target = target.func
+    is_class = isinstance(target, type) and issubclass(target, nn.Module)
+    if not (is_class or isinstance(block, nn.Module)):
+        raise TypeError(
+            f"stackwise.flax.Stack: `block` must be a Flax linen module class, a "
+            f"functools.partial of one or a module instance used as a template, got "
+            f"{type(block).__name__} {block!r}. For example "
+            "`Stack(Block, n=4)` or `Stack(Block(features=512), n=4)`; for an NNX "
+            "module use `stackwise.nnx.Stack`."
+        )
+
+
+def _fresh_block(block: Any) -> nn.Module:
+    """An unbound copy of the block, never attached to the surrounding module."""
+    if isinstance(block, nn.Module):
+        return block.clone(parent=None, name=None)
+    return block(parent=None)
+
+
+# --------------------------------------------------------------------------
+# Checks with messages that name the block and the variable.
+
+
+def _path(col: str, path: tuple) -> str:
+    return f"{col}{jax.tree_util.keystr(path)}"
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, meta.AxisMetadata)
+
+
+def _value(box: meta.AxisMetadata) -> Any:
+    """A box's array, without the sharding constraint ``Partitioned.unbox`` may add."""
+    if isinstance(box, meta.Partitioned):
+        return box.unbox(apply_constraint=False)
+    return box.unbox()
+
+
+def _unbox(tree: Any) -> Any:
+    return jax.tree.map(lambda b: _value(b) if _is_box(b) else b, tree, is_leaf=_is_box)
+
+
+def _check_depth(variables: dict, n: int, name: str) -> None:
+    bad = [
+        f"  {_path(col, path)}: shape {jnp.shape(leaf)}"
+        for col, tree in variables.items()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(_unbox(tree))
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n
+    ]
+    if bad:
+        raise ValueError(
+            f"stackwise.flax.Stack({name}, n={n}): every variable needs a leading layer "
+            f"axis of length {n}, but these do not:\n" + "\n".join(bad) + "\n"
+            "Variables of a Python loop of blocks (`layers_0`, `layers_1`, ...) convert "
+            "with `stackwise.flax.stack_variables`, those of `nn.scan` with "
+            "`stackwise.flax.from_scan`; keep the first k layers with "
+            "`stackwise.slice_layers`."
+        )
+
+
+def _check_box_names(variables: dict, layer_axis_name: Any, n: int, name: str) -> None:
+    for col, tree in variables.items():
+        for path, box in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_box):
+            names = getattr(box, "names", None)
+            if _is_box(box) and names is not None and (not names or names[0] != layer_axis_name):
+                raise ValueError(
+                    f"stackwise.flax.Stack({name}, n={n}): the partitioning of "
+                    f"`{_path(col, path)}` is {tuple(names)}, whose first (layer) axis "
+                    f"should be named {layer_axis_name!r} (this Stack's "
+                    f"`layer_axis_name`). Build the Stack with "
+                    f"`layer_axis_name={names[0] if names else None!r}`, or convert the "
+                    "variables with `stackwise.flax.from_scan(..., layer_axis_name=...)`."
+                )
+
+
+def _check_stackable(variables: dict, name: str) -> None:
+    for col, tree in variables.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(_unbox(tree)):
+            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+                raise TypeError(
+                    f"stackwise.flax.Stack({name}): variable `{_path(col, path)}` holds a "
+                    f"{type(leaf).__name__} ({leaf!r}), which cannot be stacked along a "
+                    "layer axis: every variable a stacked block creates (in any "
+                    "collection) must be an array. Keep Python values as module "
+                    "attributes, or store them as arrays, e.g. `jnp.asarray(...)`."
+                )
+
+
+def _check_carry(name: str, old: Any, new: Any) -> None:
+    old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
+    if old_def != new_def:
+        raise TypeError(
+            f"stackwise.flax.Stack({name}): the block must return its input `x` with the "
+            f"same pytree structure (it feeds the next layer), but it took\n  {old_def}\n"
+            f"and returned\n  {new_def}\nReturn other per-layer outputs with "
+            "`self.sow(...)`, or as `(x, aux)` with `Stack(..., has_aux=True)`."
+        )
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new)
+    ):
+        a_shape, b_shape = jnp.shape(a), jnp.shape(b)
+        a_type, b_type = jnp.result_type(a), jnp.result_type(b)
+        if a_shape != b_shape or a_type != b_type:
+            raise TypeError(
+                f"stackwise.flax.Stack({name}): the block changed its input "
+                f"`x{jax.tree_util.keystr(path)}` from {a_type.name}{list(a_shape)} to "
+                f"{b_type.name}{list(b_shape)}; a stacked block must return x with the "
+                "shape and dtype it received (e.g. project back with a Dense of the "
+                "input width, or cast with `.astype`)."
+            )
+
+
+# --------------------------------------------------------------------------
+# The module.
+
+
+class Stack(nn.Module):
+    """``n`` copies of a linen block, with stacked variables and one scanned call.
+
+    The loop it replaces, one block per layer:
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, stackwise.flax
+    >>> class Block(nn.Module):
+    ...     features: int = 8
+    ...     @nn.compact
+    ...     def __call__(self, x, *, scale=1.0):
+    ...         return x + scale * jnp.tanh(nn.Dense(self.features)(x))
+    >>> class Loop(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         for i in range(4):
+    ...             x = Block(name=f"layers_{i}")(x, scale=0.5)
+    ...         return x
+    >>> x = jnp.ones((2, 8))
+    >>> loop_vars = Loop().init(jax.random.key(0), x)
+
+    The same, stacked (the block is traced once, whatever ``n``); the loop's
+    variables convert exactly:
+
+    >>> class Model(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return stackwise.flax.Stack(Block, n=4, name="layers")(x, scale=0.5)
+    >>> variables = Model().init(jax.random.key(0), x)
+    >>> variables["params"]["layers"]["Dense_0"]["kernel"].shape
+    (4, 8, 8)
+    >>> converted = stackwise.flax.stack_variables(loop_vars, "layers")
+    >>> y, y_loop = Model().apply(converted, x), Loop().apply(loop_vars, x)
+    >>> bool(jnp.allclose(y, y_loop, atol=1e-6))
+    True
+
+    Every collection the block creates (``params``, ``batch_stats``,
+    ``cache``, sown ``intermediates``, custom ones) gets a leading layer axis;
+    which collections are updated follows the caller's ``mutable=``. Every
+    RNG stream given to ``init``/``apply`` (``params``, ``dropout``, custom)
+    is split into n independent per-layer streams.
+
+    Per-layer inputs: wrap an argument in :func:`stackwise.per_layer` (layer
+    ``i`` gets slice ``i``); inside the block :func:`stackwise.flax.layer_index`
+    gives the layer's index. Per-layer outputs: ``self.sow`` them (stacked
+    along axis 0 in ``intermediates``) or return ``(x, aux)`` with
+    ``has_aux=True``.
+
+    >>> class Gated(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x, gate):
+    ...         return x * gate, x.sum()
+    >>> gates = jnp.array([1.0, 2.0, 3.0])
+    >>> stack = stackwise.flax.Stack(Gated, n=3, has_aux=True)
+    >>> y, sums = stack.apply({}, jnp.ones(2), stackwise.per_layer(gates))
+    >>> y, sums
+    (Array([6., 6.], dtype=float32), Array([2., 2., 4.], dtype=float32))
+
+    Attributes:
+      block: the layer: a linen ``nn.Module`` class, a ``functools.partial`` of
+        one, or an instance used as a template (``Block(features=512)``). Called
+        as ``block(x, *args, **kwargs)`` and must return ``x`` with the same
+        shapes and dtypes (or ``(x, aux)`` with ``has_aux``).
+      n: the number of layers.
+      remat: rematerialise each layer in the backward pass: ``False``,
+        ``True`` or a :mod:`jax.checkpoint_policies` policy (see
+        :func:`stackwise.stack`).
+      nested: two-level remat over groups of layers (``True`` or a group size).
+      unroll: passed to ``lax.scan``; ``True`` runs a Python loop.
+      reverse: run the last layer first.
+      has_aux: the block returns ``(x, aux)``; the Stack returns ``(x, aux)``
+        with aux stacked along a leading layer axis.
+      layer_axis_name: the partitioning name given to the layer axis of every
+        ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` variable
+        (``None``: replicated over layers), as ``nn.scan``'s
+        ``metadata_params={nn.PARTITION_NAME: ...}``.
+
+    Raises:
+      TypeError: ``block`` is not a linen module, the block changes its
+        input's shape or dtype, or it creates a variable that is not an array.
+      ValueError: ``n < 1``, or variables without a leading axis of length
+        ``n`` (the offending variables are listed).
+    """
+
+    block: Any
+    n: int
+    remat: bool | Callable[..., Any] = False
+    nested: bool | int = False
+    unroll: int | bool = 1
+    reverse: bool = False
+    has_aux: bool = False
+    layer_axis_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_block(self.block)
+        name = _block_name(self.block)
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise TypeError(
+                f"stackwise.flax.Stack({name}): `n` must be a Python int (the number "
+                f"of layers), got {type(self.n).__name__} {self.n!r}."
+            )
+        if self.n < 1:
+            raise ValueError(f"stackwise.flax.Stack({name}): `n` must be at least 1, got {self.n}.")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Runs the n layers: ``block(x, *args, **kwargs)`` each, in order."""
+        n, name = self.n, _block_name(self.block)
+        block = _fresh_block(self.block)
+        axis_params = {nn.PARTITION_NAME: self.layer_axis_name}
+        scope = self.scope
+        mutable = scope.mutable
+        variables = dict(self.variables)
+        initializing = not jax.tree_util.tree_leaves(variables) and (
+            self.is_initializing() or scope.is_mutable_collection("params")
+        )
+        if not initializing:
+            _check_depth(variables, n, name)
+            _check_box_names(variables, self.layer_axis_name, n, name)
+        # Every stream the caller provides, split per layer (deterministically).
+        rngs = {s: stackwise.per_layer_keys(self.make_rng(s)) for s in scope.rngs}
+        params = {c: v for c, v in variables.items() if not scope.is_mutable_collection(c)}
+        state = {c: v for c, v in variables.items() if scope.is_mutable_collection(c)}
+
+        def layer(p, s, x, rngs, index, args, kwargs):
+            layer_vars = meta.remove_axis({**p, **s}, 0, axis_params)
+            with _layer_index_set(index):
+                if initializing:
+                    out, new = block.init_with_output(rngs, x, *args, **kwargs, mutable=mutable)
+                elif mutable is False:
+                    out, new = block.apply(layer_vars, x, *args, rngs=rngs, **kwargs), {}
+                else:
+                    out, new = block.apply(
+                        layer_vars, x, *args, rngs=rngs, mutable=mutable, **kwargs
+                    )
+            _check_carry(name, x, out[0] if self.has_aux else out)
+            new = dict(new)
+            _check_stackable(new, name)
+            return out, meta.add_axis(new, 0, axis_params)
+
+        # Variables are created by `init_with_output` inside the scanned layer, so
+        # each layer's init sees its own input (as in a loop and in nn.scan) and
+        # BatchNorm statistics, caches and sown values follow Flax's init rules;
+        # the core's vmapped `init` is therefore not used.
+        layers = stackwise.stack(
+            lambda key: None,
+            layer,
+            n,
+            remat=self.remat,
+            nested=self.nested,
+            unroll=self.unroll,
+            reverse=self.reverse,
+            has_aux=self.has_aux,
+            with_state=True,
+        )
+        out, new = layers.apply(params, state, x, rngs, stackwise.layer_index(), args, kwargs)
+        for col, tree in new.items():
+            for var_name, value in tree.items():
+                self.put_variable(col, var_name, value)
+        return out

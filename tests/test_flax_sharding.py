@@ -1,0 +1,114 @@
+"""`stackwise.flax.Stack` partitioning on 8 simulated CPU devices, in a subprocess.
+
+The device count is fixed when jax starts, and the suite runs in one process, so
+the sharded program runs in a fresh interpreter with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    import flax.linen as nn
+    from jax.sharding import Mesh, PartitionSpec as P
+    import stackwise.flax
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    assert jax.device_count() == 8, jax.devices()
+    D, H, N = 8, 16, 4
+
+    class Block(nn.Module):
+        scan_out: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            w = self.param(  # mesh axis names
+                "w", nn.with_partitioning(nn.initializers.normal(0.3), (None, "model")), (D, H)
+            )
+            dense = nn.Dense(  # logical axis names
+                D,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(0.3), ("mlp", "embed")
+                ),
+            )
+            y = x + jnp.tanh(dense(jnp.tanh(x @ w)))
+            return (y, None) if self.scan_out else y
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return stackwise.flax.Stack(Block, N, layer_axis_name="layers", name="stack")(x)
+
+    class ScanModel(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Block,
+                variable_axes={True: 0},
+                split_rngs={"params": True},
+                length=N,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            return scan(scan_out=True, name="stack")(x)[0]
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("layers", "model"))
+    # "model" is a mesh axis in `w`'s spec; a rule lets logical_to_mesh keep it.
+    rules = (("layers", "layers"), ("model", "model"), ("embed", None), ("mlp", "model"))
+    x = jax.random.normal(jax.random.key(1), (4, D))
+    model = Model()
+
+    # Specs from the abstract init: the layer axis is prepended to every spec.
+    abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+    specs = nn.get_partition_spec(abstract)["params"]["stack"]
+    assert specs["w"] == P("layers", None, "model"), specs["w"]
+    assert specs["Dense_0"]["kernel"] == P("layers", "mlp", "embed"), specs
+    scan_specs = nn.get_partition_spec(jax.eval_shape(ScanModel().init, jax.random.key(0), x))
+    assert scan_specs["params"]["stack"] == specs, (scan_specs, specs)
+
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x)
+    stack = variables["params"]["stack"]
+    assert stack["w"].value.sharding.spec == P("layers", None, "model")
+    assert stack["Dense_0"]["kernel"].value.sharding.spec == P("layers", "model", None)
+    # Each device holds half the layers and a quarter of the model axis.
+    assert stack["w"].value.addressable_shards[0].data.shape == (N // 2, D, H // 4)
+
+    def loss(variables, x):
+        return jnp.sum(jnp.sin(model.apply(variables, x)))
+
+    # Inside the mesh and the logical rules each layer's boxes are unboxed with a
+    # sharding constraint of the per-layer rank.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        y = jax.jit(model.apply)(variables, x)
+        g = jax.jit(jax.grad(loss))(variables, x)
+        lowered = jax.jit(model.apply).lower(variables, x).as_text()
+    assert "sharding_constraint" in lowered or "mhlo.sharding" in lowered
+
+    # The same numbers on one device, without any partitioning.
+    host = jax.tree.map(np.asarray, nn.unbox(variables))
+    y_ref = model.apply(host, np.asarray(x))
+    g_ref = jax.grad(loss)(host, np.asarray(x))
+    np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5),
+        nn.unbox(g), g_ref,
+    )
+    print("OK")
+    """
+)
+
+
+def test_stack_partitioning_on_an_8_device_mesh():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().endswith("OK")
