@@ -10,6 +10,7 @@ from stackwise._sharding import fsdp_specs as fsdp_specs
 from stackwise._sharding import gather_params as gather_params
 from stackwise._sharding import shard_stacked as shard_stacked
 from stackwise._stack import CARRY_NAME as CARRY_NAME
+from stackwise._stack import DEFAULT_REMAT as DEFAULT_REMAT
 from stackwise._stack import Stacked as Stacked
 from stackwise._stack import layer_index as layer_index
 from stackwise._stack import per_layer as per_layer
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CARRY_NAME",
+    "DEFAULT_REMAT",
     "Stacked",
     "fsdp_specs",
     "gather_params",

@@ -422,14 +422,16 @@ def _temp_bytes(n, **options):
 
 def test_remat_and_nested_remat_lower_compiled_temp_memory():
     n = 64
-    plain, g_plain = _temp_bytes(n)
+    plain, g_plain = _temp_bytes(n, remat=False)
+    default, g_default = _temp_bytes(n)
     flat, g_flat = _temp_bytes(n, remat=True)
     nested, g_nested = _temp_bytes(n, remat=True, nested=True)
     # Without remat each layer stores several activations; with it, one carry per layer;
     # nested keeps about 2*sqrt(n) carries.
-    assert flat < plain
+    assert flat < plain and default < plain
     assert nested < flat / 2, (plain, flat, nested)
     assert_trees_close(g_flat, g_plain)
+    assert_trees_close(g_default, g_plain)
     assert_trees_close(g_nested, g_plain)
 
 
