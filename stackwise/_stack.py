@@ -89,7 +89,11 @@ class _PerLayer:
             return jnp.arange(n, dtype=jnp.int32)
         if self.kind == "keys":
             return jax.random.split(self.value, n)
-        _check_leading_axis(self.value, n, where, "stackwise.per_layer(...) value")
+        _check_leading_axis(
+            self.value, n, where, "stackwise.per_layer(...) value",
+            fix="Layer i receives slice i, so give one entry per layer (`jnp.stack` "
+            "them), or pass the value without `per_layer` to give every layer all of it.",
+        )
         return self.value
 
 
@@ -182,15 +186,17 @@ def _leaf_lines(tree: Any, pred: Callable[[Any], bool]) -> list[str]:
     ]
 
 
-def _check_leading_axis(tree: Any, n: int, where: str, what: str) -> None:
+def _check_leading_axis(tree: Any, n: int, where: str, what: str, fix: str | None = None) -> None:
     bad = _leaf_lines(tree, lambda a: jnp.ndim(a) == 0 or jnp.shape(a)[0] != n)
     if bad:
-        raise ValueError(
-            f"{where}: every leaf of the {what} needs a leading layer axis of "
-            f"length n={n}, but these leaves do not:\n" + "\n".join(bad) + "\n"
-            "Stacked params come from `Stacked.init`, or from "
+        fix = fix or (
+            f"Stacked {what} come from `Stacked.init`, or from "
             "`stackwise.stack_layers([layer_0, ..., layer_{n-1}])`; take the "
             "first k layers with `stackwise.slice_layers(params, 0, k)`."
+        )
+        raise ValueError(
+            f"{where}: every leaf of the {what} needs a leading layer axis of "
+            f"length n={n}, but these leaves do not:\n" + "\n".join(bad) + "\n" + fix
         )
 
 
@@ -337,10 +343,10 @@ def stack(
       ValueError: ``n < 1``, or params / per-layer inputs whose leading axis is
         not ``n`` (the offending leaves are listed).
     """
-    for name, fn in (("init", init), ("apply", apply)):
+    for arg, fn in (("init", init), ("apply", apply)):
         if not callable(fn):
             raise TypeError(
-                f"stackwise.stack: `{name}` must be callable, got {type(fn).__name__} "
+                f"stackwise.stack: `{arg}` must be callable, got {type(fn).__name__} "
                 f"{fn!r}. Call it as `stackwise.stack(init, apply, n)`."
             )
     if isinstance(n, bool) or not isinstance(n, int):
