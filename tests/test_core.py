@@ -473,7 +473,7 @@ def _shapes():
     return hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=3)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     n=st.integers(1, 6),
     shapes=st.dictionaries(st.sampled_from("abcde"), _shapes(), min_size=1, max_size=4),

@@ -267,7 +267,8 @@ class Stack(nn.Module):
       n: the number of layers.
       remat: rematerialise each layer in the backward pass: ``False``,
         ``True`` or a :mod:`jax.checkpoint_policies` policy (see
-        :func:`stackwise.stack`).
+        :func:`stackwise.stack`); the default, ``stackwise.DEFAULT_REMAT``,
+        saves matmul outputs and recomputes the rest.
       nested: two-level remat over groups of layers (``True`` or a group size).
       unroll: passed to ``lax.scan``; ``True`` runs a Python loop.
       reverse: run the last layer first.
@@ -287,7 +288,7 @@ class Stack(nn.Module):
 
     block: Any
     n: int
-    remat: bool | Callable[..., Any] = False
+    remat: bool | Callable[..., Any] = stackwise.DEFAULT_REMAT
     nested: bool | int = False
     unroll: int | bool = 1
     reverse: bool = False

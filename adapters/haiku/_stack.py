@@ -203,7 +203,8 @@ class Stack(hk.Module):
       n: the number of layers, a positive int.
       remat: rematerialise each layer in the backward pass: ``False``,
         ``True`` or a :mod:`jax.checkpoint_policies` policy; see
-        :func:`stackwise.stack` (no params pass optimisation barriers).
+        :func:`stackwise.stack` (no params pass optimisation barriers). The
+        default, ``stackwise.DEFAULT_REMAT``, saves matmul outputs only.
       nested: also checkpoint groups of layers (``True``: about ``sqrt(n)``
         per group; an int: the group size); see :func:`stackwise.stack`.
       unroll: an int for :func:`jax.lax.scan`, or ``True`` for a Python loop.
@@ -224,7 +225,7 @@ class Stack(hk.Module):
         block: type[hk.Module] | Callable[..., Any],
         n: int,
         *,
-        remat: bool | Callable[..., bool] = False,
+        remat: bool | Callable[..., bool] = stackwise.DEFAULT_REMAT,
         nested: bool | int = False,
         unroll: int | bool = 1,
         reverse: bool = False,

@@ -256,6 +256,7 @@ class Stack(nnx.Module):
         key, split into n.
       remat: rematerialise each layer in the backward pass (``True`` or a
         :mod:`jax.checkpoint_policies` policy); see :func:`stackwise.stack`.
+        The default, ``stackwise.DEFAULT_REMAT``, saves matmul outputs only.
       nested: also checkpoint groups of layers (sqrt(n) remat), as in
         :func:`stackwise.stack`.
       unroll: passed to the scan; ``True`` runs a Python loop.
@@ -287,7 +288,7 @@ class Stack(nnx.Module):
         n: int,
         *,
         rngs: nnx.Rngs | None,
-        remat: bool | Callable[..., bool] = False,
+        remat: bool | Callable[..., bool] = stackwise.DEFAULT_REMAT,
         nested: bool | int = False,
         unroll: int | bool = 1,
         reverse: bool = False,
@@ -449,7 +450,7 @@ class Stack(nnx.Module):
         cls,
         blocks: Sequence[nnx.Module],
         *,
-        remat: bool | Callable[..., bool] = False,
+        remat: bool | Callable[..., bool] = stackwise.DEFAULT_REMAT,
         nested: bool | int = False,
         unroll: int | bool = 1,
         reverse: bool = False,
