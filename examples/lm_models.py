@@ -1,0 +1,495 @@
+"""One character-level transformer LM, written four ways: pure JAX, Haiku, Flax linen and NNX.
+
+Each ``build_<framework>(config)`` returns an :class:`LM`, a set of pure functions over a plain
+pytree of params, so that ``transformer_lm.py`` trains, checkpoints and samples every framework
+with the same code. In each framework the ``config.layers`` blocks are ONE stackwise stack:
+their params have a leading layer axis and run as one scanned layer.
+
+The block is pre-LN: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``, with causal multi-head
+self-attention and rotary position embeddings (RoPE). Decoding keeps a per-layer KV cache, a
+ring buffer of ``config.seq_len`` slots: a query attends to at most the last ``seq_len`` tokens,
+exactly as in training, so the sample can be longer than the training context (with RoPE only
+relative positions matter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import stackwise
+
+FRAMEWORKS = ("jax", "haiku", "flax", "nnx")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The model's sizes (the same in every framework)."""
+
+    vocab: int = 65
+    layers: int = 12
+    d_model: int = 64
+    heads: int = 4
+    mlp_ratio: int = 4
+    seq_len: int = 128  # the training context, and the KV cache's ring-buffer size
+    remat: bool = False  # rematerialise each block's activations in the backward pass
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+class LM(NamedTuple):
+    """A language model as pure functions; ``params`` is a plain pytree.
+
+    Attributes:
+      init: ``params = init(key)``; the blocks' leaves carry a leading ``layers`` axis.
+      apply: ``logits, cache = apply(params, tokens, positions, cache)``: ``tokens`` int32
+        ``[batch, length]`` at absolute ``positions`` int32 ``[length]``. With ``cache=None``
+        (training) it attends causally within ``tokens`` and returns ``cache=None``; with a
+        cache from ``init_cache`` it writes the new keys/values into it and attends to all
+        cached ones (prefill from position 0 with ``length <= seq_len``, then one token at a
+        time).
+      init_cache: ``cache = init_cache(batch)``: an empty stacked per-layer KV cache.
+      loop_apply: ``logits = loop_apply(blocks, params, tokens)``: the full forward with the
+        blocks as a plain Python loop over ``blocks``, a list of per-layer params (from
+        ``stackwise.unstack_layers(blocks_of(params))``).
+      blocks_of: ``blocks_of(params)``: the stacked params of the blocks inside ``params``.
+    """
+
+    init: Callable[..., Any]
+    apply: Callable[..., Any]
+    init_cache: Callable[..., Any]
+    loop_apply: Callable[..., Any]
+    blocks_of: Callable[..., Any]
+
+
+# --------------------------------------------------------------------------
+# Shared numerics: written once, used by every framework so the four models compute the same.
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding of ``x [batch, length, heads, head_dim]`` at ``positions``."""
+    half = x.shape[-1] // 2
+    freqs = 10_000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [length, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def attention(q, k, v, q_pos, k_pos, window: int) -> jax.Array:
+    """Causal attention: query at position p sees keys at ``p - window < k_pos <= p``.
+
+    ``q [b, lq, h, d]``, ``k, v [b, lk, h, d]``, ``q_pos [lq]``, ``k_pos [lk]`` (a negative
+    key position marks an empty cache slot).
+    """
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    seen = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+    seen &= q_pos[:, None] - k_pos[None, :] < window
+    scores = jnp.where(seen[None, None], scores, -1e30)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def cached_attention(q, k, v, positions, cache_k, cache_v):
+    """Writes ``k, v`` into a ring-buffer cache and attends to it: ``(out, cache_k, cache_v)``.
+
+    Slot ``s`` holds the token at position ``p`` with ``p % window == s``. The write is one
+    contiguous chunk starting at slot ``positions[0] % window``: a prefill from position 0 of
+    at most ``window`` tokens, or a single token.
+    """
+    window = cache_k.shape[1]
+    start = positions[0] % window
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), start, 1)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), start, 1)
+    last = positions[-1]
+    slots = jnp.arange(window, dtype=jnp.int32)
+    slot_pos = last - (last - slots) % window  # the newest position held by each slot (<0: empty)
+    return attention(q, cache_k, cache_v, positions, slot_pos, window), cache_k, cache_v
+
+
+def layer_norm(x, scale, bias, eps: float = 1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * _row(scale, x) + _row(bias, x)
+
+
+def _row(v, x):
+    """``v [d]`` shaped to broadcast against ``x [..., d]`` (explicitly: no rank promotion)."""
+    return v.reshape((1,) * (x.ndim - 1) + v.shape)
+
+
+def cache_shape(config: Config, batch: int) -> tuple[int, ...]:
+    """One layer's key (or value) cache: ``[batch, seq_len, heads, head_dim]``."""
+    return (batch, config.seq_len, config.heads, config.head_dim)
+
+
+def _check_framework(framework: str) -> None:
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {framework!r}; choose one of {', '.join(FRAMEWORKS)}.")
+
+
+def build(framework: str, config: Config) -> LM:
+    """The LM in ``framework`` (one of :data:`FRAMEWORKS`)."""
+    _check_framework(framework)
+    return {"jax": build_jax, "haiku": build_haiku, "flax": build_flax, "nnx": build_nnx}[
+        framework
+    ](config)
+
+
+# --------------------------------------------------------------------------
+# Pure JAX: one block is an (init, apply) pair of functions; `stackwise.stack` stacks it.
+
+
+def _dense_init(key, d_in, d_out, scale=1.0):
+    return jax.random.normal(key, (d_in, d_out), jnp.float32) * (scale / math.sqrt(d_in))
+
+
+def _ln_init(d):
+    return {"scale": jnp.ones(d), "bias": jnp.zeros(d)}
+
+
+def _ln(p, x):
+    return layer_norm(x, p["scale"], p["bias"])
+
+
+def build_jax(config: Config) -> LM:
+    c = config
+    d, hidden = c.d_model, c.mlp_ratio * c.d_model
+    depth_scale = 1 / math.sqrt(2 * c.layers)  # residual branches start small
+
+    def block_init(key):
+        k_qkv, k_out, k_up, k_down = jax.random.split(key, 4)
+        params = {
+            "ln1": _ln_init(d),
+            "qkv": _dense_init(k_qkv, d, 3 * d),
+            "out": _dense_init(k_out, d, d, depth_scale),
+            "ln2": _ln_init(d),
+            "up": _dense_init(k_up, d, hidden),
+            "up_bias": jnp.zeros(hidden),
+            "down": _dense_init(k_down, hidden, d, depth_scale),
+            "down_bias": jnp.zeros(d),
+        }
+        return params, None  # (params, state): the state is the KV cache, made by init_cache
+
+    def block_apply(p, cache, x, positions):
+        """One block: ``x, cache = block_apply(p, cache, x, positions)``; cache may be None."""
+        b, length, _ = x.shape
+        qkv = (_ln(p["ln1"], x) @ p["qkv"]).reshape(b, length, 3, c.heads, c.head_dim)
+        q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+        if cache is None:
+            att = attention(q, k, v, positions, positions, c.seq_len)
+        else:
+            att, ck, cv = cached_attention(q, k, v, positions, cache["k"], cache["v"])
+            cache = {"k": ck, "v": cv}
+        x = x + att.reshape(b, length, d) @ p["out"]
+        h = _ln(p["ln2"], x) @ p["up"]
+        h = jax.nn.gelu(h + _row(p["up_bias"], h)) @ p["down"]
+        return x + h + _row(p["down_bias"], h), cache
+
+    # The 12 blocks: one stack. Its state is the per-layer KV cache (None when training).
+    blocks = stackwise.stack(block_init, block_apply, c.layers, remat=c.remat, with_state=True)
+
+    def init(key):
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        stacked, _ = blocks.init(k_blocks)
+        return {
+            "embed": jax.random.normal(k_embed, (c.vocab, d)) * 0.02,
+            "blocks": stacked,
+            "ln_f": _ln_init(d),
+            "head": _dense_init(k_head, d, c.vocab),
+        }
+
+    def head(params, x):
+        return _ln(params["ln_f"], x) @ params["head"]
+
+    def apply(params, tokens, positions, cache=None):
+        x = params["embed"][tokens]
+        x, cache = blocks.apply(params["blocks"], cache, x, positions)
+        return head(params, x), cache
+
+    def init_cache(batch):
+        shape = (c.layers, *cache_shape(c, batch))
+        return {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+
+    def loop_apply(layer_params, params, tokens):
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        x = params["embed"][tokens]
+        for p in layer_params:  # the loop the stack replaces
+            x, _ = block_apply(p, None, x, positions)
+        return head(params, x)
+
+    return LM(init, apply, init_cache, loop_apply, lambda params: params["blocks"])
+
+
+def _zeros_like_shapes(shapes):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+# --------------------------------------------------------------------------
+# Haiku: an ordinary hk.Module block; `stackwise.haiku.Stack` stacks it. The KV cache is Haiku
+# state (`hk.get_state`), which the Stack keeps per layer, stacked.
+
+
+def build_haiku(config: Config) -> LM:
+    import haiku as hk
+
+    import stackwise.haiku
+
+    c = config
+    d, hidden = c.d_model, c.mlp_ratio * c.d_model
+    depth_scale = 1 / math.sqrt(2 * c.layers)
+
+    def dense(d_out, name, scale=1.0, bias=True):
+        w_init = hk.initializers.VarianceScaling(scale**2, "fan_in", "normal")
+        return hk.Linear(d_out, with_bias=bias, w_init=w_init, name=name)
+
+    def norm(name):
+        return hk.LayerNorm(-1, create_scale=True, create_offset=True, eps=1e-5, name=name)
+
+    class Block(hk.Module):
+        def __call__(self, x, positions, decode: bool):
+            b, length, _ = x.shape
+            qkv = dense(3 * d, "qkv", bias=False)(norm("ln1")(x))
+            qkv = qkv.reshape(b, length, 3, c.heads, c.head_dim)
+            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+            if decode:
+                shape = cache_shape(c, b)
+                cache_k = hk.get_state("k", shape, init=jnp.zeros)
+                cache_v = hk.get_state("v", shape, init=jnp.zeros)
+                att, cache_k, cache_v = cached_attention(q, k, v, positions, cache_k, cache_v)
+                hk.set_state("k", cache_k)
+                hk.set_state("v", cache_v)
+            else:
+                att = attention(q, k, v, positions, positions, c.seq_len)
+            x = x + dense(d, "out", depth_scale, bias=False)(att.reshape(b, length, d))
+            h = jax.nn.gelu(dense(hidden, "up")(norm("ln2")(x)))
+            return x + dense(d, "down", depth_scale)(h)
+
+    class Model(hk.Module):
+        def __call__(self, tokens, positions, decode: bool = False, loop: bool = False):
+            embed_init = hk.initializers.RandomNormal(0.02)
+            x = hk.Embed(c.vocab, d, w_init=embed_init, name="embed")(tokens)
+            if loop:  # the Python loop the stack replaces: one module per block
+                for i in range(c.layers):
+                    x = Block(name=f"block_{i}")(x, positions, False)
+            else:  # the 12 blocks as one stack
+                blocks = stackwise.haiku.Stack(Block, c.layers, remat=c.remat, name="blocks")
+                x = blocks(x, positions, decode)
+            return dense(c.vocab, "head")(norm("ln_f")(x))
+
+    model = hk.transform_with_state(lambda *a: Model(name="lm")(*a))
+    stacked_prefix = "lm/blocks/block/"  # params of the stacked blocks: "lm/blocks/block/qkv"
+
+    def init(key):
+        params, _ = model.init(key, jnp.zeros((1, c.seq_len), jnp.int32), jnp.arange(c.seq_len))
+        return params
+
+    def apply(params, tokens, positions, cache=None):
+        decode = cache is not None
+        logits, state = model.apply(params, cache or {}, None, tokens, positions, decode)
+        return logits, (state if decode else None)
+
+    def init_cache(batch):
+        one = jnp.zeros((batch, 1), jnp.int32), jnp.zeros(1, jnp.int32), True
+        return _zeros_like_shapes(jax.eval_shape(lambda: model.init(jax.random.key(0), *one)[1]))
+
+    def blocks_of(params):
+        return {k: v for k, v in params.items() if k.startswith(stacked_prefix)}
+
+    def loop_apply(layer_params, params, tokens):
+        # Rename layer i's "lm/blocks/block/qkv" to the loop's "lm/block_i/qkv" (what
+        # `stackwise.haiku.to_loop` does for you in one call).
+        loop_params = {k: v for k, v in params.items() if not k.startswith(stacked_prefix)}
+        for i, layer in enumerate(layer_params):
+            for name, value in layer.items():
+                loop_params[f"lm/block_{i}/" + name[len(stacked_prefix) :]] = value
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        return model.apply(loop_params, {}, None, tokens, positions, False, True)[0]
+
+    return LM(init, apply, init_cache, loop_apply, blocks_of)
+
+
+# --------------------------------------------------------------------------
+# Flax linen: an ordinary nn.Module block; `stackwise.flax.Stack` stacks it. The KV cache is
+# the usual `cache` collection, which the Stack keeps per layer, stacked.
+
+
+def build_flax(config: Config) -> LM:
+    import functools
+
+    import flax.linen as nn
+
+    import stackwise.flax
+
+    c = config
+    d, hidden = c.d_model, c.mlp_ratio * c.d_model
+    depth_scale = 1 / math.sqrt(2 * c.layers)
+
+    def dense(d_out, name, scale=1.0, bias=True):
+        kernel_init = nn.initializers.variance_scaling(scale**2, "fan_in", "normal")
+        return nn.Dense(d_out, use_bias=bias, kernel_init=kernel_init, name=name)
+
+    def norm(name):
+        return nn.LayerNorm(epsilon=1e-5, name=name)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, positions, decode: bool):
+            b, length, _ = x.shape
+            qkv = dense(3 * d, "qkv", bias=False)(norm("ln1")(x))
+            qkv = qkv.reshape(b, length, 3, c.heads, c.head_dim)
+            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+            if decode:
+                cache_k = self.variable("cache", "k", jnp.zeros, cache_shape(c, b))
+                cache_v = self.variable("cache", "v", jnp.zeros, cache_shape(c, b))
+                att, cache_k.value, cache_v.value = cached_attention(
+                    q, k, v, positions, cache_k.value, cache_v.value
+                )
+            else:
+                att = attention(q, k, v, positions, positions, c.seq_len)
+            x = x + dense(d, "out", depth_scale, bias=False)(att.reshape(b, length, d))
+            h = nn.gelu(dense(hidden, "up")(norm("ln2")(x)))
+            return x + dense(d, "down", depth_scale)(h)
+
+    class Model(nn.Module):
+        loop: bool = False
+
+        @nn.compact
+        def __call__(self, tokens, positions, decode: bool = False):
+            embed_init = nn.initializers.normal(0.02)
+            x = nn.Embed(c.vocab, d, embedding_init=embed_init, name="embed")(tokens)
+            if self.loop:  # the Python loop the stack replaces: one module per block
+                for i in range(c.layers):
+                    x = Block(name=f"blocks_{i}")(x, positions, False)
+            else:  # the 12 blocks as one stack
+                blocks = stackwise.flax.Stack(
+                    functools.partial(Block), c.layers, remat=c.remat, name="blocks"
+                )
+                x = blocks(x, positions, decode)
+            return dense(c.vocab, "head")(norm("ln_f")(x))
+
+    model = Model()
+
+    def init(key):
+        tokens = jnp.zeros((1, c.seq_len), jnp.int32)
+        return model.init(key, tokens, jnp.arange(c.seq_len))["params"]
+
+    def apply(params, tokens, positions, cache=None):
+        if cache is None:
+            return model.apply({"params": params}, tokens, positions), None
+        variables = {"params": params, "cache": cache}
+        logits, new = model.apply(variables, tokens, positions, True, mutable=["cache"])
+        return logits, new["cache"]
+
+    def init_cache(batch):
+        one = jnp.zeros((batch, 1), jnp.int32), jnp.zeros(1, jnp.int32), True
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *one)["cache"])
+        return _zeros_like_shapes(shapes)
+
+    def loop_apply(layer_params, params, tokens):
+        loop_params = {k: v for k, v in params.items() if k != "blocks"}
+        loop_params.update({f"blocks_{i}": layer for i, layer in enumerate(layer_params)})
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        return Model(loop=True).apply({"params": loop_params}, tokens, positions)
+
+    return LM(init, apply, init_cache, loop_apply, lambda params: params["blocks"])
+
+
+# --------------------------------------------------------------------------
+# Flax NNX: an ordinary nnx.Module block; `stackwise.nnx.Stack` stacks it. The KV cache is a
+# pair of `nnx.Cache` variables of the block, stacked like every other variable.
+
+
+def build_nnx(config: Config) -> LM:
+    from flax import nnx
+
+    import stackwise.nnx
+
+    c = config
+    d, hidden = c.d_model, c.mlp_ratio * c.d_model
+    depth_scale = 1 / math.sqrt(2 * c.layers)
+
+    def dense(d_in, d_out, rngs, scale=1.0, bias=True):
+        kernel_init = nnx.initializers.variance_scaling(scale**2, "fan_in", "normal")
+        return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
+
+    def norm(rngs):
+        return nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.ln1, self.ln2 = norm(rngs), norm(rngs)
+            self.qkv = dense(d, 3 * d, rngs, bias=False)
+            self.out = dense(d, d, rngs, depth_scale, bias=False)
+            self.up = dense(d, hidden, rngs)
+            self.down = dense(hidden, d, rngs, depth_scale)
+
+        def __call__(self, x, positions, decode: bool = False):
+            b, length, _ = x.shape
+            qkv = self.qkv(self.ln1(x)).reshape(b, length, 3, c.heads, c.head_dim)
+            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+            if decode:  # the cache variables are set by `init_cache` below
+                att, self.cache_k[...], self.cache_v[...] = cached_attention(
+                    q, k, v, positions, self.cache_k[...], self.cache_v[...]
+                )
+            else:
+                att = attention(q, k, v, positions, positions, c.seq_len)
+            x = x + self.out(att.reshape(b, length, d))
+            return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            embed_init = nnx.initializers.normal(0.02)
+            self.embed = nnx.Embed(c.vocab, d, embedding_init=embed_init, rngs=rngs)
+            # The 12 blocks as one stack: every variable gains a leading layer axis.
+            self.blocks = stackwise.nnx.Stack(Block, c.layers, rngs=rngs, remat=c.remat)
+            self.ln_f = norm(rngs)
+            self.head = dense(d, c.vocab, rngs)
+
+        def __call__(self, tokens, positions, decode: bool = False):
+            x = self.blocks(self.embed(tokens), positions, decode)
+            return self.head(self.ln_f(x))
+
+    # Pure functions over the params as a plain dict: split the module once (abstractly) into a
+    # static graph definition and its state, and merge them back inside every call.
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Model(nnx.Rngs(0))), nnx.Param)
+    block_graphdef, block_abstract = nnx.split(nnx.eval_shape(lambda: Block(nnx.Rngs(0))))
+
+    def merge(params):
+        state = jax.tree.map(lambda x: x, abstract)  # a fresh copy to fill
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
+
+    def init(key):
+        return nnx.to_pure_dict(nnx.state(Model(nnx.Rngs(key)), nnx.Param))
+
+    def apply(params, tokens, positions, cache=None):
+        model = merge(params)
+        if cache is None:
+            return model(tokens, positions), None
+        layers = model.blocks.layers  # the stacked block: set its stacked cache variables
+        layers.cache_k, layers.cache_v = nnx.Cache(cache["k"]), nnx.Cache(cache["v"])
+        logits = model(tokens, positions, decode=True)
+        return logits, {"k": layers.cache_k[...], "v": layers.cache_v[...]}
+
+    def init_cache(batch):
+        shape = (c.layers, *cache_shape(c, batch))
+        return {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+
+    def loop_apply(layer_params, params, tokens):
+        model = merge(params)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        x = model.embed(tokens)
+        for layer in layer_params:  # one separate Block per layer
+            state = jax.tree.map(lambda x: x, block_abstract)
+            nnx.replace_by_pure_dict(state, layer)
+            x = nnx.merge(block_graphdef, state)(x, positions)
+        return model.head(model.ln_f(x))
+
+    return LM(init, apply, init_cache, loop_apply, lambda params: params["blocks"]["layers"])
