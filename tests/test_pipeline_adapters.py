@@ -1,0 +1,277 @@
+"""Pipeline parallelism on params that came from the Haiku and Flax linen adapters.
+
+A model stacked with ``stackwise.haiku.Stack`` or ``stackwise.flax.Stack``
+keeps its params in the adapter's layout: every leaf has a leading layer axis
+``n`` and the block's own names sit under the Stack's name. Pipelining those
+params needs only (1) the block's per-layer apply and (2) the Stack's params
+renamed to the names that apply expects; both are done here in a few lines
+(``_haiku_layers``, ``_flax_layers``). The pipelined model takes the adapter's
+params as they are, so outputs and gradients compare leaf for leaf with the
+model's own (unpipelined) apply.
+
+The multi-device checks run once, in a subprocess with 8 simulated CPU
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``): this file is
+also that subprocess's script (see ``_worker``), as in tests/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import stackwise
+
+# float32 sums reassociated across microbatches, stages and the data axis; the
+# grads here reach ~30, so errors are relative to each leaf's largest |value|.
+PIPELINE_RTOL = 1e-5
+
+D, N, BATCH = 8, 8, 16  # feature width, layers, batch
+
+
+# --------------------------------------------------------------------------
+# The mappings: a Stack's params -> (per-layer apply, stacked per-layer params).
+
+
+def _haiku_layers(block, stack_name="stack"):
+    """``(apply, to_layer)`` for the layers of ``stackwise.haiku.Stack(block, n)``.
+
+    ``apply(p_i, x)`` runs one block, as ``hk.transform(lambda x: block()(x))``
+    names it (``block/linear``, ...). ``to_layer(params)`` takes the model's
+    params and keeps the Stack's entries, stripping the Stack's name
+    (``stack/block/linear`` -> ``block/linear``): the Stack runs the same
+    per-layer transform inside its own module scope, so that prefix is the
+    only difference. Arrays are not copied or sliced, so the rename is free
+    under ``jax.grad``.
+    """
+    import haiku as hk
+
+    layer = hk.without_apply_rng(hk.transform(lambda x: block()(x)))
+    prefix = stack_name + "/"
+
+    def to_layer(params):
+        return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+
+    return layer.apply, to_layer
+
+
+def _flax_layers(block, stack_name):
+    """``(apply, to_layer)`` for the layers of ``stackwise.flax.Stack(block, n, name=...)``.
+
+    The Stack keeps the block's variables under its own name with the block's
+    own names inside (``Dense_0``, ...), so the per-layer params are that
+    subtree as it is; partitioning boxes (``nn.with_partitioning``) are
+    unboxed, since a box's names still include the layer axis.
+    """
+    import flax.linen as nn
+
+    def apply(p, x):
+        return block().apply({"params": p}, x)
+
+    def to_layer(params):
+        return nn.meta.unbox(params[stack_name])
+
+    return apply, to_layer
+
+
+# --------------------------------------------------------------------------
+# The cases, run in the 8-device subprocess.
+
+
+def _compare(model_apply, pipelined_apply, params, x, placed):
+    """Largest relative difference of outputs and of grads w.r.t. the model's params and x.
+
+    Per leaf: ``max|a - b| / max(max|b|, 1)``, ``b`` being the model's own.
+    """
+
+    def loss(f):
+        def fn(p, v):
+            y = f(p, v)
+            return jnp.sum(jnp.sin(y)), y
+
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+    (_, y), g = loss(pipelined_apply)(placed, x)
+    (_, y_ref), g_ref = loss(model_apply)(params, x)
+    if jax.tree.structure(g) != jax.tree.structure(g_ref):
+        raise AssertionError(
+            f"grad trees differ: {jax.tree.structure(g)} vs {jax.tree.structure(g_ref)}"
+        )
+    diffs = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1.0)),
+        (y, g),
+        (y_ref, g_ref),
+    )
+    return max(jax.tree.leaves(diffs))
+
+
+def _case_haiku_gpipe():
+    """Haiku Stack of an MLP block, GPipe on mesh (stage=4, data=2), params placed on stages."""
+    import haiku as hk
+
+    import stackwise.haiku
+
+    class Block(hk.Module):
+        def __call__(self, x):
+            return x + hk.Linear(D)(jax.nn.gelu(hk.Linear(2 * D)(x)))
+
+    model = hk.without_apply_rng(hk.transform(lambda x: stackwise.haiku.Stack(Block, n=N)(x)))
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+    params = model.init(jax.random.key(0), x)
+
+    layer_apply, to_layer = _haiku_layers(Block)
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    pp = stackwise.pipeline(layer_apply, N, mesh, microbatches=4, data_axis="data", remat=True)
+    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+    return {
+        "max_err": _compare(model.apply, lambda p, v: pp(to_layer(p), v), params, x, placed),
+        "stack_names": sorted(params),
+        "layer_names": sorted(to_layer(params)),
+        "block_names": sorted(hk.transform(lambda x: Block()(x)).init(jax.random.key(0), x)),
+        "layers_per_device": [
+            s.data.shape[0] for s in placed["stack/block/linear"]["w"].addressable_shards
+        ],
+    }
+
+
+def _flax_model(block, name, **stack_options):
+    import flax.linen as nn
+
+    import stackwise.flax
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return stackwise.flax.Stack(block, n=N, name=name, **stack_options)(x)
+
+    return Model()
+
+
+def _case_flax_gpipe():
+    """Flax linen Stack of an MLP block, GPipe on mesh (stage=4,)."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(x)))
+
+    model = _flax_model(Block, "layers")
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    layer_apply, to_layer = _flax_layers(Block, "layers")
+    mesh = jax.make_mesh((4,), ("stage",))
+    pp = stackwise.pipeline(layer_apply, N, mesh, microbatches=4)
+    return {
+        "max_err": _compare(
+            lambda p, v: model.apply({"params": p}, v),
+            lambda p, v: pp(to_layer(p), v),
+            params, x, params,
+        ),
+        "layer_names": sorted(to_layer(params)),
+        "block_names": sorted(Block().init(jax.random.key(0), x)["params"]),
+    }
+
+
+def _case_flax_circular_partitioned():
+    """Flax Stack with partitioned params (``layer_axis_name``); circular, (stage=4, data=2)."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, None))
+            return x + jnp.tanh(nn.Dense(D, kernel_init=init)(x))
+
+    model = _flax_model(Block, "layers", layer_axis_name="stage")
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+    boxed = model.init(jax.random.key(0), x)["params"]
+    names = boxed["layers"]["Dense_0"]["kernel"].names
+    params = nn.meta.unbox(boxed)
+
+    layer_apply, to_layer = _flax_layers(Block, "layers")
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    pp = stackwise.pipeline(
+        layer_apply, N, mesh, microbatches=4, data_axis="data", schedule="circular", repeats=2
+    )
+    return {
+        "max_err": _compare(
+            lambda p, v: model.apply({"params": p}, v),
+            lambda p, v: pp(to_layer(p), v),
+            boxed, x, boxed,
+        ),
+        "box_names": list(names),
+    }
+
+
+_CASES = {
+    "haiku_gpipe": _case_haiku_gpipe,
+    "flax_gpipe": _case_flax_gpipe,
+    "flax_circular_partitioned": _case_flax_circular_partitioned,
+}
+
+
+def _worker() -> None:
+    jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py does
+    results = {}
+    for name, case in _CASES.items():
+        try:
+            results[name] = case()
+        except Exception:  # noqa: BLE001 -- reported to the test that owns the case
+            results[name] = {"error": traceback.format_exc()}
+    print(json.dumps(results))
+
+
+# --------------------------------------------------------------------------
+# The tests.
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    pytest.importorskip("haiku")
+    pytest.importorskip("flax")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode:
+        pytest.fail(f"the 8-device worker failed:\n{proc.stderr[-5000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _result(multi_device, name):
+    r = multi_device[name]
+    if "error" in r:
+        pytest.fail(f"case {name} raised:\n{r['error']}")
+    return r
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_pipeline_of_adapter_params_matches_the_model(multi_device, name):
+    assert _result(multi_device, name)["max_err"] < PIPELINE_RTOL
+
+
+def test_haiku_mapping_gives_the_blocks_own_names(multi_device):
+    r = _result(multi_device, "haiku_gpipe")
+    assert r["stack_names"] == ["stack/block/linear", "stack/block/linear_1"]
+    assert r["layer_names"] == r["block_names"] == ["block/linear", "block/linear_1"]
+    assert r["layers_per_device"] == [2] * 8  # the adapter's params, placed on 4 stages
+
+
+def test_flax_mapping_gives_the_blocks_own_names(multi_device):
+    r = _result(multi_device, "flax_gpipe")
+    assert r["layer_names"] == r["block_names"] == ["Dense_0", "Dense_1"]
+    # The box's names carry the layer axis, which a per-layer apply must not see.
+    assert _result(multi_device, "flax_circular_partitioned")["box_names"] == ["stage", None, None]
+
+
+if __name__ == "__main__":
+    _worker()
