@@ -312,9 +312,12 @@ def stack(
       nested: checkpoint groups of layers as well (two-level, "sqrt(n)"
         remat): only the carries between groups are kept for the backward
         pass, and each group is recomputed when its turn comes. ``True`` picks
-        groups of about ``sqrt(n)`` layers; an int sets the group size. A
-        last, smaller group takes the remainder when the size does not divide
-        ``n``. Combines with ``remat``, which then applies inside each group.
+        groups of about ``sqrt(n)`` layers (a divisor of ``n`` if one is near);
+        an int sets the group size. A last, smaller group takes the remainder
+        when the size does not divide ``n`` (this slices the stacked params: a
+        copy). Combines with ``remat``, which then applies inside each group.
+        It pays off when per-layer activations outweigh per-layer params: the
+        backward pass keeps one group's param gradients as well.
       unroll: an int is passed to :func:`jax.lax.scan`; ``True`` runs a Python
         loop over the layers instead (same params layout; each layer traced
         separately; runs eagerly under :func:`jax.disable_jit` for debugging,
@@ -366,7 +369,7 @@ def stack(
             )
         unroll = 1
     if isinstance(nested, bool):
-        group = max(1, round(math.sqrt(n))) if nested else None
+        group = _group_size(n) if nested else None
     elif isinstance(nested, int) and 1 <= nested:
         group = min(nested, n)
     else:
@@ -456,6 +459,17 @@ def stack(
         return x, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     return Stacked(stacked_init, stacked_apply, n)
+
+
+def _group_size(n: int) -> int:
+    """About ``sqrt(n)``, preferring a divisor of ``n`` within 2x of it.
+
+    A group size that divides ``n`` needs no last, smaller group, so the
+    stacked params need not be sliced (a copy) nor their gradients joined.
+    """
+    root = math.sqrt(n)
+    divisors = [d for d in range(1, n + 1) if n % d == 0 and root / 2 <= d <= 2 * root]
+    return min(divisors, key=lambda d: abs(d - root)) if divisors else max(1, round(root))
 
 
 def _take(tree: Any, start: int, stop: int) -> Any:

@@ -1159,6 +1159,8 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
             bar.advance()
         for name, samples in times.items():
             rows[name].step_s = statistics.median(samples)
+        if not sys.stderr.isatty():  # no live progress bar: say where we are
+            log(f"{block} n={n}: measured {len(compiled)} variants")
         results += [rows[name] for name in compiled]
         built.clear()
         compiled.clear()
@@ -1363,6 +1365,42 @@ def write_csv(results: list[Result], path: str) -> None:
             writer.writerow({**dataclasses.asdict(r), "jax": jax.__version__, "machine": machine})
 
 
+def write_markdown(results: list[Result], cfg: BenchConfig, path: str) -> None:
+    """Writes the tables and the targets summary as Markdown (for docs)."""
+    lines = []
+    for block in dict.fromkeys(r.block for r in results):
+        lines += [f"**{_block_title(block, cfg)}**", ""]
+        lines += ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
+        rows = _table_rows([r for r in results if r.block == block])
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines.append("")
+    targets = _targets(results, cfg)
+    if targets:
+        lines += ["| what | measured | target | met |", "|---|---|---|---|"]
+        for t in targets:
+            met = "-" if math.isnan(t.measured) else ("yes" if t.measured <= t.limit else "**no**")
+            lines.append(f"| {t.what} | {_fmt(t.measured, '.3f')} | <= {t.limit:g} | {met} |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def read_csv(path: str) -> list[Result]:
+    """Reads back a CSV written by :func:`write_csv` (e.g. to re-plot or re-tabulate)."""
+    types = {f.name: f.type for f in dataclasses.fields(Result)}
+    out = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            values = {}
+            for name, kind in types.items():
+                raw = row.get(name, "")
+                values[name] = (
+                    float(raw) if kind == "float" else int(raw) if kind == "int" else raw
+                )
+            out.append(Result(**values))
+    return out
+
+
 def write_plot(results: list[Result], path: str) -> str | None:
     """Compile time and temp memory against n, one panel row per block. Returns a note."""
     try:
@@ -1442,6 +1480,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target-n", type=int, default=None, help="depth of the targets summary (48)")
     p.add_argument("--csv", default="stackwise-bench.csv", help="CSV path ('' for none)")
     p.add_argument("--plot", default="stackwise-bench.png", help="PNG path ('' for none)")
+    p.add_argument("--markdown", default="", help="also write the tables as Markdown here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -1477,6 +1516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         note = write_plot(results, args.plot)
         print(f"note: {note}" if note else f"wrote {args.plot}")
+    if args.markdown:
+        write_markdown(results, cfg, args.markdown)
+        print(f"wrote {args.markdown}")
     print(f"total time {time.perf_counter() - start:.0f} s")
     return 0 if results else 1
 
