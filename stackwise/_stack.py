@@ -6,7 +6,6 @@ framework adapters only turn a module into an ``(init, apply)`` pair.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -217,7 +216,7 @@ def _check_carry(old: Any, new: Any, who: str) -> None:
         a_shape, b_shape = jnp.shape(a), jnp.shape(b)
         a_type, b_type = jnp.result_type(a), jnp.result_type(b)
         if a_shape != b_shape or a_type != b_type:
-            leaf = jax.tree_util.keystr(path) or "x"
+            leaf = "x" + jax.tree_util.keystr(path)
             fix = (
                 f"cast it back, e.g. `{leaf}.astype(jnp.{a_type.name})`"
                 if a_shape == b_shape
@@ -328,7 +327,8 @@ def stack(
         ``(x, aux)`` with every aux leaf stacked along a leading ``n`` axis.
       with_state: the layer carries per-layer mutable state (normalisation
         statistics, counters, a KV cache): see ``init`` and ``apply``.
-      name: what error messages call the layer (adapters pass the block's name).
+      name: what error messages call the stack (adapters pass their own name and
+        the block's, e.g. ``"stackwise.flax.Stack(Block)"``).
 
     Per-layer arguments: wrap an argument of ``Stacked.init`` or
     ``Stacked.apply`` in :func:`per_layer` (layer i gets slice i),
@@ -361,13 +361,14 @@ def stack(
     if n < 1:
         raise ValueError(f"stackwise.stack: `n` must be at least 1, got {n}.")
     rematted, policy = _remat_policy(remat)
-    if unroll is not True and (isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1):
-        if unroll is not False:
-            raise TypeError(
-                f"stackwise.stack: `unroll` must be a positive int (passed to "
-                f"`lax.scan`) or True (a Python loop), got {unroll!r}."
-            )
-        unroll = 1
+    if unroll is False:
+        unroll = 1  # as in lax.scan: no unrolling
+    positive_int = isinstance(unroll, int) and not isinstance(unroll, bool) and unroll >= 1
+    if unroll is not True and not positive_int:
+        raise TypeError(
+            f"stackwise.stack: `unroll` must be a positive int (passed to "
+            f"`lax.scan`) or True (a Python loop), got {unroll!r}."
+        )
     if isinstance(nested, bool):
         group = _group_size(n) if nested else None
     elif isinstance(nested, int) and 1 <= nested:
@@ -378,7 +379,7 @@ def stack(
             f"got {nested!r}."
         )
     python_loop = unroll is True
-    who = f"stackwise.stack (layer {name})" if name else "stackwise.stack"
+    who = name or "stackwise.stack"
 
     def stacked_init(key, *args, **kwargs):
         keys = jax.random.split(key, n)
@@ -455,7 +456,7 @@ def stack(
             return jax.lax.scan(body, x, xs, length=length, reverse=reverse, unroll=unroll)
         ys = [None] * length
         for i in reversed(range(length)) if reverse else range(length):
-            x, ys[i] = body(x, jax.tree.map(lambda a: a[i], xs))
+            x, ys[i] = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
         return x, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     return Stacked(stacked_init, stacked_apply, n)

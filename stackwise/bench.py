@@ -428,7 +428,7 @@ def optimization_barrier_bytes(text: str, n_params: int, entry: str = "main") ->
             count *= 1 if trip is None else trip
         return count
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def runs(name: str) -> int:
         if name == entry:
             return 1
@@ -1009,10 +1009,14 @@ class _Progress:
         if not enabled:
             return
         try:
-            from rich.progress import (
-                BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-            )
             from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self._rich = Progress(
                 TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),

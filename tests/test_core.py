@@ -557,8 +557,8 @@ def test_layer_changing_the_carry(unroll):
         return {"h": x["h"], "extra": x["h"]}
 
     for fn, pattern in [
-        (grows, r"carry leaf `\['h'\]` from float32\[2, 4\] to float32\[4, 4\].*reshape"),
-        (casts, r"float32\[2, 4\] to bfloat16\[2, 4\].*astype\(jnp.float32\)"),
+        (grows, r"carry leaf `x\['h'\]` from float32\[2, 4\] to float32\[4, 4\].*reshape"),
+        (casts, r"float32\[2, 4\] to bfloat16\[2, 4\].*x\['h'\].astype\(jnp.float32\)"),
         (restructures, r"(?s)same pytree structure.*has_aux=True"),
     ]:
         layers = stackwise.stack(init_layer, fn, 2, unroll=unroll)

@@ -634,7 +634,7 @@ def test_bad_n():
 
 def test_block_changing_the_carry():
     narrow = stackwise.flax.Stack(functools.partial(nn.Dense, features=3), 2)
-    message = r"Stack\(Dense.*changed its input `x` from float32\[2, 4\] to float32\[2, 3\]"
+    message = r"Stack\(Dense.*changed carry leaf `x` from float32\[2, 4\] to float32\[2, 3\]"
     with pytest.raises(TypeError, match=message):
         narrow.init(jax.random.key(0), X)
 

@@ -383,8 +383,8 @@ def test_errors_name_the_block_and_variable():
         stackwise.nnx.Stack(make, 2, rngs=nnx.Rngs(0), remat="yes")
 
     s = stackwise.nnx.Stack(lambda r: nnx.Linear(D, 2 * D, rngs=r), 2, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match=r"block Linear changed `x` from float32\[3, 8\] to "
-                       r"float32\[3, 16\].*project it back"):
+    with pytest.raises(TypeError, match=r"Stack\(Linear\): a layer changed carry leaf `x` from "
+                       r"float32\[3, 8\] to float32\[3, 16\].*project it back"):
         s(X)
 
     class Cast(nnx.Module):
@@ -394,7 +394,7 @@ def test_errors_name_the_block_and_variable():
         def __call__(self, x):
             return {"h": x["h"].astype(jnp.bfloat16)}
 
-    with pytest.raises(TypeError, match=r"block Cast changed `x\['h'\]` from float32.*astype"):
+    with pytest.raises(TypeError, match=r"Stack\(Cast\).*`x\['h'\]` from float32.*astype"):
         stackwise.nnx.Stack(Cast, 2, rngs=nnx.Rngs(0))({"h": X})
 
     s = stackwise.nnx.Stack(make, 3, rngs=nnx.Rngs(0))

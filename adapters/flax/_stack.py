@@ -174,30 +174,6 @@ def _check_stackable(variables: dict, name: str) -> None:
                 )
 
 
-def _check_carry(name: str, old: Any, new: Any) -> None:
-    old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
-    if old_def != new_def:
-        raise TypeError(
-            f"stackwise.flax.Stack({name}): the block must return its input `x` with the "
-            f"same pytree structure (it feeds the next layer), but it took\n  {old_def}\n"
-            f"and returned\n  {new_def}\nReturn other per-layer outputs with "
-            "`self.sow(...)`, or as `(x, aux)` with `Stack(..., has_aux=True)`."
-        )
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new)
-    ):
-        a_shape, b_shape = jnp.shape(a), jnp.shape(b)
-        a_type, b_type = jnp.result_type(a), jnp.result_type(b)
-        if a_shape != b_shape or a_type != b_type:
-            raise TypeError(
-                f"stackwise.flax.Stack({name}): the block changed its input "
-                f"`x{jax.tree_util.keystr(path)}` from {a_type.name}{list(a_shape)} to "
-                f"{b_type.name}{list(b_shape)}; a stacked block must return x with the "
-                "shape and dtype it received (e.g. project back with a Dense of the "
-                "input width, or cast with `.astype`)."
-            )
-
-
 # --------------------------------------------------------------------------
 # The module.
 
@@ -338,7 +314,6 @@ class Stack(nn.Module):
                     out, new = block.apply(
                         layer_vars, x, *args, rngs=rngs, mutable=mutable, **kwargs
                     )
-            _check_carry(name, x, out[0] if self.has_aux else out)
             new = dict(new)
             _check_stackable(new, name)
             return out, meta.add_axis(new, 0, axis_params)
@@ -357,6 +332,7 @@ class Stack(nn.Module):
             reverse=self.reverse,
             has_aux=self.has_aux,
             with_state=True,
+            name=f"stackwise.flax.Stack({name})",  # the core checks x's shape and dtype
         )
         out, new = layers.apply(params, state, x, rngs, stackwise.layer_index(), args, kwargs)
         for col, tree in new.items():

@@ -277,10 +277,9 @@ class Stack(hk.Module):
         def init():
             if any(reused):
                 return reused
-            with _naming_the_stack(self._what):
-                out, (aux, params, state, forward["state"]) = layers.initialize.apply(
-                    None, x, *args, **kwargs, **per_layer
-                )
+            out, (aux, params, state, forward["state"]) = layers.initialize.apply(
+                None, x, *args, **kwargs, **per_layer
+            )
             forward["out"] = (out, aux) if layers.has_aux else out
             return params, state
 
@@ -292,8 +291,7 @@ class Stack(hk.Module):
             state = state if current is None else current
             self._check_depth(params, "params")
             self._check_depth(state, "state")
-            with _naming_the_stack(self._what):
-                out, state = layers.forward.apply(params, state, x, *args, **kwargs, **per_layer)
+            out, state = layers.forward.apply(params, state, x, *args, **kwargs, **per_layer)
         updater.update(state)
         return out
 
@@ -340,7 +338,7 @@ class _Layers:
         self.block, self.what, self.has_aux = block, what, options["has_aux"]
         self.transformed = hk.transform_with_state(self.one_layer)
         unused_init = lambda key: None  # noqa: E731 - params come from `initialize`
-        name = _block_name(block)
+        name = what  # the core's errors about the layers then name this Stack
         try:  # only validates the options: no user code runs here
             self.forward = stackwise.stack(
                 unused_init, self.apply, n, with_state=True, name=name, **options
@@ -394,14 +392,3 @@ class _Layers:
             out, state = self.transformed.apply(params, initial, rng, x, *args, **kwargs)
         x, aux = out if self.has_aux else (out, None)
         return x, (aux, params, initial, state)
-
-
-@contextlib.contextmanager
-def _naming_the_stack(what: str) -> Iterator[None]:
-    """Prefixes the core's errors about the layers (carry, per-layer inputs) with the Stack."""
-    try:
-        yield
-    except (TypeError, ValueError) as e:
-        if str(e).startswith("stackwise.stack"):
-            raise type(e)(f"{what}: {e}") from None
-        raise

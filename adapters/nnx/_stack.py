@@ -363,7 +363,11 @@ class Stack(nnx.Module):
         params, rest = layers.init(first, others)
         return nnx.merge(graphdefs[0], _shard_eagerly(params), _shard_eagerly(rest))
 
-    def _stacked(self, apply: Callable = lambda *a: None) -> stackwise.Stacked:
+    def _stacked(
+        self, apply: Callable = lambda *a: None, block: str = "block"
+    ) -> stackwise.Stacked:
+        # The core checks that each layer returns x unchanged in shape and dtype,
+        # naming the block in its error.
         return stackwise.stack(
             lambda key: None,
             apply,
@@ -374,13 +378,13 @@ class Stack(nnx.Module):
             reverse=self.reverse,
             has_aux=self.has_aux,
             with_state=True,
+            name=f"stackwise.nnx.Stack({block})",
         )
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
         self._check_depth(params)
         self._check_depth(rest)
-        block_name = type(self.layers).__name__
 
         def apply(p, s, x, index, *args, **kwargs):
             _remove_layer_axis((p, s))
@@ -388,13 +392,12 @@ class Stack(nnx.Module):
             args, kwargs = _join_rngs_args(args, kwargs)
             with _at_layer(index):
                 out = block(x, *args, **kwargs)
-            _check_carry(block_name, x, out[0] if self.has_aux else out, self.has_aux)
             _, _, new_rest = nnx.split(block, nnx.Param, ...)
             _add_layer_axis(new_rest, self.layer_axis_name)
             return out, new_rest
 
         args, kwargs = _split_rngs_args(args, kwargs)
-        out, new_rest = self._stacked(apply).apply(
+        out, new_rest = self._stacked(apply, type(self.layers).__name__).apply(
             params, rest, x, stackwise.layer_index(), *args, **kwargs
         )
         nnx.update(self.layers, new_rest)
@@ -528,31 +531,3 @@ class Stack(nnx.Module):
         )
 
 
-def _check_carry(block_name: str, old: Any, new: Any, has_aux: bool) -> None:
-    """Raises naming the block if it changed the structure, shape or dtype of ``x``."""
-    old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
-    if old_def != new_def:
-        hint = (
-            "" if has_aux else " Per-layer outputs of another structure: return "
-            "`(x, aux)` and build the Stack with `has_aux=True`, or `self.sow(...)` them."
-        )
-        raise TypeError(
-            f"stackwise.nnx.Stack: block {block_name} must return `x` with the "
-            f"structure it received (it feeds the next layer), but it took {old_def} "
-            f"and returned {new_def}.{hint}"
-        )
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
-        a_shape, b_shape = jnp.shape(a), jnp.shape(b)
-        a_type, b_type = jnp.result_type(a), jnp.result_type(b)
-        if a_shape != b_shape or a_type != b_type:
-            leaf = "x" + jax.tree_util.keystr(path)
-            fix = (
-                f"cast it back, e.g. `.astype(jnp.{a_type.name})`"
-                if a_shape == b_shape
-                else f"project it back to shape {a_shape}"
-            )
-            raise TypeError(
-                f"stackwise.nnx.Stack: block {block_name} changed `{leaf}` from "
-                f"{a_type.name}{list(a_shape)} to {b_type.name}{list(b_shape)}; a stacked "
-                f"block must return x with the shape and dtype it received: {fix}."
-            )
