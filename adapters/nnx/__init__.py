@@ -21,12 +21,3 @@ __all__ = [
     "Stack",
     "layer_index",
 ]
-
-# `doctest.testmod(stackwise.nnx)` skips objects defined in private modules:
-# list the public examples here so they run with this module's.
-__test__ = {
-    "Stack": Stack,
-    "Stack.from_layers": Stack.from_layers,
-    "Stack.to_layers": Stack.to_layers,
-    "layer_index": layer_index,
-}
