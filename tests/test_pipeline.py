@@ -9,16 +9,10 @@ traceback if it raised; the tests below assert on those records.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-import traceback
-
 import jax
 import jax.numpy as jnp
 import pytest
+from _multidevice import result, run_cases, run_module
 from jax.sharding import AbstractMesh
 
 import stackwise
@@ -150,37 +144,13 @@ _CASES = {
     "circular_pytree_carry": _case_circular_pytree_carry,
 }
 
-
-def _worker() -> None:
-    jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py does
-    results = {}
-    for name, case in _CASES.items():
-        try:
-            start = time.process_time()
-            results[name] = case()
-            results[name]["cpu_s"] = time.process_time() - start
-        except Exception:  # noqa: BLE001 -- reported to the test that owns the case
-            results[name] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def multi_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode:
-        pytest.fail(f"the 8-device worker failed:\n{proc.stderr[-5000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module(__file__)
 
 
 def _result(multi_device, name):
-    r = multi_device[name]
-    if "error" in r:
-        pytest.fail(f"case {name} raised:\n{r['error']}")
-    return r
+    return result(multi_device, name)
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -250,4 +220,4 @@ def test_error_other_arguments():
 
 
 if __name__ == "__main__":
-    _worker()
+    run_cases(_CASES)

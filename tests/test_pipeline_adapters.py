@@ -16,15 +16,10 @@ also that subprocess's script (see ``_worker``), as in tests/test_pipeline.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
-
 import jax
 import jax.numpy as jnp
 import pytest
+from _multidevice import result, run_cases, run_module
 
 import stackwise
 
@@ -194,7 +189,6 @@ def _case_flax_circular_partitioned():
     x = jax.random.normal(jax.random.key(1), (BATCH, D))
     boxed = model.init(jax.random.key(0), x)["params"]
     names = boxed["layers"]["Dense_0"]["kernel"].names
-    params = nn.meta.unbox(boxed)
 
     layer_apply, to_layer = _flax_layers(Block, "layers")
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
@@ -217,18 +211,6 @@ _CASES = {
     "flax_circular_partitioned": _case_flax_circular_partitioned,
 }
 
-
-def _worker() -> None:
-    jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py does
-    results = {}
-    for name, case in _CASES.items():
-        try:
-            results[name] = case()
-        except Exception:  # noqa: BLE001 -- reported to the test that owns the case
-            results[name] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
-
-
 # --------------------------------------------------------------------------
 # The tests.
 
@@ -237,21 +219,11 @@ def _worker() -> None:
 def multi_device():
     pytest.importorskip("haiku")
     pytest.importorskip("flax")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode:
-        pytest.fail(f"the 8-device worker failed:\n{proc.stderr[-5000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module(__file__, timeout=300)
 
 
 def _result(multi_device, name):
-    r = multi_device[name]
-    if "error" in r:
-        pytest.fail(f"case {name} raised:\n{r['error']}")
-    return r
+    return result(multi_device, name)
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -274,4 +246,4 @@ def test_flax_mapping_gives_the_blocks_own_names(multi_device):
 
 
 if __name__ == "__main__":
-    _worker()
+    run_cases(_CASES)

@@ -8,17 +8,13 @@ scan's while-loop body, one layer at a time, never the whole stack up front.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _multidevice import result, run_cases, run_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
@@ -196,35 +192,13 @@ _CASES = {
     "layer_axis_and_errors": _case_layer_axis_and_errors,
 }
 
-
-def _worker() -> None:
-    jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py does
-    results = {}
-    for name, case in _CASES.items():
-        try:
-            results[name] = case()
-        except Exception:  # noqa: BLE001 -- reported to the test that owns the case
-            results[name] = {"error": traceback.format_exc()}
-    print(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def multi_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode:
-        pytest.fail(f"the 8-device worker failed:\n{proc.stderr[-5000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module(__file__)
 
 
 def _result(multi_device, name):
-    r = multi_device[name]
-    if "error" in r:
-        pytest.fail(f"case {name} raised:\n{r['error']}")
-    return r
+    return result(multi_device, name)
 
 
 @pytest.mark.parametrize("name", ["fsdp_explicit", "fsdp_auto", "fsdp_tensor_parallel"])
@@ -329,4 +303,4 @@ def test_gather_params_is_a_no_op_off_mesh():
 
 
 if __name__ == "__main__":
-    _worker()
+    run_cases(_CASES)
