@@ -9,14 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _trees import assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stackwise
 
-# float32 results of a scan and of a loop of the same ops differ by reassociation only.
-RTOL = 2e-5
-ATOL = 2e-6
 D = 4
 
 REMATS = {
@@ -50,8 +48,6 @@ def reference(params, x, layer=apply_layer, reverse=False):
     return x
 
 
-def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b)
 
 
 def loss_of(apply):

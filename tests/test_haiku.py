@@ -10,27 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stackwise
 import stackwise.haiku as swh
 
-# float32 results of a scan and of a loop of the same ops differ by reassociation only.
-RTOL = 2e-5
-ATOL = 2e-6
 D = 4
 KEY = jax.random.key(0)
 
 
-def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b)
 
 
-def assert_trees_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 class Block(hk.Module):
