@@ -32,10 +32,16 @@ For every variant and n it reports:
 * **program** -- ``len(lowered.as_text())``, the size of the StableHLO program.
 * **barrier bytes** -- bytes of params and of constants that pass an
   ``optimization_barrier`` per step (see :func:`optimization_barrier_bytes`).
+* **= tool** -- whether the compiled program equals that of the row it is compared with,
+  up to names (see :func:`program_fingerprint`).
 
 Ratios are printed against the hand-written scan and the Python loop of the same block
 and depth in the same run (``/scan``, ``/loop``), and for each adapter against its
-framework's own tool (``/tool``). A summary compares them with the project's targets.
+framework's own tool with the same remat (``/tool``): off, the default policy (``dots``:
+``stackwise.DEFAULT_REMAT``, given to ``hk.remat`` / ``nn.remat`` / ``nnx.remat`` as
+``policy``) and full per-layer remat. Each tool also runs a second time as a separate
+``(control)`` row: its ratio to the tool is the run's noise floor. A summary compares
+the ratios with the project's targets.
 Outputs: a table (rich, if installed), ``--csv PATH`` and ``--plot PATH`` (matplotlib:
 compile time and temp memory against n). ``--quick`` is a smoke run with tiny sizes.
 
@@ -63,6 +69,7 @@ import csv
 import dataclasses
 import functools
 import gc
+import hashlib
 import math
 import os
 import platform
@@ -85,8 +92,12 @@ __all__ = [
     "Result",
     "main",
     "optimization_barrier_bytes",
+    "program_fingerprint",
     "run_benchmark",
 ]
+
+#: The remat policy of the tools' "dots" rows: the same as stackwise's default.
+_DOTS = stackwise.DEFAULT_REMAT
 
 
 # ==========================================================================
@@ -456,6 +467,44 @@ def optimization_barrier_bytes(text: str, n_params: int, entry: str = "main") ->
 
 
 # ==========================================================================
+# Whether two compiled programs are the same, up to names.
+
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
+_NAME = re.compile(r"%[\w.\-]+")
+
+
+def program_fingerprint(hlo_text: str) -> str:
+    """A hash of a compiled program's instructions, blind to names and source locations.
+
+    ``hlo_text`` is ``jax.jit(f).lower(...).compile().as_text()``: XLA's optimised HLO.
+    The hash covers every instruction line in order (op, shapes, layouts, operands,
+    attributes), with instruction and computation names replaced by one placeholder and
+    ``metadata={...}`` (source file, line, JAX op names) removed. Two programs with the
+    same fingerprint run the same machine code on the same inputs, so their step times
+    differ only by measurement noise; the names differ between, say, ``hk.layer_stack``
+    and ``stackwise.haiku.Stack`` because their modules are named differently.
+
+    >>> import jax, jax.numpy as jnp
+    >>> def compiled(f):
+    ...     return jax.jit(f).lower(jnp.ones(3)).compile().as_text()
+    >>> def f(x):
+    ...     return jnp.sin(x) * 2
+    >>> def g(y):  # another function, other names, the same program
+    ...     return 2 * jnp.sin(y)
+    >>> program_fingerprint(compiled(f)) == program_fingerprint(compiled(g))
+    True
+    >>> program_fingerprint(compiled(f)) == program_fingerprint(compiled(jnp.cos))
+    False
+    """
+    lines = []
+    for line in hlo_text.splitlines():
+        line = line.strip()
+        if " = " in line and not line.startswith(("HloModule", "//")):
+            lines.append(_NAME.sub("%", _METADATA.sub("", line)))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+# ==========================================================================
 # Configuration and results.
 
 
@@ -533,6 +582,8 @@ class Result:
     tool: str = ""
     compile_vs_tool: float = math.nan
     step_vs_tool: float = math.nan
+    program_hash: str = ""  # program_fingerprint of the compiled program
+    same_program_as_tool: str = ""  # "yes" / "no" for rows with a tool
     note: str = ""
 
 
@@ -773,15 +824,19 @@ def _haiku_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
 
     def layer_stack(remat, n, x):
         fn = lambda x: Block()(x)  # noqa: E731
-        return hk.layer_stack(n)(hk.remat(fn) if remat else fn)(x)
+        if remat:
+            fn = hk.remat(fn, policy=_DOTS if remat == "dots" else None)
+        return hk.layer_stack(n)(fn)(x)
 
     cases = [
         _Case("hk loop", "haiku", "off", model(loop)),
         _Case("hk.layer_stack", "haiku", "off", model(functools.partial(layer_stack, False))),
-        _Case(
-            "hk.layer_stack+hk.remat", "haiku", "layer",
-            model(functools.partial(layer_stack, True)),
-        ),
+        _Case("hk.layer_stack (control)", "haiku", "off",
+              model(functools.partial(layer_stack, False)), tool="hk.layer_stack"),
+        _Case("hk.layer_stack+hk.remat(dots)", "haiku", "dots",
+              model(functools.partial(layer_stack, "dots"))),
+        _Case("hk.layer_stack+hk.remat", "haiku", "layer",
+              model(functools.partial(layer_stack, True))),
     ]
     try:
         import stackwise.haiku as sw_haiku
@@ -795,6 +850,9 @@ def _haiku_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
     cases += [
         _Case("stackwise.haiku.Stack", "haiku", "off", model(functools.partial(adapter, False)),
               tool="hk.layer_stack"),
+        _Case("stackwise.haiku.Stack default", "haiku", "dots",
+              model(functools.partial(adapter, stackwise.DEFAULT_REMAT)),
+              tool="hk.layer_stack+hk.remat(dots)"),
         _Case("stackwise.haiku.Stack remat", "haiku", "layer",
               model(functools.partial(adapter, True)), tool="hk.layer_stack+hk.remat"),
     ]
@@ -846,7 +904,7 @@ def _flax_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
         return x
 
     def scan(remat, n, x):
-        cell = nn.remat(Cell) if remat else Cell
+        cell = nn.remat(Cell, policy=_DOTS if remat == "dots" else None) if remat else Cell
         scanned = nn.scan(
             cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=n
         )
@@ -855,6 +913,9 @@ def _flax_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
     cases = [
         _Case("nn loop", "flax", "off", model(loop)),
         _Case("nn.scan", "flax", "off", model(functools.partial(scan, False))),
+        _Case("nn.scan (control)", "flax", "off", model(functools.partial(scan, False)),
+              tool="nn.scan"),
+        _Case("nn.scan(nn.remat dots)", "flax", "dots", model(functools.partial(scan, "dots"))),
         _Case("nn.scan(nn.remat)", "flax", "layer", model(functools.partial(scan, True))),
     ]
     try:
@@ -869,6 +930,9 @@ def _flax_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
     cases += [
         _Case("stackwise.flax.Stack", "flax", "off", model(functools.partial(adapter, False)),
               tool="nn.scan"),
+        _Case("stackwise.flax.Stack default", "flax", "dots",
+              model(functools.partial(adapter, stackwise.DEFAULT_REMAT)),
+              tool="nn.scan(nn.remat dots)"),
         _Case("stackwise.flax.Stack remat", "flax", "layer",
               model(functools.partial(adapter, True)), tool="nn.scan(nn.remat)"),
     ]
@@ -929,12 +993,16 @@ def _nnx_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
                 return block(x)
 
             if self.remat:
-                step = nnx.remat(step)
+                step = nnx.remat(step, policy=_DOTS if self.remat == "dots" else None)
             return nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(step)(x, self.blocks)
 
     cases = [
         _Case("nnx loop", "nnx", "off", model(Loop)),
         _Case("nnx.scan", "nnx", "off", model(lambda n, r: Scan(n, r, False))),
+        _Case("nnx.scan (control)", "nnx", "off", model(lambda n, r: Scan(n, r, False)),
+              tool="nnx.scan"),
+        _Case("nnx.scan+nnx.remat(dots)", "nnx", "dots",
+              model(lambda n, r: Scan(n, r, "dots"))),
         _Case("nnx.scan+nnx.remat", "nnx", "layer", model(lambda n, r: Scan(n, r, True))),
     ]
     try:
@@ -948,6 +1016,8 @@ def _nnx_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
 
     cases += [
         _Case("stackwise.nnx.Stack", "nnx", "off", model(adapter(False)), tool="nnx.scan"),
+        _Case("stackwise.nnx.Stack default", "nnx", "dots", model(adapter(stackwise.DEFAULT_REMAT)),
+              tool="nnx.scan+nnx.remat(dots)"),
         _Case("stackwise.nnx.Stack remat", "nnx", "layer", model(adapter(True)),
               tool="nnx.scan+nnx.remat"),
     ]
@@ -1147,6 +1217,7 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
                     row.barrier_ops = barriers.count
                     if not barriers.exact:
                         row.note = "barrier bytes approximate (a loop's trip count unread)"
+                    row.program_hash = program_fingerprint(c.fn.as_text())
                     memory = c.fn.memory_analysis()
                     row.temp_bytes = int(getattr(memory, "temp_size_in_bytes", -1))
                 compiled[name] = c
@@ -1186,6 +1257,8 @@ def _fill_ratios(results: list[Result]) -> None:
             r.compile_vs_loop, r.step_vs_loop = r.compile_s / loop.compile_s, r.step_s / loop.step_s
         if tool:
             r.compile_vs_tool, r.step_vs_tool = r.compile_s / tool.compile_s, r.step_s / tool.step_s
+            if r.program_hash and tool.program_hash:
+                r.same_program_as_tool = "yes" if r.program_hash == tool.program_hash else "no"
 
 
 # ==========================================================================
@@ -1195,7 +1268,14 @@ def _fill_ratios(results: list[Result]) -> None:
 class _Target(NamedTuple):
     what: str
     measured: float
-    limit: float
+    limit: float | None  # None: shown for reference (a noise floor), no target
+
+
+def _target_cells(t: _Target, no: str = "NO") -> list[str]:
+    if t.limit is None:
+        return [t.what, _fmt(t.measured, ".3f"), "reference", "-"]
+    met = "-" if math.isnan(t.measured) else ("yes" if t.measured <= t.limit else no)
+    return [t.what, _fmt(t.measured, ".3f"), f"<= {t.limit:g}", met]
 
 
 def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
@@ -1237,26 +1317,47 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
     tf_ns = sorted({r.n for r in results if r.block == "transformer"})
     if tf_ns:
         n = cfg.target_n if cfg.target_n in tf_ns else tf_ns[-1]
-        for adapter, loop in (
-            ("stackwise.haiku.Stack", "hk loop"),
-            ("stackwise.flax.Stack", "nn loop"),
-            ("stackwise.nnx.Stack", "nnx loop"),
+        for adapter, tool, loop in (
+            ("stackwise.haiku.Stack", "hk.layer_stack", "hk loop"),
+            ("stackwise.flax.Stack", "nn.scan", "nn loop"),
+            ("stackwise.nnx.Stack", "nnx.scan", "nnx loop"),
         ):
-            for suffix in ("", " remat"):
+            # Like for like: the adapter and its framework's tool with the same remat.
+            for suffix in ("", " default", " remat"):
                 row = get("transformer", n, adapter + suffix)
                 if not row or not row.tool:
                     continue
+                same = " (same program)" if row.same_program_as_tool == "yes" else ""
                 out += [
-                    _Target(f"tf n={n}: {row.variant} compile / {row.tool}",
+                    _Target(f"tf n={n}: {row.variant} compile / {row.tool}{same}",
                             row.compile_vs_tool, 1.0),
-                    _Target(f"tf n={n}: {row.variant} step / {row.tool}", row.step_vs_tool, 1.03),
+                    _Target(f"tf n={n}: {row.variant} step / {row.tool}{same}",
+                            row.step_vs_tool, 1.03),
                 ]
-            row, loop_row = get("transformer", n, adapter), get("transformer", n, loop)
-            if row and loop_row:
-                out.append(_Target(
-                    f"tf n={n}: {adapter} compile / {loop}",
-                    row.compile_s / loop_row.compile_s, 0.25,
-                ))
+            # As written: `Stack(Block, n)` (default remat) against the tool's default (none).
+            default, plain = get("transformer", n, adapter + " default"), get("transformer", n, tool)
+            if default and plain:
+                out += [
+                    _Target(f"tf n={n}: {adapter} default compile / {tool} (both as written)",
+                            default.compile_s / plain.compile_s, 1.0),
+                    _Target(f"tf n={n}: {adapter} default step / {tool} (both as written)",
+                            default.step_s / plain.step_s, 1.03),
+                ]
+            # The noise floor: the tool against a second, separately compiled copy of itself.
+            control = get("transformer", n, f"{tool} (control)")
+            if control:
+                out += [
+                    _Target(f"tf n={n}: noise: {tool} (control) compile / {tool}",
+                            control.compile_vs_tool, None),
+                    _Target(f"tf n={n}: noise: {tool} (control) step / {tool}",
+                            control.step_vs_tool, None),
+                ]
+            loop_row = get("transformer", n, loop)
+            for variant in (adapter, adapter + " default"):
+                row = get("transformer", n, variant)
+                if row and loop_row:
+                    out.append(_Target(f"tf n={n}: {variant} compile / {loop}",
+                                       row.compile_s / loop_row.compile_s, 0.25))
     return out
 
 
@@ -1287,6 +1388,7 @@ def _table_rows(results: list[Result]) -> list[list[str]]:
             _fmt(r.temp_bytes / 2**20, ".1f") if r.temp_bytes >= 0 else "-",
             _kib(r.program_chars),
             f"{_kib(r.barrier_param_bytes)} / {_kib(r.barrier_const_bytes)}",
+            r.same_program_as_tool or "-",
         ]
         for r in results
     ]
@@ -1294,7 +1396,7 @@ def _table_rows(results: list[Result]) -> list[list[str]]:
 
 _HEADERS = [
     "n", "variant", "remat", "compile s", "/scan", "/loop", "/tool", "step ms", "/scan", "/loop",
-    "/tool", "temp MiB", "HLO Kchars", "barrier KiB p / c",
+    "/tool", "temp MiB", "HLO Kchars", "barrier KiB p / c", "= tool",
 ]
 
 
@@ -1343,11 +1445,7 @@ def print_report(
         emit(
             "Targets (ratios measured in this run)",
             ["what", "measured", "target", "met"],
-            [
-                [t.what, _fmt(t.measured, ".3f"), f"<= {t.limit:g}",
-                 "-" if math.isnan(t.measured) else ("yes" if t.measured <= t.limit else "NO")]
-                for t in targets
-            ],
+            [_target_cells(t) for t in targets],
         )
     for note in notes:
         say(f"note: {note}")
@@ -1387,9 +1485,7 @@ def write_markdown(results: list[Result], cfg: BenchConfig, path: str) -> None:
     targets = _targets(results, cfg)
     if targets:
         lines += ["| what | measured | target | met |", "|---|---|---|---|"]
-        for t in targets:
-            met = "-" if math.isnan(t.measured) else ("yes" if t.measured <= t.limit else "**no**")
-            lines.append(f"| {t.what} | {_fmt(t.measured, '.3f')} | <= {t.limit:g} | {met} |")
+        lines += ["| " + " | ".join(_target_cells(t, no="**no**")) + " |" for t in targets]
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))

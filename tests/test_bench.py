@@ -185,20 +185,29 @@ def test_quick_run_writes_csv_plot_and_table(tmp_path):
         assert int(by["stackwise", n]["barrier_ops"]) == 0
 
 
-def test_framework_remat_rows_show_params_through_barriers():
+def test_haiku_rows_barriers_and_same_program():
     pytest.importorskip("haiku")
     pytest.importorskip("stackwise.haiku")
     cfg = BenchConfig.quick(
-        blocks=("transformer",), rounds=1,
-        variants=("hk.layer_stack+hk.remat", "stackwise.haiku.Stack remat"),
+        blocks=("transformer",), rounds=1, variants=("hk.layer_stack", "stackwise.haiku.Stack"),
     )
     notes = []
     results, notes = run_benchmark(cfg, progress=False, log=notes.append)
     by = {r.variant: r for r in results}
-    assert set(by) == {"hk.layer_stack+hk.remat", "stackwise.haiku.Stack remat"}, notes
+    assert set(by) == {
+        "hk.layer_stack", "hk.layer_stack (control)", "hk.layer_stack+hk.remat(dots)",
+        "hk.layer_stack+hk.remat", "stackwise.haiku.Stack", "stackwise.haiku.Stack default",
+        "stackwise.haiku.Stack remat",
+    }, notes
     # hk.remat keeps prevent_cse=True inside the scan: every layer's params pass a barrier
-    assert by["hk.layer_stack+hk.remat"].barrier_param_bytes > 0
-    assert by["stackwise.haiku.Stack remat"].barrier_param_bytes == 0
+    for tool in ("hk.layer_stack+hk.remat", "hk.layer_stack+hk.remat(dots)"):
+        assert by[tool].barrier_param_bytes > 0
+    for adapter in ("stackwise.haiku.Stack default", "stackwise.haiku.Stack remat"):
+        assert by[adapter].barrier_param_bytes == 0
+        assert by[adapter].same_program_as_tool == "no"  # the barriers differ
+    # without remat the adapter compiles to hk.layer_stack's program, names aside
+    assert by["stackwise.haiku.Stack"].same_program_as_tool == "yes"
+    assert by["hk.layer_stack (control)"].same_program_as_tool == "yes"
     adapter = by["stackwise.haiku.Stack remat"]
     assert adapter.tool == "hk.layer_stack+hk.remat"
     assert adapter.compile_vs_tool == pytest.approx(

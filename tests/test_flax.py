@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import stackwise
 import stackwise.flax
+from stackwise.bench import program_fingerprint
 
 D = 4
 N = 3
@@ -403,6 +404,25 @@ def test_matches_nn_scan_forward_grad_and_collections():
     assert_trees_close(y, y_ref)
     assert_trees_close(g, g_ref)
     assert_trees_close(new, new_ref)
+
+
+def test_compiles_to_the_same_program_as_nn_scan():
+    # With remat off, jit(grad) of a Stack is nn.scan's program up to names, sown values
+    # and counters included: the benchmark's step-time parity rests on this.
+    scan = ScanModel(functools.partial(Block, scan_out=True), N)
+    variables = scan.init(jax.random.key(4), X, 0.9)
+
+    def program(model, variables):
+        def loss(params):
+            y, _ = model.apply({**variables, "params": params}, X, 0.9,
+                               mutable=["counters", "intermediates"])
+            return jnp.sum(jnp.sin(y))
+
+        compiled = jax.jit(jax.grad(loss)).lower(variables["params"]).compile()
+        return program_fingerprint(compiled.as_text())
+
+    stacked = program(Stacked(Block, N, (("remat", False),)), stackwise.flax.from_scan(variables))
+    assert stacked == program(scan, variables)
 
 
 def test_batch_norm_matches_nn_scan_with_other_variable_axes():

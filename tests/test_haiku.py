@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import stackwise
 import stackwise.haiku as swh
+from stackwise.bench import program_fingerprint
 
 D = 4
 KEY = jax.random.key(0)
@@ -155,6 +156,23 @@ def test_forward_and_grad_match_hk_layer_stack(reverse):
     y_ls, (g_ls, _) = y_and_grads(lambda p, x: layer_stack.apply(p, None, x))(ls_params, x)
     assert_trees_close(y, y_ls)
     assert_trees_close(swh.to_layer_stack(g, "stack"), g_ls)
+
+
+def test_compiles_to_the_same_program_as_hk_layer_stack():
+    # What the benchmark's step-time parity rests on: with remat off, jit(grad) of a
+    # Stack is hk.layer_stack's program up to names (remat differs on purpose: hk.remat
+    # puts the params through barriers, the Stack does not).
+    n, x = 3, x_of()
+
+    def program(forward):
+        f = hk.transform(forward)
+        loss = lambda p, x: jnp.sum(f.apply(p, None, x) ** 2)  # noqa: E731
+        compiled = jax.jit(jax.grad(loss)).lower(f.init(KEY, x), x).compile()
+        return program_fingerprint(compiled.as_text())
+
+    stack = program(lambda x: swh.Stack(Block, n, remat=False)(x))
+    assert stack == program(lambda x: hk.layer_stack(n)(lambda x: Block()(x))(x))
+    assert stack != program(lambda x: swh.Stack(Block, n, remat=True)(x))
 
 
 # --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from flax import nnx
 
 import stackwise
 import stackwise.nnx
+from stackwise.bench import program_fingerprint
 
 D, B = 8, 3  # features and batch: distinct, so params and activations differ in type
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32 reassociation between scan and loop
@@ -189,6 +190,25 @@ def test_matches_nnx_scan_forward_grad_dropout_and_state():
     g_ref = jax.jit(jax.grad(ref_loss))(params, rest)
     _, g = loss_and_grads(s, X)
     assert_close(g["layers"], g_ref, GRAD_TOL)
+
+
+def test_compiles_to_the_same_program_as_nnx_scan():
+    # With remat off, jit(grad) of a Stack is nnx.scan's program up to names (BatchNorm
+    # statistics and dropout included): the benchmark's step-time parity rests on this.
+    n = 3
+
+    def program(model, apply):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params, rest):
+            return jnp.sum(apply(nnx.merge(graphdef, params, rest, copy=True)) ** 2)
+
+        compiled = jax.jit(jax.grad(loss)).lower(params, rest).compile()
+        return program_fingerprint(compiled.as_text())
+
+    s = stackwise.nnx.Stack(make, n, rngs=nnx.Rngs(0), remat=False)
+    stacked = program(s, lambda m: m(X))
+    assert stacked == program(scan_model(n, nnx.Rngs(0)), lambda m: scan_apply(X, m))
 
 
 def test_eval_mode_leaves_statistics_and_dropout_alone():
