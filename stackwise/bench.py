@@ -1335,7 +1335,8 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
                             row.step_vs_tool, 1.03),
                 ]
             # As written: `Stack(Block, n)` (default remat) against the tool's default (none).
-            default, plain = get("transformer", n, adapter + " default"), get("transformer", n, tool)
+            default = get("transformer", n, adapter + " default")
+            plain = get("transformer", n, tool)
             if default and plain:
                 out += [
                     _Target(f"tf n={n}: {adapter} default compile / {tool} (both as written)",
