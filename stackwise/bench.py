@@ -23,10 +23,14 @@ For every variant and n it reports:
   the wall time of ``jit(grad(loss)).lower(params, x).compile()`` (tracing included).
   Every variant is compiled once at a tiny depth first, so one-time costs (imports,
   first-use initialisation) are not charged to whichever variant happens to run first.
-  With ``--compile-repeats k`` the minimum of k cold compiles is reported.
-* **step** -- the median wall time of one call of the compiled ``jit(grad(loss))``. The
-  variants are interleaved: each round times every variant once, in a rotated order,
-  so load from other processes spreads over all of them.
+  With ``--compile-repeats k`` every variant is compiled k times, interleaved, and the
+  fastest is shown. **trace** is the tracing and lowering part of it (Python: what a
+  library adds), the rest is XLA's.
+* **step** -- the median over rounds of one call of the compiled ``jit(grad(loss))`` in
+  steady state: each round visits every variant in a rotated order and times its second
+  of two back-to-back calls, so the time does not depend on which variant ran before
+  (on the CPU, a variant that follows one with large temp buffers pays page faults that
+  its own next step would not).
 * **temp** -- ``compiled.memory_analysis().temp_size_in_bytes``: XLA's scratch memory,
   which holds the activations saved for the backward pass.
 * **program** -- ``len(lowered.as_text())``, the size of the StableHLO program.
@@ -35,8 +39,10 @@ For every variant and n it reports:
 * **= tool** -- whether the compiled program equals that of the row it is compared with,
   up to names (see :func:`program_fingerprint`).
 
-Ratios are printed against the hand-written scan and the Python loop of the same block
-and depth in the same run (``/scan``, ``/loop``), and for each adapter against its
+Ratios are medians of per-repeat (per-round) ratios, paired because variants timed
+within seconds of each other share the machine's state, and printed against the
+hand-written scan and the Python loop of the same block and depth in the same run
+(``/scan``, ``/loop``), and for each adapter against its
 framework's own tool with the same remat (``/tool``): off, the default policy (``dots``:
 ``stackwise.DEFAULT_REMAT``, given to ``hk.remat`` / ``nn.remat`` / ``nnx.remat`` as
 ``policy``) and full per-layer remat. Each tool also runs a second time as a separate
@@ -568,8 +574,9 @@ class Result:
     framework: str
     variant: str
     remat: str
-    compile_s: float = math.nan
-    step_s: float = math.nan
+    compile_s: float = math.nan  # the fastest of the cold compiles
+    step_s: float = math.nan  # the median of the steady-state calls
+    trace_s: float = math.nan  # the tracing + lowering part of compile_s (fastest)
     temp_bytes: int = -1
     program_chars: int = -1
     barrier_param_bytes: int = -1
@@ -585,6 +592,8 @@ class Result:
     program_hash: str = ""  # program_fingerprint of the compiled program
     same_program_as_tool: str = ""  # "yes" / "no" for rows with a tool
     note: str = ""
+    compile_samples: tuple[float, ...] = ()  # one per repeat, in order
+    step_samples: tuple[float, ...] = ()  # one per round, in order
 
 
 class _Case(NamedTuple):
@@ -1048,16 +1057,21 @@ def _build(case: _Case, n: int) -> tuple[Any, Any, Callable]:
     return jax.block_until_ready(params), jax.block_until_ready(x), loss
 
 
-def _compile(built: tuple[Any, Any, Callable]) -> tuple[_Compiled, float, Any]:
-    """Compiles ``jit(grad(loss))`` cold: caches cleared, garbage collected, then timed."""
+def _compile(built: tuple[Any, Any, Callable]) -> tuple[_Compiled, float, float, Any]:
+    """Compiles ``jit(grad(loss))`` cold: caches cleared, garbage collected, then timed.
+
+    Returns the compiled function, the seconds of the whole compile and of its tracing
+    and lowering part, and the lowered program.
+    """
     params, x, loss = built
     jax.clear_caches()
     gc.collect()
     start = time.perf_counter()
     lowered = jax.jit(jax.grad(loss), keep_unused=True).lower(params, x)
+    traced = time.perf_counter() - start
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
-    return _Compiled(compiled, params, x), seconds, lowered
+    return _Compiled(compiled, params, x), seconds, traced, lowered
 
 
 def _time_call(c: _Compiled) -> float:
@@ -1177,7 +1191,7 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
     for case in cases if cfg.warmup else ():
         bar.describe(f"{block}: warm-up {case.name}")
         try:
-            compiled, _, _ = _compile(_build(case, min(2, *ns)))
+            compiled, *_ = _compile(_build(case, min(2, *ns)))
             _time_call(compiled)
             working.append(case)
         except Exception as e:  # noqa: BLE001 - a broken variant is reported, not fatal
@@ -1200,14 +1214,16 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
                 bar.describe(f"{block} n={n}: compile {name}")
                 row = rows[name]
                 try:
-                    c, seconds, lowered = _compile(built[name])
+                    c, seconds, traced, lowered = _compile(built[name])
                 except Exception as e:  # noqa: BLE001
                     failed(f"{name} n={n}", e)
                     del built[name]
                     compiled.pop(name, None)
                     bar.advance()
                     continue
-                row.compile_s = seconds if repeat == 0 else min(row.compile_s, seconds)
+                row.compile_samples += (seconds,)
+                row.compile_s = min(row.compile_samples)
+                row.trace_s = traced if repeat == 0 else min(row.trace_s, traced)
                 if repeat == 0:
                     text = lowered.as_text()
                     row.program_chars = len(text)
@@ -1226,22 +1242,37 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
         for c in compiled.values():
             _time_call(c)
         bar.advance()
-        times: dict[str, list[float]] = {name: [] for name in compiled}
         names = list(compiled)
         for r in range(cfg.rounds):
             bar.describe(f"{block} n={n}: step times, round {r + 1}/{cfg.rounds}")
             k = r % max(1, len(names))
             for name in names[k:] + names[:k]:
-                times[name].append(_time_call(compiled[name]))
+                # Steady state: the untimed call leaves the allocator as this variant's
+                # own steps would, not as the previous variant left it.
+                _time_call(compiled[name])
+                rows[name].step_samples += (_time_call(compiled[name]),)
             bar.advance()
-        for name, samples in times.items():
-            rows[name].step_s = statistics.median(samples)
+        for name in names:
+            rows[name].step_s = statistics.median(rows[name].step_samples)
         if not sys.stderr.isatty():  # no live progress bar: say where we are
             log(f"{block} n={n}: measured {len(compiled)} variants")
         results += [rows[name] for name in compiled]
         built.clear()
         compiled.clear()
     return results
+
+
+def _paired(r: Result, ref: Result, what: str) -> float:
+    """``r``'s compile or step time over ``ref``'s: the median of the per-repeat ratios.
+
+    Repeat (or round) i of every variant runs within seconds of the others, so pairing
+    by i cancels the machine's slow drift, which moves single timings by 10-20% on a
+    shared 2-core VM. Without samples (rows read from an old CSV): the summaries' ratio.
+    """
+    a, b = getattr(r, f"{what}_samples"), getattr(ref, f"{what}_samples")
+    if a and len(a) == len(b):
+        return statistics.median(x / y for x, y in zip(a, b))
+    return getattr(r, f"{what}_s") / getattr(ref, f"{what}_s")
 
 
 def _fill_ratios(results: list[Result]) -> None:
@@ -1252,11 +1283,11 @@ def _fill_ratios(results: list[Result]) -> None:
         loop = by_key.get((r.block, r.n, loop_name))
         tool = by_key.get((r.block, r.n, r.tool)) if r.tool else None
         if scan:
-            r.compile_vs_scan, r.step_vs_scan = r.compile_s / scan.compile_s, r.step_s / scan.step_s
+            r.compile_vs_scan, r.step_vs_scan = (_paired(r, scan, w) for w in ("compile", "step"))
         if loop:
-            r.compile_vs_loop, r.step_vs_loop = r.compile_s / loop.compile_s, r.step_s / loop.step_s
+            r.compile_vs_loop, r.step_vs_loop = (_paired(r, loop, w) for w in ("compile", "step"))
         if tool:
-            r.compile_vs_tool, r.step_vs_tool = r.compile_s / tool.compile_s, r.step_s / tool.step_s
+            r.compile_vs_tool, r.step_vs_tool = (_paired(r, tool, w) for w in ("compile", "step"))
             if r.program_hash and tool.program_hash:
                 r.same_program_as_tool = "yes" if r.program_hash == tool.program_hash else "no"
 
@@ -1340,9 +1371,9 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
             if default and plain:
                 out += [
                     _Target(f"tf n={n}: {adapter} default compile / {tool} (both as written)",
-                            default.compile_s / plain.compile_s, 1.0),
+                            _paired(default, plain, "compile"), 1.0),
                     _Target(f"tf n={n}: {adapter} default step / {tool} (both as written)",
-                            default.step_s / plain.step_s, 1.03),
+                            _paired(default, plain, "step"), 1.03),
                 ]
             # The noise floor: the tool against a second, separately compiled copy of itself.
             control = get("transformer", n, f"{tool} (control)")
@@ -1358,7 +1389,7 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
                 row = get("transformer", n, variant)
                 if row and loop_row:
                     out.append(_Target(f"tf n={n}: {variant} compile / {loop}",
-                                       row.compile_s / loop_row.compile_s, 0.25))
+                                       _paired(row, loop_row, "compile"), 0.25))
     return out
 
 
@@ -1366,6 +1397,7 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
 # Output: table, CSV, plot.
 
 _COLUMNS = [f.name for f in dataclasses.fields(Result)]
+_SAMPLES = ("compile_samples", "step_samples")  # written as space-separated seconds
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -1382,7 +1414,7 @@ def _table_rows(results: list[Result]) -> list[list[str]]:
     return [
         [
             str(r.n), r.variant, r.remat,
-            _fmt(r.compile_s, ".2f"), _fmt(r.compile_vs_scan, ".2f"),
+            _fmt(r.compile_s, ".2f"), _fmt(r.trace_s, ".2f"), _fmt(r.compile_vs_scan, ".2f"),
             _fmt(r.compile_vs_loop, ".2f"), _fmt(r.compile_vs_tool, ".2f"),
             _fmt(r.step_s * 1e3, ".1f"), _fmt(r.step_vs_scan, ".2f"),
             _fmt(r.step_vs_loop, ".2f"), _fmt(r.step_vs_tool, ".2f"),
@@ -1396,7 +1428,8 @@ def _table_rows(results: list[Result]) -> list[list[str]]:
 
 
 _HEADERS = [
-    "n", "variant", "remat", "compile s", "/scan", "/loop", "/tool", "step ms", "/scan", "/loop",
+    "n", "variant", "remat", "compile s", "trace s", "/scan", "/loop", "/tool", "step ms", "/scan",
+    "/loop",
     "/tool", "temp MiB", "HLO Kchars", "barrier KiB p / c", "= tool",
 ]
 
@@ -1410,7 +1443,7 @@ def print_report(
         from rich.console import Console
         from rich.table import Table
 
-        console = Console(file=file, width=max(160, Console(file=file).width))
+        console = Console(file=file, width=max(200, Console(file=file).width))
 
         def emit(title, headers, rows):
             table = Table(title=title, title_justify="left")
@@ -1471,7 +1504,9 @@ def write_csv(results: list[Result], path: str) -> None:
         writer = csv.DictWriter(f, fieldnames=[*_COLUMNS, "jax", "machine"])
         writer.writeheader()
         for r in results:
-            writer.writerow({**dataclasses.asdict(r), "jax": jax.__version__, "machine": machine})
+            row = dataclasses.asdict(r)
+            row.update({k: " ".join(f"{v:.6g}" for v in row[k]) for k in _SAMPLES})
+            writer.writerow({**row, "jax": jax.__version__, "machine": machine})
 
 
 def write_markdown(results: list[Result], cfg: BenchConfig, path: str) -> None:
@@ -1501,9 +1536,12 @@ def read_csv(path: str) -> list[Result]:
             values = {}
             for name, kind in types.items():
                 raw = row.get(name, "")
-                values[name] = (
-                    float(raw) if kind == "float" else int(raw) if kind == "int" else raw
-                )
+                if name in _SAMPLES:
+                    values[name] = tuple(float(v) for v in raw.split())
+                else:
+                    values[name] = (
+                        float(raw) if kind == "float" else int(raw) if kind == "int" else raw
+                    )
             out.append(Result(**values))
     return out
 

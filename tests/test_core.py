@@ -221,7 +221,8 @@ def test_layer_index(unroll, reverse):
 
 
 def counter_init(key):
-    return {"w": jax.random.normal(key, (1, D))}, {"count": jnp.zeros((), jnp.int32), "sum": jnp.zeros(D)}
+    state = {"count": jnp.zeros((), jnp.int32), "sum": jnp.zeros(D)}
+    return {"w": jax.random.normal(key, (1, D))}, state
 
 
 def counter_apply(params, state, x):
@@ -266,7 +267,9 @@ def test_state_with_aux_and_per_layer_inputs():
         y = x + bias
         return (y, y * 2), s + 1
 
-    layers = stackwise.stack(lambda k: (None, jnp.zeros(())), apply, 3, has_aux=True, with_state=True)
+    layers = stackwise.stack(
+        lambda k: (None, jnp.zeros(())), apply, 3, has_aux=True, with_state=True
+    )
     _, state = layers.init(jax.random.key(0))
     (y, aux), state = layers.apply(None, state, 0.0, stackwise.per_layer(jnp.arange(3.0)))
     assert float(y) == 3.0
@@ -321,9 +324,11 @@ def test_layer_is_traced_at_most_twice(options):
         params = layers.init(jax.random.key(0))
         args = params if options.get("with_state") else (params,)
         x = jnp.ones((2, D))
-        jax.jit(jax.grad(lambda a: jnp.sum(jnp.asarray(jax.tree.leaves(layers.apply(*a, x))[0]))))(
-            args
-        )
+
+        def loss(a, layers=layers, x=x):
+            return jnp.sum(jnp.asarray(jax.tree.leaves(layers.apply(*a, x))[0]))
+
+        jax.jit(jax.grad(loss))(args)
         assert 1 <= len(calls) <= 2, f"n={n}: traced {len(calls)} times"
 
 
@@ -407,7 +412,10 @@ def _temp_bytes(n, **options):
         return jnp.tanh(h)
 
     layers = stackwise.stack(
-        lambda k: {"a": jax.random.normal(k, (1, 256)), "b": jnp.ones((1, 256))}, apply, n, **options
+        lambda k: {"a": jax.random.normal(k, (1, 256)), "b": jnp.ones((1, 256))},
+        apply,
+        n,
+        **options,
     )
     params = layers.init(jax.random.key(0))
     x = jnp.ones((128, 256))
@@ -448,7 +456,8 @@ def test_slice_gives_a_shallower_model():
     x = jnp.ones((2, D))
     shallow = stackwise.stack(init_layer, apply_layer, 2).apply(first2, x)
     assert_trees_close(shallow, reference(stackwise.slice_layers(params, 0, 2), x))
-    rest = stackwise.stack(init_layer, apply_layer, 4).apply(stackwise.slice_layers(params, 2), shallow)
+    deeper = stackwise.stack(init_layer, apply_layer, 4)
+    rest = deeper.apply(stackwise.slice_layers(params, 2), shallow)
     assert_trees_close(rest, layers.apply(params, x))
 
 
@@ -499,7 +508,9 @@ def test_random_pytrees_match_loop(n, shapes, carry_shape, reverse, remat):
     x = jnp.linspace(-1.0, 1.0, int(np.prod(carry_shape))).reshape(carry_shape)
     ref = lambda p, x: reference(p, x, layer=apply, reverse=reverse)  # noqa: E731
     assert_trees_close(jax.jit(layers.apply)(params, x), ref(params, x))
-    assert_trees_close(jax.grad(loss_of(layers.apply))(params, x), jax.grad(loss_of(ref))(params, x))
+    assert_trees_close(
+        jax.grad(loss_of(layers.apply))(params, x), jax.grad(loss_of(ref))(params, x)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -534,7 +545,8 @@ def test_bad_remat_and_unroll():
 def test_params_of_the_wrong_depth_list_the_leaves():
     params = stackwise.stack(init_layer, apply_layer, 3).init(jax.random.key(0))
     layers = stackwise.stack(init_layer, apply_layer, 4)
-    with pytest.raises(ValueError, match=r"(?s)length n=4.*\['b'\]: shape \(3, 1, 4\).*\['w'\]: shape \(3, 4, 4\)"):
+    match = r"(?s)length n=4.*\['b'\]: shape \(3, 1, 4\).*\['w'\]: shape \(3, 4, 4\)"
+    with pytest.raises(ValueError, match=match):
         layers.apply(params, jnp.ones((2, D)))
 
 

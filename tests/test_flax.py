@@ -129,9 +129,10 @@ def test_matches_loop(name):
     (l_ref, y_ref), g_ref = jax.value_and_grad(loss, has_aux=True)(
         variables["params"], loop, variables
     )
-    (l, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+    (value, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
         converted["params"], stacked, converted
     )
+    assert_trees_close(value, l_ref)
     assert_trees_close(y, y_ref)
     assert_trees_close(g, to_stack({"params": g_ref})["params"])
 
@@ -223,7 +224,7 @@ def test_keyword_arguments_reach_every_layer_and_stay_static():
     loop, stacked = Loop(Affine, N), Stacked(Affine, N)
     variables = loop.init(jax.random.key(0), X, shift=0.5, mode="add")
     for mode in ("add", "sub"):
-        y = jax.jit(lambda v, s: stacked.apply(v, X, shift=s, mode=mode))(
+        y = jax.jit(lambda v, s, mode=mode: stacked.apply(v, X, shift=s, mode=mode))(
             to_stack(variables), jnp.float32(0.5)
         )
         assert_trees_close(y, loop.apply(variables, X, shift=0.5, mode=mode))

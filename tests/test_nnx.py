@@ -167,8 +167,8 @@ def test_forward_grad_and_batch_stats_match_a_loop(case):
     assert not jnp.allclose(s.layers.norm.mean[...], 0.0)
     assert_close(nnx.state(s.layers, nnx.BatchStat),
                  stacked([nnx.state(b, nnx.BatchStat) for b in loop.blocks]))
-    (l, g), (l_loop, g_loop) = loss_and_grads(s, X), loss_and_grads(loop, X)
-    assert_close(l, l_loop)
+    (value, g), (value_loop, g_loop) = loss_and_grads(s, X), loss_and_grads(loop, X)
+    assert_close(value, value_loop)
     assert_close(g["layers"], stacked([g_loop["blocks"][i] for i in range(n)]), GRAD_TOL)
 
 
