@@ -23,11 +23,11 @@ For every variant and n it reports:
   the wall time of ``jit(grad(loss)).lower(params, x).compile()`` (tracing included).
   Every variant is compiled once at a tiny depth first, so one-time costs (imports,
   first-use initialisation) are not charged to whichever variant happens to run first.
-  With ``--compile-repeats k`` every variant is compiled k times, interleaved, and the
-  fastest is shown. **trace** is the tracing and lowering part of it (Python: what a
-  library adds), the rest is XLA's.
+  With ``--compile-repeats k`` every variant is compiled k times, interleaved (each
+  repeat in a new shuffled order), and the fastest is shown. **trace** is the tracing and
+  lowering part of it (Python: what a library adds); the rest is XLA's.
 * **step** -- the median over rounds of one call of the compiled ``jit(grad(loss))`` in
-  steady state: each round visits every variant in a rotated order and times its second
+  steady state: each round visits every variant in a shuffled order and times its second
   of two back-to-back calls, so the time does not depend on which variant ran before
   (on the CPU, a variant that follows one with large temp buffers pays page faults that
   its own next step would not).
@@ -79,6 +79,7 @@ import hashlib
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import sys
@@ -1210,7 +1211,7 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
             except Exception as e:  # noqa: BLE001
                 failed(f"{case.name} n={n}", e)
         for repeat in range(cfg.compile_repeats):
-            for name in list(built):
+            for name in _shuffled(list(built), cfg.seed, repeat):
                 bar.describe(f"{block} n={n}: compile {name}")
                 row = rows[name]
                 try:
@@ -1245,8 +1246,7 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
         names = list(compiled)
         for r in range(cfg.rounds):
             bar.describe(f"{block} n={n}: step times, round {r + 1}/{cfg.rounds}")
-            k = r % max(1, len(names))
-            for name in names[k:] + names[:k]:
+            for name in _shuffled(names, cfg.seed, r):
                 # Steady state: the untimed call leaves the allocator as this variant's
                 # own steps would, not as the previous variant left it.
                 _time_call(compiled[name])
@@ -1260,6 +1260,13 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
         built.clear()
         compiled.clear()
     return results
+
+
+def _shuffled(names: list[str], seed: int, i: int) -> list[str]:
+    """Repeat (or round) ``i``'s order: a seeded shuffle, so that no variant always runs
+    right after the same one (with a fixed or rotated order, a variant's neighbour
+    biases its times by a few percent, as the control rows showed)."""
+    return random.Random(f"{seed}/{i}").sample(names, len(names))
 
 
 def _paired(r: Result, ref: Result, what: str) -> float:
