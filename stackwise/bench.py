@@ -36,8 +36,9 @@ For every variant and n it reports:
 * **program** -- ``len(lowered.as_text())``, the size of the StableHLO program.
 * **barrier bytes** -- bytes of params and of constants that pass an
   ``optimization_barrier`` per step (see :func:`optimization_barrier_bytes`).
-* **= tool** -- whether the compiled program equals that of the row it is compared with,
-  up to names (see :func:`program_fingerprint`).
+* **ops != tool** -- how many instructions of the compiled program (XLA's optimised HLO,
+  names and metadata blanked as in :func:`program_fingerprint`) are not shared with the
+  program of the tool the row is compared with: 0 is the same program.
 
 Ratios are medians of per-repeat (per-round) ratios, paired because variants timed
 within seconds of each other share the machine's state, and printed against the
@@ -71,6 +72,7 @@ tqdm and matplotlib are imported when used, and missing ones are skipped.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import functools
@@ -503,12 +505,23 @@ def program_fingerprint(hlo_text: str) -> str:
     >>> program_fingerprint(compiled(f)) == program_fingerprint(compiled(jnp.cos))
     False
     """
+    return hashlib.sha256("\n".join(_instructions(hlo_text)).encode()).hexdigest()[:16]
+
+
+def _instructions(hlo_text: str) -> list[str]:
+    """The instruction lines of an HLO text, in order, names and metadata blanked."""
     lines = []
     for line in hlo_text.splitlines():
         line = line.strip()
         if " = " in line and not line.startswith(("HloModule", "//")):
             lines.append(_NAME.sub("%", _METADATA.sub("", line)))
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    return lines
+
+
+def _instructions_unlike(a: list[str], b: list[str]) -> int:
+    """How many instructions two programs do not share (a multiset difference, both ways)."""
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    return sum((ca - cb).values()) + sum((cb - ca).values())
 
 
 # ==========================================================================
@@ -591,7 +604,7 @@ class Result:
     compile_vs_tool: float = math.nan
     step_vs_tool: float = math.nan
     program_hash: str = ""  # program_fingerprint of the compiled program
-    same_program_as_tool: str = ""  # "yes" / "no" for rows with a tool
+    ops_unlike_tool: int = -1  # instructions not shared with the tool's program; 0: the same
     note: str = ""
     compile_samples: tuple[float, ...] = ()  # one per repeat, in order
     step_samples: tuple[float, ...] = ()  # one per round, in order
@@ -1203,7 +1216,7 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
         rows = {
             c.name: Result(block, n, c.framework, c.name, c.remat, tool=c.tool) for c in working
         }
-        built, compiled = {}, {}
+        built, compiled, programs = {}, {}, {}
         for case in working:
             bar.describe(f"{block} n={n}: build {case.name}")
             try:
@@ -1234,11 +1247,15 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
                     row.barrier_ops = barriers.count
                     if not barriers.exact:
                         row.note = "barrier bytes approximate (a loop's trip count unread)"
+                    programs[name] = _instructions(c.fn.as_text())
                     row.program_hash = program_fingerprint(c.fn.as_text())
                     memory = c.fn.memory_analysis()
                     row.temp_bytes = int(getattr(memory, "temp_size_in_bytes", -1))
                 compiled[name] = c
                 bar.advance()
+        for name, row in rows.items():
+            if name in programs and row.tool in programs:
+                row.ops_unlike_tool = _instructions_unlike(programs[name], programs[row.tool])
         bar.describe(f"{block} n={n}: warm-up calls")
         for c in compiled.values():
             _time_call(c)
@@ -1256,7 +1273,7 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
             rows[name].step_s = statistics.median(rows[name].step_samples)
         if not sys.stderr.isatty():  # no live progress bar: say where we are
             log(f"{block} n={n}: measured {len(compiled)} variants")
-        results += [rows[name] for name in compiled]
+        results += [rows[c.name] for c in working if c.name in compiled]  # cases' order
         built.clear()
         compiled.clear()
     return results
@@ -1276,10 +1293,27 @@ def _paired(r: Result, ref: Result, what: str) -> float:
     by i cancels the machine's slow drift, which moves single timings by 10-20% on a
     shared 2-core VM. Without samples (rows read from an old CSV): the summaries' ratio.
     """
+    return _paired_interval(r, ref, what)[0]
+
+
+def _paired_interval(r: Result, ref: Result, what: str) -> tuple[float, float, float]:
+    """:func:`_paired`'s median with a distribution-free ~95% interval for it.
+
+    The interval is ``[q_(m+1), q_(k-m)]`` of the k sorted ratios, with the largest m
+    such that ``P(Binomial(k, 1/2) <= m) <= 2.5%`` (order statistics: no assumption on
+    the noise's shape). NaN bounds with fewer than 6 paired samples.
+    """
     a, b = getattr(r, f"{what}_samples"), getattr(ref, f"{what}_samples")
-    if a and len(a) == len(b):
-        return statistics.median(x / y for x, y in zip(a, b))
-    return getattr(r, f"{what}_s") / getattr(ref, f"{what}_s")
+    if not a or len(a) != len(b):
+        return getattr(r, f"{what}_s") / getattr(ref, f"{what}_s"), math.nan, math.nan
+    q = sorted(x / y for x, y in zip(a, b))
+    k, m, tail = len(q), -1, 0.0
+    while tail + math.comb(k, m + 1) / 2**k <= 0.025:
+        m += 1
+        tail += math.comb(k, m) / 2**k
+    if m < 0:
+        return statistics.median(q), math.nan, math.nan
+    return statistics.median(q), q[m], q[k - 1 - m]
 
 
 def _fill_ratios(results: list[Result]) -> None:
@@ -1295,8 +1329,6 @@ def _fill_ratios(results: list[Result]) -> None:
             r.compile_vs_loop, r.step_vs_loop = (_paired(r, loop, w) for w in ("compile", "step"))
         if tool:
             r.compile_vs_tool, r.step_vs_tool = (_paired(r, tool, w) for w in ("compile", "step"))
-            if r.program_hash and tool.program_hash:
-                r.same_program_as_tool = "yes" if r.program_hash == tool.program_hash else "no"
 
 
 # ==========================================================================
@@ -1307,13 +1339,25 @@ class _Target(NamedTuple):
     what: str
     measured: float
     limit: float | None  # None: shown for reference (a noise floor), no target
+    low: float = math.nan  # ~95% interval of `measured`, when it is a paired median
+    high: float = math.nan
 
 
 def _target_cells(t: _Target, no: str = "NO") -> list[str]:
+    """what, measured (interval), target, met: "yes"; "within noise" when the median
+    misses but the interval reaches the target (the miss is not significant); else no."""
+    measured = _fmt(t.measured, ".3f")
+    if not math.isnan(t.low):
+        measured += f" ({t.low:.2f}-{t.high:.2f})"
     if t.limit is None:
-        return [t.what, _fmt(t.measured, ".3f"), "reference", "-"]
-    met = "-" if math.isnan(t.measured) else ("yes" if t.measured <= t.limit else no)
-    return [t.what, _fmt(t.measured, ".3f"), f"<= {t.limit:g}", met]
+        return [t.what, measured, "reference", "-"]
+    if math.isnan(t.measured):
+        met = "-"
+    elif t.measured <= t.limit:
+        met = "yes"
+    else:
+        met = "within noise" if t.low <= t.limit else no
+    return [t.what, measured, f"<= {t.limit:g}", met]
 
 
 def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
@@ -1323,20 +1367,26 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
     def get(block, n, variant):
         return by_key.get((block, n, variant))
 
+    def ratio(what, row, ref, timing, limit):
+        median, low, high = _paired_interval(row, ref, timing)
+        return _Target(what, median, limit, low, high)
+
     mlp_ns = sorted({r.n for r in results if r.block == "mlp"})
     if mlp_ns:
         n = cfg.target_n if cfg.target_n in mlp_ns else mlp_ns[-1]
         sw = get("mlp", n, "stackwise")
-        if sw:
+        scan, loop = get("mlp", n, "lax.scan (hand)"), get("mlp", n, "loop (separate params)")
+        if sw and scan:
             out += [
-                _Target(f"mlp n={n}: stackwise compile / hand scan", sw.compile_vs_scan, 1.05),
-                _Target(f"mlp n={n}: stackwise compile / loop", sw.compile_vs_loop, 0.25),
-                _Target(f"mlp n={n}: stackwise step / hand scan", sw.step_vs_scan, 1.03),
+                ratio(f"mlp n={n}: stackwise compile / hand scan", sw, scan, "compile", 1.05),
+                ratio(f"mlp n={n}: stackwise step / hand scan", sw, scan, "step", 1.03),
             ]
+        if sw and loop:
+            out.append(ratio(f"mlp n={n}: stackwise compile / loop", sw, loop, "compile", 0.25))
         default = get("mlp", n, "stackwise default")
-        if default:
-            out.append(_Target(
-                f"mlp n={n}: stackwise default (dots remat) step / loop", default.step_vs_loop, 1.3
+        if default and loop:
+            out.append(ratio(
+                f"mlp n={n}: stackwise default (dots remat) step / loop", default, loop, "step", 1.3
             ))
         first, last = get("mlp", mlp_ns[0], "stackwise"), get("mlp", mlp_ns[-1], "stackwise")
         if first and last and first is not last:
@@ -1363,40 +1413,41 @@ def _targets(results: list[Result], cfg: BenchConfig) -> list[_Target]:
             # Like for like: the adapter and its framework's tool with the same remat.
             for suffix in ("", " default", " remat"):
                 row = get("transformer", n, adapter + suffix)
-                if not row or not row.tool:
+                ref = get("transformer", n, row.tool) if row and row.tool else None
+                if not ref:
                     continue
-                same = " (same program)" if row.same_program_as_tool == "yes" else ""
+                unlike = row.ops_unlike_tool
+                same = (
+                    "" if unlike < 0 else " (same program)" if unlike == 0
+                    else f" ({unlike} instructions differ)"
+                )
                 out += [
-                    _Target(f"tf n={n}: {row.variant} compile / {row.tool}{same}",
-                            row.compile_vs_tool, 1.0),
-                    _Target(f"tf n={n}: {row.variant} step / {row.tool}{same}",
-                            row.step_vs_tool, 1.03),
+                    ratio(f"tf n={n}: {row.variant} {w} / {row.tool}{same}", row, ref, w, limit)
+                    for w, limit in (("compile", 1.0), ("step", 1.03))
                 ]
             # As written: `Stack(Block, n)` (default remat) against the tool's default (none).
             default = get("transformer", n, adapter + " default")
             plain = get("transformer", n, tool)
             if default and plain:
                 out += [
-                    _Target(f"tf n={n}: {adapter} default compile / {tool} (both as written)",
-                            _paired(default, plain, "compile"), 1.0),
-                    _Target(f"tf n={n}: {adapter} default step / {tool} (both as written)",
-                            _paired(default, plain, "step"), 1.03),
+                    ratio(f"tf n={n}: {adapter} default {w} / {tool} (both as written)",
+                          default, plain, w, limit)
+                    for w, limit in (("compile", 1.0), ("step", 1.03))
                 ]
             # The noise floor: the tool against a second, separately compiled copy of itself.
             control = get("transformer", n, f"{tool} (control)")
-            if control:
+            if control and plain:
                 out += [
-                    _Target(f"tf n={n}: noise: {tool} (control) compile / {tool}",
-                            control.compile_vs_tool, None),
-                    _Target(f"tf n={n}: noise: {tool} (control) step / {tool}",
-                            control.step_vs_tool, None),
+                    ratio(f"tf n={n}: noise: {tool} (control) {w} / {tool}",
+                          control, plain, w, None)
+                    for w in ("compile", "step")
                 ]
             loop_row = get("transformer", n, loop)
             for variant in (adapter, adapter + " default"):
                 row = get("transformer", n, variant)
                 if row and loop_row:
-                    out.append(_Target(f"tf n={n}: {variant} compile / {loop}",
-                                       _paired(row, loop_row, "compile"), 0.25))
+                    out.append(ratio(f"tf n={n}: {variant} compile / {loop}", row, loop_row,
+                                     "compile", 0.25))
     return out
 
 
@@ -1428,7 +1479,7 @@ def _table_rows(results: list[Result]) -> list[list[str]]:
             _fmt(r.temp_bytes / 2**20, ".1f") if r.temp_bytes >= 0 else "-",
             _kib(r.program_chars),
             f"{_kib(r.barrier_param_bytes)} / {_kib(r.barrier_const_bytes)}",
-            r.same_program_as_tool or "-",
+            "-" if r.ops_unlike_tool < 0 else str(r.ops_unlike_tool),
         ]
         for r in results
     ]
@@ -1437,7 +1488,7 @@ def _table_rows(results: list[Result]) -> list[list[str]]:
 _HEADERS = [
     "n", "variant", "remat", "compile s", "trace s", "/scan", "/loop", "/tool", "step ms", "/scan",
     "/loop",
-    "/tool", "temp MiB", "HLO Kchars", "barrier KiB p / c", "= tool",
+    "/tool", "temp MiB", "HLO Kchars", "barrier KiB p / c", "ops != tool",
 ]
 
 
