@@ -1247,8 +1247,9 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
                     row.barrier_ops = barriers.count
                     if not barriers.exact:
                         row.note = "barrier bytes approximate (a loop's trip count unread)"
-                    programs[name] = _instructions(c.fn.as_text())
-                    row.program_hash = program_fingerprint(c.fn.as_text())
+                    hlo = c.fn.as_text()
+                    programs[name] = _instructions(hlo)
+                    row.program_hash = program_fingerprint(hlo)
                     memory = c.fn.memory_analysis()
                     row.temp_bytes = int(getattr(memory, "temp_size_in_bytes", -1))
                 compiled[name] = c
