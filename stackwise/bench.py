@@ -29,8 +29,8 @@ For every variant and n it reports:
 * **step** -- the median over rounds of one call of the compiled ``jit(grad(loss))`` in
   steady state: each round visits every variant in a shuffled order and times its second
   of two back-to-back calls, so the time does not depend on which variant ran before
-  (on the CPU, a variant that follows one with large temp buffers pays page faults that
-  its own next step would not).
+  (timing single calls, the same program measured 5-9% apart depending on the variant
+  that ran before it).
 * **temp** -- ``compiled.memory_analysis().temp_size_in_bytes``: XLA's scratch memory,
   which holds the activations saved for the backward pass.
 * **program** -- ``len(lowered.as_text())``, the size of the StableHLO program.
@@ -1265,8 +1265,8 @@ def _run_block(block, cases, ns, cfg, bar, notes, log) -> list[Result]:
         for r in range(cfg.rounds):
             bar.describe(f"{block} n={n}: step times, round {r + 1}/{cfg.rounds}")
             for name in _shuffled(names, cfg.seed, r):
-                # Steady state: the untimed call leaves the allocator as this variant's
-                # own steps would, not as the previous variant left it.
+                # Steady state: the untimed call leaves the machine (allocator, caches) as
+                # this variant's own steps would, not as the previous variant left it.
                 _time_call(compiled[name])
                 rows[name].step_samples += (_time_call(compiled[name]),)
             bar.advance()
