@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _programs import barrier_operand_types
 from _trees import assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -354,13 +353,6 @@ def test_python_loop_runs_under_disable_jit():
 W_SHAPE, CONST_SHAPE, X_SHAPE = (5, 7), (1, 7), (3, 5)
 
 
-def _barrier_operand_types(text):
-    types = []
-    for line in text.splitlines():
-        if "optimization_barrier" in line:
-            sig = line.rsplit(":", 1)[1]
-            types += re.findall(r"tensor<([^>]*)>", sig)
-    return types
 
 
 def _remat_program(remat, unroll, n=3):
@@ -385,7 +377,7 @@ def test_no_barriers_inside_the_scan(remat):
 
 def test_unrolled_remat_barriers_protect_activations_only():
     text = _remat_program(True, unroll=True)
-    types = _barrier_operand_types(text)
+    types = barrier_operand_types(text)
     assert types, "expected optimization barriers around the rematerialised activations"
     assert "3x5xf32" in types  # the carry
     for t in types:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 
 import flax.errors
 import flax.linen as nn
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _programs import barrier_operand_types
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -531,12 +531,6 @@ def test_partition_specs_gain_the_layer_axis_as_in_nn_scan(axis):
 # Remat in the lowered program.
 
 
-def _barrier_operand_types(text):
-    types = []
-    for line in text.splitlines():
-        if "optimization_barrier" in line:
-            types += re.findall(r"tensor<([^>]*)>", line.rsplit(":", 1)[1])
-    return types
 
 
 class Wide(nn.Module):
@@ -554,7 +548,7 @@ def _lowered(**options):
 
 
 def test_remat_barriers_protect_activations_only():
-    types = _barrier_operand_types(_lowered(remat=True, unroll=True))
+    types = barrier_operand_types(_lowered(remat=True, unroll=True))
     assert types, "expected optimization barriers around the rematerialised activations"
     assert "3x5xf32" in types
     for t in types:

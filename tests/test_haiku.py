@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import re
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _programs import barrier_operand_types
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -393,12 +393,6 @@ def _lowered_grad(remat, unroll, n=3):
     return jax.jit(grad).lower(params, x).as_text()
 
 
-def _barrier_operand_types(text):
-    types = []
-    for line in text.splitlines():
-        if "optimization_barrier" in line:
-            types += re.findall(r"tensor<([^>]*)>", line.rsplit(":", 1)[1])
-    return types
 
 
 def test_remat_adds_no_barriers_inside_the_scan():
@@ -407,7 +401,7 @@ def test_remat_adds_no_barriers_inside_the_scan():
 
 
 def test_unrolled_remat_passes_no_param_through_a_barrier():
-    types = _barrier_operand_types(_lowered_grad(True, unroll=True))
+    types = barrier_operand_types(_lowered_grad(True, unroll=True))
     assert "3x5xf32" in types, "expected barriers around the rematerialised carry"
     params = {"5x7xf32", "7xf32", "7x5xf32", "5xf32"}
     assert not params & set(types), f"params pass a barrier: {types}"
