@@ -615,10 +615,42 @@ class _Case(NamedTuple):
 
     name: str
     framework: str
-    remat: str  # off | layer | nested
+    remat: str  # off | dots | layer | nested
     build: Callable[[int], tuple[Any, Any, Callable]]
     role: str = ""  # "loop" / "scan": the references for /loop and /scan
     tool: str = ""  # for an adapter: the name of its framework's own tool
+
+
+def _tool_cases(
+    framework: str, names: dict[str, str], build: Callable[[Any], Callable]
+) -> list[_Case]:
+    """A framework tool's rows at each remat setting (``off``, ``dots``, ``layer``).
+
+    ``names`` maps the setting to the row's name; ``build(remat)`` gives the case's
+    build for remat ``False``, ``"dots"`` (the tool's remat with policy ``_DOTS``) or
+    ``True``. The ``off`` row runs twice: the second, ``(control)``, is compared with the
+    first, so its ratios are the run's noise floor.
+    """
+    off = names["off"]
+    return [
+        _Case(off, framework, "off", build(False)),
+        _Case(f"{off} (control)", framework, "off", build(False), tool=off),
+        _Case(names["dots"], framework, "dots", build("dots")),
+        _Case(names["layer"], framework, "layer", build(True)),
+    ]
+
+
+def _adapter_cases(
+    name: str, framework: str, tools: dict[str, str], build: Callable[[Any], Callable]
+) -> list[_Case]:
+    """An adapter's rows with ``remat`` False, ``stackwise.DEFAULT_REMAT`` and True
+    (``build(remat)``), each compared with its tool's row of the same setting."""
+    return [
+        _Case(name, framework, "off", build(False), tool=tools["off"]),
+        _Case(f"{name} default", framework, "dots", build(stackwise.DEFAULT_REMAT),
+              tool=tools["dots"]),
+        _Case(f"{name} remat", framework, "layer", build(True), tool=tools["layer"]),
+    ]
 
 
 def _mean_square(y: jax.Array) -> jax.Array:
@@ -851,15 +883,13 @@ def _haiku_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
             fn = hk.remat(fn, policy=_DOTS if remat == "dots" else None)
         return hk.layer_stack(n)(fn)(x)
 
+    tools = {
+        "off": "hk.layer_stack", "dots": "hk.layer_stack+hk.remat(dots)",
+        "layer": "hk.layer_stack+hk.remat",
+    }
     cases = [
         _Case("hk loop", "haiku", "off", model(loop)),
-        _Case("hk.layer_stack", "haiku", "off", model(functools.partial(layer_stack, False))),
-        _Case("hk.layer_stack (control)", "haiku", "off",
-              model(functools.partial(layer_stack, False)), tool="hk.layer_stack"),
-        _Case("hk.layer_stack+hk.remat(dots)", "haiku", "dots",
-              model(functools.partial(layer_stack, "dots"))),
-        _Case("hk.layer_stack+hk.remat", "haiku", "layer",
-              model(functools.partial(layer_stack, True))),
+        *_tool_cases("haiku", tools, lambda remat: model(functools.partial(layer_stack, remat))),
     ]
     try:
         import stackwise.haiku as sw_haiku
@@ -870,16 +900,10 @@ def _haiku_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
     def adapter(remat, n, x):
         return sw_haiku.Stack(Block, n=n, remat=remat)(x)
 
-    cases += [
-        _Case("stackwise.haiku.Stack", "haiku", "off", model(functools.partial(adapter, False)),
-              tool="hk.layer_stack"),
-        _Case("stackwise.haiku.Stack default", "haiku", "dots",
-              model(functools.partial(adapter, stackwise.DEFAULT_REMAT)),
-              tool="hk.layer_stack+hk.remat(dots)"),
-        _Case("stackwise.haiku.Stack remat", "haiku", "layer",
-              model(functools.partial(adapter, True)), tool="hk.layer_stack+hk.remat"),
-    ]
-    return cases
+    return cases + _adapter_cases(
+        "stackwise.haiku.Stack", "haiku", tools,
+        lambda remat: model(functools.partial(adapter, remat)),
+    )
 
 
 def _flax_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
@@ -933,13 +957,10 @@ def _flax_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
         )
         return scanned()(x, None)[0]
 
+    tools = {"off": "nn.scan", "dots": "nn.scan(nn.remat dots)", "layer": "nn.scan(nn.remat)"}
     cases = [
         _Case("nn loop", "flax", "off", model(loop)),
-        _Case("nn.scan", "flax", "off", model(functools.partial(scan, False))),
-        _Case("nn.scan (control)", "flax", "off", model(functools.partial(scan, False)),
-              tool="nn.scan"),
-        _Case("nn.scan(nn.remat dots)", "flax", "dots", model(functools.partial(scan, "dots"))),
-        _Case("nn.scan(nn.remat)", "flax", "layer", model(functools.partial(scan, True))),
+        *_tool_cases("flax", tools, lambda remat: model(functools.partial(scan, remat))),
     ]
     try:
         import stackwise.flax as sw_flax
@@ -950,16 +971,10 @@ def _flax_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
     def adapter(remat, n, x):
         return sw_flax.Stack(Block, n=n, remat=remat)(x)
 
-    cases += [
-        _Case("stackwise.flax.Stack", "flax", "off", model(functools.partial(adapter, False)),
-              tool="nn.scan"),
-        _Case("stackwise.flax.Stack default", "flax", "dots",
-              model(functools.partial(adapter, stackwise.DEFAULT_REMAT)),
-              tool="nn.scan(nn.remat dots)"),
-        _Case("stackwise.flax.Stack remat", "flax", "layer",
-              model(functools.partial(adapter, True)), tool="nn.scan(nn.remat)"),
-    ]
-    return cases
+    return cases + _adapter_cases(
+        "stackwise.flax.Stack", "flax", tools,
+        lambda remat: model(functools.partial(adapter, remat)),
+    )
 
 
 def _nnx_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
@@ -1019,14 +1034,12 @@ def _nnx_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
                 step = nnx.remat(step, policy=_DOTS if self.remat == "dots" else None)
             return nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(step)(x, self.blocks)
 
+    tools = {
+        "off": "nnx.scan", "dots": "nnx.scan+nnx.remat(dots)", "layer": "nnx.scan+nnx.remat",
+    }
     cases = [
         _Case("nnx loop", "nnx", "off", model(Loop)),
-        _Case("nnx.scan", "nnx", "off", model(lambda n, r: Scan(n, r, False))),
-        _Case("nnx.scan (control)", "nnx", "off", model(lambda n, r: Scan(n, r, False)),
-              tool="nnx.scan"),
-        _Case("nnx.scan+nnx.remat(dots)", "nnx", "dots",
-              model(lambda n, r: Scan(n, r, "dots"))),
-        _Case("nnx.scan+nnx.remat", "nnx", "layer", model(lambda n, r: Scan(n, r, True))),
+        *_tool_cases("nnx", tools, lambda remat: model(lambda n, r: Scan(n, r, remat))),
     ]
     try:
         import stackwise.nnx as sw_nnx
@@ -1037,14 +1050,9 @@ def _nnx_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
     def adapter(remat):
         return lambda n, rngs: sw_nnx.Stack(Block, n=n, rngs=rngs, remat=remat)
 
-    cases += [
-        _Case("stackwise.nnx.Stack", "nnx", "off", model(adapter(False)), tool="nnx.scan"),
-        _Case("stackwise.nnx.Stack default", "nnx", "dots", model(adapter(stackwise.DEFAULT_REMAT)),
-              tool="nnx.scan+nnx.remat(dots)"),
-        _Case("stackwise.nnx.Stack remat", "nnx", "layer", model(adapter(True)),
-              tool="nnx.scan+nnx.remat"),
-    ]
-    return cases
+    return cases + _adapter_cases(
+        "stackwise.nnx.Stack", "nnx", tools, lambda remat: model(adapter(remat))
+    )
 
 
 def _transformer_cases(cfg: BenchConfig, notes: list[str]) -> list[_Case]:
