@@ -1,5 +1,18 @@
 """stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
 
+import os as _os
+
+# The adapters (`stackwise.haiku`, `.flax`, `.nnx`, ...) live in `adapters/<framework>/` of the
+# source tree and are installed as `stackwise/<framework>/`. Imported from a source checkout
+# (e.g. the repository root is the working directory), find them where they are, so that the
+# source tree and an installed package offer the same modules.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
+    _os.path.join(_root, "adapters")
+):
+    __path__.append(_os.path.join(_root, "adapters"))  # noqa: F821 (a package's own __path__)
+del _root
+
 from stackwise._layout import slice_layers as slice_layers
 from stackwise._layout import stack_layers as stack_layers
 from stackwise._layout import stacked_shardings as stacked_shardings
