@@ -39,6 +39,9 @@ def run_module(path: str, timeout: int = 900) -> dict:
     """Runs the test module at ``path`` as a script on 8 simulated CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["JAX_PLATFORMS"] = "cpu"
+    # The worker is this test module run as a script: give it the tests' shared helpers.
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [helpers, env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, path], env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TINY = "--steps 3 --layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --sample-len 12"
 #: Cached decoding and the unstacked loop compute the same logits in another order.
 LOGITS_ATOL = 1e-4

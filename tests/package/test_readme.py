@@ -5,7 +5,7 @@ import re
 
 import jax.numpy as jnp
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_example_runs():
