@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from stackwise._stack import _check_leading_axis, _PerLayer, stack
+from stackwise._adapt import check_depth, tree_leaves
+from stackwise._markers import _PerLayer
+from stackwise._stack import stack
 
 __all__ = ["pipeline"]
 
@@ -206,7 +208,7 @@ def pipeline(
             + ", or a mesh whose stage axis divides n."
         )
     L = n // (S * V)
-    stage = stack(lambda key: None, apply, L, remat=remat, nested=nested, unroll=unroll)
+    stage = stack(None, apply, L, remat=remat, nested=nested, unroll=unroll)
     manual = frozenset({stage_axis} | ({data_axis} if data_axis else set()))
     vary = tuple(sorted(manual))
     explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
@@ -267,7 +269,10 @@ def pipeline(
         return jax.tree.map(lambda v: v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]), outputs)
 
     def pipelined(params, x, *args, **kwargs):
-        _check_leading_axis(params, n, "stackwise.pipeline apply", "params")
+        check_depth(
+            tree_leaves(params), n, "stackwise.pipeline apply", "params",
+            "Stacked params come from `Stacked.init` (or `stackwise.stack_layers`).",
+        )
         bad = [
             f"  {jax.tree_util.keystr(p) or 'x'}: shape {jnp.shape(v)}"
             for p, v in jax.tree_util.tree_leaves_with_path(x)

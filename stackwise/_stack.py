@@ -7,12 +7,19 @@ framework adapters only turn a module into an ``(init, apply)`` pair.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from stackwise import _inplace
+from stackwise._adapt import Options, check_depth, check_options, tree_leaves
+from stackwise._markers import _PerLayer, _split_markers
+from stackwise._markers import layer_index as layer_index
+from stackwise._markers import per_layer as per_layer
+from stackwise._markers import per_layer_keys as per_layer_keys
 
 __all__ = [
     "CARRY_NAME",
@@ -42,6 +49,8 @@ class Stacked(NamedTuple):
     Attributes:
       init: ``params = init(key, *args, **kwargs)``; every leaf gains a leading
         axis of length ``n``. With ``with_state=True``: ``(params, state)``.
+        With a pattern of k layers: a tuple of k stacked trees (see
+        :func:`stack`).
       apply: ``x = apply(params, x, *args, **kwargs)``, the layers run in
         order. With ``has_aux=True`` it returns ``(x, aux)``, aux stacked
         along a leading ``n`` axis; with ``with_state=True`` it is
@@ -55,160 +64,30 @@ class Stacked(NamedTuple):
 
 
 # --------------------------------------------------------------------------
-# Per-layer arguments: markers resolved to one slice per layer.
+# What a layer returns, checked.
 
 
-@jax.tree_util.register_pytree_node_class
-class _PerLayer:
-    """An argument that differs per layer; see :func:`per_layer`.
-
-    A pytree node, so a marked argument passes through ``jax.jit`` and other
-    transformations on its way to ``Stacked.apply``.
-    """
-
-    __slots__ = ("kind", "value")
-
-    def __init__(self, kind: str, value: Any = None):
-        self.kind = kind  # "slices" | "keys" | "index"
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"stackwise.{_MARKER_NAMES[self.kind]}(...)"
-
-    def tree_flatten(self):
-        return (self.value,), self.kind
-
-    @classmethod
-    def tree_unflatten(cls, kind, children):
-        return cls(kind, *children)
-
-    def stacked(self, n: int, where: str) -> Any:
-        """The value with a leading axis ``n``: layer i receives ``[i]``."""
-        if self.kind == "index":
-            return jnp.arange(n, dtype=jnp.int32)
-        if self.kind == "keys":
-            return jax.random.split(self.value, n)
-        _check_leading_axis(
-            self.value, n, where, "stackwise.per_layer(...) value",
-            fix="Layer i receives slice i, so give one entry per layer (`jnp.stack` "
-            "them), or pass the value without `per_layer` to give every layer all of it.",
-        )
-        return self.value
+def _check_pair(out: Any, who: str, what: str, fix: str) -> tuple[Any, Any]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise TypeError(f"{who}: {what}, but it returned {got}. {fix}")
+    return out
 
 
-_MARKER_NAMES = {"slices": "per_layer", "keys": "per_layer_keys", "index": "layer_index"}
-
-
-def per_layer(xs: Any) -> Any:
-    """Marks an argument whose leading axis is the layer axis: layer i gets ``xs[i]``.
-
-    Works for positional and keyword arguments of ``Stacked.init`` and
-    ``Stacked.apply`` and for any pytree (every leaf sliced).
-
-    >>> import jax.numpy as jnp, stackwise
-    >>> layers = stackwise.stack(lambda k: None, lambda p, x, s: x * s, n=3)
-    >>> layers.apply(None, 1.0, stackwise.per_layer(jnp.array([2.0, 3.0, 4.0])))
-    Array(24., dtype=float32)
-    """
-    return _PerLayer("slices", xs)
-
-
-def per_layer_keys(key: jax.Array) -> Any:
-    """Marks a PRNG key to be split into n independent keys, one per layer.
-
-    Layer i receives ``jax.random.split(key, n)[i]``.
-
-    >>> import jax, stackwise
-    >>> layers = stackwise.stack(
-    ...     lambda k: None, lambda p, x, k: x + jax.random.uniform(k), n=4)
-    >>> y = layers.apply(None, 0.0, stackwise.per_layer_keys(jax.random.key(0)))
-    >>> bool(0.0 < y < 4.0)
-    True
-    """
-    return _PerLayer("keys", key)
-
-
-def layer_index() -> Any:
-    """Marks an argument that receives the layer's own index, a traced int32.
-
-    >>> import stackwise
-    >>> layers = stackwise.stack(lambda k: None, lambda p, x, i: x * 10 + i, n=3)
-    >>> layers.apply(None, 0, stackwise.layer_index())
-    Array(12, dtype=int32)
-    """
-    return _PerLayer("index")
-
-
-def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
-    """Separates per-layer markers from the rest of ``(args, kwargs)``.
-
-    Returns ``(xs, rebuild)``: ``xs`` lists each marker's stacked value and
-    ``rebuild(slices)`` gives back ``(args, kwargs)`` with every marker
-    replaced by its slice. Every other leaf (arrays and static Python values
-    alike) is closed over unchanged, so static values stay static.
-    """
-    is_marker = lambda v: isinstance(v, _PerLayer)  # noqa: E731
-    leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_marker)
-    slots = [i for i, (_, leaf) in enumerate(leaves) if is_marker(leaf)]
-    xs = [
-        leaves[i][1].stacked(n, f"{what}{_describe_arg(leaves[i][0])}") for i in slots
-    ]
-    values = [leaf for _, leaf in leaves]
-
-    def rebuild(slices):
-        filled = list(values)
-        for i, s in zip(slots, slices):
-            filled[i] = s
-        return jax.tree_util.tree_unflatten(treedef, filled)
-
-    return xs, rebuild
-
-
-def _describe_arg(path) -> str:
-    """``(args, kwargs)`` path -> ``" argument *args[0]"`` / ``" argument **kwargs['s']"``."""
-    top, first, *rest = path
-    inner = jax.tree_util.keystr(tuple(rest))
-    if top.idx == 0:
-        return f" argument *args[{first.idx}]{inner}"
-    return f" argument **kwargs[{first.key!r}]{inner}"
-
-
-# --------------------------------------------------------------------------
-# Validation.
-
-
-def _leaf_lines(tree: Any, pred: Callable[[Any], bool]) -> list[str]:
-    return [
-        f"  {jax.tree_util.keystr(path) or '<root>'}: shape {jnp.shape(leaf)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        if pred(leaf)
-    ]
-
-
-def _check_leading_axis(tree: Any, n: int, where: str, what: str, fix: str | None = None) -> None:
-    bad = _leaf_lines(tree, lambda a: jnp.ndim(a) == 0 or jnp.shape(a)[0] != n)
-    if bad:
-        fix = fix or (
-            f"Stacked {what} come from `Stacked.init`, or from "
-            "`stackwise.stack_layers([layer_0, ..., layer_{n-1}])`; take the "
-            "first k layers with `stackwise.slice_layers(params, 0, k)`."
-        )
-        raise ValueError(
-            f"{where}: every leaf of the {what} needs a leading layer axis of "
-            f"length n={n}, but these leaves do not:\n" + "\n".join(bad) + "\n" + fix
-        )
-
-
-def _check_carry(old: Any, new: Any, who: str) -> None:
+def _check_carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
     """Raises if a layer changed the carry's structure, shape or dtype."""
     old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
     if old_def != new_def:
+        hint = (
+            "With `has_aux=True` the layer returns `(x, aux)`: check that x comes first."
+            if has_aux
+            else "Per-layer outputs of another structure go in `aux`: build the stack "
+            "with `has_aux=True` and return `(x, aux)`."
+        )
         raise TypeError(
             f"{who}: a layer must return its input `x` with the same "
             f"pytree structure (it is fed to the next layer), but it took\n  {old_def}\n"
-            f"and returned\n  {new_def}\n"
-            "Per-layer outputs of another structure go in `aux`: build the "
-            "stack with `has_aux=True` and return `(x, aux)`."
+            f"and returned\n  {new_def}\n{hint}"
         )
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new)
@@ -229,19 +108,19 @@ def _check_carry(old: Any, new: Any, who: str) -> None:
             )
 
 
-def _remat_policy(remat: Any) -> tuple[bool, Callable | None]:
-    """Normalises ``remat`` to ``(enabled, policy)``: the one home of that logic."""
-    if remat is False or remat is None:
-        return False, None
-    if remat is True:
-        return True, None
-    if callable(remat):
-        return True, remat
-    raise TypeError(
-        f"stackwise.stack: `remat` must be False, True or a policy from "
-        f"`jax.checkpoint_policies` (e.g. `jax.checkpoint_policies.dots_saveable`), "
-        f"got {remat!r}."
-    )
+def _check_not_split_over_layers(params: Any, who: str) -> None:
+    """Params placed with the layer axis sharded cannot be scanned layer by layer."""
+    for name, leaf in tree_leaves(params):
+        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+        if spec and spec[0] is not None:
+            raise ValueError(
+                f"{who}: params leaf {name} is split over mesh axis {spec[0]!r} along "
+                "its layer axis (e.g. by `stackwise.shard_stacked(..., layer_axis=...)`), "
+                "but `Stacked.apply` runs the layers one after another on every device. "
+                "Run them as pipeline stages with `stackwise.pipeline`, or reshard the "
+                "layer axis to replicated first (`stackwise.shard_stacked(params, mesh, "
+                "specs)` without `layer_axis`)."
+            )
 
 
 # --------------------------------------------------------------------------
@@ -249,11 +128,11 @@ def _remat_policy(remat: Any) -> tuple[bool, Callable | None]:
 
 
 def stack(
-    init: Callable[..., Any],
-    apply: Callable[..., Any],
+    init: Callable[..., Any] | Sequence[Callable[..., Any]] | None,
+    apply: Callable[..., Any] | Sequence[Callable[..., Any]],
     n: int,
     *,
-    remat: bool | Callable[..., bool] = DEFAULT_REMAT,
+    remat: bool | Callable[..., Any] = DEFAULT_REMAT,
     nested: bool | int = False,
     unroll: int | bool = 1,
     reverse: bool = False,
@@ -287,16 +166,35 @@ def stack(
     >>> bool(jnp.allclose(y, y_loop, atol=1e-6))
     True
 
+    A pattern of k different layers repeats along the depth (Gemma's local and
+    global attention, dense and MoE blocks): layer i runs ``apply[i % k]``
+    with params made by ``init[i % k]``, and ``n`` need not be a multiple of
+    ``k``. The params are a tuple of k stacked trees; tree p holds layers p,
+    p+k, p+2k, ..., in that order:
+
+    >>> def scaled(key, d):
+    ...     return {"s": jnp.full((1, d), 0.5)}
+    >>> pattern = stackwise.stack([init, scaled], [apply, lambda p, x: x * p["s"]], n=5)
+    >>> dense, scales = pattern.init(jax.random.key(0), 8)
+    >>> dense["w"].shape, scales["s"].shape  # layers 0, 2, 4 and layers 1, 3
+    ((3, 8, 8), (2, 1, 8))
+    >>> pattern.apply((dense, scales), x).shape
+    (2, 8)
+
     Args:
       init: ``layer_params = init(key, *args, **kwargs)`` for one layer (with
         ``with_state=True`` it returns ``(layer_params, layer_state)``).
         ``Stacked.init`` calls it once per key of ``jax.random.split(key, n)``
-        (vectorised with :func:`jax.vmap`) and stacks the results.
+        (vectorised with :func:`jax.vmap`) and stacks the results. ``None``
+        when the params come from elsewhere (a checkpoint,
+        :func:`stackwise.stack_layers`): ``Stacked.init`` then raises. A
+        sequence of k functions (or ``None`` s) for a pattern.
       apply: ``x = apply(layer_params, x, *args, **kwargs)`` for one layer.
         ``x`` is any pytree; the layer must return it with the same structure,
         shapes and dtypes. With ``has_aux=True`` it returns ``(x, aux)``; with
         ``with_state=True`` its signature is
-        ``out, layer_state = apply(layer_params, layer_state, x, ...)``.
+        ``out, layer_state = apply(layer_params, layer_state, x, ...)``. A
+        sequence of k functions for a pattern (as many as ``init``).
       n: the number of layers, a positive int.
       remat: rematerialise each layer's activations in the backward pass
         instead of storing them: ``False`` (store every residual), ``True``
@@ -314,19 +212,26 @@ def stack(
         groups of about ``sqrt(n)`` layers (a divisor of ``n`` if one is near);
         an int sets the group size. A last, smaller group takes the remainder
         when the size does not divide ``n`` (this slices the stacked params: a
-        copy). Combines with ``remat``, which then applies inside each group.
-        It pays off when per-layer activations outweigh per-layer params: the
-        backward pass keeps one group's param gradients as well.
-      unroll: an int is passed to :func:`jax.lax.scan`; ``True`` runs a Python
-        loop over the layers instead (same params layout; each layer traced
-        separately; runs eagerly under :func:`jax.disable_jit` for debugging,
-        where ``remat`` is then skipped).
+        copy). With a pattern, groups hold whole repeats of it and the sizes
+        count repeats. Combines with ``remat``, which then applies inside each
+        group. It pays off when per-layer activations outweigh per-layer
+        params: the backward pass keeps one group's param gradients as well.
+      unroll: an int is passed to :func:`jax.lax.scan` (with a pattern: repeats
+        of it per iteration); ``True`` runs a Python loop over the layers
+        instead (same params layout; each layer traced separately; runs
+        eagerly under :func:`jax.disable_jit` for debugging, where ``remat`` is
+        then skipped).
       reverse: run the last layer first. Per-layer inputs and outputs keep
         their layer order.
       has_aux: the layer returns ``(x, aux)``; ``Stacked.apply`` returns
-        ``(x, aux)`` with every aux leaf stacked along a leading ``n`` axis.
+        ``(x, aux)`` with every aux leaf stacked along a leading ``n`` axis
+        (a tuple per pattern position for a pattern).
       with_state: the layer carries per-layer mutable state (normalisation
-        statistics, counters, a KV cache): see ``init`` and ``apply``.
+        statistics, counters, a KV cache): see ``init`` and ``apply``. A state
+        leaf the layer returns as its input leaf written with
+        :func:`jax.lax.dynamic_update_slice` (a KV cache's new positions) is
+        updated in place in the stacked state, so decoding with a donated
+        cache copies nothing per token; every other leaf is returned whole.
       name: what error messages call the stack (adapters pass their own name and
         the block's, e.g. ``"stackwise.flax.Stack(Block)"``).
 
@@ -335,131 +240,306 @@ def stack(
     :func:`per_layer_keys` (layer i gets the i-th of n independent keys) or
     pass :func:`layer_index` (layer i gets ``i`` as a traced int32). Every
     other argument reaches every layer unchanged; Python values (bools,
-    strings, None) stay static.
+    strings, None) stay static, so under :func:`jax.jit` pass them as static
+    arguments: ``jax.jit(layers.apply, static_argnames="train")(params, x,
+    train=True)`` (a jitted function otherwise turns ``True`` into a tracer,
+    and ``if train:`` in the layer fails with a ``TracerBoolConversionError``).
 
     Returns:
       A :class:`Stacked` ``(init, apply, n)``.
 
     Raises:
       TypeError: ``init``/``apply`` not callable, ``n`` not an int, an unknown
-        ``remat`` or ``unroll`` value, or a layer that changes the carry.
+        ``remat``, ``unroll`` or ``nested`` value, a non-bool flag, or a layer
+        that changes the carry or returns the wrong number of values.
       ValueError: ``n < 1``, or params / per-layer inputs whose leading axis is
         not ``n`` (the offending leaves are listed).
     """
-    for arg, fn in (("init", init), ("apply", apply)):
-        if not callable(fn):
-            raise TypeError(
-                f"stackwise.stack: `{arg}` must be callable, got {type(fn).__name__} "
-                f"{fn!r}. Call it as `stackwise.stack(init, apply, n)`."
-            )
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(
-            f"stackwise.stack: `n` must be a Python int (the number of layers), got "
-            f"{type(n).__name__} {n!r}. The depth is static: for a data-dependent "
-            "number of iterations use `jax.lax.while_loop`."
-        )
-    if n < 1:
-        raise ValueError(f"stackwise.stack: `n` must be at least 1, got {n}.")
-    rematted, policy = _remat_policy(remat)
-    if unroll is False:
-        unroll = 1  # as in lax.scan: no unrolling
-    positive_int = isinstance(unroll, int) and not isinstance(unroll, bool) and unroll >= 1
-    if unroll is not True and not positive_int:
-        raise TypeError(
-            f"stackwise.stack: `unroll` must be a positive int (passed to "
-            f"`lax.scan`) or True (a Python loop), got {unroll!r}."
-        )
-    if isinstance(nested, bool):
-        group = _group_size(n) if nested else None
-    elif isinstance(nested, int) and 1 <= nested:
-        group = min(nested, n)
-    else:
-        raise TypeError(
-            f"stackwise.stack: `nested` must be a bool or a positive int group size, "
-            f"got {nested!r}."
-        )
-    python_loop = unroll is True
     who = name or "stackwise.stack"
+    inits, applies, pattern = _layers(init, apply, who)
+    options = check_options(
+        who, n, remat=remat, nested=nested, unroll=unroll, reverse=reverse, has_aux=has_aux
+    )
+    if not isinstance(with_state, bool):
+        raise TypeError(
+            f"{who}: `with_state` must be True or False, got {type(with_state).__name__} "
+            f"{with_state!r}."
+        )
+    k = len(applies)
+    if n < k:
+        raise ValueError(
+            f"{who}: a pattern of {k} layers needs n >= {k} layers, got n={n}; for fewer "
+            "layers, give the first n positions only."
+        )
+    run = _Run(applies, n, options, with_state, who)
+
+    def unwrap(trees: tuple) -> Any:
+        return trees if pattern else trees[0]
 
     def stacked_init(key, *args, **kwargs):
+        if inits is None:
+            raise TypeError(
+                f"{who}: this stack was built without `init` (`stackwise.stack(None, "
+                "apply, n)`), so it makes no params: give `Stacked.apply` params from "
+                "elsewhere, e.g. `stackwise.stack_layers([...])` of per-layer params."
+            )
         keys = jax.random.split(key, n)
         xs, rebuild = _split_markers(args, kwargs, n, f"{who}: Stacked.init")
+        out = []
+        for p, init_p in enumerate(inits):
 
-        def one(key_i, slices):
-            a, kw = rebuild(slices)
-            return init(key_i, *a, **kw)
+            def one(key_i, slices, init_p=init_p):
+                a, kw = rebuild(slices)
+                made = init_p(key_i, *a, **kw)
+                if with_state:
+                    made = _check_pair(
+                        made,
+                        who,
+                        "with `with_state=True`, `init` returns `(layer_params, layer_state)`",
+                        "Return `(params, None)` for a layer without initial state.",
+                    )
+                return made
 
-        return jax.vmap(one)(keys, xs)
-
-    def layer(p, s, x, slices, rebuild):
-        """One layer, as the scan body sees it: ``x, (state, aux)``."""
-        x = checkpoint_name(x, CARRY_NAME)
-        a, kw = rebuild(slices)
+            out.append(jax.vmap(one)(keys[p::k], _position(xs, p, k)))
         if with_state:
-            out, s = apply(p, s, x, *a, **kw)
-        else:
-            out = apply(p, x, *a, **kw)
-        new_x, aux = out if has_aux else (out, None)
-        _check_carry(x, new_x, who)
-        return new_x, (s, aux)
+            return unwrap(tuple(o[0] for o in out)), unwrap(tuple(o[1] for o in out))
+        return unwrap(tuple(out))
 
-    def stacked_apply(params, *args, **kwargs):
+    def stacked_apply(*args, **kwargs):
         if with_state:
-            if len(args) < 2:
+            if len(args) < 3:
                 raise TypeError(
-                    "Stacked.apply with `with_state=True` is called as "
+                    f"{who}: with `with_state=True`, Stacked.apply is called as "
                     "`apply(params, state, x, *args, **kwargs)`."
                 )
-            state, x, *args = args
+            params, state, x, *args = args
         else:
-            if not args:
-                raise TypeError("Stacked.apply is called as `apply(params, x, *args, **kwargs)`.")
-            state, (x, *args) = None, args
-        _check_leading_axis(params, n, f"{who}: Stacked.apply", "params")
-        if with_state:
-            _check_leading_axis(state, n, f"{who}: Stacked.apply", "state")
+            if len(args) < 2:
+                raise TypeError(
+                    f"{who}: Stacked.apply is called as `apply(params, x, *args, **kwargs)`."
+                )
+            (params, x, *args), state = args, None
+        if isinstance(x, _PerLayer) or any(
+            isinstance(v, _PerLayer)
+            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, _PerLayer))
+        ):
+            raise TypeError(
+                f"{who}: the carry `x` (the first layer's input) holds a per-layer marker; "
+                "per-layer inputs go in the other arguments: `apply(params, x, "
+                "stackwise.per_layer(xs))`."
+            )
+        params = run.positions(params, "params", pattern)
+        state = run.positions(state, "state", pattern) if with_state else (None,) * k
+        _check_not_split_over_layers(params, f"{who}: Stacked.apply")
         xs, rebuild = _split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
+        x, new_state, aux = run(params, state, x, xs, rebuild)
+        out = (x, unwrap(aux)) if has_aux else x
+        return (out, unwrap(new_state)) if with_state else out
 
-        def body(x, per_layer):
-            p, s, slices = per_layer
-            return layer(p, s, x, slices, rebuild)
+    return Stacked(stacked_init, stacked_apply, n)
 
-        x, (state, aux) = _run(body, x, (params, state, xs))
-        out = (x, aux) if has_aux else x
-        return (out, state) if with_state else out
 
-    def _run(body, x, xs):
-        """All n layers, in groups when ``nested``."""
-        inner = _remat(body, rematted, policy, python_loop)
+def _layers(init: Any, apply: Any, who: str) -> tuple[tuple | None, tuple, bool]:
+    """``(inits or None, applies, is_pattern)``, checked."""
+    pattern = isinstance(apply, (list, tuple))
+    applies = tuple(apply) if pattern else (apply,)
+    if init is None:
+        inits = None
+    elif pattern != isinstance(init, (list, tuple)):
+        raise TypeError(
+            f"{who}: for a pattern, `init` and `apply` are both sequences of k "
+            f"functions (or `init=None`); got init of type {type(init).__name__} and "
+            f"apply of type {type(apply).__name__}."
+        )
+    else:
+        inits = tuple(init) if pattern else (init,)
+        if all(i is None for i in inits):
+            inits = None
+        elif len(inits) != len(applies):
+            raise ValueError(
+                f"{who}: the pattern has {len(inits)} `init` functions but "
+                f"{len(applies)} `apply` functions; give one of each per position."
+            )
+    if not applies:
+        raise ValueError(f"{who}: a pattern needs at least one layer; `apply` is empty.")
+    for arg, fns in (("init", inits or ()), ("apply", applies)):
+        for i, fn in enumerate(fns):
+            if not callable(fn):
+                where = f"`{arg}[{i}]`" if pattern else f"`{arg}`"
+                raise TypeError(
+                    f"{who}: {where} must be callable, got {type(fn).__name__} {fn!r}. "
+                    "Call it as `stackwise.stack(init, apply, n)`."
+                )
+    return inits, applies, pattern
+
+
+def _position(tree: Any, p: int, k: int) -> Any:
+    """Pattern position p's share of a tree stacked over all n layers: ``[p::k]``."""
+    return tree if k == 1 else jax.tree.map(lambda a: a[p::k], tree)
+
+
+# --------------------------------------------------------------------------
+# Running the layers.
+
+
+class _Run:
+    """Runs n layers (k positions of a pattern, or one layer repeated)."""
+
+    def __init__(self, applies: tuple, n: int, options: Options, with_state: bool, who: str):
+        self.applies, self.n, self.k = applies, n, len(applies)
+        self.options, self.with_state, self.who = options, with_state, who
+        self.repeats, self.tail = divmod(n, self.k)  # whole repeats, then a partial one
+        self.counts = [len(range(p, n, self.k)) for p in range(self.k)]
+        nested = options.nested
+        if nested is True:
+            self.group = _group_size(self.repeats) if self.repeats else None
+        elif nested is False or not self.repeats:
+            self.group = None
+        else:
+            self.group = min(nested, self.repeats)
+        self.python_loop = options.unroll is True
+        self.records: list[dict] = [{} for _ in applies]  # per position: state updates
+
+    def positions(self, tree: Any, what: str, pattern: bool) -> tuple:
+        """The tree as one stacked tree per position, each leaf's depth checked."""
+        if pattern:
+            if not isinstance(tree, (tuple, list)) or len(tree) != self.k:
+                raise TypeError(
+                    f"{self.who}: with a pattern of {self.k} layers, the {what} are a "
+                    f"tuple of {self.k} stacked trees (position p holds layers p, p+"
+                    f"{self.k}, ...), as `Stacked.init` returns them; got "
+                    f"{type(tree).__name__}."
+                )
+            tree = tuple(tree)
+        else:
+            tree = (tree,)
+        fix = (
+            f"Stacked {what} come from `Stacked.init`, or from "
+            "`stackwise.stack_layers([layer_0, ..., layer_{n-1}])`; take the "
+            "first k layers with `stackwise.slice_layers(params, 0, k)`."
+        )
+        for p, sub in enumerate(tree):
+            where = f"{self.who}: Stacked.apply" + (f", pattern position {p}" if pattern else "")
+            check_depth(tree_leaves(sub), self.counts[p], where, what, fix)
+        return tree
+
+    def __call__(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
+        k, reverse = self.k, self.options.reverse
+        layers = [self._layer(p, rebuild) for p in range(k)]
+        inputs = [(params[p], state[p], _position(xs, p, k)) for p in range(k)]
+        order = list(reversed(range(k))) if reverse else list(range(k))
+
+        def repeat(x, inputs):
+            """One repeat of the pattern: position by position."""
+            outs = [None] * k
+            for p in order:
+                x, outs[p] = layers[p](x, inputs[p])
+            return x, tuple(outs)
+
+        g, r = self.repeats, self.tail
+        whole = [_take(inputs[p], 0, g) if self.counts[p] > g else inputs[p] for p in range(k)]
+        ys_tail = [None] * k
+
+        def run_tail(x):
+            for p in reversed(range(r)) if reverse else range(r):
+                x, y = layers[p](x, jax.tree.map(lambda a: a[g], inputs[p]))
+                ys_tail[p] = jax.tree.map(lambda a: a[None], y)
+            return x
+
+        if reverse and r:
+            x = run_tail(x)
+        ys = [None] * k
+        if g:
+            x, ys = self._repeats(repeat, x, tuple(whole))
+        if not reverse and r:
+            x = run_tail(x)
+        ys = [
+            y if t is None else t if y is None else jax.tree.map(_concat, y, t)
+            for y, t in zip(ys, ys_tail)
+        ]
+        new_state, aux = [], []
+        for p in range(k):
+            per_layer, aux_p = ys[p]
+            aux.append(aux_p)
+            if self.with_state:
+                rec = self.records[p]
+                new_state.append(
+                    _inplace.apply_updates(state[p], rec["treedef"], rec["updates"], per_layer)
+                )
+        return x, tuple(new_state), tuple(aux)
+
+    def _layer(self, p: int, rebuild) -> Callable:
+        """Position p's layer as a scan body ``x, (per_layer, aux)``, rematerialised."""
+        apply, record, who = self.applies[p], self.records[p], self.who
+        has_aux = self.options.has_aux
+
+        def layer(x, inputs):
+            params, state, slices = inputs
+            x = checkpoint_name(x, CARRY_NAME)
+            a, kw = rebuild(slices)
+            if self.with_state:
+
+                def with_state(params, x, state):
+                    return _check_pair(
+                        apply(params, state, x, *a, **kw),
+                        who,
+                        "with `with_state=True` a layer returns `(out, layer_state)`",
+                        "Return the state with the output, e.g. `return x, state`.",
+                    )
+
+                out, treedef, updates, per_layer = _inplace.call(with_state, (params, x), state)
+                record.update(treedef=treedef, updates=updates)
+            else:
+                out, per_layer = apply(params, x, *a, **kw), None
+            if has_aux:
+                out = _check_pair(
+                    out,
+                    who,
+                    "with `has_aux=True` a layer returns `(x, aux)`",
+                    "Return `(x, aux)`, or build the stack without `has_aux`.",
+                )
+            new_x, aux = out if has_aux else (out, None)
+            _check_carry(x, new_x, who, has_aux)
+            return new_x, (per_layer, aux)
+
+        return _remat(layer, self.options, self.python_loop)
+
+    def _repeats(self, body: Callable, x: Any, xs: Any) -> tuple:
+        """All whole repeats of the pattern, in checkpointed groups when ``nested``."""
+        count, group, reverse = self.repeats, self.group, self.options.reverse
         if group is None:
-            return _loop(inner, x, xs, n)
-        n_groups, tail = divmod(n, group)
+            return self._loop(body, x, xs, count)
+        n_groups, tail = divmod(count, group)
         whole = n_groups * group
-        # The groups run first, then the smaller last group of `tail` layers:
-        # the end of the layer axis, or its start when running in reverse.
-        groups_at, tail_at = ((tail, n), (0, tail)) if reverse else ((0, whole), (whole, n))
+        # The groups run first, then the smaller last group of `tail` repeats:
+        # the end of the axis, or its start when running in reverse.
+        groups_at, tail_at = ((tail, count), (0, tail)) if reverse else ((0, whole), (whole, count))
         groups_xs = jax.tree.map(
             lambda a: a.reshape(n_groups, group, *a.shape[1:]), _take(xs, *groups_at)
         )
-        run_group = _remat(lambda c, g_xs: _loop(inner, c, g_xs, group), True, None, python_loop)
-        x, ys = _loop(run_group, x, groups_xs, n_groups)
+        whole_remat = self.options._replace(remat=True, policy=None)
+        run_group = _remat(
+            lambda c, g_xs: self._loop(body, c, g_xs, group), whole_remat, self.python_loop
+        )
+        x, ys = self._loop(run_group, x, groups_xs, n_groups)
         ys = jax.tree.map(lambda a: a.reshape(whole, *a.shape[2:]), ys)
         if tail:
-            x, ys_tail = _loop(inner, x, _take(xs, *tail_at), tail)
+            x, ys_tail = self._loop(body, x, _take(xs, *tail_at), tail)
             parts = (ys_tail, ys) if reverse else (ys, ys_tail)
-            ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+            ys = jax.tree.map(_concat, *parts)
         return x, ys
 
-    def _loop(body, x, xs, length):
-        """``lax.scan`` over the layer axis, or a Python loop when ``unroll=True``."""
-        if not python_loop:
-            return jax.lax.scan(body, x, xs, length=length, reverse=reverse, unroll=unroll)
+    def _loop(self, body: Callable, x: Any, xs: Any, length: int) -> tuple:
+        """``lax.scan`` over the leading axis, or a Python loop when ``unroll=True``."""
+        reverse = self.options.reverse
+        if not self.python_loop:
+            return jax.lax.scan(
+                body, x, xs, length=length, reverse=reverse, unroll=self.options.unroll
+            )
         ys = [None] * length
         for i in reversed(range(length)) if reverse else range(length):
             x, ys[i] = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
         return x, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-
-    return Stacked(stacked_init, stacked_apply, n)
 
 
 def _group_size(n: int) -> int:
@@ -477,14 +557,18 @@ def _take(tree: Any, start: int, stop: int) -> Any:
     return jax.tree.map(lambda a: a[start:stop], tree)
 
 
-def _remat(body, enabled: bool, policy, python_loop: bool):
+def _concat(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.concatenate([a, b])
+
+
+def _remat(body: Callable, options: Options, python_loop: bool) -> Callable:
     """``body(x, xs)`` with rematerialisation: the one home of remat.
 
     Inside a scan no CSE barriers are needed. In straight-line code only the
     carry ``x`` is protected; per-layer params and inputs ``xs`` (and
     closed-over constants, which ``jax.checkpoint`` never protects) are not.
     """
-    if not enabled or (python_loop and jax.config.jax_disable_jit):
+    if not options.remat or (python_loop and jax.config.jax_disable_jit):
         return body  # eager debugging: nothing is staged, so nothing to remat
     prevent_cse = (True, False) if python_loop else False
-    return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)
+    return jax.checkpoint(body, prevent_cse=prevent_cse, policy=options.policy)

@@ -522,7 +522,15 @@ def test_not_callable():
     with pytest.raises(TypeError, match="`apply` must be callable, got dict"):
         stackwise.stack(init_layer, {"w": 1}, 2)
     with pytest.raises(TypeError, match="`init` must be callable"):
-        stackwise.stack(None, apply_layer, 2)
+        stackwise.stack(3, apply_layer, 2)
+
+
+def test_apply_only_stack_makes_no_params():
+    layers = stackwise.stack(None, apply_layer, 2)
+    params = stackwise.stack(init_layer, apply_layer, 2).init(jax.random.key(0))
+    assert layers.apply(params, jnp.ones((2, D))).shape == (2, D)
+    with pytest.raises(TypeError, match=r"built without `init`.*stack_layers"):
+        layers.init(jax.random.key(0))
 
 
 def test_bad_remat_and_unroll():

@@ -7,6 +7,7 @@ import pytest
 
 MODULES = [
     "stackwise._stack",
+    "stackwise._markers",
     "stackwise._layout",
     "stackwise._pipeline",
     "stackwise._sharding",

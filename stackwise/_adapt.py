@@ -1,0 +1,212 @@
+"""What the core and every adapter share: the layer index, names, checks, options.
+
+Framework-free (jax only). Each adapter (``adapters/<framework>/_stack.py``)
+uses these so that the same failure reads the same everywhere: one storage for
+the running layer's index, one exception type outside a Stack, one depth check
+and message, one validation of the stack's options (also used by
+:func:`stackwise.stack` itself), and one way to name a block in messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "Options",
+    "at_layer",
+    "block_name",
+    "check_depth",
+    "check_options",
+    "current_layer_index",
+    "stack_name",
+]
+
+# --------------------------------------------------------------------------
+# The running layer's index, for `stackwise.<framework>.layer_index()`.
+
+_LAYER_INDEX: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "stackwise_layer_index", default=None
+)
+
+
+@contextlib.contextmanager
+def at_layer(index: Any) -> Iterator[None]:
+    """Runs the body with ``index`` as the running layer's index (innermost wins)."""
+    token = _LAYER_INDEX.set(index)
+    try:
+        yield
+    finally:
+        _LAYER_INDEX.reset(token)
+
+
+def current_layer_index(framework: str) -> jax.Array:
+    """The index set by the innermost :func:`at_layer`; RuntimeError outside one."""
+    index = _LAYER_INDEX.get()
+    if index is None:
+        raise RuntimeError(
+            f"stackwise.{framework}.layer_index() was called outside a block run by "
+            f"`stackwise.{framework}.Stack`: it only has a value while a stacked block "
+            "runs. Call it inside the block's `__call__`, or pass the index as an "
+            "argument where the block runs on its own."
+        )
+    return index
+
+
+# --------------------------------------------------------------------------
+# Names in messages.
+
+
+def block_name(block: Any) -> str:
+    """``Block``, ``partial(Block, ...)``, ``Block(...)`` for a template, ``<lambda>``."""
+    if isinstance(block, functools.partial):
+        return f"partial({block_name(block.func)}, ...)"
+    if isinstance(block, (list, tuple)):
+        return "[" + ", ".join(block_name(b) for b in block) + "]"
+    name = getattr(block, "__qualname__", None) or getattr(block, "__name__", None)
+    if name is not None and callable(block):
+        return name
+    return f"{type(block).__name__}(...)"  # an instance used as a template
+
+
+def stack_name(framework: str, block: Any, n: Any) -> str:
+    """``stackwise.haiku.Stack(Block, n=4)``: how messages name an adapter's stack."""
+    return f"stackwise.{framework}.Stack({block_name(block)}, n={n!r})"
+
+
+# --------------------------------------------------------------------------
+# The depth check: every leaf of stacked params/state has the layer axis first.
+
+
+def check_depth(leaves: Iterable[tuple[str, Any]], n: int, who: str, what: str, fix: str) -> None:
+    """Raises ValueError listing the ``(name, leaf)`` whose leading axis is not ``n``."""
+    bad = [
+        f"  {name}: shape {jnp.shape(leaf)}"
+        for name, leaf in leaves
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n
+    ]
+    if bad:
+        raise ValueError(
+            f"{who}: every leaf of the stacked {what} needs a leading layer axis of "
+            f"length n={n}, but these do not:\n" + "\n".join(bad) + "\n" + fix
+        )
+
+
+def tree_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``(keystr path, leaf)`` pairs, for :func:`check_depth`."""
+    return [
+        (jax.tree_util.keystr(path) or "<root>", leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+# --------------------------------------------------------------------------
+# The stack's options, validated once (by `stack()` and by each adapter's
+# constructor) and normalised.
+
+
+class Options(NamedTuple):
+    """Validated options of a stack (see :func:`stackwise.stack`)."""
+
+    remat: bool  # rematerialise each layer
+    policy: Callable[..., Any] | None  # the jax.checkpoint policy (None: save nothing)
+    nested: bool | int
+    unroll: int | bool  # a positive int, or True for a Python loop
+    reverse: bool
+    has_aux: bool
+
+
+_POLICY_FACTORIES = tuple(
+    getattr(jax.checkpoint_policies, name)
+    for name in (
+        "save_only_these_names",
+        "save_any_names_but_these",
+        "save_anything_except_these_names",
+        "save_and_offload_only_these_names",
+        "save_from_both_policies",
+        "offload_dot_with_no_batch_dims",
+    )
+    if hasattr(jax.checkpoint_policies, name)
+)
+
+
+def _check_bool(value: Any, arg: str, who: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{who}: `{arg}` must be True or False, got {type(value).__name__} {value!r}."
+        )
+    return value
+
+
+def _remat(remat: Any, who: str) -> tuple[bool, Callable[..., Any] | None]:
+    if remat is False or remat is None:
+        return False, None
+    if remat is True:
+        return True, None
+    example = "e.g. `jax.checkpoint_policies.dots_saveable`"
+    if remat in (jax.checkpoint, jax.remat):
+        raise TypeError(
+            f"{who}: `remat` takes True or a checkpoint policy, not `jax.checkpoint` "
+            f"itself: stackwise applies `jax.checkpoint` to each layer. Pass "
+            f"`remat=True`, or a policy ({example})."
+        )
+    if any(remat is f for f in _POLICY_FACTORIES):
+        raise TypeError(
+            f"{who}: `remat={remat.__name__}` is a policy factory, not a policy: call "
+            f"it, e.g. `remat=jax.checkpoint_policies.{remat.__name__}(...)` (with "
+            "`stackwise.CARRY_NAME` among the names to save the carry between layers)."
+        )
+    if not callable(remat):
+        raise TypeError(
+            f"{who}: `remat` must be False, True or a policy from "
+            f"`jax.checkpoint_policies` ({example}), got {type(remat).__name__} {remat!r}."
+        )
+    return True, remat
+
+
+def check_options(
+    who: str,
+    n: Any,
+    *,
+    remat: Any,
+    nested: Any,
+    unroll: Any,
+    reverse: Any,
+    has_aux: Any,
+) -> Options:
+    """Validates a stack's options; raises TypeError/ValueError naming the argument."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(
+            f"{who}: `n` must be a Python int (the number of layers), got "
+            f"{type(n).__name__} {n!r}. The depth is static: for a data-dependent number "
+            "of iterations use `jax.lax.while_loop`."
+        )
+    if n < 1:
+        raise ValueError(f"{who}: `n` must be at least 1, got {n}.")
+    rematted, policy = _remat(remat, who)
+    if unroll is False:
+        unroll = 1  # as in lax.scan: no unrolling
+    positive_int = isinstance(unroll, int) and not isinstance(unroll, bool) and unroll >= 1
+    if unroll is not True and not positive_int:
+        raise TypeError(
+            f"{who}: `unroll` must be a positive int (passed to `lax.scan`) or True (a "
+            f"Python loop), got {unroll!r}."
+        )
+    if not (isinstance(nested, bool) or (isinstance(nested, int) and nested >= 1)):
+        raise TypeError(
+            f"{who}: `nested` must be a bool or a positive int group size, got {nested!r}."
+        )
+    return Options(
+        remat=rematted,
+        policy=policy,
+        nested=nested,
+        unroll=unroll,
+        reverse=_check_bool(reverse, "reverse", who),
+        has_aux=_check_bool(has_aux, "has_aux", who),
+    )

@@ -1,0 +1,153 @@
+"""Per-layer arguments: markers that ``Stacked.init`` / ``Stacked.apply`` resolve per layer.
+
+``per_layer(xs)`` gives layer i ``xs[i]``, ``per_layer_keys(key)`` the i-th of n
+split keys and ``layer_index()`` the index i itself; every other argument
+reaches every layer unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from stackwise._adapt import check_depth, tree_leaves
+
+__all__ = ["layer_index", "per_layer", "per_layer_keys"]
+
+
+@jax.tree_util.register_pytree_node_class
+class _PerLayer:
+    """An argument that differs per layer; see :func:`per_layer`.
+
+    A pytree node, so a marked argument passes through ``jax.jit`` and other
+    transformations on its way to ``Stacked.apply``.
+    """
+
+    __slots__ = ("kind", "value")
+
+    def __init__(self, kind: str, value: Any = None):
+        self.kind = kind  # "slices" | "keys" | "index"
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"stackwise.{_MARKER_NAMES[self.kind]}(...)"
+
+    def tree_flatten(self):
+        return (self.value,), self.kind
+
+    @classmethod
+    def tree_unflatten(cls, kind, children):
+        return cls(kind, *children)
+
+    def stacked(self, n: int, where: str) -> Any:
+        """The value with a leading axis ``n``: layer i receives ``[i]``."""
+        if self.kind == "index":
+            return jnp.arange(n, dtype=jnp.int32)
+        if self.kind == "keys":
+            return jax.random.split(self.value, n)
+        check_depth(
+            tree_leaves(self.value),
+            n,
+            where,
+            "stackwise.per_layer(...) value",
+            fix="Layer i receives slice i, so give one entry per layer (`jnp.stack` "
+            "them), or pass the value without `per_layer` to give every layer all of it.",
+        )
+        return self.value
+
+
+_MARKER_NAMES = {"slices": "per_layer", "keys": "per_layer_keys", "index": "layer_index"}
+
+
+def per_layer(xs: Any) -> Any:
+    """Marks an argument whose leading axis is the layer axis: layer i gets ``xs[i]``.
+
+    Works for positional and keyword arguments of ``Stacked.init`` and
+    ``Stacked.apply`` and for any pytree (every leaf sliced).
+
+    >>> import jax.numpy as jnp, stackwise
+    >>> layers = stackwise.stack(None, lambda p, x, s: x * s, n=3)
+    >>> layers.apply(None, 1.0, stackwise.per_layer(jnp.array([2.0, 3.0, 4.0])))
+    Array(24., dtype=float32)
+    """
+    return _PerLayer("slices", xs)
+
+
+def per_layer_keys(key: jax.Array) -> Any:
+    """Marks a PRNG key to be split into n independent keys, one per layer.
+
+    Layer i receives ``jax.random.split(key, n)[i]``.
+
+    >>> import jax, stackwise
+    >>> layers = stackwise.stack(None, lambda p, x, k: x + jax.random.uniform(k), n=4)
+    >>> y = layers.apply(None, 0.0, stackwise.per_layer_keys(jax.random.key(0)))
+    >>> bool(0.0 < y < 4.0)
+    True
+
+    Raises:
+      TypeError: ``key`` is not a PRNG key (e.g. an int seed).
+    """
+    typed = jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
+    raw = getattr(key, "dtype", None) == jnp.uint32 and jnp.shape(key) == (2,)
+    if not (typed or raw):
+        raise TypeError(
+            f"stackwise.per_layer_keys: `key` must be a PRNG key, got "
+            f"{type(key).__name__} {key!r}. Make one from a seed with "
+            "`jax.random.key(seed)`."
+        )
+    return _PerLayer("keys", key)
+
+
+def layer_index() -> Any:
+    """Marks an argument that receives the layer's own index, a traced int32.
+
+    >>> import stackwise
+    >>> layers = stackwise.stack(None, lambda p, x, i: x * 10 + i, n=3)
+    >>> layers.apply(None, 0, stackwise.layer_index())
+    Array(12, dtype=int32)
+    """
+    return _PerLayer("index")
+
+
+_UNCALLED = {per_layer: "per_layer(xs)", per_layer_keys: "per_layer_keys(key)"}
+
+
+def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
+    """Separates per-layer markers from the rest of ``(args, kwargs)``.
+
+    Returns ``(xs, rebuild)``: ``xs`` lists each marker's stacked value (leading
+    axis ``n``) and ``rebuild(slices)`` gives back ``(args, kwargs)`` with
+    every marker replaced by its slice. Every other leaf (arrays and static
+    Python values alike) is closed over unchanged, so static values stay static.
+    """
+    is_marker = lambda v: isinstance(v, _PerLayer)  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_marker)
+    for path, leaf in leaves:
+        if leaf is layer_index or any(leaf is f for f in _UNCALLED):
+            call = "layer_index()" if leaf is layer_index else _UNCALLED[leaf]
+            raise TypeError(
+                f"{what}{_describe_arg(path)} is the function `stackwise."
+                f"{call.split('(')[0]}` itself; call it: `stackwise.{call}`."
+            )
+    slots = [i for i, (_, leaf) in enumerate(leaves) if is_marker(leaf)]
+    xs = [leaves[i][1].stacked(n, f"{what}{_describe_arg(leaves[i][0])}") for i in slots]
+    values = [leaf for _, leaf in leaves]
+
+    def rebuild(slices):
+        filled = list(values)
+        for i, s in zip(slots, slices):
+            filled[i] = s
+        return jax.tree_util.tree_unflatten(treedef, filled)
+
+    return xs, rebuild
+
+
+def _describe_arg(path) -> str:
+    """``(args, kwargs)`` path -> ``" argument *args[0]"`` / ``" argument **kwargs['s']"``."""
+    top, first, *rest = path
+    inner = jax.tree_util.keystr(tuple(rest))
+    if top.idx == 0:
+        return f" argument *args[{first.idx}]{inner}"
+    return f" argument **kwargs[{first.key!r}]{inner}"
