@@ -120,6 +120,7 @@ class Options(NamedTuple):
     unroll: int | bool  # a positive int, or True for a Python loop
     reverse: bool
     has_aux: bool
+    fsdp: tuple[str, ...] | None  # mesh axes each layer's params are gathered over
 
 
 _POLICY_FACTORIES = tuple(
@@ -179,6 +180,7 @@ def check_options(
     unroll: Any,
     reverse: Any,
     has_aux: Any,
+    fsdp: Any = None,
 ) -> Options:
     """Validates a stack's options; raises TypeError/ValueError naming the argument."""
     if isinstance(n, bool) or not isinstance(n, int):
@@ -202,6 +204,16 @@ def check_options(
         raise TypeError(
             f"{who}: `nested` must be a bool or a positive int group size, got {nested!r}."
         )
+    if isinstance(fsdp, str):
+        fsdp = (fsdp,)
+    elif fsdp is not None:
+        if not (isinstance(fsdp, (tuple, list)) and fsdp and all(isinstance(a, str) for a in fsdp)):
+            raise TypeError(
+                f"{who}: `fsdp` must be a mesh axis name or a tuple of them (the axes the "
+                f"params are sharded over, e.g. `fsdp='data'` or `fsdp=('data', 'fsdp')`), "
+                f"got {fsdp!r}."
+            )
+        fsdp = tuple(fsdp)
     return Options(
         remat=rematted,
         policy=policy,
@@ -209,4 +221,5 @@ def check_options(
         unroll=unroll,
         reverse=_check_bool(reverse, "reverse", who),
         has_aux=_check_bool(has_aux, "has_aux", who),
+        fsdp=fsdp,
     )

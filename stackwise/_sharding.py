@@ -57,9 +57,7 @@ def _map_specs(specs: Any, params: Any, fn, where: str) -> Any:
         return jax.tree_util.tree_map_with_path(lambda p, a: fn(p, specs, a), params)
     try:
         return jax.tree_util.tree_map_with_path(
-            lambda p, s, sub: jax.tree_util.tree_map_with_path(
-                lambda q, a: fn(p + q, s, a), sub
-            ),
+            lambda p, s, sub: jax.tree_util.tree_map_with_path(lambda q, a: fn(p + q, s, a), sub),
             specs,
             params,
             is_leaf=_is_spec,
@@ -224,7 +222,35 @@ def shard_stacked(
     return jax.device_put(params, _map_specs(specs, params, sharding, where))
 
 
-def gather_params(apply: Callable[..., Any], axis: str = "data") -> Callable[..., Any]:
+def gather(params: Any, axes: str | tuple[str, ...]) -> Any:
+    """``params`` resharded without the mesh ``axes`` (an all-gather over them).
+
+    Explicit mesh axes only: a leaf whose type carries no sharding over
+    ``axes`` (replicated, ``Auto`` axes, outside a mesh) is returned as it is;
+    other axes of the leaf (e.g. a tensor-parallel ``"model"``) keep their
+    sharding.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
+
+    def one(leaf):
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if not any(e is not None and set(names(e)) & set(axes) for e in spec):
+            return leaf
+        kept = [
+            None if e is None else (tuple(a for a in names(e) if a not in axes) or None)
+            for e in spec
+        ]
+        kept = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in kept]
+        return jax.reshard(leaf, NamedSharding(sharding.mesh, PartitionSpec(*kept)))
+
+    return jax.tree.map(one, params)
+
+
+def gather_params(
+    apply: Callable[..., Any], axis: str | tuple[str, ...] = "data"
+) -> Callable[..., Any]:
     """Wraps a layer's ``apply`` to all-gather its params over ``axis`` first (FSDP).
 
     For meshes with explicit axes (:func:`jax.make_mesh`'s default), where
@@ -235,6 +261,8 @@ def gather_params(apply: Callable[..., Any], axis: str = "data") -> Callable[...
     they stay sharded like the params. Other axes (e.g. a tensor-parallel
     ``"model"`` axis) keep their sharding. On ``Auto`` axes, and outside a
     mesh, it changes nothing: the compiler places the gathers itself.
+    ``stackwise.stack(..., fsdp=axis)`` does the same and also never keeps
+    the gathered weights for the backward pass.
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> apply = lambda p, x: x @ p["w"]
@@ -245,27 +273,14 @@ def gather_params(apply: Callable[..., Any], axis: str = "data") -> Callable[...
     Args:
       apply: ``apply(layer_params, *args, **kwargs)``, the layer function
         given to :func:`stackwise.stack`.
-      axis: the mesh axis the params are FSDP-sharded over.
+      axis: the mesh axis (or axes) the params are FSDP-sharded over.
 
     Returns:
       The wrapped ``apply``, same signature.
     """
 
-    def gather(leaf):
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        spec = tuple(getattr(sharding, "spec", ()) or ())
-        names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
-        if not any(e is not None and axis in names(e) for e in spec):
-            return leaf
-        kept = [
-            None if e is None else (tuple(a for a in names(e) if a != axis) or None)
-            for e in spec
-        ]
-        kept = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in kept]
-        return jax.reshard(leaf, NamedSharding(sharding.mesh, PartitionSpec(*kept)))
-
     @functools.wraps(apply)
     def gathered(params, *args, **kwargs):
-        return apply(jax.tree.map(gather, params), *args, **kwargs)
+        return apply(gather(params, axis), *args, **kwargs)
 
     return gathered

@@ -20,6 +20,7 @@ from stackwise._markers import _PerLayer, _split_markers
 from stackwise._markers import layer_index as layer_index
 from stackwise._markers import per_layer as per_layer
 from stackwise._markers import per_layer_keys as per_layer_keys
+from stackwise._sharding import gather
 
 __all__ = [
     "CARRY_NAME",
@@ -41,6 +42,9 @@ CARRY_NAME = "stackwise_carry"
 #: the cheap elementwise rest in the backward pass. The fastest ``jit(grad)``
 #: measured (docs/step-time.md), and it stores less than no remat at all.
 DEFAULT_REMAT = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+# The name of each layer's params after an FSDP gather (`fsdp=`): never saved.
+_GATHERED_NAME = "stackwise_gathered"
 
 
 class Stacked(NamedTuple):
@@ -138,6 +142,7 @@ def stack(
     reverse: bool = False,
     has_aux: bool = False,
     with_state: bool = False,
+    fsdp: str | tuple[str, ...] | None = None,
     name: str | None = None,
 ) -> Stacked:
     """Stacks ``n`` copies of one layer: stacked params, one scanned apply.
@@ -232,6 +237,13 @@ def stack(
         :func:`jax.lax.dynamic_update_slice` (a KV cache's new positions) is
         updated in place in the stacked state, so decoding with a donated
         cache copies nothing per token; every other leaf is returned whole.
+      fsdp: the mesh axis (or axes) the params are sharded over, FSDP-style:
+        each layer's params are all-gathered over them inside the loop, one
+        layer at a time, and the gathered copy is never kept for the backward
+        pass (it is gathered again there, whatever ``remat``); gradients come
+        back sharded like the params. For explicit mesh axes
+        (:func:`jax.make_mesh`'s default); on ``Auto`` axes the compiler
+        places the gathers itself and this changes nothing but the remat.
       name: what error messages call the stack (adapters pass their own name and
         the block's, e.g. ``"stackwise.flax.Stack(Block)"``).
 
@@ -258,7 +270,14 @@ def stack(
     who = name or "stackwise.stack"
     inits, applies, pattern = _layers(init, apply, who)
     options = check_options(
-        who, n, remat=remat, nested=nested, unroll=unroll, reverse=reverse, has_aux=has_aux
+        who,
+        n,
+        remat=remat,
+        nested=nested,
+        unroll=unroll,
+        reverse=reverse,
+        has_aux=has_aux,
+        fsdp=fsdp,
     )
     if not isinstance(with_state, bool):
         raise TypeError(
@@ -476,6 +495,8 @@ class _Run:
         def layer(x, inputs):
             params, state, slices = inputs
             x = checkpoint_name(x, CARRY_NAME)
+            if self.options.fsdp:
+                params = checkpoint_name(gather(params, self.options.fsdp), _GATHERED_NAME)
             a, kw = rebuild(slices)
             if self.with_state:
 
@@ -567,8 +588,36 @@ def _remat(body: Callable, options: Options, python_loop: bool) -> Callable:
     Inside a scan no CSE barriers are needed. In straight-line code only the
     carry ``x`` is protected; per-layer params and inputs ``xs`` (and
     closed-over constants, which ``jax.checkpoint`` never protects) are not.
+    With ``fsdp`` the layer is always checkpointed, and its gathered params
+    are never saved: the backward pass gathers them again.
     """
-    if not options.remat or (python_loop and jax.config.jax_disable_jit):
+    if python_loop and jax.config.jax_disable_jit:
         return body  # eager debugging: nothing is staged, so nothing to remat
+    policy = options.policy
+    if options.fsdp:
+        policy = _never_gathered(policy if options.remat else _everything)
+    elif not options.remat:
+        return body
     prevent_cse = (True, False) if python_loop else False
-    return jax.checkpoint(body, prevent_cse=prevent_cse, policy=options.policy)
+    return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)
+
+
+def _everything(*_, **__) -> bool:
+    return True
+
+
+def _never_gathered(policy: Callable | None) -> Callable:
+    """``policy`` (None: save nothing), except that gathered params are never saved.
+
+    A gather is a ``reshard`` of the layer's params slice: refusing to save
+    ``reshard`` outputs makes the backward pass gather again from the slice
+    (an input of the checkpoint, kept anyway). A ``reshard`` the layer itself
+    applies to an activation is then redone in the backward pass as well.
+    """
+
+    def save(prim, *args, **params):
+        if prim.name == "reshard" or (prim.name == "name" and params["name"] == _GATHERED_NAME):
+            return False
+        return policy(prim, *args, **params) if policy is not None else False
+
+    return save
