@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "CallArgs",
     "Options",
     "at_layer",
     "block_name",
@@ -60,6 +61,35 @@ def current_layer_index(framework: str) -> jax.Array:
 
 
 # --------------------------------------------------------------------------
+# The user's arguments of a Stack call, as one argument of `Stacked.apply`.
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class CallArgs:
+    """A Stack call's ``(*args, **kwargs)``, passed on to ``Stacked.apply`` whole.
+
+    Adapters call ``layers.apply(params, state, x, extras, CallArgs(args,
+    kwargs))``; per-layer markers inside resolve as usual, and the core's
+    messages name them as the user wrote them (``argument *args[0]``).
+    """
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = tuple(args), dict(kwargs)
+
+    ARGS = jax.tree_util.GetAttrKey("_stackwise_call_args")
+    KWARGS = jax.tree_util.GetAttrKey("_stackwise_call_kwargs")
+
+    def tree_flatten_with_keys(self):
+        return ((self.ARGS, self.args), (self.KWARGS, self.kwargs)), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+# --------------------------------------------------------------------------
 # Names in messages.
 
 
@@ -69,10 +99,10 @@ def block_name(block: Any) -> str:
         return f"partial({block_name(block.func)}, ...)"
     if isinstance(block, (list, tuple)):
         return "[" + ", ".join(block_name(b) for b in block) + "]"
-    name = getattr(block, "__qualname__", None) or getattr(block, "__name__", None)
+    name = getattr(block, "__name__", None)
     if name is not None and callable(block):
         return name
-    return f"{type(block).__name__}(...)"  # an instance used as a template
+    return type(block).__name__  # an instance
 
 
 def stack_name(framework: str, block: Any, n: Any) -> str:

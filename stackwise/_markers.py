@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from stackwise._adapt import check_depth, tree_leaves
+from stackwise._adapt import CallArgs, check_depth, tree_leaves
 
 __all__ = ["layer_index", "per_layer", "per_layer_keys"]
 
@@ -145,7 +145,17 @@ def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
 
 
 def _describe_arg(path) -> str:
-    """``(args, kwargs)`` path -> ``" argument *args[0]"`` / ``" argument **kwargs['s']"``."""
+    """``(args, kwargs)`` path -> ``" argument *args[0]"`` / ``" argument **kwargs['s']"``.
+
+    Under an adapter's :class:`stackwise._adapt.CallArgs`, the user's own
+    arguments are named, not the adapter's call of ``Stacked.apply``.
+    """
+    path = tuple(path)
+    for i in reversed(range(len(path))):
+        if path[i] in (CallArgs.ARGS, CallArgs.KWARGS):
+            top = jax.tree_util.SequenceKey(0 if path[i] == CallArgs.ARGS else 1)
+            path = (top, *path[i + 1 :])
+            break
     top, first, *rest = path
     inner = jax.tree_util.keystr(tuple(rest))
     if top.idx == 0:

@@ -421,6 +421,8 @@ class _Run:
 
     def positions(self, tree: Any, what: str, pattern: bool) -> tuple:
         """The tree as one stacked tree per position, each leaf's depth checked."""
+        if pattern and tree is None:  # layers without params (or state)
+            tree = (None,) * self.k
         if pattern:
             if not isinstance(tree, (tuple, list)) or len(tree) != self.k:
                 raise TypeError(

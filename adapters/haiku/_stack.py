@@ -8,34 +8,30 @@ the stacked params and state into the enclosing Haiku transform.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 
 import stackwise
+from stackwise import _adapt
 
 __all__ = ["Stack", "layer_index"]
 
-# Reserved keywords carrying the adapter's own per-layer values through
-# `stackwise.stack`; user keywords reach the block unchanged.
-_KEY, _RNG, _INDEX = "_stackwise_haiku_key", "_stackwise_haiku_rng", "_stackwise_haiku_index"
 
-_indices = threading.local()
+# --------------------------------------------------------------------------
+# The layer index, readable from inside a block.
 
 
 def layer_index() -> jax.Array:
     """The index of the layer being run, inside a block run by :class:`Stack`.
 
     A traced int32 scalar: layer i of the stack gets ``i`` (also with
-    ``reverse=True``, where layer ``n - 1`` runs first). Inside nested Stacks
-    it is the index within the innermost one.
+    ``reverse=True``, where layer ``n - 1`` runs first, and across a pattern of
+    blocks). Inside nested Stacks it is the index within the innermost one.
 
     >>> import haiku as hk, jax, jax.numpy as jnp, stackwise.haiku
     >>> def block(x):
@@ -45,35 +41,16 @@ def layer_index() -> jax.Array:
     Array(12, dtype=int32)
 
     Raises:
-      ValueError: when called outside a block run by :class:`Stack`.
+      RuntimeError: when called outside a block run by :class:`Stack`.
     """
-    stack = getattr(_indices, "stack", None)
-    if not stack:
-        raise ValueError(
-            "stackwise.haiku.layer_index() was called outside a block run by "
-            "`stackwise.haiku.Stack`; call it inside the block's `__call__`."
-        )
-    return stack[-1]
+    return _adapt.current_layer_index("haiku")
 
 
-@contextlib.contextmanager
-def _at_layer(index: jax.Array) -> Iterator[None]:
-    if not hasattr(_indices, "stack"):
-        _indices.stack = []
-    _indices.stack.append(index)
-    try:
-        yield
-    finally:
-        _indices.stack.pop()
+# --------------------------------------------------------------------------
+# The block: a module class, a factory of modules, or a function of x.
 
 
-def _block_name(block: Any) -> str:
-    if isinstance(block, functools.partial):
-        return f"partial({_block_name(block.func)}, ...)"
-    return getattr(block, "__name__", None) or type(block).__name__
-
-
-def _block_kind(block: Any, what: str) -> str:
+def _block_kind(block: Any, who: str) -> str:
     """``"factory"`` (called with no arguments, returns a module) or ``"function"``."""
     usage = (
         "`block` must be an `hk.Module` subclass, a `functools.partial` of one, a "
@@ -82,21 +59,21 @@ def _block_kind(block: Any, what: str) -> str:
     )
     if isinstance(block, hk.Module):
         raise TypeError(
-            f"{what}: {usage}; got the module instance {block!r}. Every layer needs its "
+            f"{who}: {usage}; got the module instance {block!r}. Every layer needs its "
             f"own module: pass `{type(block).__name__}` (or `lambda: "
             f"{type(block).__name__}(...)`) instead of `{type(block).__name__}(...)`."
         )
     if not callable(block):
-        raise TypeError(f"{what}: {usage}; got {type(block).__name__} {block!r}.")
+        raise TypeError(f"{who}: {usage}; got {type(block).__name__} {block!r}.")
     target = block.func if isinstance(block, functools.partial) else block
     if isinstance(target, type) and not issubclass(target, hk.Module):
-        raise TypeError(f"{what}: {usage}; got the class {target.__qualname__}.")
+        raise TypeError(f"{who}: {usage}; got the class {target.__qualname__}.")
     try:
         inspect.signature(block).bind()
     except TypeError:
         if isinstance(target, type):
             raise TypeError(
-                f"{what}: the module class needs constructor arguments "
+                f"{who}: the module class needs constructor arguments "
                 f"{inspect.signature(block)}; pass them with "
                 f"`functools.partial({target.__qualname__}, ...)` or "
                 f"`lambda: {target.__qualname__}(...)`."
@@ -105,6 +82,27 @@ def _block_kind(block: Any, what: str) -> str:
     except ValueError:  # no signature (some builtins): treat as a function of x
         return "function"
     return "factory"
+
+
+def _check_call(module: Any, who: str, x: Any, args: tuple, kwargs: dict) -> None:
+    """Raises a TypeError naming the block when it cannot take the Stack's arguments."""
+    try:
+        signature = inspect.signature(module)
+    except (TypeError, ValueError):  # no signature to check against
+        return
+    try:
+        signature.bind(x, *args, **kwargs)
+    except TypeError as e:
+        passed = ", ".join(["x", *("<arg>" for _ in args), *(f"{k}=..." for k in kwargs)])
+        raise TypeError(
+            f"{who}: the block cannot take the Stack's arguments: {e}. Every layer is "
+            f"called as `block({passed})` with the arguments of the Stack's call, but the "
+            f"block's signature is {signature}."
+        ) from None
+
+
+# --------------------------------------------------------------------------
+# The module.
 
 
 class Stack(hk.Module):
@@ -150,13 +148,27 @@ class Stack(hk.Module):
     >>> bool(jnp.allclose(y_loop, y_stack, atol=1e-5))
     True
 
+    A pattern of blocks repeats along the depth (layer i is ``block[i % k]``,
+    ``n`` need not be a multiple of ``k``); each position's params are named
+    as a function calling the k blocks in order would name them:
+
+    >>> class Local(hk.Module):
+    ...     def __call__(self, x):
+    ...         return x + jnp.tanh(hk.Linear(8)(x))
+    >>> class Global(Local):
+    ...     pass
+    >>> f = hk.transform(lambda x: stackwise.haiku.Stack([Local, Local, Global], n=8)(x))
+    >>> jax.tree.map(jnp.shape, f.init(jax.random.key(0), jnp.ones((2, 8))))["stack/local_1/linear"]
+    {'b': (3, 8), 'w': (3, 8, 8)}
+
     Names: the Stack is a module (named ``stack``, ``stack_1``, ... unless
     ``name`` is given) and the block's own names follow it, so a block
     ``Block`` with an ``hk.Linear`` keeps its params under
     ``"<scope>/stack/block/linear"``, e.g. ``"model/~/stack/block/linear"``
     for a Stack built in the constructor of a module ``Model``. A function
     block has no module of its own: its ``hk.Linear`` is
-    ``"<scope>/stack/linear"``. State (``hk.get_state``) is named the same way
+    ``"<scope>/stack/linear"`` (in a pattern, a function block is a module
+    named after the function). State (``hk.get_state``) is named the same way
     and also stacked per layer.
 
     Calling: ``Stack(...)(x, *args, **kwargs)`` runs ``block(x, *args,
@@ -181,7 +193,8 @@ class Stack(hk.Module):
     RNG at apply: if the transform has a key, ``hk.next_rng_key()`` inside
     layer i draws from the i-th of n keys split from one
     ``hk.maybe_next_rng_key()``: independent per layer and deterministic.
-    State is stacked per layer and updated on every apply.
+    State is stacked per layer and updated on every apply; a KV cache a
+    block writes with ``lax.dynamic_update_slice`` is updated in place.
 
     Per-layer outputs: with ``has_aux=True`` the block returns ``(x, aux)``
     and the Stack returns ``(x, aux)`` with every aux leaf stacked along a
@@ -199,7 +212,8 @@ class Stack(hk.Module):
       block: what one layer is: an ``hk.Module`` subclass (built with no
         arguments), a ``functools.partial`` of one or any zero-argument
         callable returning a module (``lambda: Block(d=8)``); or a function
-        ``f(x, *args, **kwargs)`` that uses Haiku modules.
+        ``f(x, *args, **kwargs)`` that uses Haiku modules. A list of k of
+        these is a pattern: layer i is ``block[i % k]``.
       n: the number of layers, a positive int.
       remat: rematerialise each layer in the backward pass: ``False``,
         ``True`` or a :mod:`jax.checkpoint_policies` policy; see
@@ -210,59 +224,53 @@ class Stack(hk.Module):
       unroll: an int for :func:`jax.lax.scan`, or ``True`` for a Python loop.
       reverse: run the last layer first.
       has_aux: the block returns ``(x, aux)``; see above.
+      fsdp: mesh axis (or axes) the params are sharded over: each layer's
+        params are gathered inside the loop and never saved for the
+        backward pass (see :func:`stackwise.stack`).
       name: the module name; by default ``stack``, ``stack_1``, ...
 
     Raises:
       TypeError: ``block`` is not a module class, factory or function; ``n``
-        is not an int; an argument the block does not accept; a block that
-        changes the carry's structure, shape or dtype.
+        or an option has the wrong type; an argument the block does not
+        accept; a block that changes the carry's structure, shape or dtype.
       ValueError: ``n < 1``; params, state or ``per_layer`` inputs whose
         leading axis is not ``n``.
     """
 
     def __init__(
         self,
-        block: type[hk.Module] | Callable[..., Any],
+        block: type[hk.Module] | Callable[..., Any] | list[Any],
         n: int,
         *,
-        remat: bool | Callable[..., bool] = stackwise.DEFAULT_REMAT,
+        remat: bool | Callable[..., Any] = stackwise.DEFAULT_REMAT,
         nested: bool | int = False,
         unroll: int | bool = 1,
         reverse: bool = False,
         has_aux: bool = False,
+        fsdp: str | tuple[str, ...] | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name)
-        self._what = f"stackwise.haiku.Stack({_block_name(block)}, n={n!r})"
-        self._n = n
-        self._layers = _Layers(
-            block,
-            self._what,
-            n,
-            remat=remat,
-            nested=nested,
-            unroll=unroll,
-            reverse=reverse,
-            has_aux=has_aux,
-        )
+        who = _adapt.stack_name("haiku", block, n)
+        options = dict(remat=remat, nested=nested, unroll=unroll, reverse=reverse)
+        _adapt.check_options(who, n, has_aux=has_aux, fsdp=fsdp, **options)
+        self._layers = _Layers(block, n, who, has_aux=has_aux, fsdp=fsdp, **options)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the ``n`` layers: ``block(x, *args, **kwargs)`` each, in order.
 
         Returns:
           The last layer's ``x``; with ``has_aux=True``, ``(x, aux)`` with aux
-          stacked along a leading ``n`` axis.
+          stacked along a leading ``n`` axis (a tuple per position for a pattern).
         """
-        for reserved in (_KEY, _RNG, _INDEX):
-            if reserved in kwargs:
-                raise TypeError(f"{self._what}: the keyword `{reserved}` is reserved.")
         layers, prefix = self._layers, f"{self.module_name}/"
+        call = _adapt.CallArgs(args, kwargs)
         init_key = hk.maybe_next_rng_key() if hk.running_init() else None
         rng = hk.maybe_next_rng_key()
-        per_layer = {
-            _KEY: None if init_key is None else stackwise.per_layer_keys(init_key),
-            _RNG: None if rng is None else stackwise.per_layer_keys(rng),
-            _INDEX: stackwise.layer_index(),
+        extras = {
+            "index": stackwise.layer_index(),
+            "init_key": None if init_key is None else stackwise.per_layer_keys(init_key),
+            "rng": None if rng is None else stackwise.per_layer_keys(rng),
         }
         # A Stack called twice (shared weights, as for any Haiku module) reuses
         # the params, initial state and current state of its first call.
@@ -277,11 +285,9 @@ class Stack(hk.Module):
         def init():
             if any(reused):
                 return reused
-            out, (aux, params, state, forward["state"]) = layers.initialize.apply(
-                None, x, *args, **kwargs, **per_layer
-            )
-            forward["out"] = (out, aux) if layers.has_aux else out
-            return params, state
+            out, params, initial, forward["state"] = layers.initialize(x, extras, call)
+            forward["out"] = out
+            return params, initial
 
         lifted, updater = hk.experimental.transparent_lift_with_state(init, allow_reuse=any(reused))
         params, state = lifted()
@@ -289,28 +295,9 @@ class Stack(hk.Module):
             out, state = forward["out"], forward["state"]
         else:
             state = state if current is None else current
-            self._check_depth(params, "params")
-            self._check_depth(state, "state")
-            out, state = layers.forward.apply(params, state, x, *args, **kwargs, **per_layer)
+            out, state = layers.apply(params, state, x, extras, call, self.module_name)
         updater.update(state)
         return out
-
-    def _check_depth(self, tree: Any, what: str) -> None:
-        bad = [
-            f"  {self.module_name}/{jax.tree_util.keystr(path, simple=True, separator='/')}: "
-            f"shape {jnp.shape(leaf)}"
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != self._n
-        ]
-        if bad:
-            raise ValueError(
-                f"{self._what}: every leaf of the stacked {what} needs a leading layer "
-                f"axis of length n={self._n}, but these do not:\n" + "\n".join(bad) + "\n"
-                "Stacked params and state come from this model's `init`; convert those of "
-                "a Python loop of blocks with `stackwise.haiku.from_loop`, of "
-                "`hk.layer_stack` with `stackwise.haiku.from_layer_stack`, and take the "
-                "first k layers with `stackwise.slice_layers`."
-            )
 
 
 def _under(tree: Any, prefix: str) -> dict:
@@ -319,76 +306,146 @@ def _under(tree: Any, prefix: str) -> dict:
 
 
 class _Layers:
-    """The block as per-layer functions, stacked with :func:`stackwise.stack`.
+    """The block (or a pattern of blocks) as per-layer functions, stacked by the core.
 
-    ``forward``: ``out, state = forward.apply(params, state, x, ...)``, the
-    scanned apply. ``initialize``: layer by layer as in a Python loop, layer i
-    is initialised on the output of layer i - 1 and then run, so that state
-    set from data (``hk.BatchNorm``'s averages) starts as in the loop:
-    ``x, (aux, params, initial_state, state) = initialize.apply(None, x, ...)``.
-    Layer i gets the i-th of the keys split from the init key (as
-    ``Stacked.init`` would split them) and of the apply key.
+    ``apply``: the scanned apply of the stacked params and state. ``initialize``:
+    layer by layer as in a Python loop, layer i is initialised on the output of
+    layer i - 1 and then run, so that state set from data (``hk.BatchNorm``'s
+    averages) starts as in the loop.
 
     A plain class, not an ``hk.Module``: Haiku would run a module's methods
     inside its name scope.
     """
 
-    def __init__(self, block: Any, what: str, n: int, **options: Any):
-        self.kind = _block_kind(block, what)
-        self.block, self.what, self.has_aux = block, what, options["has_aux"]
-        self.transformed = hk.transform_with_state(self.one_layer)
-        unused_init = lambda key: None  # noqa: E731 - params come from `initialize`
-        name = what  # the core's errors about the layers then name this Stack
-        try:  # only validates the options: no user code runs here
-            self.forward = stackwise.stack(
-                unused_init, self.apply, n, with_state=True, name=name, **options
-            )
-            self.initialize = stackwise.stack(
-                unused_init,
-                self.init_then_apply,
-                n,
-                unroll=options["unroll"],
-                reverse=options["reverse"],
-                has_aux=True,
-                name=name,
-            )
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{what}: {e}") from None
+    def __init__(self, block: Any, n: int, who: str, **options: Any):
+        self.pattern = isinstance(block, (list, tuple))
+        blocks = list(block) if self.pattern else [block]
+        if not blocks:
+            raise ValueError(f"{who}: a pattern needs at least one block; got an empty list.")
+        kinds = [_block_kind(b, who) for b in blocks]
+        if self.pattern:  # each position is a module, named as a call of all k would name it
+            blocks = [b if kind == "factory" else _as_module(b) for b, kind in zip(blocks, kinds)]
+            kinds = ["factory"] * len(blocks)
+        self.blocks, self.kinds, self.who, self.has_aux = blocks, kinds, who, options["has_aux"]
+        k = len(blocks)
+        self.counts = [len(range(p, n, k)) for p in range(k)]
+        self.transformed = [hk.transform_with_state(self._one_layer(p)) for p in range(k)]
+        one = (lambda fns: fns) if self.pattern else (lambda fns: fns[0])
+        self.forward = stackwise.stack(
+            None,
+            one([self._apply(p) for p in range(k)]),
+            n,
+            with_state=True,
+            name=who,
+            **options,
+        )
+        self.initializer = stackwise.stack(
+            None,
+            one([self._init_then_apply(p) for p in range(k)]),
+            n,
+            unroll=options["unroll"],
+            reverse=options["reverse"],
+            has_aux=True,
+            name=who,
+        )
+        self.names: list[str] | None = None  # each position's module name, once known
 
-    def one_layer(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        """One layer as a Haiku function: builds the block and calls it."""
-        module = self.block() if self.kind == "factory" else self.block
-        if not callable(module):
-            raise TypeError(
-                f"{self.what}: `block()` must return a callable module, got "
-                f"{type(module).__name__} {module!r}."
-            )
-        try:
-            signature = inspect.signature(module)
-        except (TypeError, ValueError):  # no signature to check against
-            signature = None
-        if signature is not None:
-            try:
-                signature.bind(x, *args, **kwargs)
-            except TypeError as e:
-                passed = ", ".join(["x", *("<arg>" for _ in args), *(f"{k}=..." for k in kwargs)])
-                raise TypeError(
-                    f"{self.what}: the block cannot take the Stack's arguments: {e}. "
-                    f"Every layer is called as `block({passed})` with the arguments of "
-                    f"the Stack's call, but the block's signature is {signature}."
-                ) from None
-        return module(x, *args, **kwargs)
+    def _one_layer(self, p: int) -> Callable:
+        """Position p as a Haiku function: builds the k blocks in order, calls block p."""
 
-    def apply(self, params, state, x, *args, **kwargs):
-        rng, index = kwargs.pop(_RNG), kwargs.pop(_INDEX)
-        del kwargs[_KEY]
-        with _at_layer(index):
-            return self.transformed.apply(params, state, rng, x, *args, **kwargs)
+        def one_layer(x, call):
+            args, kwargs = call.args, call.kwargs
+            if self.kinds[p] == "function":
+                module = self.blocks[p]
+            else:
+                modules = [make() for make in self.blocks] if self.pattern else [self.blocks[p]()]
+                module = modules[p] if self.pattern else modules[0]
+                if not callable(module):
+                    raise TypeError(
+                        f"{self.who}: `block()` must return a callable module, got "
+                        f"{type(module).__name__} {module!r}."
+                    )
+                if self.pattern and self.names is None:
+                    self.names = [m.module_name for m in modules]
+            _check_call(module, self.who, x, args, kwargs)
+            return module(x, *args, **kwargs)
 
-    def init_then_apply(self, _, x, *args, **kwargs):
-        key, rng, index = kwargs.pop(_KEY), kwargs.pop(_RNG), kwargs.pop(_INDEX)
-        with _at_layer(index):
-            params, initial = self.transformed.init(key, x, *args, **kwargs)
-            out, state = self.transformed.apply(params, initial, rng, x, *args, **kwargs)
-        x, aux = out if self.has_aux else (out, None)
-        return x, (aux, params, initial, state)
+        return one_layer
+
+    def _apply(self, p: int) -> Callable:
+        def apply(params, state, x, extras, call):
+            with _adapt.at_layer(extras["index"]):
+                return self.transformed[p].apply(params, state, extras["rng"], x, call)
+
+        return apply
+
+    def _init_then_apply(self, p: int) -> Callable:
+        def init_then_apply(_, x, extras, call):
+            transformed = self.transformed[p]
+            with _adapt.at_layer(extras["index"]):
+                params, initial = transformed.init(extras["init_key"], x, call)
+                out, state = transformed.apply(params, initial, extras["rng"], x, call)
+            x, aux = out if self.has_aux else (out, None)
+            return x, (aux, params, initial, state)
+
+        return init_then_apply
+
+    def initialize(self, x, extras, call) -> tuple[Any, dict, dict, dict]:
+        """``(out, params, initial_state, state)``, the layers run one by one."""
+        x, per_position = self.initializer.apply(None, x, extras, call)
+        if not self.pattern:
+            per_position = (per_position,)
+        aux, params, initial, state = zip(*per_position)
+        out = (x, aux if self.pattern else aux[0]) if self.has_aux else x
+        return out, _merge(params), _merge(initial), _merge(state)
+
+    def apply(self, params, state, x, extras, call, module_name) -> tuple[Any, dict]:
+        """``(out, new_state)``: the scanned layers on the lifted params and state."""
+        params, state = self._positions(params), self._positions(state)
+        fix = (
+            "Stacked params and state come from this model's `init`; convert those of a "
+            "Python loop of blocks with `stackwise.haiku.from_loop`, of `hk.layer_stack` "
+            "with `stackwise.haiku.from_layer_stack`, and take the first k layers with "
+            "`stackwise.slice_layers`."
+        )
+        for what, positions in (("params", params), ("state", state)):
+            for p, tree in enumerate(positions):
+                leaves = [
+                    (f"{module_name}/{module}/{name}", value)
+                    for module, bundle in tree.items()
+                    for name, value in bundle.items()
+                ]
+                _adapt.check_depth(leaves, self.counts[p], self.who, what, fix)
+        if not self.pattern:
+            params, state = params[0], state[0]
+        out, state = self.forward.apply(params, state, x, extras, call)
+        return out, _merge(state) if self.pattern else state
+
+    def _positions(self, tree: dict) -> tuple[dict, ...]:
+        """A lifted params/state dict split into one dict per pattern position."""
+        if not self.pattern:
+            return (tree,)
+        if self.names is None:  # the modules' names, as built in a fresh transform
+            build = hk.transform(lambda: [make().module_name for make in self.blocks])
+            self.names = build.apply({}, None)
+        return tuple(
+            {k: v for k, v in tree.items() if k.split("/")[0] == name} for name in self.names
+        )
+
+
+def _merge(trees: tuple[dict, ...]) -> dict:
+    """One Haiku dict from the positions' dicts (their module names differ)."""
+    merged: dict = {}
+    for tree in trees:
+        merged.update(tree)
+    return merged
+
+
+def _as_module(fn: Callable) -> Callable[[], hk.Module]:
+    """A function block as a module factory: a module named after the function."""
+    name = getattr(fn, "__name__", "block").strip("<>").replace("lambda", "block")
+
+    def make() -> hk.Module:
+        return hk.to_module(fn)(name=name)
+
+    return make

@@ -329,7 +329,7 @@ def test_layer_index_inside_a_block(reverse):
 
 
 def test_layer_index_outside_a_stack_is_an_error():
-    with pytest.raises(ValueError, match=r"layer_index\(\) was called outside"):
+    with pytest.raises(RuntimeError, match=r"layer_index\(\) was called outside"):
         swh.layer_index()
 
 
