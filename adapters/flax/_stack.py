@@ -7,19 +7,17 @@ are the core's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 
 import stackwise
+from stackwise import _adapt
 
 __all__ = ["Stack", "layer_index"]
 
@@ -27,25 +25,13 @@ __all__ = ["Stack", "layer_index"]
 # --------------------------------------------------------------------------
 # The layer index, readable from inside a block.
 
-_INDEX = threading.local()
-
-
-@contextlib.contextmanager
-def _layer_index_set(index: Any) -> Iterator[None]:
-    stack = _INDEX.__dict__.setdefault("stack", [])
-    stack.append(index)
-    try:
-        yield
-    finally:
-        stack.pop()
-
 
 def layer_index() -> jax.Array:
     """The index of the layer being run, called from inside a block of a :class:`Stack`.
 
     A traced int32 scalar (layer ``i`` of ``n`` gets ``i``, whatever
-    ``reverse``), usable in arithmetic, ``jnp.where`` or ``lax.switch``; to
-    record it, ``sow`` it.
+    ``reverse``, and across a pattern of blocks), usable in arithmetic,
+    ``jnp.where`` or ``lax.switch``; to record it, ``sow`` it.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, stackwise.flax
     >>> class Scale(nn.Module):
@@ -62,47 +48,57 @@ def layer_index() -> jax.Array:
     Raises:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
-    stack = getattr(_INDEX, "stack", None)
-    if not stack:
-        raise RuntimeError(
-            "stackwise.flax.layer_index() is only defined inside a block run by "
-            "`stackwise.flax.Stack`; outside a Stack, pass the index as an argument."
-        )
-    return stack[-1]
+    return _adapt.current_layer_index("flax")
 
 
 # --------------------------------------------------------------------------
 # The block: a class, a partial of one, or an instance used as a template.
 
 
-def _block_name(block: Any) -> str:
-    if isinstance(block, functools.partial):
-        return f"{_block_name(block.func)} (a functools.partial)"
-    if isinstance(block, nn.Module):
-        return f"{type(block).__name__} (a template instance)"
-    return getattr(block, "__name__", repr(block))
-
-
-def _check_block(block: Any) -> None:
+def _check_block(block: Any, who: str) -> None:
     target = block
     while isinstance(target, functools.partial):
         target = target.func
     is_class = isinstance(target, type) and issubclass(target, nn.Module)
     if not (is_class or isinstance(block, nn.Module)):
         raise TypeError(
-            f"stackwise.flax.Stack: `block` must be a Flax linen module class, a "
-            f"functools.partial of one or a module instance used as a template, got "
-            f"{type(block).__name__} {block!r}. For example "
-            "`Stack(Block, n=4)` or `Stack(Block(features=512), n=4)`; for an NNX "
-            "module use `stackwise.nnx.Stack`."
+            f"{who}: `block` must be a Flax linen module class, a functools.partial of "
+            f"one or a module instance used as a template, got {type(block).__name__} "
+            f"{block!r}. For example `Stack(Block, n=4)` or `Stack(Block(features=512), "
+            "n=4)`; for an NNX module use `stackwise.nnx.Stack`."
         )
 
 
-def _fresh_block(block: Any) -> nn.Module:
+def _block_class(block: Any) -> type:
+    while isinstance(block, functools.partial):
+        block = block.func
+    return block if isinstance(block, type) else type(block)
+
+
+def _fresh_block(block: Any, who: str) -> nn.Module:
     """An unbound copy of the block, never attached to the surrounding module."""
     if isinstance(block, nn.Module):
         return block.clone(parent=None, name=None)
-    return block(parent=None)
+    try:
+        return block(parent=None)
+    except TypeError as e:
+        cls = _block_class(block).__name__
+        raise TypeError(
+            f"{who}: building the block failed: {e}. The Stack builds it as "
+            f"`{cls}()`: give its fields with `functools.partial({cls}, ...)` or a template "
+            f"instance, `Stack({cls}(...), n)`."
+        ) from None
+
+
+def _position_names(blocks: list) -> list[str]:
+    """Natural names of a pattern's positions: ``A_0``, ``A_1``, ``B_0`` (linen's own)."""
+    seen: dict[str, int] = {}
+    names = []
+    for block in blocks:
+        cls = _block_class(block).__name__
+        names.append(f"{cls}_{seen.get(cls, 0)}")
+        seen[cls] = seen.get(cls, 0) + 1
+    return names
 
 
 # --------------------------------------------------------------------------
@@ -128,31 +124,30 @@ def _unbox(tree: Any) -> Any:
     return jax.tree.map(lambda b: _value(b) if _is_box(b) else b, tree, is_leaf=_is_box)
 
 
-def _check_depth(variables: dict, n: int, name: str) -> None:
-    bad = [
-        f"  {_path(col, path)}: shape {jnp.shape(leaf)}"
+def _check_depth(variables: dict, n: int, who: str) -> None:
+    leaves = [
+        (_path(col, path), leaf)
         for col, tree in variables.items()
         for path, leaf in jax.tree_util.tree_leaves_with_path(_unbox(tree))
-        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n
     ]
-    if bad:
-        raise ValueError(
-            f"stackwise.flax.Stack({name}, n={n}): every variable needs a leading layer "
-            f"axis of length {n}, but these do not:\n" + "\n".join(bad) + "\n"
-            "Variables of a Python loop of blocks (`layers_0`, `layers_1`, ...) convert "
-            "with `stackwise.flax.stack_variables`, those of `nn.scan` with "
-            "`stackwise.flax.from_scan`; keep the first k layers with "
-            "`stackwise.slice_layers`."
-        )
+    _adapt.check_depth(
+        leaves,
+        n,
+        who,
+        "variables",
+        "Variables of a Python loop of blocks (`layers_0`, `layers_1`, ...) convert with "
+        "`stackwise.flax.stack_variables`, those of `nn.scan` with "
+        "`stackwise.flax.from_scan`; keep the first k layers with `stackwise.slice_layers`.",
+    )
 
 
-def _check_box_names(variables: dict, layer_axis_name: Any, n: int, name: str) -> None:
+def _check_box_names(variables: dict, layer_axis_name: Any, who: str) -> None:
     for col, tree in variables.items():
         for path, box in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_box):
             names = getattr(box, "names", None)
             if _is_box(box) and names is not None and (not names or names[0] != layer_axis_name):
                 raise ValueError(
-                    f"stackwise.flax.Stack({name}, n={n}): the partitioning of "
+                    f"{who}: the partitioning of "
                     f"`{_path(col, path)}` is {tuple(names)}, whose first (layer) axis "
                     f"should be named {layer_axis_name!r} (this Stack's "
                     f"`layer_axis_name`). Build the Stack with "
@@ -161,12 +156,12 @@ def _check_box_names(variables: dict, layer_axis_name: Any, n: int, name: str) -
                 )
 
 
-def _check_stackable(variables: dict, name: str) -> None:
+def _check_stackable(variables: dict, who: str) -> None:
     for col, tree in variables.items():
         for path, leaf in jax.tree_util.tree_leaves_with_path(_unbox(tree)):
             if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
                 raise TypeError(
-                    f"stackwise.flax.Stack({name}): variable `{_path(col, path)}` holds a "
+                    f"{who}: variable `{_path(col, path)}` holds a "
                     f"{type(leaf).__name__} ({leaf!r}), which cannot be stacked along a "
                     "layer axis: every variable a stacked block creates (in any "
                     "collection) must be an array. Keep Python values as module "
@@ -269,25 +264,36 @@ class Stack(nn.Module):
     unroll: int | bool = 1
     reverse: bool = False
     has_aux: bool = False
+    fsdp: str | tuple[str, ...] | None = None
     layer_axis_name: str | None = None
 
     def __post_init__(self) -> None:
-        _check_block(self.block)
-        name = _block_name(self.block)
-        if isinstance(self.n, bool) or not isinstance(self.n, int):
-            raise TypeError(
-                f"stackwise.flax.Stack({name}): `n` must be a Python int (the number "
-                f"of layers), got {type(self.n).__name__} {self.n!r}."
-            )
-        if self.n < 1:
-            raise ValueError(f"stackwise.flax.Stack({name}): `n` must be at least 1, got {self.n}.")
+        who = _adapt.stack_name("flax", self.block, self.n)
+        blocks = self.block if isinstance(self.block, (list, tuple)) else [self.block]
+        if not blocks:
+            raise ValueError(f"{who}: a pattern needs at least one block; got an empty list.")
+        for block in blocks:
+            _check_block(block, who)
+        _adapt.check_options(
+            who,
+            self.n,
+            remat=self.remat,
+            nested=self.nested,
+            unroll=self.unroll,
+            reverse=self.reverse,
+            has_aux=self.has_aux,
+            fsdp=self.fsdp,
+        )
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the n layers: ``block(x, *args, **kwargs)`` each, in order."""
-        n, name = self.n, _block_name(self.block)
-        block = _fresh_block(self.block)
+        who = _adapt.stack_name("flax", self.block, self.n)
+        pattern = isinstance(self.block, (list, tuple))
+        blocks = list(self.block) if pattern else [self.block]
+        k = len(blocks)
+        names = _position_names(blocks) if pattern else [None]
         axis_params = {nn.PARTITION_NAME: self.layer_axis_name}
         scope = self.scope
         mutable = scope.mutable
@@ -295,47 +301,76 @@ class Stack(nn.Module):
         initializing = not jax.tree_util.tree_leaves(variables) and (
             self.is_initializing() or scope.is_mutable_collection("params")
         )
+        positions = [
+            variables if name is None else {c: t[name] for c, t in variables.items() if name in t}
+            for name in names
+        ]
         if not initializing:
-            _check_depth(variables, n, name)
-            _check_box_names(variables, self.layer_axis_name, n, name)
+            for p, position in enumerate(positions):
+                _check_depth(position, len(range(p, self.n, k)), who)
+                _check_box_names(position, self.layer_axis_name, who)
         # Every stream the caller provides, split per layer (deterministically).
-        rngs = {s: stackwise.per_layer_keys(self.make_rng(s)) for s in scope.rngs}
-        params = {c: v for c, v in variables.items() if not scope.is_mutable_collection(c)}
-        state = {c: v for c, v in variables.items() if scope.is_mutable_collection(c)}
+        extras = {
+            "index": stackwise.layer_index(),
+            "rngs": {s: stackwise.per_layer_keys(self.make_rng(s)) for s in scope.rngs},
+        }
 
-        def layer(p, s, x, rngs, index, args, kwargs):
-            layer_vars = meta.remove_axis({**p, **s}, 0, axis_params)
-            with _layer_index_set(index):
-                if initializing:
-                    out, new = block.init_with_output(rngs, x, *args, **kwargs, mutable=mutable)
-                elif mutable is False:
-                    out, new = block.apply(layer_vars, x, *args, rngs=rngs, **kwargs), {}
-                else:
-                    out, new = block.apply(
-                        layer_vars, x, *args, rngs=rngs, mutable=mutable, **kwargs
-                    )
-            new = dict(new)
-            _check_stackable(new, name)
-            return out, meta.add_axis(new, 0, axis_params)
+        def one(block):
+            block = _fresh_block(block, who)
+
+            def layer(p, s, x, extras, call):
+                layer_vars = meta.remove_axis({**p, **s}, 0, axis_params)
+                args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
+                with _adapt.at_layer(extras["index"]):
+                    if initializing:
+                        out, new = block.init_with_output(rngs, x, *args, **kwargs, mutable=mutable)
+                    elif mutable is False:
+                        out, new = block.apply(layer_vars, x, *args, rngs=rngs, **kwargs), {}
+                    else:
+                        out, new = block.apply(
+                            layer_vars, x, *args, rngs=rngs, mutable=mutable, **kwargs
+                        )
+                new = dict(new)
+                _check_stackable(new, who)
+                return out, meta.add_axis(new, 0, axis_params)
+
+            return layer
 
         # Variables are created by `init_with_output` inside the scanned layer, so
         # each layer's init sees its own input (as in a loop and in nn.scan) and
         # BatchNorm statistics, caches and sown values follow Flax's init rules;
         # the core's vmapped `init` is therefore not used.
         layers = stackwise.stack(
-            lambda key: None,
-            layer,
-            n,
+            None,
+            [one(b) for b in blocks] if pattern else one(blocks[0]),
+            self.n,
             remat=self.remat,
             nested=self.nested,
             unroll=self.unroll,
             reverse=self.reverse,
             has_aux=self.has_aux,
             with_state=True,
-            name=f"stackwise.flax.Stack({name})",  # the core checks x's shape and dtype
+            fsdp=self.fsdp,
+            name=who,  # the core checks x's shape and dtype
         )
-        out, new = layers.apply(params, state, x, rngs, stackwise.layer_index(), args, kwargs)
-        for col, tree in new.items():
-            for var_name, value in tree.items():
-                self.put_variable(col, var_name, value)
+        params = [
+            {c: v for c, v in pos.items() if not scope.is_mutable_collection(c)}
+            for pos in positions
+        ]
+        state = [
+            {c: v for c, v in pos.items() if scope.is_mutable_collection(c)} for pos in positions
+        ]
+        if not pattern:
+            params, state = params[0], state[0]
+        else:
+            params, state = tuple(params), tuple(state)
+        call = _adapt.CallArgs(args, kwargs)
+        out, new = layers.apply(params, state, x, extras, call)
+        for name, position in zip(names, new if pattern else [new]):
+            for col, tree in position.items():
+                if name is not None:
+                    self.put_variable(col, name, tree)
+                    continue
+                for var_name, value in tree.items():
+                    self.put_variable(col, var_name, value)
         return out
