@@ -653,7 +653,7 @@ def test_block_changing_the_carry():
         def __call__(self, x):
             return x.astype(jnp.int32)
 
-    with pytest.raises(TypeError, match=r"Stack\(Cast\).*float32\[2, 4\] to int32\[2, 4\]"):
+    with pytest.raises(TypeError, match=r"Stack\(Cast, n=2\).*float32\[2, 4\] to int32\[2, 4\]"):
         stackwise.flax.Stack(Cast, 2).apply({}, X)
 
 
@@ -664,7 +664,8 @@ def test_collection_that_cannot_be_stacked():
             self.variable("meta", "tag", lambda: "relu")
             return x
 
-    with pytest.raises(TypeError, match=r"Stack\(Tagged, n=2\): variable `meta\['tag'\]` holds a str"):
+    message = r"Stack\(Tagged, n=2\): variable `meta\['tag'\]` holds a str"
+    with pytest.raises(TypeError, match=message):
         stackwise.flax.Stack(Tagged, 2).init(jax.random.key(0), X)
 
 
