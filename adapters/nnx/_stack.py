@@ -7,8 +7,6 @@ scan, remat, unroll and reverse all live in the core.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,12 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import stackwise
+from stackwise import _adapt
 
 __all__ = ["Stack", "layer_index"]
-
-_LAYER_INDEX: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "stackwise_nnx_layer_index", default=None
-)
 
 
 def layer_index() -> jax.Array:
@@ -45,28 +40,12 @@ def layer_index() -> jax.Array:
 
     Returns:
       The layer's index, ``0`` for the first layer (also with ``reverse=True``,
-      where the last layer, index ``n - 1``, runs first).
+      where the last layer, index ``n - 1``, runs first, and across a pattern).
 
     Raises:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
-    index = _LAYER_INDEX.get()
-    if index is None:
-        raise RuntimeError(
-            "stackwise.nnx.layer_index() was called outside a stacked block: it "
-            "only has a value inside the `__call__` of a block run by "
-            "`stackwise.nnx.Stack`. Outside a Stack, pass the index as an argument."
-        )
-    return index
-
-
-@contextlib.contextmanager
-def _at_layer(index: Any):
-    token = _LAYER_INDEX.set(index)
-    try:
-        yield
-    finally:
-        _LAYER_INDEX.reset(token)
+    return _adapt.current_layer_index("nnx")
 
 
 # --------------------------------------------------------------------------
@@ -140,6 +119,11 @@ class _LayerRngs:
         return cls(*children)
 
 
+def _unused(*args: Any) -> None:
+    """The apply of the stack that only builds the layers (``Stack._build``)."""
+    del args
+
+
 def _stream_keys(rngs: nnx.Rngs) -> dict[str, jax.Array]:
     """One fresh key per stream of ``rngs`` (each stream's count advances)."""
     return {name: stream() for name, stream in rngs.items()}
@@ -167,14 +151,10 @@ def _join_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 class _Prebuilt:
-    """``make_block`` stand-in for :meth:`Stack.from_layers`: the stacked block."""
+    """``make_block`` stand-in for :meth:`Stack.from_layers`: the stacked block(s)."""
 
-    def __init__(self, layers: nnx.Module):
-        self.layers = layers
-
-
-def _name(make_block: Any) -> str:
-    return getattr(make_block, "__qualname__", None) or repr(make_block)
+    def __init__(self, layers: Any, name: str):
+        self.layers, self.__name__ = layers, name
 
 
 # --------------------------------------------------------------------------
@@ -284,93 +264,154 @@ class Stack(nnx.Module):
 
     def __init__(
         self,
-        make_block: Callable[[nnx.Rngs], nnx.Module],
+        make_block: Callable[[nnx.Rngs], nnx.Module] | Sequence[Callable[[nnx.Rngs], nnx.Module]],
         n: int,
         *,
         rngs: nnx.Rngs | None,
-        remat: bool | Callable[..., bool] = stackwise.DEFAULT_REMAT,
+        remat: bool | Callable[..., Any] = stackwise.DEFAULT_REMAT,
         nested: bool | int = False,
         unroll: int | bool = 1,
         reverse: bool = False,
         has_aux: bool = False,
+        fsdp: str | tuple[str, ...] | None = None,
         layer_axis_name: str | None = None,
     ):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(
-                f"stackwise.nnx.Stack: `n` must be a Python int (the number of layers), "
-                f"got {type(n).__name__} {n!r}."
-            )
-        if n < 1:
-            raise ValueError(
-                f"stackwise.nnx.Stack: `n` must be at least 1, got n={n} for "
-                f"block {_name(make_block)}."
-            )
+        who = _adapt.stack_name("nnx", make_block, n)
+        _adapt.check_options(
+            who,
+            n,
+            remat=remat,
+            nested=nested,
+            unroll=unroll,
+            reverse=reverse,
+            has_aux=has_aux,
+            fsdp=fsdp,
+        )
         self.n = n
         self.remat = remat
         self.nested = nested
         self.unroll = unroll
         self.reverse = reverse
         self.has_aux = has_aux
+        self.fsdp = fsdp
         self.layer_axis_name = layer_axis_name
-        self._stacked()  # validates remat / nested / unroll now, not at the first call
         if isinstance(make_block, _Prebuilt):
-            self.layers = make_block.layers
+            self.pattern = isinstance(make_block.layers, (list, tuple))
+            self.layers = nnx.List(make_block.layers) if self.pattern else make_block.layers
             return
-        if isinstance(make_block, nnx.Module):
-            raise TypeError(
-                f"stackwise.nnx.Stack: `make_block` must be a function of `rngs` that "
-                f"builds a block, got a built {type(make_block).__name__} module. Build "
-                f"each layer from its own keys: `Stack(lambda rngs: "
-                f"{type(make_block).__name__}(..., rngs=rngs), n, rngs=rngs)`, or stack "
-                "built blocks with `Stack.from_layers([block_0, ..., block_{n-1}])`."
-            )
-        if not callable(make_block):
-            raise TypeError(
-                f"stackwise.nnx.Stack: `make_block` must be a function of `rngs` that "
-                f"returns an nnx.Module, got {type(make_block).__name__} {make_block!r}. "
-                "E.g. `Stack(lambda rngs: Block(512, rngs=rngs), n=24, rngs=rngs)`."
-            )
+        self.pattern = isinstance(make_block, (list, tuple))
+        makers = list(make_block) if self.pattern else [make_block]
+        if not makers:
+            raise ValueError(f"{who}: a pattern needs at least one `make_block`; got [].")
+        for make in makers:
+            if isinstance(make, nnx.Module):
+                raise TypeError(
+                    f"{who}: `make_block` must be a function of `rngs` that builds a "
+                    f"block, got a built {type(make).__name__} module. Build each layer "
+                    f"from its own keys: `Stack(lambda rngs: {type(make).__name__}(..., "
+                    "rngs=rngs), n, rngs=rngs)`, or stack built blocks with "
+                    "`Stack.from_layers([block_0, ..., block_{n-1}])`."
+                )
+            if not callable(make):
+                raise TypeError(
+                    f"{who}: `make_block` must be a function of `rngs` that returns an "
+                    f"nnx.Module, got {type(make).__name__} {make!r}. E.g. "
+                    "`Stack(lambda rngs: Block(512, rngs=rngs), n=24, rngs=rngs)`."
+                )
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(
-                f"stackwise.nnx.Stack: `rngs` must be an nnx.Rngs (the layers are built "
-                f"from its keys), got {type(rngs).__name__} {rngs!r}."
+                f"{who}: `rngs` must be an nnx.Rngs (the layers are built from its keys), "
+                f"got {type(rngs).__name__} {rngs!r}."
             )
-        self.layers = self._build(make_block, rngs)
+        built = self._build(makers, rngs, who)
+        self.layers = nnx.List(built) if self.pattern else built[0]
 
-    def _build(self, make_block: Callable, rngs: nnx.Rngs) -> nnx.Module:
+    def _blocks(self) -> list[nnx.Module]:
+        """The stacked block of each pattern position (one without a pattern)."""
+        return list(self.layers) if self.pattern else [self.layers]
+
+    def _build(self, makers: list, rngs: nnx.Rngs, who: str) -> list[nnx.Module]:
         keys = _stream_keys(rngs)
         names = list(keys)
-        graphdefs = []
+        graphdefs: list = [None] * len(makers)
 
-        def init(key, other_keys):
-            layer_rngs = nnx.Rngs(**({names[0]: key} if names else {}), **other_keys)
-            block = make_block(layer_rngs)
-            if not isinstance(block, nnx.Module):
-                raise TypeError(
-                    f"stackwise.nnx.Stack: `make_block` ({_name(make_block)}) must return "
-                    f"an nnx.Module, but it returned {type(block).__name__}. Pass a "
-                    "function that builds one block from `rngs`, e.g. "
-                    "`lambda rngs: Block(512, rngs=rngs)`."
-                )
-            graphdef, params, rest = nnx.split(block, nnx.Param, ...)
-            graphdefs.append(graphdef)
-            _add_layer_axis((params, rest), self.layer_axis_name)
-            return params, rest
+        def init(p):
+            make = makers[p]
+
+            def one(key, other_keys):
+                layer_rngs = nnx.Rngs(**({names[0]: key} if names else {}), **other_keys)
+                try:
+                    block = make(layer_rngs)
+                except TypeError as e:
+                    raise TypeError(
+                        f"{who}: `make_block(rngs)` failed: {e}. The Stack calls "
+                        f"`make_block(rngs)` once per layer; give the block's other "
+                        "arguments in a function, e.g. `lambda rngs: "
+                        "nnx.Linear(512, 512, rngs=rngs)`."
+                    ) from None
+                except nnx.errors.TraceContextError as e:
+                    raise TypeError(
+                        f"{who}: `make_block` used an `nnx.Rngs` other than the one it is "
+                        f"given ({e}). Build each layer from its argument: `lambda rngs: "
+                        "Block(..., rngs=rngs)`, not from the `rngs` of the enclosing "
+                        "model."
+                    ) from None
+                if not isinstance(block, nnx.Module):
+                    raise TypeError(
+                        f"{who}: `make_block` must return an nnx.Module, but it returned "
+                        f"{type(block).__name__}. Pass a function that builds one block "
+                        "from `rngs`, e.g. `lambda rngs: Block(512, rngs=rngs)`."
+                    )
+                graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+                graphdefs[p] = graphdef
+                _add_layer_axis((params, rest), self.layer_axis_name)
+                return params, rest
+
+            return one
 
         first = keys[names[0]] if names else jax.random.key(0)
         others = {k: stackwise.per_layer_keys(keys[k]) for k in names[1:]}
-        layers = stackwise.stack(init, lambda *a: None, self.n, with_state=True)
+        inits = [init(p) for p in range(len(makers))]
+        layers = stackwise.stack(
+            inits if self.pattern else inits[0],
+            [_unused] * len(makers) if self.pattern else _unused,
+            self.n,
+            with_state=True,
+        )
         params, rest = layers.init(first, others)
-        return nnx.merge(graphdefs[0], _shard_eagerly(params), _shard_eagerly(rest))
+        if not self.pattern:
+            params, rest = (params,), (rest,)
+        return [
+            nnx.merge(graphdefs[p], _shard_eagerly(params[p]), _shard_eagerly(rest[p]))
+            for p in range(len(makers))
+        ]
 
-    def _stacked(
-        self, apply: Callable = lambda *a: None, block: str = "block"
-    ) -> stackwise.Stacked:
-        # The core checks that each layer returns x unchanged in shape and dtype,
-        # naming the block in its error.
-        return stackwise.stack(
-            lambda key: None,
-            apply,
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = self._blocks()
+        who = _adapt.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
+        k = len(blocks)
+        split = [nnx.split(block, nnx.Param, ...) for block in blocks]
+        for p, (_, params, rest) in enumerate(split):
+            self._check_depth(params, len(range(p, self.n, k)), who)
+            self._check_depth(rest, len(range(p, self.n, k)), who)
+
+        def one(graphdef):
+            def apply(p, s, x, extras, call):
+                _remove_layer_axis((p, s))
+                block = nnx.merge(graphdef, p, s)
+                args, kwargs = _join_rngs_args(call.args, call.kwargs)
+                with _adapt.at_layer(extras["index"]):
+                    out = block(x, *args, **kwargs)
+                _, _, new_rest = nnx.split(block, nnx.Param, ...)
+                _add_layer_axis(new_rest, self.layer_axis_name)
+                return out, new_rest
+
+            return apply
+
+        applies = [one(graphdef) for graphdef, _, _ in split]
+        layers = stackwise.stack(
+            None,
+            applies if self.pattern else applies[0],
             self.n,
             remat=self.remat,
             nested=self.nested,
@@ -378,47 +419,35 @@ class Stack(nnx.Module):
             reverse=self.reverse,
             has_aux=self.has_aux,
             with_state=True,
-            name=f"stackwise.nnx.Stack({block})",
+            fsdp=self.fsdp,
+            name=who,  # the core names the block in its errors (carry, returns)
         )
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-        self._check_depth(params)
-        self._check_depth(rest)
-
-        def apply(p, s, x, index, *args, **kwargs):
-            _remove_layer_axis((p, s))
-            block = nnx.merge(graphdef, p, s)
-            args, kwargs = _join_rngs_args(args, kwargs)
-            with _at_layer(index):
-                out = block(x, *args, **kwargs)
-            _, _, new_rest = nnx.split(block, nnx.Param, ...)
-            _add_layer_axis(new_rest, self.layer_axis_name)
-            return out, new_rest
-
         args, kwargs = _split_rngs_args(args, kwargs)
-        out, new_rest = self._stacked(apply, type(self.layers).__name__).apply(
-            params, rest, x, stackwise.layer_index(), *args, **kwargs
-        )
-        nnx.update(self.layers, new_rest)
+        params = tuple(params for _, params, _ in split)
+        rest = tuple(rest for _, _, rest in split)
+        if not self.pattern:
+            params, rest = params[0], rest[0]
+        extras = {"index": stackwise.layer_index()}
+        out, new_rest = layers.apply(params, rest, x, extras, _adapt.CallArgs(args, kwargs))
+        for block, new in zip(blocks, new_rest if self.pattern else [new_rest]):
+            nnx.update(block, new)
         return out
 
-    def _check_depth(self, state: Any) -> None:
+    def _check_depth(self, state: Any, n: int, who: str) -> None:
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
-        bad = [
-            f"  {_path(path)} ({type(v).__name__}): shape {jnp.shape(a)}"
+        leaves = [
+            (f"{_path(path)} ({type(v).__name__})", a)
             for path, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_var)
-            for sub, a in jax.tree_util.tree_leaves_with_path(v)
-            if jnp.ndim(a) == 0 or jnp.shape(a)[0] != self.n
+            for _, a in jax.tree_util.tree_leaves_with_path(v)
         ]
-        if bad:
-            raise ValueError(
-                f"stackwise.nnx.Stack of {type(self.layers).__name__}: every variable "
-                f"needs a leading layer axis of length n={self.n}, but these do not:\n"
-                + "\n".join(bad)
-                + "\nStacked variables come from building the Stack, or from "
-                "`Stack.from_layers([block_0, ..., block_{n-1}])`."
-            )
+        _adapt.check_depth(
+            leaves,
+            n,
+            who,
+            "variables",
+            "Stacked variables come from building the Stack, or from "
+            "`Stack.from_layers([block_0, ..., block_{n-1}])`.",
+        )
 
     # ----------------------------------------------------------------------
     # Conversion to and from a list of per-layer blocks.
@@ -428,6 +457,8 @@ class Stack(nnx.Module):
 
         Exact: ``Stack.from_layers(stack.to_layers())`` gives back the same
         variables, bit for bit (and sharding metadata loses the layer axis).
+        For a pattern, the blocks come in layer order (layer i is of the kind
+        of position ``i % k``).
 
         >>> import jax.numpy as jnp, stackwise.nnx
         >>> from flax import nnx
@@ -438,14 +469,17 @@ class Stack(nnx.Module):
         True
 
         Returns:
-          A list of ``n`` blocks of the stacked block's type.
+          A list of ``n`` blocks.
         """
-        graphdef, state = nnx.split(self.layers)
-        blocks = []
-        for i in range(self.n):
-            layer = jax.tree.map(lambda a, i=i: a[i], state)
-            _remove_layer_axis(layer)
-            blocks.append(nnx.merge(graphdef, layer))
+        stacked = self._blocks()
+        k = len(stacked)
+        blocks: list = [None] * self.n
+        for p, block in enumerate(stacked):
+            graphdef, state = nnx.split(block)
+            for j, i in enumerate(range(p, self.n, k)):
+                layer = jax.tree.map(lambda a, j=j: a[j], state)
+                _remove_layer_axis(layer)
+                blocks[i] = nnx.merge(graphdef, layer)
         return blocks
 
     @classmethod
@@ -453,17 +487,20 @@ class Stack(nnx.Module):
         cls,
         blocks: Sequence[nnx.Module],
         *,
-        remat: bool | Callable[..., bool] = stackwise.DEFAULT_REMAT,
+        pattern: int = 1,
+        remat: bool | Callable[..., Any] = stackwise.DEFAULT_REMAT,
         nested: bool | int = False,
         unroll: int | bool = 1,
         reverse: bool = False,
         has_aux: bool = False,
+        fsdp: str | tuple[str, ...] | None = None,
         layer_axis_name: str | None = None,
     ) -> Stack:
         """A :class:`Stack` holding the variables of separately built blocks.
 
         Layer i is ``blocks[i]``; the blocks must be of one type and
-        configuration with variables of equal shapes. The inverse of
+        configuration with variables of equal shapes and dtypes (with
+        ``pattern=k``: the blocks of each position ``i % k``). The inverse of
         :meth:`to_layers`, exact.
 
         >>> import stackwise.nnx
@@ -474,52 +511,40 @@ class Stack(nnx.Module):
 
         Args:
           blocks: the per-layer modules, in order.
-          remat, nested, unroll, reverse, has_aux, layer_axis_name: as for
-            :class:`Stack`.
+          pattern: k, the length of the repeating pattern of block kinds.
+          remat, nested, unroll, reverse, has_aux, fsdp, layer_axis_name: as
+            for :class:`Stack`.
 
         Returns:
           The stack; the blocks themselves are left unchanged.
 
         Raises:
-          TypeError: a block is not an ``nnx.Module`` or differs in structure.
-          ValueError: no blocks.
+          TypeError: a block is not an ``nnx.Module`` or differs in structure,
+            shapes or dtypes from the first block of its position.
+          ValueError: no blocks, or fewer blocks than the pattern's length.
         """
+        who = "stackwise.nnx.Stack.from_layers"
         blocks = list(blocks)
         if not blocks:
-            raise ValueError("stackwise.nnx.Stack.from_layers: needs at least one block, got none.")
+            raise ValueError(f"{who}: needs at least one block, got none.")
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.")
+        if len(blocks) < pattern:
+            raise ValueError(
+                f"{who}: a pattern of {pattern} kinds needs at least {pattern} blocks, got "
+                f"{len(blocks)}."
+            )
         for i, block in enumerate(blocks):
             if not isinstance(block, nnx.Module):
                 raise TypeError(
-                    f"stackwise.nnx.Stack.from_layers: block {i} must be an nnx.Module, "
-                    f"got {type(block).__name__}."
+                    f"{who}: block {i} must be an nnx.Module, got {type(block).__name__}."
                 )
-        graphdef, first = nnx.split(blocks[0])
-        states = [first]
-        for i, block in enumerate(blocks[1:], 1):
-            g, state = nnx.split(block)
-            if g != graphdef or jax.tree.structure(state) != jax.tree.structure(first):
-                raise TypeError(
-                    f"stackwise.nnx.Stack.from_layers: block {i} ({type(block).__name__}) "
-                    f"differs in structure or static attributes from block 0 "
-                    f"({type(blocks[0]).__name__}); every layer must be built the same way."
-                )
-            pairs = zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(state))
-            bad = [
-                f"  {_path(p)}: {jnp.shape(b)} (block 0: {jnp.shape(a)})"
-                for (p, a), b in pairs
-                if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
-            ]
-            if bad:
-                raise TypeError(
-                    f"stackwise.nnx.Stack.from_layers: block {i} has variables of other "
-                    "shapes or dtypes than block 0:\n" + "\n".join(bad)
-                )
-            states.append(state)
-        stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
-        _add_layer_axis(stacked, layer_axis_name)
-        layers = nnx.merge(graphdef, _shard_eagerly(stacked))
+        stacked = [
+            _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
+            for p in range(pattern)
+        ]
         return cls(
-            _Prebuilt(layers),
+            _Prebuilt(stacked if pattern > 1 else stacked[0], "from_layers"),
             len(blocks),
             rngs=None,
             remat=remat,
@@ -527,7 +552,39 @@ class Stack(nnx.Module):
             unroll=unroll,
             reverse=reverse,
             has_aux=has_aux,
+            fsdp=fsdp,
             layer_axis_name=layer_axis_name,
         )
 
 
+def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) -> nnx.Module:
+    """Blocks ``indices`` (one position's) as one stacked block, checked against the first."""
+    first_i = indices[0]
+    graphdef, first = nnx.split(blocks[first_i])
+    states = [first]
+    for i in indices[1:]:
+        block = blocks[i]
+        g, state = nnx.split(block)
+        if g != graphdef or jax.tree.structure(state) != jax.tree.structure(first):
+            raise TypeError(
+                f"{who}: block {i} ({type(block).__name__}) differs in structure or static "
+                f"attributes from block {first_i} ({type(blocks[first_i]).__name__}); every "
+                "layer of a position must be built the same way (for repeating kinds of "
+                "blocks, pass `pattern=k`)."
+            )
+        pairs = zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(state))
+        bad = [
+            f"  {_path(p)}: {jnp.result_type(b).name}{list(jnp.shape(b))} (block {first_i}: "
+            f"{jnp.result_type(a).name}{list(jnp.shape(a))})"
+            for (p, a), b in pairs
+            if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
+        ]
+        if bad:
+            raise TypeError(
+                f"{who}: block {i} has variables of other shapes or dtypes than block "
+                f"{first_i}:\n" + "\n".join(bad)
+            )
+        states.append(state)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    _add_layer_axis(stacked, layer_axis_name)
+    return nnx.merge(graphdef, _shard_eagerly(stacked))
