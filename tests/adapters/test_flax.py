@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _programs import barrier_operand_types
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,10 +20,6 @@ from stackwise.bench import program_fingerprint
 
 D = 4
 N = 3
-
-
-
-
 
 
 # --------------------------------------------------------------------------
@@ -253,11 +248,6 @@ def test_per_layer_inputs_outputs_and_index():
         assert state["intermediates"]["index"][0].tolist() == [0, 1, 2]
 
 
-def test_layer_index_outside_a_stack():
-    with pytest.raises(RuntimeError, match=r"layer_index\(\) was called outside a block run by"):
-        stackwise.flax.layer_index()
-
-
 def test_block_forms_class_partial_and_template():
     class Parent(nn.Module):
         form: str
@@ -281,22 +271,6 @@ def test_block_forms_class_partial_and_template():
             bias = variables["params"]["Stack_0"].get("bias", jnp.zeros((N, D)))
             ref = ref @ kernel[i] + bias[i][None]
         assert_trees_close(Parent(form).apply(variables, X), ref, atol=1e-5)
-
-
-def test_block_is_traced_once():
-    traces = []
-
-    class Counted(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            traces.append(1)
-            return x + nn.Dense(D)(x)
-
-    stacked = Stacked(Counted, 6)
-    variables = stacked.init(jax.random.key(0), X)
-    assert len(traces) == 1
-    jax.jit(stacked.apply)(variables, X)
-    assert len(traces) == 2
 
 
 # --------------------------------------------------------------------------
@@ -407,7 +381,7 @@ def test_matches_nn_scan_forward_grad_and_collections():
     assert_trees_close(new, new_ref)
 
 
-def test_compiles_to_the_same_program_as_nn_scan():
+def test_with_its_collections_it_compiles_to_the_program_of_nn_scan():
     # With remat off, jit(grad) of a Stack is nn.scan's program up to names, sown values
     # and counters included: the benchmark's step-time parity rests on this.
     scan = ScanModel(functools.partial(Block, scan_out=True), N)
@@ -525,36 +499,6 @@ def test_partition_specs_gain_the_layer_axis_as_in_nn_scan(axis):
     assert nn.get_partition_spec(loop)["params"]["layers_0"]["w"] == P(None, "model")
     back = stackwise.flax.stack_variables(loop, "s", layer_axis_name=axis)
     assert_trees_equal(back, {"params": {"s": variables["params"]}})
-
-
-# --------------------------------------------------------------------------
-# Remat in the lowered program.
-
-
-
-
-class Wide(nn.Module):
-    @nn.compact
-    def __call__(self, x):  # kernel 5x7, bias 7, carry 3x5: told apart by type
-        return x + jnp.tanh(nn.Dense(7)(x) @ self.param("back", nn.initializers.ones, (7, 5)))
-
-
-def _lowered(**options):
-    stack = stackwise.flax.Stack(Wide, 3, **options)
-    x = jnp.ones((3, 5))
-    variables = jax.eval_shape(stack.init, jax.random.key(0), x)
-    loss = lambda v: jnp.sum(stack.apply(v, x))  # noqa: E731
-    return jax.jit(jax.grad(loss)).lower(variables).as_text()
-
-
-def test_remat_barriers_protect_activations_only():
-    types = barrier_operand_types(_lowered(remat=True, unroll=True))
-    assert types, "expected optimization barriers around the rematerialised activations"
-    assert "3x5xf32" in types
-    for t in types:
-        assert t not in ("5x7xf32", "7xf32", "7x5xf32"), f"a param passes a barrier: {t}"
-    assert "optimization_barrier" not in _lowered(remat=True)
-    assert "optimization_barrier" not in _lowered(remat=True, nested=True)
 
 
 # --------------------------------------------------------------------------

@@ -9,21 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _programs import barrier_operand_types
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stackwise
 import stackwise.haiku as swh
-from stackwise.bench import program_fingerprint
 
 D = 4
 KEY = jax.random.key(0)
-
-
-
-
 
 
 class Block(hk.Module):
@@ -156,23 +150,6 @@ def test_forward_and_grad_match_hk_layer_stack(reverse):
     y_ls, (g_ls, _) = y_and_grads(lambda p, x: layer_stack.apply(p, None, x))(ls_params, x)
     assert_trees_close(y, y_ls)
     assert_trees_close(swh.to_layer_stack(g, "stack"), g_ls)
-
-
-def test_compiles_to_the_same_program_as_hk_layer_stack():
-    # What the benchmark's step-time parity rests on: with remat off, jit(grad) of a
-    # Stack is hk.layer_stack's program up to names (remat differs on purpose: hk.remat
-    # puts the params through barriers, the Stack does not).
-    n, x = 3, x_of()
-
-    def program(forward):
-        f = hk.transform(forward)
-        loss = lambda p, x: jnp.sum(f.apply(p, None, x) ** 2)  # noqa: E731
-        compiled = jax.jit(jax.grad(loss)).lower(f.init(KEY, x), x).compile()
-        return program_fingerprint(compiled.as_text())
-
-    stack = program(lambda x: swh.Stack(Block, n, remat=False)(x))
-    assert stack == program(lambda x: hk.layer_stack(n)(lambda x: Block()(x))(x))
-    assert stack != program(lambda x: swh.Stack(Block, n, remat=True)(x))
 
 
 # --------------------------------------------------------------------------
@@ -328,11 +305,6 @@ def test_layer_index_inside_a_block(reverse):
     assert int(y) == (3210 if reverse else 123)
 
 
-def test_layer_index_outside_a_stack_is_an_error():
-    with pytest.raises(RuntimeError, match=r"layer_index\(\) was called outside"):
-        swh.layer_index()
-
-
 def test_per_layer_inputs_keywords_and_static_arguments():
     n = 3
     calls = []
@@ -358,54 +330,8 @@ def test_per_layer_inputs_keywords_and_static_arguments():
     assert set(calls) == {True, False}
 
 
-def test_the_block_is_traced_once_whatever_n():
-    calls = []
-
-    def block(x):
-        calls.append(None)
-        return Block()(x)
-
-    f = hk.transform(lambda x: swh.Stack(block, 6, remat=True)(x))
-    x = x_of()
-    params = f.init(KEY, x)
-    calls.clear()
-    jax.jit(jax.grad(lambda p: loss(f.apply(p, None, x))))(params)
-    assert len(calls) == 1
-
-
 # --------------------------------------------------------------------------
-# Remat, seen in the lowered program.
-
-X_SHAPE, HIDDEN = (3, 5), 7
-
-
-class Wide(hk.Module):
-    def __call__(self, x):
-        h = jnp.sin(hk.Linear(HIDDEN)(x))
-        return x + jnp.tanh(hk.Linear(X_SHAPE[1])(h))
-
-
-def _lowered_grad(remat, unroll, n=3):
-    f = hk.transform(lambda x: swh.Stack(Wide, n, remat=remat, unroll=unroll)(x))
-    x = jnp.ones(X_SHAPE)
-    params = jax.eval_shape(f.init, KEY, x)
-    grad = jax.grad(lambda p, x: loss(f.apply(p, None, x)))
-    return jax.jit(grad).lower(params, x).as_text()
-
-
-
-
-def test_remat_adds_no_barriers_inside_the_scan():
-    assert "optimization_barrier" not in _lowered_grad(True, unroll=1)
-    assert "optimization_barrier" not in _lowered_grad(True, unroll=2)
-
-
-def test_unrolled_remat_passes_no_param_through_a_barrier():
-    types = barrier_operand_types(_lowered_grad(True, unroll=True))
-    assert "3x5xf32" in types, "expected barriers around the rematerialised carry"
-    params = {"5x7xf32", "7xf32", "7x5xf32", "5xf32"}
-    assert not params & set(types), f"params pass a barrier: {types}"
-
+# Remat, seen in the compiled program (barriers: tests/adapters/test_contract.py).
 
 def test_remat_cuts_the_memory_of_the_backward_pass():
     class Wider(hk.Module):
