@@ -1,23 +1,27 @@
-"""The core benchmark of issue 2: the MLP residual block at n in {8, 24, 48, 96}.
+"""The core comparison (issue 2): the MLP residual block at n = 8, 24, 48, 96, and its targets.
 
-A thin wrapper over ``stackwise.bench`` (one implementation; see ``benchmarks/README.md``):
-Python loops, a hand-written ``lax.scan`` and ``stackwise.stack`` with remat off / per
-layer / nested, compared under ``jit(grad(loss))``. Extra arguments go to
-``stackwise-bench``, e.g. ``python benchmarks/core.py --rounds 15 --compile-repeats 3``.
+Runs ``stackwise-bench --blocks mlp --compile-repeats 3``, writing ``results/mlp.csv``,
+``results/mlp.png`` and ``results/mlp.md`` next to this file, then checks the project's
+targets on that CSV (``targets.py``). Extra arguments go to ``stackwise-bench``, e.g.
+``--rounds 15``; see ``README.md`` for the other saved runs.
 
-    python benchmarks/core.py
+    python benchmarks/core.py > benchmarks/results/mlp.txt
 """
 
 import pathlib
 import sys
+
+import targets  # benchmarks/targets.py, next to this script
 
 from stackwise.bench import main
 
 if __name__ == "__main__":
     results = pathlib.Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
-    defaults = [
-        "--blocks", "mlp", "--n", "8,24,48,96",
-        "--csv", str(results / "core.csv"), "--plot", str(results / "core.png"),
-    ]
-    sys.exit(main(defaults + sys.argv[1:]))
+    csv = str(results / "mlp.csv")
+    status = main([
+        "--blocks", "mlp", "--n", "8,24,48,96", "--compile-repeats", "3", "--no-progress",
+        "--csv", csv, "--plot", str(results / "mlp.png"), "--markdown", str(results / "mlp.md"),
+        *sys.argv[1:],
+    ])
+    sys.exit(status or targets.main([csv]))

@@ -11,6 +11,7 @@ MODULES = [
     "stackwise._layout",
     "stackwise._pipeline",
     "stackwise._sharding",
+    "stackwise.bench",
     "stackwise.haiku",
     "stackwise.flax",
     "stackwise.nnx",

@@ -1,0 +1,98 @@
+"""What ``stackwise-bench`` measures (:class:`BenchConfig`), what it records (:class:`Result`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. The defaults are the full run; :meth:`quick` is the smoke run.
+
+    Attributes:
+      blocks: which blocks to run (the names in ``stackwise.bench.workloads.BLOCKS``:
+        ``"mlp"``, ``"transformer"``).
+      ns: the depths for the ``mlp`` block.
+      transformer_ns: the depths for the ``transformer`` block.
+      d, hidden, batch: the ``mlp`` block's sizes.
+      tf_d, tf_hidden, tf_heads, tf_seq, tf_batch: the ``transformer`` block's sizes.
+      rounds: timed rounds per depth (each times every variant once).
+      compile_repeats: cold compiles per variant and depth (the fastest is reported).
+      warmup: compile every variant once at a tiny depth first (not recorded).
+      variants: run only the variants whose name contains one of these strings, or whose
+        framework (``jax``, ``haiku``, ``flax``, ``nnx``) is one of them (empty: all).
+
+    A block's depths are the field its ``stackwise.bench.workloads.BLOCKS`` entry names.
+      seed: the PRNG seed of params and inputs, and of the measuring order.
+    """
+
+    blocks: tuple[str, ...] = ("mlp", "transformer")
+    ns: tuple[int, ...] = (8, 24, 48, 96)
+    transformer_ns: tuple[int, ...] = (8,)
+    d: int = 256
+    hidden: int = 512
+    batch: int = 64
+    tf_d: int = 128
+    tf_hidden: int = 512
+    tf_heads: int = 4
+    tf_seq: int = 32
+    tf_batch: int = 8
+    rounds: int = 7
+    compile_repeats: int = 1
+    warmup: bool = True
+    variants: tuple[str, ...] = ()
+    seed: int = 0
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> BenchConfig:
+        """A smoke run of every variant: tiny sizes, few depths and rounds, no warm-up.
+
+        The numbers mean little (the first compile of each framework pays its one-time
+        costs); it checks that everything runs and writes its outputs.
+
+        >>> BenchConfig.quick(blocks=("mlp",)).ns
+        (2, 4)
+        """
+        small = dict(
+            ns=(2, 4), transformer_ns=(2,), d=16, hidden=32, batch=4, tf_d=16, tf_hidden=32,
+            tf_heads=2, tf_seq=8, tf_batch=2, rounds=2, compile_repeats=1, warmup=False,
+        )
+        return cls(**{**small, **overrides})
+
+
+@dataclasses.dataclass
+class Result:
+    """One variant at one depth. Times in seconds, sizes in bytes / characters.
+
+    ``*_vs_scan``, ``*_vs_loop`` and ``*_vs_tool`` are paired ratios to the hand-written
+    scan, the Python loop and (for an adapter) its framework's tool with the same remat,
+    at the same depth in the same run (:func:`stackwise.bench.stats.paired_ratio`).
+    """
+
+    block: str
+    n: int
+    framework: str
+    variant: str
+    remat: str
+    compile_s: float = math.nan  # the fastest of the cold compiles
+    step_s: float = math.nan  # the median of the steady-state calls
+    trace_s: float = math.nan  # the tracing + lowering part of compile_s (fastest)
+    temp_bytes: int = -1
+    program_chars: int = -1
+    barrier_param_bytes: int = -1
+    barrier_const_bytes: int = -1
+    barrier_ops: int = -1
+    compile_vs_scan: float = math.nan
+    compile_vs_loop: float = math.nan
+    step_vs_scan: float = math.nan
+    step_vs_loop: float = math.nan
+    tool: str = ""
+    compile_vs_tool: float = math.nan
+    step_vs_tool: float = math.nan
+    program_hash: str = ""  # program_fingerprint of the compiled program
+    ops_unlike_tool: int = -1  # instructions not shared with the tool's program; 0: the same
+    note: str = ""
+    compile_samples: tuple[float, ...] = ()  # one per repeat, in order
+    step_samples: tuple[float, ...] = ()  # one per round, in order

@@ -1,0 +1,337 @@
+"""Measuring: cold compiles, steady-state steps and memory, in shuffled, paired repeats.
+
+For every depth n of a block, every variant is
+
+1. built (params and input, from numpy: nothing is compiled yet);
+2. compiled cold ``compile_repeats`` times (:func:`jax.clear_caches` and a garbage
+   collection first, then ``jit(grad(loss)).lower(params, x).compile()`` timed, tracing
+   included; ``jit(loss)`` for a block whose ``grad`` is False), each repeat visiting the
+   variants in a new seeded shuffle; the first compile also records the program: its
+   size, the bytes passing optimisation barriers
+   (:func:`~stackwise.bench.barriers.optimization_barrier_bytes`), its fingerprint and
+   ``memory_analysis().temp_size_in_bytes``;
+3. timed for ``rounds`` rounds, each visiting the variants in a new seeded shuffle and
+   timing the second of two back-to-back calls (the first leaves the machine as the
+   variant's own steps would, not as the previous variant left it).
+
+With ``warmup``, every variant is first compiled and run once at a tiny depth (not
+recorded), so one-time costs (imports, a framework's first trace) are charged to nobody.
+A variant that fails is dropped with a note; the rest go on.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from stackwise.bench import workloads
+from stackwise.bench.barriers import optimization_barrier_bytes
+from stackwise.bench.config import BenchConfig, Result
+from stackwise.bench.programs import (
+    instructions_unlike,
+    program_fingerprint,
+    program_instructions,
+)
+from stackwise.bench.stats import paired_ratio
+from stackwise.bench.workloads import Case
+
+__all__ = ["fill_ratios", "plan", "run_benchmark"]
+
+
+def run_benchmark(
+    cfg: BenchConfig, *, progress: bool = True, log: Callable[[str], None] = print
+) -> tuple[list[Result], list[str]]:
+    """Runs every selected variant at every depth.
+
+    Args:
+      cfg: what to measure.
+      progress: show a progress bar on stderr (rich, else tqdm, else none).
+      log: where notes go as they happen.
+
+    Returns:
+      ``(results, notes)``: one :class:`~stackwise.bench.Result` per measured variant and
+      depth (ratios filled in), and notes on what was skipped and why.
+
+    Raises:
+      ValueError: an unknown block, or no variant matches ``cfg.variants`` (the message
+        lists the variants there are and what could not be imported).
+    """
+    notes: list[str] = []
+    blocks = plan(cfg, notes)
+    for note in notes:
+        log(f"note: {note}")
+    total = sum(
+        len(cases) * cfg.warmup + len(ns) * (len(cases) * cfg.compile_repeats + cfg.rounds + 1)
+        for _, cases, ns in blocks
+    )
+    bar = _Progress(total, progress)
+    results: list[Result] = []
+    try:
+        for block, cases, ns in blocks:
+            results += _BlockRun(block, cfg, bar, notes, log).run(cases, ns)
+    finally:
+        bar.close()
+    fill_ratios(results)
+    return results, notes
+
+
+def plan(cfg: BenchConfig, notes: list[str]) -> list[tuple[str, list[Case], tuple[int, ...]]]:
+    """``(block, cases, depths)`` for every block with a selected variant.
+
+    A block none of whose variants is selected is left out with a note, as is a
+    ``cfg.variants`` entry that selects nothing; if nothing at all is selected, raises a
+    ValueError that lists the variants there are.
+    """
+    out, every = [], []
+    for block in cfg.blocks:
+        cases = workloads.cases(block, cfg, notes)
+        every += cases
+        chosen = workloads.select(cases, cfg.variants)
+        if chosen:
+            out.append((block, chosen, workloads.depths(block, cfg)))
+        elif cases:
+            notes.append(f"{block}: no variant matches {', '.join(cfg.variants)}; not run.")
+    if not out:
+        skipped = "".join(f"\n  {note}" for note in notes if "skipped" in note)
+        elsewhere = "".join(
+            f"\n  The {block} block (not run) has {len(chosen)} that match: "
+            f"{', '.join(c.name for c in chosen)}."
+            for block in workloads.BLOCKS if block not in cfg.blocks
+            for chosen in [workloads.select(workloads.cases(block, cfg, []), cfg.variants)]
+            if chosen
+        ) if cfg.variants else ""
+        names = ", ".join(dict.fromkeys(c.name for c in every)) or "none"
+        raise ValueError(
+            f"no variant of the blocks {', '.join(cfg.blocks)} matches "
+            f"{', '.join(cfg.variants) or 'anything'}.{skipped}{elsewhere}\n"
+            f"  A variant runs if its name contains one of the strings, or its framework "
+            f"({', '.join(workloads.frameworks())}) is one. The variants here are: {names}."
+        )
+    for wanted in cfg.variants:
+        if not workloads.select(every, [wanted]):
+            notes.append(f"{wanted!r} matches no variant; ignored.")
+    return out
+
+
+def fill_ratios(results: list[Result]) -> None:
+    """Sets each result's ``/scan``, ``/loop`` and ``/tool`` ratios: paired ratios to the
+    hand-written scan, the Python loop and its tool, at the same block and depth."""
+    by_key = {(r.block, r.n, r.variant): r for r in results}
+    for r in results:
+        for ref_name, suffix in ((workloads.SCAN, "scan"), (workloads.LOOP, "loop"),
+                                 (r.tool, "tool")):
+            ref = by_key.get((r.block, r.n, ref_name)) if ref_name else None
+            if ref is not None:
+                for what in ("compile", "step"):
+                    setattr(r, f"{what}_vs_{suffix}", paired_ratio(r, ref, what))
+
+
+# ==========================================================================
+# One block, depth by depth.
+
+
+class _Compiled(NamedTuple):
+    fn: Callable
+    params: Any
+    x: Any
+
+
+class _BlockRun:
+    """Measures one block's cases at each depth (the steps of the module docstring)."""
+
+    def __init__(self, block: str, cfg: BenchConfig, bar: _Progress, notes: list[str], log):
+        self.block, self.cfg, self.bar, self.notes, self.log = block, cfg, bar, notes, log
+        self.grad = workloads.BLOCKS[block].grad
+
+    def failed(self, where: str, e: BaseException) -> None:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        note = f"{self.block}/{where}: failed, skipped ({type(e).__name__}: {first[:200]})"
+        self.notes.append(note)
+        self.log(f"note: {note}")
+
+    def run(self, cases: list[Case], ns: Sequence[int]) -> list[Result]:
+        working = self.warm_up(cases, min(2, *ns)) if self.cfg.warmup else list(cases)
+        results = []
+        for n in ns:
+            rows = {c.name: Result(self.block, n, c.framework, c.name, c.remat, tool=c.tool)
+                    for c in working}
+            built = {}
+            for case in working:
+                self.bar.describe(f"{self.block} n={n}: build {case.name}")
+                try:
+                    built[case.name] = _build(case, n)
+                except Exception as e:  # noqa: BLE001 - a broken variant is reported, not fatal
+                    self.failed(f"{case.name} n={n}", e)
+            compiled = self.compile(rows, built, n)
+            self.time_steps(rows, compiled, n)
+            if not sys.stderr.isatty():  # no live progress bar: say where we are
+                self.log(f"{self.block} n={n}: measured {len(compiled)} variants")
+            results += [rows[c.name] for c in working if c.name in compiled]  # cases' order
+        return results
+
+    def warm_up(self, cases: list[Case], n: int) -> list[Case]:
+        """Each case once at depth ``n``, not recorded; the ones that work."""
+        working = []
+        for case in cases:
+            self.bar.describe(f"{self.block}: warm-up {case.name}")
+            try:
+                compiled, *_ = _compile(_build(case, n), self.grad)
+                _time_call(compiled)
+                working.append(case)
+            except Exception as e:  # noqa: BLE001
+                self.failed(case.name, e)
+            self.bar.advance()
+        return working
+
+    def compile(self, rows: dict[str, Result], built: dict, n: int) -> dict[str, _Compiled]:
+        """The cold compiles, shuffled per repeat; records each program on its first."""
+        compiled, programs = {}, {}
+        for repeat in range(self.cfg.compile_repeats):
+            for name in _shuffled(list(built), self.cfg.seed, repeat):
+                self.bar.describe(f"{self.block} n={n}: compile {name}")
+                try:
+                    c, seconds, traced, lowered = _compile(built[name], self.grad)
+                except Exception as e:  # noqa: BLE001
+                    self.failed(f"{name} n={n}", e)
+                    del built[name]
+                    compiled.pop(name, None)
+                    self.bar.advance()
+                    continue
+                row = rows[name]
+                row.compile_samples += (seconds,)
+                row.compile_s = min(row.compile_samples)
+                row.trace_s = traced if repeat == 0 else min(row.trace_s, traced)
+                if repeat == 0:
+                    programs[name] = _record_program(row, c, lowered)
+                compiled[name] = c
+                self.bar.advance()
+        for name, row in rows.items():
+            if name in programs and row.tool in programs:
+                row.ops_unlike_tool = instructions_unlike(programs[name], programs[row.tool])
+        return compiled
+
+    def time_steps(self, rows: dict[str, Result], compiled: dict[str, _Compiled], n: int):
+        """One warm-up call each, then ``rounds`` shuffled rounds of timed steps."""
+        self.bar.describe(f"{self.block} n={n}: warm-up calls")
+        for c in compiled.values():
+            _time_call(c)
+        self.bar.advance()
+        rounds = self.cfg.rounds
+        for r in range(rounds):
+            self.bar.describe(f"{self.block} n={n}: step times, round {r + 1}/{rounds}")
+            for name in _shuffled(list(compiled), self.cfg.seed, r):
+                _time_call(compiled[name])  # untimed: the machine as this variant leaves it
+                rows[name].step_samples += (_time_call(compiled[name]),)
+            self.bar.advance()
+        for name in compiled:
+            rows[name].step_s = statistics.median(rows[name].step_samples)
+
+
+def _build(case: Case, n: int) -> tuple[Any, Any, Callable]:
+    params, x, loss = case.build(n)
+    return jax.block_until_ready(params), jax.block_until_ready(x), loss
+
+
+def _compile(
+    built: tuple[Any, Any, Callable], grad: bool
+) -> tuple[_Compiled, float, float, Any]:
+    """Compiles ``jit(grad(loss))`` (``jit(loss)`` without ``grad``) cold: caches
+    cleared, garbage collected, then timed.
+
+    Returns the compiled function, the seconds of the whole compile and of its tracing
+    and lowering part, and the lowered program.
+    """
+    params, x, loss = built
+    jax.clear_caches()
+    gc.collect()
+    start = time.perf_counter()
+    lowered = jax.jit(jax.grad(loss) if grad else loss, keep_unused=True).lower(params, x)
+    traced = time.perf_counter() - start
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    return _Compiled(compiled, params, x), seconds, traced, lowered
+
+
+def _record_program(row: Result, c: _Compiled, lowered: Any) -> list[str]:
+    """Fills in ``row``'s program facts; returns the compiled program's instructions."""
+    text = lowered.as_text()
+    row.program_chars = len(text)
+    barriers = optimization_barrier_bytes(text, len(jax.tree.leaves(c.params)))
+    row.barrier_param_bytes = barriers.params
+    row.barrier_const_bytes = barriers.consts
+    row.barrier_ops = barriers.count
+    if not barriers.exact:
+        row.note = "barrier bytes approximate (a loop's trip count unread)"
+    hlo = c.fn.as_text()
+    row.program_hash = program_fingerprint(hlo)
+    row.temp_bytes = int(getattr(c.fn.memory_analysis(), "temp_size_in_bytes", -1))
+    return program_instructions(hlo)
+
+
+def _time_call(c: _Compiled) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(c.fn(c.params, c.x))
+    return time.perf_counter() - start
+
+
+def _shuffled(names: list[str], seed: int, i: int) -> list[str]:
+    """Repeat (or round) ``i``'s order: a seeded shuffle, so that no variant always runs
+    right after the same one (a neighbour's state can bias a variant's times)."""
+    return random.Random(f"{seed}/{i}").sample(names, len(names))
+
+
+class _Progress:
+    """A progress bar on stderr: rich if installed, else tqdm, else nothing."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._rich = self._tqdm = self._task = None
+        if not enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._rich = Progress(
+                TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+            )
+            self._rich.start()
+            self._task = self._rich.add_task("stackwise-bench", total=total)
+        except ImportError:
+            try:
+                from tqdm import tqdm
+
+                self._tqdm = tqdm(total=total, file=sys.stderr, desc="stackwise-bench")
+            except ImportError:
+                pass
+
+    def describe(self, text: str) -> None:
+        if self._rich is not None:
+            self._rich.update(self._task, description=text)
+        elif self._tqdm is not None:
+            self._tqdm.set_description(text)
+
+    def advance(self, k: int = 1) -> None:
+        if self._rich is not None:
+            self._rich.advance(self._task, k)
+        elif self._tqdm is not None:
+            self._tqdm.update(k)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+        elif self._tqdm is not None:
+            self._tqdm.close()

@@ -1,0 +1,128 @@
+"""The workloads of ``stackwise-bench``: what each block's rows are and where they come from.
+
+:data:`BLOCKS` is the one list to edit. A block names the workload modules of this
+package that give its rows, in table order; each of them has a function named after the
+block, ``<block>(cfg, notes) -> list[Case]``. A module is imported only when its block is
+run, so the framework modules (``haiku``, ``flax``, ``nnx``: the only modules of
+``stackwise.bench`` that import a framework or an adapter) load only when asked for, and
+one whose framework is missing is skipped with a note.
+
+To add a framework to a block: a module ``<framework>.py`` whose ``<block>`` function
+returns :func:`~stackwise.bench.workloads.common.framework_cases` (see ``haiku.py``), and
+its name in the block's ``modules``. To add a block: its sizes and a ``<block>_ns`` field
+of depths in :class:`~stackwise.bench.BenchConfig`, a function named after it in
+``core.py`` (and in the framework modules that have it), and an entry here; the command
+line gets ``--<block>-n`` from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from stackwise.bench.config import BenchConfig
+from stackwise.bench.workloads.common import LOOP, REMATS, SCAN, Build, Case, framework_cases
+
+__all__ = [
+    "BLOCKS",
+    "LOOP",
+    "REMATS",
+    "SCAN",
+    "Block",
+    "Build",
+    "Case",
+    "cases",
+    "depths",
+    "frameworks",
+    "framework_cases",
+    "select",
+    "title",
+]
+
+
+class Block(NamedTuple):
+    """A block: ``title`` (formatted with the config's fields), the config field with its
+    depths, the workload modules that give its rows, in table order (a framework's module
+    is named after its ``Case.framework``), and whether a step is ``jit(grad(fn))`` (else
+    ``jit(fn)``, e.g. for inference)."""
+
+    title: str
+    depths: str
+    modules: tuple[str, ...]
+    grad: bool = True
+
+
+BLOCKS: dict[str, Block] = {
+    "mlp": Block(
+        "mlp block h + gelu(h @ w1) @ w2: D={d}, hidden={hidden}, batch={batch}"
+        "; jit(grad(mean(y**2)))",
+        "ns",
+        ("core",),
+    ),
+    "transformer": Block(
+        "transformer block (pre-LN causal attention + MLP): D={tf_d}, hidden={tf_hidden}, "
+        "heads={tf_heads}, seq={tf_seq}, batch={tf_batch}",
+        "transformer_ns",
+        ("core", "haiku", "flax", "nnx"),
+    ),
+}
+
+
+def title(block: str, cfg: BenchConfig) -> str:
+    """The block's title with ``cfg``'s sizes.
+
+    >>> title("mlp", BenchConfig())
+    'mlp block h + gelu(h @ w1) @ w2: D=256, hidden=512, batch=64; jit(grad(mean(y**2)))'
+    """
+    return BLOCKS[block].title.format(**dataclasses.asdict(cfg))
+
+
+def depths(block: str, cfg: BenchConfig) -> tuple[int, ...]:
+    """The depths ``n`` the block runs at."""
+    return getattr(cfg, BLOCKS[block].depths)
+
+
+def frameworks() -> list[str]:
+    """Every framework with rows: ``jax`` (``core``) and the framework modules' names.
+
+    >>> frameworks()
+    ['jax', 'haiku', 'flax', 'nnx']
+    """
+    modules = dict.fromkeys(m for block in BLOCKS.values() for m in block.modules)
+    return ["jax", *(m for m in modules if m != "core")]
+
+
+def cases(block: str, cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """Every row of ``block``, in table order. What cannot be imported is skipped, and a
+    note saying what and why (and how to install it) is added to ``notes``."""
+    if block not in BLOCKS:
+        raise ValueError(f"unknown block {block!r}; the blocks are {', '.join(BLOCKS)}")
+    out: list[Case] = []
+    for name in BLOCKS[block].modules:
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ImportError as e:
+            if (e.name or "").startswith(__name__):
+                raise  # a module named in BLOCKS is missing: a bug, not a missing framework
+            top = (e.name or "").split(".")[0]
+            if isinstance(e, ModuleNotFoundError) and top:
+                why = f"{top}: not installed (pip install 'stackwise[{top}]')"
+            else:
+                why = f"{name}: not importable ({e})"
+            notes.append(f"{why}; the {name} rows of the {block} block are skipped.")
+            continue
+        out += getattr(module, block)(cfg, notes)
+    return out
+
+
+def select(all_cases: Sequence[Case], wanted: Sequence[str]) -> list[Case]:
+    """The cases whose name contains one of ``wanted`` (case-insensitive), or whose
+    framework is one of them; all of them if ``wanted`` is empty."""
+    if not wanted:
+        return list(all_cases)
+    wanted = [w.lower() for w in wanted]
+    return [
+        c for c in all_cases if any(w in c.name.lower() or w == c.framework for w in wanted)
+    ]

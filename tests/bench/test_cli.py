@@ -1,0 +1,103 @@
+"""The stackwise-bench command: packaging, the command line, and a smoke run.
+
+No timing assertions: the smoke run checks that every variant runs and that the outputs
+(CSV, PNG, table) are written with sane, internally consistent values.
+"""
+
+import csv
+import importlib.metadata
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import stackwise.bench
+from stackwise.bench import BenchConfig, workloads
+
+BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
+TERMINAL = 100
+
+
+def paired(row, ref, what):
+    """The median over repeats of row / ref, from a CSV row's samples."""
+    a, b = (np.array(r[f"{what}_samples"].split(), float) for r in (row, ref))
+    return float(np.median(a / b))
+
+
+def test_console_script_is_declared():
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="stackwise-bench")
+    assert [s.value for s in scripts] == ["stackwise.bench:main"]
+
+
+def test_importing_bench_imports_no_framework_or_ui_library():
+    heavy = ("haiku", "flax", "rich", "tqdm", "matplotlib")
+    code = f"import sys, stackwise.bench; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_bad_command_line_is_refused():
+    with pytest.raises(SystemExit):
+        stackwise.bench.main(["--blocks", "cnn"])
+    with pytest.raises(SystemExit):
+        stackwise.bench.main(["--n", "0,8"])
+
+
+def test_a_selection_of_nothing_is_refused_with_the_variants_there_are(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        stackwise.bench.main(["--blocks", "mlp", "--variants", "haiku.Stack", "--csv", "",
+                              "--plot", "", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "no variant of the blocks mlp matches haiku.Stack" in err
+    assert "stackwise nested" in err  # the variants there are
+
+
+def test_help_says_where_the_outputs_go(capsys):
+    with pytest.raises(SystemExit):
+        stackwise.bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert "stackwise-bench.csv" in out and "stackwise-bench.png" in out
+    assert "current directory" in out and "benchmarks/targets.py" in out
+
+
+def test_quick_run_writes_csv_plot_and_table(tmp_path):
+    csv_path, png_path = tmp_path / "bench.csv", tmp_path / "bench.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "stackwise.bench", "--quick", "--blocks", "mlp",
+         "--csv", str(csv_path), "--plot", str(png_path), "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stackwise nested" in out.stdout
+    assert max(len(line.rstrip()) for line in out.stdout.splitlines()) <= TERMINAL
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with csv_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    expected = {c.name for c in workloads.cases("mlp", BenchConfig.quick(), [])}
+    assert {(r["variant"], int(r["n"])) for r in rows} == {(v, n) for v in expected for n in (2, 4)}
+    by = {(r["variant"], int(r["n"])): r for r in rows}
+    for r in rows:
+        assert float(r["compile_s"]) > 0 and float(r["step_s"]) > 0
+        assert int(r["temp_bytes"]) >= 0 and int(r["program_chars"]) > 0
+        assert r["jax"] == jax.__version__
+        # the ratios are medians of this row's samples over the references' (same depth),
+        # paired by repeat / round
+        scan, loop = by["lax.scan (hand)", int(r["n"])], by["loop (separate params)", int(r["n"])]
+        assert float(r["compile_vs_scan"]) == pytest.approx(paired(r, scan, "compile"), rel=1e-4)
+        assert float(r["step_vs_loop"]) == pytest.approx(paired(r, loop, "step"), rel=1e-4)
+        assert len(r["step_samples"].split()) == 2  # --quick: 2 rounds
+        assert float(r["compile_s"]) == pytest.approx(
+            min(float(v) for v in r["compile_samples"].split()), rel=1e-4)
+    for n in (2, 4):
+        assert int(by["stackwise remat", n]["barrier_param_bytes"]) == 0
+        assert int(by["stackwise", n]["barrier_ops"]) == 0
+    # the project's targets, from the CSV
+    targets = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "targets.py"), str(csv_path), "--n", "4"],
+        capture_output=True, text=True, check=True,
+    )
+    assert "Targets" in targets.stdout and "stackwise compile / hand scan" in targets.stdout

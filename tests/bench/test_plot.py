@@ -1,0 +1,35 @@
+"""stackwise.bench.plot: the figure, drawn from the saved results (no measuring)."""
+
+import pathlib
+
+import pytest
+
+from stackwise.bench import Result, read_csv, write_plot
+from stackwise.bench.plot import family
+
+RESULTS = pathlib.Path(__file__).parents[2] / "benchmarks" / "results"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_families():
+    def fam(framework, variant):
+        return family(Result("b", 2, framework, variant, "off"))
+
+    assert fam("jax", "loop (stacked slices)") == "Python loop"
+    assert fam("jax", "lax.scan+checkpoint (hand)") == "hand-written lax.scan"
+    assert fam("jax", "stackwise nested") == "stackwise.stack"
+    assert {fam("haiku", "hk loop"), fam("haiku", "stackwise.haiku.Stack")} == {"Haiku"}
+    assert fam("equinox", "eqx.filter_scan") == "equinox"  # a framework not named yet
+
+
+def test_plot_of_several_depths_and_of_one(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = read_csv(str(RESULTS / "mlp.csv")) + read_csv(str(RESULTS / "adapters48.csv"))
+    assert len({r.n for r in rows if r.block == "transformer"}) == 1  # a dot chart
+    path = tmp_path / "bench.png"
+    assert write_plot(rows, str(path)) is None
+    assert path.read_bytes()[:8] == PNG
+
+
+def test_nothing_to_plot_is_said(tmp_path):
+    assert write_plot([], str(tmp_path / "x.png")) == "no results to plot."

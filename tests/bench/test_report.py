@@ -1,0 +1,75 @@
+"""stackwise.bench.report: tables that fit a 100-column terminal, CSV written and read back
+(including the CSVs in benchmarks/results/, written by earlier versions), Markdown."""
+
+import dataclasses
+import io
+import math
+import pathlib
+import sys
+
+import pytest
+
+from stackwise.bench import BenchConfig, Result, print_report, read_csv, write_csv, write_markdown
+
+RESULTS = pathlib.Path(__file__).parents[2] / "benchmarks" / "results"
+SAVED = sorted(RESULTS.glob("*.csv"))
+TERMINAL = 100
+
+
+def _rows():
+    """Every row of every saved run: the mlp block at 4 depths, all transformer variants."""
+    return [r for path in SAVED for r in read_csv(str(path))]
+
+
+def _values(r: Result) -> list:
+    """The result's fields, NaN made comparable."""
+    return ["nan" if isinstance(v, float) and math.isnan(v) else v
+            for v in dataclasses.astuple(r)]
+
+
+def test_saved_results_are_readable():
+    assert SAVED, f"no CSV in {RESULTS}"
+    rows = _rows()
+    assert {r.block for r in rows} == {"mlp", "transformer"}
+    assert all(r.compile_s > 0 and r.step_samples for r in rows)
+
+
+def test_csv_round_trip(tmp_path):
+    rows = _rows()
+    write_csv(rows, str(tmp_path / "again.csv"))
+    again = read_csv(str(tmp_path / "again.csv"))
+    assert [_values(r) for r in again] == [_values(r) for r in rows]  # exactly
+
+
+@pytest.mark.parametrize("rich", [True, False], ids=["rich", "plain"])
+def test_tables_fit_a_terminal(rich, monkeypatch):
+    if rich:
+        pytest.importorskip("rich")
+    else:
+        monkeypatch.setitem(sys.modules, "rich", None)
+    out = io.StringIO()
+    notes = ["haiku: not installed (pip install 'stackwise[haiku]'); the haiku rows of the "
+             "transformer block are skipped."]
+    print_report(_rows(), notes, BenchConfig(), out)
+    lines = out.getvalue().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= TERMINAL
+    text = out.getvalue()
+    for variant in ("stackwise nested", "hk.layer_stack+hk.remat(dots)",
+                    "stackwise.nnx.Stack default"):
+        assert variant in text  # whole, not wrapped
+    assert "note: haiku: not installed" in text
+
+
+def test_wide_tables_have_every_column():
+    out = io.StringIO()
+    print_report(_rows(), [], BenchConfig(), out, wide=True)
+    assert "Kchars" in out.getvalue() and "trace" in out.getvalue()
+
+
+def test_markdown_has_every_column(tmp_path):
+    path = tmp_path / "out.md"
+    write_markdown(_rows(), BenchConfig(), str(path))
+    text = path.read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| n |"))
+    assert header.count("|") == 17  # 16 columns
+    assert "| 48 | stackwise.haiku.Stack remat | layer |" in text

@@ -1,0 +1,49 @@
+"""benchmarks/targets.py: the project's pass/fail targets, read from a stackwise-bench CSV."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from stackwise.bench import read_csv
+
+BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def targets():
+    spec = importlib.util.spec_from_file_location("targets", BENCHMARKS / "targets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verdicts(targets):
+    def verdict(limit):
+        return targets.cells(targets.Target("x", 2.5, limit, 1.0, 4.0))[-1]
+
+    assert [verdict(3.0), verdict(2.0), verdict(0.9)] == ["yes", "within noise", "NO"]
+    assert targets.cells(targets.Target("noise", 1.01, None, 0.9, 1.1))[2:] == ["reference", "-"]
+
+
+def test_targets_of_the_saved_runs(targets):
+    mlp = {t.what: t for t in targets.targets(read_csv(str(BENCHMARKS / "results/mlp.csv")))}
+    step = mlp["mlp n=48: stackwise step / hand scan"]
+    assert step.low <= step.measured <= step.high and step.limit == 1.03
+    assert "mlp n=96: temp nested / per-layer remat" in mlp
+    tf = targets.targets(read_csv(str(BENCHMARKS / "results/adapters48.csv")))
+    same = [t for t in tf if "(same program)" in t.what]
+    assert len(same) == 2 * 3  # compile and step, for each framework's adapter without remat
+
+
+def test_script(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "targets.py"), str(BENCHMARKS / "results/mlp.csv"),
+         "--markdown", str(tmp_path / "t.md")],
+        capture_output=True, text=True, check=True,
+    )
+    assert "Targets" in out.stdout and "within noise" not in out.stdout
+    assert "| mlp n=48: stackwise compile / loop | 0.651 | <= 0.25 | **no** |" in (
+        tmp_path / "t.md").read_text()
