@@ -323,6 +323,8 @@ class _Layers:
         if not blocks:
             raise ValueError(f"{who}: a pattern needs at least one block; got an empty list.")
         kinds = [_block_kind(b, who) for b in blocks]
+        # What the block's call is checked against: the function, or the module it builds.
+        self.signatures = [b if kind == "function" else None for b, kind in zip(blocks, kinds)]
         if self.pattern:  # each position is a module, named as a call of all k would name it
             blocks = [b if kind == "factory" else _as_module(b) for b, kind in zip(blocks, kinds)]
             kinds = ["factory"] * len(blocks)
@@ -367,7 +369,7 @@ class _Layers:
                     )
                 if self.pattern and self.names is None:
                     self.names = [m.module_name for m in modules]
-            _check_call(module, self.who, x, args, kwargs)
+            _check_call(self.signatures[p] or module, self.who, x, args, kwargs)
             return module(x, *args, **kwargs)
 
         return one_layer

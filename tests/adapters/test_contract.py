@@ -110,9 +110,10 @@ class Haiku:
         calls.clear()  # count the traces of the jitted gradient only, as for the others
         return lambda: jax.jit(jax.grad(lambda p: jnp.sum(f.apply(p, None, X)))).lower(params)
 
-    def decode(self, n, **options):
+    def decode(self, n, pattern=1, **options):
         hk, sw = self.hk, self.sw
-        f = hk.transform_with_state(lambda x, pos: sw.Stack(self.attend, n, **options)(x, pos))
+        block = [self.attend] * pattern if pattern > 1 else self.attend
+        f = hk.transform_with_state(lambda x, pos: sw.Stack(block, n, **options)(x, pos))
         params, cache = f.init(KEY, X[:, None], jnp.int32(0))
         cache = jax.tree.map(jnp.zeros_like, cache)
 
@@ -120,17 +121,19 @@ class Haiku:
             return f.apply(params, cache, None, x, pos)
 
         one = hk.transform_with_state(lambda x, pos: self.attend()(x, pos))
-        layers = []
-        for i in range(n):
-            p = {
-                k.replace("stack/", "", 1): jax.tree.map(lambda a, i=i: a[i], v)
-                for k, v in params.items()
+        names = _haiku_position_names(["attend"] * pattern)
+
+        def layer(tree, i):
+            prefix, j = f"stack/{names[i % pattern]}", i // pattern
+            return {
+                "attend" + k[len(prefix) :]: jax.tree.map(lambda a: a[j], v)
+                for k, v in tree.items()
+                if k == prefix or k.startswith(prefix + "/")
             }
-            c = {
-                k.replace("stack/", "", 1): jax.tree.map(lambda a, i=i: a[i], v)
-                for k, v in cache.items()
-            }
-            layers.append((functools.partial(one.apply, p), c))
+
+        layers = [
+            (functools.partial(one.apply, layer(params, i)), layer(cache, i)) for i in range(n)
+        ]
 
         def loop_step(caches, x, pos, reverse=False):
             new = list(caches)
@@ -231,8 +234,9 @@ class Linen:
         calls.clear()
         return lambda: jax.jit(jax.grad(lambda p: jnp.sum(model.apply(p, X)))).lower(params)
 
-    def decode(self, n, **options):
-        model = self.sw.Stack(self.attend, n, **options)
+    def decode(self, n, pattern=1, **options):
+        block = [self.attend] * pattern if pattern > 1 else self.attend
+        model = self.sw.Stack(block, n, **options)
         variables = model.init(KEY, X[:, None], jnp.int32(0))
         params, cache = variables["params"], jax.tree.map(jnp.zeros_like, variables["cache"])
 
@@ -241,11 +245,12 @@ class Linen:
             return y, new["cache"]
 
         one = self.attend()
-        layers = []
-        for i in range(n):
-            p = jax.tree.map(lambda a, i=i: a[i], params)
-            c = jax.tree.map(lambda a, i=i: a[i], cache)
-            layers.append((p, c))
+
+        def layer(tree, i):
+            sub = tree[f"Attend_{i % pattern}"] if pattern > 1 else tree
+            return jax.tree.map(lambda a: a[i // pattern], sub)
+
+        layers = [(layer(params, i), layer(cache, i)) for i in range(n)]
 
         def loop_step(caches, x, pos, reverse=False):
             new = list(caches)
@@ -368,9 +373,10 @@ class NNX:
 
         return lambda: jax.jit(jax.grad(loss)).lower(params)
 
-    def decode(self, n, **options):
+    def decode(self, n, pattern=1, **options):
         nnx = self.nnx
-        model = self.sw.Stack(self.attend, n, rngs=nnx.Rngs(0), **options)
+        block = [self.attend] * pattern if pattern > 1 else self.attend
+        model = self.sw.Stack(block, n, rngs=nnx.Rngs(0), **options)
         graphdef, params, cache = nnx.split(model, nnx.Param, ...)
 
         def step(params, cache, x, pos):
@@ -467,6 +473,17 @@ def _loop_param_grads(fw, kinds, n, params, order, scale):
     return jax.grad(loss)(params)
 
 
+def test_per_layer_inputs_reach_each_layer_of_a_pattern(fw):
+    kinds, n = ["dense", "gate", "dense"], 5
+    params, apply = fw.stack(kinds, n)
+    steps = fw.loop(kinds, n, params)
+    scales = jnp.linspace(0.5, 1.5, n)
+    x = X
+    for i in range(n):
+        x = steps[i](x, scales[i])
+    assert_trees_close(jax.jit(apply)(params, X, stackwise.per_layer(scales)), x)
+
+
 def test_the_block_is_traced_a_bounded_number_of_times(fw):
     for n in (3, 24):
         calls = []
@@ -516,7 +533,9 @@ def test_fsdp_off_a_mesh_changes_nothing_but_the_remat(fw):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"remat": False, "reverse": True}], ids=["default", "reverse"]
+    "options",
+    [{}, {"remat": False, "reverse": True}, {"pattern": 2}],
+    ids=["default", "reverse", "pattern"],
 )
 def test_decoding_with_a_stacked_cache_matches_the_loop(fw, options):
     n = 3
@@ -533,7 +552,9 @@ def test_decoding_with_a_stacked_cache_matches_the_loop(fw, options):
         y_loop, caches = loop_step(caches, x, jnp.int32(pos), reverse)
         assert_trees_close(y, y_loop)
         x = jnp.tanh(y)
-    assert_trees_close(jax.tree.leaves(cache), jax.tree.leaves(stackwise.stack_layers(caches)))
+    k = options.get("pattern", 1)
+    expected = [stackwise.stack_layers(caches[p::k]) for p in range(k)]
+    assert_trees_close(jax.tree.leaves(cache), jax.tree.leaves(expected))
 
 
 @pytest.mark.parametrize("n", [24])

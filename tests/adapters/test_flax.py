@@ -645,3 +645,23 @@ def test_conversion_errors():
     mismatched = {"params": {"layers_0": {"w": jnp.zeros(2)}, "layers_1": {"v": jnp.zeros(2)}}}
     with pytest.raises(ValueError, match="collection 'params'.*layer 1 has structure"):
         stackwise.flax.stack_variables(mismatched, "layers")
+
+
+# --------------------------------------------------------------------------
+# Patterns (outputs and grads against the loop: tests/adapters/test_contract.py).
+
+
+def test_a_patterns_variables_have_linens_natural_names():
+    class Local(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + jnp.tanh(nn.Dense(D)(x))
+
+    class Global(Local):
+        pass
+
+    stack = stackwise.flax.Stack([Local, Local, Global], 8)
+    params = stack.init(jax.random.key(0), X)["params"]
+    assert sorted(params) == ["Global_0", "Local_0", "Local_1"]
+    shapes = {name: tree["Dense_0"]["kernel"].shape for name, tree in params.items()}
+    assert shapes == {"Local_0": (3, D, D), "Local_1": (3, D, D), "Global_0": (2, D, D)}

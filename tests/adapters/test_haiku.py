@@ -625,3 +625,51 @@ def test_conversion_errors():
         swh.from_loop(loop, "stack/block", "block")
     with pytest.raises(ValueError, match=r"already exist"):
         swh.from_layer_stack({"x/a": {"w": 1}, "stack/a": {"w": 1}}, "stack", "x")
+
+
+# --------------------------------------------------------------------------
+# Patterns (outputs and grads against the loop: tests/adapters/test_contract.py).
+
+
+def test_a_patterns_params_are_named_as_one_call_of_its_blocks_would_name_them():
+    class LocalBlock(hk.Module):
+        def __call__(self, x):
+            return x + jnp.tanh(hk.Linear(D)(x))
+
+    class GlobalBlock(LocalBlock):
+        pass
+
+    def sandwich(x):  # one call of the k blocks, in order: the names the Stack keeps
+        for block in (LocalBlock, LocalBlock, GlobalBlock):
+            x = block()(x)
+        return x
+
+    stack = hk.transform(lambda x: swh.Stack([LocalBlock, LocalBlock, GlobalBlock], n=26)(x))
+    params = stack.init(KEY, x_of())
+    expected = hk.transform(sandwich).init(KEY, x_of())
+    assert sorted(params) == sorted(f"stack/{name}" for name in expected)
+    assert sorted(params) == [
+        "stack/global_block/linear",
+        "stack/local_block/linear",
+        "stack/local_block_1/linear",
+    ]
+    depths = {name: leaves["w"].shape[0] for name, leaves in params.items()}
+    assert depths == {  # layers p, p + 3, ...: 9, 9 and 8 of 26
+        "stack/local_block/linear": 9,
+        "stack/local_block_1/linear": 9,
+        "stack/global_block/linear": 8,
+    }
+
+
+def test_a_pattern_of_function_blocks_names_each_after_its_function():
+    def local(x):
+        return x + jnp.tanh(hk.Linear(D)(x))
+
+    def wide(x):
+        return x + hk.Linear(D)(jnp.tanh(hk.Linear(2 * D)(x)))
+
+    f = hk.transform(lambda x: swh.Stack([local, wide], n=5)(x))
+    params = f.init(KEY, x_of())
+    assert sorted(params) == ["stack/local/linear", "stack/wide/linear", "stack/wide/linear_1"]
+    assert params["stack/local/linear"]["w"].shape == (3, D, D)
+    assert f.apply(params, None, x_of()).shape == x_of().shape

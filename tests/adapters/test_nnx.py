@@ -457,3 +457,23 @@ def test_missing_flax_gives_an_install_hint():
             print(e)
         """)
     assert proc.stdout.strip() == "`stackwise.nnx` needs flax: pip install 'stackwise[flax]'"
+
+
+# --------------------------------------------------------------------------
+# Patterns (outputs and grads against the loop: tests/adapters/test_contract.py).
+
+
+def test_a_pattern_holds_one_stacked_block_per_position():
+    s = stackwise.nnx.Stack(
+        [make, lambda r: nnx.Linear(D, D, rngs=r)], n=5, rngs=nnx.Rngs(0)
+    )
+    assert len(s.layers) == 2
+    assert s.layers[0].linear.kernel.shape == (3, D, D)
+    assert s.layers[1].kernel.shape == (2, D, D)
+    blocks = s.to_layers()
+    assert [type(b).__name__ for b in blocks] == ["Block", "Linear"] * 2 + ["Block"]
+    back = stackwise.nnx.Stack.from_layers(blocks, pattern=2)
+    assert_equal(nnx.state(back.layers), nnx.state(s.layers))
+    assert_close(back(X), s(X))
+    with pytest.raises(TypeError, match=r"block 1 \(Linear\) differs.*pass `pattern=k`"):
+        stackwise.nnx.Stack.from_layers(blocks)
