@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "OPTION_NAMES",
     "CallArgs",
     "Options",
     "at_layer",
@@ -27,6 +28,7 @@ __all__ = [
     "check_options",
     "current_layer_index",
     "stack_name",
+    "stack_options",
 ]
 
 # --------------------------------------------------------------------------
@@ -253,3 +255,15 @@ def check_options(
         has_aux=_check_bool(has_aux, "has_aux", who),
         fsdp=fsdp,
     )
+
+
+#: The options every adapter's Stack takes and passes on to :func:`stackwise.stack`.
+OPTION_NAMES = ("remat", "nested", "unroll", "reverse", "has_aux", "fsdp")
+
+
+def stack_options(who: str, n: Any, **options: Any) -> dict[str, Any]:
+    """``options`` (the :data:`OPTION_NAMES`) checked now, as given to ``stackwise.stack``."""
+    if set(options) != set(OPTION_NAMES):
+        raise TypeError(f"{who}: expected the options {OPTION_NAMES}, got {sorted(options)}.")
+    check_options(who, n, **options)
+    return options

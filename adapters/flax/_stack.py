@@ -274,17 +274,12 @@ class Stack(nn.Module):
             raise ValueError(f"{who}: a pattern needs at least one block; got an empty list.")
         for block in blocks:
             _check_block(block, who)
-        _adapt.check_options(
-            who,
-            self.n,
-            remat=self.remat,
-            nested=self.nested,
-            unroll=self.unroll,
-            reverse=self.reverse,
-            has_aux=self.has_aux,
-            fsdp=self.fsdp,
-        )
+        self._options(who)  # checked now, not at the first call
         super().__post_init__()
+
+    def _options(self, who: str) -> dict[str, Any]:
+        options = {name: getattr(self, name) for name in _adapt.OPTION_NAMES}
+        return _adapt.stack_options(who, self.n, **options)
 
     @nn.compact
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -344,14 +339,9 @@ class Stack(nn.Module):
             None,
             [one(b) for b in blocks] if pattern else one(blocks[0]),
             self.n,
-            remat=self.remat,
-            nested=self.nested,
-            unroll=self.unroll,
-            reverse=self.reverse,
-            has_aux=self.has_aux,
             with_state=True,
-            fsdp=self.fsdp,
             name=who,  # the core checks x's shape and dtype
+            **self._options(who),
         )
         params = [
             {c: v for c, v in pos.items() if not scope.is_mutable_collection(c)}

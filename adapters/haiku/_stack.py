@@ -252,9 +252,17 @@ class Stack(hk.Module):
     ):
         super().__init__(name=name)
         who = _adapt.stack_name("haiku", block, n)
-        options = dict(remat=remat, nested=nested, unroll=unroll, reverse=reverse)
-        _adapt.check_options(who, n, has_aux=has_aux, fsdp=fsdp, **options)
-        self._layers = _Layers(block, n, who, has_aux=has_aux, fsdp=fsdp, **options)
+        options = _adapt.stack_options(
+            who,
+            n,
+            remat=remat,
+            nested=nested,
+            unroll=unroll,
+            reverse=reverse,
+            has_aux=has_aux,
+            fsdp=fsdp,
+        )
+        self._layers = _Layers(block, n, who, **options)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the ``n`` layers: ``block(x, *args, **kwargs)`` each, in order.

@@ -277,7 +277,7 @@ class Stack(nnx.Module):
         layer_axis_name: str | None = None,
     ):
         who = _adapt.stack_name("nnx", make_block, n)
-        _adapt.check_options(
+        options = _adapt.stack_options(
             who,
             n,
             remat=remat,
@@ -288,12 +288,8 @@ class Stack(nnx.Module):
             fsdp=fsdp,
         )
         self.n = n
-        self.remat = remat
-        self.nested = nested
-        self.unroll = unroll
-        self.reverse = reverse
-        self.has_aux = has_aux
-        self.fsdp = fsdp
+        for name, value in options.items():  # static attributes of the module
+            setattr(self, name, value)
         self.layer_axis_name = layer_axis_name
         if isinstance(make_block, _Prebuilt):
             self.pattern = isinstance(make_block.layers, (list, tuple))
@@ -413,14 +409,9 @@ class Stack(nnx.Module):
             None,
             applies if self.pattern else applies[0],
             self.n,
-            remat=self.remat,
-            nested=self.nested,
-            unroll=self.unroll,
-            reverse=self.reverse,
-            has_aux=self.has_aux,
             with_state=True,
-            fsdp=self.fsdp,
             name=who,  # the core names the block in its errors (carry, returns)
+            **{name: getattr(self, name) for name in _adapt.OPTION_NAMES},
         )
         args, kwargs = _split_rngs_args(args, kwargs)
         params = tuple(params for _, params, _ in split)
@@ -488,13 +479,8 @@ class Stack(nnx.Module):
         blocks: Sequence[nnx.Module],
         *,
         pattern: int = 1,
-        remat: bool | Callable[..., Any] = stackwise.DEFAULT_REMAT,
-        nested: bool | int = False,
-        unroll: int | bool = 1,
-        reverse: bool = False,
-        has_aux: bool = False,
-        fsdp: str | tuple[str, ...] | None = None,
         layer_axis_name: str | None = None,
+        **options: Any,
     ) -> Stack:
         """A :class:`Stack` holding the variables of separately built blocks.
 
@@ -512,8 +498,9 @@ class Stack(nnx.Module):
         Args:
           blocks: the per-layer modules, in order.
           pattern: k, the length of the repeating pattern of block kinds.
-          remat, nested, unroll, reverse, has_aux, fsdp, layer_axis_name: as
-            for :class:`Stack`.
+          layer_axis_name: as for :class:`Stack`.
+          **options: ``remat``, ``nested``, ``unroll``, ``reverse``, ``has_aux``,
+            ``fsdp``, as for :class:`Stack`.
 
         Returns:
           The stack; the blocks themselves are left unchanged.
@@ -547,13 +534,8 @@ class Stack(nnx.Module):
             _Prebuilt(stacked if pattern > 1 else stacked[0], "from_layers"),
             len(blocks),
             rngs=None,
-            remat=remat,
-            nested=nested,
-            unroll=unroll,
-            reverse=reverse,
-            has_aux=has_aux,
-            fsdp=fsdp,
             layer_axis_name=layer_axis_name,
+            **options,
         )
 
 
