@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _trees import assert_trees_bitwise as assert_bitwise
 from _trees import assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,15 +20,6 @@ D = 4
 
 # Dtypes a checkpoint holds; stacking must keep each, bit for bit.
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_]
-
-
-def assert_bitwise(a, b):
-    """Same structure, and every leaf of the same dtype, shape and bits."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype, x.shape, y.shape)
-        assert x.tobytes() == y.tobytes()
 
 
 def init_layer(key, d=D):
