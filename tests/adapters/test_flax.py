@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from _programs import barrier_operand_types
 from _trees import assert_trees_close, assert_trees_equal
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import stackwise
 import stackwise.flax
@@ -558,70 +556,6 @@ def test_remat_barriers_protect_activations_only():
 
 
 # --------------------------------------------------------------------------
-# Conversion round trips.
-
-
-def test_loop_layout_round_trip_is_exact_for_every_collection():
-    variables = Loop(BNBlock, N).init(jax.random.key(0), X)
-    _, state = Loop(BNBlock, N).apply(variables, X, mutable="batch_stats")
-    variables = {**variables, **state}
-    stacked = to_stack(variables)
-    assert_trees_equal(to_loop(stacked), variables)
-    assert stacked["batch_stats"]["layers"]["BatchNorm_0"]["var"].shape == (N, D)
-
-
-def test_any_per_layer_naming_and_nested_paths():
-    loop = {
-        "params": {"enc": {"blocks": {str(i): {"w": jnp.full((2,), i)} for i in range(4)}}},
-        "cache": {"enc": {"blocks": {str(i): {"k": jnp.full((), i)} for i in range(4)}}},
-    }
-    names = lambda i: f"blocks/{i}"  # noqa: E731
-    stacked = stackwise.flax.stack_variables(loop, "enc/stack", names=names)
-    assert stacked["params"]["enc"]["stack"]["w"].tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
-    assert list(stacked["cache"]["enc"]) == ["stack"]
-    assert_trees_equal(stackwise.flax.unstack_variables(stacked, "enc/stack", names=names), loop)
-    two = stackwise.flax.stack_variables(loop, "enc/stack", names=names, n=2)
-    assert two["params"]["enc"]["stack"]["w"].shape == (2, 2)
-
-
-def test_scan_layout_round_trip_with_partition_names():
-    stack = stackwise.flax.Stack(Sharded, N, layer_axis_name="layers")
-    variables = stack.init(jax.random.key(0), X)
-    scanned = stackwise.flax.to_scan(
-        variables, variable_axes={"params": 1}, layer_axis_name="layers", scan_axis_name="stage"
-    )
-    spec = nn.get_partition_spec(scanned)["params"]["w"]
-    assert spec == jax.sharding.PartitionSpec(None, "stage", "model")
-    assert scanned["params"]["w"].value.shape == (D, N, D)
-    back = stackwise.flax.from_scan(
-        scanned, variable_axes={"params": 1}, layer_axis_name="layers", scan_axis_name="stage"
-    )
-    assert_trees_equal(back, variables)
-    message = (
-        r"variable `params\['Dense_0'\]\['kernel'\]` is partitioned as "
-        r"\('embed', 'stage', 'mlp'\), whose axis 1"
-    )
-    with pytest.raises(ValueError, match=message + " should be named 'other'"):
-        stackwise.flax.from_scan(scanned, variable_axes={"params": 1}, scan_axis_name="other")
-
-
-@settings(max_examples=6, deadline=None)
-@given(n=st.integers(1, 5), depth=st.integers(1, 3), reverse=st.booleans())
-def test_random_depths_match_loop(n, depth, reverse):
-    class Deep(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(depth):
-                x = x + jnp.tanh(nn.Dense(D)(x))
-            return x
-
-    variables = Loop(Deep, n, reverse=reverse).init(jax.random.key(n), X)
-    y = Stacked(Deep, n, (("reverse", reverse),)).apply(to_stack(variables), X)
-    assert_trees_close(y, Loop(Deep, n, reverse=reverse).apply(variables, X))
-    assert_trees_equal(to_loop(to_stack(variables)), variables)
-
-
-# --------------------------------------------------------------------------
 # Errors.
 
 
@@ -686,14 +620,3 @@ def test_partition_name_mismatch():
     )
     with pytest.raises(ValueError, match=message):
         stackwise.flax.Stack(Sharded, N).apply(variables, X)
-
-
-def test_conversion_errors():
-    with pytest.raises(ValueError, match="found no layer named 'layers_0'"):
-        stackwise.flax.stack_variables({"params": {"block0": {}}}, "layers")
-    broadcast = {"params": {"w": jnp.zeros((3, 2))}}
-    with pytest.raises(ValueError, match="broadcast collection"):
-        stackwise.flax.from_scan(broadcast, variable_axes={"params": nn.broadcast})
-    mismatched = {"params": {"layers_0": {"w": jnp.zeros(2)}, "layers_1": {"v": jnp.zeros(2)}}}
-    with pytest.raises(ValueError, match="collection 'params'.*layer 1 has structure"):
-        stackwise.flax.stack_variables(mismatched, "layers")
