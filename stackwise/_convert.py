@@ -261,7 +261,14 @@ def layer_names(
       ``name(i)``; it raises IndexError past the end of a list.
     """
     if isinstance(names, str):
-        if "{}" in names or "{0}" in names:
+        if "{" in names:
+            try:
+                names.format(0)
+            except (IndexError, KeyError, ValueError):
+                raise TypeError(
+                    f"{who}: `names={names!r}` is not a format string of one index: use "
+                    "`{}` where the layer's index goes, e.g. 'layers_{}'."
+                ) from None
             return lambda i: names.format(i)
         if plain is not None:
             return lambda i: plain(names, i)

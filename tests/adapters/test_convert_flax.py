@@ -223,6 +223,8 @@ def test_a_name_without_a_placeholder_is_refused_at_once():
         swf.from_loop(LOOP, "stack", names="block", n=2)
     with pytest.raises(TypeError, match=r"`names='block'` has no `\{\}`"):
         swf.to_loop(swf.from_loop(LOOP, "stack"), "stack", names="block")
+    with pytest.raises(TypeError, match=r"`names='layers_\{i\}'` is not a format string of one"):
+        swf.from_loop(LOOP, "stack", names="layers_{i}")
 
 
 def test_existing_entries_are_never_overwritten():
