@@ -24,6 +24,7 @@ from typing import Any
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 
 from stackwise import _convert
 
@@ -257,16 +258,9 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
                 f"{who}: no module named {prefix!r} or under it; the tree has {_modules(tree)}."
             )
         flat = _flat(inside)
-        bad = [
-            f"  {prefix}{key}: shape {jax.numpy.shape(a)}"
-            for key, a in flat.items()
-            if not jax.numpy.ndim(a)
-        ]
-        depths = {jax.numpy.shape(a)[0] for a in flat.values() if jax.numpy.ndim(a)}
-        if bad or len(depths) != 1:
-            lines = "\n".join(
-                f"  {prefix}{key}: shape {jax.numpy.shape(a)}" for key, a in flat.items()
-            )
+        depths = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in flat.values()}
+        if len(depths) != 1 or None in depths:
+            lines = "\n".join(f"  {prefix}{key}: shape {jnp.shape(a)}" for key, a in flat.items())
             raise ValueError(
                 f"{who}: every leaf under {prefix!r} needs the same leading layer axis, "
                 f"but the leaves are:\n{lines}"
@@ -412,7 +406,7 @@ class _Model:
             # average) is created there, not by a creator.
             prefix = context.lifted_prefix_name or ""
             owner = type(context.module).__name__ if context.module is not None else ""
-            shape, dtype = tuple(jax.numpy.shape(value)), jax.numpy.result_type(value)
+            shape, dtype = tuple(jnp.shape(value)), jnp.result_type(value)
             created["state"].setdefault(prefix + context.full_name, (prefix, owner, shape, dtype))
             return next_setter(value)
 
@@ -467,8 +461,8 @@ class _Model:
             f"  {name}: {_convert.describe(have[name])}, the model has "
             f"{_convert.describe(want[name])}"
             for name in sorted(set(want) & set(have))
-            if tuple(jax.numpy.shape(have[name])) != tuple(want[name].shape)
-            or jax.numpy.result_type(have[name]) != want[name].dtype
+            if tuple(jnp.shape(have[name])) != tuple(want[name].shape)
+            or jnp.result_type(have[name]) != want[name].dtype
         ]
         if bad:
             raise ValueError(
