@@ -27,3 +27,14 @@ def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
 def assert_trees_equal(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def assert_trees_bitwise(a, b):
+    """Same structure, and every leaf of the same dtype, shape and bits (what a conversion
+    promises; `assert_trees_equal` compares values only, so float32 1.0 equals bfloat16 1.0)."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and np.shape(x) == np.shape(y), (x.dtype, y.dtype)
+        if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()

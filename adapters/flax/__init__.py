@@ -14,18 +14,20 @@ try:
 except ImportError:  # pragma: no cover - exercised only without flax
     raise ImportError("`stackwise.flax` needs flax: pip install 'stackwise[flax]'") from None
 
+from stackwise.flax._convert import convert as convert
+from stackwise.flax._convert import from_loop as from_loop
 from stackwise.flax._convert import from_scan as from_scan
-from stackwise.flax._convert import stack_variables as stack_variables
+from stackwise.flax._convert import to_loop as to_loop
 from stackwise.flax._convert import to_scan as to_scan
-from stackwise.flax._convert import unstack_variables as unstack_variables
 from stackwise.flax._stack import Stack as Stack
 from stackwise.flax._stack import layer_index as layer_index
 
 __all__ = [
     "Stack",
+    "convert",
+    "from_loop",
     "from_scan",
     "layer_index",
-    "stack_variables",
+    "to_loop",
     "to_scan",
-    "unstack_variables",
 ]

@@ -136,7 +136,7 @@ def _check_depth(variables: dict, n: int, who: str) -> None:
         who,
         "variables",
         "Variables of a Python loop of blocks (`layers_0`, `layers_1`, ...) convert with "
-        "`stackwise.flax.stack_variables`, those of `nn.scan` with "
+        "`stackwise.flax.from_loop`, those of `nn.scan` with "
         "`stackwise.flax.from_scan`; keep the first k layers with `stackwise.slice_layers`.",
     )
 
@@ -203,7 +203,7 @@ class Stack(nn.Module):
     >>> variables = Model().init(jax.random.key(0), x)
     >>> variables["params"]["layers"]["Dense_0"]["kernel"].shape
     (4, 8, 8)
-    >>> converted = stackwise.flax.stack_variables(loop_vars, "layers")
+    >>> converted = stackwise.flax.from_loop(loop_vars, "layers")
     >>> y, y_loop = Model().apply(converted, x), Loop().apply(loop_vars, x)
     >>> bool(jnp.allclose(y, y_loop, atol=1e-6))
     True

@@ -21,6 +21,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without dm-haiku
     raise ImportError("`stackwise.haiku` needs dm-haiku: pip install 'stackwise[haiku]'") from None
 
+from stackwise.haiku._convert import convert as convert
 from stackwise.haiku._convert import from_layer_stack as from_layer_stack
 from stackwise.haiku._convert import from_loop as from_loop
 from stackwise.haiku._convert import to_layer_stack as to_layer_stack
@@ -30,6 +31,7 @@ from stackwise.haiku._stack import layer_index as layer_index
 
 __all__ = [
     "Stack",
+    "convert",
     "from_layer_stack",
     "from_loop",
     "layer_index",

@@ -7,7 +7,7 @@ scan, remat, unroll and reverse all live in the core.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -16,6 +16,7 @@ from flax import nnx
 
 import stackwise
 from stackwise import _adapt
+from stackwise.nnx import _view
 
 __all__ = ["Stack", "layer_index"]
 
@@ -325,6 +326,26 @@ class Stack(nnx.Module):
     def _blocks(self) -> list[nnx.Module]:
         """The stacked block of each pattern position (one without a pattern)."""
         return list(self.layers) if self.pattern else [self.layers]
+
+    def __len__(self) -> int:
+        """The number of layers, ``n``."""
+        return self.n
+
+    def layer(self, i: int) -> nnx.Module:
+        """Layer ``i`` as a block of its own: a copy of that one layer's variables.
+
+        The block's properties computed from its variables' shapes and its methods
+        (e.g. an ``init_cache``) then see one layer, not the stacked one; ``stack[i]``
+        is the same. See :func:`stackwise.nnx._view.layer`.
+        """
+        return _view.layer(self, i)
+
+    def __getitem__(self, i: int) -> nnx.Module:
+        return _view.layer(self, i)
+
+    def __iter__(self) -> Iterator[nnx.Module]:
+        """Layers ``0 .. n-1``, each a copy of one layer (as :meth:`layer`)."""
+        return _view.iter_layers(self)
 
     def _build(self, makers: list, rngs: nnx.Rngs, who: str) -> list[nnx.Module]:
         keys = _stream_keys(rngs)

@@ -11,8 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _trees import assert_trees_close, assert_trees_equal
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import stackwise
 import stackwise.flax
@@ -85,11 +83,11 @@ class Stacked(nn.Module):
 
 
 def to_stack(variables):
-    return stackwise.flax.stack_variables(variables, "layers")
+    return stackwise.flax.from_loop(variables, "layers")
 
 
 def to_loop(variables):
-    return stackwise.flax.unstack_variables(variables, "layers")
+    return stackwise.flax.to_loop(variables, "layers")
 
 
 X = jnp.linspace(-1.0, 1.0, 2 * D).reshape(2, D)
@@ -493,76 +491,15 @@ def test_partition_specs_gain_the_layer_axis_as_in_nn_scan(axis):
     y = stack.apply(variables, X)
     assert_trees_close(y, stack.apply(nn.unbox(variables), X))
     # The loop layout drops the layer axis from every spec, and back, exactly.
-    loop = stackwise.flax.unstack_variables(
+    loop = stackwise.flax.to_loop(
         {"params": {"s": variables["params"]}}, "s", layer_axis_name=axis
     )
     assert nn.get_partition_spec(loop)["params"]["layers_0"]["w"] == P(None, "model")
-    back = stackwise.flax.stack_variables(loop, "s", layer_axis_name=axis)
+    back = stackwise.flax.from_loop(loop, "s", layer_axis_name=axis)
     assert_trees_equal(back, {"params": {"s": variables["params"]}})
 
 
 # --------------------------------------------------------------------------
-# Conversion round trips.
-
-
-def test_loop_layout_round_trip_is_exact_for_every_collection():
-    variables = Loop(BNBlock, N).init(jax.random.key(0), X)
-    _, state = Loop(BNBlock, N).apply(variables, X, mutable="batch_stats")
-    variables = {**variables, **state}
-    stacked = to_stack(variables)
-    assert_trees_equal(to_loop(stacked), variables)
-    assert stacked["batch_stats"]["layers"]["BatchNorm_0"]["var"].shape == (N, D)
-
-
-def test_any_per_layer_naming_and_nested_paths():
-    loop = {
-        "params": {"enc": {"blocks": {str(i): {"w": jnp.full((2,), i)} for i in range(4)}}},
-        "cache": {"enc": {"blocks": {str(i): {"k": jnp.full((), i)} for i in range(4)}}},
-    }
-    names = lambda i: f"blocks/{i}"  # noqa: E731
-    stacked = stackwise.flax.stack_variables(loop, "enc/stack", names=names)
-    assert stacked["params"]["enc"]["stack"]["w"].tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
-    assert list(stacked["cache"]["enc"]) == ["stack"]
-    assert_trees_equal(stackwise.flax.unstack_variables(stacked, "enc/stack", names=names), loop)
-    two = stackwise.flax.stack_variables(loop, "enc/stack", names=names, n=2)
-    assert two["params"]["enc"]["stack"]["w"].shape == (2, 2)
-
-
-def test_scan_layout_round_trip_with_partition_names():
-    stack = stackwise.flax.Stack(Sharded, N, layer_axis_name="layers")
-    variables = stack.init(jax.random.key(0), X)
-    scanned = stackwise.flax.to_scan(
-        variables, variable_axes={"params": 1}, layer_axis_name="layers", scan_axis_name="stage"
-    )
-    spec = nn.get_partition_spec(scanned)["params"]["w"]
-    assert spec == jax.sharding.PartitionSpec(None, "stage", "model")
-    assert scanned["params"]["w"].value.shape == (D, N, D)
-    back = stackwise.flax.from_scan(
-        scanned, variable_axes={"params": 1}, layer_axis_name="layers", scan_axis_name="stage"
-    )
-    assert_trees_equal(back, variables)
-    message = (
-        r"variable `params\['Dense_0'\]\['kernel'\]` is partitioned as "
-        r"\('embed', 'stage', 'mlp'\), whose axis 1"
-    )
-    with pytest.raises(ValueError, match=message + " should be named 'other'"):
-        stackwise.flax.from_scan(scanned, variable_axes={"params": 1}, scan_axis_name="other")
-
-
-@settings(max_examples=6, deadline=None)
-@given(n=st.integers(1, 5), depth=st.integers(1, 3), reverse=st.booleans())
-def test_random_depths_match_loop(n, depth, reverse):
-    class Deep(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(depth):
-                x = x + jnp.tanh(nn.Dense(D)(x))
-            return x
-
-    variables = Loop(Deep, n, reverse=reverse).init(jax.random.key(n), X)
-    y = Stacked(Deep, n, (("reverse", reverse),)).apply(to_stack(variables), X)
-    assert_trees_close(y, Loop(Deep, n, reverse=reverse).apply(variables, X))
-    assert_trees_equal(to_loop(to_stack(variables)), variables)
 
 
 # --------------------------------------------------------------------------
@@ -621,7 +558,7 @@ def test_params_of_the_wrong_depth():
         stack.apply(variables, X, 1.0, mutable="counters")
     # The per-layer (loop) layout instead of the stacked one.
     layer0 = stackwise.unstack_layers(variables)[0]
-    with pytest.raises(ValueError, match=r"stack_variables"):
+    with pytest.raises(ValueError, match=r"from_loop"):
         stackwise.flax.Stack(Block, 4).apply(layer0, X, 1.0, mutable="counters")
 
 
@@ -634,17 +571,6 @@ def test_partition_name_mismatch():
     )
     with pytest.raises(ValueError, match=message):
         stackwise.flax.Stack(Sharded, N).apply(variables, X)
-
-
-def test_conversion_errors():
-    with pytest.raises(ValueError, match="found no layer named 'layers_0'"):
-        stackwise.flax.stack_variables({"params": {"block0": {}}}, "layers")
-    broadcast = {"params": {"w": jnp.zeros((3, 2))}}
-    with pytest.raises(ValueError, match="broadcast collection"):
-        stackwise.flax.from_scan(broadcast, variable_axes={"params": nn.broadcast})
-    mismatched = {"params": {"layers_0": {"w": jnp.zeros(2)}, "layers_1": {"v": jnp.zeros(2)}}}
-    with pytest.raises(ValueError, match="collection 'params'.*layer 1 has structure"):
-        stackwise.flax.stack_variables(mismatched, "layers")
 
 
 # --------------------------------------------------------------------------

@@ -491,50 +491,6 @@ def test_a_transformer_block_matches_its_python_loop():
 
 
 # --------------------------------------------------------------------------
-# Conversions.
-
-
-def test_conversions_round_trip_exactly():
-    n = 3
-    stacked = hk.transform_with_state(lambda x: swh.Stack(Counted, n)(x, is_training=True))
-    loop = hk.transform_with_state(loop_of(Counted, n))
-    x = x_of()
-    for tree in stacked.init(KEY, x):  # params, then state
-        loop_tree = swh.to_loop(tree, "stack/counted", "counted")
-        assert_trees_equal(swh.from_loop(loop_tree, "stack/counted", "counted", n=n), tree)
-        ls_tree = swh.to_layer_stack(tree, "stack")
-        assert_trees_equal(swh.from_layer_stack(ls_tree, "stack"), tree)
-    for loop_tree in loop.init(KEY, x, is_training=True):
-        tree = swh.from_loop(loop_tree, "stack/counted", "counted", n=n)
-        assert_trees_equal(swh.to_loop(tree, "stack/counted", "counted"), loop_tree)
-    # Explicit names, and modules outside the block kept as they are.
-    names = ["enc/first", "enc/second", "enc/third"]
-    tree = {
-        "stack/counted/linear": {"w": jnp.arange(6.0).reshape(3, 2)},
-        "head": {"b": jnp.ones(1)},
-    }
-    loop_tree = swh.to_loop(tree, "stack/counted", names)
-    assert sorted(loop_tree) == [
-        "enc/first/linear",
-        "enc/second/linear",
-        "enc/third/linear",
-        "head",
-    ]
-    assert_trees_equal(loop_tree["enc/second/linear"]["w"], jnp.array([2.0, 3.0]))
-    assert_trees_equal(swh.from_loop(loop_tree, "stack/counted", names), tree)
-
-
-def test_loop_checkpoint_loads_into_a_stack():
-    n = 3
-    loop = hk.transform(loop_of(Block, n))
-    stacked = hk.transform(lambda x: swh.Stack(Block, n)(x))
-    x = x_of()
-    loop_params = loop.init(KEY, x)
-    params = swh.from_loop(loop_params, "stack/block", "block", n=n)
-    assert_trees_close(stacked.apply(params, None, x), loop.apply(loop_params, None, x))
-
-
-# --------------------------------------------------------------------------
 # Errors name the block.
 
 
@@ -607,24 +563,6 @@ def test_stacked_params_of_the_wrong_depth_name_the_block_and_the_leaf():
     expected = r"(?s)Stack\(Block, n=4\).*n=4.*stack/block/linear/w: shape \(3, 4, 4\)"
     with pytest.raises(ValueError, match=expected):
         jax.eval_shape(deeper.apply, params, None, x)
-
-
-def test_conversion_errors():
-    tree = {"stack/block/linear": {"w": jnp.zeros((3, 2)), "b": jnp.zeros((2,))}}
-    with pytest.raises(ValueError, match=r"no module named 'stack/blk'.*'stack/block/linear'"):
-        swh.to_loop(tree, "stack/blk", "block")
-    expected = r"(?s)leading layer axis.*stack/block/linear/b: shape \(2,\)"
-    with pytest.raises(ValueError, match=expected):
-        swh.to_loop(tree, "stack/block", ["a", "b", "c"])
-    loop = {"block": {"w": jnp.zeros(2)}, "block_1": {"w": jnp.zeros(2), "v": jnp.zeros(2)}}
-    with pytest.raises(ValueError, match=r"layer 2's module 'block_2' is not in the tree"):
-        swh.from_loop(loop, "stack/block", "block", n=3)
-    with pytest.raises(ValueError, match=r"layer 1 \('block_1'\).*same modules and params"):
-        swh.from_loop(loop, "stack/block", "block", n=2)
-    with pytest.raises(TypeError, match=r"pass the number of layers `n`"):
-        swh.from_loop(loop, "stack/block", "block")
-    with pytest.raises(ValueError, match=r"already exist"):
-        swh.from_layer_stack({"x/a": {"w": 1}, "stack/a": {"w": 1}}, "stack", "x")
 
 
 # --------------------------------------------------------------------------

@@ -432,37 +432,6 @@ def test_remat_and_nested_remat_lower_compiled_temp_memory():
 
 
 # --------------------------------------------------------------------------
-# Layout tools.
-
-
-def test_unstack_stack_round_trip_is_bitwise():
-    params = stackwise.stack(init_layer, apply_layer, 4).init(jax.random.key(0))
-    back = stackwise.stack_layers(stackwise.unstack_layers(params))
-    jax.tree.map(np.testing.assert_array_equal, back, params)
-
-
-def test_slice_gives_a_shallower_model():
-    layers = stackwise.stack(init_layer, apply_layer, 6)
-    params = layers.init(jax.random.key(0))
-    first2 = stackwise.slice_layers(params, 0, 2)
-    x = jnp.ones((2, D))
-    shallow = stackwise.stack(init_layer, apply_layer, 2).apply(first2, x)
-    assert_trees_close(shallow, reference(stackwise.slice_layers(params, 0, 2), x))
-    deeper = stackwise.stack(init_layer, apply_layer, 4)
-    rest = deeper.apply(stackwise.slice_layers(params, 2), shallow)
-    assert_trees_close(rest, layers.apply(params, x))
-
-
-def test_layout_errors():
-    with pytest.raises(ValueError, match=r"(?s)leading layer axis.*\[.b.\]"):
-        stackwise.unstack_layers({"a": jnp.zeros((3, 2)), "b": jnp.zeros((2, 2))})
-    with pytest.raises(ValueError, match="layer 1 has structure"):
-        stackwise.stack_layers([{"a": 1.0}, {"b": 1.0}])
-    with pytest.raises(ValueError, match="start=4, stop=2"):
-        stackwise.slice_layers({"a": jnp.zeros((3, 2))}, 4, 2)
-
-
-# --------------------------------------------------------------------------
 # Property-based: random pytrees, shapes and depths.
 
 
