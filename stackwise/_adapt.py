@@ -24,7 +24,9 @@ __all__ = [
     "Options",
     "at_layer",
     "block_name",
+    "check_bool",
     "check_depth",
+    "check_layers",
     "check_options",
     "current_layer_index",
     "stack_name",
@@ -169,7 +171,7 @@ _POLICY_FACTORIES = tuple(
 )
 
 
-def _check_bool(value: Any, arg: str, who: str) -> bool:
+def check_bool(value: Any, arg: str, who: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(
             f"{who}: `{arg}` must be True or False, got {type(value).__name__} {value!r}."
@@ -201,6 +203,43 @@ def _remat(remat: Any, who: str) -> tuple[bool, Callable[..., Any] | None]:
             f"`jax.checkpoint_policies` ({example}), got {type(remat).__name__} {remat!r}."
         )
     return True, remat
+
+
+def check_layers(init: Any, apply: Any, who: str) -> tuple[tuple | None, tuple, bool]:
+    """``stack``'s ``init`` and ``apply`` (functions, or a pattern of k each), checked.
+
+    Returns ``(inits or None, applies, is_pattern)`` with ``inits`` and ``applies`` tuples.
+    """
+    pattern = isinstance(apply, (list, tuple))
+    applies = tuple(apply) if pattern else (apply,)
+    if init is None:
+        inits = None
+    elif pattern != isinstance(init, (list, tuple)):
+        raise TypeError(
+            f"{who}: for a pattern, `init` and `apply` are both sequences of k "
+            f"functions (or `init=None`); got init of type {type(init).__name__} and "
+            f"apply of type {type(apply).__name__}."
+        )
+    else:
+        inits = tuple(init) if pattern else (init,)
+        if all(i is None for i in inits):
+            inits = None
+        elif len(inits) != len(applies):
+            raise ValueError(
+                f"{who}: the pattern has {len(inits)} `init` functions but "
+                f"{len(applies)} `apply` functions; give one of each per position."
+            )
+    if not applies:
+        raise ValueError(f"{who}: a pattern needs at least one layer; `apply` is empty.")
+    for arg, fns in (("init", inits or ()), ("apply", applies)):
+        for i, fn in enumerate(fns):
+            if not callable(fn):
+                where = f"`{arg}[{i}]`" if pattern else f"`{arg}`"
+                raise TypeError(
+                    f"{who}: {where} must be callable, got {type(fn).__name__} {fn!r}. "
+                    "Call it as `stackwise.stack(init, apply, n)`."
+                )
+    return inits, applies, pattern
 
 
 def check_options(
@@ -251,8 +290,8 @@ def check_options(
         policy=policy,
         nested=nested,
         unroll=unroll,
-        reverse=_check_bool(reverse, "reverse", who),
-        has_aux=_check_bool(has_aux, "has_aux", who),
+        reverse=check_bool(reverse, "reverse", who),
+        has_aux=check_bool(has_aux, "has_aux", who),
         fsdp=fsdp,
     )
 
@@ -261,9 +300,12 @@ def check_options(
 OPTION_NAMES = ("remat", "nested", "unroll", "reverse", "has_aux", "fsdp")
 
 
-def stack_options(who: str, n: Any, **options: Any) -> dict[str, Any]:
-    """``options`` (the :data:`OPTION_NAMES`) checked now, as given to ``stackwise.stack``."""
-    if set(options) != set(OPTION_NAMES):
-        raise TypeError(f"{who}: expected the options {OPTION_NAMES}, got {sorted(options)}.")
+def stack_options(who: str, n: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`OPTION_NAMES` among a Stack's ``arguments``, checked now.
+
+    An adapter's constructor passes its ``locals()``; the result is what it gives
+    ``stackwise.stack``, so every adapter forwards the same options the same way.
+    """
+    options = {name: arguments[name] for name in OPTION_NAMES}
     check_options(who, n, **options)
     return options

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from stackwise import _inplace
-from stackwise._adapt import Options, check_depth, check_options, tree_leaves
+from stackwise._adapt import (
+    Options,
+    check_bool,
+    check_depth,
+    check_layers,
+    check_options,
+    tree_leaves,
+)
 from stackwise._markers import _PerLayer, _split_markers
 from stackwise._markers import layer_index as layer_index
 from stackwise._markers import per_layer as per_layer
@@ -268,7 +275,7 @@ def stack(
         not ``n`` (the offending leaves are listed).
     """
     who = name or "stackwise.stack"
-    inits, applies, pattern = _layers(init, apply, who)
+    inits, applies, pattern = check_layers(init, apply, who)
     options = check_options(
         who,
         n,
@@ -279,11 +286,7 @@ def stack(
         has_aux=has_aux,
         fsdp=fsdp,
     )
-    if not isinstance(with_state, bool):
-        raise TypeError(
-            f"{who}: `with_state` must be True or False, got {type(with_state).__name__} "
-            f"{with_state!r}."
-        )
+    check_bool(with_state, "with_state", who)
     k = len(applies)
     if n < k:
         raise ValueError(
@@ -356,40 +359,6 @@ def stack(
         return (out, unwrap(new_state)) if with_state else out
 
     return Stacked(stacked_init, stacked_apply, n)
-
-
-def _layers(init: Any, apply: Any, who: str) -> tuple[tuple | None, tuple, bool]:
-    """``(inits or None, applies, is_pattern)``, checked."""
-    pattern = isinstance(apply, (list, tuple))
-    applies = tuple(apply) if pattern else (apply,)
-    if init is None:
-        inits = None
-    elif pattern != isinstance(init, (list, tuple)):
-        raise TypeError(
-            f"{who}: for a pattern, `init` and `apply` are both sequences of k "
-            f"functions (or `init=None`); got init of type {type(init).__name__} and "
-            f"apply of type {type(apply).__name__}."
-        )
-    else:
-        inits = tuple(init) if pattern else (init,)
-        if all(i is None for i in inits):
-            inits = None
-        elif len(inits) != len(applies):
-            raise ValueError(
-                f"{who}: the pattern has {len(inits)} `init` functions but "
-                f"{len(applies)} `apply` functions; give one of each per position."
-            )
-    if not applies:
-        raise ValueError(f"{who}: a pattern needs at least one layer; `apply` is empty.")
-    for arg, fns in (("init", inits or ()), ("apply", applies)):
-        for i, fn in enumerate(fns):
-            if not callable(fn):
-                where = f"`{arg}[{i}]`" if pattern else f"`{arg}`"
-                raise TypeError(
-                    f"{who}: {where} must be callable, got {type(fn).__name__} {fn!r}. "
-                    "Call it as `stackwise.stack(init, apply, n)`."
-                )
-    return inits, applies, pattern
 
 
 def _position(tree: Any, p: int, k: int) -> Any:

@@ -278,8 +278,7 @@ class Stack(nn.Module):
         super().__post_init__()
 
     def _options(self, who: str) -> dict[str, Any]:
-        options = {name: getattr(self, name) for name in _adapt.OPTION_NAMES}
-        return _adapt.stack_options(who, self.n, **options)
+        return _adapt.stack_options(who, self.n, vars(self))
 
     @nn.compact
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:

@@ -252,16 +252,7 @@ class Stack(hk.Module):
     ):
         super().__init__(name=name)
         who = _adapt.stack_name("haiku", block, n)
-        options = _adapt.stack_options(
-            who,
-            n,
-            remat=remat,
-            nested=nested,
-            unroll=unroll,
-            reverse=reverse,
-            has_aux=has_aux,
-            fsdp=fsdp,
-        )
+        options = _adapt.stack_options(who, n, locals())
         self._layers = _Layers(block, n, who, **options)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:

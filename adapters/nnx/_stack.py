@@ -278,16 +278,7 @@ class Stack(nnx.Module):
         layer_axis_name: str | None = None,
     ):
         who = _adapt.stack_name("nnx", make_block, n)
-        options = _adapt.stack_options(
-            who,
-            n,
-            remat=remat,
-            nested=nested,
-            unroll=unroll,
-            reverse=reverse,
-            has_aux=has_aux,
-            fsdp=fsdp,
-        )
+        options = _adapt.stack_options(who, n, locals())
         self.n = n
         for name, value in options.items():  # static attributes of the module
             setattr(self, name, value)
