@@ -14,6 +14,7 @@ MODULES = [
     "stackwise.haiku",
     "stackwise.flax",
     "stackwise.nnx",
+    "stackwise.equinox",
 ]
 
 
