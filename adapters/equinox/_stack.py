@@ -10,6 +10,7 @@ reverse and patterns all live in the core.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -410,6 +411,12 @@ class Stack(eqx.nn.StatefulLayer):
         eqx_state = stateful and isinstance(state, eqx.nn.State)
         if eqx_state:
             takes_state = [_convert.holds_state_index(b) for b in blocks]
+            if not any(takes_state):
+                raise TypeError(
+                    f"{who}: got an eqx.nn.State, but no block holds an "
+                    "eqx.nn.StateIndex: with `with_state=True` the state is the stacked "
+                    "per-layer pytree the blocks take (e.g. a KV cache `{'k': (n, ...)}`)."
+                )
             layer_states = self._substates(state, blocks, pattern, who)
         elif stateful:
             if _convert.holds_state_index(self.layers):
@@ -459,11 +466,13 @@ class Stack(eqx.nn.StatefulLayer):
         >>> stack[-1].weight.shape
         (3, 2)
         """
-        if isinstance(i, bool) or not isinstance(i, int):
+        try:
+            i = operator.index(i)
+        except TypeError:
             raise TypeError(
                 f"{self._name()}: index a Stack with an int layer number, got "
                 f"{type(i).__name__} {i!r}; for several layers use `stack.to_layers()[a:b]`."
-            )
+            ) from None
         if not -self.n <= i < self.n:
             raise IndexError(f"{self._name()}: layer {i} is out of range for n={self.n}.")
         blocks, _ = self._blocks()

@@ -807,6 +807,16 @@ def test_errors_name_the_block_and_argument():
         def __call__(self, x, state, scale):
             return x, None
 
+    explicit = swe.Stack(ExplicitAttention, 2, key=KEY, with_state=True)
+    with pytest.raises(
+        TypeError,
+        match="got an eqx.nn.State, but no block holds an "
+        "eqx.nn.StateIndex: with `with_state=True`",
+    ):
+        explicit(XS[0], state, jnp.int32(0))
+    with pytest.raises(TypeError, match=r"the stacked per-layer state \(`with_state=True`\)"):
+        explicit(XS[0])
+
     forgets, state = eqx.nn.make_with_state(swe.Stack)(Forgets, 2, key=KEY)
     with pytest.raises(TypeError, match=r"returns `\(x, state\)`.*returned NoneType"):
         forgets(XS[0], state, 1.0)
