@@ -495,7 +495,8 @@ class Stack(eqx.nn.StatefulLayer):
 
         Args:
           state: the ``eqx.nn.State`` holding the stack's entries, for a stack of blocks
-            with ``eqx.nn.StateIndex`` es.
+            with ``eqx.nn.StateIndex`` es. (An explicit ``with_state=True`` state is a plain
+            stacked pytree: :func:`stackwise.unstack_layers` splits it.)
 
         Returns:
           A list of ``n`` blocks; with ``state``, ``(blocks, states)``: ``states[i]`` an
