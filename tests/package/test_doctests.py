@@ -15,6 +15,7 @@ MODULES = [
     "stackwise.haiku",
     "stackwise.flax",
     "stackwise.nnx",
+    "stackwise.equinox",
 ]
 
 

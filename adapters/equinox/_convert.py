@@ -1,0 +1,240 @@
+"""Exact moves between a :class:`~stackwise.equinox.Stack`'s layout and a list of blocks.
+
+A stacked block is an ordinary ``eqx.Module`` whose every array leaf has a leading layer
+axis (what ``eqx.filter_vmap(make_block)(keys)`` builds); everything else (static fields,
+activation functions, Python numbers) is shared by all layers. Layer i of it is the block
+with every array sliced at ``i``; a list of blocks stacks back into it only if they agree
+in everything but their array values. ``eqx.nn.StateIndex`` es are matched by position in
+the tree, not by marker: separately built blocks carry different markers.
+
+:meth:`Stack.to_layers` and :meth:`Stack.from_layers` are built on these helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "distinct_markers",
+    "holds_state_index",
+    "layer_of",
+    "merge_states",
+    "stack_blocks",
+    "stack_states",
+    "state_indices",
+    "unstack_state",
+]
+
+_is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
+
+
+# --------------------------------------------------------------------------
+# State indices.
+
+
+def state_indices(tree: Any) -> list[eqx.nn.StateIndex]:
+    """The ``eqx.nn.StateIndex`` es in ``tree``, in leaf order."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=_is_index) if _is_index(x)]
+
+
+def holds_state_index(tree: Any) -> bool:
+    return bool(state_indices(tree))
+
+
+def _marked(tree: Any, markers: Sequence[Any]) -> Any:
+    """``tree`` with its StateIndexes' markers replaced, in leaf order (as
+    ``eqx.nn.make_with_state`` replaces them)."""
+    markers = iter(markers)
+
+    def remark(x):
+        if not _is_index(x):
+            return x
+        new = eqx.nn.StateIndex(x.init)
+        object.__setattr__(new, "marker", next(markers))
+        return new
+
+    return jax.tree.map(remark, tree, is_leaf=_is_index)
+
+
+def _unmarked(tree: Any) -> Any:
+    """``tree`` with every StateIndex marker the same, for comparing blocks."""
+    return _marked(tree, ["<marker>"] * len(state_indices(tree)))
+
+
+# --------------------------------------------------------------------------
+# One layer of a stacked block.
+
+
+def layer_of(stacked: Any, j: int) -> Any:
+    """The block at index ``j`` of the stacked block: every array sliced, the rest shared."""
+    return jax.tree.map(lambda a: a[j] if eqx.is_array(a) else a, stacked)
+
+
+def unstack_state(state: eqx.nn.State, stacked: Any, count: int) -> list[eqx.nn.State]:
+    """The substate of ``stacked`` 's StateIndexes, sliced per layer (markers kept)."""
+    sub = state.substate(stacked)
+    return [jax.tree.map(lambda a, j=j: a[j], sub) for j in range(count)]
+
+
+# --------------------------------------------------------------------------
+# Blocks stacked into one, checked.
+
+
+def _describe(a: Any) -> str:
+    return f"{jnp.result_type(a).name}{list(jnp.shape(a))}"
+
+
+def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tuple | None:
+    """Where and how two blocks differ in anything but array values, or None.
+
+    With ``arrays=False`` array shapes and dtypes are not compared: a first pass over the
+    static fields names the cause (``out_features``) rather than its effect (``weight``).
+    """
+    where = path or "<root>"
+    if type(a) is not type(b):
+        return where, f"{type(a).__name__} vs {type(b).__name__}"
+    if eqx.is_array(a):
+        if arrays and (jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)):
+            return where, f"{_describe(a)} vs {_describe(b)}"
+        return None
+    if isinstance(a, eqx.Module) and dataclasses.is_dataclass(a):
+        static = [f for f in dataclasses.fields(a) if f.metadata.get("static", False)]
+        for f in static:
+            va, vb = getattr(a, f.name, None), getattr(b, f.name, None)
+            if not _same(va, vb):
+                return f"{path}.{f.name}", f"{va!r} vs {vb!r} (a static field)"
+        children = [
+            (f".{f.name}", getattr(a, f.name, None), getattr(b, f.name, None))
+            for f in dataclasses.fields(a)
+            if f not in static
+        ]
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return where, f"{len(a)} vs {len(b)} entries"
+        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(a, b))]
+    elif isinstance(a, dict):
+        if set(a) != set(b):
+            return where, f"keys {sorted(map(repr, a))} vs {sorted(map(repr, b))}"
+        children = [(f"[{k!r}]", a[k], b[k]) for k in a]
+    else:
+        leaves_a, def_a = jax.tree_util.tree_flatten(a)
+        leaves_b, def_b = jax.tree_util.tree_flatten(b)
+        if leaves_a == [a]:  # a leaf that is not an array: shared, so it must be equal
+            return None if _same(a, b) else (where, f"{a!r} vs {b!r}")
+        if def_a != def_b:
+            return where, f"{def_a} vs {def_b}"
+        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(leaves_a, leaves_b))]
+    for name, u, v in children:
+        found = _first_difference(u, v, path + name, arrays)
+        if found:
+            return found
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. arrays in a static field: compare by identity only
+        return False
+
+
+def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any:
+    """One stacked block from blocks that differ in array values only (bitwise, dtype kept).
+
+    ``numbers`` are the blocks' indices in the caller's list, for messages. The stacked
+    block's StateIndexes keep the first block's markers.
+    """
+    first = _unmarked(blocks[0])
+    arrays0, static0 = eqx.partition(first, eqx.is_array)
+    arrays = [arrays0]
+    for i, block in zip(numbers[1:], blocks[1:]):
+        block = _unmarked(block)
+        found = _first_difference(first, block, arrays=False) or _first_difference(first, block)
+        a, static = eqx.partition(block, eqx.is_array)
+        if found is None and jax.tree.structure(static) != jax.tree.structure(static0):
+            found = "<root>", "another structure or other static fields"
+        if found is not None:
+            at, how = found
+            raise TypeError(
+                f"{who}: block {i} ({type(block).__name__}) differs from block "
+                f"{numbers[0]} at `{at}`: {how}. Stacked layers share everything but their "
+                "array values: build every block with the same arguments (only the key "
+                "differing), and keep functions in fields as one shared object (a "
+                "module-level function, not a fresh lambda per block)."
+            )
+        arrays.append(a)
+
+    def stack(path, *leaves):
+        out = jnp.stack(leaves)
+        if out.dtype != jnp.result_type(leaves[0]):
+            raise TypeError(
+                f"{who}: the leaf `{jax.tree_util.keystr(path)}` of dtype "
+                f"{jnp.result_type(leaves[0]).name} would be stacked as {out.dtype.name} "
+                "(a numpy array of a dtype JAX does not hold with its current settings); "
+                "cast it first, or enable `jax_enable_x64`."
+            )
+        return out
+
+    stacked = jax.tree_util.tree_map_with_path(stack, *arrays)
+    return _marked(eqx.combine(stacked, static0), [x.marker for x in state_indices(blocks[0])])
+
+
+def stack_states(
+    blocks: Sequence[Any], states: Sequence[eqx.nn.State], stacked: Any, who: str, numbers
+) -> eqx.nn.State:
+    """The State of ``stacked`` (a stack of ``blocks``): each block's values, stacked."""
+    values = []
+    for i, block, state in zip(numbers, blocks, states):
+        if not isinstance(state, eqx.nn.State):
+            raise TypeError(
+                f"{who}: `states[{i}]` must be the eqx.nn.State of block {i} (from "
+                f"`eqx.nn.make_with_state`), got {type(state).__name__}."
+            )
+        try:
+            values.append(state.substate(block).tree_flatten()[0])
+        except KeyError:
+            raise ValueError(
+                f"{who}: `states[{i}]` holds no values for the eqx.nn.StateIndex es of "
+                f"block {i}; give each block the State made with it, e.g. "
+                "`eqx.nn.make_with_state(Block)(...)`."
+            ) from None
+    markers = [x.marker for x in state_indices(stacked)]
+    stacked_values = [
+        jax.tree.map(lambda *a: jnp.stack(a), *per_index) for per_index in zip(*values)
+    ]
+    return eqx.nn.State.tree_unflatten(tuple(markers), tuple(stacked_values))
+
+
+def merge_states(states: Sequence[eqx.nn.State]) -> eqx.nn.State:
+    """One State holding the entries of several (with distinct markers)."""
+    keys, values = [], []
+    for state in states:
+        v, k = state.tree_flatten()
+        keys += k
+        values += v
+    return eqx.nn.State.tree_unflatten(tuple(keys), tuple(values))
+
+
+def distinct_markers(stacked: Sequence[Any]) -> list[Any]:
+    """The stacked blocks of a pattern, their StateIndex markers made distinct across
+    positions (blocks built alike, e.g. by ``make_with_state(Block)``, share markers)."""
+    seen: set = set()
+    out = []
+    for p, block in enumerate(stacked):
+        markers = []
+        for x in state_indices(block):
+            m = x.marker
+            if isinstance(m, str) and m in seen:
+                m = f"layers[{p}]:{m}"
+            seen.add(m)
+            markers.append(m)
+        out.append(_marked(block, markers))
+    return out
