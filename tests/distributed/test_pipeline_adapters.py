@@ -11,7 +11,7 @@ model's own (unpipelined) apply.
 
 The multi-device checks run once, in a subprocess with 8 simulated CPU
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``): this file is
-also that subprocess's script (see ``_worker``), as in tests/distributed/test_pipeline.py.
+also that subprocess's script (see ``_CASES``), as in tests/distributed/test_pipeline.py.
 """
 
 from __future__ import annotations
