@@ -73,7 +73,8 @@ def _case_haiku():
 
     class Block(hk.Module):
         def __call__(self, x):
-            return x + hk.Linear(D)(jax.nn.gelu(hk.Linear(2 * D)(x)))
+            h = jax.nn.gelu(hk.Linear(2 * D)(x))  # block/linear: D -> 2D
+            return x + hk.Linear(D)(h)  # block/linear_1: 2D -> D
 
     f = hk.without_apply_rng(
         hk.transform(lambda x: stackwise.haiku.Stack(Block, N, fsdp=AXES)(x))
