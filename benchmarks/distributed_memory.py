@@ -35,7 +35,10 @@ def _fsdp_rows(jax, jnp, stackwise, mesh, d, hidden, n, batch):
     x = jax.device_put(jnp.zeros((batch, d)), NamedSharding(mesh, P("data")))
 
     def measure(loss, params):
-        m = jax.jit(jax.grad(loss)).lower(params, x).compile().memory_analysis()
+        # The grads laid out like the params (on auto axes XLA would pick their layout).
+        like_params = jax.tree.map(lambda a: a.sharding, params)
+        grad = jax.jit(jax.grad(loss), out_shardings=like_params)
+        m = grad.lower(params, x).compile().memory_analysis()
         sizes = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
         return tuple(size / MIB for size in sizes)
 
@@ -151,28 +154,32 @@ def main() -> None:
 
     import stackwise
 
-    mesh = jax.make_mesh((8,), ("data",))
     lines = ["**FSDP, per device (MiB), 8 devices, 16 MiB of params**", "",
-             "| entry point | remat | params | grads | temp | total | bound | /bound |",
-             "|---|---|---|---|---|---|---|---|"]
-    rows = _fsdp_rows(jax, jnp, stackwise, mesh, d=256, hidden=1024, n=8, batch=64)
-    replicated = {(r[0], r[1]): r for r in rows if r[2] == "replicated"}
-    for name, remat, mode, params, grads, temp in rows:
-        if mode != "fsdp":
-            continue
-        if params is None:
-            lines.append(f"| {name} | {remat} | - | - | - | - | - | {temp} |")
-            continue
-        _, _, _, p_rep, g_rep, t_rep = replicated[(name, remat)]
-        bound = (p_rep + g_rep) / 8 + t_rep
-        total = params + grads + temp
-        lines.append(f"| {name} | {remat} | {params:.2f} | {grads:.2f} | {temp:.2f} | "
-                     f"{total:.2f} | {bound:.2f} | {total / bound:.2f} |")
-    lines += ["", "Replicated (data parallel) for reference:", "",
-              "| entry point | remat | params | grads | temp |", "|---|---|---|---|---|"]
-    for name, remat, mode, params, grads, temp in rows:
-        if mode == "replicated" and params is not None:
-            lines.append(f"| {name} | {remat} | {params:.2f} | {grads:.2f} | {temp:.2f} |")
+             "| axes | entry point | remat | params | grads | temp | total | bound | /bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    reference = ["", "Replicated (data parallel) for reference:", "",
+                 "| axes | entry point | remat | params | grads | temp |",
+                 "|---|---|---|---|---|---|"]
+    for axes, axis_type in (("explicit", jax.sharding.AxisType.Explicit),
+                            ("auto", jax.sharding.AxisType.Auto)):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+        rows = _fsdp_rows(jax, jnp, stackwise, mesh, d=256, hidden=1024, n=8, batch=64)
+        replicated = {(r[0], r[1]): r for r in rows if r[2] == "replicated"}
+        for name, remat, mode, params, grads, temp in rows:
+            if params is None:
+                if mode == "fsdp":
+                    lines.append(f"| {axes} | {name} | {remat} | - | - | - | - | - | {temp} |")
+                continue
+            if mode == "replicated":
+                reference.append(f"| {axes} | {name} | {remat} | {params:.2f} | {grads:.2f} | "
+                                 f"{temp:.2f} |")
+                continue
+            _, _, _, p_rep, g_rep, t_rep = replicated[(name, remat)]
+            bound = (p_rep + g_rep) / 8 + t_rep
+            total = params + grads + temp
+            lines.append(f"| {axes} | {name} | {remat} | {params:.2f} | {grads:.2f} | "
+                         f"{temp:.2f} | {total:.2f} | {bound:.2f} | {total / bound:.2f} |")
+    lines += reference
     lines += ["", "**Pipeline backward temp (MiB) against M, 0.5 MiB of params per stage**", "",
               "| schedule | M=4 | M=8 | M=16 | M=16 / M=4 |", "|---|---|---|---|---|"]
     prows = _pipeline_rows(jax, jnp, stackwise)
