@@ -32,7 +32,6 @@ _SCHEDULES = ("gpipe", "circular")
 _WHO = "stackwise.pipeline"
 
 
-
 # --------------------------------------------------------------------------
 # Per-example arguments.
 
@@ -299,15 +298,15 @@ def pipeline(
         )
     plain = stack(init, apply, n, name=_WHO)  # checks n; its init is the pipeline's
     plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats)
+    options = check_options(
+        _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
+    )
 
-    def stage(call: _Call | None) -> Stacked:
+    def stage(call: _Call) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""
         layer = _Layer(apply, has_aux, call)
-        options = dict(remat=remat, nested=nested, unroll=unroll)
-        return stack(None, layer, plan.L, has_aux=True, name=_WHO, **options)
-
-    options = check_options(_WHO, n, remat=remat, nested=nested, unroll=unroll,
-                            reverse=False, has_aux=has_aux)
+        return stack(None, layer, plan.L, remat=remat, nested=nested, unroll=unroll,
+                     has_aux=True, name=_WHO)
 
     def pipelined(params, x, *args, **kwargs):
         params = _device_layout(params, plan)
@@ -340,7 +339,7 @@ def pipeline(
 class _Layer:
     """The per-layer function a stage's stack runs: the user's layer, its arguments rebuilt."""
 
-    def __init__(self, apply: Callable[..., Any], has_aux: bool, call: _Call | None):
+    def __init__(self, apply: Callable[..., Any], has_aux: bool, call: _Call):
         self.apply, self.has_aux, self.call = apply, has_aux, call
 
     def __call__(self, params_and_slices, x, j, examples, consts):
@@ -549,7 +548,9 @@ def _device_program(stage, options, plan, out_spec, params, slices, x, examples,
     # This device's chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
     chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
     if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
-        run_stage = jax.checkpoint(run_stage, policy=_never_sliced(chunks, options))
+        run_stage = jax.checkpoint(
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+        )
     aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
     carry = (_take(mbs, 0), jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None, aux0)
@@ -560,15 +561,19 @@ def _device_program(stage, options, plan, out_spec, params, slices, x, examples,
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
 
 
-def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool]:
+def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool] | None:
     """The checkpoint policy around a circular stage: what the stage's own remat
     keeps (and the carry entering each layer), but never a slice of ``chunks``.
 
     A slice's output is a ``dynamic_slice`` of an operand of a chunk stack's
     shape; everything else is left to ``remat``: all of it with ``remat=False``,
     the carries with ``remat=True``, the policy's choice and the carries with a
-    policy.
+    policy. With ``unroll=True`` it is ``None`` (keep nothing: the stage's
+    forward pass runs again in the backward pass): jax 0.10's remat DCE fails
+    on a checkpoint with a policy around the Python loop's checkpoints.
     """
+    if options.unroll is True:
+        return None
     shapes = {tuple(jnp.shape(v)) for v in jax.tree.leaves(chunks)}
     carries = jax.checkpoint_policies.save_only_these_names(CARRY_NAME)
     if not options.remat:

@@ -262,8 +262,32 @@ def _case_circular_pytree_carry():
     }
 
 
+def _case_options():
+    """Every remat x nested x unroll for the circular schedule (whose stage is
+    checkpointed around the per-tick slice), and GPipe with the Python loop."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    n = 8
+    params = jax.jit(stackwise.stack(_init, _apply, n).init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    combos = [(r, nest, u, "circular") for r in (False, True, stackwise.DEFAULT_REMAT)
+              for nest in (False, True) for u in (1, True)]
+    combos.append((True, True, True, "gpipe"))
+    errors = {}
+    for remat, nested, unroll, schedule in combos:
+        repeats = 2 if schedule == "circular" else None
+        pp = stackwise.pipeline(None, _apply, n, mesh, microbatches=4, data_axis="data",
+                                schedule=schedule, repeats=repeats, remat=remat,
+                                nested=nested, unroll=unroll)
+        placed = stackwise.shard_stacked(params, mesh, layer_axis="stage",
+                                         repeats=repeats or 1)
+        name = f"{schedule} remat={str(remat)[:5]} nested={nested} unroll={unroll}"
+        errors[name] = _max_err(pp.apply, _loop(_apply), params, x, placed=placed)
+    return {"errors": errors}
+
+
 _CASES = {
     "gpipe_explicit": _case_gpipe_explicit,
+    "options": _case_options,
     "circular_usual_layout": lambda: _case_circular_explicit(False),
     "circular_layout": lambda: _case_circular_explicit(True),
     "memory": _case_memory,
@@ -286,6 +310,12 @@ def multi_device():
 )
 def test_pipeline_matches_loop_outputs_and_grads(multi_device, name):
     assert result(multi_device, name)["max_err"] < PIPELINE_TOL
+
+
+def test_every_option_combination(multi_device):
+    errors = result(multi_device, "options")["errors"]
+    assert len(errors) == 13
+    assert {k: e for k, e in errors.items() if not e < PIPELINE_TOL} == {}
 
 
 def test_pipeline_is_a_stack(multi_device):
