@@ -167,9 +167,10 @@ def _case_memory():
     return out
 
 
-def _per_layer_apply(p, x, mask, key, i, scale):
-    """A layer using every kind of argument: per-example mask, dropout key, index, const."""
-    y = x + scale * jnp.tanh(x @ p["w"] + p["b"][None, :]) * mask[:, None]
+def _per_layer_apply(p, x, mask, key, i, scale, gain):
+    """A layer using every kind of argument: per-example mask, dropout key, index, a
+    constant and a per-layer value."""
+    y = x + scale * gain * jnp.tanh(x @ p["w"] + p["b"][None, :]) * mask[:, None]
     keep = jax.random.bernoulli(key, 0.8, y.shape)
     y = jnp.where(keep, y, 0.0) + 0.01 * i
     return y, {"sq": jnp.sum(y**2), "index": i}
@@ -189,6 +190,7 @@ def _case_arguments(schedule):
     x = jax.random.normal(jax.random.key(1), (16, D))
     mask = (jnp.arange(16) % 3 != 0).astype(jnp.float32)
     key = jax.random.key(5)
+    gains = jnp.linspace(0.5, 1.5, n)
 
     def reference(params, x, mask, key):
         """A loop over the layers, for each of the D*M microbatches (vmapped over them)."""
@@ -197,7 +199,7 @@ def _case_arguments(schedule):
             aux = []
             for i, p in enumerate(stackwise.unstack_layers(params)):
                 key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
-                x_j, a = _per_layer_apply(p, x_j, mask_j, key_ij, jnp.int32(i), 0.5)
+                x_j, a = _per_layer_apply(p, x_j, mask_j, key_ij, jnp.int32(i), 0.5, gains[i])
                 aux.append(a)
             return x_j, jax.tree.map(lambda *a: jnp.stack(a), *aux)
 
@@ -207,7 +209,7 @@ def _case_arguments(schedule):
 
     placed = stackwise.shard_stacked(params, mesh, layer_axis="stage", repeats=repeats or 1)
     marked = (stackwise.per_example(mask), stackwise.per_layer_keys(key),
-              stackwise.layer_index(), 0.5)
+              stackwise.layer_index(), 0.5, stackwise.per_layer(gains))
     y, aux = jax.jit(pp.apply)(placed, x, *marked)
     y_ref, aux_ref = jax.jit(reference)(params, x, mask, key)
     # Dropout must differ between microbatches: the first two microbatches' masks.
