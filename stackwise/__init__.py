@@ -5,12 +5,13 @@ from stackwise._layout import stack_layers as stack_layers
 from stackwise._layout import stacked_shardings as stacked_shardings
 from stackwise._layout import stacked_spec as stacked_spec
 from stackwise._layout import unstack_layers as unstack_layers
+from stackwise._logical import logical_specs as logical_specs
 from stackwise._markers import layer_index as layer_index
 from stackwise._markers import per_layer as per_layer
 from stackwise._markers import per_layer_keys as per_layer_keys
+from stackwise._pipeline import per_example as per_example
 from stackwise._pipeline import pipeline as pipeline
 from stackwise._sharding import fsdp_specs as fsdp_specs
-from stackwise._sharding import gather_params as gather_params
 from stackwise._sharding import shard_stacked as shard_stacked
 from stackwise._stack import CARRY_NAME as CARRY_NAME
 from stackwise._stack import DEFAULT_REMAT as DEFAULT_REMAT
@@ -24,8 +25,9 @@ __all__ = [
     "DEFAULT_REMAT",
     "Stacked",
     "fsdp_specs",
-    "gather_params",
     "layer_index",
+    "logical_specs",
+    "per_example",
     "per_layer",
     "per_layer_keys",
     "pipeline",

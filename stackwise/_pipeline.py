@@ -1,116 +1,207 @@
 """Pipeline parallelism over the layer axis: GPipe and circular schedules.
 
 The n layers are split into S stages along a mesh axis and the batch into M
-microbatches; :func:`jax.shard_map` runs one program per device and
-:func:`jax.lax.ppermute` hands each microbatch's activations to the next
-stage. Each stage runs its layers with :func:`stackwise.stack` (the core's
-scan and remat), so there is no second scan here.
+microbatches; :func:`jax.shard_map` runs one program per device, a
+:func:`jax.lax.scan` over the schedule's ticks runs one microbatch per stage
+per tick, and :func:`jax.lax.ppermute` hands activations to the next stage.
+Each stage's layers run with :func:`stackwise.stack` (the core's scan and
+remat) and per-layer arguments are resolved by the core's marker handling.
+
+The module reads top-down: :func:`pipeline` checks its arguments into a
+:class:`_Plan`; :func:`_split_args` sorts the call's arguments; :func:`_place`
+moves the inputs to their layout on the mesh; :func:`_device_program` is one
+device's program and :func:`_tick` one step of it.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from stackwise._adapt import check_depth, tree_leaves
-from stackwise._markers import _PerLayer
-from stackwise._stack import stack
+from stackwise._adapt import Options, check_depth, check_options, tree_leaves
+from stackwise._markers import _PerLayer, _split_markers
+from stackwise._stack import CARRY_NAME, DEFAULT_REMAT, Stacked, stack
 
-__all__ = ["pipeline"]
+__all__ = ["per_example", "pipeline"]
 
 _SCHEDULES = ("gpipe", "circular")
+_WHO = "stackwise.pipeline"
+
+
+# --------------------------------------------------------------------------
+# Per-example arguments.
+
+
+@jax.tree_util.register_pytree_node_class
+class _PerExample:
+    """An argument with the batch axis first, split into microbatches with ``x``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "stackwise.per_example(...)"
+
+    def tree_flatten(self):
+        return (self.value,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def per_example(value: Any) -> Any:
+    """Marks a pipeline argument whose leading axis is the batch (a mask, positions).
+
+    :func:`pipeline` splits it into microbatches as it splits ``x``: the
+    layers running microbatch m get rows ``m*b:(m+1)*b`` of every leaf. The
+    argument is not carried from stage to stage: every stage holds it whole
+    (per data shard) and takes its microbatch's rows.
+
+    >>> import jax.numpy as jnp, numpy as np, jax, stackwise
+    >>> from jax.sharding import Mesh
+    >>> apply = lambda p, x, mask: x + p["w"] * mask
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("stage",))
+    >>> pp = stackwise.pipeline(None, apply, 2, mesh, microbatches=2)
+    >>> mask = jnp.array([1.0, 0.0, 1.0, 0.0])
+    >>> pp.apply({"w": jnp.ones(2)}, jnp.zeros(4), stackwise.per_example(mask))
+    Array([2., 0., 2., 0.], dtype=float32)
+    """
+    return _PerExample(value)
+
+
+# --------------------------------------------------------------------------
+# The schedule, checked once.
+
+
+class _Plan(NamedTuple):
+    """A checked pipeline schedule: S stages, V chunks per stage of L layers, M microbatches."""
+
+    n: int
+    S: int
+    V: int
+    L: int
+    M: int
+    D: int  # data-axis size (1 without one)
+    stage_axis: str
+    data_axis: str | None
+    explicit: bool  # the mesh axes are Explicit: inputs must carry their layout
+
+    @property
+    def ticks(self) -> int:
+        """T = M*V + S - 1: every stage runs one chunk on one microbatch per tick."""
+        return self.M * self.V + self.S - 1
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        return (self.stage_axis,) + ((self.data_axis,) if self.data_axis else ())
 
 
 def _int_arg(value: Any, name: str, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TypeError(
-            f"stackwise.pipeline: `{name}` must be a positive Python int, got "
+            f"{_WHO}: `{name}` must be a positive Python int, got "
             f"{type(value).__name__} {value!r}. {fix}"
         )
     return value
 
 
 def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"stackwise.pipeline: `mesh` must be a `jax.sharding.Mesh`, got "
-            f"{type(mesh).__name__}. Build one with e.g. `jax.make_mesh((4, 2), "
-            "('stage', 'data'))`."
-        )
     if axis not in mesh.shape:
         raise ValueError(
-            f"stackwise.pipeline: `{arg}={axis!r}` is not an axis of the mesh, whose "
-            f"axes are {dict(mesh.shape)}. Pass `{arg}=` one of {tuple(mesh.shape)}, or "
-            f"build the mesh with a {axis!r} axis, e.g. `jax.make_mesh((4, 2), "
-            "('stage', 'data'))`."
+            f"{_WHO}: `{arg}={axis!r}` is not an axis of the mesh, whose axes are "
+            f"{dict(mesh.shape)}. Pass `{arg}=` one of {tuple(mesh.shape)}, or build "
+            f"the mesh with a {axis!r} axis, e.g. `jax.make_mesh((4, 2), ('stage', 'data'))`."
         )
     return mesh.shape[axis]
 
 
-def _reshard(tree: Any, mesh: Any, lead: str | None, manual: frozenset) -> Any:
-    """Moves each leaf to ``P(lead, ...)``, keeping its other non-manual axes."""
+def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _Plan:
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise TypeError(
+            f"{_WHO}: `mesh` must be a `jax.sharding.Mesh`, got {type(mesh).__name__}. "
+            "Build one with e.g. `jax.make_mesh((4, 2), ('stage', 'data'))`."
+        )
+    M = _int_arg(microbatches, "microbatches", "It is the number of microbatches M.")
+    S = _mesh_axis(mesh, stage_axis, "stage_axis")
+    D = 1
+    if data_axis is not None:
+        if data_axis == stage_axis:
+            raise ValueError(
+                f"{_WHO}: `data_axis` and `stage_axis` are both {stage_axis!r}; the "
+                "batch and the stages need two different mesh axes."
+            )
+        D = _mesh_axis(mesh, data_axis, "data_axis")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"{_WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
+    if schedule == "gpipe":
+        if repeats not in (None, 1):
+            raise ValueError(
+                f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'`; the 'gpipe' "
+                "schedule runs each stage's layers once per microbatch."
+            )
+        V = 1
+    else:
+        if S < 2:
+            raise ValueError(
+                f"{_WHO}: the 'circular' schedule needs at least 2 stages, but mesh axis "
+                f"{stage_axis!r} has size {S}. Use schedule='gpipe'."
+            )
+        V = n // S if repeats is None else _int_arg(repeats, "repeats", "")
+        if M < S:
+            raise ValueError(
+                f"{_WHO}: the 'circular' schedule needs at least as many microbatches as "
+                f"stages, got microbatches={M} for {S} stages on mesh axis {stage_axis!r}. "
+                f"Use microbatches >= {S}, or schedule='gpipe'."
+            )
+    if V < 1 or n % (S * V):
+        per = f"S={S} stages" if V == 1 else f"S*repeats={S}*{V}={S * V} chunks"
+        raise ValueError(
+            f"{_WHO}: n={n} layers cannot be split evenly into {per} (mesh axis "
+            f"{stage_axis!r} has size {S}). Use a number of layers divisible by "
+            f"{S * max(V, 1)}" + (", or another `repeats`" if V > 1 else "")
+            + ", or a mesh whose stage axis divides n."
+        )
+    explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
+    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit)
 
-    def one(v):
-        spec = tuple(jax.typeof(v).sharding.spec)[1:]
-        names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
-        inner = [None if e is None or set(names(e)) & manual else e for e in spec]
-        full = PartitionSpec(lead, *inner) if jnp.ndim(v) else PartitionSpec()
-        return jax.reshard(v, NamedSharding(mesh, full))
 
-    return jax.tree.map(one, tree)
-
-
-def _vary(v: jax.Array, axis: str) -> jax.Array:
-    try:
-        return jax.lax.pcast(v, axis, to="varying")
-    except ValueError:  # already varying over `axis`
-        return v
+# --------------------------------------------------------------------------
+# The public constructor.
 
 
 def pipeline(
+    init: Callable[..., Any] | None,
     apply: Callable[..., Any],
     n: int,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     *,
     microbatches: int,
     stage_axis: str = "stage",
     data_axis: str | None = None,
     schedule: str = "gpipe",
     repeats: int | None = None,
-    remat: bool | Callable[..., bool] = False,
+    remat: bool | Callable[..., Any] = DEFAULT_REMAT,
     nested: bool | int = False,
     unroll: int | bool = 1,
-) -> Callable[..., Any]:
-    """A pipeline-parallel apply for ``n`` stacked layers: stages on a mesh axis.
+    has_aux: bool = False,
+) -> Stacked:
+    """:func:`stackwise.stack` with the layers run as pipeline stages on a mesh axis.
 
-    Takes the same layer ``apply`` and ``n`` as :func:`stackwise.stack` and
-    returns ``y = pipelined(params, x, *args, **kwargs)`` that computes what
-    ``stackwise.stack(init, apply, n).apply(params, x, *args, **kwargs)``
-    does, with the same stacked ``params`` (layer axis first), but with the
-    layers split into ``S = mesh.shape[stage_axis]`` stages: stage s holds
-    layers ``s*n/S`` to ``(s+1)*n/S - 1``, the batch is split into
-    ``microbatches`` microbatches, and each microbatch's activations move from
-    stage to stage with :func:`jax.lax.ppermute` inside :func:`jax.shard_map`.
-
-    Schedules (``T`` ticks, each running ``n/(S*V)`` layers on one microbatch
-    per stage):
-
-    * ``"gpipe"``: microbatch m enters stage 0 at tick m; ``T = M + S - 1``,
-      of which ``S - 1`` are the fill/drain bubble: (S-1)/(M+S-1) idle.
-    * ``"circular"`` (interleaved): each device holds ``V = repeats`` chunks
-      of ``n/(S*V)`` layers (chunks s, s+S, s+2S, ...) and every microbatch
-      goes round the ring of stages V times; ``T = M*V + S - 1``, so the
-      bubble shrinks to (S-1)/(M*V+S-1). Needs ``M >= S``.
-
-    Inside a stage the layers run with ``stackwise.stack(..., remat=remat,
-    nested=nested, unroll=unroll)``. With ``data_axis`` the batch is also
-    split over that mesh axis (data parallelism); gradients of the params
-    are summed over it by JAX.
+    Takes what :func:`stackwise.stack` takes and returns the same
+    :class:`stackwise.Stacked` ``(init, apply, n)``: ``init`` is the stack's
+    (the usual stacked params, layer axis first) and ``apply(params, x,
+    *args, **kwargs)`` computes what the stack's apply computes, with the
+    layers split into ``S = mesh.shape[stage_axis]`` stages and the batch
+    into ``microbatches`` microbatches. Stage s holds layers ``s*n/S`` to
+    ``(s+1)*n/S - 1``; each microbatch's activations move from stage to stage
+    with :func:`jax.lax.ppermute` inside :func:`jax.shard_map`.
 
     >>> import jax, jax.numpy as jnp, numpy as np, stackwise
     >>> from jax.sharding import Mesh
@@ -118,212 +209,449 @@ def pipeline(
     ...     return {"w": jax.random.normal(key, (8, 8)) / 8**0.5}
     >>> def apply(params, x):
     ...     return x + jnp.tanh(x @ params["w"])
-    >>> layers = stackwise.stack(init, apply, n=4)
-    >>> params = layers.init(jax.random.key(0))
-    >>> x = jnp.ones((6, 8))
     >>> mesh = Mesh(np.array(jax.devices()[:1]), ("stage",))
-    >>> pipelined = stackwise.pipeline(apply, 4, mesh, microbatches=3)
-    >>> y = jax.jit(pipelined)(params, x)
-    >>> bool(jnp.allclose(y, layers.apply(params, x), atol=1e-6))
+    >>> layers = stackwise.stack(init, apply, n=4)
+    >>> pipelined = stackwise.pipeline(init, apply, 4, mesh, microbatches=3)
+    >>> params = pipelined.init(jax.random.key(0))
+    >>> x = jnp.ones((6, 8))
+    >>> y = jax.jit(pipelined.apply)(params, x)
+    >>> bool(jnp.allclose(y, layers.apply(params, x), atol=1e-5))
     True
 
+    Schedules (``T`` ticks; in each, every stage runs ``n/(S*V)`` layers on
+    one microbatch):
+
+    * ``"gpipe"``: microbatch m enters stage 0 at tick m; ``T = M + S - 1``,
+      of which ``S - 1`` are the fill/drain bubble: (S-1)/(M+S-1) idle.
+    * ``"circular"`` (interleaved): each stage holds ``V = repeats`` chunks
+      of ``n/(S*V)`` layers (chunks s, s+S, s+2S, ...) and every microbatch
+      goes round the ring V times; ``T = M*V + S - 1``, a bubble of
+      (S-1)/(M*V+S-1). Needs ``M >= S`` and ``S >= 2``. Params in the usual
+      layout ``(n, ...)`` are regrouped at each call (a collective when they
+      are placed on the stages); params placed once in the circular layout,
+      ``stackwise.shard_stacked(params, mesh, layer_axis=stage_axis,
+      repeats=V)`` (leaves ``(V, n/V, ...)``), are used as they are, and their
+      gradients come back in that layout.
+
+    Where things are: the params' layer axis is split over ``stage_axis``;
+    with ``data_axis`` the batch is also split over that mesh axis and the
+    params' gradients are summed over it once per call, after the tick loop.
+    Other mesh axes (e.g. a tensor-parallel ``"model"``) stay as the params'
+    shardings have them. The output is split over the batch across the data
+    and stage axes (the work after the pipeline is shared by all stages) when
+    S divides the batch of each data shard; otherwise it is replicated over
+    the stages.
+
+    Arguments of ``apply`` after ``x``: :func:`stackwise.per_layer`,
+    :func:`stackwise.per_layer_keys` and :func:`stackwise.layer_index`
+    resolve per layer as in :func:`stackwise.stack` (layer i of microbatch j
+    gets ``jax.random.fold_in(jax.random.split(key, n)[i], j)``: dropout
+    differs per layer and per microbatch, j counting microbatches over the
+    whole batch); :func:`stackwise.per_example` arguments are split into
+    microbatches with ``x``; every other argument reaches every layer whole.
+
     Args:
-      apply: ``x = apply(layer_params, x, *args, **kwargs)`` for one layer, as
-        for :func:`stackwise.stack` (``has_aux``/``with_state`` layers are not
-        pipelined).
-      n: the number of layers; ``S * repeats`` must divide it.
-      mesh: the device mesh; it must have ``stage_axis`` (and ``data_axis``).
-        Other mesh axes stay under the compiler's control (e.g. for tensor
-        parallel specs on the params).
-      microbatches: M, the number of microbatches; ``M`` (times the
-        ``data_axis`` size) must divide the batch.
+      init: as for :func:`stackwise.stack` (``None``: params come from
+        elsewhere). ``Stacked.init`` is the stack's, unplaced.
+      apply: ``x = apply(layer_params, x, *args, **kwargs)`` for one layer,
+        as for :func:`stackwise.stack`; with ``has_aux``, ``(x, aux)``.
+      n: the number of layers.
+      mesh: a :class:`jax.sharding.Mesh` with ``stage_axis`` (and
+        ``data_axis``).
+      microbatches: M; it (times the ``data_axis`` size) must divide the batch.
       stage_axis: the mesh axis the stages are laid out on.
       data_axis: a mesh axis to split the batch over as well, or ``None``.
       schedule: ``"gpipe"`` or ``"circular"``.
-      repeats: for ``"circular"``: V, the chunks per device (default
-        ``n // S``: one layer per chunk, the smallest bubble).
-      remat: passed to :func:`stackwise.stack` for each stage.
-      nested: passed to :func:`stackwise.stack` for each stage.
-      unroll: passed to :func:`stackwise.stack` for each stage.
+      repeats: for ``"circular"``: V, the chunks per stage (default ``n // S``:
+        one layer per chunk, the smallest bubble).
+      remat, nested, unroll: passed to :func:`stackwise.stack` for each stage.
+      has_aux: the layer returns ``(x, aux)``; ``apply`` returns ``(y, aux)``
+        with aux stacked along a leading ``n`` axis, each layer's summed over
+        microbatches and data shards (bubble ticks excluded): for an aux that
+        is a sum over examples it equals the unpipelined stack's.
 
     Returns:
-      ``pipelined(params, x, *args, **kwargs) -> y``. ``x`` is an array or a
-      pytree whose leaves all have the batch axis first; ``params`` are the
-      usual stacked params (place them with ``stackwise.shard_stacked(params,
-      mesh, layer_axis=stage_axis)`` to avoid moving them at each call).
-      Other arguments reach every layer unchanged (arrays are replicated to
-      every stage; per-example inputs belong in ``x``).
+      A :class:`stackwise.Stacked`.
 
     Raises:
+      TypeError: a pattern of layers, non-int ``n``/``microbatches``/
+        ``repeats``, a non-callable ``apply``.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
-        divisible by ``S * repeats``, ``M < S`` for ``"circular"``, an
-        unknown ``schedule``; at call time, a batch not divisible by
-        ``M`` (times the data-axis size) or params without the layer axis.
-      TypeError: non-int ``n``/``microbatches``/``repeats``, or a
-        per-layer argument (:func:`stackwise.per_layer` and friends).
+        divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
+        ``"circular"``, an unknown ``schedule``; at call time, a batch not
+        divisible by ``M`` (times the data-axis size) or params of neither
+        layout.
     """
-    if not callable(apply):
+    if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
         raise TypeError(
-            f"stackwise.pipeline: `apply` must be the per-layer apply function, got "
-            f"{type(apply).__name__}. Call it as `stackwise.pipeline(apply, n, mesh, "
-            "microbatches=M)` with the same `apply` and `n` as `stackwise.stack`."
+            f"{_WHO}: pipelining a pattern of layers (sequences of `init`/`apply`) is not "
+            "supported. Pipeline one layer function that dispatches on "
+            "`stackwise.layer_index()` (e.g. with `jax.lax.switch`), or stack the pattern "
+            "without a pipeline."
         )
-    n = _int_arg(n, "n", "It is the number of layers, as given to `stackwise.stack`.")
-    M = _int_arg(microbatches, "microbatches", "It is the number of microbatches M.")
-    S = _mesh_axis(mesh, stage_axis, "stage_axis")
-    D = 1
-    if data_axis is not None:
-        if data_axis == stage_axis:
-            raise ValueError(
-                f"stackwise.pipeline: `data_axis` and `stage_axis` are both {stage_axis!r}; "
-                "the batch and the stages need two different mesh axes."
-            )
-        D = _mesh_axis(mesh, data_axis, "data_axis")
-    if schedule not in _SCHEDULES:
-        raise ValueError(
-            f"stackwise.pipeline: `schedule` must be one of {_SCHEDULES}, got {schedule!r}."
+    if not callable(apply) or mesh is None:
+        raise TypeError(
+            f"{_WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
+            "`stackwise.stack` and a mesh, e.g. `stackwise.pipeline(init, apply, n, mesh, "
+            "microbatches=8)`; pass `init=None` when the params come from elsewhere. Got "
+            f"apply={apply!r}, mesh={mesh!r}."
         )
-    if schedule == "gpipe":
-        if repeats not in (None, 1):
-            raise ValueError(
-                f"stackwise.pipeline: `repeats={repeats!r}` needs `schedule='circular'`; "
-                "the 'gpipe' schedule runs each stage's layers once per microbatch."
-            )
-        V = 1
-    else:
-        V = n // S if repeats is None else _int_arg(repeats, "repeats", "")
-        if M < S:
-            raise ValueError(
-                f"stackwise.pipeline: the 'circular' schedule needs at least as many "
-                f"microbatches as stages, got microbatches={M} for {S} stages on mesh "
-                f"axis {stage_axis!r}. Use microbatches >= {S}, or schedule='gpipe'."
-            )
-    if V < 1 or n % (S * V):
-        per = f"S={S} stages" if V == 1 else f"S*repeats={S}*{V}={S * V} chunks"
-        raise ValueError(
-            f"stackwise.pipeline: n={n} layers cannot be split evenly into {per} "
-            f"(mesh axis {stage_axis!r} has size {S}). Use a number of layers divisible "
-            f"by {S * max(V, 1)}"
-            + (", or another `repeats`" if V > 1 else "")
-            + ", or a mesh whose stage axis divides n."
-        )
-    L = n // (S * V)
-    stage = stack(None, apply, L, remat=remat, nested=nested, unroll=unroll)
-    manual = frozenset({stage_axis} | ({data_axis} if data_axis else set()))
-    vary = tuple(sorted(manual))
-    explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
+    plain = stack(init, apply, n, name=_WHO)  # checks n; its init is the pipeline's
+    plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats)
+    options = check_options(
+        _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
+    )
 
-    def run(params, x, consts, rebuild):
-        """One device's program: its ``V*L`` layers, its share of the batch."""
-        s = jax.lax.axis_index(stage_axis)
-        a, kw = rebuild(consts)
-        chunks = jax.tree.map(lambda p: p.reshape(V, L, *p.shape[1:]), params)
-        mbs = jax.tree.map(lambda v: v.reshape(M, v.shape[0] // M, *v.shape[1:]), x)
-
-        def pvary(tree):
-            """Marks the scan's initial carry as varying over the manual axes."""
-            return jax.tree.map(lambda v: functools.reduce(_vary, vary, v), tree)
-
-        take = lambda tree, i: jax.tree.map(  # noqa: E731
-            lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree
-        )
-
-        def put(tree, i, value, when):
-            return jax.tree.map(
-                lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                    b, jnp.where(when, v, jax.lax.dynamic_index_in_dim(b, i, keepdims=False)),
-                    i, 0,
-                ),
-                tree, value,
-            )
-
-        where = lambda c, t, f: jax.tree.map(lambda u, v: jnp.where(c, u, v), t, f)  # noqa: E731
-        total = M * V
-
-        def tick(carry, t):
-            state, outputs, circ = carry
-            k = t - s  # this stage's step: microbatch k % M, round k // M
-            kc = jnp.clip(k, 0, total - 1)
-            m, r = kc % M, kc // M
-            fresh = take(mbs, m)
-            if V > 1:
-                # What reached stage 0 came from the last stage's previous tick:
-                # park it until its microbatch's next round comes up.
-                k_in = t - S
-                arrived = (s == 0) & (k_in >= 0) & (k_in < total)
-                circ = put(circ, jnp.clip(k_in, 0, total - 1) % M, state, arrived)
-                fresh = where(r == 0, fresh, take(circ, m))
-            out = stage.apply(take(chunks, r), where(s == 0, fresh, state), *a, **kw)
-            done = (s == S - 1) & (k >= 0) & (k < total) & (r == V - 1)
-            outputs = put(outputs, m, out, done)
-            if S > 1:
-                ring = [(i, (i + 1) % S) for i in range(S if V > 1 else S - 1)]
-                out = jax.lax.ppermute(out, stage_axis, ring)
-            return (out, outputs, circ), None
-
-        zeros = jax.tree.map(jnp.zeros_like, mbs)
-        init = pvary((take(mbs, 0), zeros, zeros if V > 1 else None))
-        (_, outputs, _), _ = jax.lax.scan(tick, init, jnp.arange(total + S - 1))
-        # Only the last stage wrote outputs (the rest are zeros): share them.
-        outputs = jax.lax.psum(outputs, stage_axis)
-        return jax.tree.map(lambda v: v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]), outputs)
+    def stage(call: _Call) -> Stacked:
+        """One stage's L layers: the core's scan and remat, with the call's arguments."""
+        layer = _Layer(apply, has_aux, call)
+        return stack(None, layer, plan.L, remat=remat, nested=nested, unroll=unroll,
+                     has_aux=True, name=_WHO)
 
     def pipelined(params, x, *args, **kwargs):
-        check_depth(
-            tree_leaves(params), n, "stackwise.pipeline apply", "params",
-            "Stacked params come from `Stacked.init` (or `stackwise.stack_layers`).",
-        )
-        bad = [
-            f"  {jax.tree_util.keystr(p) or 'x'}: shape {jnp.shape(v)}"
-            for p, v in jax.tree_util.tree_leaves_with_path(x)
-            if jnp.ndim(v) == 0 or jnp.shape(v)[0] % (M * D)
-        ]
-        if bad:
-            split = f"microbatches={M}"
-            if D > 1:
-                split += f" times the {data_axis!r} axis size {D}"
-            raise ValueError(
-                f"stackwise.pipeline apply: every leaf of `x` needs a leading batch axis "
-                f"divisible by {split} = {M * D}, but these leaves do not:\n"
-                + "\n".join(bad)
-                + f"\nUse a batch size that is a multiple of {M * D}, or another "
-                "`microbatches`."
-            )
-        leaves, treedef = jax.tree_util.tree_flatten(
-            (args, kwargs), is_leaf=lambda v: isinstance(v, _PerLayer)
-        )
-        if any(isinstance(v, _PerLayer) for v in leaves):
-            raise TypeError(
-                "stackwise.pipeline apply: per-layer arguments (`stackwise.per_layer`, "
-                "`per_layer_keys`, `layer_index`) are not supported in a pipeline; pass "
-                "per-layer values as part of the stacked `params` instead."
-            )
-        is_array = [isinstance(v, (jax.Array, jnp.ndarray)) for v in leaves]
-        consts = [v for v, arr in zip(leaves, is_array) if arr]
-
-        def rebuild(arrays):
-            it = iter(arrays)
-            return jax.tree_util.tree_unflatten(
-                treedef, [next(it) if arr else v for v, arr in zip(leaves, is_array)]
-            )
-
-        if V > 1:  # device s holds chunks s, s+S, ...: reorder the layer axis.
-            params = jax.tree.map(
-                lambda p: p.reshape(V, S, L, *p.shape[1:]).swapaxes(0, 1).reshape(p.shape),
-                params,
-            )
-        batch = PartitionSpec(data_axis)
-        if explicit:  # Explicit mesh axes: inputs must already carry the in_specs.
-            params = _reshard(params, mesh, stage_axis, manual)
-            x = _reshard(x, mesh, data_axis, manual)
-            consts = _reshard(consts, mesh, None, manual)
-        fn = jax.shard_map(
-            lambda p, v, c: run(p, v, c, rebuild),
+        params = _device_layout(params, plan)
+        _check_batch(x, plan, "x")
+        call = _split_args(args, kwargs, n)
+        for i, v in enumerate(call.examples):
+            _check_batch(v, plan, f"stackwise.per_example argument {i}")
+        slices = [_to_chunks(v, plan) for v in call.per_layer]
+        inputs = _place((params, slices, x, call.examples, call.consts), mesh, plan)
+        layer_spec = PartitionSpec(None, plan.stage_axis)
+        batch_spec = PartitionSpec(plan.data_axis)
+        out_spec = _out_spec(x, plan)
+        run = jax.shard_map(
+            lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
             mesh=mesh,
-            in_specs=(PartitionSpec(stage_axis), batch, PartitionSpec()),
-            out_specs=batch,
-            axis_names=manual,
+            in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
+            out_specs=(out_spec, PartitionSpec()),
+            axis_names=frozenset(plan.manual),
         )
-        return fn(params, x, consts)
+        y, aux = run(*inputs)
+        return (y, aux) if has_aux else y
 
-    return pipelined
+    return Stacked(plain.init, pipelined, n)
+
+
+# --------------------------------------------------------------------------
+# The call's arguments.
+
+
+class _Layer:
+    """The per-layer function a stage's stack runs: the user's layer, its arguments rebuilt."""
+
+    def __init__(self, apply: Callable[..., Any], has_aux: bool, call: _Call):
+        self.apply, self.has_aux, self.call = apply, has_aux, call
+
+    def __call__(self, params_and_slices, x, j, examples, consts):
+        params, slices = params_and_slices
+        # Per-layer keys differ per microbatch too: fold in its index over the batch.
+        slices = [
+            jax.random.fold_in(v, j) if kind == "keys" else v
+            for v, kind in zip(slices, self.call.kinds)
+        ]
+        args, kwargs = self.call.build(slices, examples, consts)
+        out = self.apply(params, x, *args, **kwargs)
+        return out if self.has_aux else (out, ())
+
+
+class _Slot:
+    """Where a per-example or array argument goes back when the arguments are rebuilt."""
+
+    def __init__(self, kind: str, index: int):
+        self.kind, self.index = kind, index
+
+
+class _Call(NamedTuple):
+    """The arguments after ``x``, sorted by how the pipeline moves them."""
+
+    per_layer: list  # each per-layer marker's stacked value (leading axis n)
+    kinds: list  # its kind: "slices", "keys" or "index"
+    examples: list  # per-example values (batch axis first)
+    consts: list  # every other array: whole, on every device
+    build: Callable  # (per-layer slices, examples, consts) -> (args, kwargs)
+
+
+def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
+    """Sorts ``(args, kwargs)``: per-layer markers (the core's handling), per-example, arrays."""
+    special = lambda v: isinstance(v, (_PerLayer, _PerExample))  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=special)
+    examples, consts, template = [], [], []
+    for leaf in leaves:
+        if isinstance(leaf, _PerExample):
+            template.append(_Slot("example", len(examples)))
+            examples.append(leaf.value)
+        elif isinstance(leaf, (jax.Array, jnp.ndarray)):
+            template.append(_Slot("const", len(consts)))
+            consts.append(leaf)
+        else:
+            template.append(leaf)
+    kinds = [leaf.kind for leaf in leaves if isinstance(leaf, _PerLayer)]
+    a, kw = jax.tree_util.tree_unflatten(treedef, template)
+    per_layer, rebuild = _split_markers(a, kw, n, f"{_WHO} apply")
+
+    def build(slices, example_values, const_values):
+        values = {"example": example_values, "const": const_values}
+        return jax.tree.map(
+            lambda v: values[v.kind][v.index] if isinstance(v, _Slot) else v,
+            rebuild(slices),
+            is_leaf=lambda v: isinstance(v, _Slot),
+        )
+
+    return _Call(per_layer, kinds, examples, consts, build)
+
+
+def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
+    split = plan.M * plan.D
+    bad = [
+        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
+        for p, v in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.ndim(v) == 0 or jnp.shape(v)[0] % split
+    ]
+    if bad:
+        by = f"microbatches={plan.M}"
+        if plan.D > 1:
+            by += f" times the {plan.data_axis!r} axis size {plan.D}"
+        raise ValueError(
+            f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
+            f"{by} = {split}, but these leaves do not:\n" + "\n".join(bad)
+            + f"\nUse a batch size that is a multiple of {split}, or another `microbatches`."
+        )
+
+
+# --------------------------------------------------------------------------
+# Layouts: the params as (V, n/V, ...), chunk c = r*S + s at [r, s*L:(s+1)*L].
+
+
+def _device_layout(params: Any, plan: _Plan) -> Any:
+    """Params in the layout the devices run: ``(V, n/V, ...)``, from either layout."""
+    leaves = tree_leaves(params)
+    if plan.V > 1 and leaves and all(
+        jnp.ndim(a) >= 2 and jnp.shape(a)[:2] == (plan.V, plan.n // plan.V) for _, a in leaves
+    ):
+        return params  # already in the circular layout
+    layout = "" if plan.V == 1 else (
+        f" (or, in the circular layout of `stackwise.shard_stacked(..., repeats={plan.V})`, "
+        f"({plan.V}, {plan.n // plan.V}, ...))"
+    )
+    check_depth(
+        leaves, plan.n, f"{_WHO} apply", "params",
+        f"Stacked params come from `Stacked.init` (or `stackwise.stack_layers`){layout}.",
+    )
+    return _to_chunks(params, plan)
+
+
+def _to_chunks(tree: Any, plan: _Plan) -> Any:
+    """``(n, ...)`` leaves as ``(V, n/V, ...)``: row r holds chunks r*S, ..., r*S + S - 1."""
+
+    def one(a):
+        shape = (plan.V, plan.n // plan.V, *jnp.shape(a)[1:])
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if plan.explicit and spec and spec[0] is not None:
+            # Layers split over the stages: regroup them (a collective), keeping
+            # the inner axes' sharding.
+            out = NamedSharding(sharding.mesh, PartitionSpec(None, spec[0], *spec[1:]))
+            return jax.lax.reshape(a, shape, out_sharding=out)
+        return jnp.reshape(a, shape)
+
+    return jax.tree.map(one, tree)
+
+
+def _place(inputs: tuple, mesh: Any, plan: _Plan) -> tuple:
+    """With explicit mesh axes, moves each input to the layout ``shard_map`` takes."""
+    if not plan.explicit:
+        return inputs  # auto axes: shard_map moves them itself
+    params, slices, x, examples, consts = inputs
+    layers = (None, plan.stage_axis)
+    return (
+        _reshard(params, mesh, layers, plan.manual),
+        _reshard(slices, mesh, layers, plan.manual),
+        _reshard(x, mesh, (plan.data_axis,), plan.manual),
+        _reshard(examples, mesh, (plan.data_axis,), plan.manual),
+        _reshard(consts, mesh, (), plan.manual),
+    )
+
+
+def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
+    """Each leaf to ``P(*lead, ...)``: its other axes keep their non-manual sharding."""
+    names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
+
+    def one(v):
+        if not jnp.ndim(v):
+            return jax.reshard(v, NamedSharding(mesh, PartitionSpec()))
+        spec = tuple(jax.typeof(v).sharding.spec)
+        inner = spec[len(lead):] if len(spec) > len(lead) else ()
+        inner = [None if e is None or set(names(e)) & set(manual) else e for e in inner]
+        return jax.reshard(v, NamedSharding(mesh, PartitionSpec(*lead, *inner)))
+
+    return jax.tree.map(one, tree)
+
+
+def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
+    """The output's batch split: over data and stages when S divides a data shard's batch."""
+    rows = {jnp.shape(v)[0] // plan.D for v in jax.tree.leaves(x)}
+    if all(r % plan.S == 0 for r in rows):
+        return PartitionSpec(plan.manual[::-1] if plan.data_axis else plan.stage_axis)
+    return PartitionSpec(plan.data_axis)
+
+
+# --------------------------------------------------------------------------
+# One device's program.
+
+
+def _vary(tree: Any, axes: tuple) -> Any:
+    """Marks every leaf as varying over ``axes``: a leaf used on varying data is
+    then cast once, here, and its gradient summed over ``axes`` once, here,
+    instead of at every use inside the loops."""
+
+    def one(v):
+        for axis in axes:
+            try:
+                v = jax.lax.pcast(v, axis, to="varying")
+            except ValueError:  # already varying over `axis`
+                pass
+        return v
+
+    return jax.tree.map(one, tree)
+
+
+def _split_batch(tree: Any, M: int) -> Any:
+    return jax.tree.map(lambda v: v.reshape(M, v.shape[0] // M, *v.shape[1:]), tree)
+
+
+def _take(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree)
+
+
+def _where(c: Any, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
+
+
+def _device_program(stage, options, plan, out_spec, params, slices, x, examples, consts):
+    """What one device runs: its ``V`` chunks of ``L`` layers over all ticks."""
+    V, M, L = plan.V, plan.M, plan.L
+    s = jax.lax.axis_index(plan.stage_axis)
+    d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
+    # Cast the loop-invariant inputs once, so that their gradients are summed
+    # over the data axis (and the consts' over the stages) once, outside the loops.
+    params, slices, x, examples, consts = _vary(
+        (params, slices, x, examples, consts), plan.manual
+    )
+    mbs, examples = _split_batch(x, M), _split_batch(examples, M)
+
+    def run_stage(chunks, r, h, m):
+        """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
+        if V > 1:
+            chunks = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * L, L), chunks)
+        return stage.apply(chunks, h, d * M + m, _take(examples, m), consts)
+
+    # This device's chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
+    chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
+    if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
+        run_stage = jax.checkpoint(
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+        )
+    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
+    aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
+    carry = (_take(mbs, 0), jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None, aux0)
+    tick = lambda c, t: _tick(plan, run_stage, chunks, mbs, s, c, t)  # noqa: E731
+    (_, _, aux), ys = jax.lax.scan(tick, _vary(carry, plan.manual), jnp.arange(plan.ticks))
+    # The last stage finished microbatch m (last round) at tick T - M + m.
+    y = jax.tree.map(lambda v: v[plan.ticks - M:].reshape(-1, *v.shape[2:]), ys)
+    return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
+
+
+def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool] | None:
+    """The checkpoint policy around a circular stage: what the stage's own remat
+    keeps (and the carry entering each layer), but never a slice of ``chunks``.
+
+    A slice's output is a ``dynamic_slice`` of an operand of a chunk stack's
+    shape; everything else is left to ``remat``: all of it with ``remat=False``,
+    the carries with ``remat=True``, the policy's choice and the carries with a
+    policy. With ``unroll=True`` it is ``None`` (keep nothing: the stage's
+    forward pass runs again in the backward pass): jax 0.10's remat DCE fails
+    on a checkpoint with a policy around the Python loop's checkpoints.
+    """
+    if options.unroll is True:
+        return None
+    shapes = {tuple(jnp.shape(v)) for v in jax.tree.leaves(chunks)}
+    carries = jax.checkpoint_policies.save_only_these_names(CARRY_NAME)
+    if not options.remat:
+        keep = jax.checkpoint_policies.everything_saveable
+    elif options.policy is None:
+        keep = carries
+    else:
+        keep = jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
+
+    def save(prim, *avals, **params):
+        if prim.name == "dynamic_slice" and tuple(avals[0].shape) in shapes:
+            return False
+        return keep(prim, *avals, **params)
+
+    return save
+
+
+def _tick(plan, run_stage, chunks, mbs, s, carry, t):
+    """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
+    S, V, M = plan.S, plan.V, plan.M
+    h, parked, aux = carry
+    k = t - s
+    valid = (k >= 0) & (k < M * V)
+    kc = jnp.clip(k, 0, M * V - 1)
+    m, r = kc % M, kc // M
+    fresh = _take(mbs, m)
+    if V > 1:
+        # What reached stage 0 left the last stage S - 1 ticks after it entered:
+        # park it until its microbatch's next round comes up.
+        k_in = t - S
+        arrived = (s == 0) & (k_in >= 0) & (k_in < M * V)
+        slot = jnp.clip(k_in, 0, M * V - 1) % M
+        parked = jax.tree.map(
+            lambda b, v: jax.lax.dynamic_update_index_in_dim(
+                b, jnp.where(arrived, v, jax.lax.dynamic_index_in_dim(b, slot, keepdims=False)),
+                slot, 0,
+            ),
+            parked, h,
+        )
+        fresh = _where(r == 0, fresh, _take(parked, m))
+    out, layer_aux = run_stage(chunks, r, _where(s == 0, fresh, h), m)
+    layer_aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), layer_aux)
+    aux = jax.tree.map(
+        lambda acc, a: jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, r, keepdims=False) + a, r, 0
+        ),
+        aux, layer_aux,
+    )
+    ring = [(i, (i + 1) % S) for i in range(S if V > 1 else S - 1)]
+    h = jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
+    return (h, parked, aux), out
+
+
+def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
+    """The last stage's outputs, split over the stages (or, if they do not divide, to all)."""
+    last = s == plan.S - 1
+
+    def one(v):
+        v = jnp.where(last, v, jnp.zeros_like(v))
+        cast = v.dtype == jnp.bool_
+        v = v.astype(jnp.int8) if cast else v
+        if out_spec == PartitionSpec(plan.data_axis):
+            v = jax.lax.psum(v, plan.stage_axis)
+        else:
+            v = jax.lax.psum_scatter(v, plan.stage_axis, scatter_dimension=0, tiled=True)
+        return v.astype(jnp.bool_) if cast else v
+
+    return jax.tree.map(one, y)
+
+
+def _gather_aux(aux: Any, s: Any, plan: _Plan) -> Any:
+    """Each stage's ``(V, L, ...)`` aux into ``(n, ...)`` in layer order, on every device."""
+    S, V = plan.S, plan.V
+
+    def one(a):
+        full = jnp.zeros((V, S, *a.shape[1:]), a.dtype)
+        full = jax.lax.dynamic_update_index_in_dim(full, a, s, 1)
+        full = jax.lax.psum(full, plan.manual)
+        return full.reshape(plan.n, *a.shape[2:])
+
+    return jax.tree.map(one, aux)

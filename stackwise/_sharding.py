@@ -2,44 +2,47 @@
 
 The specs are per-layer (what one layer's weight would get on its own); the
 layer axis is added by :func:`stackwise.stacked_spec`, replicated or split
-over a stage axis. Inside ``Stacked.apply`` the scan slices one layer at a
-time, so XLA gathers an FSDP-sharded layer's weights inside the loop body,
-one layer per iteration, never the whole stack at once.
+over a stage axis. A whole model's params mix stacked leaves with others
+(embeddings): ``stacked=`` says which are which. With
+``stackwise.stack(..., fsdp=axes)`` each layer's params are gathered inside
+the loop, one layer at a time, and never kept for the backward pass.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from stackwise._layout import stacked_spec
 
-__all__ = ["fsdp_specs", "gather_params", "shard_stacked"]
+__all__ = ["fsdp_specs", "shard_stacked"]
 
 _is_spec = lambda s: s is None or isinstance(s, PartitionSpec)  # noqa: E731
+
+# What ``stacked=`` may be: every leaf stacked or none, a tree prefix of bools,
+# or a function of a leaf's path (``jax.tree_util.keystr``).
+_Which = bool | Callable[[str], bool] | Any
 
 
 class _LeafError(ValueError):
     """A ValueError about one leaf, raised through ``jax.tree.map`` unchanged."""
 
 
+def _names(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
 def _axis_size(mesh: Mesh | AbstractMesh, names: Any) -> int:
-    names = names if isinstance(names, tuple) else (names,)
-    return math.prod(mesh.shape[a] for a in names)
+    return math.prod(mesh.shape[a] for a in _names(names))
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
-    used: set[str] = set()
-    for entry in spec:
-        if entry is None:
-            continue
-        used.update(entry if isinstance(entry, tuple) else (entry,))
-    return used
+    return {a for entry in spec for a in _names(entry)}
 
 
 def _check_axis(mesh: Mesh | AbstractMesh, axis: str, where: str, arg: str) -> None:
@@ -66,8 +69,8 @@ def _map_specs(specs: Any, params: Any, fn, where: str) -> Any:
         raise
     except ValueError:
         raise ValueError(
-            f"{where}: `specs` must mirror one layer's params (a PartitionSpec or None "
-            "per leaf, or per subtree), but its structure does not match the params':\n"
+            f"{where}: `specs` must mirror the params (a PartitionSpec or None per leaf, "
+            "or per subtree), but its structure does not match the params':\n"
             f"  specs:  {jax.tree_util.tree_structure(specs, is_leaf=_is_spec)}\n"
             f"  params: {jax.tree_util.tree_structure(params)}\n"
             "Build it from the params, e.g. `stackwise.fsdp_specs(params, mesh)`, or "
@@ -75,23 +78,56 @@ def _map_specs(specs: Any, params: Any, fn, where: str) -> Any:
         ) from None
 
 
+def _stacked_leaves(stacked: _Which, params: Any, where: str) -> dict[str, bool]:
+    """``{keystr(path): has a layer axis}`` for every leaf of ``params``."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    if isinstance(stacked, bool):
+        return dict.fromkeys(paths, stacked)
+    if callable(stacked):
+        flags = {p: stacked(p) for p in paths}
+    else:
+        try:
+            tree = jax.tree.map(
+                lambda flag, sub: jax.tree.map(lambda _: flag, sub), stacked, params
+            )
+        except ValueError:
+            raise ValueError(
+                f"{where}: `stacked` must be True, False, a tree prefix of the params with "
+                "a bool per subtree (e.g. `{'embed': False, 'blocks': True}`) or a function "
+                "of a leaf's path; its structure does not match the params':\n"
+                f"  stacked: {jax.tree_util.tree_structure(stacked)}\n"
+                f"  params:  {jax.tree_util.tree_structure(params)}"
+            ) from None
+        flags = dict(zip(paths, jax.tree.leaves(tree)))
+    bad = {p: f for p, f in flags.items() if not isinstance(f, bool)}
+    if bad:
+        raise TypeError(
+            f"{where}: `stacked` must give a bool per leaf (True: the leaf has the layer "
+            f"axis first), got {bad}."
+        )
+    return flags
+
+
 def fsdp_specs(
     params: Any,
     mesh: Mesh | AbstractMesh,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     *,
     base: Any = None,
     min_size: int = 0,
+    stacked: _Which = True,
 ) -> Any:
     """Per-layer specs that shard every stacked leaf's largest inner axis (FSDP).
 
-    For each leaf of the stacked ``params`` (arrays or
+    For each stacked leaf of ``params`` (arrays or
     :class:`jax.ShapeDtypeStruct`, e.g. from ``jax.eval_shape(layers.init,
     key)``) the largest inner axis (not the layer axis) that ``axis`` divides
     and that ``base`` leaves unsharded is split over ``axis``; leaves with no
     such axis, or with fewer than ``min_size`` elements per layer, stay as
     ``base`` has them. The result is per-layer (no layer axis): pass it to
-    :func:`shard_stacked` or :func:`stackwise.stacked_shardings`.
+    :func:`shard_stacked` or :func:`stackwise.stacked_shardings`, and build
+    the stack with ``stackwise.stack(..., fsdp=axis)`` so that each layer is
+    gathered inside the loop.
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> from jax.sharding import AbstractMesh, PartitionSpec as P
@@ -100,39 +136,60 @@ def fsdp_specs(
     >>> stackwise.fsdp_specs(params, mesh)
     {'b': P(), 'w': P(None, 'data')}
 
-    On top of tensor-parallel specs (``base``), FSDP takes a free axis:
+    On top of tensor-parallel specs (``base``), FSDP takes a free axis; a
+    tuple of mesh axes shards over all of them:
 
-    >>> mesh = AbstractMesh((4, 2), ("data", "model"))
-    >>> stackwise.fsdp_specs(params, mesh, base={"w": P(None, "model"), "b": None})
-    {'b': P(), 'w': P('data', 'model')}
+    >>> mesh = AbstractMesh((2, 2, 2), ("data", "fsdp", "model"))
+    >>> stackwise.fsdp_specs(params, mesh, ("data", "fsdp"), base={"w": P(None, "model"),
+    ...                                                          "b": None})
+    {'b': P(), 'w': P(('data', 'fsdp'), 'model')}
+
+    A whole model: only the stacked leaves are touched (the others keep
+    ``base``'s spec, here none):
+
+    >>> model = {"embed": jnp.zeros((100, 16)), "blocks": params}
+    >>> stackwise.fsdp_specs(model, mesh, "data", stacked={"embed": False, "blocks": True})
+    {'blocks': {'b': P(), 'w': P(None, 'data')}, 'embed': P()}
 
     Args:
-      params: stacked params: every leaf has the layer axis first.
+      params: the params; stacked leaves have the layer axis first.
       mesh: a :class:`jax.sharding.Mesh` (or ``AbstractMesh``) with ``axis``.
-      axis: the mesh axis to shard over (the data-parallel axis for FSDP).
-      base: per-layer specs to start from (e.g. tensor-parallel specs over a
-        ``"model"`` axis), a tree prefix of one layer's params; ``None``:
-        everything replicated.
-      min_size: leaves with fewer elements per layer stay unsharded.
+      axis: the mesh axis, or a tuple of mesh axes, to shard over.
+      base: specs to start from (e.g. tensor-parallel specs over a
+        ``"model"`` axis), a tree prefix of the params: per layer for stacked
+        leaves, whole for the others; ``None``: everything replicated.
+      min_size: leaves with fewer elements per layer stay as ``base`` has them.
+      stacked: which leaves have a layer axis: ``True`` (all), a tree prefix
+        of the params with a bool per subtree, or a function of a leaf's path
+        (``jax.tree_util.keystr``), e.g. ``lambda path: "blocks" in path``.
 
     Returns:
-      A tree like ``params`` with a per-layer ``PartitionSpec`` per leaf.
+      A tree like ``params`` with a ``PartitionSpec`` per leaf.
 
     Raises:
-      ValueError: ``axis`` is not a mesh axis, or ``base`` does not match.
+      ValueError: ``axis`` is not a mesh axis, or ``base`` / ``stacked`` do
+        not match the params.
     """
     where = "stackwise.fsdp_specs"
-    _check_axis(mesh, axis, where, "axis")
-    size = mesh.shape[axis]
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    for a in axes:
+        _check_axis(mesh, a, where, "axis")
+    entry = axes[0] if len(axes) == 1 else axes
+    size = _axis_size(mesh, axes)
+    flags = _stacked_leaves(stacked, params, where)
 
     def one(path, spec, leaf):
-        shape = tuple(leaf.shape)[1:]
+        shape = tuple(leaf.shape)
+        if flags[jax.tree_util.keystr(path)]:
+            shape = shape[1:]
+        else:
+            return spec or PartitionSpec()
         entries = list(spec or ()) + [None] * (len(shape) - len(spec or ()))
-        if axis in _spec_axes(PartitionSpec(*entries)) or math.prod(shape) < min_size:
+        if set(axes) & _spec_axes(PartitionSpec(*entries)) or math.prod(shape) < min_size:
             return PartitionSpec(*entries)
         free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0]
         if free:
-            entries[max(free, key=lambda d: (shape[d], -d))] = axis
+            entries[max(free, key=lambda d: (shape[d], -d))] = entry
         while entries and entries[-1] is None:
             entries.pop()
         return PartitionSpec(*entries)
@@ -146,16 +203,20 @@ def shard_stacked(
     specs: Any = None,
     *,
     layer_axis: str | None = None,
+    repeats: int = 1,
+    stacked: _Which = True,
 ) -> Any:
     """Places stacked params on ``mesh``: per-layer ``specs``, plus the layer axis.
 
     Works for any pytree of stacked arrays (from :func:`stackwise.stack`, the
-    Haiku and Flax adapters, or :func:`stackwise.stack_layers`). Each leaf
-    gets ``NamedSharding(mesh, stacked_spec(spec, layer_axis))``: its inner
-    axes sharded as one layer would be (FSDP over a data axis, tensor
-    parallel over a model axis), its layer axis replicated (``None``) or
-    split over ``layer_axis`` (pipeline stages). Checks every leaf first and
-    names the ones that do not fit.
+    adapters, or :func:`stackwise.stack_layers`). Each stacked leaf gets
+    ``NamedSharding(mesh, stacked_spec(spec, layer_axis))``: its inner axes
+    sharded as one layer would be (FSDP over a data axis, tensor parallel
+    over a model axis), its layer axis replicated (``None``) or split over
+    ``layer_axis`` (pipeline stages). Leaves that ``stacked`` says have no
+    layer axis (embeddings; or specs that already name it, as
+    ``nn.get_partition_spec`` of a linen Stack gives them) get their spec as
+    it is. Checks every leaf first and names the ones that do not fit.
 
     >>> import jax, jax.numpy as jnp, numpy as np, stackwise
     >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -165,61 +226,124 @@ def shard_stacked(
     >>> placed["w"].sharding.spec
     P(None, 'data')
 
+    For a circular pipeline (``stackwise.pipeline(..., schedule="circular",
+    repeats=V)``), ``repeats=V`` lays each stacked leaf out as ``(V, n/V,
+    ...)`` with the second axis split over ``layer_axis``: stage s then holds
+    chunks s, s+S, s+2S, ... without moving anything at each step. The
+    stack's apply takes the usual layout back:
+    ``jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), placed)``.
+
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("stage",))
+    >>> placed = stackwise.shard_stacked(params, mesh, layer_axis="stage", repeats=2)
+    >>> placed["w"].shape, placed["w"].sharding.spec
+    ((2, 2, 8, 8), P(None, 'stage'))
+
     Args:
-      params: stacked params: every leaf has the layer axis first.
+      params: the params; stacked leaves have the layer axis first.
       mesh: the device mesh.
-      specs: per-layer ``PartitionSpec`` s, a tree prefix of one layer's params
-        (one spec for everything, one per subtree, or one per leaf); ``None``
-        replicates the inner axes. See :func:`fsdp_specs`.
+      specs: ``PartitionSpec`` s, a tree prefix of the params (one spec for
+        everything, one per subtree, or one per leaf): per layer for stacked
+        leaves, whole for the others; ``None`` replicates. See
+        :func:`fsdp_specs` and :func:`stackwise.logical_specs`.
       layer_axis: mesh axis to split the layer axis over, or ``None``.
+      repeats: V > 1 lays stacked leaves out for a circular pipeline (needs
+        ``layer_axis``); see above.
+      stacked: which leaves have a layer axis that ``specs`` leave out:
+        ``True`` (all), ``False`` (none: full specs), a tree prefix of the
+        params with a bool per subtree, or a function of a leaf's path.
 
     Returns:
       ``params`` with every leaf placed by :func:`jax.device_put`.
 
     Raises:
       ValueError: an axis name not in the mesh, a spec longer than its
-        leaf's inner axes, a dimension the mesh axes do not divide, or a
-        ``specs`` tree that does not match ``params``.
+        leaf's axes, a dimension the mesh axes do not divide, or ``specs`` /
+        ``stacked`` trees that do not match ``params``.
     """
     where = "stackwise.shard_stacked"
     if layer_axis is not None:
         _check_axis(mesh, layer_axis, where, "layer_axis")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise TypeError(f"{where}: `repeats` must be a positive int, got {repeats!r}.")
+    if repeats > 1 and layer_axis is None:
+        raise ValueError(
+            f"{where}: `repeats={repeats}` lays the layers out for a circular pipeline over "
+            "a stage axis; name it with `layer_axis=`, e.g. `layer_axis='stage'`."
+        )
+    flags = _stacked_leaves(stacked, params, where)
 
-    def sharding(path, spec, leaf):
+    def place(path, spec, leaf):
         name = jax.tree_util.keystr(path) or "<root>"
-        full = stacked_spec(spec, layer_axis)
         shape = tuple(leaf.shape)
-        if len(full) > len(shape):
-            raise _LeafError(
-                f"{where}: leaf {name} has shape {shape} (layer axis first) but its "
-                f"stacked spec {full} names {len(full)} axes. The specs are per layer: "
-                "leave out the layer axis (it is added for you)."
-            )
-        seen: set[str] = set()
-        for dim, entry in enumerate(full):
-            if entry is None:
-                continue
-            for a in entry if isinstance(entry, tuple) else (entry,):
-                if a in seen:
-                    raise _LeafError(
-                        f"{where}: leaf {name}'s stacked spec {full} uses mesh axis {a!r} "
-                        "twice; a mesh axis can split one dimension only. (The layer axis "
-                        f"takes layer_axis={layer_axis!r}: leave it out of the per-layer specs.)"
-                    )
-                seen.add(a)
-            for a in entry if isinstance(entry, tuple) else (entry,):
-                _check_axis(mesh, a, f"{where}: leaf {name}", "spec axis")
-            if shape[dim] % _axis_size(mesh, entry):
-                what = "the layer axis" if dim == 0 else f"axis {dim}"
+        if not flags[jax.tree_util.keystr(path)]:
+            full = spec or PartitionSpec()
+        elif repeats > 1:
+            if shape[0] % repeats:
                 raise _LeafError(
-                    f"{where}: leaf {name} has shape {shape}; {what} (length "
-                    f"{shape[dim]}) cannot be split over mesh axis {entry!r} of size "
-                    f"{_axis_size(mesh, entry)}. Use a spec that leaves it unsharded, or "
-                    "pick a mesh axis size that divides it."
+                    f"{where}: leaf {name} has {shape[0]} layers, which `repeats={repeats}` "
+                    "does not divide."
                 )
-        return NamedSharding(mesh, full)
+            shape = (repeats, shape[0] // repeats, *shape[1:])
+            full = PartitionSpec(None, layer_axis, *(spec or ()))
+        else:
+            full = stacked_spec(spec, layer_axis)
+        _check_leaf(mesh, name, shape, full, flags[jax.tree_util.keystr(path)], layer_axis)
+        sharding = NamedSharding(mesh, full)
+        if shape != tuple(leaf.shape):
+            leaf = _reshape(leaf, shape, sharding)
+        return leaf, sharding
 
-    return jax.device_put(params, _map_specs(specs, params, sharding, where))
+    pairs = _map_specs(specs, params, place, where)
+    is_pair = lambda v: isinstance(v, tuple) and len(v) == 2 and isinstance(  # noqa: E731
+        v[1], NamedSharding
+    )
+    leaves = jax.tree.map(lambda v: v[0], pairs, is_leaf=is_pair)
+    return jax.device_put(leaves, jax.tree.map(lambda v: v[1], pairs, is_leaf=is_pair))
+
+
+def _reshape(leaf: Any, shape: tuple, sharding: NamedSharding) -> Any:
+    """``leaf`` reshaped; an array split over its layer axis is regrouped on the way."""
+    spec = tuple(getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ()) or ())
+    if spec and spec[0] is not None:
+        return jax.lax.reshape(leaf, shape, out_sharding=sharding)
+    return jnp.reshape(leaf, shape)
+
+
+def _check_leaf(mesh, name: str, shape: tuple, full: PartitionSpec, stacked: bool,
+                layer_axis: str | None) -> None:
+    where = "stackwise.shard_stacked"
+    if len(full) > len(shape):
+        fix = (
+            "The specs are per layer: leave out the layer axis (it is added for you). If "
+            "they already name it (as `nn.get_partition_spec` / `nnx.get_partition_spec` "
+            "of a Stack's params do), pass `stacked=False`."
+            if stacked
+            else "Give one entry per axis at most."
+        )
+        raise _LeafError(
+            f"{where}: leaf {name} has shape {shape}"
+            + (" (layer axis first)" if stacked else "")
+            + f" but its spec {full} names {len(full)} axes. {fix}"
+        )
+    seen: set[str] = set()
+    for dim, entry in enumerate(full):
+        for a in _names(entry):
+            if a in seen:
+                raise _LeafError(
+                    f"{where}: leaf {name}'s spec {full} uses mesh axis {a!r} twice; a mesh "
+                    "axis can split one dimension only. (The layer axis takes "
+                    f"layer_axis={layer_axis!r}: leave it out of the per-layer specs.)"
+                )
+            seen.add(a)
+            _check_axis(mesh, a, f"{where}: leaf {name}", "spec axis")
+        if entry is not None and shape[dim] % _axis_size(mesh, entry):
+            what = "the layer axis" if dim == 0 and stacked else f"axis {dim}"
+            raise _LeafError(
+                f"{where}: leaf {name} has shape {shape}; {what} (length {shape[dim]}) "
+                f"cannot be split over mesh axis {entry!r} of size "
+                f"{_axis_size(mesh, entry)}. Use a spec that leaves it unsharded, or pick a "
+                "mesh axis size that divides it."
+            )
 
 
 def gather(params: Any, axes: str | tuple[str, ...]) -> Any:
@@ -228,59 +352,18 @@ def gather(params: Any, axes: str | tuple[str, ...]) -> Any:
     Explicit mesh axes only: a leaf whose type carries no sharding over
     ``axes`` (replicated, ``Auto`` axes, outside a mesh) is returned as it is;
     other axes of the leaf (e.g. a tensor-parallel ``"model"``) keep their
-    sharding.
+    sharding. Used by ``stackwise.stack(..., fsdp=axes)`` on each layer's
+    params inside the loop.
     """
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
 
     def one(leaf):
         sharding = getattr(jax.typeof(leaf), "sharding", None)
         spec = tuple(getattr(sharding, "spec", ()) or ())
-        if not any(e is not None and set(names(e)) & set(axes) for e in spec):
+        if not any(set(_names(e)) & set(axes) for e in spec):
             return leaf
-        kept = [
-            None if e is None else (tuple(a for a in names(e) if a not in axes) or None)
-            for e in spec
-        ]
+        kept = [tuple(a for a in _names(e) if a not in axes) or None for e in spec]
         kept = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in kept]
         return jax.reshard(leaf, NamedSharding(sharding.mesh, PartitionSpec(*kept)))
 
     return jax.tree.map(one, params)
-
-
-def gather_params(
-    apply: Callable[..., Any], axis: str | tuple[str, ...] = "data"
-) -> Callable[..., Any]:
-    """Wraps a layer's ``apply`` to all-gather its params over ``axis`` first (FSDP).
-
-    For meshes with explicit axes (:func:`jax.make_mesh`'s default), where
-    shardings are part of the types: inside ``Stacked.apply`` each layer's
-    slice of FSDP-sharded params is resharded without ``axis`` (an all-gather
-    inside the scan body, one layer at a time), and in the backward pass the
-    gradients go back to the sharded layout (a reduce-scatter per layer), so
-    they stay sharded like the params. Other axes (e.g. a tensor-parallel
-    ``"model"`` axis) keep their sharding. On ``Auto`` axes, and outside a
-    mesh, it changes nothing: the compiler places the gathers itself.
-    ``stackwise.stack(..., fsdp=axis)`` does the same and also never keeps
-    the gathered weights for the backward pass.
-
-    >>> import jax, jax.numpy as jnp, stackwise
-    >>> apply = lambda p, x: x @ p["w"]
-    >>> layers = stackwise.stack(lambda k: {"w": jnp.eye(2)}, stackwise.gather_params(apply), n=3)
-    >>> layers.apply(layers.init(jax.random.key(0)), jnp.ones(2))
-    Array([1., 1.], dtype=float32)
-
-    Args:
-      apply: ``apply(layer_params, *args, **kwargs)``, the layer function
-        given to :func:`stackwise.stack`.
-      axis: the mesh axis (or axes) the params are FSDP-sharded over.
-
-    Returns:
-      The wrapped ``apply``, same signature.
-    """
-
-    @functools.wraps(apply)
-    def gathered(params, *args, **kwargs):
-        return apply(gather(params, axis), *args, **kwargs)
-
-    return gathered

@@ -11,7 +11,7 @@ model's own (unpipelined) apply.
 
 The multi-device checks run once, in a subprocess with 8 simulated CPU
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``): this file is
-also that subprocess's script (see ``_worker``), as in tests/test_pipeline.py.
+also that subprocess's script (see ``_CASES``), as in tests/distributed/test_pipeline.py.
 """
 
 from __future__ import annotations
@@ -122,10 +122,12 @@ def _case_haiku_gpipe():
 
     layer_apply, to_layer = _haiku_layers(Block)
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
-    pp = stackwise.pipeline(layer_apply, N, mesh, microbatches=4, data_axis="data", remat=True)
+    pp = stackwise.pipeline(
+        None, layer_apply, N, mesh, microbatches=4, data_axis="data", remat=True
+    )
     placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
     return {
-        "max_err": _compare(model.apply, lambda p, v: pp(to_layer(p), v), params, x, placed),
+        "max_err": _compare(model.apply, lambda p, v: pp.apply(to_layer(p), v), params, x, placed),
         "stack_names": sorted(params),
         "layer_names": sorted(to_layer(params)),
         "block_names": sorted(hk.transform(lambda x: Block()(x)).init(jax.random.key(0), x)),
@@ -163,11 +165,11 @@ def _case_flax_gpipe():
 
     layer_apply, to_layer = _flax_layers(Block, "layers")
     mesh = jax.make_mesh((4,), ("stage",))
-    pp = stackwise.pipeline(layer_apply, N, mesh, microbatches=4)
+    pp = stackwise.pipeline(None, layer_apply, N, mesh, microbatches=4)
     return {
         "max_err": _compare(
             lambda p, v: model.apply({"params": p}, v),
-            lambda p, v: pp(to_layer(p), v),
+            lambda p, v: pp.apply(to_layer(p), v),
             params, x, params,
         ),
         "layer_names": sorted(to_layer(params)),
@@ -193,12 +195,13 @@ def _case_flax_circular_partitioned():
     layer_apply, to_layer = _flax_layers(Block, "layers")
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     pp = stackwise.pipeline(
-        layer_apply, N, mesh, microbatches=4, data_axis="data", schedule="circular", repeats=2
+        None, layer_apply, N, mesh, microbatches=4, data_axis="data", schedule="circular",
+        repeats=2,
     )
     return {
         "max_err": _compare(
             lambda p, v: model.apply({"params": p}, v),
-            lambda p, v: pp(to_layer(p), v),
+            lambda p, v: pp.apply(to_layer(p), v),
             boxed, x, boxed,
         ),
         "box_names": list(names),

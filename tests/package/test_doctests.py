@@ -9,6 +9,7 @@ MODULES = [
     "stackwise._stack",
     "stackwise._markers",
     "stackwise._layout",
+    "stackwise._logical",
     "stackwise._pipeline",
     "stackwise._sharding",
     "stackwise.bench",
