@@ -7,9 +7,9 @@ from stackwise._layout import stacked_spec as stacked_spec
 from stackwise._layout import unstack_layers as unstack_layers
 from stackwise._logical import logical_specs as logical_specs
 from stackwise._markers import layer_index as layer_index
+from stackwise._markers import per_example as per_example
 from stackwise._markers import per_layer as per_layer
 from stackwise._markers import per_layer_keys as per_layer_keys
-from stackwise._pipeline import per_example as per_example
 from stackwise._pipeline import pipeline as pipeline
 from stackwise._sharding import fsdp_specs as fsdp_specs
 from stackwise._sharding import shard_stacked as shard_stacked

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from stackwise._adapt import CallArgs, check_depth, tree_leaves
 
-__all__ = ["layer_index", "per_layer", "per_layer_keys"]
+__all__ = ["layer_index", "per_example", "per_layer", "per_layer_keys"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -111,6 +111,54 @@ def layer_index() -> Any:
     return _PerLayer("index")
 
 
+# --------------------------------------------------------------------------
+# Per-example arguments.
+
+
+@jax.tree_util.register_pytree_node_class
+class _PerExample:
+    """An argument with the batch axis first, split into microbatches with ``x``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "stackwise.per_example(...)"
+
+    def tree_flatten(self):
+        return (self.value,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def per_example(value: Any) -> Any:
+    """Marks an argument whose leading axis is the batch (a mask, positions, segment ids).
+
+    :func:`stackwise.pipeline` splits it into microbatches as it splits ``x``:
+    the layers running microbatch m get rows ``m*b:(m+1)*b`` of every leaf. The
+    argument is not carried from stage to stage: every stage holds it whole
+    (per data shard) and takes its microbatch's rows. ``Stacked.apply`` (no
+    pipeline) gives every layer the whole value, so one model runs either way.
+
+    >>> import jax.numpy as jnp, numpy as np, jax, stackwise
+    >>> from jax.sharding import Mesh
+    >>> apply = lambda p, x, mask: x + p["w"] * mask
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("stage",))
+    >>> pp = stackwise.pipeline(None, apply, 2, mesh, microbatches=2)
+    >>> mask = jnp.array([1.0, 0.0, 1.0, 0.0])
+    >>> pp.apply({"w": jnp.ones(2)}, jnp.zeros(4), stackwise.per_example(mask))
+    Array([2., 0., 2., 0.], dtype=float32)
+    >>> stackwise.stack(None, apply, 2).apply({"w": jnp.ones(2)}, jnp.zeros(4),
+    ...                                       stackwise.per_example(mask))
+    Array([2., 0., 2., 0.], dtype=float32)
+    """
+    return _PerExample(value)
+
+
 _UNCALLED = {per_layer: "per_layer(xs)", per_layer_keys: "per_layer_keys(key)"}
 
 
@@ -122,7 +170,7 @@ def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
     every marker replaced by its slice. Every other leaf (arrays and static
     Python values alike) is closed over unchanged, so static values stay static.
     """
-    is_marker = lambda v: isinstance(v, _PerLayer)  # noqa: E731
+    is_marker = lambda v: isinstance(v, (_PerLayer, _PerExample))  # noqa: E731
     leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_marker)
     for path, leaf in leaves:
         if leaf is layer_index or any(leaf is f for f in _UNCALLED):
@@ -131,9 +179,10 @@ def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
                 f"{what}{_describe_arg(path)} is the function `stackwise."
                 f"{call.split('(')[0]}` itself; call it: `stackwise.{call}`."
             )
-    slots = [i for i, (_, leaf) in enumerate(leaves) if is_marker(leaf)]
+    slots = [i for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, _PerLayer)]
     xs = [leaves[i][1].stacked(n, f"{what}{_describe_arg(leaves[i][0])}") for i in slots]
-    values = [leaf for _, leaf in leaves]
+    # A per-example argument is only a pipeline's business: every layer sees all of it.
+    values = [leaf.value if isinstance(leaf, _PerExample) else leaf for _, leaf in leaves]
 
     def rebuild(slices):
         filled = list(values)

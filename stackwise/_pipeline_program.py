@@ -1,0 +1,295 @@
+"""What a pipeline runs on each device: the params' layouts and the tick loop.
+
+:func:`stackwise.pipeline` (``_pipeline.py``) checks the schedule and sorts the
+call's arguments; this module lays the params out per device and runs one
+device's program: its chunks of layers over all ticks of the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from stackwise._adapt import Options, check_depth, tree_leaves
+from stackwise._stack import CARRY_NAME
+
+_WHO = "stackwise.pipeline"
+
+
+class _Plan(NamedTuple):
+    """A checked pipeline schedule: S stages, V chunks per stage of L layers, M microbatches."""
+
+    n: int
+    S: int
+    V: int
+    L: int
+    M: int
+    D: int  # data-axis size (1 without one)
+    stage_axis: str
+    data_axis: str | None
+    explicit: bool  # the mesh axes are Explicit: inputs must carry their layout
+
+    @property
+    def ticks(self) -> int:
+        """T = M*V + S - 1: every stage runs one chunk on one microbatch per tick."""
+        return self.M * self.V + self.S - 1
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        return (self.stage_axis,) + ((self.data_axis,) if self.data_axis else ())
+
+
+# --------------------------------------------------------------------------
+# Layouts: the params as (V, n/V, ...), chunk c = r*S + s at [r, s*L:(s+1)*L].
+
+
+def _device_layout(params: Any, plan: _Plan) -> Any:
+    """Params in the layout the devices run: ``(V, n/V, ...)``, from either layout."""
+    leaves = tree_leaves(params)
+    if (
+        plan.V > 1
+        and leaves
+        and all(
+            jnp.ndim(a) >= 2 and jnp.shape(a)[:2] == (plan.V, plan.n // plan.V) for _, a in leaves
+        )
+    ):
+        return params  # already in the circular layout
+    layout = (
+        ""
+        if plan.V == 1
+        else (
+            f" (or, in the circular layout of `stackwise.shard_stacked(..., repeats={plan.V})`, "
+            f"({plan.V}, {plan.n // plan.V}, ...))"
+        )
+    )
+    check_depth(
+        leaves,
+        plan.n,
+        f"{_WHO} apply",
+        "params",
+        f"Stacked params come from `Stacked.init` (or `stackwise.stack_layers`){layout}.",
+    )
+    return _to_chunks(params, plan)
+
+
+def _to_chunks(tree: Any, plan: _Plan) -> Any:
+    """``(n, ...)`` leaves as ``(V, n/V, ...)``: row r holds chunks r*S, ..., r*S + S - 1."""
+
+    def one(a):
+        shape = (plan.V, plan.n // plan.V, *jnp.shape(a)[1:])
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        if plan.explicit and spec and spec[0] is not None:
+            # Layers split over the stages: regroup them (a collective), keeping
+            # the inner axes' sharding.
+            out = NamedSharding(sharding.mesh, PartitionSpec(None, spec[0], *spec[1:]))
+            return jax.lax.reshape(a, shape, out_sharding=out)
+        return jnp.reshape(a, shape)
+
+    return jax.tree.map(one, tree)
+
+
+def _place(inputs: tuple, mesh: Any, plan: _Plan) -> tuple:
+    """With explicit mesh axes, moves each input to the layout ``shard_map`` takes."""
+    if not plan.explicit:
+        return inputs  # auto axes: shard_map moves them itself
+    params, slices, x, examples, consts = inputs
+    layers = (None, plan.stage_axis)
+    return (
+        _reshard(params, mesh, layers, plan.manual),
+        _reshard(slices, mesh, layers, plan.manual),
+        _reshard(x, mesh, (plan.data_axis,), plan.manual),
+        _reshard(examples, mesh, (plan.data_axis,), plan.manual),
+        _reshard(consts, mesh, (), plan.manual),
+    )
+
+
+def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
+    """Each leaf to ``P(*lead, ...)``: its other axes keep their non-manual sharding."""
+    names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
+
+    def one(v):
+        if not jnp.ndim(v):
+            return jax.reshard(v, NamedSharding(mesh, PartitionSpec()))
+        spec = tuple(jax.typeof(v).sharding.spec)
+        inner = spec[len(lead) :] if len(spec) > len(lead) else ()
+        inner = [None if e is None or set(names(e)) & set(manual) else e for e in inner]
+        return jax.reshard(v, NamedSharding(mesh, PartitionSpec(*lead, *inner)))
+
+    return jax.tree.map(one, tree)
+
+
+def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
+    """The output's batch split: over data and stages when S divides a data shard's batch."""
+    rows = {jnp.shape(v)[0] // plan.D for v in jax.tree.leaves(x)}
+    if all(r % plan.S == 0 for r in rows):
+        return PartitionSpec(plan.manual[::-1] if plan.data_axis else plan.stage_axis)
+    return PartitionSpec(plan.data_axis)
+
+
+# --------------------------------------------------------------------------
+# One device's program.
+
+
+def _vary(tree: Any, axes: tuple) -> Any:
+    """Marks every leaf as varying over ``axes``: a leaf used on varying data is
+    then cast once, here, and its gradient summed over ``axes`` once, here,
+    instead of at every use inside the loops."""
+
+    def one(v):
+        for axis in axes:
+            try:
+                v = jax.lax.pcast(v, axis, to="varying")
+            except ValueError:  # already varying over `axis`
+                pass
+        return v
+
+    return jax.tree.map(one, tree)
+
+
+def _split_batch(tree: Any, M: int) -> Any:
+    return jax.tree.map(lambda v: v.reshape(M, v.shape[0] // M, *v.shape[1:]), tree)
+
+
+def _take(tree: Any, i: Any) -> Any:
+    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree)
+
+
+def _where(c: Any, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
+
+
+def _device_program(stage, options, plan, out_spec, params, slices, x, examples, consts):
+    """What one device runs: its ``V`` chunks of ``L`` layers over all ticks."""
+    V, M, L = plan.V, plan.M, plan.L
+    s = jax.lax.axis_index(plan.stage_axis)
+    d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
+    # Cast the loop-invariant inputs once, so that their gradients are summed
+    # over the data axis (and the consts' over the stages) once, outside the loops.
+    params, slices, x, examples, consts = _vary((params, slices, x, examples, consts), plan.manual)
+    mbs, examples = _split_batch(x, M), _split_batch(examples, M)
+
+    def run_stage(chunks, r, h, m):
+        """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
+        if V > 1:
+            chunks = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * L, L), chunks)
+        return stage.apply(chunks, h, d * M + m, _take(examples, m), consts)
+
+    # This device's chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
+    chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
+    if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
+        run_stage = jax.checkpoint(
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+        )
+    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
+    aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
+    carry = (_take(mbs, 0), jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None, aux0)
+    tick = lambda c, t: _tick(plan, run_stage, chunks, mbs, s, c, t)  # noqa: E731
+    (_, _, aux), ys = jax.lax.scan(tick, _vary(carry, plan.manual), jnp.arange(plan.ticks))
+    # The last stage finished microbatch m (last round) at tick T - M + m.
+    y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
+    return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
+
+
+def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool] | None:
+    """The checkpoint policy around a circular stage: what the stage's own remat
+    keeps (and the carry entering each layer), but never a slice of ``chunks``.
+
+    A slice's output is a ``dynamic_slice`` of an operand of a chunk stack's
+    shape; everything else is left to ``remat``: all of it with ``remat=False``,
+    the carries with ``remat=True``, the policy's choice and the carries with a
+    policy. With ``unroll=True`` it is ``None`` (keep nothing: the stage's
+    forward pass runs again in the backward pass): jax 0.10's remat DCE fails
+    on a checkpoint with a policy around the Python loop's checkpoints.
+    """
+    if options.unroll is True:
+        return None
+    shapes = {tuple(jnp.shape(v)) for v in jax.tree.leaves(chunks)}
+    carries = jax.checkpoint_policies.save_only_these_names(CARRY_NAME)
+    if not options.remat:
+        keep = jax.checkpoint_policies.everything_saveable
+    elif options.policy is None:
+        keep = carries
+    else:
+        keep = jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
+
+    def save(prim, *avals, **params):
+        if prim.name == "dynamic_slice" and tuple(avals[0].shape) in shapes:
+            return False
+        return keep(prim, *avals, **params)
+
+    return save
+
+
+def _tick(plan, run_stage, chunks, mbs, s, carry, t):
+    """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
+    S, V, M = plan.S, plan.V, plan.M
+    h, parked, aux = carry
+    k = t - s
+    valid = (k >= 0) & (k < M * V)
+    kc = jnp.clip(k, 0, M * V - 1)
+    m, r = kc % M, kc // M
+    fresh = _take(mbs, m)
+    if V > 1:
+        # What reached stage 0 left the last stage S - 1 ticks after it entered:
+        # park it until its microbatch's next round comes up.
+        k_in = t - S
+        arrived = (s == 0) & (k_in >= 0) & (k_in < M * V)
+        slot = jnp.clip(k_in, 0, M * V - 1) % M
+        parked = jax.tree.map(
+            lambda b, v: jax.lax.dynamic_update_index_in_dim(
+                b,
+                jnp.where(arrived, v, jax.lax.dynamic_index_in_dim(b, slot, keepdims=False)),
+                slot,
+                0,
+            ),
+            parked,
+            h,
+        )
+        fresh = _where(r == 0, fresh, _take(parked, m))
+    out, layer_aux = run_stage(chunks, r, _where(s == 0, fresh, h), m)
+    layer_aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), layer_aux)
+    aux = jax.tree.map(
+        lambda acc, a: jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, r, keepdims=False) + a, r, 0
+        ),
+        aux,
+        layer_aux,
+    )
+    ring = [(i, (i + 1) % S) for i in range(S if V > 1 else S - 1)]
+    h = jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
+    return (h, parked, aux), out
+
+
+def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
+    """The last stage's outputs, split over the stages (or, if they do not divide, to all)."""
+    last = s == plan.S - 1
+
+    def one(v):
+        v = jnp.where(last, v, jnp.zeros_like(v))
+        cast = v.dtype == jnp.bool_
+        v = v.astype(jnp.int8) if cast else v
+        if out_spec == PartitionSpec(plan.data_axis):
+            v = jax.lax.psum(v, plan.stage_axis)
+        else:
+            v = jax.lax.psum_scatter(v, plan.stage_axis, scatter_dimension=0, tiled=True)
+        return v.astype(jnp.bool_) if cast else v
+
+    return jax.tree.map(one, y)
+
+
+def _gather_aux(aux: Any, s: Any, plan: _Plan) -> Any:
+    """Each stage's ``(V, L, ...)`` aux into ``(n, ...)`` in layer order, on every device."""
+    S, V = plan.S, plan.V
+
+    def one(a):
+        full = jnp.zeros((V, S, *a.shape[1:]), a.dtype)
+        full = jax.lax.dynamic_update_index_in_dim(full, a, s, 1)
+        full = jax.lax.psum(full, plan.manual)
+        return full.reshape(plan.n, *a.shape[2:])
+
+    return jax.tree.map(one, aux)
