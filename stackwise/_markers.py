@@ -159,6 +159,11 @@ def per_example(value: Any) -> Any:
     return _PerExample(value)
 
 
+def is_per_layer(value: Any) -> bool:
+    """Whether ``value`` is a per-layer marker (for adapters that pass one through)."""
+    return isinstance(value, _PerLayer)
+
+
 _UNCALLED = {per_layer: "per_layer(xs)", per_layer_keys: "per_layer_keys(key)"}
 
 
