@@ -313,7 +313,11 @@ class Stack(nn.Module):
             block = _fresh_block(block, who)
 
             def layer(p, s, x, extras, call):
-                layer_vars = meta.remove_axis({**p, **s}, 0, axis_params)
+                # Gathered (FSDP) params go in unboxed: a block's `self.param` would
+                # otherwise constrain them back to the sharded layout their names give
+                # under `nn.logical_axis_rules` (an assertion on explicit mesh axes).
+                params = _unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
+                layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
                 with _adapt.at_layer(extras["index"]):
                     if initializing:

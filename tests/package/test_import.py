@@ -1,5 +1,6 @@
 """`import stackwise` must not import any framework."""
 
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ def test_import_stackwise_imports_no_framework():
 
 def test_no_top_level_adapters_package():
     code = "import importlib.util; print(importlib.util.find_spec('adapters'))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as an installed user
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/", env=env
     )
     assert out.stdout.strip() == "None"
