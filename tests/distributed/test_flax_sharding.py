@@ -1,25 +1,26 @@
-"""`stackwise.flax.Stack` partitioning on 8 simulated CPU devices, in a subprocess.
+"""`stackwise.flax.Stack` partitioning on 8 simulated CPU devices.
 
-The device count is fixed when jax starts, and the suite runs in one process, so
-the sharded program runs in a fresh interpreter with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+Runs in a subprocess with 8 simulated CPU devices (tests/_multidevice.py): the
+layer axis joins the partition specs as in ``nn.scan``, the params are placed by
+them, and the sharded program gives the one-device numbers.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
+import pytest
+from _multidevice import result, run_cases, run_module
 
-SCRIPT = textwrap.dedent(
-    """
-    import jax, jax.numpy as jnp, numpy as np
+
+def _partitioning():
     import flax.linen as nn
-    from jax.sharding import Mesh, PartitionSpec as P
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
     import stackwise.flax
 
-    jax.config.update("jax_numpy_rank_promotion", "raise")
     assert jax.device_count() == 8, jax.devices()
     D, H, N = 8, 16, 4
 
@@ -97,18 +98,23 @@ SCRIPT = textwrap.dedent(
     np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5),
-        nn.unbox(g), g_ref,
+        nn.unbox(g),
+        g_ref,
     )
-    print("OK")
-    """
-)
+    return {}
 
 
-def test_stack_partitioning_on_an_8_device_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("OK")
+_CASES = {"partitioning": _partitioning}
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    return run_module(__file__)
+
+
+def test_stack_partitioning_on_an_8_device_mesh(multi_device):
+    result(multi_device, "partitioning")
+
+
+if __name__ == "__main__":
+    run_cases(_CASES)
