@@ -47,8 +47,6 @@ def reference(params, x, layer=apply_layer, reverse=False):
     return x
 
 
-
-
 def loss_of(apply):
     return lambda params, x: jnp.sum(jnp.sin(apply(params, x)))
 
@@ -351,8 +349,6 @@ def test_python_loop_runs_under_disable_jit():
 
 # Shapes chosen so that params, constants and activations are told apart by type.
 W_SHAPE, CONST_SHAPE, X_SHAPE = (5, 7), (1, 7), (3, 5)
-
-
 
 
 def _remat_program(remat, unroll, n=3):
