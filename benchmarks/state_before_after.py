@@ -174,7 +174,9 @@ def worker(tree: pathlib.Path, rounds: int, seed: int, values: pathlib.Path | No
         jax.clear_caches()
         gc.collect()
         start = time.perf_counter()
-        fn = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, state, x).compile()
+        lowered = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, state, x)
+        traced = time.perf_counter() - start
+        fn = lowered.compile()
         seconds = time.perf_counter() - start
         memory = fn.memory_analysis()
         (value, new_state), grads = fn(params, state, x)
@@ -185,8 +187,8 @@ def worker(tree: pathlib.Path, rounds: int, seed: int, values: pathlib.Path | No
                      **{jax.tree_util.keystr(p): np.asarray(a) for p, a in flat})
             (values / f"{name.replace('/', '_')}.hlo").write_text(fn.as_text())
         compiled[name] = [fn, params, new_state, x]
-        out[name] = {"compile_s": seconds, "temp_bytes": int(memory.temp_size_in_bytes),
-                     "samples": []}
+        out[name] = {"compile_s": seconds, "trace_s": traced,
+                     "temp_bytes": int(memory.temp_size_in_bytes), "samples": []}
 
     def call(name):
         fn, params, state, x = compiled[name]
@@ -316,16 +318,18 @@ def main(argv=None) -> int:
         ratio, low, high = median_interval([y["step_s"] / x["step_s"] for x, y in zip(b, a)])
         interval = "" if low != low else f" ({low:.2f}-{high:.2f})"  # NaN: too few pairs
         step = [statistics.median(r["step_s"] for r in v) * 1e3 for v in (b, a)]
-        comp = [min(r["compile_s"] for r in v) for v in (b, a)]
+        comp = [f"{min(r['compile_s'] for r in v):.2f} ({min(r['trace_s'] for r in v):.2f})"
+                for v in (b, a)]
         temps = [{r["temp_bytes"] for r in v} for v in (b, a)]
         temp = ["/".join(f"{t / 2**20:.1f}" for t in sorted(ts)) for ts in temps]
         rows.append([
             {"stack": "stackwise.stack", "flax": "stackwise.flax.Stack"}[kind], remat,
             f"{step[0]:.1f}", f"{step[1]:.1f}", f"{ratio:.3f}{interval}", temp[0], temp[1],
-            f"{comp[0]:.2f}", f"{comp[1]:.2f}", programs[name], same[name],
+            comp[0], comp[1], programs[name], same[name],
         ])
     headers = ["case", "remat", "step ms\nbefore", "step ms\nafter", "after /\nbefore",
-               "temp MiB\nbefore", "temp MiB\nafter", "compile s\nbefore", "compile s\nafter",
+               "temp MiB\nbefore", "temp MiB\nafter", "compile s\n(trace) before",
+               "compile s\n(trace) after",
                "program", "same\nvalues"]
     if args.json:
         with open(args.json, "w") as f:
@@ -342,16 +346,18 @@ def main(argv=None) -> int:
         "",
         f"`python benchmarks/state_before_after.py --repeats {args.repeats} --rounds "
         f"{args.rounds}` ({minutes:.0f} min): {args.repeats} subprocesses per version, "
-        f"alternating; Python {platform.python_version()}, jax {runs['after'][0]['_versions']['jax']}"
-        f", {machine()}; load average {load[0]:.1f} before, {load_after[0]:.1f} after.",
+        f"alternating; Python {platform.python_version()}, "
+        f"jax {runs['after'][0]['_versions']['jax']}, {machine()}; load average "
+        f"{load[0]:.1f} before, {load_after[0]:.1f} after.",
         *(["", args.note] if args.note else []),
         "",
         "step ms: median over the subprocesses of each one's median step; after / before: "
         "median of the per-pair ratios (~95% interval from 6 pairs on); temp MiB: "
         "`memory_analysis().temp_size_in_bytes` (deterministic; a/b when it varied); "
-        "compile s: fastest cold compile; program: whether both versions compiled the case "
-        "to the same program (XLA's optimised HLO, names and metadata aside), when only "
-        "noise can tell their step times apart; same values: loss, gradients and new state "
+        "compile s: fastest cold compile (in brackets, its tracing and lowering part); "
+        "program: whether both versions compiled the case to the same program (XLA's "
+        "optimised HLO, names and metadata aside), when only noise can tell their step "
+        "times apart; same values: loss, gradients and new state "
         f"of the first step equal (rtol {RTOL:g}, atol {ATOL:g}).",
         "",
     ]
