@@ -99,6 +99,14 @@ def targets(results: Sequence[Result], target_n: int = 48) -> list[Target]:
         if remat and nested and remat.temp_bytes > 0:
             out.append(Target(f"mlp n={mlp_ns[-1]}: temp nested / per-layer remat",
                               nested.temp_bytes / remat.temp_bytes, 1.0))
+    pattern_ns, _ = at("pattern")
+    for variant in ("stackwise", "stackwise default", "stackwise remat"):
+        # Issue 12: a pattern's compile time does not grow with the depth.
+        first = get("pattern", pattern_ns[0], variant) if pattern_ns else None
+        last = get("pattern", pattern_ns[-1], variant) if pattern_ns else None
+        if first and last and first is not last:
+            out.append(Target(f"pattern: {variant} compile n={last.n} / n={first.n}",
+                              last.compile_s / first.compile_s, 1.3))
     tf_ns, n = at("transformer")
     for adapter, tool, loop in FRAMEWORKS if tf_ns else ():
         # Like for like: the adapter and its framework's tool with the same remat.

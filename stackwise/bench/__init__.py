@@ -1,9 +1,10 @@
 """``stackwise-bench``: compile time, step time and memory of layer stacking, side by side.
 
 Run ``stackwise-bench`` (or ``python -m stackwise.bench``; ``--help`` for the options) to
-see, in one process on one machine, what n identical blocks cost under ``jit(grad(loss))``
-written as Python loops, a hand-written :func:`jax.lax.scan`, :func:`stackwise.stack`
-(remat off, default, full, nested), the adapters ``stackwise.haiku.Stack``,
+see, in one process on one machine, what n blocks cost under ``jit(grad(loss))`` (and,
+for decoding, a jitted step with the KV cache donated) written as Python loops, a
+hand-written :func:`jax.lax.scan`, :func:`stackwise.stack` (remat off, default, full,
+nested; layer patterns; state), the adapters ``stackwise.haiku.Stack``,
 ``stackwise.flax.Stack``, ``stackwise.nnx.Stack``, and the frameworks' own tools
 ``hk.layer_stack``, ``nn.scan``, ``nnx.scan``. It measures and reports; the project's
 pass/fail targets are checked from its CSV by ``benchmarks/targets.py``.

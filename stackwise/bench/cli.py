@@ -22,10 +22,11 @@ from stackwise.bench.report import machine, print_report, write_csv, write_markd
 __all__ = ["main", "parser"]
 
 _DESCRIPTION = """\
-Compile time, step time and memory of n stacked layers under jit(grad(loss)), measured side
-by side in one process: Python loops, a hand-written lax.scan, stackwise.stack and its
-adapters, and the frameworks' own tools (hk.layer_stack, nn.scan, nnx.scan). Frameworks
-that are not installed are skipped with a note."""
+Compile time, step time and memory of n stacked layers under jit(grad(loss)) (training) and
+of decoding steps with a donated KV cache (inference), measured side by side in one process:
+Python loops, a hand-written lax.scan, stackwise.stack and its adapters, and the frameworks'
+own tools (hk.layer_stack, nn.scan, nnx.scan). Frameworks that are not installed are skipped
+with a note."""
 
 _EPILOG = """\
 outputs: a table per block and framework on stdout (columns explained in the project's
@@ -37,8 +38,10 @@ The project's pass/fail targets are checked from the CSV by benchmarks/targets.p
 examples:
   stackwise-bench --quick                 smoke run: tiny sizes, every variant (minutes)
   stackwise-bench --blocks mlp            the core comparison at n=8,24,48,96
-  stackwise-bench --variants haiku        every Haiku row (the transformer block)
-  stackwise-bench --blocks transformer --transformer-n 48 --compile-repeats 7 --rounds 21"""
+  stackwise-bench --variants haiku        every Haiku row (transformer, decode, prefill)
+  stackwise-bench --blocks transformer --transformer-n 48 --compile-repeats 7 --rounds 21
+  stackwise-bench --blocks decode,prefill --decode-n 24,48 --prefill-n 24,48 --rounds 21
+  stackwise-bench --blocks pattern --compile-repeats 3   the pattern [a, a, b] at n=6,26,60"""
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -82,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     )
     what = p.add_argument_group("what to run")
     what.add_argument("--quick", action="store_true",
-                      help="smoke run: tiny sizes, n=2,4 (transformer n=2), 2 rounds")
+                      help="smoke run: tiny sizes, n=2,4 (transformer, decode, prefill n=2; "
+                      "pattern n=3,5), 2 rounds")
     what.add_argument("--blocks", type=_names, default=None, metavar="B[,B]",
                       help=f"blocks to run: {', '.join(workloads.BLOCKS)} (default: all)")
     defaults = BenchConfig()

@@ -13,24 +13,35 @@ class BenchConfig:
 
     Attributes:
       blocks: which blocks to run (the names in ``stackwise.bench.workloads.BLOCKS``:
-        ``"mlp"``, ``"transformer"``).
+        ``"mlp"``, ``"transformer"``, ``"decode"``, ``"prefill"``, ``"pattern"``).
       ns: the depths for the ``mlp`` block.
       transformer_ns: the depths for the ``transformer`` block.
-      d, hidden, batch: the ``mlp`` block's sizes.
+      decode_ns, prefill_ns, pattern_ns: the depths for the ``decode``, ``prefill`` and
+        ``pattern`` blocks.
+      d, hidden, batch: the ``mlp`` block's sizes (and the ``pattern`` block's: its
+        ``a`` blocks have ``hidden`` units).
       tf_d, tf_hidden, tf_heads, tf_seq, tf_batch: the ``transformer`` block's sizes.
+      dec_d, dec_heads, dec_batch, dec_cache: the attention layer of the ``decode`` and
+        ``prefill`` blocks and its KV cache (``dec_cache`` positions per layer).
+      dec_prompt: the prompt's length: ``prefill`` writes that many tokens in one call,
+        ``decode`` one token at that position.
+      pattern_hidden: the hidden size of the ``pattern`` block's ``b`` blocks.
       rounds: timed rounds per depth (each times every variant once).
       compile_repeats: cold compiles per variant and depth (the fastest is reported).
       warmup: compile every variant once at a tiny depth first (not recorded).
       variants: run only the variants whose name contains one of these strings, or whose
         framework (``jax``, ``haiku``, ``flax``, ``nnx``) is one of them (empty: all).
+      seed: the PRNG seed of params and inputs, and of the measuring order.
 
     A block's depths are the field its ``stackwise.bench.workloads.BLOCKS`` entry names.
-      seed: the PRNG seed of params and inputs, and of the measuring order.
     """
 
-    blocks: tuple[str, ...] = ("mlp", "transformer")
+    blocks: tuple[str, ...] = ("mlp", "transformer", "decode", "prefill", "pattern")
     ns: tuple[int, ...] = (8, 24, 48, 96)
     transformer_ns: tuple[int, ...] = (8,)
+    decode_ns: tuple[int, ...] = (24,)
+    prefill_ns: tuple[int, ...] = (24,)
+    pattern_ns: tuple[int, ...] = (6, 26, 60)
     d: int = 256
     hidden: int = 512
     batch: int = 64
@@ -39,6 +50,12 @@ class BenchConfig:
     tf_heads: int = 4
     tf_seq: int = 32
     tf_batch: int = 8
+    dec_d: int = 256
+    dec_heads: int = 4
+    dec_batch: int = 8
+    dec_cache: int = 512
+    dec_prompt: int = 64
+    pattern_hidden: int = 1024
     rounds: int = 7
     compile_repeats: int = 1
     warmup: bool = True
@@ -56,8 +73,10 @@ class BenchConfig:
         (2, 4)
         """
         small = dict(
-            ns=(2, 4), transformer_ns=(2,), d=16, hidden=32, batch=4, tf_d=16, tf_hidden=32,
-            tf_heads=2, tf_seq=8, tf_batch=2, rounds=2, compile_repeats=1, warmup=False,
+            ns=(2, 4), transformer_ns=(2,), decode_ns=(2,), prefill_ns=(2,), pattern_ns=(3, 5),
+            d=16, hidden=32, batch=4, tf_d=16, tf_hidden=32, tf_heads=2, tf_seq=8, tf_batch=2,
+            dec_d=16, dec_heads=2, dec_batch=2, dec_cache=16, dec_prompt=4, pattern_hidden=48,
+            rounds=2, compile_repeats=1, warmup=False,
         )
         return cls(**{**small, **overrides})
 
@@ -80,6 +99,7 @@ class Result:
     step_s: float = math.nan  # the median of the steady-state calls
     trace_s: float = math.nan  # the tracing + lowering part of compile_s (fastest)
     temp_bytes: int = -1
+    state_bytes: int = -1  # the state a step donates and returns (a KV cache), if any
     program_chars: int = -1
     barrier_param_bytes: int = -1
     barrier_const_bytes: int = -1

@@ -5,14 +5,16 @@ For every depth n of a block, every variant is
 1. built (params and input, from numpy: nothing is compiled yet);
 2. compiled cold ``compile_repeats`` times (:func:`jax.clear_caches` and a garbage
    collection first, then ``jit(grad(loss)).lower(params, x).compile()`` timed, tracing
-   included; ``jit(loss)`` for a block whose ``grad`` is False), each repeat visiting the
-   variants in a new seeded shuffle; the first compile also records the program: its
-   size, the bytes passing optimisation barriers
-   (:func:`~stackwise.bench.barriers.optimization_barrier_bytes`), its fingerprint and
-   ``memory_analysis().temp_size_in_bytes``;
+   included; ``jit(loss)`` for a block whose ``grad`` is False; ``jit(step,
+   donate_argnums=1).lower(params, state, x)`` for a block with ``state``), each repeat
+   visiting the variants in a new seeded shuffle; the first compile also records the
+   program: its size, the bytes passing optimisation barriers
+   (:func:`~stackwise.bench.barriers.optimization_barrier_bytes`), its fingerprint,
+   ``memory_analysis().temp_size_in_bytes`` and the bytes of the state;
 3. timed for ``rounds`` rounds, each visiting the variants in a new seeded shuffle and
    timing the second of two back-to-back calls (the first leaves the machine as the
-   variant's own steps would, not as the previous variant left it).
+   variant's own steps would, not as the previous variant left it). A step with state
+   is given the state its previous call returned (the one before was donated to it).
 
 With ``warmup``, every variant is first compiled and run once at a tiny depth (not
 recorded), so one-time costs (imports, a framework's first trace) are charged to nobody.
@@ -27,7 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -137,10 +139,12 @@ def fill_ratios(results: list[Result]) -> None:
 # One block, depth by depth.
 
 
-class _Compiled(NamedTuple):
-    fn: Callable
-    params: Any
-    x: Any
+class _Compiled:
+    """A compiled step and its arguments; ``state`` (None without) is replaced by what
+    each call returns, since the call consumed (was donated) the one it was given."""
+
+    def __init__(self, fn: Callable, params: Any, x: Any, state: Any = None):
+        self.fn, self.params, self.x, self.state = fn, params, x, state
 
 
 class _BlockRun:
@@ -149,6 +153,7 @@ class _BlockRun:
     def __init__(self, block: str, cfg: BenchConfig, bar: _Progress, notes: list[str], log):
         self.block, self.cfg, self.bar, self.notes, self.log = block, cfg, bar, notes, log
         self.grad = workloads.BLOCKS[block].grad
+        self.state = workloads.BLOCKS[block].state
 
     def failed(self, where: str, e: BaseException) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -157,7 +162,8 @@ class _BlockRun:
         self.log(f"note: {note}")
 
     def run(self, cases: list[Case], ns: Sequence[int]) -> list[Result]:
-        working = self.warm_up(cases, min(2, *ns)) if self.cfg.warmup else list(cases)
+        small = min(workloads.BLOCKS[self.block].warmup_n, *ns)
+        working = self.warm_up(cases, small) if self.cfg.warmup else list(cases)
         results = []
         for n in ns:
             rows = {c.name: Result(self.block, n, c.framework, c.name, c.remat, tool=c.tool)
@@ -182,7 +188,7 @@ class _BlockRun:
         for case in cases:
             self.bar.describe(f"{self.block}: warm-up {case.name}")
             try:
-                compiled, *_ = _compile(_build(case, n), self.grad)
+                compiled, *_ = _compile(_build(case, n), self.grad, self.state)
                 _time_call(compiled)
                 working.append(case)
             except Exception as e:  # noqa: BLE001
@@ -197,7 +203,7 @@ class _BlockRun:
             for name in _shuffled(list(built), self.cfg.seed, repeat):
                 self.bar.describe(f"{self.block} n={n}: compile {name}")
                 try:
-                    c, seconds, traced, lowered = _compile(built[name], self.grad)
+                    c, seconds, traced, lowered = _compile(built[name], self.grad, self.state)
                 except Exception as e:  # noqa: BLE001
                     self.failed(f"{name} n={n}", e)
                     del built[name]
@@ -234,29 +240,31 @@ class _BlockRun:
             rows[name].step_s = statistics.median(rows[name].step_samples)
 
 
-def _build(case: Case, n: int) -> tuple[Any, Any, Callable]:
-    params, x, loss = case.build(n)
-    return jax.block_until_ready(params), jax.block_until_ready(x), loss
+def _build(case: Case, n: int) -> tuple:
+    """``(params, x, loss)``, or ``(params, state, x, step)`` for a block with state."""
+    return jax.block_until_ready(case.build(n))
 
 
-def _compile(
-    built: tuple[Any, Any, Callable], grad: bool
-) -> tuple[_Compiled, float, float, Any]:
-    """Compiles ``jit(grad(loss))`` (``jit(loss)`` without ``grad``) cold: caches
-    cleared, garbage collected, then timed.
+def _compile(built: tuple, grad: bool, state: bool) -> tuple[_Compiled, float, float, Any]:
+    """Compiles ``jit(grad(loss))`` (``jit(loss)`` without ``grad``; ``jit(step,
+    donate_argnums=1)`` with ``state``) cold: caches cleared, garbage collected, then timed.
 
     Returns the compiled function, the seconds of the whole compile and of its tracing
     and lowering part, and the lowered program.
     """
-    params, x, loss = built
     jax.clear_caches()
     gc.collect()
     start = time.perf_counter()
-    lowered = jax.jit(jax.grad(loss) if grad else loss, keep_unused=True).lower(params, x)
+    if state:
+        params, carried, x, step = built
+        lowered = jax.jit(step, donate_argnums=1, keep_unused=True).lower(params, carried, x)
+    else:
+        (params, x, loss), carried = built, None
+        lowered = jax.jit(jax.grad(loss) if grad else loss, keep_unused=True).lower(params, x)
     traced = time.perf_counter() - start
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
-    return _Compiled(compiled, params, x), seconds, traced, lowered
+    return _Compiled(compiled, params, x, carried), seconds, traced, lowered
 
 
 def _record_program(row: Result, c: _Compiled, lowered: Any) -> list[str]:
@@ -272,12 +280,17 @@ def _record_program(row: Result, c: _Compiled, lowered: Any) -> list[str]:
     hlo = c.fn.as_text()
     row.program_hash = program_fingerprint(hlo)
     row.temp_bytes = int(getattr(c.fn.memory_analysis(), "temp_size_in_bytes", -1))
+    if c.state is not None:
+        row.state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(c.state))
     return program_instructions(hlo)
 
 
 def _time_call(c: _Compiled) -> float:
     start = time.perf_counter()
-    jax.block_until_ready(c.fn(c.params, c.x))
+    if c.state is None:
+        jax.block_until_ready(c.fn(c.params, c.x))
+    else:  # the state given was donated: the next call takes the one returned
+        _, c.state = jax.block_until_ready(c.fn(c.params, c.state, c.x))
     return time.perf_counter() - start
 
 

@@ -2,9 +2,10 @@
 
 The terminal shows, per block, one table per framework, with the columns that have a
 value there. So that a table fits 100 columns, ``wide=False`` leaves out the trace time
-and the program size, and in a framework's table the ratios to the pure-JAX scan and loop
-(``/scan``, ``/loop``): there, ``/tool`` compares with the framework's own tool. All of
-them are in the CSV and the Markdown. Column meanings: ``benchmarks/README.md``.
+and the program size, in a framework's table the ratios to the pure-JAX scan and loop
+(``/scan``, ``/loop``): there, ``/tool`` compares with the framework's own tool, and for
+a block without ``grad`` (inference: no remat) the bytes through optimisation barriers.
+All of them are in the CSV and the Markdown. Column meanings: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class _Column(NamedTuple):
     cell: Callable[[Result], str]
     wide: bool = False  # terminal: only with wide=True
     jax: bool = False  # terminal: only in the pure-JAX table, unless wide=True
+    grad: bool = False  # terminal: only for a block under grad (remat's barriers), or wide
 
 
 _COLUMNS = [
@@ -74,9 +76,12 @@ _COLUMNS = [
     _Column("/tool", "/tool", lambda r: _fmt(r.step_vs_tool, ".2f")),
     _Column("temp MiB", "temp\nMiB",
             lambda r: _fmt(r.temp_bytes / 2**20, ".1f") if r.temp_bytes >= 0 else "-"),
+    _Column("state MiB", "state\nMiB",
+            lambda r: _fmt(r.state_bytes / 2**20, ".1f") if r.state_bytes >= 0 else "-"),
     _Column("HLO Kchars", "HLO\nKchars", lambda r: _kib(r.program_chars), wide=True),
     _Column("barrier KiB p / c", "barrier KiB\np / c",
-            lambda r: f"{_kib(r.barrier_param_bytes)} / {_kib(r.barrier_const_bytes)}"),
+            lambda r: f"{_kib(r.barrier_param_bytes)} / {_kib(r.barrier_const_bytes)}",
+            grad=True),
     _Column("ops != tool", "ops !=\ntool",
             lambda r: "-" if r.ops_unlike_tool < 0 else str(r.ops_unlike_tool)),
 ]
@@ -107,10 +112,11 @@ def print_report(
     for block in dict.fromkeys(r.block for r in results):
         _say(workloads.title(block, cfg), file)
         mine = [r for r in results if r.block == block]
+        grad = workloads.BLOCKS[block].grad
         for framework in dict.fromkeys(r.framework for r in mine):
             rows = [r for r in mine if r.framework == framework]
-            columns = [c for c in _COLUMNS
-                       if wide or not (c.wide or c.jax and framework != "jax")]
+            columns = [c for c in _COLUMNS if wide or not (
+                c.wide or c.jax and framework != "jax" or c.grad and not grad)]
             cells = [[c.cell(r) for c in columns] for r in rows]
             keep = [i for i, c in enumerate(columns)
                     if c.header in ("n", "variant") or any(row[i] != "-" for row in cells)]

@@ -60,6 +60,23 @@ def test_tables_fit_a_terminal(rich, monkeypatch):
     assert "note: haiku: not installed" in text
 
 
+def test_a_decoding_table_fits_a_terminal_and_shows_the_cache():
+    names = ["loop (separate params)", "lax.scan (hand)", "lax.scan (cache in carry)",
+             "stackwise"]
+    rows = [Result("decode", 48, "jax", name, "off", compile_s=12.34, step_s=0.1234,
+                   temp_bytes=2**20, state_bytes=384 * 2**20, program_chars=10**5,
+                   barrier_param_bytes=0, barrier_const_bytes=0, compile_vs_scan=1.234,
+                   compile_vs_loop=1.234, step_vs_scan=1.234, step_vs_loop=12.34)
+            for name in names]
+    out = io.StringIO()
+    print_report(rows, [], BenchConfig(), out)
+    text = out.getvalue()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= TERMINAL
+    assert all(name in text for name in names)  # whole, not wrapped
+    assert "state" in text and "384.0" in text
+    assert "barrier" not in text  # no grad, no remat: nothing passes barriers
+
+
 def test_wide_tables_have_every_column():
     out = io.StringIO()
     print_report(_rows(), [], BenchConfig(), out, wide=True)
@@ -71,5 +88,5 @@ def test_markdown_has_every_column(tmp_path):
     write_markdown(_rows(), BenchConfig(), str(path))
     text = path.read_text()
     header = next(line for line in text.splitlines() if line.startswith("| n |"))
-    assert header.count("|") == 17  # 16 columns
+    assert header.count("|") == 18  # 17 columns
     assert "| 48 | stackwise.haiku.Stack remat | layer |" in text

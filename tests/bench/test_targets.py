@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from stackwise.bench import read_csv
+from stackwise.bench import Result, read_csv
 
 BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
 
@@ -36,6 +36,17 @@ def test_targets_of_the_saved_runs(targets):
     tf = targets.targets(read_csv(str(BENCHMARKS / "results/adapters48.csv")))
     same = [t for t in tf if "(same program)" in t.what]
     assert len(same) == 2 * 3  # compile and step, for each framework's adapter without remat
+
+
+def test_pattern_compile_time_against_depth(targets):
+    rows = [Result("pattern", n, "jax", variant, "off", compile_s=seconds)
+            for n, seconds in ((6, 1.0), (26, 1.1), (60, 1.5))
+            for variant in ("stackwise", "stackwise default", "loop (separate params)")]
+    found = {t.what: t for t in targets.targets(rows)}
+    assert set(found) == {"pattern: stackwise compile n=60 / n=6",
+                          "pattern: stackwise default compile n=60 / n=6"}
+    t = found["pattern: stackwise compile n=60 / n=6"]
+    assert (t.measured, t.limit, targets.verdict(t)) == (1.5, 1.3, "NO")
 
 
 def test_script(tmp_path):

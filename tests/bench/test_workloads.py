@@ -1,14 +1,21 @@
-"""stackwise.bench.workloads: every block's rows, the frameworks' common skeleton, and what
-happens when a framework or an adapter is missing."""
+"""stackwise.bench.workloads: every block's rows, the frameworks' common skeleton, what
+happens when a framework or an adapter is missing, and that the rows of the decode, prefill
+and pattern blocks compute what their Python loops compute (so that the benchmark measures
+correct programs)."""
 
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+import stackwise
 from stackwise.bench import BenchConfig, run_benchmark, workloads
 
 CFG = BenchConfig.quick()
 FRAMEWORKS = [m for m in workloads.BLOCKS["transformer"].modules if m != "core"]
+# The same float32 math, its sums in another order (a scan against a loop).
+CLOSE = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("block", list(workloads.BLOCKS))
@@ -37,6 +44,107 @@ def test_every_framework_has_the_same_rows(framework):
     tools = {c.remat: c.name for c in cases[1:5] if c is not control}
     for case in cases[5:]:
         assert case.name.startswith(adapter) and case.tool == tools[case.remat]
+
+
+@pytest.mark.parametrize("block", ["decode", "prefill"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_decoding_rows_of_every_framework(block, framework):
+    pytest.importorskip("flax" if framework == "nnx" else framework)
+    cases = [c for c in workloads.cases(block, CFG, []) if c.framework == framework]
+    adapter = f"stackwise.{framework}.Stack"
+    # a loop, the tool and its control, the adapter against the tool; no remat (no grad)
+    assert [c.remat for c in cases] == ["off"] * 4, [c.name for c in cases]
+    assert cases[2].name == f"{cases[1].name} (control)" and cases[3].name == adapter
+    assert cases[3].tool == cases[1].name
+
+
+def _by_framework(cases):
+    """The cases of each framework, the first its Python loop (the reference)."""
+    groups = {}
+    for case in cases:
+        groups.setdefault(case.framework, []).append(case)
+    for rows in groups.values():
+        assert rows[0].name == workloads.LOOP or rows[0].name.endswith(" loop"), rows[0].name
+    return groups
+
+
+def _layer_caches(state):
+    """Every layer's key and value cache in a row's state, a stacked leaf split by layer."""
+    out = []
+    for leaf in jax.tree.leaves(state):
+        a = np.asarray(leaf)
+        out += list(a) if a.ndim == 5 else [a]  # [n, batch, length, heads, head size]
+    return out
+
+
+def _assert_same_caches(state, reference, name):
+    """Each of the loop's per-layer caches is in the row's state, once (the layouts differ:
+    a list of layers, a dict of modules, stacked leaves)."""
+    left = _layer_caches(state)
+    expected = _layer_caches(reference)
+    assert len(left) == len(expected), (name, len(left), len(expected))
+    for i, want in enumerate(expected):
+        found = [j for j, got in enumerate(left) if np.allclose(got, want, **CLOSE)]
+        assert found, f"{name}: the loop's cache array {i} is not in the row's state"
+        del left[found[0]]
+
+
+@pytest.mark.parametrize("block", ["decode", "prefill"])
+def test_decoding_rows_compute_what_their_loop_computes(block):
+    """Each row's jitted step (the cache donated, as measured) gives its loop's outputs
+    and updated caches, over steps that read what earlier steps wrote."""
+    n, steps = 3, 3 if block == "decode" else 1  # decode: positions pos, pos + 1, pos + 2
+    more = [np.random.default_rng(t).standard_normal((CFG.dec_batch, 1, CFG.dec_d), np.float32)
+            for t in range(1, steps)]  # the tokens after the first
+    notes = []
+    cases = workloads.cases(block, CFG, notes)
+    assert not [note for note in notes if "skipped" in note and "stackwise" in note], notes
+    for framework, rows in _by_framework(cases).items():
+        outputs = {}
+        for case in rows:
+            params, state, x, step = case.build(n)
+            h, pos = x
+            step = jax.jit(step, donate_argnums=1)
+            ys = []
+            for t, tokens in enumerate([h, *more]):
+                y, state = step(params, state, (tokens, pos + t))
+                ys.append(np.asarray(y))
+            outputs[case.name] = ys, state
+        ref_ys, ref_state = outputs[rows[0].name]
+        for name, (ys, state) in outputs.items():
+            for t, (y, want) in enumerate(zip(ys, ref_ys)):
+                np.testing.assert_allclose(y, want, **CLOSE, err_msg=f"{name}, step {t}")
+            _assert_same_caches(state, ref_state, f"{framework}: {name}")
+
+
+def test_pattern_rows_compute_what_the_loop_computes():
+    n, k = 5, 3  # a pattern [a, a, b]: one whole repeat, then a and a
+    cases = workloads.cases("pattern", CFG, [])
+    assert cases[0].name == workloads.LOOP
+    loop_params, x, loop_loss = cases[0].build(n)
+    want, loop_grads = jax.value_and_grad(loop_loss)(loop_params, x)
+    # the loop's per-layer gradients in the stack's layout: position p holds p, p+k, ...
+    want_grads = tuple(stackwise.stack_layers(loop_grads[p::k]) for p in range(k))
+    for case in cases[1:]:
+        params, x, loss = case.build(n)
+        assert jax.tree.structure(params) == jax.tree.structure(want_grads), case.name
+        value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
+        np.testing.assert_allclose(value, want, **CLOSE, err_msg=case.name)
+        for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(got, expected, **CLOSE, err_msg=case.name)
+
+
+def test_the_harness_gives_each_step_the_state_the_last_one_returned():
+    # the cache is donated: a step given a state that an earlier call consumed would raise
+    cfg = BenchConfig.quick(blocks=("decode",), variants=("jax",), rounds=3)
+    notes = []
+    results, notes = run_benchmark(cfg, progress=False, log=notes.append)
+    assert {r.variant for r in results} == {
+        workloads.LOOP, workloads.SCAN, "lax.scan (cache in carry)", "stackwise"}, notes
+    layer_cache = CFG.dec_batch * CFG.dec_cache * CFG.dec_d  # [batch, length, heads, size]
+    cache_bytes = 2 * 2 * layer_cache * 4  # k and v of 2 layers, float32
+    for r in results:
+        assert len(r.step_samples) == 3 and r.state_bytes == cache_bytes, r
 
 
 def test_selection_by_name_or_framework():

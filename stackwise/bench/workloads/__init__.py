@@ -13,6 +13,11 @@ its name in the block's ``modules``. To add a block: its sizes and a ``<block>_n
 of depths in :class:`~stackwise.bench.BenchConfig`, a function named after it in
 ``core.py`` (and in the framework modules that have it), and an entry here; the command
 line gets ``--<block>-n`` from it.
+
+The blocks: ``mlp`` (the core comparison), ``transformer`` (the adapters against the
+frameworks' tools), ``decode`` and ``prefill`` (a KV-cache attention layer, inference:
+one token, or a whole prompt, per call, with the cache donated and updated), ``pattern``
+(a repeating pattern of two kinds of block, ``[a, a, b]``).
 """
 
 from __future__ import annotations
@@ -45,13 +50,23 @@ __all__ = [
 class Block(NamedTuple):
     """A block: ``title`` (formatted with the config's fields), the config field with its
     depths, the workload modules that give its rows, in table order (a framework's module
-    is named after its ``Case.framework``), and whether a step is ``jit(grad(fn))`` (else
-    ``jit(fn)``, e.g. for inference)."""
+    is named after its ``Case.framework``), and how a step runs:
+
+    * ``grad``: a step is ``jit(grad(fn))`` (else ``jit(fn)``, e.g. for inference);
+    * ``state``: a step threads state, e.g. a KV cache: its cases' builds give
+      ``(params, state, x, step)`` with ``step(params, state, x) -> (y, state)``, jitted
+      with the state donated, and each call is given the state the previous call
+      returned (see :data:`~stackwise.bench.workloads.common.Build`);
+    * ``warmup_n``: the depth of the warm-up compiles (small, but one that every row
+      accepts: a pattern of k layers needs at least k).
+    """
 
     title: str
     depths: str
     modules: tuple[str, ...]
     grad: bool = True
+    state: bool = False
+    warmup_n: int = 2
 
 
 BLOCKS: dict[str, Block] = {
@@ -66,6 +81,31 @@ BLOCKS: dict[str, Block] = {
         "heads={tf_heads}, seq={tf_seq}, batch={tf_batch}",
         "transformer_ns",
         ("core", "haiku", "flax", "nnx"),
+    ),
+    "decode": Block(
+        "decode: one token at position {dec_prompt} per call, attention layer over a KV cache "
+        "of {dec_cache} positions: D={dec_d}, heads={dec_heads}, batch={dec_batch}; "
+        "jit(step) with the cache donated (step ms = ms/token)",
+        "decode_ns",
+        ("core", "haiku", "flax", "nnx"),
+        grad=False,
+        state=True,
+    ),
+    "prefill": Block(
+        "prefill: a prompt of {dec_prompt} tokens in one call, attention layer over a KV "
+        "cache of {dec_cache} positions: D={dec_d}, heads={dec_heads}, batch={dec_batch}; "
+        "jit(step) with the cache donated",
+        "prefill_ns",
+        ("core", "haiku", "flax", "nnx"),
+        grad=False,
+        state=True,
+    ),
+    "pattern": Block(
+        "pattern [a, a, b] of mlp blocks h + gelu(h @ w1) @ w2: D={d}, hidden {hidden} (a) "
+        "and {pattern_hidden} (b), batch={batch}; jit(grad(mean(y**2)))",
+        "pattern_ns",
+        ("core",),
+        warmup_n=3,
     ),
 }
 

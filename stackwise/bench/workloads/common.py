@@ -1,11 +1,11 @@
 """What every workload module shares: the :class:`Case` it returns, the skeleton of a
-framework's rows (:func:`framework_cases`) and the pieces of the two blocks."""
+framework's rows (:func:`framework_cases`) and the pieces of the blocks."""
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -15,8 +15,10 @@ import numpy as np
 import stackwise
 from stackwise.bench.config import BenchConfig
 
-#: ``build(n) -> (params, x, loss)``, with ``loss(params, x) -> scalar``.
-Build = Callable[[int], tuple[Any, Any, Callable]]
+#: ``build(n) -> (params, x, loss)``, with ``loss(params, x) -> scalar``; for a block with
+#: state (``Block.state``: ``decode``, ``prefill``), ``build(n) -> (params, state, x, step)``
+#: with ``step(params, state, x) -> (y, new_state)``, jitted with ``state`` donated.
+Build = Callable[[int], tuple]
 
 #: The reference rows of every block: each row's ``/loop`` and ``/scan`` ratios are to these.
 LOOP = "loop (separate params)"
@@ -58,14 +60,16 @@ def framework_cases(
     adapter: str,
     stack: Callable[[Any, str], Build],
     notes: list[str],
+    remats: Sequence[str] = REMATS,
 ) -> list[Case]:
     """A framework's rows, the same for every framework, in this order:
 
     1. ``loop``: ``(name, build)`` of a Python loop over n blocks, in the framework.
     2. The framework's own tool (``hk.layer_stack``, ``nn.scan``...) at each remat of
-       :data:`REMATS`: ``tools`` maps the remat to the row's name, ``tool(remat)`` gives
-       its build. The ``off`` row runs a second time as ``"<name> (control)"``, compared
-       with the first: its ratios are the run's noise floor.
+       ``remats`` (:data:`REMATS`; ``("off",)`` for a block without ``grad``, where
+       remat changes nothing): ``tools`` maps the remat to the row's name, ``tool(remat)``
+       gives its build. The ``off`` row runs a second time as ``"<name> (control)"``,
+       compared with the first: its ratios are the run's noise floor.
     3. The adapter, module ``adapter`` (e.g. ``"stackwise.haiku"``), rows named
        ``"<adapter>.Stack"``, ``"... default"`` and ``"... remat"``: ``stack(module,
        remat)`` gives the build, and each row is compared with the tool's row of the same
@@ -76,7 +80,7 @@ def framework_cases(
         Case(loop[0], framework, "off", loop[1]),
         Case(off, framework, "off", tool("off")),
         Case(f"{off} (control)", framework, "off", tool("off"), tool=off),
-        *(Case(tools[r], framework, r, tool(r)) for r in REMATS[1:]),
+        *(Case(tools[r], framework, r, tool(r)) for r in remats if r != "off"),
     ]
     try:
         module = importlib.import_module(adapter)
@@ -85,7 +89,19 @@ def framework_cases(
         return cases
     name = f"{adapter}.Stack"
     names = {"off": name, "dots": f"{name} default", "layer": f"{name} remat"}
-    return cases + [Case(names[r], framework, r, stack(module, r), tool=tools[r]) for r in REMATS]
+    return cases + [Case(names[r], framework, r, stack(module, r), tool=tools[r]) for r in remats]
+
+
+def adapter_or_note(adapter: str, block: str, notes: list[str]) -> Any:
+    """The adapter module, or None with a note: for a block whose rows all take their
+    values from the adapter's params (``decode``, ``prefill``), so that every row of a
+    framework computes the same thing and can be checked against its loop."""
+    try:
+        return importlib.import_module(adapter)
+    except ImportError as e:
+        notes.append(f"{adapter}: not importable ({e}); the {block} rows of its framework "
+                     "(whose params are the Stack's, converted) are skipped.")
+        return None
 
 
 # ==========================================================================
@@ -139,3 +155,41 @@ def transformer_input(cfg: BenchConfig) -> jax.Array:
     """The transformer block's input ``[tf_batch, tf_seq, tf_d]``, the same for every row."""
     rng = np.random.default_rng(cfg.seed + 1)
     return device(rng.standard_normal((cfg.tf_batch, cfg.tf_seq, cfg.tf_d), np.float32))
+
+
+# ==========================================================================
+# The decode and prefill blocks: one attention layer reading and writing a KV cache.
+
+
+def decode_attend(
+    qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array, heads: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes the keys and values of the tokens ``qkv [batch, t, 3 * d]`` into the caches
+    ``[batch, length, heads, d // heads]`` at positions ``pos, ..., pos + t - 1`` (with
+    :func:`jax.lax.dynamic_update_slice_in_dim`), then lets each token attend to the
+    positions up to its own. Returns ``(y [batch, t, d], k_cache, v_cache)``: the decode
+    and prefill blocks' attention, the same function in every framework."""
+    b, t, three_d = qkv.shape
+    length = k_cache.shape[1]
+    q, k, v = (a.reshape(b, t, heads, three_d // 3 // heads) for a in jnp.split(qkv, 3, -1))
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), pos, 1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), pos, 1)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k_cache) / math.sqrt(q.shape[-1])
+    seen = jnp.arange(length)[None, :] <= (pos + jnp.arange(t))[:, None]
+    logits = jnp.where(seen[None, None], logits, jnp.finfo(logits.dtype).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    y = jnp.einsum("bhts,bshd->bthd", weights, v_cache).reshape(b, t, three_d // 3)
+    return y, k_cache, v_cache
+
+
+def cache_shape(cfg: BenchConfig) -> tuple[int, int, int, int]:
+    """One layer's key (or value) cache: ``[dec_batch, dec_cache, dec_heads, head size]``."""
+    return cfg.dec_batch, cfg.dec_cache, cfg.dec_heads, cfg.dec_d // cfg.dec_heads
+
+
+def decode_input(cfg: BenchConfig, tokens: int, pos: int) -> tuple[jax.Array, jax.Array]:
+    """``x = (h [dec_batch, tokens, dec_d], pos)`` of a decode or prefill step: the
+    embedded tokens and the cache position of the first, the same for every row."""
+    rng = np.random.default_rng(cfg.seed + 2)
+    h = rng.standard_normal((cfg.dec_batch, tokens, cfg.dec_d), np.float32)
+    return device((h, np.int32(pos)))

@@ -1,8 +1,9 @@
 """The blocks in pure JAX: Python loops, a hand-written ``lax.scan`` and ``stackwise.stack``.
 
 ``mlp`` is the core comparison (the residual block ``h + gelu(h @ w1) @ w2``);
-``transformer`` is the pure-JAX side of the framework comparison (its Haiku, linen and NNX
-rows are in the modules named after them).
+``transformer``, ``decode`` and ``prefill`` are the pure-JAX side of the framework
+comparisons (their Haiku, linen and NNX rows are in the modules named after them);
+``pattern`` is a layer pattern ``[a, a, b]`` against a loop and a scan over groups.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from stackwise.bench.workloads.common import (
     Build,
     Case,
     attend,
+    cache_shape,
+    decode_attend,
+    decode_input,
     device,
     mean_square,
     transformer_input,
@@ -159,3 +163,194 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
         return device(stacked), transformer_input(cfg)
 
     return _variants(layer_init, layer, inputs, slices=False, checkpoint=False)
+
+
+def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """One token per call, at position ``dec_prompt``: see :func:`_decoding`."""
+    del notes
+    return _decoding(cfg, tokens=1, pos=cfg.dec_prompt)
+
+
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """A prompt of ``dec_prompt`` tokens in one call, from position 0: see :func:`_decoding`."""
+    del notes
+    return _decoding(cfg, tokens=cfg.dec_prompt, pos=0)
+
+
+def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
+    """A decoding step of n attention layers, each with its own KV cache, the cache donated.
+
+    Rows: the Python loop over separate params and separate caches (the reference); a
+    hand-written ``lax.scan`` with the stacked cache as its per-layer input and output
+    (every call writes the whole new cache); a hand-written scan with the stacked cache
+    in its carry, written at the layer's index (in place); ``stackwise.stack(...,
+    with_state=True)``. Forward only, so remat changes nothing: the stack runs without.
+    """
+    d, heads = cfg.dec_d, cfg.dec_heads
+
+    def linear(p, h):
+        return h @ p["w"] + p["b"][None, None, :]
+
+    def layer(p, cache, h, pos):
+        y, k, v = decode_attend(linear(p["qkv"], h), cache["k"], cache["v"], pos, heads)
+        return h + linear(p["out"], y), {"k": k, "v": v}
+
+    def inputs(n):
+        rng = np.random.default_rng(cfg.seed)
+
+        def dense_np(m, k):
+            w = rng.standard_normal((n, m, k), np.float32) / math.sqrt(m)
+            return {"w": w, "b": 0.1 * rng.standard_normal((n, k), np.float32)}
+
+        params = {"qkv": dense_np(d, 3 * d), "out": dense_np(d, d)}
+        cache = {c: np.zeros((n, *cache_shape(cfg)), np.float32) for c in ("k", "v")}
+        return device(params), device(cache), decode_input(cfg, tokens, pos)
+
+    def loop_separate(n):
+        params, cache, x = inputs(n)
+
+        def step(ps, caches, x):
+            h, pos = x
+            new = []
+            for p, c in zip(ps, caches):
+                h, c = layer(p, c, h, pos)
+                new.append(c)
+            return h, new
+
+        return unstack(params), unstack(cache), x, step
+
+    def hand_scan(n):
+        params, cache, x = inputs(n)
+
+        def step(ps, cache, x):
+            h, pos = x
+            return jax.lax.scan(lambda h, pc: layer(*pc, h, pos), h, (ps, cache))
+
+        return params, cache, x, step
+
+    def hand_scan_carry(n):
+        params, cache, x = inputs(n)
+
+        def step(ps, cache, x):
+            h, pos = x
+
+            def body(carry, inputs):
+                (h, cache), (p, i) = carry, inputs
+                mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), cache)
+                h, mine = layer(p, mine, h, pos)
+                cache = jax.tree.map(
+                    lambda a, c: jax.lax.dynamic_update_index_in_dim(a, c, i, 0), cache, mine
+                )
+                return (h, cache), None
+
+            (h, cache), _ = jax.lax.scan(body, (h, cache), (ps, jnp.arange(n)))
+            return h, cache
+
+        return params, cache, x, step
+
+    def with_stackwise(n):
+        params, cache, x = inputs(n)
+        layers = stackwise.stack(None, layer, n, with_state=True, remat=False)  # params: numpy
+        return params, cache, x, lambda ps, cache, x: layers.apply(ps, cache, *x)
+
+    return [
+        Case(LOOP, "jax", "off", loop_separate),
+        Case(SCAN, "jax", "off", hand_scan),
+        Case("lax.scan (cache in carry)", "jax", "off", hand_scan_carry),
+        Case("stackwise", "jax", "off", with_stackwise),
+    ]
+
+
+def pattern(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """A pattern ``[a, a, b]`` of residual MLP blocks (``a`` with ``hidden`` units, ``b``
+    with ``pattern_hidden``) repeated to depth n, n not necessarily a multiple of 3.
+
+    Rows: the Python loop over separate params; a hand-written ``lax.scan`` over groups
+    of 3 layers, then the remaining n % 3 layers by hand (with and without a checkpoint
+    around each group); ``stackwise.stack([init_a, init_a, init_b], [apply] * 3, n)`` at
+    each remat. The scans and the stack take the same params: position p's layers p,
+    p+3, ... stacked (``Stacked.init``'s layout).
+    """
+    del notes
+    d, batch = cfg.d, cfg.batch
+    hiddens = (cfg.hidden, cfg.hidden, cfg.pattern_hidden)
+    k = len(hiddens)
+
+    def layer_init(hidden):
+        def init(key):
+            k1, k2 = jax.random.split(key)
+            return {
+                "w1": jax.random.normal(k1, (d, hidden)) / math.sqrt(d),
+                "w2": jax.random.normal(k2, (hidden, d)) / math.sqrt(hidden) * 0.1,
+            }
+
+        return init
+
+    def layer(p, h):
+        return h + jax.nn.gelu(h @ p["w1"]) @ p["w2"]
+
+    def inputs(n):
+        rng = np.random.default_rng(cfg.seed)
+        positions = []
+        for p, hidden in enumerate(hiddens):
+            count = len(range(p, n, k))
+            positions.append({
+                "w1": rng.standard_normal((count, d, hidden), np.float32) / math.sqrt(d),
+                "w2": rng.standard_normal((count, hidden, d), np.float32)
+                / math.sqrt(hidden) * 0.1,
+            })
+        return device(tuple(positions)), device(rng.standard_normal((batch, d), np.float32))
+
+    def loop_separate(n):
+        positions, x = inputs(n)
+        per_position = [unstack(p) for p in positions]
+        layers = [per_position[i % k][i // k] for i in range(n)]
+
+        def loss(ps, h):
+            for p in ps:
+                h = layer(p, h)
+            return mean_square(h)
+
+        return layers, x, loss
+
+    def hand_scan(remat: bool) -> Build:
+        def build(n):
+            positions, x = inputs(n)
+            repeats, tail = divmod(n, k)
+
+            def group(h, ps):
+                for p in ps:
+                    h = layer(p, h)
+                return h, None
+
+            if remat:
+                group = jax.checkpoint(group, prevent_cse=False)
+
+            def loss(positions, h):
+                whole = tuple(jax.tree.map(lambda a: a[:repeats], p) for p in positions)
+                h = jax.lax.scan(group, h, whole)[0]
+                for p in range(tail):  # the last, partial repeat
+                    h = layer(jax.tree.map(lambda a: a[repeats], positions[p]), h)
+                return mean_square(h)
+
+            return positions, x, loss
+
+        return build
+
+    def with_stackwise(**options) -> Build:
+        def build(n):
+            positions, x = inputs(n)
+            inits = [layer_init(hidden) for hidden in hiddens]
+            layers = stackwise.stack(inits, [layer] * k, n, **options)
+            return positions, x, lambda ps, h: mean_square(layers.apply(ps, h))
+
+        return build
+
+    return [
+        Case(LOOP, "jax", "off", loop_separate),
+        Case(SCAN, "jax", "off", hand_scan(False)),
+        Case("lax.scan+checkpoint (hand)", "jax", "layer", hand_scan(True)),
+        Case("stackwise", "jax", "off", with_stackwise(remat=False)),
+        Case("stackwise default", "jax", "dots", with_stackwise()),
+        Case("stackwise remat", "jax", "layer", with_stackwise(remat=True)),
+    ]

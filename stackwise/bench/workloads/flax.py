@@ -1,6 +1,7 @@
-"""The transformer block in Flax linen: a Python loop, ``nn.scan`` and ``stackwise.flax.Stack``.
+"""The blocks in Flax linen: a Python loop, ``nn.scan`` and ``stackwise.flax.Stack``.
 
-Imported only when the transformer block's rows are asked for (it imports flax).
+The transformer block, and the decode and prefill blocks (the KV cache in a ``cache``
+collection). Imported only when their rows are asked for (it imports flax).
 """
 
 from __future__ import annotations
@@ -9,11 +10,16 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from stackwise.bench.config import BenchConfig
 from stackwise.bench.workloads.common import (
     Case,
+    adapter_or_note,
     attend,
+    cache_shape,
+    decode_attend,
+    decode_input,
     framework_cases,
     initialised,
     python_loop,
@@ -84,4 +90,101 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
         adapter="stackwise.flax",
         stack=stack,
         notes=notes,
+    )
+
+
+class DecodeAttention(nn.Module):
+    """The decode block: attention over a KV cache kept in the ``cache`` collection."""
+
+    d: int
+    heads: int
+    cache: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x, pos):
+        k = self.variable("cache", "k", jnp.zeros, self.cache)
+        v = self.variable("cache", "v", jnp.zeros, self.cache)
+        qkv = nn.Dense(3 * self.d, name="qkv")(x)
+        y, k.value, v.value = decode_attend(qkv, k.value, v.value, pos, self.heads)
+        return x + nn.Dense(self.d, name="out")(y)
+
+
+class DecodeCell(DecodeAttention):
+    """The decode block as ``nn.scan`` needs it: ``(carry, pos) -> (carry, None)``."""
+
+    def __call__(self, x, pos):
+        return super().__call__(x, pos), None
+
+
+def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """linen's rows of the decode block: one token per call (see :func:`_decoding`)."""
+    return _decoding("decode", cfg, notes, tokens=1, pos=cfg.dec_prompt)
+
+
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """linen's rows of the prefill block: a whole prompt per call (see :func:`_decoding`)."""
+    return _decoding("prefill", cfg, notes, tokens=cfg.dec_prompt, pos=0)
+
+
+def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, pos: int):
+    """A loop of blocks, ``nn.scan`` with the ``cache`` collection stacked and
+    ``stackwise.flax.Stack``, each a step ``apply(..., mutable=["cache"])``. Every row's
+    variables are the Stack's, converted with ``stackwise.flax.unstack_variables`` and
+    ``to_scan``, so that every row computes the same."""
+    sw = adapter_or_note("stackwise.flax", block_name, notes)
+    if sw is None:
+        return []
+    sizes = (cfg.dec_d, cfg.dec_heads, cache_shape(cfg))
+    block = functools.partial(DecodeAttention, *sizes)
+    x = decode_input(cfg, tokens, pos)
+    axes = {"params": 0, "cache": 0}
+
+    def model(body, convert):  # body(n, h, pos) in a compact module; convert(variables)
+        def build(n):
+            def net(body):
+                class Model(nn.Module):
+                    @nn.compact
+                    def __call__(self, h, pos):
+                        return body(n, h, pos)
+
+                return Model()
+
+            stack = net(lambda n, h, pos: sw.Stack(block, n, name="layers")(h, pos))
+            variables = convert(stack.init(jax.random.key(cfg.seed), *x))
+            model = net(body)
+
+            def step(params, cache, x):
+                y, new = model.apply({"params": params, "cache": cache}, *x, mutable=["cache"])
+                return y, new["cache"]
+
+            cache = jax.tree.map(jnp.zeros_like, variables["cache"])
+            return variables["params"], cache, x, step
+
+        return build
+
+    def loop(n, h, pos):
+        for i in range(n):
+            h = block(name=f"layers_{i}")(h, pos)
+        return h
+
+    def scan(n, h, pos):
+        scanned = nn.scan(DecodeCell, variable_axes=axes, split_rngs={"params": True},
+                          in_axes=nn.broadcast, length=n)
+        return scanned(*sizes, name="layers")(h, pos)[0]
+
+    def stack(sw, remat):
+        return model(
+            lambda n, h, pos: sw.Stack(block, n, remat=stack_remat(remat), name="layers")(h, pos),
+            lambda variables: variables,
+        )
+
+    return framework_cases(
+        "flax",
+        loop=("nn loop", model(loop, lambda v: sw.unstack_variables(v, "layers"))),
+        tools={"off": "nn.scan"},
+        tool=lambda remat: model(scan, lambda v: sw.to_scan(v, "layers", variable_axes=axes)),
+        adapter="stackwise.flax",
+        stack=stack,
+        notes=notes,
+        remats=("off",),
     )

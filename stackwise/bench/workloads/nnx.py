@@ -1,17 +1,23 @@
-"""The transformer block in Flax NNX: a Python loop, ``nnx.scan`` and ``stackwise.nnx.Stack``.
+"""The blocks in Flax NNX: a Python loop, ``nnx.scan`` and ``stackwise.nnx.Stack``.
 
-Imported only when the transformer block's rows are asked for (it imports flax.nnx).
+The transformer block, and the decode and prefill blocks (the KV cache in ``nnx.Cache``
+variables). Imported only when their rows are asked for (it imports flax.nnx).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from stackwise.bench.config import BenchConfig
 from stackwise.bench.workloads.common import (
     Case,
+    adapter_or_note,
     attend,
+    cache_shape,
+    decode_attend,
+    decode_input,
     framework_cases,
     mean_square,
     stack_remat,
@@ -38,14 +44,14 @@ class Block(nnx.Module):
 
 
 class Loop(nnx.Module):
-    """n blocks in a Python loop."""
+    """Blocks in a Python loop."""
 
-    def __init__(self, make_block, n: int, rngs: nnx.Rngs):
-        self.blocks = nnx.List([make_block(rngs) for _ in range(n)])
+    def __init__(self, blocks: list[nnx.Module]):
+        self.blocks = nnx.List(blocks)
 
-    def __call__(self, x):
+    def __call__(self, x, *args):
         for block in self.blocks:
-            x = block(x)
+            x = block(x, *args)
         return x
 
 
@@ -61,13 +67,14 @@ class Scan(nnx.Module):
         self.blocks = create(rngs)
         self.remat = remat
 
-    def __call__(self, x):
-        def step(x, block):
-            return block(x)
+    def __call__(self, x, *args):
+        def step(x, block, *args):
+            return block(x, *args)
 
         if self.remat != "off":
             step = nnx.remat(step, policy=tool_policy(self.remat))
-        return nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(step)(x, self.blocks)
+        in_axes = (nnx.Carry, 0, *(None,) * len(args))  # args: the same for every layer
+        return nnx.scan(in_axes=in_axes, out_axes=nnx.Carry)(step)(x, self.blocks, *args)
 
 
 def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
@@ -89,7 +96,7 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
 
     return framework_cases(
         "nnx",
-        loop=("nnx loop", model(lambda n, rngs: Loop(make_block, n, rngs))),
+        loop=("nnx loop", model(lambda n, rngs: Loop([make_block(rngs) for _ in range(n)]))),
         tools={
             "off": "nnx.scan", "dots": "nnx.scan+nnx.remat(dots)", "layer": "nnx.scan+nnx.remat",
         },
@@ -97,4 +104,79 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
         adapter="stackwise.nnx",
         stack=stack,
         notes=notes,
+    )
+
+
+class DecodeAttention(nnx.Module):
+    """The decode block: attention over a KV cache kept in ``nnx.Cache`` variables."""
+
+    def __init__(self, d: int, heads: int, cache: tuple[int, ...], rngs: nnx.Rngs):
+        self.heads = heads
+        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+        self.out = nnx.Linear(d, d, rngs=rngs)
+        self.k = nnx.Cache(jnp.zeros(cache))
+        self.v = nnx.Cache(jnp.zeros(cache))
+
+    def __call__(self, x, pos):
+        y, self.k[...], self.v[...] = decode_attend(
+            self.qkv(x), self.k[...], self.v[...], pos, self.heads
+        )
+        return x + self.out(y)
+
+
+def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """NNX's rows of the decode block: one token per call (see :func:`_decoding`)."""
+    return _decoding("decode", cfg, notes, tokens=1, pos=cfg.dec_prompt)
+
+
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    """NNX's rows of the prefill block: a whole prompt per call (see :func:`_decoding`)."""
+    return _decoding("prefill", cfg, notes, tokens=cfg.dec_prompt, pos=0)
+
+
+def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, pos: int):
+    """A loop of blocks, ``nnx.scan`` over blocks made by ``nnx.vmap`` and
+    ``stackwise.nnx.Stack``, each a step that merges the module, calls it and returns its
+    ``nnx.Cache`` state. Every row's variables are the Stack's (the loop's blocks from
+    ``Stack.to_layers()``, the scanned blocks updated with the Stack's stacked state), so
+    that every row computes the same."""
+    sw = adapter_or_note("stackwise.nnx", block_name, notes)
+    if sw is None:
+        return []
+
+    def make_block(rngs):
+        return DecodeAttention(cfg.dec_d, cfg.dec_heads, cache_shape(cfg), rngs)
+
+    x = decode_input(cfg, tokens, pos)
+
+    def model(make, remat="off"):  # make(stack, n) -> the row's model, from the Stack's
+        def build(n):
+            stack = sw.Stack(make_block, n, rngs=nnx.Rngs(cfg.seed), remat=stack_remat(remat))
+            graphdef, params, cache = nnx.split(make(stack, n), nnx.Param, nnx.Cache)
+
+            def step(params, cache, x):
+                m = nnx.merge(graphdef, params, cache)
+                return m(*x), nnx.state(m, nnx.Cache)
+
+            return params, cache, x, step
+
+        return build
+
+    def scan(stack, n):
+        scanned = Scan(make_block, n, nnx.Rngs(cfg.seed), "off")
+        nnx.update(scanned.blocks, nnx.state(stack.layers))
+        return scanned
+
+    def stack(sw, remat):
+        return model(lambda stack, n: stack, remat)
+
+    return framework_cases(
+        "nnx",
+        loop=("nnx loop", model(lambda stack, n: Loop(stack.to_layers()))),
+        tools={"off": "nnx.scan"},
+        tool=lambda remat: model(scan),
+        adapter="stackwise.nnx",
+        stack=stack,
+        notes=notes,
+        remats=("off",),
     )
