@@ -853,6 +853,11 @@ def convert(
     class and shape created in another order in the port cannot be told
     apart: port the loop's body unchanged.
 
+    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
+    layer i into position ``i % k``, whatever order it runs its positions in;
+    a loop layer of another position's kind of block (its class among the
+    modules around the variable) is refused, even with alike variables.
+
     Args:
       variables: the source model's variables, ``{collection: tree}`` (with
         or without partitioning boxes; the result has them if these do).

@@ -629,6 +629,11 @@ def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> A
     leaves that differ. Leaves of one class and shape created in another
     order in the port cannot be told apart: port the loop's body unchanged.
 
+    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
+    layer i into position ``i % k``, whatever order it runs its positions in;
+    a loop layer of another position's kind of block (its class among the
+    modules around the variable) is refused, even with alike variables.
+
     Args:
       tree: the source model's params, its state, or ``(params, state)``
         (which of them is told from the entries' names).

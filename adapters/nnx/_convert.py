@@ -699,6 +699,11 @@ def convert(tree: Any, source: Any, target: Any) -> Any:
     the k-th of the target, checking that they agree in module class,
     variable name, path within the layer, shape and dtype. It works both ways.
 
+    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
+    layer i into position ``i % k``, whatever order it runs its positions in;
+    a loop layer of another position's kind of block (its class among the
+    modules around the variable) is refused, even with alike variables.
+
     >>> import jax, jax.numpy as jnp, stackwise.nnx
     >>> from flax import nnx
     >>> class Block(nnx.Module):
