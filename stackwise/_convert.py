@@ -11,7 +11,7 @@ never promotes a dtype.
 Three parts:
 
 - exact stacking: :func:`stack_exact` / :func:`unstack_exact` (and a pattern's
-  positions, :func:`pattern_counts` / :func:`pattern_depth`);
+  positions, :func:`pattern_counts` / :func:`pattern_depth` / :func:`pattern_depths`);
 - finding a loop's layers by name: :func:`layer_names`, :func:`find_depth`,
   :func:`check_distinct`;
 - matching two models leaf by leaf in the order the framework creates their
@@ -408,8 +408,8 @@ def pattern_depths(counts: Mapping[int, int], k: int, who: str) -> tuple[int, in
     if hi is None or lo > hi:
         shown = ", ".join(f"position {p}: {c}" for p, c in sorted(counts.items()))
         raise ValueError(
-            f"{who}: the pattern positions found hold {shown} layers, which no depth "
-            f"gives: position p of {k} holds layers p, p+{k}, ... Give the positions' "
+            f"{who}: the pattern positions found hold so many layers ({shown}) as no "
+            f"depth gives: position p of {k} holds layers p, p+{k}, ... Give the positions' "
             "trees as `Stacked.init` returns them."
         )
     return lo, hi
