@@ -11,7 +11,7 @@ never promotes a dtype.
 Three parts:
 
 - exact stacking: :func:`stack_exact` / :func:`unstack_exact` (and a pattern's
-  positions, :func:`pattern_counts` / :func:`pattern_depth`);
+  positions, :func:`pattern_counts` / :func:`pattern_depth` / :func:`pattern_depths`);
 - finding a loop's layers by name: :func:`layer_names`, :func:`find_depth`,
   :func:`check_distinct`;
 - matching two models leaf by leaf in the order the framework creates their
@@ -20,7 +20,7 @@ Three parts:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +38,7 @@ __all__ = [
     "layer_names",
     "pattern_counts",
     "pattern_depth",
+    "pattern_depths",
     "stack_exact",
     "unstack_exact",
 ]
@@ -319,12 +320,19 @@ def find_depth(
     who: str,
     *,
     fixed: int | None = None,
+    pattern: int = 1,
 ) -> int:
     """The number of layers of a loop, found by name: all of 0..n-1 present and no more.
 
     Looks at indices ``0 .. max(bound, n)`` (``bound``: an upper bound on the
     layers the tree can hold, e.g. its number of entries), so a gap or a
     surplus is seen whatever the naming.
+
+    With a pattern of k kinds of blocks, a kind may have nothing in this
+    tree (a Haiku state dict, a linen collection, that only some kinds
+    create): the layers of the kinds present must then be there without a
+    gap, and those of the others are absent. The depth found ends with the
+    last layer present; a position p is present if layer p is.
 
     Args:
       exists: whether layer i's name is in the tree.
@@ -334,6 +342,7 @@ def find_depth(
       who: the public function, for messages.
       fixed: the number of names when they were given as a list (then exactly
         those are taken).
+      pattern: the pattern's length k (1: no pattern).
 
     Raises:
       ValueError: no layer at all, a gap (the missing indices are named), or
@@ -344,7 +353,7 @@ def find_depth(
             raise ValueError(f"{who}: got n={n} but {fixed} names; give one name per layer.")
         n, limit = fixed, fixed
     else:
-        limit = max(bound, n or 0) + 1
+        limit = max(bound * pattern, n or 0) + 1
     present = [i for i in range(limit) if exists(i)]
     if not present:
         raise ValueError(
@@ -352,7 +361,9 @@ def find_depth(
             "per-layer naming as `names=`."
         )
     found = present[-1] + 1
-    missing = sorted(set(range(max(found, n or 0))) - set(present))
+    kinds = {i % pattern for i in present}
+    expected = [i for i in range(max(found, n or 0)) if i % pattern in kinds]
+    missing = sorted(set(expected) - set(present))
     if missing:
         shown = ", ".join(f"{i} ({label(i)})" for i in missing[:5])
         shown += f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -376,6 +387,34 @@ def find_depth(
     return found if n is None else n
 
 
+def pattern_depths(counts: Mapping[int, int], k: int, who: str) -> tuple[int, int]:
+    """``(lo, hi)``: the depths n for which positions p hold ``counts[p]`` layers.
+
+    ``counts`` may leave out positions that have nothing in a tree (a kind of
+    block without state); with every position given, ``lo == hi`` is the
+    depth (:func:`pattern_depth`). Position p holds ``len(range(p, n, k))``
+    layers, so ``counts[p] = c`` means ``p + (c - 1) k < n <= p + c k``.
+
+    Raises:
+      ValueError: no depth gives these counts.
+    """
+    if len(counts) == k:
+        n = pattern_depth([counts[p] for p in range(k)], who)
+        return n, n
+    lo, hi = k, None
+    for p, c in counts.items():
+        lo = max(lo, p + (c - 1) * k + 1)
+        hi = p + c * k if hi is None else min(hi, p + c * k)
+    if hi is None or lo > hi:
+        shown = ", ".join(f"position {p}: {c}" for p, c in sorted(counts.items()))
+        raise ValueError(
+            f"{who}: the pattern positions found hold so many layers ({shown}) as no "
+            f"depth gives: position p of {k} holds layers p, p+{k}, ... Give the positions' "
+            "trees as `Stacked.init` returns them."
+        )
+    return lo, hi
+
+
 # --------------------------------------------------------------------------
 # Two models, leaf by leaf, in the order the framework creates their variables.
 
@@ -395,6 +434,15 @@ class Leaf(NamedTuple):
       extra: anything else the two models' leaves must agree on, checked equal
         when both have one (NNX: the leaf's name within its layer; linen: one
         layer's partitioning); None when there is nothing to check.
+      scope: the classes of the modules around the leaf, outermost first and
+        ``owner`` last: from the block down for a stacked leaf, from the
+        model's root otherwise (``()``: unknown). Where a stacked leaf meets
+        a loop's, the loop's layer must not be of another position's kind of
+        block, so that a ``Global`` layer never fills a ``Local`` pattern
+        position even when their variables look alike.
+      position: for a leaf of a pattern of ``positions`` kinds of blocks, its
+        position p (it holds layers p, p + k, ...); 0 otherwise.
+      positions: the pattern's length k (1: no pattern).
     """
 
     name: str
@@ -405,19 +453,23 @@ class Leaf(NamedTuple):
     depth: int = 0
     group: Any = None
     extra: Any = None
+    scope: tuple = ()
+    position: int = 0
+    positions: int = 1
 
 
 class _Slot(NamedTuple):
     leaf: int  # index into the model's leaves
-    layer: int | None  # the layer, for a stacked leaf
+    layer: int | None  # the slice of a stacked leaf
+    index: int | None = None  # the layer it is (p + layer * k in a pattern), for messages
 
 
 def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
     """The leaves in loop order: a stack's leaves for layer 0, then layer 1, ...
 
     Within a stack the leaves are in the order its block creates them; with a
-    pattern of k blocks, blocks 0..k-1 of one repeat are created in order, so
-    walking layer j of every leaf with depth > j gives layers jk, ..., jk+k-1:
+    pattern of k blocks, position by position (the adapters order them so), so
+    walking slice j of every leaf with depth > j gives layers jk, ..., jk+k-1:
     the loop's order again.
     """
     out, i, done = [], 0, set()
@@ -438,27 +490,71 @@ def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
             )
         done.add(leaf.group)
         run = range(i, j)
-        depths = [leaves[r].depth for r in run]
-        if any(b > a for a, b in zip(depths, depths[1:])) or max(depths) - min(depths) > 1:
+        k = leaf.positions
+        counts: dict[int, set] = {}
+        for r in run:
+            counts.setdefault(leaves[r].position, set()).add(leaves[r].depth)
+        order = [leaves[r].position for r in run]
+        bad = any(len(d) > 1 for d in counts.values()) or order != sorted(order)
+        if not bad and k > 1:
+            try:
+                pattern_depths({p: min(d) for p, d in counts.items()}, k, who)
+            except ValueError:
+                bad = True
+        if bad:
+            depths = {p: sorted(d) for p, d in counts.items()}
             raise ValueError(
                 f"{who}: the {side} model's stack {leaf.group!r} holds leaves of depths "
-                f"{sorted(set(depths))} in an order no loop or pattern gives."
+                f"{depths} (by pattern position) in an order no loop or pattern gives."
             )
-        for layer in range(max(depths)):
-            out.extend(_Slot(r, layer) for r in run if leaves[r].depth > layer)
+        for layer in range(max(leaves[r].depth for r in run)):
+            out.extend(
+                _Slot(r, layer, leaves[r].position + layer * k)
+                for r in run
+                if leaves[r].depth > layer
+            )
         i = j
     return out
 
 
 def _slot_text(leaves: Sequence[Leaf], slot: _Slot) -> str:
     leaf = leaves[slot.leaf]
-    where = f" (layer {slot.layer})" if slot.layer is not None else ""
+    where = f" (layer {slot.index})" if slot.layer is not None else ""
     owner = f"{leaf.owner} " if leaf.owner else ""
     extra = f" {leaf.extra}" if leaf.extra is not None else ""
+    scope = f" in {'/'.join(leaf.scope)}" if leaf.scope else ""
     return (
         f"{leaf.name}{where}: {owner}{leaf.key!r} {_dtype_name(leaf.dtype)}{list(leaf.shape)}"
-        f"{extra}"
+        f"{extra}{scope}"
     )
+
+
+def _kinds(leaves: Sequence[Leaf]) -> dict[tuple, set]:
+    """``(stack, position) -> {its block's class}``: the outermost class of each
+    scope in a pattern's position (the position's block)."""
+    kinds: dict[tuple, set] = {}
+    for leaf in leaves:
+        if leaf.depth and leaf.positions > 1 and leaf.scope:
+            kinds.setdefault((leaf.group, leaf.position), set()).add(leaf.scope[0])
+    return kinds
+
+
+def _same_kind(stacked: Leaf, other: Leaf, kinds: dict[tuple, set]) -> bool:
+    """A pattern position's leaf meets a leaf of its own kind of block.
+
+    The other leaf is refused if its scope holds the block of another position
+    of the pattern (``Global`` where position p is ``Local``) and not p's own;
+    a scope with neither (a loop body written inline, without a block
+    module) says nothing of the kind, and passes.
+    """
+    if not stacked.depth or stacked.positions < 2 or not other.scope:
+        return True
+    own = kinds.get((stacked.group, stacked.position), set())
+    others = set().union(
+        *(v for (g, p), v in kinds.items() if g == stacked.group and p != stacked.position)
+    )
+    scope = set(other.scope)
+    return bool(scope & own) or not scope & (others - own)
 
 
 def correspond(
@@ -469,13 +565,16 @@ def correspond(
     The two models' leaves are walked in loop order (:func:`_slots`); the
     k-th leaf the target creates takes the k-th leaf the source creates. They
     must correspond one to one: as many leaves, each pair of one module class,
-    leaf name, shape and dtype (and ``extra``, where both have one).
+    leaf name, shape and dtype (and ``extra``, where both have one), and
+    where a pattern position's leaf is paired, of its kind of block
+    (:func:`_same_kind`).
 
     Raises:
       ValueError: the models differ; the message shows where, with the
         leaves around the first difference.
     """
     src, tgt = _slots(source, who, "source"), _slots(target, who, "target")
+    src_kinds, tgt_kinds = _kinds(source), _kinds(target)
 
     def same(a: _Slot, b: _Slot) -> bool:
         s, t = source[a.leaf], target[b.leaf]
@@ -486,6 +585,8 @@ def correspond(
             and tuple(s.shape) == tuple(t.shape)
             and s.dtype == t.dtype
             and extra
+            and _same_kind(s, t, src_kinds)
+            and _same_kind(t, s, tgt_kinds)
         )
 
     first_bad = next((i for i, (a, b) in enumerate(zip(src, tgt)) if not same(a, b)), None)
@@ -502,7 +603,8 @@ def correspond(
             f"{who}: the two models do not correspond one to one: the source has "
             f"{len(src)} per-layer leaves and the target {len(tgt)}, taken in the order "
             f"each creates them (a stack's layer by layer); they first differ at #{at} "
-            "(module class, leaf name, shape and dtype must agree):\n"
+            "(module class, leaf name, shape and dtype must agree, and the classes of "
+            "the blocks around them):\n"
             + "\n".join(lines)
             + "\nBoth models must create the same modules in the same order: the loop's "
             "body and the stacked block the same code." + (f" {hint}" if hint else "")

@@ -17,6 +17,7 @@ raises naming the variable, the layer and the fix; none overwrites an entry.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -64,17 +65,22 @@ def _paths(path: Any, who: str) -> list[tuple[str, ...]]:
     return [_parts(path, who)]
 
 
-def _parent(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
-    """Where a loop's layers are named: next to the Stack (the positions' common parent)."""
-    if len(paths) == 1:
-        return paths[0][:-1]
+def _common(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The paths' longest common prefix (a pattern's positions: the Stack's path)."""
     common = paths[0]
     for p in paths[1:]:
         k = 0
         while k < min(len(common), len(p)) and common[k] == p[k]:
             k += 1
         common = common[:k]
-    return common[:-1]
+    return common
+
+
+def _parent(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """Where a loop's layers are named: next to the Stack (the positions' common parent)."""
+    if len(paths) == 1:
+        return paths[0][:-1]
+    return _common(paths)[:-1]
 
 
 def _show(col: str, path: tuple) -> str:
@@ -276,37 +282,39 @@ def from_loop(
     bound = sum(len(jax.tree.leaves(t, is_leaf=_box)) for t in variables.values())
     fixed = len(names) if isinstance(names, (list, tuple)) else None
     label = lambda i: repr("/".join(_layer_path(name_of, parent, i, who)))  # noqa: E731
-    n = _convert.find_depth(exists, label, n, bound, who, fixed=fixed)
+    k, asked = len(paths), fixed if fixed is not None else n
+    if asked is not None and asked < k:
+        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, got {asked}.")
+    n = _convert.find_depth(exists, label, n, bound, who, fixed=fixed, pattern=k)
     layer_paths = [_layer_path(name_of, parent, i, who) for i in range(n)]
     _convert.check_distinct(["/".join(p) for p in layer_paths], who)
-    k = len(paths)
-    if n < k:
-        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, found {n}.")
     p_layer = _params(layer_axis_name)
     out = {}
     for col, tree in variables.items():
-        present = [_get(tree, p) is not None for p in layer_paths]
-        if any(present):
-            if not all(present):
-                missing = [i for i, ok in enumerate(present) if not ok]
+        for q, where in enumerate(paths):
+            present = [i for i in range(q, n, k) if _get(tree, layer_paths[i]) is not None]
+            if not present:
+                continue  # this collection has nothing of this kind of block
+            if len(present) < len(range(q, n, k)):
+                missing = sorted(set(range(q, n, k)) - set(present))
+                kind = f" of pattern position {q}" if k > 1 else ""
                 raise ValueError(
-                    f"{who}: collection {col!r} has some of the {n} layers but not layers "
+                    f"{who}: collection {col!r} has some of the {len(range(q, n, k))} layers"
+                    f"{kind} but not layers "
                     f"{missing} ({', '.join(label(i) for i in missing[:3])}); a block's "
                     "collections exist in every layer."
                 )
-            layers = [_pop(tree, p) for p in layer_paths]
-            for q, where in enumerate(paths):
-                own = layers[q::k]
-                lab = lambda j, q=q: f"layer {q + j * k} ({label(q + j * k)})"  # noqa: E731
-                _check_same_boxes(own, col, lab, who)
-                values = _convert.stack_exact(
-                    [_unbox(layer) for layer in own],
-                    who,
-                    label=lab,
-                    leaf_name=lambda s, col=col, where=where: _show(col, where) + s,
-                )
-                stacked = _rebox(own[0], values, lambda b: b.add_axis(0, p_layer))
-                _put(tree, where, stacked, col, who)
+            own = [_pop(tree, layer_paths[i]) for i in present]
+            lab = lambda j, q=q: f"layer {q + j * k} ({label(q + j * k)})"  # noqa: E731
+            _check_same_boxes(own, col, lab, who)
+            values = _convert.stack_exact(
+                [_unbox(layer) for layer in own],
+                who,
+                label=lab,
+                leaf_name=lambda s, col=col, where=where: _show(col, where) + s,
+            )
+            stacked = _rebox(own[0], values, lambda b: b.add_axis(0, p_layer))
+            _put(tree, where, stacked, col, who)
         out[col] = tree
     return out
 
@@ -358,42 +366,52 @@ def to_loop(
         have = {col: sorted(t) for col, t in variables.items()}
         raise ValueError(f"{who}: no collection has {where}; the variables have {have}.")
     p_layer = _params(layer_axis_name)
-    out = {}
+    k = len(paths)
+    stack = _common(paths) if k > 1 else ()  # a pattern's Stack: nothing else may stay there
+    out, positions = {}, {}  # collection -> position -> its layers
     for col, tree in variables.items():
-        if all(_get(tree, p) is None for p in paths):
-            out[col] = tree
-            continue
-        positions = []
-        for where in paths:
+        out[col] = tree
+        for q, where in enumerate(paths):
             if _get(tree, where) is None:
-                raise ValueError(
-                    f"{who}: collection {col!r} has some pattern positions but not "
-                    f"{'/'.join(where)!r}."
-                )
+                continue  # with a pattern: this collection has nothing of this kind
             stacked = _pop(tree, where)
             _check_layer_axis(stacked, col, where, layer_axis_name, who)
             values = _unbox(stacked)
             depth = _convert.depth_of(values, who, f"variables at {_show(col, where)}")
             layers = _convert.unstack_exact(values, depth)
-            positions.append(
-                [_rebox(stacked, v, lambda b: b.remove_axis(0, p_layer)) for v in layers]
-            )
-        k = len(paths)
-        n = (
-            len(positions[0])
-            if k == 1
-            else _convert.pattern_depth([len(p) for p in positions], who)
-        )
-        if isinstance(names, (list, tuple)) and len(names) != n:
+            positions.setdefault(col, {})[q] = [
+                _rebox(stacked, v, lambda b: b.remove_axis(0, p_layer)) for v in layers
+            ]
+        left = _get(tree, stack) if stack else None
+        if left:
             raise ValueError(
-                f"{who}: the stacked variables hold {n} layers but {len(names)} `names` "
-                "were given; give one name per layer."
+                f"{who}: {_show(col, stack)} holds {sorted(left)} besides the pattern's "
+                f"positions {['/'.join(p) for p in paths]}; they would be left behind, "
+                "stacked. Check `path` (each position's path, in the pattern's order)."
             )
-        layer_paths = [_layer_path(name_of, parent, i, who) for i in range(n)]
-        _convert.check_distinct(["/".join(p) for p in layer_paths], who)
-        for i, where in enumerate(layer_paths):
-            _put(tree, where, positions[i % k][i // k], col, who)
-        out[col] = tree
+    depths: dict[int, int] = {}
+    for col, held in positions.items():
+        for q, layers in held.items():
+            if depths.setdefault(q, len(layers)) != len(layers):
+                raise ValueError(
+                    f"{who}: {_show(col, paths[q])} holds {len(layers)} layers but another "
+                    f"collection holds {depths[q]} there; every collection of a block has "
+                    "one layer axis."
+                )
+    lo, hi = _convert.pattern_depths(depths, k, who)
+    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
+        held = lo if lo == hi else f"{lo} to {hi}"
+        raise ValueError(
+            f"{who}: the stacked variables hold {held} layers but {len(names)} `names` "
+            "were given; give one name per layer."
+        )
+    indices = sorted({q + j * k for q, d in depths.items() for j in range(d)})
+    layer_paths = {i: _layer_path(name_of, parent, i, who) for i in indices}
+    _convert.check_distinct(["/".join(p) for p in layer_paths.values()], who)
+    for col, held in positions.items():
+        for q, layers in held.items():
+            for j, layer in enumerate(layers):
+                _put(out[col], layer_paths[q + j * k], layer, col, who)
     return out
 
 
@@ -569,6 +587,76 @@ def to_scan(
 # By creation order: one model's variables -> another's.
 
 
+def _same_kind(a: nn.Module, b: nn.Module) -> bool:
+    """Two blocks of one class and configuration (their fields but ``parent`` and ``name``)."""
+    if type(a) is not type(b):
+        return False
+    for field in dataclasses.fields(a):
+        if field.name in ("parent", "name"):
+            continue
+        x, y = getattr(a, field.name, None), getattr(b, field.name, None)
+        try:
+            if x is not y and not bool(x == y):
+                return False
+        except Exception:  # e.g. arrays: no single truth value
+            return False
+    return True
+
+
+class _Pattern:
+    """A pattern Stack, seen while ``init`` is traced.
+
+    Each position's block runs as its own root, so its modules' paths are
+    relative to it and say nothing of the position; and the core may trace
+    the positions in any order (``reverse=True`` runs the last first). A
+    block's run is told apart by the block itself: a root module of one
+    position's class and configuration. Positions of one kind (``[Local,
+    Local, Global]``) build the same modules, so one trace serves them all.
+    """
+
+    def __init__(self, stack: Any, rank: tuple, who: str):
+        from stackwise.flax._stack import _fresh_block, _position_names
+
+        blocks = list(stack.block)
+        self.names = _position_names(blocks)
+        self.fresh = [_fresh_block(b, who) for b in blocks]
+        self.kinds = [
+            next(q for q in range(p + 1) if _same_kind(self.fresh[q], self.fresh[p]))
+            for p in range(len(blocks))
+        ]
+        self.rank, self.who = rank, who
+        self.traces: dict[int, dict[tuple, list]] = {}  # kind -> module path -> [rank, class]
+
+    def kind(self, module: nn.Module, where: str) -> int:
+        for q, fresh in enumerate(self.fresh):
+            if _same_kind(module, fresh):
+                return self.kinds[q]
+        raise ValueError(
+            f"{self.who}: the pattern Stack at {where} ran a block "
+            f"({type(module).__name__}) that is none of its positions' blocks "
+            f"({', '.join(self.names)}), so its variables cannot be placed."
+        )
+
+    def record(self, kind: int, path: tuple, cls: str) -> None:
+        trace = self.traces.setdefault(kind, {})
+        trace.setdefault(path, [len(trace), cls])
+
+    def modules(self, stack: tuple, side: str) -> dict[tuple, list]:
+        """Every position's modules, as :class:`_Model` records them."""
+        out = {}
+        for p, name in enumerate(self.names):
+            trace = self.traces.get(self.kinds[p])
+            if trace is None:
+                raise ValueError(
+                    f"{self.who}: the {side} model's pattern Stack at {'/'.join(stack)} did "
+                    f"not run position {p} ({name}) while init was traced."
+                )
+            root = stack + (name,)
+            for rel, (rank, cls) in trace.items():
+                out[root + rel] = [self.rank + (p, rank), cls, stack, root, p, len(self.names)]
+        return out
+
+
 class _Model:
     """A model's variables as :class:`stackwise._convert.Leaf` s, in creation order.
 
@@ -576,8 +664,10 @@ class _Model:
     ``nn.intercept_methods``, which sees every module's first call in order,
     also the block's modules inside a :class:`stackwise.flax.Stack` (whose
     block runs as its own root, so its modules' paths are relative to the
-    Stack's). A variable belongs to the innermost module on its path; the
-    variables are ordered by their module's first call, then by name.
+    Stack's, or to a pattern position's: see :class:`_Pattern`). A variable
+    belongs to the innermost module on its path; the variables are ordered by
+    their module's first call (a pattern's position by position), then by
+    name.
     """
 
     def __init__(self, model: Any, side: str, args: tuple, kwargs: dict, who: str):
@@ -589,15 +679,19 @@ class _Model:
                 f"call `.init` on it), got {type(model).__name__} {model!r}."
             )
         self.side, self.who = side, who
-        modules: dict[tuple, list] = {}  # path -> [rank, class, stack path or None]
+        # path -> [rank, class, stack path or None, the layer's root path or None,
+        #          pattern position, pattern length]
+        modules: dict[tuple, list] = {}
+        patterns: dict[tuple, _Pattern] = {}
         prefix: list[tuple] = [()]
-        stacks: list[tuple] = []
+        stacks: list[list] = []  # [stack path, _Pattern or None, the kind running or None]
 
         def interceptor(f, a, kw, context):
             m = context.module
             if m.scope is None:
                 return f(*a, **kw)
             path = prefix[-1] + tuple(m.path)
+            cls = type(m).__name__
             if isinstance(m, Stack) and context.method_name != "__call__":
                 return f(*a, **kw)  # the Stack's helpers, not a layer's call
             if isinstance(m, Stack):
@@ -607,25 +701,43 @@ class _Model:
                         f"{'/'.join(path)}; convert nested stacks by name with "
                         "`from_loop` / `to_loop`."
                     )
-                modules.setdefault(path, [len(modules), None, path])
+                entry = modules.setdefault(path, [(len(modules),), None, path, path, 0, 1])
+                pattern = None
+                if isinstance(m.block, (list, tuple)):
+                    pattern = patterns.setdefault(path, _Pattern(m, entry[0], who))
                 prefix.append(path)
-                stacks.append(path)
+                stacks.append([path, pattern, None])
                 try:
                     return f(*a, **kw)
                 finally:
                     prefix.pop()
                     stacks.pop()
-            group = stacks[-1] if stacks else None
-            entry = modules.setdefault(path, [len(modules), type(m).__name__, group])
-            if entry[1] is None:  # the block's root, at the Stack's path
-                entry[1] = type(m).__name__
-            return f(*a, **kw)
+            if not stacks:
+                modules.setdefault(path, [(len(modules),), cls, None, None, 0, 1])
+                return f(*a, **kw)
+            stack, pattern, running = stacks[-1]
+            if pattern is None:
+                entry = modules.setdefault(path, [(len(modules),), cls, stack, stack, 0, 1])
+                if entry[1] is None:  # the block's root, at the Stack's path
+                    entry[1] = cls
+                return f(*a, **kw)
+            if running is not None:
+                pattern.record(running, tuple(m.path), cls)
+                return f(*a, **kw)
+            stacks[-1][2] = pattern.kind(m, "/".join(stack))  # a position's block starts
+            try:
+                pattern.record(stacks[-1][2], tuple(m.path), cls)
+                return f(*a, **kw)
+            finally:
+                stacks[-1][2] = None
 
         def traced():
             with nn.intercept_methods(interceptor):
                 return model.init(jax.random.key(0), *args, **kwargs)
 
         self.shapes = _variables(jax.eval_shape(traced), who)
+        for stack, pattern in patterns.items():
+            modules.update(pattern.modules(stack, side))
         self.paths: dict[str, list[tuple]] = {}  # per collection, in the leaves' order
         self.leaves = {col: self._leaves(col, modules) for col in self.shapes}
 
@@ -634,7 +746,13 @@ class _Model:
         for path, struct in jax.tree_util.tree_leaves_with_path(self.shapes[col], is_leaf=_box):
             keys = tuple(getattr(k, "key", k) for k in path)
             owner = next((keys[:j] for j in range(len(keys), -1, -1) if keys[:j] in modules), ())
-            rank, cls, group = modules.get(owner, [-1, "", None])
+            rank, cls, group, root, p, k = modules.get(owner, [(-1,), "", None, None, 0, 1])
+            start = 0 if root is None else len(root)
+            scope = tuple(
+                modules[keys[:j]][1]
+                for j in range(start, len(owner) + 1)
+                if keys[:j] in modules and modules[keys[:j]][1]
+            )
             value = _value(struct)
             shape, depth = tuple(value.shape), 0
             names = getattr(struct, "names", None)
@@ -649,7 +767,9 @@ class _Model:
             extra = None if names is None else ("partitioned", tuple(names))
             name = _show(col, keys)
             key = "/".join(keys[len(owner) :])
-            leaf = _convert.Leaf(name, cls or "", key, shape, value.dtype, depth, group, extra)
+            leaf = _convert.Leaf(
+                name, cls or "", key, shape, value.dtype, depth, group, extra, scope, p, k
+            )
             ranked.append(((rank, keys[len(owner) :]), keys, leaf))
         ranked.sort(key=lambda t: t[0])
         self.paths[col] = [keys for _, keys, _ in ranked]
@@ -732,6 +852,11 @@ def convert(
     and the error shows the first variables that differ. Variables of one
     class and shape created in another order in the port cannot be told
     apart: port the loop's body unchanged.
+
+    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
+    layer i into position ``i % k``, whatever order it runs its positions in;
+    a loop layer of another position's kind of block (its class among the
+    modules around the variable) is refused, even with alike variables.
 
     Args:
       variables: the source model's variables, ``{collection: tree}`` (with

@@ -196,18 +196,21 @@ def from_loop(
         return any(_inside(key, name) for key in tree)
 
     fixed = len(names) if isinstance(names, (list, tuple)) else None
-    n = _convert.find_depth(exists, lambda i: repr(name_of(i)), n, len(tree), who, fixed=fixed)
+    k, asked = len(paths), fixed if fixed is not None else n
+    if asked is not None and asked < k:
+        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, got {asked}.")
+    label = lambda i: repr(name_of(i))  # noqa: E731
+    n = _convert.find_depth(exists, label, n, len(tree), who, fixed=fixed, pattern=k)
     loop_names = [name_of(i) for i in range(n)]
     _convert.check_distinct(loop_names, who)
-    k = len(paths)
-    if n < k:
-        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, found {n}.")
     per_layer, outside = [], dict(tree)
     for name in loop_names:
         inside, outside = _split(outside, name)
         per_layer.append(_flat(inside))
     new: dict[str, dict[str, Any]] = {}
     for p, prefix in enumerate(paths):
+        if p >= n or not per_layer[p]:
+            continue  # a kind of block with nothing in this tree (e.g. no state)
         stacked = _convert.stack_exact(
             per_layer[p::k],
             who,
@@ -250,13 +253,12 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
     who = "stackwise.haiku.to_loop"
     _check_tree(tree, who)
     paths = _paths(path, who)
-    outside, positions = dict(tree), []
-    for prefix in paths:
+    k = len(paths)
+    outside, positions = dict(tree), {}
+    for p, prefix in enumerate(paths):
         inside, outside = _split(outside, prefix)
         if not inside:
-            raise ValueError(
-                f"{who}: no module named {prefix!r} or under it; the tree has {_modules(tree)}."
-            )
+            continue  # with a pattern: a kind of block with nothing in this tree
         flat = _flat(inside)
         depths = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in flat.values()}
         if len(depths) != 1 or None in depths:
@@ -265,25 +267,51 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
                 f"{who}: every leaf under {prefix!r} needs the same leading layer axis, "
                 f"but the leaves are:\n{lines}"
             )
-        positions.append(_convert.unstack_exact(flat, depths.pop()))
-    k = len(paths)
-    n = len(positions[0]) if k == 1 else _convert.pattern_depth([len(p) for p in positions], who)
-    name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
-    if isinstance(names, (list, tuple)) and len(names) != n:
+        positions[p] = _convert.unstack_exact(flat, depths.pop())
+    if not positions:
+        where = " or ".join(repr(prefix) for prefix in paths)
         raise ValueError(
-            f"{who}: the stacked leaves hold {n} layers but {len(names)} `names` were "
+            f"{who}: no module named {where} or under it; the tree has {_modules(tree)}."
+        )
+    if k > 1:
+        _check_none_left(outside, paths, who)
+    lo, hi = _convert.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
+    name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
+    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
+        held = lo if lo == hi else f"{lo} to {hi}"
+        raise ValueError(
+            f"{who}: the stacked leaves hold {held} layers but {len(names)} `names` were "
             "given; give one name per layer."
         )
-    loop_names = [name_of(i) for i in range(n)]
+    layers = sorted((p + j * k, p, j) for p, v in positions.items() for j in range(len(v)))
+    loop_names = [name_of(i) for i, _, _ in layers]
     _convert.check_distinct(loop_names, who)
     new: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(loop_names):
-        layer = _nested(positions[i % k][i // k], name)
+    for (i, p, j), name in zip(layers, loop_names):
+        layer = _nested(positions[p][j], name)
         clash = sorted(set(new) & set(layer))
         if clash:  # e.g. one loop name inside another's module
             raise ValueError(f"{who}: layer {i} would overwrite modules {clash}.")
         new.update(layer)
     return _merge(outside, new, who)
+
+
+def _check_none_left(outside: Tree, paths: list[str], who: str) -> None:
+    """A pattern's positions are modules of one Stack: nothing else may stay under it."""
+    parts = [p.split("/") for p in paths]
+    common = []
+    for column in zip(*parts):
+        if len(set(column)) > 1:
+            break
+        common.append(column[0])
+    stack = "/".join(common)
+    left = sorted(key for key in outside if stack and _inside(key, stack))
+    if left:
+        raise ValueError(
+            f"{who}: {left[:3]} lie in the Stack {stack!r} but under none of the pattern's "
+            f"positions {paths}; they would be left behind, stacked. Check `path` (each "
+            "position's module name, in the pattern's order)."
+        )
 
 
 # --------------------------------------------------------------------------
@@ -362,6 +390,35 @@ def from_layer_stack(
 _KINDS = ("params", "state")
 
 
+def _scope(calls: list, module: Any) -> tuple:
+    """The classes of the modules around a leaf created in ``module``: from the block
+    down inside a Stack or ``hk.layer_stack`` (after its lifting module), else from the root."""
+    from stackwise.haiku._stack import Stack  # the adapter's module type
+
+    chain = list(calls)
+    if module is not None and (not chain or chain[-1] is not module):
+        chain.append(module)
+    start = max(
+        (i + 1 for i, m in enumerate(chain) if isinstance(m, Stack) or _lifting(m)),
+        default=0,
+    )
+    return tuple(type(m).__name__ for m in chain[start:])
+
+
+def _lifting(module: Any) -> bool:
+    """Haiku's own lifting module (``hk.lift``, ``hk.layer_stack``), not a user's block."""
+    return type(module).__module__.startswith("haiku._src.lift")
+
+
+def _position_names(stack: Any) -> list[str] | None:
+    """A pattern Stack's positions' module names, in the pattern's order (None: no pattern).
+
+    The Stack records them while its init is traced (``_Layers.names``).
+    """
+    layers = stack._layers
+    return list(layers.names) if layers.pattern and layers.names is not None else None
+
+
 class _Model:
     """A model's params and state as :class:`stackwise._convert.Leaf` s, in creation order.
 
@@ -371,10 +428,16 @@ class _Model:
     creation order, also those of
     a block inside a :class:`Stack` or ``hk.layer_stack`` (their lifted
     prefix plus the name is the leaf's name in the outer dict, with one
-    layer's shape: the leaf's stacked shape then gives the depth).
+    layer's shape: the leaf's stacked shape then gives the depth). An
+    ``hk.intercept_methods`` interceptor sees the modules around each leaf
+    (its scope) and the Stacks; a pattern Stack's leaves are ordered position
+    by position, whatever order the positions were traced in
+    (``reverse=True`` runs the last first).
     """
 
     def __init__(self, model: Any, side: str, args: tuple, kwargs: dict, who: str):
+        from stackwise.haiku._stack import Stack  # the adapter's module type
+
         if isinstance(model, (hk.Transformed, hk.TransformedWithState)):
             init = model.init
         elif callable(model):
@@ -386,17 +449,34 @@ class _Model:
                 f"itself, got {type(model).__name__} {model!r}."
             )
         created: dict[str, dict[str, tuple]] = {kind: {} for kind in _KINDS}
+        calls: list = []  # the modules whose methods are running, outermost first
+        stacks: dict[str, Any] = {}  # a Stack's lifted prefix -> the Stack
+
+        def interceptor(f, a, kw, context):
+            m = context.module
+            if context.method_name == "__init__":
+                return f(*a, **kw)
+            if isinstance(m, Stack):
+                stacks.setdefault(m.module_name + "/", m)
+            calls.append(m)
+            try:
+                return f(*a, **kw)
+            finally:
+                calls.pop()
+
+        def record(kind: str, context: Any, shape: tuple, dtype: Any) -> None:
+            prefix = context.lifted_prefix_name or ""
+            owner = type(context.module).__name__ if context.module is not None else ""
+            created[kind].setdefault(
+                prefix + context.full_name,
+                (prefix, owner, shape, dtype, _scope(calls, context.module)),
+            )
 
         def creator(kind: str) -> Callable:
             def create(next_creator, shape, dtype, init, context):
                 value = next_creator(shape, dtype, init)
                 if hasattr(value, "shape"):  # not DO_NOT_STORE
-                    prefix = context.lifted_prefix_name or ""
-                    owner = type(context.module).__name__ if context.module is not None else ""
-                    created[kind].setdefault(
-                        prefix + context.full_name,
-                        (prefix, owner, tuple(value.shape), value.dtype),
-                    )
+                    record(kind, context, tuple(value.shape), value.dtype)
                 return value
 
             return create
@@ -404,26 +484,48 @@ class _Model:
         def setter(next_setter, value, context):
             # State first written by `hk.set_state` (e.g. hk.ExponentialMovingAverage's
             # average) is created there, not by a creator.
-            prefix = context.lifted_prefix_name or ""
-            owner = type(context.module).__name__ if context.module is not None else ""
-            shape, dtype = tuple(jnp.shape(value)), jnp.result_type(value)
-            created["state"].setdefault(prefix + context.full_name, (prefix, owner, shape, dtype))
+            record("state", context, tuple(jnp.shape(value)), jnp.result_type(value))
             return next_setter(value)
 
         def traced():
-            with hk.custom_creator(creator("params"), params=True, state=False):
-                with hk.custom_creator(creator("state"), params=False, state=True):
-                    with hk.custom_setter(setter):
-                        return init(jax.random.key(0), *args, **kwargs)
+            with hk.intercept_methods(interceptor):
+                with hk.custom_creator(creator("params"), params=True, state=False):
+                    with hk.custom_creator(creator("state"), params=False, state=True):
+                        with hk.custom_setter(setter):
+                            return init(jax.random.key(0), *args, **kwargs)
 
         out = jax.eval_shape(hk.transform(traced).apply, {}, None)
         params, state = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
         self.side, self.who = side, who
         self.shapes = {"params": params, "state": state}
+        self.positions = {prefix: _position_names(stack) for prefix, stack in stacks.items()}
         self.leaves = {kind: self._leaves(kind, created[kind]) for kind in _KINDS}
 
-    def _leaves(self, kind: str, created: dict) -> list[_convert.Leaf]:
+    def _rank(self, created: dict) -> dict[str, tuple]:
+        """Each leaf's ``(rank, position, positions)``: its place in creation order (a
+        pattern Stack's position by position) and its pattern position of how many."""
         order = {name: i for i, name in enumerate(created)}
+        first: dict[str, int] = {}
+        for name, (prefix, *_) in created.items():
+            first.setdefault(prefix, order[name])
+        rank = {}
+        for name, (prefix, *_) in created.items():
+            names = self.positions.get(prefix)
+            if not names:
+                rank[name] = ((order[name],), 0, 1)
+                continue
+            position = name[len(prefix) :].split("/")[0]
+            if position not in names:
+                raise ValueError(
+                    f"{self.who}: the {self.side} model's {name} lies in a pattern Stack "
+                    f"but in none of its positions {names}."
+                )
+            p = names.index(position)
+            rank[name] = ((first[prefix], p, order[name]), p, len(names))
+        return rank
+
+    def _leaves(self, kind: str, created: dict) -> list[_convert.Leaf]:
+        rank = self._rank(created)
         leaves = []
         for module, bundle in self.shapes[kind].items():
             for key, struct in bundle.items():
@@ -434,7 +536,7 @@ class _Model:
                         "created by `hk.get_parameter` / `hk.get_state` / `hk.set_state` "
                         "during init, so its place in the model is unknown."
                     )
-                prefix, owner, shape, dtype = created[name]
+                prefix, owner, shape, dtype, scope = created[name]
                 if tuple(struct.shape) == shape:
                     depth = 0
                 elif tuple(struct.shape[1:]) == shape:
@@ -447,8 +549,11 @@ class _Model:
                         "converts leaf by leaf. Convert nested stacks with `from_loop` / "
                         "`to_loop`."
                     )
-                leaf = _convert.Leaf(name, owner, key, shape, dtype, depth, prefix or None)
-                leaves.append((order[name], leaf))
+                place, p, k = rank[name]
+                leaf = _convert.Leaf(
+                    name, owner, key, shape, dtype, depth, prefix or None, None, scope, p, k
+                )
+                leaves.append((place, leaf))
         return [leaf for _, leaf in sorted(leaves, key=lambda t: t[0])]
 
     def check(self, tree: Tree, kind: str) -> None:
@@ -523,6 +628,11 @@ def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> A
     shape and dtype. Otherwise nothing is moved and the error shows the first
     leaves that differ. Leaves of one class and shape created in another
     order in the port cannot be told apart: port the loop's body unchanged.
+
+    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
+    layer i into position ``i % k``, whatever order it runs its positions in;
+    a loop layer of another position's kind of block (its class among the
+    modules around the variable) is refused, even with alike variables.
 
     Args:
       tree: the source model's params, its state, or ``(params, state)``

@@ -9,12 +9,13 @@ or the nested dict ``nnx.to_pure_dict`` gives), as checkpoints hold it:
   graph order (an upstream model with ``self.layers = [Block(...) ...]`` into
   its port with ``self.layers = Stack(...)``, and back), in one call;
 - :func:`from_loop` / :func:`to_loop`: the layers of a loop (``layers[i]``,
-  ``layer_{i}``, any naming), found by name;
+  ``layer_{i}``, any naming), found by name (with a pattern of k blocks too);
 - :func:`from_scan` / :func:`to_scan`: a block built with ``nnx.vmap`` and run
   with ``nnx.scan`` (its variables stacked along an axis).
 
 A Stack at ``path`` keeps its block at ``path + ("layers",)``, every
-variable with a leading layer axis. Every function moves every leaf exactly
+variable with a leading layer axis; a pattern Stack keeps position p's block
+at ``path + ("layers", p)``. Every function moves every leaf exactly
 (bitwise, dtype, variable type and metadata kept; the layer axis added to or
 removed from ``out_sharding``) or raises naming the variable, the layer and
 the fix; none overwrites an entry.
@@ -62,10 +63,45 @@ def _parts(path: Any, who: str, what: str = "path") -> tuple:
 def _single(path: Any, who: str) -> tuple:
     if isinstance(path, list):
         raise TypeError(
-            f"{who}: a list of paths (a pattern of blocks) does not convert for NNX yet; "
-            "it comes with NNX's pattern Stack. Convert each block's layers by name."
+            f"{who}: `path` is one place here, the vmapped block's, got a list {path!r}. "
+            "For a pattern Stack's positions by name, use `from_loop` / `to_loop` with the "
+            "list of positions."
         )
     return _parts(path, who)
+
+
+def _positions(path: Any, who: str) -> tuple[list[tuple], tuple, bool]:
+    """``(positions, stack, listed)``: where each pattern position's block is, and
+    where the Stack is (a loop there is its default naming).
+
+    One path is a Stack's place, its block at ``path + ("layers",)``. A list
+    of k paths names the k positions of a pattern Stack, each where its
+    stacked block is (``"layers/layers/0"``, ``"layers/layers/1"``, ... for
+    a Stack at ``layers``); the Stack is then the positions' common parent.
+    """
+    if not isinstance(path, list):
+        stack = _parts(path, who)
+        return [stack + (_BLOCK,)], stack, False
+    if not path:
+        raise TypeError(
+            f"{who}: a pattern's `path` lists its k positions (for a Stack at 'layers': "
+            "['layers/layers/0', ..., 'layers/layers/{k-1}']); got []."
+        )
+    positions = [_parts(p, who) for p in path]
+    _convert.check_distinct([_show(p) for p in positions], who, sep=None)
+    for i, a in enumerate(positions):
+        for j, b in enumerate(positions):
+            if i != j and b[: len(a)] == a:
+                raise ValueError(f"{who}: position {j} ({_show(b)}) lies inside position {i}.")
+    common = positions[0]
+    for p in positions[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    if len(positions) == 1:
+        common = positions[0]
+    return positions, common[:-1], True
 
 
 def _show(path: tuple) -> str:
@@ -144,10 +180,19 @@ def _check_layer_axis(flat: dict, prefix: tuple, axis_name: Any, who: str) -> No
             )
 
 
-def _stack(layers: list[dict], prefix_of: Callable[[int], tuple], axis_name: Any, who: str) -> dict:
-    """Per-layer flat leaves -> stacked leaves (variables keep type and metadata)."""
+def _stack(
+    layers: list[dict],
+    prefix_of: Callable[[int], tuple],
+    axis_name: Any,
+    who: str,
+    index_of: Callable[[int], int] = lambda j: j,
+) -> dict:
+    """Per-layer flat leaves -> stacked leaves (variables keep type and metadata).
+
+    ``layers[j]`` is the loop's layer ``index_of(j)``, named ``prefix_of(j)``.
+    """
     first = layers[0]
-    label = lambda i: f"layer {i} ({_show(prefix_of(i))})"  # noqa: E731
+    label = lambda j: f"layer {index_of(j)} ({_show(prefix_of(j))})"  # noqa: E731
     for i, layer in enumerate(layers[1:], 1):
         for rest in sorted(set(first) & set(layer), key=str):
             if _meta(first[rest]) != _meta(layer[rest]):
@@ -178,7 +223,7 @@ def _names(names: Any, stack: tuple, who: str) -> Callable[[int], tuple]:
 
 def from_loop(
     tree: Any,
-    path: Path,
+    path: Path | list[Path],
     names: Names | None = None,
     *,
     n: int | None = None,
@@ -212,14 +257,22 @@ def from_loop(
     Layers are found by name, all of them: a gap (``layer_0``, ``layer_2``)
     or more layers than ``n`` is an error naming what was found.
 
+    For a pattern Stack (``Stack([make_local, make_local, make_global], n,
+    rngs=rngs)``, whose k positions' blocks are ``stack.layers[p]``),
+    ``path`` lists the k positions' paths, as in Haiku and linen: layer i
+    goes to position ``i % k``, e.g. ``[f"layers/layers/{p}" for p in
+    range(3)]`` for a Stack at ``layers``.
+
     Args:
       tree: the state, an ``nnx.State`` (``nnx.state(model)``) or a nested
         dict of arrays (``nnx.to_pure_dict``, a checkpoint).
       path: where the Stack is in the model, e.g. ``"layers"`` or
-        ``"decoder/layers"`` (``.`` also separates; a number is a list index).
-      names: the loop's layers: None (``path`` then the index, a list's
-        layout), a format string (``"layer_{}"``, ``"blocks/{}"``), a function
-        of the index or a list of n paths.
+        ``"decoder/layers"`` (``.`` also separates; a number is a list index);
+        for a pattern, the list of the k positions' paths (the Stack is then
+        their common parent, ``layers``).
+      names: the loop's layers: None (the Stack's path then the index, a
+        list's layout), a format string (``"layer_{}"``, ``"blocks/{}"``), a
+        function of the index or a list of n paths.
       n: the number of layers; by default all layers found.
       layer_axis_name: the Stack's ``layer_axis_name``, added first to every
         variable's ``out_sharding``.
@@ -236,7 +289,8 @@ def from_loop(
     """
     who = "stackwise.nnx.from_loop"
     flat, is_state = _flat(tree, who)
-    stack = _single(path, who)
+    positions, stack, _ = _positions(path, who)
+    k = len(positions)
     n = _convert.check_n(n, who)
     name_of = _names(names, stack, who)
 
@@ -247,8 +301,11 @@ def from_loop(
             return False
 
     fixed = len(names) if isinstance(names, (list, tuple)) else None
+    asked = fixed if fixed is not None else n
+    if asked is not None and asked < k:
+        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, got {asked}.")
     label = lambda i: repr(_show(name_of(i)))  # noqa: E731
-    n = _convert.find_depth(exists, label, n, len(flat), who, fixed=fixed)
+    n = _convert.find_depth(exists, label, n, len(flat), who, fixed=fixed, pattern=k)
     prefixes = [name_of(i) for i in range(n)]
     _convert.check_distinct([p for p in prefixes], who, sep=None)
     for i, a in enumerate(prefixes):
@@ -257,14 +314,24 @@ def from_loop(
                 raise ValueError(f"{who}: layer {j} ({_show(b)}) lies inside layer {i}.")
     layers = [_under(flat, p) for p in prefixes]
     rest = {p: v for p, v in flat.items() if not any(p[: len(q)] == q for q in prefixes)}
-    stacked = _stack(layers, lambda i: prefixes[i], layer_axis_name, who)
-    _put_all(rest, stack + (_BLOCK,), stacked, who)
+    for q, where in enumerate(positions):
+        own = list(range(q, n, k))
+        if not own or not layers[q]:
+            continue  # a kind of block without variables
+        stacked = _stack(
+            [layers[i] for i in own],
+            lambda j, own=own: prefixes[own[j]],
+            layer_axis_name,
+            who,
+            lambda j, own=own: own[j],
+        )
+        _put_all(rest, where, stacked, who)
     return _unflat(rest, is_state)
 
 
 def to_loop(
     tree: Any,
-    path: Path,
+    path: Path | list[Path],
     names: Names | None = None,
     *,
     layer_axis_name: str | None = None,
@@ -279,7 +346,9 @@ def to_loop(
 
     Args:
       tree: the state, an ``nnx.State`` or a nested dict of arrays.
-      path: where the Stack is in the model (its block is ``path + ("layers",)``).
+      path: where the Stack is in the model (its block is ``path + ("layers",)``);
+        for a pattern Stack, the list of the k positions' paths
+        (``"layers/layers/0"``, ...), as for :func:`from_loop`.
       names: the loop's layers, as for :func:`from_loop`.
       layer_axis_name: the Stack's ``layer_axis_name`` (removed from every
         ``out_sharding``; another name there is an error).
@@ -288,37 +357,78 @@ def to_loop(
       A new state of the input's kind.
 
     Raises:
-      ValueError: no Stack block at ``path``, leaves without a common leading
-        axis, two layers of one name, or a layer that already exists.
+      ValueError: no Stack block at ``path`` (or a pattern's block given as
+        one path), leaves without a common leading axis, positions whose
+        depths no n gives, variables under a pattern Stack at none of the
+        positions, two layers of one name, or a layer that already exists.
     """
     who = "stackwise.nnx.to_loop"
     flat, is_state = _flat(tree, who)
-    stack = _single(path, who)
-    block = stack + (_BLOCK,)
-    inside = _under(flat, block)
-    if not inside:
+    positions, stack, listed = _positions(path, who)
+    k = len(positions)
+    held = {}
+    for q, where in enumerate(positions):
+        inside = _under(flat, where)
+        if not inside:
+            continue  # with a pattern: a kind of block without variables
+        if not listed:
+            _check_not_a_pattern(inside, where, who)
+        _check_layer_axis(inside, where, layer_axis_name, who)
+        raw = {_show(r): _raw(v) for r, v in inside.items()}
+        depth = _convert.depth_of(raw, who, f"Stack block at {_show(where)}")
+        held[q] = (inside, _convert.unstack_exact(raw, depth))
+    if not held:
         tops = sorted({_show(p[:2]) for p in flat}, key=str)[:12]
+        if not listed:
+            raise ValueError(
+                f"{who}: no Stack block at {_show(positions[0])} (a Stack at {_show(stack)} "
+                f"keeps its block there); the state has {tops}."
+            )
         raise ValueError(
-            f"{who}: no Stack block at {_show(block)} (a Stack at {_show(stack)} keeps its "
-            f"block there); the state has {tops}."
+            f"{who}: nothing at the pattern's positions "
+            f"{[_show(p) for p in positions]}; the state has {tops}."
         )
-    _check_layer_axis(inside, block, layer_axis_name, who)
-    raw = {_show(r): _raw(v) for r, v in inside.items()}
-    depth = _convert.depth_of(raw, who, f"Stack block at {_show(block)}")
+    rest = {p: v for p, v in flat.items() if not any(p[: len(w)] == w for w in positions)}
+    if k > 1:
+        common = stack + (positions[0][len(stack)],)
+        left = sorted(_show(p) for p in rest if p[: len(common)] == common)
+        if left:
+            raise ValueError(
+                f"{who}: {left[:3]} lie in the Stack's {_show(common)} but at none of the "
+                f"pattern's positions {[_show(p) for p in positions]}; they would be left "
+                "behind, stacked. Check `path` (each position's path, in the pattern's order)."
+            )
+    lo, hi = _convert.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
     name_of = _names(names, stack, who)
-    if isinstance(names, (list, tuple)) and len(names) != depth:
+    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
+        count = lo if lo == hi else f"{lo} to {hi}"
         raise ValueError(
-            f"{who}: the Stack holds {depth} layers but {len(names)} `names` were given; "
+            f"{who}: the Stack holds {count} layers but {len(names)} `names` were given; "
             "give one name per layer."
         )
-    prefixes = [name_of(i) for i in range(depth)]
-    _convert.check_distinct(prefixes, who, sep=None)
-    rest = {p: v for p, v in flat.items() if p[: len(block)] != block}
-    layers = _convert.unstack_exact(raw, depth)
-    for i, prefix in enumerate(prefixes):
-        layer = {r: _with(v, layers[i][_show(r)], lambda s: s[1:]) for r, v in inside.items()}
-        _put_all(rest, prefix, layer, who)
+    indices = sorted(q + j * k for q, (_, layers) in held.items() for j in range(len(layers)))
+    prefixes = {i: name_of(i) for i in indices}
+    _convert.check_distinct(list(prefixes.values()), who, sep=None)
+    for q, (inside, layers) in held.items():
+        for j, layer_values in enumerate(layers):
+            layer = {
+                r: _with(v, layer_values[_show(r)], lambda s: s[1:]) for r, v in inside.items()
+            }
+            _put_all(rest, prefixes[q + j * k], layer, who)
     return _unflat(rest, is_state)
+
+
+def _check_not_a_pattern(inside: dict[tuple, Any], where: tuple, who: str) -> None:
+    """A pattern Stack's block is an ``nnx.List`` of its k positions: refuse to slice it as one."""
+    tops = {r[0] for r in inside}
+    if len(tops) > 1 and tops == set(range(len(tops))):
+        k = len(tops)
+        listed = [_show(where + (p,)) for p in range(k)]
+        raise ValueError(
+            f"{who}: {_show(where)} holds the {k} positions of a pattern Stack "
+            f"({_show(where + (0,))}, ...), not one stacked block. Pass them as a list: "
+            f"path={listed}."
+        )
 
 
 # --------------------------------------------------------------------------
@@ -478,26 +588,44 @@ class _Model:
             if not isinstance(model, nnx.Module):
                 raise TypeError(f"{who}: the {side} model's function did not build a module.")
         self.side, self.who = side, who
-        owners, groups = {}, []
+        owners, stacks = {}, {}  # path -> class name; a Stack's block path -> pattern length
         for path, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Pytree):  # modules and their containers (nnx.List)
                 owners[tuple(path)] = type(node).__name__
             if isinstance(node, Stack):
-                groups.append(tuple(path) + (_BLOCK,))
+                stacks[tuple(path) + (_BLOCK,)] = len(node.layers) if node.pattern else 1
         self.flat = dict(nnx.to_flat_state(nnx.state(model)))
         self.paths = list(self.flat)
-        self.groups = []
+        self.groups = []  # each leaf's layer root: its Stack's block, or pattern position
         self.leaves = []
         for path in self.paths:
             value = _raw(self.flat[path])
-            group = next((g for g in groups if path[: len(g)] == g), None)
-            shape, depth = tuple(value.shape), 0
+            group = next((g for g in stacks if path[: len(g)] == g), None)
+            shape, depth, position, k, root = tuple(value.shape), 0, 0, 1, ()
             if group is not None:
-                depth, shape = shape[0], shape[1:]
+                depth, shape, k, root = shape[0], shape[1:], stacks[group], group
+                if k > 1:
+                    position = path[len(group)]
+                    root = group + (position,)
+            scope = tuple(
+                owners[path[:j]] for j in range(len(root), len(path)) if path[:j] in owners
+            )
             owner = owners.get(path[:-1], "")
-            self.groups.append(group)
+            self.groups.append(None if group is None else root)
             self.leaves.append(
-                _convert.Leaf(_show(path), owner, str(path[-1]), shape, value.dtype, depth, group)
+                _convert.Leaf(
+                    _show(path),
+                    owner,
+                    str(path[-1]),
+                    shape,
+                    value.dtype,
+                    depth,
+                    group,
+                    None,
+                    scope,
+                    position,
+                    k,
+                )
             )
 
     def check(self, flat: dict) -> None:
@@ -570,6 +698,11 @@ def convert(tree: Any, source: Any, target: Any) -> Any:
     Stack's block layer by layer) and moves the k-th leaf of the source to
     the k-th of the target, checking that they agree in module class,
     variable name, path within the layer, shape and dtype. It works both ways.
+
+    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
+    layer i into position ``i % k``, whatever order it runs its positions in;
+    a loop layer of another position's kind of block (its class among the
+    modules around the variable) is refused, even with alike variables.
 
     >>> import jax, jax.numpy as jnp, stackwise.nnx
     >>> from flax import nnx

@@ -236,8 +236,8 @@ def test_existing_entries_are_never_overwritten_and_absent_paths_are_errors():
         swn.to_loop(state, "blocks")
     with pytest.raises(ValueError, match=r"nothing at blocks to convert"):
         swn.from_scan(state, "blocks")
-    with pytest.raises(TypeError, match=r"a list of paths \(a pattern of blocks\)"):
-        swn.from_loop(LOOP, ["layers/a", "layers/b"])
+    with pytest.raises(TypeError, match=r"`path` is one place here, the vmapped block's"):
+        swn.from_scan(LOOP, ["layers/a", "layers/b"])
 
 
 def test_mixed_dtypes_and_metadata_are_refused():
