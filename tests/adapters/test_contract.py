@@ -30,6 +30,17 @@ KEY = jax.random.key(0)
 # Harnesses: one per framework, the same interface.
 
 
+def counting(block, calls):
+    """A subclass of the module class ``block`` that records each call (each trace)."""
+
+    class Counted(block):
+        def __call__(self, x):
+            calls.append(1)
+            return super().__call__(x)
+
+    return Counted
+
+
 class Haiku:
     name = "haiku"
 
@@ -98,13 +109,7 @@ class Haiku:
 
     def counted(self, calls, n):
         hk, sw = self.hk, self.sw
-        Dense = self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        Counted = counting(self.kinds["dense"], calls)
         f = hk.transform(lambda x: sw.Stack(Counted, n)(x))
         params = f.init(KEY, X)
         calls.clear()  # count the traces of the jitted gradient only, as for the others
@@ -222,13 +227,7 @@ class Linen:
         return params, lambda p, x: scan.apply({"params": p}, x)[0]
 
     def counted(self, calls, n):
-        Dense = self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        Counted = counting(self.kinds["dense"], calls)
         model = self.sw.Stack(Counted, n)
         params = model.init(KEY, X)
         calls.clear()
@@ -357,13 +356,7 @@ class NNX:
         return params, lambda p, x: scan(x, nnx.merge(graphdef, p, rest, copy=True))
 
     def counted(self, calls, n):
-        nnx, Dense = self.nnx, self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        nnx, Counted = self.nnx, counting(self.kinds["dense"], calls)
         model = self.sw.Stack(Counted, n, rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         calls.clear()
@@ -500,13 +493,7 @@ class Equinox:
         return params, apply
 
     def counted(self, calls, n):
-        Dense = self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        Counted = counting(self.kinds["dense"], calls)
         params, apply = self._split(self.sw.Stack(Counted, n, key=KEY))
         calls.clear()
         return lambda: jax.jit(jax.grad(lambda p: jnp.sum(apply(p, X)))).lower(params)
