@@ -120,7 +120,8 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
                 f"{numbers[0]} at `{at}`: {how}. Stacked layers share everything but their "
                 "array values: build every block with the same arguments (only the key "
                 "differing), and keep functions in fields as one shared object (a "
-                "module-level function, not a fresh lambda per block)."
+                "module-level function, not a fresh lambda per block); for repeating kinds "
+                "of blocks, pass `pattern=k`."
             )
         arrays.append(a)
 
