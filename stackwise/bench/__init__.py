@@ -4,8 +4,9 @@ Run ``stackwise-bench`` (or ``python -m stackwise.bench``; ``--help`` for the op
 see, in one process on one machine, what n identical blocks cost under ``jit(grad(loss))``
 written as Python loops, a hand-written :func:`jax.lax.scan`, :func:`stackwise.stack`
 (remat off, default, full, nested), the adapters ``stackwise.haiku.Stack``,
-``stackwise.flax.Stack``, ``stackwise.nnx.Stack``, and the frameworks' own tools
-``hk.layer_stack``, ``nn.scan``, ``nnx.scan``. It measures and reports; the project's
+``stackwise.flax.Stack``, ``stackwise.nnx.Stack``, ``stackwise.equinox.Stack``, and the
+frameworks' own tools ``hk.layer_stack``, ``nn.scan``, ``nnx.scan`` (for Equinox, the
+hand-written ``eqx.filter_vmap`` + ``lax.scan``). It measures and reports; the project's
 pass/fail targets are checked from its CSV by ``benchmarks/targets.py``.
 
 One job per module:
