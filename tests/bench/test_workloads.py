@@ -100,8 +100,8 @@ def test_haiku_rows_barriers_and_same_program():
 def test_equinox_rows_of_both_blocks_barriers_and_same_program():
     pytest.importorskip("equinox")
     pytest.importorskip("stackwise.equinox")
-    tools = ["filter_vmap+scan", "filter_vmap+scan+filter_checkpoint(dots)",
-             "filter_vmap+scan+filter_checkpoint"]
+    tools = ["filter_vmap+scan", "filter_vmap+scan+checkpoint(dots)",
+             "filter_vmap+scan+checkpoint"]
     adapters = ["stackwise.equinox.Stack", "stackwise.equinox.Stack default",
                 "stackwise.equinox.Stack remat"]
     for block in ("mlp", "transformer"):  # the same skeleton as every framework's rows

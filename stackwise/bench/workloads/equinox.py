@@ -3,7 +3,8 @@ and ``stackwise.equinox.Stack``.
 
 Equinox has no layer-stacking tool of its own; its users build the layers with
 ``eqx.filter_vmap`` and run them with ``lax.scan`` over ``eqx.partition``-ed arrays, with
-``eqx.filter_checkpoint`` around the body for remat: that is this framework's tool row.
+``eqx.filter_checkpoint`` around the body for remat: that is this framework's tool row
+(``filter_vmap+scan``, ``filter_vmap+scan+checkpoint(dots)``, ``...+checkpoint``).
 The blocks act on one example, as Equinox layers do; every row maps the whole model over
 the batch with ``jax.vmap``. Imported only when Equinox's rows are asked for (it imports
 equinox).
@@ -130,8 +131,8 @@ def _rows(make_block: Callable[[jax.Array], eqx.Module], x: jax.Array, cfg: Benc
         "equinox",
         loop=("eqx loop", model(loop)),
         tools={
-            "off": "filter_vmap+scan", "dots": "filter_vmap+scan+filter_checkpoint(dots)",
-            "layer": "filter_vmap+scan+filter_checkpoint",
+            "off": "filter_vmap+scan", "dots": "filter_vmap+scan+checkpoint(dots)",
+            "layer": "filter_vmap+scan+checkpoint",
         },
         tool=lambda remat: model(lambda n, key: Scan(make_block, n, key, remat)),
         adapter="stackwise.equinox",
