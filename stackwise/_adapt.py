@@ -4,7 +4,8 @@ Framework-free (jax only). Each adapter (``adapters/<framework>/_stack.py``)
 uses these so that the same failure reads the same everywhere: one storage for
 the running layer's index, one exception type outside a Stack, one depth check
 and message, one validation of the stack's options (also used by
-:func:`stackwise.stack` itself), and one way to name a block in messages.
+:func:`stackwise.stack` itself), one check of ``Stack.from_layers``' arguments, and
+one way to name a block in messages.
 """
 
 from __future__ import annotations
