@@ -636,6 +636,10 @@ def test_conversion_errors_name_the_block_and_leaf():
         swe.Stack.from_layers(bn)
     with pytest.raises(IndexError, match="layer 3 is out of range for n=3"):
         swe.Stack(Block, 3, key=KEY)[3]
+    with pytest.raises(TypeError, match="`pattern` must be a positive int, got 0"):
+        swe.Stack.from_layers([Block(key=keys[0])], pattern=0)
+    with pytest.raises(ValueError, match="a pattern of 2 kinds needs at least 2 blocks, got 1"):
+        swe.Stack.from_layers([Block(key=keys[0])], pattern=2)
 
 
 # --------------------------------------------------------------------------
@@ -663,6 +667,8 @@ def test_errors_name_the_block_and_argument():
         swe.Stack(Block, 2, key=KEY, remat="yes")
     with pytest.raises(TypeError, match="`with_state` must be True or False"):
         swe.Stack(Block, 2, key=KEY, with_state=1)
+    with pytest.raises(TypeError, match="`fsdp` must be a mesh axis name"):
+        swe.Stack(Block, 2, key=KEY, fsdp=3)
     with pytest.raises(ValueError, match="a pattern of 3 layers needs n >= 3"):
         swe.Stack([Plain, Plain, Shift], 2, key=KEY)
 
@@ -684,6 +690,12 @@ def test_errors_name_the_block_and_argument():
         cut(XS[0])
     with pytest.raises(TypeError, match="`key` must be one PRNG key"):
         s(XS[0], key=3)
+    # A per-layer marker of the user's own is named as the user wrote it.
+    two_keys = stackwise.per_layer(jax.random.split(KEY, 2))
+    with pytest.raises(
+        ValueError, match=r"(?s)Stack\(Block, n=3\).*argument \*\*kwargs\['key'\].*length n=3"
+    ):
+        s(XS[0], key=two_keys)
 
     s, state = eqx.nn.make_with_state(swe.Stack)(Summing, 2, key=KEY)
     with pytest.raises(
