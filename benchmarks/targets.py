@@ -29,6 +29,7 @@ FRAMEWORKS = (
     ("stackwise.haiku.Stack", "hk.layer_stack", "hk loop"),
     ("stackwise.flax.Stack", "nn.scan", "nn loop"),
     ("stackwise.nnx.Stack", "nnx.scan", "nnx loop"),
+    ("stackwise.equinox.Stack", "filter_vmap+scan", "eqx loop"),
 )
 
 

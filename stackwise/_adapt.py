@@ -4,7 +4,8 @@ Framework-free (jax only). Each adapter (``adapters/<framework>/_stack.py``)
 uses these so that the same failure reads the same everywhere: one storage for
 the running layer's index, one exception type outside a Stack, one depth check
 and message, one validation of the stack's options (also used by
-:func:`stackwise.stack` itself), and one way to name a block in messages.
+:func:`stackwise.stack` itself), one check of ``Stack.from_layers``' arguments, and
+one way to name a block in messages.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ __all__ = [
     "OPTION_NAMES",
     "CallArgs",
     "Options",
+    "Prebuilt",
     "at_layer",
     "block_name",
     "check_bool",
+    "check_built",
     "check_depth",
     "check_layers",
     "check_options",
@@ -99,6 +102,8 @@ class CallArgs:
 
 def block_name(block: Any) -> str:
     """``Block``, ``partial(Block, ...)``, ``Block(...)`` for a template, ``<lambda>``."""
+    if isinstance(block, Prebuilt):
+        return block.name
     if isinstance(block, functools.partial):
         return f"partial({block_name(block.func)}, ...)"
     if isinstance(block, (list, tuple)):
@@ -112,6 +117,41 @@ def block_name(block: Any) -> str:
 def stack_name(framework: str, block: Any, n: Any) -> str:
     """``stackwise.haiku.Stack(Block, n=4)``: how messages name an adapter's stack."""
     return f"stackwise.{framework}.Stack({block_name(block)}, n={n!r})"
+
+
+# --------------------------------------------------------------------------
+# A Stack of blocks built elsewhere: `Stack.from_layers(blocks, pattern=k)`.
+
+
+class Prebuilt:
+    """What ``Stack.from_layers`` gives the constructor in place of the block: the
+    stacked layers (a list of k for a pattern) and the name messages call them by."""
+
+    __slots__ = ("layers", "name")
+
+    def __init__(self, layers: Any, name: str):
+        self.layers, self.name = layers, name
+
+
+def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, who: str) -> list:
+    """``Stack.from_layers(blocks, pattern=k)``'s arguments, checked; the blocks as a list.
+
+    Every block must be an instance of ``module`` (``what`` names it: ``"an nnx.Module"``).
+    """
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError(f"{who}: needs at least one block, got none.")
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.")
+    if len(blocks) < pattern:
+        raise ValueError(
+            f"{who}: a pattern of {pattern} kinds needs at least {pattern} blocks, got "
+            f"{len(blocks)}."
+        )
+    for i, block in enumerate(blocks):
+        if not isinstance(block, module):
+            raise TypeError(f"{who}: block {i} must be {what}, got {type(block).__name__}.")
+    return blocks
 
 
 # --------------------------------------------------------------------------

@@ -4,10 +4,10 @@ A stacked block is an ordinary ``eqx.Module`` whose every array leaf has a leadi
 axis (what ``eqx.filter_vmap(make_block)(keys)`` builds); everything else (static fields,
 activation functions, Python numbers) is shared by all layers. Layer i of it is the block
 with every array sliced at ``i``; a list of blocks stacks back into it only if they agree
-in everything but their array values. ``eqx.nn.StateIndex`` es are matched by position in
-the tree, not by marker: separately built blocks carry different markers.
+in everything but their array values (``eqx.nn.StateIndex`` markers aside: see ``_state``).
 
-:meth:`Stack.to_layers` and :meth:`Stack.from_layers` are built on these helpers.
+:meth:`Stack.to_layers`, :meth:`Stack.from_layers` and ``stack[i]`` are built on these
+helpers; the ``eqx.nn.State`` of such blocks moves with the helpers of ``_state``.
 """
 
 from __future__ import annotations
@@ -20,51 +20,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-__all__ = [
-    "distinct_markers",
-    "holds_state_index",
-    "layer_of",
-    "merge_states",
-    "stack_blocks",
-    "stack_states",
-    "state_indices",
-    "unstack_state",
-]
+from stackwise.equinox import _state
 
-_is_index = lambda x: isinstance(x, eqx.nn.StateIndex)  # noqa: E731
-
-
-# --------------------------------------------------------------------------
-# State indices.
-
-
-def state_indices(tree: Any) -> list[eqx.nn.StateIndex]:
-    """The ``eqx.nn.StateIndex`` es in ``tree``, in leaf order."""
-    return [x for x in jax.tree.leaves(tree, is_leaf=_is_index) if _is_index(x)]
-
-
-def holds_state_index(tree: Any) -> bool:
-    return bool(state_indices(tree))
-
-
-def _marked(tree: Any, markers: Sequence[Any]) -> Any:
-    """``tree`` with its StateIndexes' markers replaced, in leaf order (as
-    ``eqx.nn.make_with_state`` replaces them)."""
-    markers = iter(markers)
-
-    def remark(x):
-        if not _is_index(x):
-            return x
-        new = eqx.nn.StateIndex(x.init)
-        object.__setattr__(new, "marker", next(markers))
-        return new
-
-    return jax.tree.map(remark, tree, is_leaf=_is_index)
-
-
-def _unmarked(tree: Any) -> Any:
-    """``tree`` with every StateIndex marker the same, for comparing blocks."""
-    return _marked(tree, ["<marker>"] * len(state_indices(tree)))
+__all__ = ["layer_of", "stack_blocks"]
 
 
 # --------------------------------------------------------------------------
@@ -74,12 +32,6 @@ def _unmarked(tree: Any) -> Any:
 def layer_of(stacked: Any, j: int) -> Any:
     """The block at index ``j`` of the stacked block: every array sliced, the rest shared."""
     return jax.tree.map(lambda a: a[j] if eqx.is_array(a) else a, stacked)
-
-
-def unstack_state(state: eqx.nn.State, stacked: Any, count: int) -> list[eqx.nn.State]:
-    """The substate of ``stacked`` 's StateIndexes, sliced per layer (markers kept)."""
-    sub = state.substate(stacked)
-    return [jax.tree.map(lambda a, j=j: a[j], sub) for j in range(count)]
 
 
 # --------------------------------------------------------------------------
@@ -152,11 +104,11 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
     ``numbers`` are the blocks' indices in the caller's list, for messages. The stacked
     block's StateIndexes keep the first block's markers.
     """
-    first = _unmarked(blocks[0])
+    first = _state.unmarked(blocks[0])
     arrays0, static0 = eqx.partition(first, eqx.is_array)
     arrays = [arrays0]
     for i, block in zip(numbers[1:], blocks[1:]):
-        block = _unmarked(block)
+        block = _state.unmarked(block)
         found = _first_difference(first, block, arrays=False) or _first_difference(first, block)
         a, static = eqx.partition(block, eqx.is_array)
         if found is None and jax.tree.structure(static) != jax.tree.structure(static0):
@@ -168,7 +120,8 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
                 f"{numbers[0]} at `{at}`: {how}. Stacked layers share everything but their "
                 "array values: build every block with the same arguments (only the key "
                 "differing), and keep functions in fields as one shared object (a "
-                "module-level function, not a fresh lambda per block)."
+                "module-level function, not a fresh lambda per block); for repeating kinds "
+                "of blocks, pass `pattern=k`."
             )
         arrays.append(a)
 
@@ -184,57 +137,5 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
         return out
 
     stacked = jax.tree_util.tree_map_with_path(stack, *arrays)
-    return _marked(eqx.combine(stacked, static0), [x.marker for x in state_indices(blocks[0])])
-
-
-def stack_states(
-    blocks: Sequence[Any], states: Sequence[eqx.nn.State], stacked: Any, who: str, numbers
-) -> eqx.nn.State:
-    """The State of ``stacked`` (a stack of ``blocks``): each block's values, stacked."""
-    values = []
-    for i, block, state in zip(numbers, blocks, states):
-        if not isinstance(state, eqx.nn.State):
-            raise TypeError(
-                f"{who}: `states[{i}]` must be the eqx.nn.State of block {i} (from "
-                f"`eqx.nn.make_with_state`), got {type(state).__name__}."
-            )
-        try:
-            values.append(state.substate(block).tree_flatten()[0])
-        except KeyError:
-            raise ValueError(
-                f"{who}: `states[{i}]` holds no values for the eqx.nn.StateIndex es of "
-                f"block {i}; give each block the State made with it, e.g. "
-                "`eqx.nn.make_with_state(Block)(...)`."
-            ) from None
-    markers = [x.marker for x in state_indices(stacked)]
-    stacked_values = [
-        jax.tree.map(lambda *a: jnp.stack(a), *per_index) for per_index in zip(*values)
-    ]
-    return eqx.nn.State.tree_unflatten(tuple(markers), tuple(stacked_values))
-
-
-def merge_states(states: Sequence[eqx.nn.State]) -> eqx.nn.State:
-    """One State holding the entries of several (with distinct markers)."""
-    keys, values = [], []
-    for state in states:
-        v, k = state.tree_flatten()
-        keys += k
-        values += v
-    return eqx.nn.State.tree_unflatten(tuple(keys), tuple(values))
-
-
-def distinct_markers(stacked: Sequence[Any]) -> list[Any]:
-    """The stacked blocks of a pattern, their StateIndex markers made distinct across
-    positions (blocks built alike, e.g. by ``make_with_state(Block)``, share markers)."""
-    seen: set = set()
-    out = []
-    for p, block in enumerate(stacked):
-        markers = []
-        for x in state_indices(block):
-            m = x.marker
-            if isinstance(m, str) and m in seen:
-                m = f"layers[{p}]:{m}"
-            seen.add(m)
-            markers.append(m)
-        out.append(_marked(block, markers))
-    return out
+    markers = [x.marker for x in _state.state_indices(blocks[0])]
+    return _state.marked(eqx.combine(stacked, static0), markers)

@@ -4,7 +4,7 @@ The adapter only turns a block into what :func:`stackwise.stack` takes: the bloc
 (``eqx.partition(block, eqx.is_array)``), with a leading layer axis, are the params; the
 rest (static fields, activation functions, Python numbers) is shared by every layer, and
 ``eqx.combine`` joins the two into layer i's block inside the scan. Scan, remat, unroll,
-reverse and patterns all live in the core.
+reverse and patterns all live in the core; an ``eqx.nn.State`` is handled in ``_state``.
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ import jax.numpy as jnp
 
 import stackwise
 from stackwise import _adapt
-from stackwise._markers import _PerLayer
-from stackwise.equinox import _convert
+from stackwise._markers import is_per_layer
+from stackwise.equinox import _convert, _state
 
 __all__ = ["Stack", "layer_index"]
 
-_FRAMEWORK = "equinox"
-
 
 # --------------------------------------------------------------------------
-# 1. The running layer's index.
+# The layer index, readable from inside a block.
 
 
 def layer_index() -> jax.Array:
@@ -50,25 +48,17 @@ def layer_index() -> jax.Array:
 
     Returns:
       The layer's index, ``0`` for the first layer (also with ``reverse=True``, where the
-      last layer, index ``n - 1``, runs first).
+      last layer, index ``n - 1``, runs first, and across a pattern).
 
     Raises:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
-    return _adapt.current_layer_index(_FRAMEWORK)
+    return _adapt.current_layer_index("equinox")
 
 
 # --------------------------------------------------------------------------
-# 2. The block: a function of a key that builds an eqx.Module (a Module class taking
-#    `key` works too), or a list of them for a pattern.
-
-
-class _Prebuilt:
-    """``block`` stand-in for :meth:`Stack.from_layers`: the stacked layers, made."""
-
-    def __init__(self, layers: Any, name: str):
-        self.layers = layers
-        self.__qualname__ = name
+# The block: a function of a key that builds an eqx.Module (a Module class taking
+# `key` works too), or a list of them for a pattern.
 
 
 def _factories(block: Any, who: str) -> tuple[tuple[Callable, ...], bool]:
@@ -133,24 +123,18 @@ def _make(factory: Callable, key: jax.Array, who: str) -> Any:
     return block
 
 
-def _is_key(key: Any) -> bool:
+def _check_key(key: Any, who: str) -> None:
     dtype = getattr(key, "dtype", None)
-    if dtype is None:
-        return False
-    typed = jnp.issubdtype(dtype, jax.dtypes.prng_key) and jnp.shape(key) == ()
-    return typed or (dtype == jnp.uint32 and jnp.shape(key) == (2,))
-
-
-def _check_key(key: Any, who: str, arg: str = "key") -> None:
-    if not _is_key(key):
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if not ((typed and jnp.shape(key) == ()) or (dtype == jnp.uint32 and jnp.shape(key) == (2,))):
         raise TypeError(
-            f"{who}: `{arg}` must be one PRNG key (it is split into one key per layer), "
-            f"got {type(key).__name__} {key!r}. Make one with `jax.random.key(seed)`."
+            f"{who}: `key` must be one PRNG key (it is split into one key per layer), got "
+            f"{type(key).__name__} {key!r}. Make one with `jax.random.key(seed)`."
         )
 
 
-def _unused_apply(*args: Any) -> None:
-    """The apply of the stack that only builds the layers (``Stacked.init``)."""
+def _unused(*args: Any) -> None:
+    """The apply of the stack that only builds the layers (:func:`_build`)."""
     del args
 
 
@@ -166,16 +150,16 @@ def _build(factories: tuple, pattern: bool, n: int, key: jax.Array, who: str) ->
         return init
 
     inits = [init_at(p, f) for p, f in enumerate(factories)]
-    applies = [_unused_apply] * len(factories)
+    applies = [_unused] * len(factories)
     made = stackwise.stack(
         inits if pattern else inits[0], applies if pattern else applies[0], n, name=who
     ).init(key)
     layers = [eqx.combine(a, s) for a, s in zip(made if pattern else (made,), statics)]
-    return tuple(_convert.distinct_markers(layers)) if pattern else layers[0]
+    return tuple(_state.distinct_markers(layers)) if pattern else layers[0]
 
 
 # --------------------------------------------------------------------------
-# 3. The module.
+# The module.
 
 
 class Stack(eqx.nn.StatefulLayer):
@@ -290,6 +274,9 @@ class Stack(eqx.nn.StatefulLayer):
       reverse: run the last layer first.
       has_aux: the block returns ``(x, aux)``; the stack then returns ``(x, aux)``, aux
         stacked along a leading ``n`` axis (with state: ``((x, aux), state)``).
+      fsdp: mesh axis (or axes) the arrays are sharded over: each layer's arrays are
+        gathered inside the loop and never saved for the backward pass (see
+        :func:`stackwise.stack`).
       with_state: the blocks take and return an explicit per-layer state that is not an
         ``eqx.nn.State`` (e.g. a KV cache as a plain pytree): see "Calling" below.
         Blocks holding ``eqx.nn.StateIndex`` es are stateful without it.
@@ -328,6 +315,7 @@ class Stack(eqx.nn.StatefulLayer):
     unroll: int | bool = eqx.field(static=True)
     reverse: bool = eqx.field(static=True)
     has_aux: bool = eqx.field(static=True)
+    fsdp: str | tuple[str, ...] | None = eqx.field(static=True)
     with_state: bool = eqx.field(static=True)
 
     def __init__(
@@ -340,40 +328,32 @@ class Stack(eqx.nn.StatefulLayer):
         unroll: int | bool = 1,
         reverse: bool = False,
         has_aux: bool = False,
+        fsdp: str | tuple[str, ...] | None = None,
         with_state: bool = False,
         key: jax.Array | None,
     ):
-        who = _adapt.stack_name(_FRAMEWORK, block, n)
-        _adapt.check_options(
-            who, n, remat=remat, nested=nested, unroll=unroll, reverse=reverse, has_aux=has_aux
-        )
-        if not isinstance(with_state, bool):
-            raise TypeError(
-                f"{who}: `with_state` must be True or False, got {type(with_state).__name__} "
-                f"{with_state!r}."
-            )
+        who = _adapt.stack_name("equinox", block, n)
+        options = _adapt.stack_options(who, n, locals())
         self.n = n
-        self.remat = remat
-        self.nested = nested
-        self.unroll = unroll
-        self.reverse = reverse
-        self.has_aux = has_aux
-        self.with_state = with_state
-        if isinstance(block, _Prebuilt):
+        for name, value in options.items():  # static fields of the module
+            setattr(self, name, value)
+        self.with_state = _adapt.check_bool(with_state, "with_state", who)
+        if isinstance(block, _adapt.Prebuilt):
             self.layers = block.layers
             return
         factories, pattern = _factories(block, who)
-        if pattern and n < len(factories):
-            raise ValueError(
-                f"{who}: a pattern of {len(factories)} blocks needs n >= "
-                f"{len(factories)} layers, got n={n}; for fewer layers, give the first n "
-                "positions only."
-            )
         _check_key(key, who)
         self.layers = _build(factories, pattern, n, key, who)
 
-    # ----------------------------------------------------------------------
-    # Calling.
+    def _blocks(self) -> tuple[tuple, bool]:
+        """``(blocks, is_pattern)``: the stacked block of each pattern position (one
+        without a pattern); ``layers`` is a tuple for a pattern."""
+        pattern = isinstance(self.layers, tuple)
+        return (self.layers if pattern else (self.layers,)), pattern
+
+    def _who(self) -> str:
+        blocks, pattern = self._blocks()
+        return _adapt.stack_name("equinox", list(blocks) if pattern else blocks[0], self.n)
 
     def is_stateful(self) -> bool:
         """Whether the stack is called ``x, state = stack(x, state, ...)``.
@@ -381,80 +361,59 @@ class Stack(eqx.nn.StatefulLayer):
         True with ``with_state=True`` or when its blocks hold ``eqx.nn.StateIndex`` es
         (``eqx.nn.Sequential`` reads this to pass the state on).
         """
-        return self.with_state or _convert.holds_state_index(self.layers)
+        return self.with_state or _state.holds_state_index(self.layers)
 
     def __call__(self, x: Any, *args: Any, key: Any = None, **kwargs: Any) -> Any:
         """Runs the layers: ``stack(x, *args, key=None, **kwargs)``; see :class:`Stack`."""
-        blocks, pattern = self._blocks()
-        who = self._name()
+        (blocks, pattern), who = self._blocks(), self._who()
         stateful, state = self.is_stateful(), None
         if stateful:
-            if "state" in kwargs:
-                state = kwargs.pop("state")
-            elif args:
-                state, args = args[0], args[1:]
-            else:
-                which = (
-                    "the stacked per-layer state (`with_state=True`)"
-                    if self.with_state
-                    else "the model's eqx.nn.State (its blocks hold eqx.nn.StateIndex es; "
-                    "make it with `model, state = eqx.nn.make_with_state(Model)(...)`)"
-                )
-                raise TypeError(
-                    f"{who}: a stateful stack is called with {which} and returns it: "
-                    "`x, state = stack(x, state, ...)`."
-                )
+            state, args, kwargs = _state.take(args, kwargs, self.with_state, who)
+        counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
+        states, takes_state = _state.layer_states(state, blocks, pattern, counts, stateful, who)
         parts = [eqx.partition(b, eqx.is_array) for b in blocks]
         params = tuple(p for p, _ in parts)
-        self._check_depth(params, pattern, who)
-        takes_state = [stateful] * len(blocks)
-        eqx_state = stateful and isinstance(state, eqx.nn.State)
-        if eqx_state:
-            takes_state = [_convert.holds_state_index(b) for b in blocks]
-            if not any(takes_state):
-                raise TypeError(
-                    f"{who}: got an eqx.nn.State, but no block holds an "
-                    "eqx.nn.StateIndex: with `with_state=True` the state is the stacked "
-                    "per-layer pytree the blocks take (e.g. a KV cache `{'k': (n, ...)}`)."
-                )
-            layer_states = self._substates(state, blocks, pattern, who)
-        elif stateful:
-            if _convert.holds_state_index(self.layers):
-                raise TypeError(
-                    f"{who}: its blocks hold eqx.nn.StateIndex es, so `state` must be the "
-                    f"model's eqx.nn.State (from `eqx.nn.make_with_state`), got "
-                    f"{type(state).__name__}."
-                )
-            layer_states = state
+        self._check_depth(params, pattern, counts, who)
+        eqx_state = isinstance(state, eqx.nn.State)
         applies = [
-            _layer_apply(static, takes, eqx_state, stateful, who)
+            _layer_apply(static, takes, eqx_state, who)
             for (_, static), takes in zip(parts, takes_state)
         ]
         layers = stackwise.stack(
             None,
             applies if pattern else applies[0],
             self.n,
-            remat=self.remat,
-            nested=self.nested,
-            unroll=self.unroll,
-            reverse=self.reverse,
-            has_aux=self.has_aux,
-            with_state=stateful,
-            name=who,
+            with_state=True,
+            name=who,  # the core names the block in its errors (carry, returns)
+            **{name: getattr(self, name) for name in _adapt.OPTION_NAMES},
         )
-        extras = (stackwise.layer_index(), None if key is None else _layer_keys(key, who))
-        params = params if pattern else params[0]
-        if not stateful:
-            return layers.apply(params, x, extras, args, kwargs)
-        out, new_states = layers.apply(params, layer_states, x, extras, args, kwargs)
-        if not eqx_state:
-            return out, new_states
-        for sub in new_states if pattern else (new_states,):
-            state = state.update(sub)
-        return out, state
+        extras = {"index": stackwise.layer_index(), "key": None}
+        if is_per_layer(key):  # the user's own marker: resolved (and named) as given
+            kwargs = {**kwargs, "key": key}
+        elif key is not None:
+            _check_key(key, who)
+            extras["key"] = stackwise.per_layer_keys(key)
+        call = _adapt.CallArgs(args, kwargs)
+        out, new = layers.apply(params if pattern else params[0], states, x, extras, call)
+        return (out, _state.updated(state, new, pattern)) if stateful else out
+
+    def _check_depth(self, params: tuple, pattern: bool, counts: list[int], who: str) -> None:
+        fix = (
+            "Stacked layers come from building the Stack or from `Stack.from_layers("
+            "[block_0, ..., block_{n-1}])`; a replaced array keeps the layer axis, e.g. "
+            "`eqx.tree_at(lambda s: s.layers.linear.weight, stack, new)` with `new` of "
+            "shape (n, ...)."
+        )
+        for p, (sub, count) in enumerate(zip(params, counts)):
+            where = "layers" + (f"[{p}]" if pattern else "")
+            leaves = [
+                (where + jax.tree_util.keystr(path), leaf)
+                for path, leaf in jax.tree_util.tree_leaves_with_path(sub)
+            ]
+            _adapt.check_depth(leaves, count, who, "block's arrays", fix)
 
     # ----------------------------------------------------------------------
-    # Views and conversion to and from a list of per-layer blocks.
+    # Conversion to and from a list of per-layer blocks.
 
     def __getitem__(self, i: int) -> eqx.Module:
         """Layer ``i`` as an ordinary block (its arrays sliced; the rest shared).
@@ -470,11 +429,11 @@ class Stack(eqx.nn.StatefulLayer):
             i = operator.index(i)
         except TypeError:
             raise TypeError(
-                f"{self._name()}: index a Stack with an int layer number, got "
+                f"{self._who()}: index a Stack with an int layer number, got "
                 f"{type(i).__name__} {i!r}; for several layers use `stack.to_layers()[a:b]`."
             ) from None
         if not -self.n <= i < self.n:
-            raise IndexError(f"{self._name()}: layer {i} is out of range for n={self.n}.")
+            raise IndexError(f"{self._who()}: layer {i} is out of range for n={self.n}.")
         blocks, _ = self._blocks()
         i %= self.n
         return _convert.layer_of(blocks[i % len(blocks)], i // len(blocks))
@@ -483,7 +442,8 @@ class Stack(eqx.nn.StatefulLayer):
         """The n per-layer blocks, each an ordinary module holding layer i's arrays.
 
         Exact: ``Stack.from_layers(stack.to_layers())`` gives back the same stack, bit for
-        bit.
+        bit. For a pattern, the blocks come in layer order (layer i is of the kind of
+        position ``i % k``).
 
         >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
         >>> from functools import partial
@@ -507,11 +467,7 @@ class Stack(eqx.nn.StatefulLayer):
         if state is None:
             return blocks
         stacked, _ = self._blocks()
-        k = len(stacked)
-        per_position = [
-            self._unstacked_state(state, b, len(range(p, self.n, k))) for p, b in enumerate(stacked)
-        ]
-        return blocks, [per_position[i % k][i // k] for i in range(self.n)]
+        return blocks, _state.unstack(state, stacked, self.n, f"{self._who()}.to_layers")
 
     @classmethod
     def from_layers(
@@ -519,19 +475,15 @@ class Stack(eqx.nn.StatefulLayer):
         blocks: Sequence[eqx.Module],
         states: Sequence[eqx.nn.State] | None = None,
         *,
-        period: int = 1,
-        remat: bool | Callable[..., Any] = stackwise.DEFAULT_REMAT,
-        nested: bool | int = False,
-        unroll: int | bool = 1,
-        reverse: bool = False,
-        has_aux: bool = False,
-        with_state: bool = False,
+        pattern: int = 1,
+        **options: Any,
     ) -> Any:
         """A :class:`Stack` holding the arrays of separately built blocks.
 
-        Layer i is ``blocks[i]``. The blocks (of one pattern position) must agree in
-        everything but their array values: type, static fields, functions held in
-        fields, and array shapes and dtypes. The inverse of :meth:`to_layers`, exact.
+        Layer i is ``blocks[i]``. The blocks (with ``pattern=k``: the blocks of each
+        position ``i % k``) must agree in everything but their array values: type, static
+        fields, functions held in fields, and array shapes and dtypes. The inverse of
+        :meth:`to_layers`, exact.
 
         >>> import jax, equinox as eqx, stackwise.equinox
         >>> keys = jax.random.split(jax.random.key(0), 5)
@@ -544,9 +496,9 @@ class Stack(eqx.nn.StatefulLayer):
           states: for blocks with ``eqx.nn.StateIndex`` es, one ``eqx.nn.State`` per block
             holding its values (what ``eqx.nn.make_with_state(Block)(...)`` returns with
             each block, or :meth:`to_layers` with ``state``).
-          period: the length k of a layer pattern: layer i is then position ``i % k``,
-            stacked with the blocks of its position.
-          remat, nested, unroll, reverse, has_aux, with_state: as for :class:`Stack`.
+          pattern: k, the length of the repeating pattern of block kinds.
+          **options: ``remat``, ``nested``, ``unroll``, ``reverse``, ``has_aux``,
+            ``fsdp``, ``with_state``, as for :class:`Stack`.
 
         Returns:
           The stack; with ``states``, ``(stack, state)``: one ``eqx.nn.State`` holding
@@ -554,186 +506,43 @@ class Stack(eqx.nn.StatefulLayer):
 
         Raises:
           TypeError: a block that is not an ``eqx.Module`` or that differs from the
-            first block of its position (the first difference is named).
-          ValueError: no blocks, a bad ``period``, or blocks whose state lives in an
-            ``eqx.nn.State`` but no ``states``.
+            first block of its position (the first difference is named), or a bad
+            ``pattern``.
+          ValueError: no blocks, fewer blocks than the pattern's length, or blocks whose
+            state lives in an ``eqx.nn.State`` but no ``states``.
         """
-        blocks = list(blocks)
         who = "stackwise.equinox.Stack.from_layers"
-        if not blocks:
-            raise ValueError(f"{who}: needs at least one block, got an empty list.")
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"{who}: `period` must be a positive int, got {period!r}.")
-        if len(blocks) < period:
-            raise ValueError(
-                f"{who}: a pattern of period {period} needs at least {period} blocks, got "
-                f"{len(blocks)}."
-            )
-        for i, block in enumerate(blocks):
-            if not isinstance(block, eqx.Module):
-                raise TypeError(
-                    f"{who}: block {i} must be an eqx.Module, got {type(block).__name__}."
-                )
-        if states is not None:
-            states = list(states)
-            if len(states) != len(blocks):
-                raise ValueError(
-                    f"{who}: got {len(blocks)} blocks but {len(states)} states; give one "
-                    "eqx.nn.State per block."
-                )
-        else:
-            stripped = [
-                i
-                for i, b in enumerate(blocks)
-                if any(
-                    isinstance(x.init, eqx.Module) and not jax.tree.leaves(x.init)
-                    for x in _convert.state_indices(b)
-                )
-            ]
-            if stripped:
-                raise ValueError(
-                    f"{who}: block {stripped[0]} holds eqx.nn.StateIndex es whose values "
-                    "live in an eqx.nn.State (made by `eqx.nn.make_with_state`); pass them "
-                    "too: `stack, state = Stack.from_layers(blocks, states)`."
-                )
-        numbers = [list(range(p, len(blocks), period)) for p in range(period)]
-        stacked = [_convert.stack_blocks([blocks[i] for i in nums], who, nums) for nums in numbers]
-        stacked = _convert.distinct_markers(stacked)
-        layers = tuple(stacked) if period > 1 else stacked[0]
-        stack = cls(
-            _Prebuilt(layers, _adapt.block_name(_types(blocks[:period], period > 1))),
-            len(blocks),
-            remat=remat,
-            nested=nested,
-            unroll=unroll,
-            reverse=reverse,
-            has_aux=has_aux,
-            with_state=with_state,
-            key=None,
-        )
+        blocks = _adapt.check_built(blocks, pattern, eqx.Module, "an eqx.Module", who)
+        states = _state.check_states(blocks, states, who)
+        stacked = [
+            _convert.stack_blocks(blocks[p::pattern], who, range(p, len(blocks), pattern))
+            for p in range(pattern)
+        ]
+        stacked = _state.distinct_markers(stacked)
+        name = _adapt.block_name(blocks[:pattern] if pattern > 1 else blocks[0])
+        layers = tuple(stacked) if pattern > 1 else stacked[0]
+        stack = cls(_adapt.Prebuilt(layers, name), len(blocks), key=None, **options)
         if states is None:
             return stack
-        state = _convert.merge_states(
-            [
-                _convert.stack_states(
-                    [blocks[i] for i in nums], [states[i] for i in nums], s, who, nums
-                )
-                for nums, s in zip(numbers, stacked)
-            ]
-        )
-        return stack, state
-
-    # ----------------------------------------------------------------------
-    # 4. Private helpers.
-
-    def _blocks(self) -> tuple[tuple, bool]:
-        pattern = isinstance(self.layers, tuple)
-        return (self.layers if pattern else (self.layers,)), pattern
-
-    def _name(self) -> str:
-        blocks, pattern = self._blocks()
-        return _adapt.stack_name(_FRAMEWORK, _types(blocks, pattern), self.n)
-
-    def _counts(self) -> list[int]:
-        blocks, _ = self._blocks()
-        return [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
-
-    def _check_depth(self, params: tuple, pattern: bool, who: str) -> None:
-        fix = (
-            "Stacked layers come from building the Stack or from `Stack.from_layers("
-            "[block_0, ..., block_{n-1}])`; a replaced array keeps the layer axis, e.g. "
-            "`eqx.tree_at(lambda s: s.layers.linear.weight, stack, new)` with `new` of "
-            "shape (n, ...)."
-        )
-        for p, (sub, count) in enumerate(zip(params, self._counts())):
-            where = "layers" + (f"[{p}]" if pattern else "")
-            leaves = [
-                (where + jax.tree_util.keystr(path), leaf)
-                for path, leaf in jax.tree_util.tree_leaves_with_path(sub)
-            ]
-            _adapt.check_depth(leaves, count, who, "block's arrays", fix)
-
-    def _substates(self, state: eqx.nn.State, blocks: tuple, pattern: bool, who: str) -> Any:
-        subs = []
-        for p, (block, count) in enumerate(zip(blocks, self._counts())):
-            try:
-                sub = state.substate(block)
-            except KeyError:
-                raise ValueError(
-                    f"{who}: the given eqx.nn.State holds no values for the stack's "
-                    "eqx.nn.StateIndex es; pass the State made together with the model: "
-                    "`model, state = eqx.nn.make_with_state(Model)(...)`."
-                ) from None
-            values, markers = sub.tree_flatten()
-            where = "state" + (f" of layers[{p}]" if pattern else "")
-            leaves = [
-                (f"{where}[{m!r}]" + jax.tree_util.keystr(path), leaf)
-                for m, v in zip(markers, values)
-                for path, leaf in jax.tree_util.tree_leaves_with_path(v)
-            ]
-            _adapt.check_depth(
-                leaves,
-                count,
-                who,
-                "state",
-                "The State of a Stack comes from `eqx.nn.make_with_state` of a model "
-                "holding it (or `Stack.from_layers(blocks, states)`).",
-            )
-            subs.append(sub)
-        return tuple(subs) if pattern else subs[0]
-
-    def _unstacked_state(self, state: eqx.nn.State, block: Any, count: int) -> list:
-        if not isinstance(state, eqx.nn.State):
-            raise TypeError(
-                f"{self._name()}.to_layers: `state` must be an eqx.nn.State, got "
-                f"{type(state).__name__}."
-            )
-        return _convert.unstack_state(state, block, count)
+        return stack, _state.stack_states(blocks, states, stacked, who)
 
 
-def _types(blocks: Sequence[Any], pattern: bool) -> Any:
-    """What messages name the block by: its type (a list of types for a pattern)."""
-    types = [type(b) for b in blocks]
-    return types if pattern else types[0]
+# --------------------------------------------------------------------------
+# The per-layer function.
 
 
-def _layer_keys(key: Any, who: str) -> Any:
-    """A key given to the stack: one per layer (a per-layer marker is kept as given)."""
-    if isinstance(key, _PerLayer):
-        return key
-    _check_key(key, who)
-    return stackwise.per_layer_keys(key)
+def _layer_apply(static: Any, takes_state: bool, eqx_state: bool, who: str) -> Callable:
+    """A position's layer for :func:`stackwise.stack`: its block, from the layer's arrays."""
 
-
-def _layer_apply(
-    static: Any, takes_state: bool, eqx_state: bool, with_state: bool, who: str
-) -> Callable:
-    """Position p's per-layer apply for :func:`stackwise.stack`."""
-
-    def run(params, state, x, extras, args, kwargs):
-        index, key = extras
+    def apply(params, state, x, extras, call):
         block = eqx.combine(params, static)
-        if key is not None:
-            kwargs = {**kwargs, "key": key}
-        with _adapt.at_layer(index):
+        kwargs = call.kwargs if extras["key"] is None else {**call.kwargs, "key": extras["key"]}
+        with _adapt.at_layer(extras["index"]):
             if not takes_state:
-                return block(x, *args, **kwargs), state
-            out = block(x, state, *args, **kwargs)
-        if eqx_state and not (
-            isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
-        ):
-            got = type(out[1] if isinstance(out, tuple) and len(out) == 2 else out).__name__
-            raise TypeError(
-                f"{who}: a block called with an eqx.nn.State returns `(x, state)` with "
-                f"the state it was given, updated (e.g. `x, state = self.norm(x, state)`), "
-                f"but it returned {got} in its place."
-            )
+                return block(x, *call.args, **kwargs), state
+            out = block(x, state, *call.args, **kwargs)
+        if eqx_state:
+            _state.check_returned(out, who)
         return out
-
-    if with_state:
-        return run
-
-    def apply(params, x, extras, args, kwargs):
-        return run(params, None, x, extras, args, kwargs)[0]
 
     return apply

@@ -151,13 +151,6 @@ def _join_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     )
 
 
-class _Prebuilt:
-    """``make_block`` stand-in for :meth:`Stack.from_layers`: the stacked block(s)."""
-
-    def __init__(self, layers: Any, name: str):
-        self.layers, self.__name__ = layers, name
-
-
 # --------------------------------------------------------------------------
 # The module.
 
@@ -283,7 +276,7 @@ class Stack(nnx.Module):
         for name, value in options.items():  # static attributes of the module
             setattr(self, name, value)
         self.layer_axis_name = layer_axis_name
-        if isinstance(make_block, _Prebuilt):
+        if isinstance(make_block, _adapt.Prebuilt):
             self.pattern = isinstance(make_block.layers, (list, tuple))
             self.layers = nnx.List(make_block.layers) if self.pattern else make_block.layers
             return
@@ -523,27 +516,13 @@ class Stack(nnx.Module):
           ValueError: no blocks, or fewer blocks than the pattern's length.
         """
         who = "stackwise.nnx.Stack.from_layers"
-        blocks = list(blocks)
-        if not blocks:
-            raise ValueError(f"{who}: needs at least one block, got none.")
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.")
-        if len(blocks) < pattern:
-            raise ValueError(
-                f"{who}: a pattern of {pattern} kinds needs at least {pattern} blocks, got "
-                f"{len(blocks)}."
-            )
-        for i, block in enumerate(blocks):
-            if not isinstance(block, nnx.Module):
-                raise TypeError(
-                    f"{who}: block {i} must be an nnx.Module, got {type(block).__name__}."
-                )
+        blocks = _adapt.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
         stacked = [
             _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
             for p in range(pattern)
         ]
         return cls(
-            _Prebuilt(stacked if pattern > 1 else stacked[0], "from_layers"),
+            _adapt.Prebuilt(stacked if pattern > 1 else stacked[0], "from_layers"),
             len(blocks),
             rngs=None,
             layer_axis_name=layer_axis_name,

@@ -5,8 +5,9 @@ see, in one process on one machine, what n blocks cost under ``jit(grad(loss))``
 for decoding, a jitted step with the KV cache donated) written as Python loops, a
 hand-written :func:`jax.lax.scan`, :func:`stackwise.stack` (remat off, default, full,
 nested; layer patterns; state), the adapters ``stackwise.haiku.Stack``,
-``stackwise.flax.Stack``, ``stackwise.nnx.Stack``, and the frameworks' own tools
-``hk.layer_stack``, ``nn.scan``, ``nnx.scan``. It measures and reports; the project's
+``stackwise.flax.Stack``, ``stackwise.nnx.Stack``, ``stackwise.equinox.Stack``, and the
+frameworks' own tools ``hk.layer_stack``, ``nn.scan``, ``nnx.scan`` (for Equinox, the
+hand-written ``eqx.filter_vmap`` + ``lax.scan``). It measures and reports; the project's
 pass/fail targets are checked from its CSV by ``benchmarks/targets.py``.
 
 One job per module:

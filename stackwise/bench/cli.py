@@ -25,8 +25,8 @@ _DESCRIPTION = """\
 Compile time, step time and memory of n stacked layers under jit(grad(loss)) (training) and
 of decoding steps with a donated KV cache (inference), measured side by side in one process:
 Python loops, a hand-written lax.scan, stackwise.stack and its adapters, and the frameworks'
-own tools (hk.layer_stack, nn.scan, nnx.scan). Frameworks that are not installed are skipped
-with a note."""
+own tools (hk.layer_stack, nn.scan, nnx.scan; Equinox's hand-written eqx.filter_vmap +
+lax.scan). Frameworks that are not installed are skipped with a note."""
 
 _EPILOG = """\
 outputs: a table per block and framework on stdout (columns explained in the project's

@@ -36,7 +36,10 @@ __all__ = [
 ]
 
 #: How the tables and the plot name each ``Result.framework``.
-FRAMEWORK_NAMES = {"jax": "pure JAX", "haiku": "Haiku", "flax": "Flax linen", "nnx": "Flax NNX"}
+FRAMEWORK_NAMES = {
+    "jax": "pure JAX", "haiku": "Haiku", "flax": "Flax linen", "nnx": "Flax NNX",
+    "equinox": "Equinox",
+}
 
 #: The terminal width the tables are made to fit (unless ``wide``).
 WIDTH = 100

@@ -30,6 +30,17 @@ KEY = jax.random.key(0)
 # Harnesses: one per framework, the same interface.
 
 
+def counting(block, calls):
+    """A subclass of the module class ``block`` that records each call (each trace)."""
+
+    class Counted(block):
+        def __call__(self, x):
+            calls.append(1)
+            return super().__call__(x)
+
+    return Counted
+
+
 class Haiku:
     name = "haiku"
 
@@ -98,13 +109,7 @@ class Haiku:
 
     def counted(self, calls, n):
         hk, sw = self.hk, self.sw
-        Dense = self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        Counted = counting(self.kinds["dense"], calls)
         f = hk.transform(lambda x: sw.Stack(Counted, n)(x))
         params = f.init(KEY, X)
         calls.clear()  # count the traces of the jitted gradient only, as for the others
@@ -222,13 +227,7 @@ class Linen:
         return params, lambda p, x: scan.apply({"params": p}, x)[0]
 
     def counted(self, calls, n):
-        Dense = self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        Counted = counting(self.kinds["dense"], calls)
         model = self.sw.Stack(Counted, n)
         params = model.init(KEY, X)
         calls.clear()
@@ -357,13 +356,7 @@ class NNX:
         return params, lambda p, x: scan(x, nnx.merge(graphdef, p, rest, copy=True))
 
     def counted(self, calls, n):
-        nnx, Dense = self.nnx, self.kinds["dense"]
-
-        class Counted(Dense):
-            def __call__(self, x):
-                calls.append(1)
-                return super().__call__(x)
-
+        nnx, Counted = self.nnx, counting(self.kinds["dense"], calls)
         model = self.sw.Stack(Counted, n, rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         calls.clear()
@@ -399,6 +392,133 @@ class NNX:
         return params, cache, step, [c for _, _, c in layers], loop_step
 
 
+class Equinox:
+    name = "equinox"
+
+    def __init__(self):
+        import equinox as eqx
+
+        import stackwise.equinox
+
+        self.eqx, self.sw = eqx, stackwise.equinox
+
+        def rows(linear, x):
+            """An eqx.nn.Linear (which acts on one vector) on every row of ``x``."""
+            for _ in range(x.ndim - 1):
+                linear = jax.vmap(linear)
+            return linear(x)
+
+        class Dense(eqx.Module):
+            linear: eqx.nn.Linear
+
+            def __init__(self, key):
+                self.linear = eqx.nn.Linear(D, D, key=key)
+
+            def __call__(self, x, scale=1.0):
+                return x + scale * jnp.tanh(rows(self.linear, x))
+
+        class Gate(eqx.Module):
+            s: jax.Array
+
+            def __init__(self, key):
+                self.s = jax.random.normal(key, (1, D))
+
+            def __call__(self, x, scale=1.0):
+                return x * jax.nn.sigmoid(self.s * scale)
+
+        class Attend(eqx.Module):
+            qkv: eqx.nn.Linear
+            out: eqx.nn.Linear
+            k: eqx.nn.StateIndex
+            v: eqx.nn.StateIndex
+
+            def __init__(self, key):
+                k1, k2 = jax.random.split(key)
+                self.qkv = eqx.nn.Linear(D, 3 * D, key=k1)
+                self.out = eqx.nn.Linear(D, D, key=k2)
+                self.k = eqx.nn.StateIndex(jnp.zeros((B, T, D)))
+                self.v = eqx.nn.StateIndex(jnp.zeros((B, T, D)))
+
+            def __call__(self, x, state, pos):
+                qkv = rows(self.qkv, x)
+                y, k, v = attend(qkv, state.get(self.k), state.get(self.v), pos)
+                return x + rows(self.out, y), state.set(self.k, k).set(self.v, v)
+
+        self.kinds = {"dense": Dense, "gate": Gate}
+        self.attend = Attend
+
+    def _split(self, stack):
+        """A Stack as ``(params, apply)``: its layers' arrays, and a pure apply of them."""
+        eqx = self.eqx
+        params, static = eqx.partition(stack.layers, eqx.is_array)
+
+        def apply(params, x, *a):
+            layers = eqx.combine(params, static)
+            return eqx.tree_at(lambda s: s.layers, stack, layers)(x, *a)
+
+        return params, apply
+
+    def stack(self, kinds, n, **options):
+        blocks = [self.kinds[c] for c in kinds]
+        block = blocks if len(blocks) > 1 else blocks[0]
+        return self._split(self.sw.Stack(block, n, key=KEY, **options))
+
+    def loop(self, kinds, n, params):
+        """Layer i's block built alone, holding layer i's slice of the arrays."""
+        eqx, k = self.eqx, len(kinds)
+        steps = []
+        for i in range(n):
+            p, j = i % k, i // k
+            stacked = params[p] if k > 1 else params
+            layer = jax.tree.map(lambda a, j=j: a[j], stacked)
+            _, static = eqx.partition(self.kinds[kinds[p]](KEY), eqx.is_array)
+            steps.append(eqx.combine(layer, static))
+        return steps
+
+    def layer_index(self):
+        return self.sw.layer_index()
+
+    def tool(self, n):
+        """What Equinox users write: ``eqx.filter_vmap`` to create, ``lax.scan`` to apply."""
+        eqx, Dense = self.eqx, self.kinds["dense"]
+        layers = eqx.filter_vmap(Dense)(jax.random.split(KEY, n))
+        params, static = eqx.partition(layers, eqx.is_array)
+
+        def apply(params, x):
+            def body(x, layer):
+                return eqx.combine(layer, static)(x), None
+
+            return jax.lax.scan(body, x, params)[0]
+
+        return params, apply
+
+    def counted(self, calls, n):
+        Counted = counting(self.kinds["dense"], calls)
+        params, apply = self._split(self.sw.Stack(Counted, n, key=KEY))
+        calls.clear()
+        return lambda: jax.jit(jax.grad(lambda p: jnp.sum(apply(p, X)))).lower(params)
+
+    def decode(self, n, pattern=1, **options):
+        """The cache in an ``eqx.nn.State``, as Equinox keeps state: ``x, state =
+        stack(x, state, pos)``; the loop's blocks and States from ``stack.to_layers``."""
+        eqx = self.eqx
+        block = [self.attend] * pattern if pattern > 1 else self.attend
+        stack, cache = eqx.nn.make_with_state(self.sw.Stack)(block, n, key=KEY, **options)
+        params, apply = self._split(stack)
+        blocks, caches = stack.to_layers(cache)
+
+        def step(params, cache, x, pos):
+            return apply(params, x, cache, pos)
+
+        def loop_step(caches, x, pos, reverse=False):
+            new = list(caches)
+            for i in reversed(range(n)) if reverse else range(n):
+                x, new[i] = blocks[i](x, caches[i], pos)
+            return x, new
+
+        return params, cache, step, caches, loop_step
+
+
 def attend(qkv, k_cache, v_cache, pos):
     """Writes this step's keys/values at ``pos`` and attends to the positions seen."""
     q, k, v = jnp.split(qkv, 3, -1)  # [B, L, D]
@@ -410,13 +530,13 @@ def attend(qkv, k_cache, v_cache, pos):
     return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, -1), v_cache), k_cache, v_cache
 
 
-FRAMEWORKS = {"haiku": Haiku, "flax": Linen, "nnx": NNX}
+FRAMEWORKS = {"haiku": Haiku, "flax": Linen, "nnx": NNX, "equinox": Equinox}
 
 
 @pytest.fixture(params=list(FRAMEWORKS), scope="module")
 def fw(request):
-    module = {"haiku": "haiku", "flax": "flax.linen", "nnx": "flax.nnx"}[request.param]
-    pytest.importorskip(module)
+    module = {"haiku": "haiku", "flax": "flax.linen", "nnx": "flax.nnx", "equinox": "equinox"}
+    pytest.importorskip(module[request.param])
     return FRAMEWORKS[request.param]()
 
 
@@ -513,7 +633,8 @@ def test_remat_puts_no_params_through_barriers(fw):
 
 def test_without_remat_it_compiles_to_the_frameworks_own_tool(fw):
     """With remat off, jit(grad) of a Stack is the tool's program up to names (what the
-    benchmark's step-time parity with hk.layer_stack / nn.scan / nnx.scan rests on)."""
+    benchmark's step-time parity with hk.layer_stack / nn.scan / nnx.scan / the
+    hand-written eqx.filter_vmap + lax.scan rests on)."""
 
     def program(params, apply):
         loss = lambda p, x: jnp.sum(apply(p, x) ** 2)  # noqa: E731

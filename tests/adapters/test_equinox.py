@@ -1,5 +1,10 @@
-"""`stackwise.equinox.Stack` against a Python loop of the same blocks and against the
-hand-written `eqx.filter_vmap` + `lax.scan` pattern it replaces."""
+"""What is Equinox's own in `stackwise.equinox.Stack`, against a Python loop of the same
+blocks: construction from keys, per-layer keys, eqx.nn.State (BatchNorm, patterns,
+eqx.nn.Sequential), filter_jit/optax, an explicit cache, conversions and errors.
+
+The properties every adapter holds (outputs and gradients over the option matrix, traces,
+remat barriers, the program of the hand-written `eqx.filter_vmap` + `lax.scan`, fsdp,
+decoding with an eqx.nn.State cache) are tests/adapters/test_contract.py's."""
 
 from __future__ import annotations
 
@@ -14,14 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _programs import barrier_operand_types
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stackwise
 import stackwise.equinox as swe
-from stackwise.bench import optimization_barrier_bytes, program_fingerprint
 
 D, B = 8, 3  # features and batch: distinct, so params and activations differ in type
 KEY = jax.random.key(0)
@@ -119,26 +122,24 @@ def test_a_stack_is_an_equinox_module():
 
 
 # --------------------------------------------------------------------------
-# Forward and gradients against the loop, over the option matrix.
+# Per-layer keys: split as eqx.nn.Sequential splits them (the option matrix without keys
+# is the contract's, tests/adapters/test_contract.py).
 
 CASES = {
     "n1": dict(n=1),
     "default-remat": dict(n=4),
-    "remat-off": dict(n=4, remat=False),
-    "remat-full-unroll2": dict(n=5, remat=True, unroll=2),
-    "unroll-all-default-remat": dict(n=3, unroll=True),
     "python-loop-remat-reverse": dict(n=3, unroll=True, remat=True, reverse=True),
-    "reverse-policy": dict(n=4, reverse=True, remat=jax.checkpoint_policies.dots_saveable),
-    "nested-reverse": dict(n=5, nested=2, reverse=True, remat=True),
+    "nested-reverse-policy": dict(
+        n=5, nested=2, reverse=True, remat=jax.checkpoint_policies.dots_saveable
+    ),
 }
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-@pytest.mark.parametrize("dropout", [False, True], ids=["eval", "dropout"])
-def test_forward_and_grad_match_a_python_loop(case, dropout):
+def test_dropout_keys_forward_and_grad_match_a_python_loop(case):
     s = swe.Stack(Block, key=KEY, **case)
     loop = Loop(s.to_layers(), reverse=case.get("reverse", False))
-    key = jax.random.key(7) if dropout else None
+    key = jax.random.key(7)
     value, grads = value_and_grad(s, XS, key)
     value_loop, grads_loop = value_and_grad(loop, XS, key)
     assert_trees_close(value, value_loop)
@@ -176,15 +177,6 @@ def test_per_layer_inputs_aux_and_layer_index(reverse):
     for i in reversed(range(n)) if reverse else range(n):
         want = want * scales[i] + s[i].w.sum() + 0.5 + i
     assert_trees_close(y, want)
-
-
-def test_layer_index_outside_a_stack_raises():
-    with pytest.raises(
-        RuntimeError,
-        match=r"stackwise\.equinox\.layer_index\(\) was called "
-        "outside a block run by `stackwise.equinox.Stack`",
-    ):
-        swe.layer_index()
 
 
 class Outer(eqx.Module):
@@ -263,81 +255,6 @@ def test_serialisation_round_trip(tmp_path):
     eqx.tree_serialise_leaves(tmp_path / "stack.eqx", s)
     like = swe.Stack(Block, 3, key=jax.random.key(9))
     assert identical(eqx.tree_deserialise_leaves(tmp_path / "stack.eqx", like), s)
-
-
-# --------------------------------------------------------------------------
-# The program: the hand-written pattern's, traced once, no params through barriers.
-
-
-def hand_written(layers, x):
-    """What Equinox users write today: partition, lax.scan, combine."""
-    params, static = eqx.partition(layers, eqx.is_array)
-
-    def body(x, p):
-        return eqx.combine(p, static)(x), None
-
-    return jax.lax.scan(body, x, params)[0]
-
-
-def grad_program(f, params, x):
-    return jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2))).lower(params, x)
-
-
-def test_compiles_to_the_hand_written_filter_vmap_scan_program():
-    # With remat off, jit(grad) of a Stack is the hand-written program up to names: the
-    # benchmark's parity with the hand-written pattern rests on this.
-    s = swe.Stack(Block, 4, key=KEY, remat=False)
-    params, static = eqx.partition(s, eqx.is_array)
-
-    def fingerprint(f):
-        return program_fingerprint(grad_program(f, params, XS[0]).compile().as_text())
-
-    via_stack = fingerprint(lambda p, x: eqx.combine(p, static)(x))
-    assert via_stack == fingerprint(lambda p, x: hand_written(eqx.combine(p, static).layers, x))
-
-
-@pytest.mark.parametrize("remat", [True, stackwise.DEFAULT_REMAT], ids=["full", "default"])
-def test_remat_puts_no_params_through_barriers(remat):
-    s = swe.Stack(Block, 3, key=KEY, remat=remat, unroll=True)
-    params, static = eqx.partition(s, eqx.is_array)
-    x = XS[0]
-    text = grad_program(lambda p, x: eqx.combine(p, static)(x), params, x).as_text()
-    types = barrier_operand_types(text)
-    assert types, "remat with unroll=True should protect the carry with barriers"
-    # Activations only (the carry, and the matmul outputs a policy saves): never weights
-    # or biases, which have the same sizes as some activations, so count bytes too.
-    assert set(types) <= {f"{D}xf32", f"{2 * D}xf32"}, types
-    moved = optimization_barrier_bytes(text, n_params=len(jax.tree.leaves(params)))
-    assert (moved.params, moved.consts) == (0, 0)
-    # Inside the scan no barrier is needed at all.
-    scanned = swe.Stack(Block, 3, key=KEY, remat=remat)
-    params, static = eqx.partition(scanned, eqx.is_array)
-    text = grad_program(lambda p, x: eqx.combine(p, static)(x), params, x).as_text()
-    assert barrier_operand_types(text) == []
-
-
-class Counting(Block):
-    calls: list = eqx.field(static=True)
-
-    def __init__(self, calls, *, key):
-        super().__init__(key=key)
-        self.calls = calls
-
-    def __call__(self, x, *args, **kwargs):
-        self.calls.append(1)
-        return super().__call__(x, *args, **kwargs)
-
-
-def test_traced_once_and_the_program_does_not_grow_with_n():
-    sizes = {}
-    for n in (2, 33):
-        calls = []
-        s = swe.Stack(lambda key, calls=calls: Counting(calls, key=key), n, key=KEY)
-        params, static = eqx.partition(s, eqx.is_array)
-        lowered = grad_program(lambda p, x, st=static: eqx.combine(p, st)(x), params, XS[0])
-        assert len(calls) == 1, len(calls)  # remat recomputes from the traced program
-        sizes[n] = len(lowered.as_text().splitlines())
-    assert sizes[2] == sizes[33]
 
 
 # --------------------------------------------------------------------------
@@ -538,12 +455,12 @@ def test_patterns_match_a_loop(k, case):
         assert_trees_close(arrays(grads.layers[p]), stacked(grads_loop[p::k]))
 
 
-def test_pattern_without_state_and_from_layers_with_a_period():
+def test_pattern_without_state_and_from_layers_with_a_pattern():
     s = swe.Stack([Plain, Shift], 5, key=KEY, has_aux=True)
     assert not s.is_stateful()
     blocks = s.to_layers()
     assert [type(b) for b in blocks] == [Plain, Shift, Plain, Shift, Plain]
-    again = swe.Stack.from_layers(blocks, period=2, has_aux=True)
+    again = swe.Stack.from_layers(blocks, pattern=2, has_aux=True)
     assert identical(again, s)
     y, aux = s(XS[0], 0.5)
     x = XS[0]
@@ -554,7 +471,7 @@ def test_pattern_without_state_and_from_layers_with_a_period():
 
 
 # --------------------------------------------------------------------------
-# Decoding with a stacked KV cache, in an eqx.nn.State or as an explicit argument.
+# Decoding with a stacked KV cache as an explicit argument (`with_state=True`).
 
 T = 6  # cache slots
 
@@ -564,21 +481,6 @@ def attend(w, cache, x, pos):
     cache = jax.lax.dynamic_update_slice(cache, (x @ w)[None], (pos, 0))
     scores = jnp.where(jnp.arange(T) <= pos, cache @ x, -1e30)
     return x + jnp.tanh(jax.nn.softmax(scores) @ cache), cache
-
-
-class CachedAttention(eqx.Module):
-    """The cache as Equinox state: an eqx.nn.StateIndex."""
-
-    w: jax.Array
-    cache: eqx.nn.StateIndex
-
-    def __init__(self, key):
-        self.w = jax.random.normal(key, (D, D)) / D**0.5
-        self.cache = eqx.nn.StateIndex(jnp.zeros((T, D)))
-
-    def __call__(self, x, state, pos):
-        x, cache = attend(self.w, state.get(self.cache), x, pos)
-        return x, state.set(self.cache, cache)
 
 
 class ExplicitAttention(eqx.Module):
@@ -604,16 +506,12 @@ def scans_in(f, *args):
     ]
 
 
-@pytest.mark.parametrize("kind", ["eqx-state", "explicit"])
-def test_decoding_with_a_stacked_cache_matches_a_loop(kind):
+def test_decoding_with_an_explicit_stacked_cache_matches_a_loop():
+    # (An eqx.nn.State cache is the contract's, tests/adapters/test_contract.py.)
     n = 3
-    if kind == "eqx-state":
-        s, cache = eqx.nn.make_with_state(swe.Stack)(CachedAttention, n, key=KEY)
-        blocks, caches = s.to_layers(cache)
-    else:
-        s = swe.Stack(ExplicitAttention, n, key=KEY, with_state=True)
-        cache = {"k": jnp.zeros((n, T, D))}
-        blocks, caches = s.to_layers(), [{"k": jnp.zeros((T, D))} for _ in range(n)]
+    s = swe.Stack(ExplicitAttention, n, key=KEY, with_state=True)
+    cache = {"k": jnp.zeros((n, T, D))}
+    blocks, caches = s.to_layers(), [{"k": jnp.zeros((T, D))} for _ in range(n)]
     step = eqx.filter_jit(lambda s, cache, x, pos: s(x, cache, pos), donate="all-except-first")
 
     @eqx.filter_jit
@@ -629,11 +527,7 @@ def test_decoding_with_a_stacked_cache_matches_a_loop(kind):
         x, cache = step(s, cache, x, jnp.int32(pos))
         x_loop, caches = loop_step(blocks, caches, x_loop, jnp.int32(pos))
         assert_trees_close(x, x_loop)
-    if kind == "eqx-state":
-        values = state_values(s.to_layers(cache)[1])
-        assert_trees_close(values, state_values(caches))
-    else:
-        assert_trees_close(cache, stacked(caches))
+    assert_trees_close(cache, stacked(caches))
     # The stacked cache is written in place: the layers' scan returns the written rows
     # and their positions, never a whole per-layer cache.
     ys = scans_in(lambda c, x: s(x, c, jnp.int32(0)), cache, XS[0])
@@ -679,7 +573,7 @@ def test_state_round_trips_are_exact():
     # A pattern whose positions share markers (every block made by make_with_state(Summing)).
     made = [eqx.nn.make_with_state(Summing)(k) for k in jax.random.split(KEY, 4)]
     blocks, states = [m for m, _ in made], [st for _, st in made]
-    s, state = swe.Stack.from_layers(blocks, states, period=2, has_aux=True)
+    s, state = swe.Stack.from_layers(blocks, states, pattern=2, has_aux=True)
     assert len(state.tree_flatten()[0]) == 2  # one entry per position
     (y, _), state = s(XS[0], state, 1.0)
     x = XS[0]
@@ -690,7 +584,7 @@ def test_state_round_trips_are_exact():
 
 def test_conversion_errors_name_the_block_and_leaf():
     keys = jax.random.split(KEY, 3)
-    with pytest.raises(ValueError, match="needs at least one block, got an empty list"):
+    with pytest.raises(ValueError, match="needs at least one block, got none"):
         swe.Stack.from_layers([])
     with pytest.raises(TypeError, match="block 1 must be an eqx.Module, got dict"):
         swe.Stack.from_layers([Block(key=keys[0]), {"w": 1}])
@@ -742,6 +636,10 @@ def test_conversion_errors_name_the_block_and_leaf():
         swe.Stack.from_layers(bn)
     with pytest.raises(IndexError, match="layer 3 is out of range for n=3"):
         swe.Stack(Block, 3, key=KEY)[3]
+    with pytest.raises(TypeError, match="`pattern` must be a positive int, got 0"):
+        swe.Stack.from_layers([Block(key=keys[0])], pattern=0)
+    with pytest.raises(ValueError, match="a pattern of 2 kinds needs at least 2 blocks, got 1"):
+        swe.Stack.from_layers([Block(key=keys[0])], pattern=2)
 
 
 # --------------------------------------------------------------------------
@@ -769,7 +667,9 @@ def test_errors_name_the_block_and_argument():
         swe.Stack(Block, 2, key=KEY, remat="yes")
     with pytest.raises(TypeError, match="`with_state` must be True or False"):
         swe.Stack(Block, 2, key=KEY, with_state=1)
-    with pytest.raises(ValueError, match="a pattern of 3 blocks needs n >= 3"):
+    with pytest.raises(TypeError, match="`fsdp` must be a mesh axis name"):
+        swe.Stack(Block, 2, key=KEY, fsdp=3)
+    with pytest.raises(ValueError, match="a pattern of 3 layers needs n >= 3"):
         swe.Stack([Plain, Plain, Shift], 2, key=KEY)
 
     s = swe.Stack(functools.partial(eqx.nn.Linear, D, 2 * D), 2, key=KEY)
@@ -790,6 +690,12 @@ def test_errors_name_the_block_and_argument():
         cut(XS[0])
     with pytest.raises(TypeError, match="`key` must be one PRNG key"):
         s(XS[0], key=3)
+    # A per-layer marker of the user's own is named as the user wrote it.
+    two_keys = stackwise.per_layer(jax.random.split(KEY, 2))
+    with pytest.raises(
+        ValueError, match=r"(?s)Stack\(Block, n=3\).*argument \*\*kwargs\['key'\].*length n=3"
+    ):
+        s(XS[0], key=two_keys)
 
     s, state = eqx.nn.make_with_state(swe.Stack)(Summing, 2, key=KEY)
     with pytest.raises(

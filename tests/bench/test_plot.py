@@ -19,7 +19,8 @@ def test_families():
     assert fam("jax", "lax.scan+checkpoint (hand)") == "hand-written lax.scan"
     assert fam("jax", "stackwise nested") == "stackwise.stack"
     assert {fam("haiku", "hk loop"), fam("haiku", "stackwise.haiku.Stack")} == {"Haiku"}
-    assert fam("equinox", "eqx.filter_scan") == "equinox"  # a framework not named yet
+    assert fam("equinox", "filter_vmap+scan") == "Equinox"
+    assert fam("mlx", "mlx.scan") == "mlx"  # a framework not named yet
 
 
 def test_plot_of_several_depths_and_of_one(tmp_path):

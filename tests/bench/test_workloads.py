@@ -203,3 +203,32 @@ def test_haiku_rows_barriers_and_same_program():
     assert adapter.tool == "hk.layer_stack+hk.remat"
     assert adapter.compile_vs_tool == pytest.approx(
         adapter.compile_s / by["hk.layer_stack+hk.remat"].compile_s)
+
+
+def test_equinox_rows_of_both_blocks_barriers_and_same_program():
+    pytest.importorskip("equinox")
+    pytest.importorskip("stackwise.equinox")
+    tools = ["filter_vmap+scan", "filter_vmap+scan+checkpoint(dots)",
+             "filter_vmap+scan+checkpoint"]
+    adapters = ["stackwise.equinox.Stack", "stackwise.equinox.Stack default",
+                "stackwise.equinox.Stack remat"]
+    for block in ("mlp", "transformer"):  # the same skeleton as every framework's rows
+        cases = [c for c in workloads.cases(block, CFG, []) if c.framework == "equinox"]
+        assert [c.name for c in cases] == ["eqx loop", tools[0], f"{tools[0]} (control)",
+                                           *tools[1:], *adapters], block
+        assert [c.tool for c in cases[5:]] == tools
+    cfg = BenchConfig.quick(blocks=("mlp",), ns=(2,), rounds=1, variants=("equinox",))
+    results, notes = run_benchmark(cfg, progress=False, log=lambda _: None)
+    by = {r.variant: r for r in results}
+    assert set(by) == {"eqx loop", f"{tools[0]} (control)", *tools, *adapters}, notes
+    # eqx.filter_checkpoint keeps prevent_cse=True inside the scan: params pass barriers
+    for tool in tools[1:]:
+        assert by[tool].barrier_param_bytes > 0
+    for adapter in adapters[1:]:
+        assert by[adapter].barrier_param_bytes == 0
+    # without remat the adapter compiles to the hand-written program, names aside
+    assert by["stackwise.equinox.Stack"].ops_unlike_tool == 0
+    assert by[f"{tools[0]} (control)"].ops_unlike_tool == 0
+    remat = by["stackwise.equinox.Stack remat"]
+    assert remat.tool == tools[2]
+    assert remat.compile_vs_tool == pytest.approx(remat.compile_s / by[tools[2]].compile_s)

@@ -3,7 +3,7 @@
 :data:`BLOCKS` is the one list to edit. A block names the workload modules of this
 package that give its rows, in table order; each of them has a function named after the
 block, ``<block>(cfg, notes) -> list[Case]``. A module is imported only when its block is
-run, so the framework modules (``haiku``, ``flax``, ``nnx``: the only modules of
+run, so the framework modules (``haiku``, ``flax``, ``nnx``, ``equinox``: the only modules of
 ``stackwise.bench`` that import a framework or an adapter) load only when asked for, and
 one whose framework is missing is skipped with a note.
 
@@ -74,13 +74,13 @@ BLOCKS: dict[str, Block] = {
         "mlp block h + gelu(h @ w1) @ w2: D={d}, hidden={hidden}, batch={batch}"
         "; jit(grad(mean(y**2)))",
         "ns",
-        ("core",),
+        ("core", "equinox"),
     ),
     "transformer": Block(
         "transformer block (pre-LN causal attention + MLP): D={tf_d}, hidden={tf_hidden}, "
         "heads={tf_heads}, seq={tf_seq}, batch={tf_batch}",
         "transformer_ns",
-        ("core", "haiku", "flax", "nnx"),
+        ("core", "haiku", "flax", "nnx", "equinox"),
     ),
     "decode": Block(
         "decode: one token at position {dec_prompt} per call, attention layer over a KV cache "
@@ -128,7 +128,7 @@ def frameworks() -> list[str]:
     """Every framework with rows: ``jax`` (``core``) and the framework modules' names.
 
     >>> frameworks()
-    ['jax', 'haiku', 'flax', 'nnx']
+    ['jax', 'equinox', 'haiku', 'flax', 'nnx']
     """
     modules = dict.fromkeys(m for block in BLOCKS.values() for m in block.modules)
     return ["jax", *(m for m in modules if m != "core")]
