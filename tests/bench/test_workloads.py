@@ -47,7 +47,7 @@ def test_every_framework_has_the_same_rows(framework):
 
 
 @pytest.mark.parametrize("block", ["decode", "prefill"])
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", ["haiku", "flax", "nnx"])  # Equinox: no decoding rows yet
 def test_decoding_rows_of_every_framework(block, framework):
     pytest.importorskip("flax" if framework == "nnx" else framework)
     cases = [c for c in workloads.cases(block, CFG, []) if c.framework == framework]

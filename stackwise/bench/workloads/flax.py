@@ -129,7 +129,7 @@ def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
 def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, pos: int):
     """A loop of blocks, ``nn.scan`` with the ``cache`` collection stacked and
     ``stackwise.flax.Stack``, each a step ``apply(..., mutable=["cache"])``. Every row's
-    variables are the Stack's, converted with ``stackwise.flax.unstack_variables`` and
+    variables are the Stack's, converted with ``stackwise.flax.to_loop`` and
     ``to_scan``, so that every row computes the same."""
     sw = adapter_or_note("stackwise.flax", block_name, notes)
     if sw is None:
@@ -180,7 +180,7 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
 
     return framework_cases(
         "flax",
-        loop=("nn loop", model(loop, lambda v: sw.unstack_variables(v, "layers"))),
+        loop=("nn loop", model(loop, lambda v: sw.to_loop(v, "layers"))),
         tools={"off": "nn.scan"},
         tool=lambda remat: model(scan, lambda v: sw.to_scan(v, "layers", variable_axes=axes)),
         adapter="stackwise.flax",
