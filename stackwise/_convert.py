@@ -13,7 +13,7 @@ Two parts:
 - exact stacking: :func:`stack_exact` / :func:`unstack_exact` (and a pattern's
   positions, :func:`pattern_counts` / :func:`pattern_depth` / :func:`pattern_depths`);
 - finding a loop's layers by name: :func:`layer_names`, :func:`find_depth`,
-  :func:`check_distinct`, :func:`common_prefix`.
+  :func:`check_distinct`, :func:`check_names_count`, :func:`common_prefix`.
 
 Matching two whole models leaf by leaf, in the order the framework creates
 their variables (each adapter's ``convert``), is :mod:`stackwise._correspond`.
@@ -31,6 +31,7 @@ import numpy as np
 __all__ = [
     "check_distinct",
     "check_n",
+    "check_names_count",
     "check_pattern",
     "common_prefix",
     "depth_of",
@@ -447,3 +448,24 @@ def pattern_depths(counts: Mapping[int, int], k: int, who: str) -> tuple[int, in
             "trees as `Stacked.init` returns them."
         )
     return lo, hi
+
+
+def check_names_count(names: Any, depths: tuple[int, int], who: str, held_by: str) -> None:
+    """Raises unless a list of ``names`` gives one name per layer held.
+
+    Args:
+      names: the loop's naming; only a list or tuple (one name per layer) is
+        checked.
+      depths: ``(lo, hi)`` from :func:`pattern_depths`: the depths the
+        stacked tree may have.
+      who: the public function, for messages.
+      held_by: what holds the layers, with its verb, e.g. ``the stacked
+        leaves hold``.
+    """
+    lo, hi = depths
+    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
+        held = lo if lo == hi else f"{lo} to {hi}"
+        raise ValueError(
+            f"{who}: {held_by} {held} layers but {len(names)} `names` were given; give one "
+            "name per layer."
+        )

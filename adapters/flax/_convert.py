@@ -337,13 +337,8 @@ def to_loop(
                     f"collection holds {depths[q]} there; every collection of a block has "
                     "one layer axis."
                 )
-    lo, hi = _convert.pattern_depths(depths, k, who)
-    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
-        held = lo if lo == hi else f"{lo} to {hi}"
-        raise ValueError(
-            f"{who}: the stacked variables hold {held} layers but {len(names)} `names` "
-            "were given; give one name per layer."
-        )
+    span = _convert.pattern_depths(depths, k, who)
+    _convert.check_names_count(names, span, who, "the stacked variables hold")
     indices = sorted({q + j * k for q, d in depths.items() for j in range(d)})
     layer_paths = {i: _layer_path(name_of, parent, i, who) for i in indices}
     _convert.check_distinct(["/".join(p) for p in layer_paths.values()], who)

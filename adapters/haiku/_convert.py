@@ -267,14 +267,9 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
         )
     if k > 1:
         _check_none_left(outside, paths, who)
-    lo, hi = _convert.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
+    span = _convert.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
     name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
-    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
-        held = lo if lo == hi else f"{lo} to {hi}"
-        raise ValueError(
-            f"{who}: the stacked leaves hold {held} layers but {len(names)} `names` were "
-            "given; give one name per layer."
-        )
+    _convert.check_names_count(names, span, who, "the stacked leaves hold")
     layers = sorted((p + j * k, p, j) for p, v in positions.items() for j in range(len(v)))
     loop_names = [name_of(i) for i, _, _ in layers]
     _convert.check_distinct(loop_names, who)
@@ -355,13 +350,8 @@ def from_layer_stack(
     >>> list(stackwise.haiku.from_layer_stack(tree, "stack"))
     ['stack/block/linear']
 
-    Args:
-      tree: a Haiku params or state dict.
-      path: the Stack's module name, e.g. ``"stack"``.
-      layer_stack_name: the ``hk.layer_stack``'s full name prefix.
-
-    Returns:
-      A new dict in the Stack's layout.
+    Args and Returns: as :func:`to_layer_stack`, the other way round (a new
+    dict in the Stack's layout).
 
     Raises:
       ValueError: nothing under ``layer_stack_name``, or a renamed module

@@ -402,14 +402,9 @@ def to_loop(
                 f"pattern's positions {[show(p) for p in positions]}; they would be left "
                 "behind, stacked. Check `path` (each position's path, in the pattern's order)."
             )
-    lo, hi = _convert.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
+    span = _convert.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
     name_of = _names(names, stack, who)
-    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
-        count = lo if lo == hi else f"{lo} to {hi}"
-        raise ValueError(
-            f"{who}: the Stack holds {count} layers but {len(names)} `names` were given; "
-            "give one name per layer."
-        )
+    _convert.check_names_count(names, span, who, "the Stack holds")
     indices = sorted(q + j * k for q, (_, layers) in held.items() for j in range(len(layers)))
     prefixes = {i: name_of(i) for i in indices}
     _convert.check_distinct(list(prefixes.values()), who, sep=None)
