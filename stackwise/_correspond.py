@@ -4,9 +4,9 @@ What every adapter's ``convert`` shares (framework-free: jax and numpy only).
 Each adapter records, for each model, its variables as :class:`Leaf` s in
 creation order (its ``_correspond.py``); :func:`correspond` pairs the two
 models' leaves one to one, a stack's leaves layer by layer, and
-:func:`assemble` builds the target's values from the source's, exactly.
-:func:`check_given` first checks that the values given are the source
-model's.
+:func:`assemble` builds the target's values from the source's, exactly;
+before that, :func:`check_given` checks that the values given are the
+source model's.
 
 Like every conversion (:mod:`stackwise._convert`), it moves every leaf
 exactly or raises a ValueError naming where the two models differ.
@@ -22,46 +22,6 @@ import jax.numpy as jnp
 from stackwise._convert import describe, dtype_name, dtype_of, pattern_depths, stack_arrays
 
 __all__ = ["Leaf", "assemble", "check_given", "correspond"]
-
-
-def check_given(
-    want: Mapping[str, Any],
-    have: Mapping[str, Any],
-    who: str,
-    what: str,
-    dtype: Callable[[Any], Any] = dtype_of,
-) -> None:
-    """Raises unless ``have`` holds exactly the leaves of ``want``, of their shapes and dtypes.
-
-    Args:
-      want: the model's leaves, name -> anything with ``shape`` and ``dtype``
-        (e.g. a :class:`jax.ShapeDtypeStruct`).
-      have: the values given, name -> array; listed in its order.
-      who: the public function, for messages.
-      what: what the values are not, e.g. ``the state given is not the
-        source model's``.
-      dtype: the dtype a given value is checked by: its own
-        (:func:`stackwise._convert.dtype_of`, the default) or, as Haiku and
-        linen check it, ``jnp.result_type`` (a NumPy float64 then checks as
-        float32 when jax runs without x64).
-
-    Raises:
-      ValueError: listing (up to 20) missing leaves, leaves not in the
-        model, and leaves of another shape or dtype.
-    """
-    bad = [f"  missing: {name}" for name in want if name not in have]
-    bad += [f"  not in the model: {name}" for name in have if name not in want]
-    bad += [
-        f"  {name}: {describe(have[name])}, the model has {describe(want[name])}"
-        for name in want
-        if name in have
-        and (
-            tuple(jnp.shape(have[name])) != tuple(want[name].shape)
-            or dtype(have[name]) != want[name].dtype
-        )
-    ]
-    if bad:
-        raise ValueError(f"{who}: {what}:\n" + "\n".join(bad[:20]))
 
 
 class Leaf(NamedTuple):
@@ -273,3 +233,43 @@ def assemble(
         column = [values[s.leaf] if s.layer is None else values[s.leaf][s.layer] for s in slots]
         out.append(stack_arrays(column) if leaf.depth else column[0])
     return out
+
+
+def check_given(
+    want: Mapping[str, Any],
+    have: Mapping[str, Any],
+    who: str,
+    what: str,
+    dtype: Callable[[Any], Any] = dtype_of,
+) -> None:
+    """Raises unless ``have`` holds exactly the leaves of ``want``, of their shapes and dtypes.
+
+    Args:
+      want: the model's leaves, name -> anything with ``shape`` and ``dtype``
+        (e.g. a :class:`jax.ShapeDtypeStruct`).
+      have: the values given, name -> array; listed in its order.
+      who: the public function, for messages.
+      what: what the values are not, e.g. ``the state given is not the
+        source model's``.
+      dtype: the dtype a given value is checked by: its own
+        (:func:`stackwise._convert.dtype_of`, the default) or, as Haiku and
+        linen check it, ``jnp.result_type`` (a NumPy float64 then checks as
+        float32 when jax runs without x64).
+
+    Raises:
+      ValueError: listing (up to 20) missing leaves, leaves not in the
+        model, and leaves of another shape or dtype.
+    """
+    bad = [f"  missing: {name}" for name in want if name not in have]
+    bad += [f"  not in the model: {name}" for name in have if name not in want]
+    bad += [
+        f"  {name}: {describe(have[name])}, the model has {describe(want[name])}"
+        for name in want
+        if name in have
+        and (
+            tuple(jnp.shape(have[name])) != tuple(want[name].shape)
+            or dtype(have[name]) != want[name].dtype
+        )
+    ]
+    if bad:
+        raise ValueError(f"{who}: {what}:\n" + "\n".join(bad[:20]))
