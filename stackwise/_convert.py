@@ -1,4 +1,4 @@
-"""What every conversion shares: exact stacking, layer discovery, model correspondence.
+"""What every conversion by name shares: exact stacking, a loop's layers, depths.
 
 Framework-free (jax and numpy only). The layout tools (:mod:`stackwise._layout`)
 and each adapter's ``_convert.py`` build on these, so that every conversion
@@ -8,37 +8,42 @@ that names the leaf, the layer and the fix. It never overwrites an entry,
 never guesses a depth from a partial sequence, never leaves layers behind and
 never promotes a dtype.
 
-Three parts:
+Two parts:
 
 - exact stacking: :func:`stack_exact` / :func:`unstack_exact` (and a pattern's
   positions, :func:`pattern_counts` / :func:`pattern_depth` / :func:`pattern_depths`);
 - finding a loop's layers by name: :func:`layer_names`, :func:`find_depth`,
-  :func:`check_distinct`;
-- matching two models leaf by leaf in the order the framework creates their
-  variables: :class:`Leaf`, :func:`correspond`, :func:`assemble`.
+  :func:`check_distinct`, :func:`check_names_count`, :func:`common_prefix`.
+
+Matching two whole models leaf by leaf, in the order the framework creates
+their variables (each adapter's ``convert``), is :mod:`stackwise._correspond`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "Leaf",
-    "assemble",
     "check_distinct",
     "check_n",
+    "check_names_count",
     "check_pattern",
-    "correspond",
+    "common_prefix",
+    "depth_of",
+    "describe",
+    "dtype_name",
+    "dtype_of",
     "find_depth",
     "layer_names",
     "pattern_counts",
     "pattern_depth",
     "pattern_depths",
+    "stack_arrays",
     "stack_exact",
     "unstack_exact",
 ]
@@ -47,7 +52,8 @@ __all__ = [
 # Exact stacking.
 
 
-def _dtype(a: Any) -> Any:
+def dtype_of(a: Any) -> Any:
+    """A leaf's own dtype (a NumPy array's as it is, never canonicalised by jax)."""
     dtype = getattr(a, "dtype", None)
     return np.asarray(a).dtype if dtype is None else dtype
 
@@ -56,13 +62,14 @@ def _shape(a: Any) -> tuple[int, ...]:
     return tuple(np.shape(a)) if not hasattr(a, "shape") else tuple(a.shape)
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """``float32``: a dtype's name, for messages."""
     return getattr(dtype, "name", None) or str(dtype)
 
 
 def describe(a: Any) -> str:
     """``float32[4, 8]``: a leaf's dtype and shape, for messages."""
-    return f"{_dtype_name(_dtype(a))}{list(_shape(a))}"
+    return f"{dtype_name(dtype_of(a))}{list(_shape(a))}"
 
 
 def _by_layer(values: Sequence[Any], label: Callable[[int], str]) -> str:
@@ -147,9 +154,9 @@ def stack_exact(
                 f"({_by_layer(shapes, label)}); every layer's leaf must have one shape "
                 "to be stacked."
             )
-        dtypes = [_dtype(a) for a in column]
+        dtypes = [dtype_of(a) for a in column]
         if len(set(dtypes)) > 1:
-            names = [_dtype_name(d) for d in dtypes]
+            names = [dtype_name(d) for d in dtypes]
             raise TypeError(
                 f"{who}: leaf {leaf_name(path)} has different dtypes in different layers "
                 f"({_by_layer(names, label)}); stacking them would promote the values, "
@@ -158,10 +165,10 @@ def stack_exact(
                 "layer)`."
             )
         stacked = stack_arrays(column)
-        if _dtype(stacked) != dtypes[0]:  # e.g. a NumPy int64 next to jax arrays
+        if dtype_of(stacked) != dtypes[0]:  # e.g. a NumPy int64 next to jax arrays
             raise TypeError(
-                f"{who}: leaf {leaf_name(path)} of dtype {_dtype_name(dtypes[0])} would be "
-                f"stored as {_dtype_name(_dtype(stacked))}; pass all layers' leaves as "
+                f"{who}: leaf {leaf_name(path)} of dtype {dtype_name(dtypes[0])} would be "
+                f"stored as {dtype_name(dtype_of(stacked))}; pass all layers' leaves as "
                 "NumPy arrays (kept as they are) or as jax arrays."
             )
         out.append(stacked)
@@ -173,15 +180,26 @@ def unstack_exact(stacked: Any, n: int) -> list[Any]:
     return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
 
 
-def depth_of(tree: Any, who: str, what: str, fix: str = "") -> int:
-    """The common length of every leaf's leading axis; ValueError listing the leaves if none."""
+def depth_of(
+    tree: Any,
+    who: str,
+    what: str,
+    fix: str = "",
+    leaf_name: Callable[[str], str] = lambda path: path,
+) -> int:
+    """The common length of every leaf's leading axis; ValueError listing the leaves if none.
+
+    ``leaf_name`` turns a ``keystr`` path into the framework's leaf name, as
+    for :func:`stack_exact`.
+    """
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if not leaves:
         raise ValueError(f"{who}: the {what} has no array leaves.")
     depths = {_shape(a)[0] if _shape(a) else None for _, a in leaves}
     if len(depths) != 1 or None in depths:
         lines = "\n".join(
-            f"  {jax.tree_util.keystr(p) or '<root>'}: shape {_shape(a)}" for p, a in leaves
+            f"  {leaf_name(jax.tree_util.keystr(p)) or '<root>'}: shape {_shape(a)}"
+            for p, a in leaves
         )
         raise ValueError(
             f"{who}: every leaf of the {what} needs the same leading layer axis, but the "
@@ -312,6 +330,17 @@ def check_distinct(names: Sequence[str], who: str, sep: str | None = "/") -> Non
                     )
 
 
+def common_prefix(paths: Sequence[Sequence[Any]]) -> tuple:
+    """The paths' longest common prefix, e.g. of a pattern's positions: the Stack's path."""
+    common = tuple(paths[0])
+    for path in paths[1:]:
+        k = 0
+        while k < min(len(common), len(path)) and common[k] == path[k]:
+            k += 1
+        common = common[:k]
+    return common
+
+
 def find_depth(
     exists: Callable[[int], bool],
     label: Callable[[int], str],
@@ -345,9 +374,15 @@ def find_depth(
       pattern: the pattern's length k (1: no pattern).
 
     Raises:
-      ValueError: no layer at all, a gap (the missing indices are named), or
-        more layers than ``n`` (how many there are is said).
+      ValueError: fewer layers asked for (``n`` or ``fixed``) than the
+        pattern has positions, no layer at all, a gap (the missing indices are
+        named), or more layers than ``n`` (how many there are is said).
     """
+    asked = fixed if fixed is not None else n
+    if asked is not None and asked < pattern:
+        raise ValueError(
+            f"{who}: a pattern of {pattern} blocks needs at least {pattern} layers, got {asked}."
+        )
     if fixed is not None:
         if n is not None and n != fixed:
             raise ValueError(f"{who}: got n={n} but {fixed} names; give one name per layer.")
@@ -415,216 +450,22 @@ def pattern_depths(counts: Mapping[int, int], k: int, who: str) -> tuple[int, in
     return lo, hi
 
 
-# --------------------------------------------------------------------------
-# Two models, leaf by leaf, in the order the framework creates their variables.
+def check_names_count(names: Any, depths: tuple[int, int], who: str, held_by: str) -> None:
+    """Raises unless a list of ``names`` gives one name per layer held.
 
-
-class Leaf(NamedTuple):
-    """One variable of a model, as a conversion between two models sees it.
-
-    Attributes:
-      name: the framework's name of the leaf, for messages and results.
-      owner: the class of the module that created it ("" if none): checked
-        equal between the two models.
-      key: the leaf's own name in its module (``w``, ``kernel``): checked equal.
-      shape: one layer's shape.
-      dtype: the dtype.
-      depth: 0 for a leaf outside any stack; n for a leaf stacked over n layers.
-      group: the stack it belongs to (one value per stack), None outside one.
-      extra: anything else the two models' leaves must agree on, checked equal
-        when both have one (NNX: the leaf's name within its layer; linen: one
-        layer's partitioning); None when there is nothing to check.
-      scope: the classes of the modules around the leaf, outermost first and
-        ``owner`` last: from the block down for a stacked leaf, from the
-        model's root otherwise (``()``: unknown). Where a stacked leaf meets
-        a loop's, the loop's layer must not be of another position's kind of
-        block, so that a ``Global`` layer never fills a ``Local`` pattern
-        position even when their variables look alike.
-      position: for a leaf of a pattern of ``positions`` kinds of blocks, its
-        position p (it holds layers p, p + k, ...); 0 otherwise.
-      positions: the pattern's length k (1: no pattern).
+    Args:
+      names: the loop's naming; only a list or tuple (one name per layer) is
+        checked.
+      depths: ``(lo, hi)`` from :func:`pattern_depths`: the depths the
+        stacked tree may have.
+      who: the public function, for messages.
+      held_by: what holds the layers, with its verb, e.g. ``the stacked
+        leaves hold``.
     """
-
-    name: str
-    owner: str
-    key: str
-    shape: tuple
-    dtype: Any
-    depth: int = 0
-    group: Any = None
-    extra: Any = None
-    scope: tuple = ()
-    position: int = 0
-    positions: int = 1
-
-
-class _Slot(NamedTuple):
-    leaf: int  # index into the model's leaves
-    layer: int | None  # the slice of a stacked leaf
-    index: int | None = None  # the layer it is (p + layer * k in a pattern), for messages
-
-
-def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
-    """The leaves in loop order: a stack's leaves for layer 0, then layer 1, ...
-
-    Within a stack the leaves are in the order its block creates them; with a
-    pattern of k blocks, position by position (the adapters order them so), so
-    walking slice j of every leaf with depth > j gives layers jk, ..., jk+k-1:
-    the loop's order again.
-    """
-    out, i, done = [], 0, set()
-    while i < len(leaves):
-        leaf = leaves[i]
-        if not leaf.depth:
-            out.append(_Slot(i, None))
-            i += 1
-            continue
-        j = i
-        while j < len(leaves) and leaves[j].depth and leaves[j].group == leaf.group:
-            j += 1
-        if leaf.group in done:
-            raise ValueError(
-                f"{who}: the {side} model's stack {leaf.group!r} creates its variables in "
-                f"two separate runs (at {leaf.name}); a stack's variables are created "
-                "together, so this model cannot be matched leaf by leaf."
-            )
-        done.add(leaf.group)
-        run = range(i, j)
-        k = leaf.positions
-        counts: dict[int, set] = {}
-        for r in run:
-            counts.setdefault(leaves[r].position, set()).add(leaves[r].depth)
-        order = [leaves[r].position for r in run]
-        bad = any(len(d) > 1 for d in counts.values()) or order != sorted(order)
-        if not bad and k > 1:
-            try:
-                pattern_depths({p: min(d) for p, d in counts.items()}, k, who)
-            except ValueError:
-                bad = True
-        if bad:
-            depths = {p: sorted(d) for p, d in counts.items()}
-            raise ValueError(
-                f"{who}: the {side} model's stack {leaf.group!r} holds leaves of depths "
-                f"{depths} (by pattern position) in an order no loop or pattern gives."
-            )
-        for layer in range(max(leaves[r].depth for r in run)):
-            out.extend(
-                _Slot(r, layer, leaves[r].position + layer * k)
-                for r in run
-                if leaves[r].depth > layer
-            )
-        i = j
-    return out
-
-
-def _slot_text(leaves: Sequence[Leaf], slot: _Slot) -> str:
-    leaf = leaves[slot.leaf]
-    where = f" (layer {slot.index})" if slot.layer is not None else ""
-    owner = f"{leaf.owner} " if leaf.owner else ""
-    extra = f" {leaf.extra}" if leaf.extra is not None else ""
-    scope = f" in {'/'.join(leaf.scope)}" if leaf.scope else ""
-    return (
-        f"{leaf.name}{where}: {owner}{leaf.key!r} {_dtype_name(leaf.dtype)}{list(leaf.shape)}"
-        f"{extra}{scope}"
-    )
-
-
-def _kinds(leaves: Sequence[Leaf]) -> dict[tuple, set]:
-    """``(stack, position) -> {its block's class}``: the outermost class of each
-    scope in a pattern's position (the position's block)."""
-    kinds: dict[tuple, set] = {}
-    for leaf in leaves:
-        if leaf.depth and leaf.positions > 1 and leaf.scope:
-            kinds.setdefault((leaf.group, leaf.position), set()).add(leaf.scope[0])
-    return kinds
-
-
-def _same_kind(stacked: Leaf, other: Leaf, kinds: dict[tuple, set]) -> bool:
-    """A pattern position's leaf meets a leaf of its own kind of block.
-
-    The other leaf is refused if its scope holds the block of another position
-    of the pattern (``Global`` where position p is ``Local``) and not p's own;
-    a scope with neither (a loop body written inline, without a block
-    module) says nothing of the kind, and passes.
-    """
-    if not stacked.depth or stacked.positions < 2 or not other.scope:
-        return True
-    own = kinds.get((stacked.group, stacked.position), set())
-    others = set().union(
-        *(v for (g, p), v in kinds.items() if g == stacked.group and p != stacked.position)
-    )
-    scope = set(other.scope)
-    return bool(scope & own) or not scope & (others - own)
-
-
-def correspond(
-    source: Sequence[Leaf], target: Sequence[Leaf], who: str, hint: str = ""
-) -> list[list[_Slot]]:
-    """For each target leaf, the source slots its layers come from (one per layer).
-
-    The two models' leaves are walked in loop order (:func:`_slots`); the
-    k-th leaf the target creates takes the k-th leaf the source creates. They
-    must correspond one to one: as many leaves, each pair of one module class,
-    leaf name, shape and dtype (and ``extra``, where both have one), and
-    where a pattern position's leaf is paired, of its kind of block
-    (:func:`_same_kind`).
-
-    Raises:
-      ValueError: the models differ; the message shows where, with the
-        leaves around the first difference.
-    """
-    src, tgt = _slots(source, who, "source"), _slots(target, who, "target")
-    src_kinds, tgt_kinds = _kinds(source), _kinds(target)
-
-    def same(a: _Slot, b: _Slot) -> bool:
-        s, t = source[a.leaf], target[b.leaf]
-        extra = s.extra is None or t.extra is None or s.extra == t.extra
-        return (
-            s.owner == t.owner
-            and s.key == t.key
-            and tuple(s.shape) == tuple(t.shape)
-            and s.dtype == t.dtype
-            and extra
-            and _same_kind(s, t, src_kinds)
-            and _same_kind(t, s, tgt_kinds)
-        )
-
-    first_bad = next((i for i, (a, b) in enumerate(zip(src, tgt)) if not same(a, b)), None)
-    if first_bad is not None or len(src) != len(tgt):
-        at = first_bad if first_bad is not None else min(len(src), len(tgt))
-        lo = max(0, at - 2)
-        lines = []
-        for i in range(lo, min(at + 3, max(len(src), len(tgt)))):
-            mark = ">>" if i == at else "  "
-            s = _slot_text(source, src[i]) if i < len(src) else "(none)"
-            t = _slot_text(target, tgt[i]) if i < len(tgt) else "(none)"
-            lines.append(f"{mark} #{i}\n     source: {s}\n     target: {t}")
+    lo, hi = depths
+    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
+        held = lo if lo == hi else f"{lo} to {hi}"
         raise ValueError(
-            f"{who}: the two models do not correspond one to one: the source has "
-            f"{len(src)} per-layer leaves and the target {len(tgt)}, taken in the order "
-            f"each creates them (a stack's layer by layer); they first differ at #{at} "
-            "(module class, leaf name, shape and dtype must agree, and the classes of "
-            "the blocks around them):\n"
-            + "\n".join(lines)
-            + "\nBoth models must create the same modules in the same order: the loop's "
-            "body and the stacked block the same code." + (f" {hint}" if hint else "")
+            f"{who}: {held_by} {held} layers but {len(names)} `names` were given; give one "
+            "name per layer."
         )
-    by_target: list[list[_Slot]] = [[] for _ in target]
-    for a, b in zip(src, tgt):
-        by_target[b.leaf].append(a)
-    return by_target
-
-
-def assemble(
-    target: Sequence[Leaf], sources: list[list[_Slot]], values: Sequence[Any]
-) -> list[Any]:
-    """The target's leaf values from the source's (``values[i]`` is source leaf i's array).
-
-    A stacked target leaf stacks its layers' values; an unstacked one takes
-    its single value; a stacked source leaf gives slice ``[layer]``. Exact.
-    """
-    out = []
-    for leaf, slots in zip(target, sources):
-        column = [values[s.leaf] if s.layer is None else values[s.leaf][s.layer] for s in slots]
-        out.append(stack_arrays(column) if leaf.depth else column[0])
-    return out

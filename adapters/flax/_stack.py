@@ -18,6 +18,8 @@ from flax.core import meta
 
 import stackwise
 from stackwise import _adapt
+from stackwise.flax._blocks import fresh_block, position_names
+from stackwise.flax._boxes import unbox, wrong_layer_axis
 
 __all__ = ["Stack", "layer_index"]
 
@@ -69,38 +71,6 @@ def _check_block(block: Any, who: str) -> None:
         )
 
 
-def _block_class(block: Any) -> type:
-    while isinstance(block, functools.partial):
-        block = block.func
-    return block if isinstance(block, type) else type(block)
-
-
-def _fresh_block(block: Any, who: str) -> nn.Module:
-    """An unbound copy of the block, never attached to the surrounding module."""
-    if isinstance(block, nn.Module):
-        return block.clone(parent=None, name=None)
-    try:
-        return block(parent=None)
-    except TypeError as e:
-        cls = _block_class(block).__name__
-        raise TypeError(
-            f"{who}: building the block failed: {e}. The Stack builds it as "
-            f"`{cls}()`: give its fields with `functools.partial({cls}, ...)` or a template "
-            f"instance, `Stack({cls}(...), n)`."
-        ) from None
-
-
-def _position_names(blocks: list) -> list[str]:
-    """Natural names of a pattern's positions: ``A_0``, ``A_1``, ``B_0`` (linen's own)."""
-    seen: dict[str, int] = {}
-    names = []
-    for block in blocks:
-        cls = _block_class(block).__name__
-        names.append(f"{cls}_{seen.get(cls, 0)}")
-        seen[cls] = seen.get(cls, 0) + 1
-    return names
-
-
 # --------------------------------------------------------------------------
 # Checks with messages that name the block and the variable.
 
@@ -109,26 +79,11 @@ def _path(col: str, path: tuple) -> str:
     return f"{col}{jax.tree_util.keystr(path)}"
 
 
-def _is_box(x: Any) -> bool:
-    return isinstance(x, meta.AxisMetadata)
-
-
-def _value(box: meta.AxisMetadata) -> Any:
-    """A box's array, without the sharding constraint ``Partitioned.unbox`` may add."""
-    if isinstance(box, meta.Partitioned):
-        return box.unbox(apply_constraint=False)
-    return box.unbox()
-
-
-def _unbox(tree: Any) -> Any:
-    return jax.tree.map(lambda b: _value(b) if _is_box(b) else b, tree, is_leaf=_is_box)
-
-
 def _check_depth(variables: dict, n: int, who: str) -> None:
     leaves = [
         (_path(col, path), leaf)
         for col, tree in variables.items()
-        for path, leaf in jax.tree_util.tree_leaves_with_path(_unbox(tree))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(unbox(tree))
     ]
     _adapt.check_depth(
         leaves,
@@ -143,22 +98,22 @@ def _check_depth(variables: dict, n: int, who: str) -> None:
 
 def _check_box_names(variables: dict, layer_axis_name: Any, who: str) -> None:
     for col, tree in variables.items():
-        for path, box in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_box):
-            names = getattr(box, "names", None)
-            if _is_box(box) and names is not None and (not names or names[0] != layer_axis_name):
-                raise ValueError(
-                    f"{who}: the partitioning of "
-                    f"`{_path(col, path)}` is {tuple(names)}, whose first (layer) axis "
-                    f"should be named {layer_axis_name!r} (this Stack's "
-                    f"`layer_axis_name`). Build the Stack with "
-                    f"`layer_axis_name={names[0] if names else None!r}`, or convert the "
-                    "variables with `stackwise.flax.from_scan(..., layer_axis_name=...)`."
-                )
+        wrong = wrong_layer_axis(tree, layer_axis_name)
+        if wrong is not None:
+            path, names = wrong
+            raise ValueError(
+                f"{who}: the partitioning of "
+                f"`{_path(col, path)}` is {names}, whose first (layer) axis "
+                f"should be named {layer_axis_name!r} (this Stack's "
+                f"`layer_axis_name`). Build the Stack with "
+                f"`layer_axis_name={names[0] if names else None!r}`, or convert the "
+                "variables with `stackwise.flax.from_scan(..., layer_axis_name=...)`."
+            )
 
 
 def _check_stackable(variables: dict, who: str) -> None:
     for col, tree in variables.items():
-        for path, leaf in jax.tree_util.tree_leaves_with_path(_unbox(tree)):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(unbox(tree)):
             if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)):
                 raise TypeError(
                     f"{who}: variable `{_path(col, path)}` holds a "
@@ -287,7 +242,7 @@ class Stack(nn.Module):
         pattern = isinstance(self.block, (list, tuple))
         blocks = list(self.block) if pattern else [self.block]
         k = len(blocks)
-        names = _position_names(blocks) if pattern else [None]
+        names = position_names(blocks) if pattern else [None]
         axis_params = {nn.PARTITION_NAME: self.layer_axis_name}
         scope = self.scope
         mutable = scope.mutable
@@ -310,13 +265,13 @@ class Stack(nn.Module):
         }
 
         def one(block):
-            block = _fresh_block(block, who)
+            block = fresh_block(block, who)
 
             def layer(p, s, x, extras, call):
                 # Gathered (FSDP) params go in unboxed: a block's `self.param` would
                 # otherwise constrain them back to the sharded layout their names give
                 # under `nn.logical_axis_rules` (an assertion on explicit mesh axes).
-                params = _unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
+                params = unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
                 layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
                 with _adapt.at_layer(extras["index"]):

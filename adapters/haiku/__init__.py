@@ -21,11 +21,11 @@ try:
 except ImportError:  # pragma: no cover - exercised only without dm-haiku
     raise ImportError("`stackwise.haiku` needs dm-haiku: pip install 'stackwise[haiku]'") from None
 
-from stackwise.haiku._convert import convert as convert
 from stackwise.haiku._convert import from_layer_stack as from_layer_stack
 from stackwise.haiku._convert import from_loop as from_loop
 from stackwise.haiku._convert import to_layer_stack as to_layer_stack
 from stackwise.haiku._convert import to_loop as to_loop
+from stackwise.haiku._correspond import convert as convert
 from stackwise.haiku._stack import Stack as Stack
 from stackwise.haiku._stack import layer_index as layer_index
 

@@ -1,17 +1,18 @@
-"""Exact conversions between Haiku params/state layouts.
+"""Exact conversions by name between Haiku params/state layouts.
 
 Three layouts hold the same numbers: a Python loop of ``n`` separately named
 blocks (``block``, ``block_1``, ...), :class:`stackwise.haiku.Stack`
 (``stack/block`` with a leading axis ``n``) and ``hk.layer_stack``
 (``__layer_stack_no_per_layer/block`` with a leading axis ``n``).
 
-- :func:`convert` maps a whole model's params or state onto another model's,
-  leaf by leaf in the order Haiku creates them: an upstream loop model into
-  its port onto a Stack, and back, in one call;
 - :func:`from_loop` / :func:`to_loop` move the loop's modules, found by name,
   into a Stack's layout and back (with a pattern of k blocks too);
 - :func:`from_layer_stack` / :func:`to_layer_stack` rename ``hk.layer_stack``'s
   prefix.
+
+:func:`stackwise.haiku.convert`, which matches two whole models leaf by leaf
+in the order Haiku creates them, is in ``_correspond.py``; it shares
+:func:`check_tree` with this module.
 
 Every function moves every leaf exactly (bitwise, dtype kept) or raises
 naming the module, the layer and the fix; none overwrites an entry.
@@ -22,13 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import haiku as hk
-import jax
-import jax.numpy as jnp
-
 from stackwise import _convert
 
-__all__ = ["convert", "from_layer_stack", "from_loop", "to_layer_stack", "to_loop"]
+__all__ = ["check_tree", "from_layer_stack", "from_loop", "to_layer_stack", "to_loop"]
 
 Tree = Mapping[str, Mapping[str, Any]]
 Names = str | Sequence[str] | Callable[[int], str]
@@ -65,7 +62,8 @@ def _modules(tree: Tree) -> str:
     return (shown + (f", ... ({len(names)} modules)" if len(names) > 12 else "")) or "none"
 
 
-def _check_tree(tree: Any, who: str) -> None:
+def check_tree(tree: Any, who: str) -> None:
+    """Raises a TypeError unless ``tree`` is a Haiku params or state dict."""
     if not isinstance(tree, Mapping) or not all(
         isinstance(k, str) and isinstance(v, Mapping) for k, v in tree.items()
     ):
@@ -183,7 +181,7 @@ def from_loop(
         or a bad argument.
     """
     who = "stackwise.haiku.from_loop"
-    _check_tree(tree, who)
+    check_tree(tree, who)
     paths = _paths(path, who)
     n = _convert.check_n(n, who)
     name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
@@ -196,9 +194,7 @@ def from_loop(
         return any(_inside(key, name) for key in tree)
 
     fixed = len(names) if isinstance(names, (list, tuple)) else None
-    k, asked = len(paths), fixed if fixed is not None else n
-    if asked is not None and asked < k:
-        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, got {asked}.")
+    k = len(paths)
     label = lambda i: repr(name_of(i))  # noqa: E731
     n = _convert.find_depth(exists, label, n, len(tree), who, fixed=fixed, pattern=k)
     loop_names = [name_of(i) for i in range(n)]
@@ -251,7 +247,7 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
         name, or converted names that already exist.
     """
     who = "stackwise.haiku.to_loop"
-    _check_tree(tree, who)
+    check_tree(tree, who)
     paths = _paths(path, who)
     k = len(paths)
     outside, positions = dict(tree), {}
@@ -260,14 +256,10 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
         if not inside:
             continue  # with a pattern: a kind of block with nothing in this tree
         flat = _flat(inside)
-        depths = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in flat.values()}
-        if len(depths) != 1 or None in depths:
-            lines = "\n".join(f"  {prefix}{key}: shape {jnp.shape(a)}" for key, a in flat.items())
-            raise ValueError(
-                f"{who}: every leaf under {prefix!r} needs the same leading layer axis, "
-                f"but the leaves are:\n{lines}"
-            )
-        positions[p] = _convert.unstack_exact(flat, depths.pop())
+        depth = _convert.depth_of(
+            flat, who, f"modules under {prefix!r}", leaf_name=_leaf_name(prefix)
+        )
+        positions[p] = _convert.unstack_exact(flat, depth)
     if not positions:
         where = " or ".join(repr(prefix) for prefix in paths)
         raise ValueError(
@@ -275,14 +267,9 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
         )
     if k > 1:
         _check_none_left(outside, paths, who)
-    lo, hi = _convert.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
+    span = _convert.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
     name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
-    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
-        held = lo if lo == hi else f"{lo} to {hi}"
-        raise ValueError(
-            f"{who}: the stacked leaves hold {held} layers but {len(names)} `names` were "
-            "given; give one name per layer."
-        )
+    _convert.check_names_count(names, span, who, "the stacked leaves hold")
     layers = sorted((p + j * k, p, j) for p, v in positions.items() for j in range(len(v)))
     loop_names = [name_of(i) for i, _, _ in layers]
     _convert.check_distinct(loop_names, who)
@@ -298,13 +285,7 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
 
 def _check_none_left(outside: Tree, paths: list[str], who: str) -> None:
     """A pattern's positions are modules of one Stack: nothing else may stay under it."""
-    parts = [p.split("/") for p in paths]
-    common = []
-    for column in zip(*parts):
-        if len(set(column)) > 1:
-            break
-        common.append(column[0])
-    stack = "/".join(common)
+    stack = "/".join(_convert.common_prefix([p.split("/") for p in paths]))
     left = sorted(key for key in outside if stack and _inside(key, stack))
     if left:
         raise ValueError(
@@ -319,7 +300,7 @@ def _check_none_left(outside: Tree, paths: list[str], who: str) -> None:
 
 
 def _rename(tree: Tree, old: str, new: str, who: str) -> dict[str, dict[str, Any]]:
-    _check_tree(tree, who)
+    check_tree(tree, who)
     inside, outside = _split(tree, old)
     if not inside:
         raise ValueError(
@@ -369,318 +350,11 @@ def from_layer_stack(
     >>> list(stackwise.haiku.from_layer_stack(tree, "stack"))
     ['stack/block/linear']
 
-    Args:
-      tree: a Haiku params or state dict.
-      path: the Stack's module name, e.g. ``"stack"``.
-      layer_stack_name: the ``hk.layer_stack``'s full name prefix.
-
-    Returns:
-      A new dict in the Stack's layout.
+    Args and Returns: as :func:`to_layer_stack`, the other way round (a new
+    dict in the Stack's layout).
 
     Raises:
       ValueError: nothing under ``layer_stack_name``, or a renamed module
         that exists.
     """
     return _rename(tree, layer_stack_name, path, "stackwise.haiku.from_layer_stack")
-
-
-# --------------------------------------------------------------------------
-# By creation order: one model's params/state -> another's.
-
-_KINDS = ("params", "state")
-
-
-def _scope(calls: list, module: Any) -> tuple:
-    """The classes of the modules around a leaf created in ``module``: from the block
-    down inside a Stack or ``hk.layer_stack`` (after its lifting module), else from the root."""
-    from stackwise.haiku._stack import Stack  # the adapter's module type
-
-    chain = list(calls)
-    if module is not None and (not chain or chain[-1] is not module):
-        chain.append(module)
-    start = max(
-        (i + 1 for i, m in enumerate(chain) if isinstance(m, Stack) or _lifting(m)),
-        default=0,
-    )
-    return tuple(type(m).__name__ for m in chain[start:])
-
-
-def _lifting(module: Any) -> bool:
-    """Haiku's own lifting module (``hk.lift``, ``hk.layer_stack``), not a user's block."""
-    return type(module).__module__.startswith("haiku._src.lift")
-
-
-def _position_names(stack: Any) -> list[str] | None:
-    """A pattern Stack's positions' module names, in the pattern's order (None: no pattern).
-
-    The Stack records them while its init is traced (``_Layers.names``).
-    """
-    layers = stack._layers
-    return list(layers.names) if layers.pattern and layers.names is not None else None
-
-
-class _Model:
-    """A model's params and state as :class:`stackwise._convert.Leaf` s, in creation order.
-
-    Both are recorded while ``init`` is traced (``jax.eval_shape``, nothing is
-    computed) under an ``hk.custom_creator`` and an ``hk.custom_setter``, which
-    see every ``hk.get_parameter`` / ``hk.get_state`` / ``hk.set_state`` in
-    creation order, also those of
-    a block inside a :class:`Stack` or ``hk.layer_stack`` (their lifted
-    prefix plus the name is the leaf's name in the outer dict, with one
-    layer's shape: the leaf's stacked shape then gives the depth). An
-    ``hk.intercept_methods`` interceptor sees the modules around each leaf
-    (its scope) and the Stacks; a pattern Stack's leaves are ordered position
-    by position, whatever order the positions were traced in
-    (``reverse=True`` runs the last first).
-    """
-
-    def __init__(self, model: Any, side: str, args: tuple, kwargs: dict, who: str):
-        from stackwise.haiku._stack import Stack  # the adapter's module type
-
-        if isinstance(model, (hk.Transformed, hk.TransformedWithState)):
-            init = model.init
-        elif callable(model):
-            init = hk.transform_with_state(model).init
-        else:
-            raise TypeError(
-                f"{who}: the {side} model must be an `hk.transform` / "
-                "`hk.transform_with_state` of the model's function, or the function "
-                f"itself, got {type(model).__name__} {model!r}."
-            )
-        created: dict[str, dict[str, tuple]] = {kind: {} for kind in _KINDS}
-        calls: list = []  # the modules whose methods are running, outermost first
-        stacks: dict[str, Any] = {}  # a Stack's lifted prefix -> the Stack
-
-        def interceptor(f, a, kw, context):
-            m = context.module
-            if context.method_name == "__init__":
-                return f(*a, **kw)
-            if isinstance(m, Stack):
-                stacks.setdefault(m.module_name + "/", m)
-            calls.append(m)
-            try:
-                return f(*a, **kw)
-            finally:
-                calls.pop()
-
-        def record(kind: str, context: Any, shape: tuple, dtype: Any) -> None:
-            prefix = context.lifted_prefix_name or ""
-            owner = type(context.module).__name__ if context.module is not None else ""
-            created[kind].setdefault(
-                prefix + context.full_name,
-                (prefix, owner, shape, dtype, _scope(calls, context.module)),
-            )
-
-        def creator(kind: str) -> Callable:
-            def create(next_creator, shape, dtype, init, context):
-                value = next_creator(shape, dtype, init)
-                if hasattr(value, "shape"):  # not DO_NOT_STORE
-                    record(kind, context, tuple(value.shape), value.dtype)
-                return value
-
-            return create
-
-        def setter(next_setter, value, context):
-            # State first written by `hk.set_state` (e.g. hk.ExponentialMovingAverage's
-            # average) is created there, not by a creator.
-            record("state", context, tuple(jnp.shape(value)), jnp.result_type(value))
-            return next_setter(value)
-
-        def traced():
-            with hk.intercept_methods(interceptor):
-                with hk.custom_creator(creator("params"), params=True, state=False):
-                    with hk.custom_creator(creator("state"), params=False, state=True):
-                        with hk.custom_setter(setter):
-                            return init(jax.random.key(0), *args, **kwargs)
-
-        out = jax.eval_shape(hk.transform(traced).apply, {}, None)
-        params, state = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
-        self.side, self.who = side, who
-        self.shapes = {"params": params, "state": state}
-        self.positions = {prefix: _position_names(stack) for prefix, stack in stacks.items()}
-        self.leaves = {kind: self._leaves(kind, created[kind]) for kind in _KINDS}
-
-    def _rank(self, created: dict) -> dict[str, tuple]:
-        """Each leaf's ``(rank, position, positions)``: its place in creation order (a
-        pattern Stack's position by position) and its pattern position of how many."""
-        order = {name: i for i, name in enumerate(created)}
-        first: dict[str, int] = {}
-        for name, (prefix, *_) in created.items():
-            first.setdefault(prefix, order[name])
-        rank = {}
-        for name, (prefix, *_) in created.items():
-            names = self.positions.get(prefix)
-            if not names:
-                rank[name] = ((order[name],), 0, 1)
-                continue
-            position = name[len(prefix) :].split("/")[0]
-            if position not in names:
-                raise ValueError(
-                    f"{self.who}: the {self.side} model's {name} lies in a pattern Stack "
-                    f"but in none of its positions {names}."
-                )
-            p = names.index(position)
-            rank[name] = ((first[prefix], p, order[name]), p, len(names))
-        return rank
-
-    def _leaves(self, kind: str, created: dict) -> list[_convert.Leaf]:
-        rank = self._rank(created)
-        leaves = []
-        for module, bundle in self.shapes[kind].items():
-            for key, struct in bundle.items():
-                name = f"{module}/{key}"
-                if name not in created:
-                    raise ValueError(
-                        f"{self.who}: the {self.side} model's {kind} entry {name} was not "
-                        "created by `hk.get_parameter` / `hk.get_state` / `hk.set_state` "
-                        "during init, so its place in the model is unknown."
-                    )
-                prefix, owner, shape, dtype, scope = created[name]
-                if tuple(struct.shape) == shape:
-                    depth = 0
-                elif tuple(struct.shape[1:]) == shape:
-                    depth = struct.shape[0]
-                else:
-                    raise ValueError(
-                        f"{self.who}: the {self.side} model's {name} has shape "
-                        f"{tuple(struct.shape)} but each layer creates it with shape {shape}; "
-                        "only one layer axis (one Stack or layer_stack, not nested ones) "
-                        "converts leaf by leaf. Convert nested stacks with `from_loop` / "
-                        "`to_loop`."
-                    )
-                place, p, k = rank[name]
-                leaf = _convert.Leaf(
-                    name, owner, key, shape, dtype, depth, prefix or None, None, scope, p, k
-                )
-                leaves.append((place, leaf))
-        return [leaf for _, leaf in sorted(leaves, key=lambda t: t[0])]
-
-    def check(self, tree: Tree, kind: str) -> None:
-        """Raises unless ``tree`` has exactly this model's ``kind`` entries, shapes and dtypes."""
-        want = {f"{m}/{k}": s for m, b in self.shapes[kind].items() for k, s in b.items()}
-        have = {f"{m}/{k}": a for m, b in tree.items() for k, a in b.items()}
-        bad = [f"  missing: {name}" for name in sorted(set(want) - set(have))]
-        bad += [f"  not in the model: {name}" for name in sorted(set(have) - set(want))]
-        bad += [
-            f"  {name}: {_convert.describe(have[name])}, the model has "
-            f"{_convert.describe(want[name])}"
-            for name in sorted(set(want) & set(have))
-            if tuple(jnp.shape(have[name])) != tuple(want[name].shape)
-            or jnp.result_type(have[name]) != want[name].dtype
-        ]
-        if bad:
-            raise ValueError(
-                f"{self.who}: the {kind} given are not those of the {self.side} model "
-                f"(its init with the arguments given):\n" + "\n".join(bad[:20])
-            )
-
-    def kind_of(self, tree: Tree) -> str:
-        names = {f"{m}/{k}" for m, b in tree.items() for k in b}
-        for kind in _KINDS:
-            if names == {f"{m}/{k}" for m, b in self.shapes[kind].items() for k in b}:
-                return kind
-        self.check(tree, "params")  # lists the differences
-        raise AssertionError("unreachable")  # pragma: no cover
-
-
-def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-    """Params or state of one model in the layout of another, matched in creation order.
-
-    Porting a model onto a :class:`Stack` keeps its code but changes its
-    names: a loop body that creates ``layer_norm``, ``linear``,
-    ``linear_1`` in each of n iterations names them ``layer_norm_{2i}``,
-    ``linear_{2i}``, ... across the loop, and the module after the loop
-    ``layer_norm_{2n}``; in the port they are ``stack/layer_norm`` (stacked)
-    and ``layer_norm``. ``convert`` traces both models' ``init`` (shapes
-    only, with :func:`jax.eval_shape`), records every ``hk.get_parameter`` /
-    ``hk.get_state`` in the order Haiku creates them, and moves the k-th
-    leaf the source creates to the k-th leaf the target creates, layer by
-    layer inside a Stack (or ``hk.layer_stack``). It works both ways and
-    between any two of a loop, a Stack and ``hk.layer_stack``.
-
-    >>> import haiku as hk, jax, jax.numpy as jnp, stackwise.haiku
-    >>> def body(x):
-    ...     h = hk.Linear(8)(hk.LayerNorm(-1, True, True)(x))
-    ...     return x + hk.Linear(4)(jax.nn.gelu(h))
-    >>> def loop(x):
-    ...     for _ in range(3):
-    ...         x = body(x)
-    ...     return hk.LayerNorm(-1, True, True)(x)
-    >>> def port(x):
-    ...     return hk.LayerNorm(-1, True, True)(stackwise.haiku.Stack(body, n=3)(x))
-    >>> loop, port = hk.transform(loop), hk.transform(port)
-    >>> x = jnp.ones((2, 4))
-    >>> loop_params = loop.init(jax.random.key(0), x)
-    >>> sorted(loop_params)[:4]
-    ['layer_norm', 'layer_norm_1', 'layer_norm_2', 'layer_norm_3']
-    >>> params = stackwise.haiku.convert(loop_params, loop, port, x)
-    >>> params["stack/linear_1"]["w"].shape, params["layer_norm"]["scale"].shape
-    ((3, 8, 4), (4,))
-    >>> bool(jnp.allclose(port.apply(params, None, x), loop.apply(loop_params, None, x), atol=1e-6))
-    True
-    >>> back = stackwise.haiku.convert(params, port, loop, x)
-    >>> jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, loop_params))
-    True
-
-    The two models must correspond one to one: as many leaves, each pair
-    created by the same module class with the same name (``w``, ``scale``),
-    shape and dtype. Otherwise nothing is moved and the error shows the first
-    leaves that differ. Leaves of one class and shape created in another
-    order in the port cannot be told apart: port the loop's body unchanged.
-
-    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
-    layer i into position ``i % k``, whatever order it runs its positions in;
-    a loop layer of another position's kind of block (its class among the
-    modules around the variable) is refused, even with alike variables.
-
-    Args:
-      tree: the source model's params, its state, or ``(params, state)``
-        (which of them is told from the entries' names).
-      source: the model the tree belongs to: an ``hk.transform`` /
-        ``hk.transform_with_state`` of it, or its function.
-      target: the model to convert to, the same way.
-      *args: example arguments of both models' ``init`` (after the key);
-        only their shapes and dtypes matter.
-      **kwargs: keyword arguments of both models' ``init``.
-
-    Returns:
-      The target's params, state or ``(params, state)``, as plain dicts; every
-      array is the source's, bitwise (stacked or sliced).
-
-    Raises:
-      ValueError: the tree is not the source's (the differing entries are
-        listed), or the models do not correspond one to one (the first
-        difference is shown).
-      TypeError: a model that is neither a transform nor a function.
-    """
-    who = "stackwise.haiku.convert"
-    src = _Model(source, "source", args, kwargs, who)
-    tgt = _Model(target, "target", args, kwargs, who)
-
-    def one(sub: Tree, kind: str | None) -> dict[str, dict[str, Any]]:
-        _check_tree(sub, who)
-        kind = kind or src.kind_of(sub)
-        src.check(sub, kind)
-        hint = (
-            "Models whose modules differ in order convert by name with "
-            "`stackwise.haiku.from_loop` / `to_loop`."
-        )
-        sources = _convert.correspond(src.leaves[kind], tgt.leaves[kind], f"{who} ({kind})", hint)
-        values = [_value(sub, leaf.name) for leaf in src.leaves[kind]]
-        out: dict[str, dict[str, Any]] = {}
-        for leaf, value in zip(
-            tgt.leaves[kind], _convert.assemble(tgt.leaves[kind], sources, values)
-        ):
-            module, key = leaf.name.rsplit("/", 1)
-            out.setdefault(module, {})[key] = value
-        return {m: out[m] for m in tgt.shapes[kind] if m in out}
-
-    if isinstance(tree, tuple) and len(tree) == 2:
-        return one(tree[0], "params"), one(tree[1], "state")
-    return one(tree, None)
-
-
-def _value(tree: Tree, name: str) -> Any:
-    module, key = name.rsplit("/", 1)
-    return tree[module][key]

@@ -255,6 +255,34 @@ class Stack(hk.Module):
         options = _adapt.stack_options(who, n, locals())
         self._layers = _Layers(block, n, who, **options)
 
+    @property
+    @hk.transparent  # a plain read, also outside a transform: no name scope, no interceptor
+    def position_names(self) -> list[str] | None:
+        """A pattern's positions' module names, in the pattern's order; None without a pattern.
+
+        Each position is a module inside the Stack, named as a function calling
+        the k blocks in order would name them. The names are known once the
+        Stack has run (at init or apply); before, this is None too.
+
+        >>> import haiku as hk, jax, jax.numpy as jnp, stackwise.haiku
+        >>> class Local(hk.Module):
+        ...     def __call__(self, x):
+        ...         return x + hk.Linear(2)(x)
+        >>> class Global(Local):
+        ...     pass
+        >>> names = []
+        >>> def g(x):
+        ...     stack = stackwise.haiku.Stack([Local, Local, Global], n=5)
+        ...     y = stack(x)
+        ...     names.append(stack.position_names)
+        ...     return y
+        >>> _ = hk.transform(g).init(jax.random.key(0), jnp.ones(2))
+        >>> names
+        [['local', 'local_1', 'global']]
+        """
+        layers = self._layers
+        return list(layers.names) if layers.pattern and layers.names is not None else None
+
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the ``n`` layers: ``block(x, *args, **kwargs)`` each, in order.
 

@@ -14,11 +14,11 @@ try:
 except ImportError:  # pragma: no cover - exercised only without flax
     raise ImportError("`stackwise.nnx` needs flax: pip install 'stackwise[flax]'") from None
 
-from stackwise.nnx._convert import convert as convert
 from stackwise.nnx._convert import from_loop as from_loop
 from stackwise.nnx._convert import from_scan as from_scan
 from stackwise.nnx._convert import to_loop as to_loop
 from stackwise.nnx._convert import to_scan as to_scan
+from stackwise.nnx._correspond import convert as convert
 from stackwise.nnx._stack import Stack as Stack
 from stackwise.nnx._stack import layer_index as layer_index
 

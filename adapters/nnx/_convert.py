@@ -1,17 +1,19 @@
-"""Exact conversions between an NNX Stack's state and other layouts.
+"""Exact conversions by name between an NNX Stack's state and other layouts.
 
 An ``nnx.Module`` holds its state, so most moves are one ``nnx.update``
 away: :meth:`Stack.from_layers` / :meth:`Stack.to_layers` stack built blocks
 and split them again. The functions here convert *state* (an ``nnx.State``,
 or the nested dict ``nnx.to_pure_dict`` gives), as checkpoints hold it:
 
-- :func:`convert`: one model's state onto another's, leaf by leaf in NNX's
-  graph order (an upstream model with ``self.layers = [Block(...) ...]`` into
-  its port with ``self.layers = Stack(...)``, and back), in one call;
 - :func:`from_loop` / :func:`to_loop`: the layers of a loop (``layers[i]``,
   ``layer_{i}``, any naming), found by name (with a pattern of k blocks too);
 - :func:`from_scan` / :func:`to_scan`: a block built with ``nnx.vmap`` and run
   with ``nnx.scan`` (its variables stacked along an axis).
+
+:func:`stackwise.nnx.convert`, which matches two whole models leaf by leaf in
+NNX's graph order, is in ``_correspond.py``; it shares :func:`flatten`,
+:func:`unflatten`, :func:`show`, :func:`raw_value` and :data:`BLOCK` with
+this module.
 
 A Stack at ``path`` keeps its block at ``path + ("layers",)``, every
 variable with a leading layer axis; a pattern Stack keeps position p's block
@@ -32,12 +34,22 @@ from flax import nnx, traverse_util
 
 from stackwise import _convert
 
-__all__ = ["convert", "from_loop", "from_scan", "to_loop", "to_scan"]
+__all__ = [
+    "BLOCK",
+    "flatten",
+    "from_loop",
+    "from_scan",
+    "raw_value",
+    "show",
+    "to_loop",
+    "to_scan",
+    "unflatten",
+]
 
 Path = str | tuple[str | int, ...]
 Names = str | Sequence[Path] | Callable[[int], Path]
 
-_BLOCK = "layers"  # the attribute of a Stack that holds the stacked block
+BLOCK = "layers"  # the attribute of a Stack that holds the stacked block
 
 
 # --------------------------------------------------------------------------
@@ -81,34 +93,27 @@ def _positions(path: Any, who: str) -> tuple[list[tuple], tuple, bool]:
     """
     if not isinstance(path, list):
         stack = _parts(path, who)
-        return [stack + (_BLOCK,)], stack, False
+        return [stack + (BLOCK,)], stack, False
     if not path:
         raise TypeError(
             f"{who}: a pattern's `path` lists its k positions (for a Stack at 'layers': "
             "['layers/layers/0', ..., 'layers/layers/{k-1}']); got []."
         )
     positions = [_parts(p, who) for p in path]
-    _convert.check_distinct([_show(p) for p in positions], who, sep=None)
+    _convert.check_distinct([show(p) for p in positions], who, sep=None)
     for i, a in enumerate(positions):
         for j, b in enumerate(positions):
             if i != j and b[: len(a)] == a:
-                raise ValueError(f"{who}: position {j} ({_show(b)}) lies inside position {i}.")
-    common = positions[0]
-    for p in positions[1:]:
-        k = 0
-        while k < min(len(common), len(p)) and common[k] == p[k]:
-            k += 1
-        common = common[:k]
-    if len(positions) == 1:
-        common = positions[0]
-    return positions, common[:-1], True
+                raise ValueError(f"{who}: position {j} ({show(b)}) lies inside position {i}.")
+    return positions, _convert.common_prefix(positions)[:-1], True
 
 
-def _show(path: tuple) -> str:
+def show(path: tuple) -> str:
+    """``layers.0.kernel``: a state path, for messages."""
     return ".".join(map(str, path)) or "<root>"
 
 
-def _flat(tree: Any, who: str) -> tuple[dict[tuple, Any], bool]:
+def flatten(tree: Any, who: str) -> tuple[dict[tuple, Any], bool]:
     """``({path: leaf}, is_state)``: an ``nnx.State`` or a nested dict, flattened."""
     if isinstance(tree, nnx.State):
         return dict(nnx.to_flat_state(tree)), True
@@ -120,7 +125,8 @@ def _flat(tree: Any, who: str) -> tuple[dict[tuple, Any], bool]:
     )
 
 
-def _unflat(flat: dict[tuple, Any], is_state: bool) -> Any:
+def unflatten(flat: dict[tuple, Any], is_state: bool) -> Any:
+    """The inverse of :func:`flatten`: an ``nnx.State`` or a nested dict."""
     if is_state:
         return nnx.from_flat_state(flat)
     return traverse_util.unflatten_dict(flat)
@@ -140,7 +146,7 @@ def _has(flat: dict[tuple, Any], prefix: tuple) -> bool:
 def _put_all(flat: dict, prefix: tuple, leaves: dict[tuple, Any], who: str) -> None:
     if _has(flat, prefix):
         raise ValueError(
-            f"{who}: {_show(prefix)} already exists in the state; stackwise never "
+            f"{who}: {show(prefix)} already exists in the state; stackwise never "
             "overwrites an entry. Remove it first, or convert to another path or names."
         )
     for rest, v in leaves.items():
@@ -151,7 +157,8 @@ def _put_all(flat: dict, prefix: tuple, leaves: dict[tuple, Any], who: str) -> N
 # Variables: values and the layer axis in `out_sharding`.
 
 
-def _raw(v: Any) -> Any:
+def raw_value(v: Any) -> Any:
+    """A variable's array (anything else as it is)."""
     return v.get_raw_value() if isinstance(v, nnx.Variable) else v
 
 
@@ -174,7 +181,7 @@ def _check_layer_axis(flat: dict, prefix: tuple, axis_name: Any, who: str) -> No
         spec = v.get_metadata("out_sharding", None) if isinstance(v, nnx.Variable) else None
         if spec and tuple(spec)[0] != axis_name:
             raise ValueError(
-                f"{who}: variable {_show(prefix + rest)} has out_sharding {tuple(spec)}, "
+                f"{who}: variable {show(prefix + rest)} has out_sharding {tuple(spec)}, "
                 f"whose first (layer) axis should be named {axis_name!r}; pass the Stack's "
                 f"`layer_axis_name={tuple(spec)[0]!r}`."
             )
@@ -192,22 +199,22 @@ def _stack(
     ``layers[j]`` is the loop's layer ``index_of(j)``, named ``prefix_of(j)``.
     """
     first = layers[0]
-    label = lambda j: f"layer {index_of(j)} ({_show(prefix_of(j))})"  # noqa: E731
+    label = lambda j: f"layer {index_of(j)} ({show(prefix_of(j))})"  # noqa: E731
     for i, layer in enumerate(layers[1:], 1):
         for rest in sorted(set(first) & set(layer), key=str):
             if _meta(first[rest]) != _meta(layer[rest]):
                 raise ValueError(
-                    f"{who}: variable {_show(prefix_of(i) + rest)} has type and metadata "
+                    f"{who}: variable {show(prefix_of(i) + rest)} has type and metadata "
                     f"{_meta(layer[rest])} but {label(0)} has {_meta(first[rest])}; the "
                     "stacked variable keeps one, so the layers must agree."
                 )
     values = _convert.stack_exact(
-        [{_show(r): _raw(v) for r, v in layer.items()} for layer in layers],
+        [{show(r): raw_value(v) for r, v in layer.items()} for layer in layers],
         who,
         label=label,
         leaf_name=lambda s: f"{s[2:-2]} (in each layer)",
     )
-    return {r: _with(v, values[_show(r)], lambda s: (axis_name, *s)) for r, v in first.items()}
+    return {r: _with(v, values[show(r)], lambda s: (axis_name, *s)) for r, v in first.items()}
 
 
 # --------------------------------------------------------------------------
@@ -288,7 +295,7 @@ def from_loop(
         promoted), or a bad argument.
     """
     who = "stackwise.nnx.from_loop"
-    flat, is_state = _flat(tree, who)
+    flat, is_state = flatten(tree, who)
     positions, stack, _ = _positions(path, who)
     k = len(positions)
     n = _convert.check_n(n, who)
@@ -301,17 +308,14 @@ def from_loop(
             return False
 
     fixed = len(names) if isinstance(names, (list, tuple)) else None
-    asked = fixed if fixed is not None else n
-    if asked is not None and asked < k:
-        raise ValueError(f"{who}: a pattern of {k} blocks needs at least {k} layers, got {asked}.")
-    label = lambda i: repr(_show(name_of(i)))  # noqa: E731
+    label = lambda i: repr(show(name_of(i)))  # noqa: E731
     n = _convert.find_depth(exists, label, n, len(flat), who, fixed=fixed, pattern=k)
     prefixes = [name_of(i) for i in range(n)]
     _convert.check_distinct([p for p in prefixes], who, sep=None)
     for i, a in enumerate(prefixes):
         for j, b in enumerate(prefixes):
             if i != j and b[: len(a)] == a:
-                raise ValueError(f"{who}: layer {j} ({_show(b)}) lies inside layer {i}.")
+                raise ValueError(f"{who}: layer {j} ({show(b)}) lies inside layer {i}.")
     layers = [_under(flat, p) for p in prefixes]
     rest = {p: v for p, v in flat.items() if not any(p[: len(q)] == q for q in prefixes)}
     for q, where in enumerate(positions):
@@ -326,7 +330,7 @@ def from_loop(
             lambda j, own=own: own[j],
         )
         _put_all(rest, where, stacked, who)
-    return _unflat(rest, is_state)
+    return unflatten(rest, is_state)
 
 
 def to_loop(
@@ -363,7 +367,7 @@ def to_loop(
         positions, two layers of one name, or a layer that already exists.
     """
     who = "stackwise.nnx.to_loop"
-    flat, is_state = _flat(tree, who)
+    flat, is_state = flatten(tree, who)
     positions, stack, listed = _positions(path, who)
     k = len(positions)
     held = {}
@@ -374,48 +378,41 @@ def to_loop(
         if not listed:
             _check_not_a_pattern(inside, where, who)
         _check_layer_axis(inside, where, layer_axis_name, who)
-        raw = {_show(r): _raw(v) for r, v in inside.items()}
-        depth = _convert.depth_of(raw, who, f"Stack block at {_show(where)}")
+        raw = {show(r): raw_value(v) for r, v in inside.items()}
+        depth = _convert.depth_of(raw, who, f"Stack block at {show(where)}")
         held[q] = (inside, _convert.unstack_exact(raw, depth))
     if not held:
-        tops = sorted({_show(p[:2]) for p in flat}, key=str)[:12]
+        tops = sorted({show(p[:2]) for p in flat}, key=str)[:12]
         if not listed:
             raise ValueError(
-                f"{who}: no Stack block at {_show(positions[0])} (a Stack at {_show(stack)} "
+                f"{who}: no Stack block at {show(positions[0])} (a Stack at {show(stack)} "
                 f"keeps its block there); the state has {tops}."
             )
         raise ValueError(
             f"{who}: nothing at the pattern's positions "
-            f"{[_show(p) for p in positions]}; the state has {tops}."
+            f"{[show(p) for p in positions]}; the state has {tops}."
         )
     rest = {p: v for p, v in flat.items() if not any(p[: len(w)] == w for w in positions)}
     if k > 1:
         common = stack + (positions[0][len(stack)],)
-        left = sorted(_show(p) for p in rest if p[: len(common)] == common)
+        left = sorted(show(p) for p in rest if p[: len(common)] == common)
         if left:
             raise ValueError(
-                f"{who}: {left[:3]} lie in the Stack's {_show(common)} but at none of the "
-                f"pattern's positions {[_show(p) for p in positions]}; they would be left "
+                f"{who}: {left[:3]} lie in the Stack's {show(common)} but at none of the "
+                f"pattern's positions {[show(p) for p in positions]}; they would be left "
                 "behind, stacked. Check `path` (each position's path, in the pattern's order)."
             )
-    lo, hi = _convert.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
+    span = _convert.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
     name_of = _names(names, stack, who)
-    if isinstance(names, (list, tuple)) and not lo <= len(names) <= hi:
-        count = lo if lo == hi else f"{lo} to {hi}"
-        raise ValueError(
-            f"{who}: the Stack holds {count} layers but {len(names)} `names` were given; "
-            "give one name per layer."
-        )
+    _convert.check_names_count(names, span, who, "the Stack holds")
     indices = sorted(q + j * k for q, (_, layers) in held.items() for j in range(len(layers)))
     prefixes = {i: name_of(i) for i in indices}
     _convert.check_distinct(list(prefixes.values()), who, sep=None)
     for q, (inside, layers) in held.items():
         for j, layer_values in enumerate(layers):
-            layer = {
-                r: _with(v, layer_values[_show(r)], lambda s: s[1:]) for r, v in inside.items()
-            }
+            layer = {r: _with(v, layer_values[show(r)], lambda s: s[1:]) for r, v in inside.items()}
             _put_all(rest, prefixes[q + j * k], layer, who)
-    return _unflat(rest, is_state)
+    return unflatten(rest, is_state)
 
 
 def _check_not_a_pattern(inside: dict[tuple, Any], where: tuple, who: str) -> None:
@@ -423,10 +420,10 @@ def _check_not_a_pattern(inside: dict[tuple, Any], where: tuple, who: str) -> No
     tops = {r[0] for r in inside}
     if len(tops) > 1 and tops == set(range(len(tops))):
         k = len(tops)
-        listed = [_show(where + (p,)) for p in range(k)]
+        listed = [show(where + (p,)) for p in range(k)]
         raise ValueError(
-            f"{who}: {_show(where)} holds the {k} positions of a pattern Stack "
-            f"({_show(where + (0,))}, ...), not one stacked block. Pass them as a list: "
+            f"{who}: {show(where)} holds the {k} positions of a pattern Stack "
+            f"({show(where + (0,))}, ...), not one stacked block. Pass them as a list: "
             f"path={listed}."
         )
 
@@ -455,14 +452,14 @@ def _axes(variable_axes: Any, who: str) -> list[tuple[Callable, int]]:
 
 
 def _move(tree, path, variable_axes, to_stack, scan_axis_name, layer_axis_name, who):
-    flat, is_state = _flat(tree, who)
+    flat, is_state = flatten(tree, who)
     where = _single(path, who)
-    src_prefix, dst_prefix = (where, where + (_BLOCK,)) if to_stack else (where + (_BLOCK,), where)
+    src_prefix, dst_prefix = (where, where + (BLOCK,)) if to_stack else (where + (BLOCK,), where)
     inside = _under(flat, src_prefix)
     if not inside:
         raise ValueError(
-            f"{who}: nothing at {_show(src_prefix)} to convert; the state has "
-            f"{sorted({_show(p[:2]) for p in flat}, key=str)[:12]}."
+            f"{who}: nothing at {show(src_prefix)} to convert; the state has "
+            f"{sorted({show(p[:2]) for p in flat}, key=str)[:12]}."
         )
     axes = _axes(variable_axes, who)
     rest = {p: v for p, v in flat.items() if p[: len(src_prefix)] != src_prefix}
@@ -471,15 +468,15 @@ def _move(tree, path, variable_axes, to_stack, scan_axis_name, layer_axis_name, 
         axis = next((a for pred, a in axes if pred(r, v)), None)
         if axis is None:
             raise ValueError(
-                f"{who}: variable {_show(src_prefix + r)} ({type(v).__name__}) is matched by "
+                f"{who}: variable {show(src_prefix + r)} ({type(v).__name__}) is matched by "
                 "no int axis of `variable_axes`: a broadcast variable holds one copy for "
                 "all layers, which a Stack cannot hold."
             )
-        value = _raw(v)
+        value = raw_value(v)
         src, dst = (axis, 0) if to_stack else (0, axis)
         if jnp.ndim(value) <= max(src, dst):
             raise ValueError(
-                f"{who}: variable {_show(src_prefix + r)} has shape {jnp.shape(value)}, "
+                f"{who}: variable {show(src_prefix + r)} has shape {jnp.shape(value)}, "
                 f"without axis {max(src, dst)}."
             )
         spec = v.get_metadata("out_sharding", None) if isinstance(v, nnx.Variable) else None
@@ -488,7 +485,7 @@ def _move(tree, path, variable_axes, to_stack, scan_axis_name, layer_axis_name, 
             if spec[src] != expected:
                 fix = "`scan_axis_name`" if to_stack else "`layer_axis_name`"
                 raise ValueError(
-                    f"{who}: variable {_show(src_prefix + r)} has out_sharding {tuple(spec)}, "
+                    f"{who}: variable {show(src_prefix + r)} has out_sharding {tuple(spec)}, "
                     f"whose axis {src} should be named {expected!r}; pass the name it was "
                     f"given as {fix}."
                 )
@@ -497,7 +494,7 @@ def _move(tree, path, variable_axes, to_stack, scan_axis_name, layer_axis_name, 
         new = jnp.moveaxis(value, src, dst) if src != dst else value
         moved[r] = _with(v, new, lambda s, spec=spec: tuple(spec))
     _put_all(rest, dst_prefix, moved, who)
-    return _unflat(rest, is_state)
+    return unflatten(rest, is_state)
 
 
 def from_scan(
@@ -561,208 +558,3 @@ def to_scan(
     return _move(
         tree, path, variable_axes, False, scan_axis_name, layer_axis_name, "stackwise.nnx.to_scan"
     )
-
-
-# --------------------------------------------------------------------------
-# By graph order: one model's state -> another's.
-
-
-class _Model:
-    """A model's state as :class:`stackwise._convert.Leaf` s, in NNX's graph order.
-
-    NNX orders a module's state by attribute name (lists by index), the order
-    of ``nnx.state`` and ``nnx.to_flat_state``. A :class:`Stack`'s block is a
-    stack: its leaves come layer by layer.
-    """
-
-    def __init__(self, model: Any, side: str, who: str):
-        from stackwise.nnx._stack import Stack  # the adapter's module type
-
-        if not isinstance(model, nnx.Module):
-            if not callable(model):
-                raise TypeError(
-                    f"{who}: the {side} model must be an `nnx.Module` or a function "
-                    f"building one, got {type(model).__name__} {model!r}."
-                )
-            model = nnx.eval_shape(model)
-            if not isinstance(model, nnx.Module):
-                raise TypeError(f"{who}: the {side} model's function did not build a module.")
-        self.side, self.who = side, who
-        owners, stacks = {}, {}  # path -> class name; a Stack's block path -> pattern length
-        for path, node in nnx.iter_graph(model):
-            if isinstance(node, nnx.Pytree):  # modules and their containers (nnx.List)
-                owners[tuple(path)] = type(node).__name__
-            if isinstance(node, Stack):
-                stacks[tuple(path) + (_BLOCK,)] = len(node.layers) if node.pattern else 1
-        self.flat = dict(nnx.to_flat_state(nnx.state(model)))
-        self.paths = list(self.flat)
-        self.groups = []  # each leaf's layer root: its Stack's block, or pattern position
-        self.leaves = []
-        for path in self.paths:
-            value = _raw(self.flat[path])
-            group = next((g for g in stacks if path[: len(g)] == g), None)
-            shape, depth, position, k, root = tuple(value.shape), 0, 0, 1, ()
-            if group is not None:
-                depth, shape, k, root = shape[0], shape[1:], stacks[group], group
-                if k > 1:
-                    position = path[len(group)]
-                    root = group + (position,)
-            scope = tuple(
-                owners[path[:j]] for j in range(len(root), len(path)) if path[:j] in owners
-            )
-            owner = owners.get(path[:-1], "")
-            self.groups.append(None if group is None else root)
-            self.leaves.append(
-                _convert.Leaf(
-                    _show(path),
-                    owner,
-                    str(path[-1]),
-                    shape,
-                    value.dtype,
-                    depth,
-                    group,
-                    None,
-                    scope,
-                    position,
-                    k,
-                )
-            )
-
-    def check(self, flat: dict) -> None:
-        bad = [f"  missing: {_show(p)}" for p in self.paths if p not in flat]
-        bad += [f"  not in the model: {_show(p)}" for p in flat if p not in self.flat]
-        bad += [
-            f"  {_show(p)}: {_convert.describe(_raw(flat[p]))}, the model has "
-            f"{_convert.describe(_raw(self.flat[p]))}"
-            for p in self.paths
-            if p in flat
-            and (
-                tuple(jnp.shape(_raw(flat[p]))) != tuple(_raw(self.flat[p]).shape)
-                or _convert._dtype(_raw(flat[p])) != _raw(self.flat[p]).dtype
-            )
-        ]
-        if bad:
-            raise ValueError(
-                f"{self.who}: the state given is not the {self.side} model's:\n"
-                + "\n".join(bad[:20])
-            )
-
-
-def _local(model: _Model, i: int) -> tuple:
-    path, group = model.paths[i], model.groups[i]
-    return path if group is None else path[len(group) :]
-
-
-def _check_names(src: _Model, tgt: _Model, sources: list, who: str) -> None:
-    """NNX names are local: paired leaves must have the same path within their layer.
-
-    A loop's layer i is one subtree (``layers.3``, ``layer_3``): all leaves
-    paired with one layer of a stack share one root, the rest of their path
-    being the stacked leaf's path inside the block.
-    """
-    roots: dict[tuple, tuple] = {}
-    for t, slots in enumerate(sources):
-        for j, s in enumerate(slots):
-            a, b = _local(src, s.leaf), _local(tgt, t)
-            s_group, t_group = src.groups[s.leaf], tgt.groups[t]
-            if (s_group is None) == (t_group is None):
-                ok = a == b
-            else:  # one side is a loop: its path ends with the stacked leaf's
-                long, short = (a, b) if s_group is None else (b, a)
-                layer = ("target", t_group, j) if s_group is None else ("source", s_group, s.layer)
-                ok = long[len(long) - len(short) :] == short
-                if ok:
-                    root = long[: len(long) - len(short)]
-                    ok = roots.setdefault(layer, root) == root
-            if not ok:
-                where = f" (layer {s.layer})" if s.layer is not None else ""
-                raise ValueError(
-                    f"{who}: in graph order, the target's {_show(tgt.paths[t])} takes the "
-                    f"source's {_show(src.paths[s.leaf])}{where}, but their names within "
-                    "the layer differ. NNX orders state by attribute name: keep the loop's "
-                    "attribute names in the port (`self.layers = Stack(...)` where upstream "
-                    "had `self.layers = [...]`), or convert by name with "
-                    "`stackwise.nnx.from_loop` / `to_loop`."
-                )
-
-
-def convert(tree: Any, source: Any, target: Any) -> Any:
-    """One model's state in the layout of another, matched in NNX's graph order.
-
-    Porting a model onto a :class:`Stack` keeps its blocks and attribute
-    names: upstream ``self.layers = [Block(...) for _ in range(n)]`` (state
-    ``layers.0.attn...``, ``layers.1.attn...``) becomes ``self.layers =
-    stackwise.nnx.Stack(lambda rngs: Block(...), n, rngs=rngs)`` (state
-    ``layers.layers.attn...`` with a leading axis n). ``convert`` walks both
-    models' state in NNX's order (by attribute name, lists by index; a
-    Stack's block layer by layer) and moves the k-th leaf of the source to
-    the k-th of the target, checking that they agree in module class,
-    variable name, path within the layer, shape and dtype. It works both ways.
-
-    A pattern Stack (``Stack([Local, Local, Global], n)``) takes the loop's
-    layer i into position ``i % k``, whatever order it runs its positions in;
-    a loop layer of another position's kind of block (its class among the
-    modules around the variable) is refused, even with alike variables.
-
-    >>> import jax, jax.numpy as jnp, stackwise.nnx
-    >>> from flax import nnx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self, rngs):
-    ...         self.norm = nnx.LayerNorm(4, rngs=rngs)
-    ...         self.linear = nnx.Linear(4, 4, rngs=rngs)
-    ...     def __call__(self, x):
-    ...         return x + self.linear(self.norm(x))
-    >>> class Loop(nnx.Module):
-    ...     def __init__(self, rngs):
-    ...         self.layers = nnx.List([Block(rngs) for _ in range(3)])
-    ...         self.final_norm = nnx.LayerNorm(4, rngs=rngs)
-    ...     def __call__(self, x):
-    ...         for layer in self.layers:
-    ...             x = layer(x)
-    ...         return self.final_norm(x)
-    >>> class Port(Loop):
-    ...     def __init__(self, rngs):
-    ...         self.layers = stackwise.nnx.Stack(Block, 3, rngs=rngs)
-    ...         self.final_norm = nnx.LayerNorm(4, rngs=rngs)
-    ...     def __call__(self, x):
-    ...         return self.final_norm(self.layers(x))
-    >>> loop = Loop(nnx.Rngs(0))
-    >>> port = nnx.eval_shape(lambda: Port(nnx.Rngs(1)))
-    >>> nnx.update(port, stackwise.nnx.convert(nnx.state(loop), loop, port))
-    >>> x = jnp.ones((2, 4))
-    >>> bool(jnp.allclose(port(x), loop(x), atol=1e-6))
-    True
-    >>> back = stackwise.nnx.convert(nnx.state(port), port, loop)
-    >>> jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, nnx.state(loop)))
-    True
-
-    Args:
-      tree: the source model's state: an ``nnx.State`` or a nested dict of
-        arrays (``nnx.to_pure_dict``, e.g. a checkpoint).
-      source: the model the state belongs to: an ``nnx.Module`` (abstract,
-        from ``nnx.eval_shape``, is enough) or a function building it.
-      target: the model to convert to, the same way.
-
-    Returns:
-      The target's state, of the input's kind (an ``nnx.State`` of the
-      target's variables, or a nested dict); every array is the source's,
-      bitwise (stacked or sliced). Load it with ``nnx.update(target, state)``.
-
-    Raises:
-      ValueError: the state is not the source's (the differing variables are
-        listed), or the models do not correspond one to one (the first
-        difference is shown).
-      TypeError: a model that is neither a module nor a function.
-    """
-    who = "stackwise.nnx.convert"
-    flat, is_state = _flat(tree, who)
-    src, tgt = _Model(source, "source", who), _Model(target, "target", who)
-    src.check(flat)
-    hint = "Models whose state differs in names convert by name with `from_loop` / `to_loop`."
-    sources = _convert.correspond(src.leaves, tgt.leaves, who, hint)
-    _check_names(src, tgt, sources, who)
-    values = [_raw(flat[p]) for p in src.paths]
-    out = {}
-    for path, value in zip(tgt.paths, _convert.assemble(tgt.leaves, sources, values)):
-        out[path] = tgt.flat[path].copy(value) if is_state else value
-    return _unflat(out, is_state)
