@@ -163,6 +163,4 @@ def select(all_cases: Sequence[Case], wanted: Sequence[str]) -> list[Case]:
     if not wanted:
         return list(all_cases)
     wanted = [w.lower() for w in wanted]
-    return [
-        c for c in all_cases if any(w in c.name.lower() or w == c.framework for w in wanted)
-    ]
+    return [c for c in all_cases if any(w in c.name.lower() or w == c.framework for w in wanted)]

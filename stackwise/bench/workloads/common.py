@@ -99,8 +99,10 @@ def adapter_or_note(adapter: str, block: str, notes: list[str]) -> Any:
     try:
         return importlib.import_module(adapter)
     except ImportError as e:
-        notes.append(f"{adapter}: not importable ({e}); the {block} rows of its framework "
-                     "(whose params are the Stack's, converted) are skipped.")
+        notes.append(
+            f"{adapter}: not importable ({e}); the {block} rows of its framework "
+            "(whose params are the Stack's, converted) are skipped."
+        )
         return None
 
 

@@ -81,8 +81,11 @@ def _variants(layer_init, layer, inputs, *, slices: bool, checkpoint: bool) -> l
         Case(LOOP, "jax", "off", loop_separate),
         *([Case("loop (stacked slices)", "jax", "off", loop_slices)] if slices else []),
         Case(SCAN, "jax", "off", hand_scan(False)),
-        *([Case("lax.scan+checkpoint (hand)", "jax", "layer", hand_scan(True))]
-          if checkpoint else []),
+        *(
+            [Case("lax.scan+checkpoint (hand)", "jax", "layer", hand_scan(True))]
+            if checkpoint
+            else []
+        ),
         Case("stackwise", "jax", "off", with_stackwise(remat=False)),
         Case("stackwise default", "jax", "dots", with_stackwise()),
         Case("stackwise remat", "jax", "layer", with_stackwise(remat=True)),
@@ -157,8 +160,12 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
 
         norm_np = {"scale": np.ones((n, d), np.float32), "bias": np.zeros((n, d), np.float32)}
         stacked = {
-            "ln1": norm_np, "qkv": dense_np(d, 3 * d), "out": dense_np(d, d), "ln2": norm_np,
-            "fc1": dense_np(d, hidden), "fc2": dense_np(hidden, d),
+            "ln1": norm_np,
+            "qkv": dense_np(d, 3 * d),
+            "out": dense_np(d, d),
+            "ln2": norm_np,
+            "fc1": dense_np(d, hidden),
+            "fc2": dense_np(hidden, d),
         }
         return device(stacked), transformer_input(cfg)
 
@@ -294,11 +301,14 @@ def pattern(cfg: BenchConfig, notes: list[str]) -> list[Case]:
         positions = []
         for p, hidden in enumerate(hiddens):
             count = len(range(p, n, k))
-            positions.append({
-                "w1": rng.standard_normal((count, d, hidden), np.float32) / math.sqrt(d),
-                "w2": rng.standard_normal((count, hidden, d), np.float32)
-                / math.sqrt(hidden) * 0.1,
-            })
+            positions.append(
+                {
+                    "w1": rng.standard_normal((count, d, hidden), np.float32) / math.sqrt(d),
+                    "w2": rng.standard_normal((count, hidden, d), np.float32)
+                    / math.sqrt(hidden)
+                    * 0.1,
+                }
+            )
         return device(tuple(positions)), device(rng.standard_normal((batch, d), np.float32))
 
     def loop_separate(n):

@@ -20,17 +20,7 @@ import jax
 import numpy as np
 
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.workloads.common import (
-    Build,
-    Case,
-    attend,
-    device,
-    framework_cases,
-    mean_square,
-    stack_remat,
-    tool_policy,
-    transformer_input,
-)
+from stackwise.bench.workloads import common
 
 
 class Mlp(eqx.Module):
@@ -70,7 +60,7 @@ class Transformer(eqx.Module):
 
     def __call__(self, x):  # x: [seq, d]; Equinox's layers act on one position: vmap
         qkv = jax.vmap(self.qkv)(jax.vmap(self.ln1)(x))
-        x = x + jax.vmap(self.out)(attend(qkv[None], self.heads)[0])
+        x = x + jax.vmap(self.out)(common.attend(qkv[None], self.heads)[0])
         h = jax.vmap(self.fc1)(jax.vmap(self.ln2)(x))
         return x + jax.vmap(self.fc2)(jax.nn.gelu(h))
 
@@ -104,20 +94,21 @@ class Scan(eqx.Module):
             return eqx.combine(layer, static)(x), None
 
         if self.remat != "off":
-            body = eqx.filter_checkpoint(body, policy=tool_policy(self.remat))
+            body = eqx.filter_checkpoint(body, policy=common.tool_policy(self.remat))
         return jax.lax.scan(body, x, params)[0]
 
 
-def _rows(make_block: Callable[[jax.Array], eqx.Module], x: jax.Array, cfg: BenchConfig,
-          notes: list[str]) -> list[Case]:
-    """Equinox's rows of a block made by ``make_block(key)`` (see :func:`framework_cases`)."""
+def _rows(
+    make_block: Callable[[jax.Array], eqx.Module], x: jax.Array, cfg: BenchConfig, notes: list[str]
+) -> list[common.Case]:
+    """Equinox's rows of a block made by ``make_block(key)`` (see ``framework_cases``)."""
 
-    def model(make: Callable[[int, jax.Array], Any]) -> Build:
+    def model(make: Callable[[int, jax.Array], Any]) -> common.Build:
         """``make(n, key)`` -> a model of ``n`` blocks acting on one example."""
 
         def build(n):
             params, static = eqx.partition(make(n, jax.random.key(cfg.seed)), eqx.is_array)
-            return params, x, lambda p, h: mean_square(jax.vmap(eqx.combine(p, static))(h))
+            return params, x, lambda p, h: common.mean_square(jax.vmap(eqx.combine(p, static))(h))
 
         return build
 
@@ -125,13 +116,16 @@ def _rows(make_block: Callable[[jax.Array], eqx.Module], x: jax.Array, cfg: Benc
         return Loop([make_block(k) for k in jax.random.split(key, n)])
 
     def stack(sw, remat):
-        return model(lambda n, key: sw.Stack(make_block, n, remat=stack_remat(remat), key=key))
+        return model(
+            lambda n, key: sw.Stack(make_block, n, remat=common.stack_remat(remat), key=key)
+        )
 
-    return framework_cases(
+    return common.framework_cases(
         "equinox",
         loop=("eqx loop", model(loop)),
         tools={
-            "off": "filter_vmap+scan", "dots": "filter_vmap+scan+checkpoint(dots)",
+            "off": "filter_vmap+scan",
+            "dots": "filter_vmap+scan+checkpoint(dots)",
             "layer": "filter_vmap+scan+checkpoint",
         },
         tool=lambda remat: model(lambda n, key: Scan(make_block, n, key, remat)),
@@ -141,18 +135,17 @@ def _rows(make_block: Callable[[jax.Array], eqx.Module], x: jax.Array, cfg: Benc
     )
 
 
-def mlp(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def mlp(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """Equinox's rows of the residual MLP block (D, hidden, batch from ``cfg``)."""
     rng = np.random.default_rng(cfg.seed + 1)
-    x = device(rng.standard_normal((cfg.batch, cfg.d), np.float32))
+    x = common.device(rng.standard_normal((cfg.batch, cfg.d), np.float32))
     return _rows(lambda key: Mlp(cfg.d, cfg.hidden, key=key), x, cfg, notes)
 
 
-def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """Equinox's rows of the transformer block (sizes from ``cfg``)."""
 
     def make_block(key):
         return Transformer(cfg.tf_d, cfg.tf_hidden, cfg.tf_heads, key=key)
 
-    return _rows(make_block, transformer_input(cfg), cfg, notes)
-
+    return _rows(make_block, common.transformer_input(cfg), cfg, notes)

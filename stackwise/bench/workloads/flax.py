@@ -13,19 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.workloads.common import (
-    Case,
-    adapter_or_note,
-    attend,
-    cache_shape,
-    decode_attend,
-    decode_input,
-    framework_cases,
-    initialised,
-    python_loop,
-    stack_remat,
-    tool_policy,
-)
+from stackwise.bench.workloads import common
 
 
 class Block(nn.Module):
@@ -38,7 +26,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.LayerNorm()(x)
-        x = x + nn.Dense(self.d)(attend(nn.Dense(3 * self.d)(h), self.heads))
+        x = x + nn.Dense(self.d)(common.attend(nn.Dense(3 * self.d)(h), self.heads))
         h = nn.LayerNorm()(x)
         return x + nn.Dense(self.d)(jax.nn.gelu(nn.Dense(self.hidden)(h)))
 
@@ -55,8 +43,8 @@ class Cell(nn.Module):
         return Block(self.d, self.hidden, self.heads)(x), None
 
 
-def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
-    """linen's rows of the transformer block (see :func:`framework_cases`)."""
+def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
+    """linen's rows of the transformer block (see :func:`common.framework_cases`)."""
     sizes = (cfg.tf_d, cfg.tf_hidden, cfg.tf_heads)
     block = functools.partial(Block, *sizes)
 
@@ -68,23 +56,21 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
                     return body(n, x)
 
             net = Model()
-            return initialised(net.init, net.apply, cfg)
+            return common.initialised(net.init, net.apply, cfg)
 
         return build
 
     def scan(remat, n, x):
-        cell = Cell if remat == "off" else nn.remat(Cell, policy=tool_policy(remat))
-        scanned = nn.scan(
-            cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=n
-        )
+        cell = Cell if remat == "off" else nn.remat(Cell, policy=common.tool_policy(remat))
+        scanned = nn.scan(cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=n)
         return scanned(*sizes)(x, None)[0]
 
     def stack(sw, remat):
-        return model(lambda n, x: sw.Stack(block, n=n, remat=stack_remat(remat))(x))
+        return model(lambda n, x: sw.Stack(block, n=n, remat=common.stack_remat(remat))(x))
 
-    return framework_cases(
+    return common.framework_cases(
         "flax",
-        loop=("nn loop", model(functools.partial(python_loop, block))),
+        loop=("nn loop", model(functools.partial(common.python_loop, block))),
         tools={"off": "nn.scan", "dots": "nn.scan(nn.remat dots)", "layer": "nn.scan(nn.remat)"},
         tool=lambda remat: model(functools.partial(scan, remat)),
         adapter="stackwise.flax",
@@ -105,7 +91,7 @@ class DecodeAttention(nn.Module):
         k = self.variable("cache", "k", jnp.zeros, self.cache)
         v = self.variable("cache", "v", jnp.zeros, self.cache)
         qkv = nn.Dense(3 * self.d, name="qkv")(x)
-        y, k.value, v.value = decode_attend(qkv, k.value, v.value, pos, self.heads)
+        y, k.value, v.value = common.decode_attend(qkv, k.value, v.value, pos, self.heads)
         return x + nn.Dense(self.d, name="out")(y)
 
 
@@ -116,12 +102,12 @@ class DecodeCell(DecodeAttention):
         return super().__call__(x, pos), None
 
 
-def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def decode(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """linen's rows of the decode block: one token per call (see :func:`_decoding`)."""
     return _decoding("decode", cfg, notes, tokens=1, pos=cfg.dec_prompt)
 
 
-def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """linen's rows of the prefill block: a whole prompt per call (see :func:`_decoding`)."""
     return _decoding("prefill", cfg, notes, tokens=cfg.dec_prompt, pos=0)
 
@@ -131,12 +117,12 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     ``stackwise.flax.Stack``, each a step ``apply(..., mutable=["cache"])``. Every row's
     variables are the Stack's, converted with ``stackwise.flax.to_loop`` and
     ``to_scan``, so that every row computes the same."""
-    sw = adapter_or_note("stackwise.flax", block_name, notes)
+    sw = common.adapter_or_note("stackwise.flax", block_name, notes)
     if sw is None:
         return []
-    sizes = (cfg.dec_d, cfg.dec_heads, cache_shape(cfg))
+    sizes = (cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg))
     block = functools.partial(DecodeAttention, *sizes)
-    x = decode_input(cfg, tokens, pos)
+    x = common.decode_input(cfg, tokens, pos)
     axes = {"params": 0, "cache": 0}
 
     def model(body, convert):  # body(n, h, pos) in a compact module; convert(variables)
@@ -168,17 +154,24 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         return h
 
     def scan(n, h, pos):
-        scanned = nn.scan(DecodeCell, variable_axes=axes, split_rngs={"params": True},
-                          in_axes=nn.broadcast, length=n)
+        scanned = nn.scan(
+            DecodeCell,
+            variable_axes=axes,
+            split_rngs={"params": True},
+            in_axes=nn.broadcast,
+            length=n,
+        )
         return scanned(*sizes, name="layers")(h, pos)[0]
 
     def stack(sw, remat):
         return model(
-            lambda n, h, pos: sw.Stack(block, n, remat=stack_remat(remat), name="layers")(h, pos),
+            lambda n, h, pos: sw.Stack(block, n, remat=common.stack_remat(remat), name="layers")(
+                h, pos
+            ),
             lambda variables: variables,
         )
 
-    return framework_cases(
+    return common.framework_cases(
         "flax",
         loop=("nn loop", model(loop, lambda v: sw.to_loop(v, "layers"))),
         tools={"off": "nn.scan"},

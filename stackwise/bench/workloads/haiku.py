@@ -13,19 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.workloads.common import (
-    Case,
-    adapter_or_note,
-    attend,
-    cache_shape,
-    decode_attend,
-    decode_input,
-    framework_cases,
-    initialised,
-    python_loop,
-    stack_remat,
-    tool_policy,
-)
+from stackwise.bench.workloads import common
 
 
 class Block(hk.Module):
@@ -37,36 +25,37 @@ class Block(hk.Module):
 
     def __call__(self, x):
         h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
-        x = x + hk.Linear(self.d)(attend(hk.Linear(3 * self.d)(h), self.heads))
+        x = x + hk.Linear(self.d)(common.attend(hk.Linear(3 * self.d)(h), self.heads))
         h = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
         return x + hk.Linear(self.d)(jax.nn.gelu(hk.Linear(self.hidden)(h)))
 
 
-def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
-    """Haiku's rows of the transformer block (see :func:`framework_cases`)."""
+def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
+    """Haiku's rows of the transformer block (see :func:`common.framework_cases`)."""
     block = functools.partial(Block, cfg.tf_d, cfg.tf_hidden, cfg.tf_heads)
 
     def model(forward):  # forward(n, x) -> y, run under hk.transform
         def build(n):
             net = hk.without_apply_rng(hk.transform(functools.partial(forward, n)))
-            return initialised(net.init, net.apply, cfg)
+            return common.initialised(net.init, net.apply, cfg)
 
         return build
 
     def layer_stack(remat, n, x):
         fn = lambda x: block()(x)  # noqa: E731
         if remat != "off":
-            fn = hk.remat(fn, policy=tool_policy(remat))
+            fn = hk.remat(fn, policy=common.tool_policy(remat))
         return hk.layer_stack(n)(fn)(x)
 
     def stack(sw, remat):
-        return model(lambda n, x: sw.Stack(block, n=n, remat=stack_remat(remat))(x))
+        return model(lambda n, x: sw.Stack(block, n=n, remat=common.stack_remat(remat))(x))
 
-    return framework_cases(
+    return common.framework_cases(
         "haiku",
-        loop=("hk loop", model(functools.partial(python_loop, block))),
+        loop=("hk loop", model(functools.partial(common.python_loop, block))),
         tools={
-            "off": "hk.layer_stack", "dots": "hk.layer_stack+hk.remat(dots)",
+            "off": "hk.layer_stack",
+            "dots": "hk.layer_stack+hk.remat(dots)",
             "layer": "hk.layer_stack+hk.remat",
         },
         tool=lambda remat: model(functools.partial(layer_stack, remat)),
@@ -86,18 +75,18 @@ class DecodeAttention(hk.Module):
     def __call__(self, x, pos):
         k = hk.get_state("k", self.cache, init=jnp.zeros)
         v = hk.get_state("v", self.cache, init=jnp.zeros)
-        y, k, v = decode_attend(hk.Linear(3 * self.d, name="qkv")(x), k, v, pos, self.heads)
+        y, k, v = common.decode_attend(hk.Linear(3 * self.d, name="qkv")(x), k, v, pos, self.heads)
         hk.set_state("k", k)
         hk.set_state("v", v)
         return x + hk.Linear(self.d, name="out")(y)
 
 
-def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def decode(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """Haiku's rows of the decode block: one token per call (see :func:`_decoding`)."""
     return _decoding("decode", cfg, notes, tokens=1, pos=cfg.dec_prompt)
 
 
-def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """Haiku's rows of the prefill block: a whole prompt per call (see :func:`_decoding`)."""
     return _decoding("prefill", cfg, notes, tokens=cfg.dec_prompt, pos=0)
 
@@ -107,11 +96,11 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     ``hk.transform_with_state`` step ``(params, cache, x) -> (y, cache)``. Every row's
     params and cache are the Stack's, converted with ``stackwise.haiku.to_loop`` and
     ``to_layer_stack``, so that every row computes the same."""
-    sw = adapter_or_note("stackwise.haiku", block_name, notes)
+    sw = common.adapter_or_note("stackwise.haiku", block_name, notes)
     if sw is None:
         return []
-    block = functools.partial(DecodeAttention, cfg.dec_d, cfg.dec_heads, cache_shape(cfg))
-    x = decode_input(cfg, tokens, pos)
+    block = functools.partial(DecodeAttention, cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg))
+    x = common.decode_input(cfg, tokens, pos)
 
     def model(forward, convert):  # forward(n, h, pos); convert(Stack's tree, n) -> its own
         def build(n):
@@ -132,13 +121,19 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         return hk.layer_stack(n)(lambda h: block()(h, pos))(h)
 
     def stack(sw, remat):
-        return model(lambda n, h, pos: sw.Stack(block, n=n, remat=stack_remat(remat))(h, pos),
-                     lambda tree, n: tree)
+        return model(
+            lambda n, h, pos: sw.Stack(block, n=n, remat=common.stack_remat(remat))(h, pos),
+            lambda tree, n: tree,
+        )
 
-    return framework_cases(
+    return common.framework_cases(
         "haiku",
-        loop=("hk loop", model(loop, lambda tree, n: sw.to_loop(
-            tree, "stack/decode_attention", "decode_attention"))),
+        loop=(
+            "hk loop",
+            model(
+                loop, lambda tree, n: sw.to_loop(tree, "stack/decode_attention", "decode_attention")
+            ),
+        ),
         tools={"off": "hk.layer_stack"},
         tool=lambda remat: model(layer_stack, lambda tree, n: sw.to_layer_stack(tree, "stack")),
         adapter="stackwise.haiku",

@@ -11,19 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.workloads.common import (
-    Case,
-    adapter_or_note,
-    attend,
-    cache_shape,
-    decode_attend,
-    decode_input,
-    framework_cases,
-    mean_square,
-    stack_remat,
-    tool_policy,
-    transformer_input,
-)
+from stackwise.bench.workloads import common
 
 
 class Block(nnx.Module):
@@ -39,7 +27,7 @@ class Block(nnx.Module):
         self.fc2 = nnx.Linear(hidden, d, rngs=rngs)
 
     def __call__(self, x):
-        x = x + self.out(attend(self.qkv(self.ln1(x)), self.heads))
+        x = x + self.out(common.attend(self.qkv(self.ln1(x)), self.heads))
         return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
 
 
@@ -72,13 +60,13 @@ class Scan(nnx.Module):
             return block(x, *args)
 
         if self.remat != "off":
-            step = nnx.remat(step, policy=tool_policy(self.remat))
+            step = nnx.remat(step, policy=common.tool_policy(self.remat))
         in_axes = (nnx.Carry, 0, *(None,) * len(args))  # args: the same for every layer
         return nnx.scan(in_axes=in_axes, out_axes=nnx.Carry)(step)(x, self.blocks, *args)
 
 
-def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
-    """NNX's rows of the transformer block (see :func:`framework_cases`)."""
+def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
+    """NNX's rows of the transformer block (see :func:`common.framework_cases`)."""
 
     def make_block(rngs):
         return Block(cfg.tf_d, cfg.tf_hidden, cfg.tf_heads, rngs)
@@ -86,19 +74,23 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
     def model(make):  # make(n, rngs) -> the model
         def build(n):
             graphdef, state = nnx.split(make(n, nnx.Rngs(cfg.seed)))
-            x = transformer_input(cfg)
-            return state, x, lambda s, h: mean_square(nnx.merge(graphdef, s)(h))
+            x = common.transformer_input(cfg)
+            return state, x, lambda s, h: common.mean_square(nnx.merge(graphdef, s)(h))
 
         return build
 
     def stack(sw, remat):
-        return model(lambda n, rngs: sw.Stack(make_block, n=n, rngs=rngs, remat=stack_remat(remat)))
+        return model(
+            lambda n, rngs: sw.Stack(make_block, n=n, rngs=rngs, remat=common.stack_remat(remat))
+        )
 
-    return framework_cases(
+    return common.framework_cases(
         "nnx",
         loop=("nnx loop", model(lambda n, rngs: Loop([make_block(rngs) for _ in range(n)]))),
         tools={
-            "off": "nnx.scan", "dots": "nnx.scan+nnx.remat(dots)", "layer": "nnx.scan+nnx.remat",
+            "off": "nnx.scan",
+            "dots": "nnx.scan+nnx.remat(dots)",
+            "layer": "nnx.scan+nnx.remat",
         },
         tool=lambda remat: model(lambda n, rngs: Scan(make_block, n, rngs, remat)),
         adapter="stackwise.nnx",
@@ -118,18 +110,18 @@ class DecodeAttention(nnx.Module):
         self.v = nnx.Cache(jnp.zeros(cache))
 
     def __call__(self, x, pos):
-        y, self.k[...], self.v[...] = decode_attend(
+        y, self.k[...], self.v[...] = common.decode_attend(
             self.qkv(x), self.k[...], self.v[...], pos, self.heads
         )
         return x + self.out(y)
 
 
-def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def decode(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """NNX's rows of the decode block: one token per call (see :func:`_decoding`)."""
     return _decoding("decode", cfg, notes, tokens=1, pos=cfg.dec_prompt)
 
 
-def prefill(cfg: BenchConfig, notes: list[str]) -> list[Case]:
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
     """NNX's rows of the prefill block: a whole prompt per call (see :func:`_decoding`)."""
     return _decoding("prefill", cfg, notes, tokens=cfg.dec_prompt, pos=0)
 
@@ -140,18 +132,20 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     ``nnx.Cache`` state. Every row's variables are the Stack's (the loop's blocks from
     ``Stack.to_layers()``, the scanned blocks updated with the Stack's stacked state), so
     that every row computes the same."""
-    sw = adapter_or_note("stackwise.nnx", block_name, notes)
+    sw = common.adapter_or_note("stackwise.nnx", block_name, notes)
     if sw is None:
         return []
 
     def make_block(rngs):
-        return DecodeAttention(cfg.dec_d, cfg.dec_heads, cache_shape(cfg), rngs)
+        return DecodeAttention(cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg), rngs)
 
-    x = decode_input(cfg, tokens, pos)
+    x = common.decode_input(cfg, tokens, pos)
 
     def model(make, remat="off"):  # make(stack, n) -> the row's model, from the Stack's
         def build(n):
-            stack = sw.Stack(make_block, n, rngs=nnx.Rngs(cfg.seed), remat=stack_remat(remat))
+            stack = sw.Stack(
+                make_block, n, rngs=nnx.Rngs(cfg.seed), remat=common.stack_remat(remat)
+            )
             graphdef, params, cache = nnx.split(make(stack, n), nnx.Param, nnx.Cache)
 
             def step(params, cache, x):
@@ -170,7 +164,7 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     def stack(sw, remat):
         return model(lambda stack, n: stack, remat)
 
-    return framework_cases(
+    return common.framework_cases(
         "nnx",
         loop=("nnx loop", model(lambda stack, n: Loop(stack.to_layers()))),
         tools={"off": "nnx.scan"},
