@@ -465,9 +465,18 @@ def test_random_pytrees_match_loop(n, shapes, carry_shape, reverse, remat):
     x = jnp.linspace(-1.0, 1.0, int(np.prod(carry_shape))).reshape(carry_shape)
     ref = lambda p, x: reference(p, x, layer=apply, reverse=reverse)  # noqa: E731
     assert_trees_close(jax.jit(layers.apply)(params, x), ref(params, x))
+    # A layer sums sin over up to 4 leaves of 27 values each and the gradient flows back
+    # through every later layer's tanh of that sum: float32 rounding of the sums, taken in
+    # another order by the scan and the loop, reaches about 1e-5 absolute.
     assert_trees_close(
-        jax.grad(loss_of(layers.apply))(params, x), jax.grad(loss_of(ref))(params, x)
+        jax.grad(loss_of(layers.apply))(params, x),
+        jax.grad(loss_of(ref))(params, x),
+        atol=RANDOM_SUM_ATOL,
     )
+
+
+# Summed-then-differentiated random pytrees (test_random_pytrees_match_loop).
+RANDOM_SUM_ATOL = 2e-5
 
 
 # --------------------------------------------------------------------------
