@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 
@@ -161,17 +162,21 @@ def test_installed_package_imports_from_anywhere(built, where):
 
     From the repository root the source tree's `stackwise/` comes first on `sys.path` and
     shadows the installed package: it must then find its adapters in `adapters/`. Elsewhere the
-    installed package is imported.
+    installed package is imported. `-S` (no `site`, so no `.pth` files) keeps out an editable
+    install of stackwise in this environment, whose import hook would find the adapters anyway;
+    the dependencies come from the environment's site-packages, on PYTHONPATH after the install.
     """
     cwd = ROOT if where == "repository root" else built["tmp"]
+    paths = sysconfig.get_paths()
+    site_packages = dict.fromkeys([paths["purelib"], paths["platlib"]])
     modules = ["stackwise", *(f"stackwise.{name}" for name in adapter_names())]
     code = (
         "import importlib, sys\n"
         "for name in sys.argv[1:]:\n"
         "    print(name, importlib.import_module(name).__file__)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(built["site"]))
-    out = run(sys.executable, "-c", code, *modules, cwd=cwd, env=env)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(built["site"]), *site_packages]))
+    out = run(sys.executable, "-S", "-c", code, *modules, cwd=cwd, env=env)
     files = dict(line.split(" ", 1) for line in out.splitlines())
     assert list(files) == modules
     for name, file in files.items():
