@@ -281,9 +281,8 @@ def refuse_to_overwrite(path: pathlib.Path, saved: dict, run: dict) -> Checkpoin
     if not differ:
         state = "finished" if saved["step"] >= saved["run"]["steps"] else "unfinished"
         return CheckpointError(
-            f"{path} already holds this run ({state}, {where}). Pass --resume to continue it "
-            "(or just sample from it), --restore to sample from it, or --overwrite to train it "
-            "again from step 0."
+            f"{path} already holds this run ({state}, {where}). Pass --resume to continue it, "
+            "--restore to sample from it, or --overwrite to train it again from step 0."
         )
     return CheckpointError(
         f"{path} holds another run ({where}), which training would overwrite. It differs in:\n  "
@@ -542,7 +541,6 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             opt_state = make_optimizer(args).init(params)
             state = {"params": params, "opt_state": opt_state, "rng": jax.random.key(args.seed + 1)}
             first = 0
-        log(f"saving to {path} at every validation and on Ctrl-C")
 
         def save(state, step, val_loss):
             state = {**state, "rng": jax.random.key_data(state["rng"])}
@@ -550,23 +548,25 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             save_checkpoint(path, state, {**meta, "chars": chars, "remat": args.remat})
 
         if first < args.steps:
+            log(f"saving to {path} at every validation and on Ctrl-C")
             state, record = train(lm, state, first, train_data, val, args, save, log)
             result.update(record)
+            if "stopped_at" in record:
+                log(
+                    f"stopped at step {record['stopped_at']} of {args.steps}: saved {path}. "
+                    "Run the same command with --resume to continue."
+                )
+                return result
+            # Checkpoint round trip: read the params back, compare bitwise.
+            params = load_checkpoint(path, {"params": template})["params"]
+            pairs = zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params))
+            if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs):
+                raise RuntimeError(f"the checkpoint {path} did not restore bitwise")
+            log(f"saved and restored {path} ({os.path.getsize(path):,} bytes)")
         else:
             log(f"{path} is already at step {first} of {args.steps}: nothing left to train")
             result["val_loss"] = [(first, saved["val_loss"])]
-        if "stopped_at" in record:
-            log(
-                f"stopped at step {record['stopped_at']} of {args.steps}: saved {path}. "
-                "Run the same command with --resume to continue."
-            )
-            return result
-        # Checkpoint round trip: read the params back, compare bitwise.
-        params = load_checkpoint(path, {"params": template})["params"]
-        pairs = zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params))
-        if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs):
-            raise RuntimeError(f"the checkpoint {path} did not restore bitwise")
-        log(f"saved and restored {path} ({os.path.getsize(path):,} bytes)")
+            params = state["params"]
         result["val_bits_per_char"] = result["val_loss"][-1][1] / math.log(2)
 
     forward = jax.jit(lm.apply)  # the full forward pass (no cache)

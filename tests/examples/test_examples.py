@@ -121,11 +121,13 @@ def test_adapter_frameworks(framework, tmp_path, env):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, env) -> dict:
-    """A tiny pure-JAX run saved to a checkpoint, and a --restore of it."""
+    """A tiny pure-JAX run saved to a checkpoint, then --restore and --resume of it."""
     ckpt = tmp_path_factory.mktemp("trained") / "lm.npz"
     common = f"--steps 3 {TINY} --checkpoint {ckpt}"
-    trained, restored = run_example(env, common, f"{common} --restore")
-    return {"ckpt": ckpt, "trained": trained, "restored": restored, "common": common}
+    trained, restored, resumed = run_example(
+        env, common, f"{common} --restore", f"{common} --resume"
+    )
+    return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed}
 
 
 def test_jax_train_checkpoint_restore(trained):
@@ -135,6 +137,10 @@ def test_jax_train_checkpoint_restore(trained):
     assert "losses" not in restored
     assert restored["sample"] == trained["trained"]["sample"]
     assert restored["loop_diff"] <= LOGITS_ATOL and restored["cache_diff"] <= LOGITS_ATOL
+    # --resume of a finished run has nothing to train: it samples.
+    resumed = trained["resumed"]
+    assert "losses" not in resumed and resumed["sample"] == trained["trained"]["sample"]
+    assert resumed["val_loss"] == trained["trained"]["val_loss"][-1:]
 
 
 def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, env):
