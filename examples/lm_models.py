@@ -10,6 +10,17 @@ self-attention and rotary position embeddings (RoPE). Decoding keeps a per-layer
 ring buffer of ``config.seq_len`` slots: a query attends to at most the last ``seq_len`` tokens,
 exactly as in training, so the sample can be longer than the training context (with RoPE only
 relative positions matter).
+
+The four are one model: the same params under each framework's names (the same count), drawn
+from the same distributions (embedding N(0, 0.02²); dense kernels N(0, 1/fan_in), the residual
+branches' output projections scaled by 1/sqrt(2 * layers); biases 0; LayerNorm scale 1, offset
+0), and the same computation: given the same param values the four give the same logits up to
+float32 rounding (tests/examples checks it). What differs is the random draw itself: each
+framework splits the init key its own way, so the initial params differ between frameworks as
+they do between seeds of one framework. So does the initial loss, by more than one might
+expect (about 4.3 to 4.8 nats with the default sizes, around log(vocab) + 1/2): at init about
+half the variance of the logits is one random vector shared by every position, so the loss
+moves with that one draw.
 """
 
 from __future__ import annotations

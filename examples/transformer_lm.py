@@ -79,7 +79,11 @@ VAL_TOKENS = 8192
 LOGITS_ATOL = 1e-3
 
 
-class CheckpointError(Exception):
+class UsageError(Exception):
+    """The command cannot run as given; the message says what to change."""
+
+
+class CheckpointError(UsageError):
     """A checkpoint is missing, belongs to another run, or would be overwritten: what to do."""
 
 
@@ -87,16 +91,22 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     d = RUN_DEFAULTS
     p.add_argument("--framework", choices=lm_models.FRAMEWORKS, help=f"(default: {d['framework']})")
-    p.add_argument("--steps", type=int, help=f"training steps (default: {d['steps']})")
-    p.add_argument("--layers", type=int, help=f"transformer blocks (default: {d['layers']})")
-    p.add_argument("--d-model", type=int, help=f"(default: {d['d_model']})")
-    p.add_argument("--heads", type=int, help=f"(default: {d['heads']})")
-    p.add_argument("--seq-len", type=int, help=f"training context (default: {d['seq_len']})")
-    p.add_argument("--batch", type=int, help=f"(default: {d['batch']})")
+    p.add_argument("--steps", type=positive, help=f"training steps (default: {d['steps']})")
+    p.add_argument("--layers", type=positive, help=f"transformer blocks (default: {d['layers']})")
+    p.add_argument("--d-model", type=positive, help=f"(default: {d['d_model']})")
+    p.add_argument("--heads", type=positive, help=f"(default: {d['heads']})")
+    p.add_argument("--seq-len", type=positive, help=f"training context (default: {d['seq_len']})")
+    p.add_argument("--batch", type=positive, help=f"(default: {d['batch']})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d['lr']})")
     p.add_argument("--seed", type=int, help=f"(default: {d['seed']})")
     p.add_argument(
@@ -119,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--overwrite", action="store_true", help="train anew over a checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.text is not None and not args.text.is_file():
+        p.error(f"--text {args.text}: no such file")
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
         args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}.npz"
@@ -463,6 +475,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     """Runs the example; returns what it measured (for the smoke tests).
 
     Raises:
+      UsageError: ``--d-model`` not a multiple of ``2 * --heads``.
       CheckpointError: ``--restore`` without a checkpoint, a checkpoint of another run than
         the flags given, or training over an existing checkpoint without ``--resume`` or
         ``--overwrite``; the message says what to pass.
@@ -480,6 +493,11 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         settle_args(args, saved, MODEL_FIELDS if args.restore else RUN_DEFAULTS)
     else:
         settle_args(args, None, ())
+    if args.d_model % (2 * args.heads):
+        raise UsageError(
+            f"--d-model {args.d_model} must be a multiple of 2 * --heads = {2 * args.heads} "
+            "(each head's width is split in two halves for the rotary embedding)."
+        )
     chars, data, text_sha256 = load_text(args.text)
     run = run_identity(args, text_sha256)
     if args.restore and saved["chars"] != chars:
@@ -616,7 +634,7 @@ def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main``, with its errors and Ctrl-C as messages, not tracebacks."""
     try:
         result = main(argv)
-    except CheckpointError as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -266,6 +266,12 @@ def test_bad_prompt_and_framework():
         lm.parse_args(["--framework", "torch"])
     with pytest.raises(SystemExit):  # one of --resume, --restore, --overwrite
         lm.parse_args(["--resume", "--overwrite"])
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--text", "no/such/file.txt"])
+    with pytest.raises(lm.UsageError, match=r"--d-model 36 must be a multiple of 2 \* --heads = 8"):
+        lm.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused.npz"])
 
 
 # --------------------------------------------------------------------------
