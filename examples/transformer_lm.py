@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         )
     else:
         opt_template = jax.eval_shape(make_optimizer(args).init, template)
-        rng_template = jax.ShapeDtypeStruct((2,), jnp.uint32)  # jax.random.key_data
+        rng_template = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         if args.resume and saved:
             state = load_checkpoint(
                 path, {"params": template, "opt_state": opt_template, "rng": rng_template}
