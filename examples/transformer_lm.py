@@ -1,33 +1,47 @@
-"""Train a character-level transformer whose 12 blocks are one stackwise stack, then sample.
+"""Train a character-level transformer whose blocks are one stackwise stack, then sample.
 
-    python examples/transformer_lm.py                      # pure JAX, ~3 min on 2 CPU cores
+    python examples/transformer_lm.py                      # pure JAX, about 2 min on 2 CPU cores
     python examples/transformer_lm.py --framework flax     # or haiku, nnx: the same model
-    python examples/transformer_lm.py --remat --layers 24  # remat each block; any depth
+    python examples/transformer_lm.py --resume             # continue an interrupted run
     python examples/transformer_lm.py --restore            # sample from the saved checkpoint
+    python examples/transformer_lm.py --remat --layers 24  # remat each block; any depth
 
 What it shows:
   * the blocks' params are stacked (a leading layer axis) and run as ONE scanned layer, so the
     compile time does not grow with ``--layers``;
-  * training with optax on the embedded text (``examples/data/shakespeare.txt``, or ``--text``);
+  * training with optax on the embedded text (``examples/data/shakespeare.txt``, or ``--text``),
+    reporting the loss in nats, bits per character and perplexity;
   * sampling token by token with a stacked per-layer KV cache (the stack's per-layer state),
-    checked against the full forward pass;
-  * a checkpoint of the stacked params, restored and then loaded into the plain Python-loop
-    layout (one params tree per block) with ``stackwise.unstack_layers``, giving the same logits.
+    checked against the full forward pass, with prefill and decode speeds;
+  * checkpoints of the stacked params, restored and converted to the layout of the same model
+    written as a plain Python loop over separate blocks (``stackwise.unstack_layers``, or
+    ``stackwise.haiku.to_loop``, ``stackwise.flax.unstack_variables``), giving the same logits.
 
-Checkpoint format (``.npz``, readable with plain numpy): one array per params leaf, named by
-``jax.tree_util.keystr`` of its path (e.g. ``['blocks']['qkv']``, shape ``[layers, ...]``), plus
-``__meta__``, a JSON string with the framework, the model config and the vocabulary.
+Checkpoints: ``examples/checkpoints/lm_<framework>.npz`` unless ``--checkpoint PATH``. Training
+saves at every validation (every ``--steps``/8 steps) and on Ctrl-C, atomically (write, then
+rename). A checkpoint belongs to one run: the framework, the model's sizes, the text (its
+SHA-256), the seed, batch, learning rate and number of steps. Training never replaces an
+existing checkpoint unless asked: ``--resume`` continues the run it holds from its last save
+(params, optimizer state, step and RNG are saved, so a resumed run computes exactly what an
+uninterrupted one does), ``--overwrite`` trains a new run over it. ``--resume`` and
+``--restore`` take every run flag you leave out from the checkpoint; one you give must agree.
+
+Format (``.npz``, readable with plain numpy): one array per leaf of ``{"params", "opt_state",
+"rng"}``, named by ``jax.tree_util.keystr`` of its path (e.g. ``['params']['blocks']['qkv']``,
+shape ``[layers, ...]``), plus ``__meta__``, a JSON string: the run, the step reached, the
+validation loss there and the vocabulary.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import hashlib
 import json
+import math
 import os
 import pathlib
+import signal
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -40,41 +54,86 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lm_models  # noqa: E402  (the four model definitions, next to this file)
 
-import stackwise  # noqa: E402
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_TEXT = HERE / "data" / "shakespeare.txt"
+CHECKPOINTS = HERE / "checkpoints"
+FORMAT = 2  # of the checkpoint files
 
-DEFAULT_TEXT = pathlib.Path(__file__).parent / "data" / "shakespeare.txt"
-
+#: The defaults of the flags that identify a run (see the module docstring).
+RUN_DEFAULTS = {  # the best measured in about 2 minutes on 2 CPU cores: docs/example-tuning.md
+    "framework": "jax",
+    "steps": 1600,
+    "layers": 4,
+    "d_model": 128,
+    "heads": 4,
+    "seq_len": 64,
+    "batch": 8,
+    "lr": 2e-3,
+    "seed": 0,
+}
+#: The run fields that fix the model (and so which params a checkpoint has).
+MODEL_FIELDS = ("framework", "layers", "d_model", "heads", "seq_len")
+#: Validation: this many tokens, in evenly spaced windows of the validation text.
+VAL_TOKENS = 8192
 #: Cached decoding and the unstacked loop compute the same function in another order.
 LOGITS_ATOL = 1e-3
 
 
+class UsageError(Exception):
+    """The command cannot run as given; the message says what to change."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint is missing, belongs to another run, or would be overwritten: what to do."""
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--framework", choices=lm_models.FRAMEWORKS, default="jax")
-    p.add_argument("--steps", type=int, default=400, help="training steps (default: 400)")
-    p.add_argument("--layers", type=int, default=12, help="transformer blocks (default: 12)")
+    d = RUN_DEFAULTS
+    p.add_argument("--framework", choices=lm_models.FRAMEWORKS, help=f"(default: {d['framework']})")
+    p.add_argument("--steps", type=positive, help=f"training steps (default: {d['steps']})")
+    p.add_argument("--layers", type=positive, help=f"transformer blocks (default: {d['layers']})")
+    p.add_argument("--d-model", type=positive, help=f"(default: {d['d_model']})")
+    p.add_argument("--heads", type=positive, help=f"(default: {d['heads']})")
+    p.add_argument("--seq-len", type=positive, help=f"training context (default: {d['seq_len']})")
+    p.add_argument("--batch", type=positive, help=f"(default: {d['batch']})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d['lr']})")
+    p.add_argument("--seed", type=int, help=f"(default: {d['seed']})")
+    p.add_argument(
+        "--text",
+        type=pathlib.Path,
+        help=f"a UTF-8 text to learn (default: {DEFAULT_TEXT.relative_to(HERE.parent)})",
+    )
     p.add_argument("--remat", action="store_true", help="rematerialise each block (less memory)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--text", type=pathlib.Path, default=DEFAULT_TEXT, help="a UTF-8 text to learn")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64, help="training context (default: 64)")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--sample-len", type=int, default=400, help="characters to generate")
     p.add_argument("--prompt", default="\n", help="text the sample starts from")
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     p.add_argument(
         "--checkpoint",
         type=pathlib.Path,
-        default=None,
-        help="checkpoint file (default: <tmp>/stackwise_lm_<framework>.npz)",
+        help="checkpoint file (default: examples/checkpoints/lm_<framework>.npz)",
     )
-    p.add_argument("--restore", action="store_true", help="skip training: load --checkpoint")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue the checkpoint's run")
+    mode.add_argument("--restore", action="store_true", help="skip training: sample from it")
+    mode.add_argument("--overwrite", action="store_true", help="train anew over a checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.text is not None and not args.text.is_file():
+        p.error(f"--text {args.text}: no such file")
+    args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
-        args.checkpoint = pathlib.Path(tempfile.gettempdir()) / f"stackwise_lm_{args.framework}.npz"
+        args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}.npz"
     return args
 
 
@@ -82,12 +141,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Data: characters to int ids.
 
 
-def load_text(path: pathlib.Path) -> tuple[str, np.ndarray]:
-    """The vocabulary (sorted distinct characters) and the text as int32 ids."""
-    text = pathlib.Path(path).read_text(encoding="utf-8")
+def load_text(path: pathlib.Path) -> tuple[str, np.ndarray, str]:
+    """The vocabulary (sorted distinct characters), the text as int32 ids, and its SHA-256."""
+    raw = pathlib.Path(path).read_bytes()
+    text = raw.decode("utf-8")
     chars = "".join(sorted(set(text)))
     lookup = {ch: i for i, ch in enumerate(chars)}
-    return chars, np.array([lookup[ch] for ch in text], dtype=np.int32)
+    ids = np.array([lookup[ch] for ch in text], dtype=np.int32)
+    return chars, ids, hashlib.sha256(raw).hexdigest()
 
 
 def encode(chars: str, text: str) -> np.ndarray:
@@ -104,6 +165,145 @@ def sample_batch(key, data, batch: int, seq_len: int):
     return windows[:, :-1], windows[:, 1:]
 
 
+def val_windows(data: np.ndarray, seq_len: int, tokens: int = VAL_TOKENS):
+    """Evenly spaced windows covering about ``tokens`` tokens: (inputs, targets), fixed."""
+    count = max(1, tokens // seq_len)
+    starts = np.linspace(0, len(data) - seq_len - 1, count).astype(np.int64)
+    windows = np.stack([data[s : s + seq_len + 1] for s in starts])
+    return jnp.asarray(windows[:, :-1]), jnp.asarray(windows[:, 1:])
+
+
+def describe_loss(nats: float) -> str:
+    """A cross-entropy in nats per character, in bits per character, and as a perplexity."""
+    return f"{nats:.3f} nats = {nats / math.log(2):.2f} bits/char (perplexity {math.exp(nats):.1f})"
+
+
+# --------------------------------------------------------------------------
+# Runs and their checkpoints.
+
+
+def run_identity(args: argparse.Namespace, text_sha256: str) -> dict:
+    """What makes two trainings the same run (``--remat`` changes memory, not the maths)."""
+    run = {field: getattr(args, field) for field in RUN_DEFAULTS}
+    return {**run, "text": str(pathlib.Path(args.text).resolve()), "text_sha256": text_sha256}
+
+
+def differences(saved: dict, run: dict, fields) -> list[str]:
+    """``--flag <saved> (checkpoint) vs <run> (this run)`` for each field that differs."""
+    out = []
+    for field in fields:
+        if field == "text_sha256":
+            if saved[field] != run[field]:
+                out.append(
+                    f"--text: {pathlib.Path(saved['text']).name} (SHA-256 {saved[field][:12]}) "
+                    f"vs {pathlib.Path(run['text']).name} ({run[field][:12]})"
+                )
+        elif saved[field] != run[field]:
+            out.append(f"{flag(field)}: {saved[field]} in the checkpoint vs {run[field]} here")
+    return out
+
+
+def settle_args(args: argparse.Namespace, saved: dict | None, fields) -> None:
+    """Fills the run flags not given: from the checkpoint's run ``saved`` for ``fields``,
+    else the defaults. Raises CheckpointError naming the given flags that disagree with it."""
+    run = saved["run"] if saved else {}
+    clashes = []
+    for field in fields:
+        if field in args.given and saved and getattr(args, field) != run[field]:
+            clashes.append(field)
+        elif field not in args.given and saved:
+            setattr(args, field, run[field])
+    if clashes:
+        wanted = {field: getattr(args, field) for field in clashes}
+        lines = differences(run, wanted, clashes)
+        if "framework" in clashes:
+            lines[clashes.index("framework")] += (
+                f" (it was saved by the {run['framework']} model: pass --framework "
+                f"{run['framework']}, or leave --framework out)"
+            )
+        raise CheckpointError(
+            f"{args.checkpoint} holds another run than the flags ask for:\n  "
+            + "\n  ".join(lines)
+            + "\nLeave these flags out to use the checkpoint's, or pass --checkpoint PATH."
+        )
+    for field, default in RUN_DEFAULTS.items():
+        if getattr(args, field) is None:
+            setattr(args, field, default)
+    if args.text is None:
+        saved_text = pathlib.Path(run.get("text", DEFAULT_TEXT))
+        args.text = saved_text if saved_text.is_file() else DEFAULT_TEXT
+
+
+def save_checkpoint(path: pathlib.Path, state, meta: dict) -> None:
+    """Writes ``state`` (a pytree of arrays) and ``meta`` (JSON) to ``path``, atomically."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {
+        jax.tree_util.keystr(p): np.asarray(leaf)
+        for p, leaf in jax.tree_util.tree_leaves_with_path(state)
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:  # write, then rename: never a half-written checkpoint
+        np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(path: pathlib.Path) -> dict:
+    try:
+        with np.load(path) as f:
+            meta = json.loads(str(f["__meta__"]))
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path} is not a checkpoint of this example ({e}).") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is a checkpoint of an older version of this example (format "
+            f"{meta.get('format', 1)}, this one reads {FORMAT}); train again with --overwrite."
+        )
+    return meta
+
+
+def load_checkpoint(path: pathlib.Path, template) -> Any:
+    """The arrays saved at ``path``, in the structure of ``template`` (same shapes and dtypes)."""
+    with np.load(path) as f:
+
+        def load(p, leaf):
+            name = jax.tree_util.keystr(p)
+            if name not in f:
+                raise ValueError(
+                    f"checkpoint {path} has no array {name}; was it saved by another model?"
+                )
+            array = f[name]
+            if array.shape != leaf.shape or array.dtype != leaf.dtype:
+                raise ValueError(
+                    f"checkpoint {path}: {name} is {array.dtype}{list(array.shape)}, the model "
+                    f"expects {leaf.dtype}{list(leaf.shape)}; pass the --layers/--d-model/--heads "
+                    "it was trained with."
+                )
+            return jnp.asarray(array)
+
+        return jax.tree_util.tree_map_with_path(load, template)
+
+
+def refuse_to_overwrite(path: pathlib.Path, saved: dict, run: dict) -> CheckpointError:
+    """The error for training over an existing checkpoint without --resume or --overwrite."""
+    where = f"step {saved['step']} of {saved['run']['steps']}"
+    differ = differences(saved["run"], run, [*RUN_DEFAULTS, "text_sha256"])
+    if not differ:
+        state = "finished" if saved["step"] >= saved["run"]["steps"] else "unfinished"
+        return CheckpointError(
+            f"{path} already holds this run ({state}, {where}). Pass --resume to continue it, "
+            "--restore to sample from it, or --overwrite to train it again from step 0."
+        )
+    return CheckpointError(
+        f"{path} holds another run ({where}), which training would overwrite. It differs in:\n  "
+        + "\n  ".join(differ)
+        + "\nPass --checkpoint PATH to train into another file, --resume to continue that run "
+        "(leave out the flags above), or --overwrite to replace it."
+    )
+
+
 # --------------------------------------------------------------------------
 # Training.
 
@@ -114,13 +314,46 @@ def loss_fn(lm: lm_models.LM, params, inputs, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def train(lm, params, train_data, val_data, args, log=print) -> tuple[Any, dict]:
-    """Trains ``params`` for ``args.steps`` steps; returns them and a record of the run."""
+def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    warmup = min(100, max(1, args.steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, min(100, max(1, args.steps // 10)), max(args.steps, 2), args.lr / 10
+        0.0, args.lr, warmup, max(args.steps, 2), args.lr / 10
     )
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.99))
-    opt_state = optimizer.init(params)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.99))
+
+
+class StopOnCtrlC:
+    """While active, the first Ctrl-C asks the training loop to stop after the current step
+    (it then saves); a second one interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True  # (no printing here: the loop reports it)
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: Ctrl-C keeps its usual meaning
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def train(lm, state, start: int, train_data, val, args, save, log=print) -> tuple[Any, dict]:
+    """Trains ``state = {"params", "opt_state", "rng"}`` from step ``start`` to ``args.steps``.
+
+    ``save(state, step, val_loss)`` is called at every validation and when Ctrl-C stops the
+    run early. Returns the state and a record of the run (``record["stopped_at"]`` if stopped).
+    """
+    optimizer = make_optimizer(args)
 
     def step(params, opt_state, key):
         inputs, targets = sample_batch(key, train_data, args.batch, args.seq_len)
@@ -128,43 +361,51 @@ def train(lm, params, train_data, val_data, args, log=print) -> tuple[Any, dict]
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    @jax.jit
-    def evaluate(params, key):
-        inputs, targets = sample_batch(key, val_data, 4 * args.batch, args.seq_len)
-        return loss_fn(lm, params, inputs, targets)
-
-    key = jax.random.key(args.seed + 1)
-    t0 = time.perf_counter()
-    step = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, key).compile()
-    compile_s = time.perf_counter() - t0
-    log(f"compiled the train step ({args.layers} blocks, one scanned stack) in {compile_s:.1f} s")
-
-    eval_key = jax.random.key(args.seed + 2)  # the same validation batch every time
-    record = {"compile_s": compile_s, "val_loss": [(0, float(evaluate(params, eval_key)))]}
-    log(f"step     0  val loss {record['val_loss'][0][1]:.3f}")
+    evaluate = jax.jit(lambda params: loss_fn(lm, params, *val))
+    params, opt_state, key = state["params"], state["opt_state"], state["rng"]
     log_every = max(1, args.steps // 8)
     tokens_per_step = args.batch * args.seq_len
-    losses = []
-    bar = tqdm(range(1, args.steps + 1), disable=args.quiet, unit="step", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    for i in bar:
-        key, k = jax.random.split(key)
-        params, opt_state, loss = step(params, opt_state, k)
-        if i % 10 == 0 or i == args.steps:
-            losses.append((i, float(loss)))
-            tok_s = i * tokens_per_step / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{losses[-1][1]:.3f}", tok_s=f"{tok_s:,.0f}")
-        if i % log_every == 0 or i == args.steps:
-            val = float(evaluate(params, eval_key))
-            record["val_loss"].append((i, val))
-            line = f"step {i:5d}  train loss {float(loss):.3f}  val loss {val:.3f}"
-            (bar.write if not args.quiet else log)(line)
+    bar = tqdm(
+        range(start + 1, args.steps + 1),
+        initial=start,
+        total=args.steps,
+        disable=args.quiet,
+        unit="step",
+        dynamic_ncols=True,
+    )
+    write = bar.write if not args.quiet else log
+    with StopOnCtrlC() as ctrl_c:
+        t0 = time.perf_counter()
+        step = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, key).compile()
+        compile_s = time.perf_counter() - t0
+        write(f"compiled the train step ({args.layers} blocks, one scan) in {compile_s:.1f} s")
+        val_loss = float(evaluate(params))
+        record = {"compile_s": compile_s, "val_loss": [(start, val_loss)], "losses": []}
+        write(f"step {start:5d}  val {describe_loss(val_loss)}")
+        t0 = time.perf_counter()
+        i = start
+        for i in bar:
+            key, k = jax.random.split(key)
+            params, opt_state, loss = step(params, opt_state, k)
+            if i % 10 == 0 or i == args.steps:
+                record["losses"].append((i, float(loss)))
+                tok_s = (i - start) * tokens_per_step / (time.perf_counter() - t0)
+                bar.set_postfix(loss=f"{record['losses'][-1][1]:.3f}", tok_s=f"{tok_s:,.0f}")
+            if i % log_every == 0 or i == args.steps or ctrl_c.requested:
+                val_loss = float(evaluate(params))
+                record["val_loss"].append((i, val_loss))
+                save({"params": params, "opt_state": opt_state, "rng": key}, i, val_loss)
+                write(f"step {i:5d}  train {float(loss):.3f}  val {describe_loss(val_loss)}")
+            if ctrl_c.requested:
+                record["stopped_at"] = i
+                break
     bar.close()
     train_s = time.perf_counter() - t0
-    tokens_per_s = args.steps * tokens_per_step / train_s
-    record.update(train_s=train_s, losses=losses, tokens_per_s=tokens_per_s)
-    log(f"trained {args.steps} steps in {train_s:.1f} s ({record['tokens_per_s']:,.0f} tokens/s)")
-    return params, record
+    record.update(train_s=train_s, tokens_per_s=(i - start) * tokens_per_step / max(train_s, 1e-9))
+    log(
+        f"trained steps {start + 1}-{i} in {train_s:.1f} s ({record['tokens_per_s']:,.0f} tokens/s)"
+    )
+    return {"params": params, "opt_state": opt_state, "rng": key}, record
 
 
 # --------------------------------------------------------------------------
@@ -176,7 +417,8 @@ def generate(decode, lm, params, prompt: np.ndarray, length: int, key, temperatu
 
     ``decode = jax.jit(lm.apply, donate_argnums=3)``. The prompt fills the cache in one call
     (prefill); after that each step feeds only the newest token: nothing is recomputed.
-    ``emit(token_id)`` is called as each token is drawn.
+    ``emit(token_id)`` is called as each token is drawn. Returns the tokens and the decode
+    speed in tokens/s (the steps after the first, which may compile).
     """
     window = jax.eval_shape(lambda: lm.init_cache(1))
     window = jax.tree.leaves(window)[0].shape[2]  # [layers, batch, seq_len, heads, head_dim]
@@ -185,6 +427,7 @@ def generate(decode, lm, params, prompt: np.ndarray, length: int, key, temperatu
     cache = lm.init_cache(1)
     logits, cache = decode(params, jnp.asarray(prompt)[None], jnp.arange(len(prompt)), cache)
     out = []
+    t0 = None
     for pos in range(len(prompt), len(prompt) + length):
         key, k = jax.random.split(key)
         token = jax.random.categorical(k, logits[0, -1] / temperature)
@@ -192,7 +435,25 @@ def generate(decode, lm, params, prompt: np.ndarray, length: int, key, temperatu
         if emit is not None:
             emit(out[-1])
         logits, cache = decode(params, token.reshape(1, 1), jnp.array([pos]), cache)
-    return np.array(out, dtype=np.int32)
+        if t0 is None:
+            jax.block_until_ready(logits)
+            t0 = time.perf_counter()
+    jax.block_until_ready(logits)
+    decode_tok_s = (length - 1) / (time.perf_counter() - t0) if length > 1 else float("nan")
+    return np.array(out, dtype=np.int32), decode_tok_s
+
+
+def prefill_speed(decode, lm, params, tokens: np.ndarray, repeats: int = 3) -> float:
+    """Tokens/s of one prefill call filling an empty cache with ``tokens`` (best of repeats)."""
+    tokens, positions = jnp.asarray(tokens)[None], jnp.arange(len(tokens))
+    jax.block_until_ready(decode(params, tokens, positions, lm.init_cache(1)))  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        cache = jax.block_until_ready(lm.init_cache(1))
+        t0 = time.perf_counter()
+        jax.block_until_ready(decode(params, tokens, positions, cache))
+        best = min(best, time.perf_counter() - t0)
+    return len(tokens[0]) / best
 
 
 def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int) -> float:
@@ -208,58 +469,55 @@ def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int
 
 
 # --------------------------------------------------------------------------
-# Checkpoints: the stacked params in a .npz file (see the module docstring for the format).
 
 
-def save_checkpoint(path: pathlib.Path, params, meta: dict) -> None:
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {
-        jax.tree_util.keystr(p): np.asarray(leaf)
-        for p, leaf in jax.tree_util.tree_leaves_with_path(params)
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:  # write, then rename: never a half-written checkpoint
-        np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
-    os.replace(tmp, path)
+def main(argv: list[str] | None = None, log=print) -> dict:
+    """Runs the example; returns what it measured (for the smoke tests).
 
-
-def read_meta(path: pathlib.Path) -> dict:
-    with np.load(path) as f:
-        return json.loads(str(f["__meta__"]))
-
-
-def load_checkpoint(path: pathlib.Path, template) -> Any:
-    """The params saved at ``path``, in the structure (and shapes) of ``template``."""
-    with np.load(path) as f:
-
-        def load(p, leaf):
-            name = jax.tree_util.keystr(p)
-            if name not in f:
-                raise ValueError(
-                    f"checkpoint {path} has no array {name}; was it saved by another model?"
-                )
-            if f[name].shape != leaf.shape:
-                raise ValueError(
-                    f"checkpoint {path}: {name} has shape {f[name].shape}, the model expects "
-                    f"{leaf.shape}; pass the --layers/--d-model it was trained with."
-                )
-            return jnp.asarray(f[name], dtype=leaf.dtype)
-
-        return jax.tree_util.tree_map_with_path(load, template)
-
-
-# --------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """Runs the example; returns what it measured (for the smoke tests)."""
+    Raises:
+      UsageError: ``--d-model`` not a multiple of ``2 * --heads``.
+      CheckpointError: ``--restore`` without a checkpoint, a checkpoint of another run than
+        the flags given, or training over an existing checkpoint without ``--resume`` or
+        ``--overwrite``; the message says what to pass.
+    """
     args = parse_args(argv)
-    log = print
     start = time.perf_counter()
-    chars, data = load_text(args.text)
+    path = args.checkpoint
+    saved = read_meta(path) if path.exists() else None
+    if args.restore and saved is None:
+        raise CheckpointError(
+            f"--restore: there is no checkpoint at {path}. Train first (the same command without "
+            "--restore saves there), or pass --checkpoint PATH of one you trained."
+        )
+    if args.restore or args.resume:
+        settle_args(args, saved, MODEL_FIELDS if args.restore else RUN_DEFAULTS)
+    else:
+        settle_args(args, None, ())
+    if args.d_model % (2 * args.heads):
+        raise UsageError(
+            f"--d-model {args.d_model} must be a multiple of 2 * --heads = {2 * args.heads} "
+            "(each head's width is split in two halves for the rotary embedding)."
+        )
+    chars, data, text_sha256 = load_text(args.text)
+    run = run_identity(args, text_sha256)
+    if args.restore and saved["chars"] != chars:
+        raise CheckpointError(
+            f"{path} was trained on {pathlib.Path(saved['run']['text']).name}, whose "
+            f"vocabulary ({len(saved['chars'])} characters) is not that of {args.text} "
+            f"({len(chars)}); pass --text {saved['run']['text']}."
+        )
+    if args.resume and saved:
+        differ = differences(saved["run"], run, ["text_sha256"])
+        if differ:
+            raise CheckpointError(
+                f"{path} holds a run on another text:\n  {differ[0]}\n"
+                f"Pass --text {saved['run']['text']}, or --overwrite to start a new run."
+            )
+    if saved and not (args.restore or args.resume or args.overwrite):
+        raise refuse_to_overwrite(path, saved, run)
+
     split = int(0.9 * len(data))
-    train_data, val_data = jnp.asarray(data[:split]), jnp.asarray(data[split:])
+    train_data, val = jnp.asarray(data[:split]), val_windows(data[split:], args.seq_len)
     config = lm_models.Config(
         vocab=len(chars),
         layers=args.layers,
@@ -268,7 +526,6 @@ def main(argv: list[str] | None = None) -> dict:
         seq_len=args.seq_len,
         remat=args.remat,
     )
-    meta = {"framework": args.framework, "config": dataclasses.asdict(config), "chars": chars}
     lm = lm_models.build(args.framework, config)
     template = jax.eval_shape(lm.init, jax.random.key(args.seed))
     n_params = sum(leaf.size for leaf in jax.tree.leaves(template))
@@ -280,46 +537,70 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict[str, Any] = {"framework": args.framework, "n_params": n_params}
 
     if args.restore:
-        saved = read_meta(args.checkpoint)
-        if saved["config"] != dataclasses.asdict(config) or saved["chars"] != chars:
-            raise ValueError(
-                f"{args.checkpoint} was saved with {saved['config']} on another text; pass the "
-                "same --text/--layers/--d-model/--heads/--seq-len/--remat flags."
-            )
-        params = load_checkpoint(args.checkpoint, template)
-        log(f"restored {args.checkpoint}")
+        params = load_checkpoint(path, {"params": template})["params"]
+        log(
+            f"restored {path} (step {saved['step']} of {saved['run']['steps']}, "
+            f"val {describe_loss(saved['val_loss'])})"
+        )
     else:
-        params = jax.jit(lm.init)(jax.random.key(args.seed))
-        params, record = train(lm, params, train_data, val_data, args, log)
-        result.update(record)
+        opt_template = jax.eval_shape(make_optimizer(args).init, template)
+        rng_template = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+        if args.resume and saved:
+            state = load_checkpoint(
+                path, {"params": template, "opt_state": opt_template, "rng": rng_template}
+            )
+            state["rng"] = jax.random.wrap_key_data(state["rng"])
+            first = saved["step"]
+            log(f"resuming {path} at step {first} of {args.steps}")
+        else:
+            if args.resume:
+                log(f"--resume: no checkpoint at {path} yet; starting at step 0")
+            params = jax.jit(lm.init)(jax.random.key(args.seed))
+            opt_state = make_optimizer(args).init(params)
+            state = {"params": params, "opt_state": opt_state, "rng": jax.random.key(args.seed + 1)}
+            first = 0
 
-        # Checkpoint round trip: save the stacked params, read them back, compare bitwise.
-        save_checkpoint(args.checkpoint, params, meta)
-        restored = load_checkpoint(args.checkpoint, template)
-        pairs = zip(jax.tree.leaves(params), jax.tree.leaves(restored))
-        same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
-        if not same:
-            raise RuntimeError(f"the checkpoint {args.checkpoint} did not restore bitwise")
-        log(f"saved and restored {args.checkpoint} ({os.path.getsize(args.checkpoint):,} bytes)")
-        params = restored
+        def save(state, step, val_loss):
+            state = {**state, "rng": jax.random.key_data(state["rng"])}
+            meta = {"format": FORMAT, "run": run, "step": step, "val_loss": val_loss}
+            save_checkpoint(path, state, {**meta, "chars": chars, "remat": args.remat})
+
+        if first < args.steps:
+            log(f"saving to {path} at every validation and on Ctrl-C")
+            state, record = train(lm, state, first, train_data, val, args, save, log)
+            result.update(record)
+            if "stopped_at" in record:
+                log(
+                    f"stopped at step {record['stopped_at']} of {args.steps}: saved {path}. "
+                    "Run the same command with --resume to continue."
+                )
+                return result
+            # Checkpoint round trip: read the params back, compare bitwise.
+            params = load_checkpoint(path, {"params": template})["params"]
+            pairs = zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params))
+            if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs):
+                raise RuntimeError(f"the checkpoint {path} did not restore bitwise")
+            log(f"saved and restored {path} ({os.path.getsize(path):,} bytes)")
+        else:
+            log(f"{path} is already at step {first} of {args.steps}: nothing left to train")
+            result["val_loss"] = [(first, saved["val_loss"])]
+            params = state["params"]
+        result["val_bits_per_char"] = result["val_loss"][-1][1] / math.log(2)
 
     forward = jax.jit(lm.apply)  # the full forward pass (no cache)
     decode = jax.jit(lm.apply, donate_argnums=(3,))  # with the KV cache, updated in place
 
-    # The same params as a plain Python loop over blocks: unstack the layer axis.
-    window = np.asarray(val_data[: args.seq_len])
-    per_layer = stackwise.unstack_layers(lm.blocks_of(params))
-    loop_logits = jax.jit(lm.loop_apply)(per_layer, params, window[None])
+    # The same params for the model written as a plain Python loop over separate blocks.
+    window = np.asarray(val[0][0])
+    loop_logits = jax.jit(lm.loop_apply)(lm.to_loop(params), window[None])
     stacked_logits, _ = forward(params, window[None], jnp.arange(len(window)))
     result["loop_diff"] = float(jnp.abs(loop_logits - stacked_logits).max())
     log(
-        f"unstacked into {len(per_layer)} per-layer trees; the Python loop's logits match the "
-        f"stack's to {result['loop_diff']:.1e}"
+        f"in the layout of a Python loop over {args.layers} separate blocks, the params give "
+        f"the stack's logits to {result['loop_diff']:.1e}"
     )
     # Cached decoding computes the same logits as the full forward.
-    t0 = time.perf_counter()
     result["cache_diff"] = cached_vs_full(forward, decode, lm, params, window, len(window) // 2)
-    result["decode_check_s"] = time.perf_counter() - t0
     log(f"KV-cached decoding matches the full forward to {result['cache_diff']:.1e}")
     for name in ("loop_diff", "cache_diff"):
         if not result[name] <= LOGITS_ATOL:
@@ -334,16 +615,36 @@ def main(argv: list[str] | None = None) -> dict:
         sys.stdout.write(chars[token])
         sys.stdout.flush()
 
-    t0 = time.perf_counter()
     key = jax.random.key(args.seed + 3)
-    sample = generate(decode, lm, params, prompt, args.sample_len, key, args.temperature, emit)
-    result["sample_chars_per_s"] = args.sample_len / (time.perf_counter() - t0)
-    log(f"\n--- {result['sample_chars_per_s']:.0f} characters/s")
+    sample, result["decode_tokens_per_s"] = generate(
+        decode, lm, params, prompt, args.sample_len, key, args.temperature, emit
+    )
+    result["prefill_tokens_per_s"] = prefill_speed(decode, lm, params, window)
+    log(
+        f"\n--- prefill {result['prefill_tokens_per_s']:,.0f} tokens/s (one {len(window)}-token "
+        f"prompt), decode {result['decode_tokens_per_s']:,.0f} tokens/s (one token per call)"
+    )
     result["sample"] = args.prompt + "".join(chars[t] for t in sample)
     result["total_s"] = time.perf_counter() - start
     log(f"done in {result['total_s']:.0f} s")
     return result
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main``, with its errors and Ctrl-C as messages, not tracebacks."""
+    try:
+        result = main(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted (training saves at every validation and on a single Ctrl-C).",
+            file=sys.stderr,
+        )
+        return 130
+    return 130 if "stopped_at" in result else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

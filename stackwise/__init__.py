@@ -18,6 +18,35 @@ from stackwise._stack import DEFAULT_REMAT as DEFAULT_REMAT
 from stackwise._stack import Stacked as Stacked
 from stackwise._stack import stack as stack
 
+
+def _source_adapters() -> list[str]:
+    """``[<checkout>/adapters]`` when imported from a source checkout of stackwise, else ``[]``.
+
+    The adapters (`stackwise.haiku`, `.flax`, `.nnx`, ...) live in `adapters/<framework>/` of
+    the source tree and are installed as `stackwise/<framework>/`. Imported from a checkout
+    (e.g. with the repository root as the working directory), stackwise finds them where they
+    are, so that the source tree and an installed package offer the same modules. A checkout is
+    recognised by a pyproject.toml naming this project next to `stackwise/`, not by an
+    `adapters/` folder alone: a project that vendors `stackwise/` next to an `adapters/` folder
+    of its own must not get that folder's packages as `stackwise.<name>`.
+    """
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    try:
+        with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
+            pyproject = f.read()
+    except OSError:  # installed: the folder holding `stackwise/` has no pyproject.toml
+        return []
+    adapters = os.path.join(root, "adapters")
+    ours = re.search(r"""(?m)^name\s*=\s*["']stackwise["']""", pyproject)
+    return [adapters] if ours and os.path.isdir(adapters) else []
+
+
+__path__.extend(_source_adapters())  # noqa: F821 (a package's own __path__)
+del _source_adapters
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -39,16 +68,3 @@ __all__ = [
     "stacked_spec",
     "unstack_layers",
 ]
-
-import os as _os  # noqa: E402
-
-# The adapters (`stackwise.haiku`, `.flax`, `.nnx`, ...) live in `adapters/<framework>/` of the
-# source tree and are installed as `stackwise/<framework>/`. Imported from a source checkout
-# (e.g. the repository root is the working directory), find them where they are, so that the
-# source tree and an installed package offer the same modules.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
-    _os.path.join(_root, "adapters")
-):
-    __path__.append(_os.path.join(_root, "adapters"))  # noqa: F821 (a package's own __path__)
-del _root

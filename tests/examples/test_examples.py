@@ -1,6 +1,9 @@
-"""Smoke tests of examples/transformer_lm.py: a few training steps, a checkpoint round trip,
-the unstacked Python loop and KV-cached decoding against the full forward, a short sample; for
-each framework.
+"""Tests of examples/transformer_lm.py and examples/lm_models.py.
+
+Smoke runs (a few training steps of a tiny model, a checkpoint round trip, the Python-loop layout
+and KV-cached decoding against the full forward, a short sample) for each framework; resuming
+after Ctrl-C against an uninterrupted run; the checkpoint errors; the four frameworks' models
+being one model.
 
 Each run is a subprocess (a fresh JAX, so it can compile at a low XLA optimisation level: the
 runs are dominated by compile time) with the suite's strict settings: rank promotion raises and
@@ -11,38 +14,65 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-TINY = "--steps 3 --layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --sample-len 12"
+TINY = "--layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --sample-len 12 --quiet"
 #: Cached decoding and the unstacked loop compute the same logits in another order.
 LOGITS_ATOL = 1e-4
-
-# Runs the example's `main` and prints what it returned as the last line, as JSON.
-DRIVER = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import transformer_lm
-results = [transformer_lm.main(argv.split()) for argv in sys.argv[2:]]
-print(json.dumps(results))
-"""
+#: The four frameworks compute the same function with differently ordered float32 ops.
+FRAMEWORKS_ATOL = 1e-4
 
 
-def run_example(*argvs: str) -> list[dict]:
-    env = dict(
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """The example runs' environment. They share a compilation cache: most of their programs
+    are the same tiny model's, and compiling dominates them."""
+    return dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         JAX_NUMPY_RANK_PROMOTION="raise",
         XLA_FLAGS="--xla_backend_optimization_level=0",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
+
+
+# Runs the example's `main` for each [argv, ctrl_c_at] in argv[2] (JSON) and prints the results
+# as JSON on the last line. ctrl_c_at: send SIGINT (what Ctrl-C sends) to itself when the log
+# line of that step is printed, else null.
+DRIVER = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import transformer_lm
+results = []
+for argv, ctrl_c_at in json.loads(sys.argv[2]):
+    def log(line, at=ctrl_c_at):
+        print(line)
+        if at is not None and line.startswith(f"step {at:5d} "):
+            os.kill(os.getpid(), signal.SIGINT)
+    results.append(transformer_lm.main(argv.split(), log=log))
+print(json.dumps(results))
+"""
+
+
+def run_example(env: dict, *runs: str | tuple[str, int]) -> list[dict]:
+    """The results of ``main(argv)`` for each run: ``argv``, or ``(argv, ctrl_c_at_step)``."""
+    runs = [(r, None) if isinstance(r, str) else r for r in runs]
     proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", DRIVER, str(EXAMPLES), *argvs],
+        [sys.executable, "-W", "error", "-c", DRIVER, str(EXAMPLES), json.dumps(runs)],
         capture_output=True,
         text=True,
         env=env,
@@ -54,43 +84,154 @@ def run_example(*argvs: str) -> list[dict]:
 
 
 def load_example():
-    """The example as a module, for its pure helpers."""
+    """The example as a module, for its pure helpers and errors."""
     spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLES / "transformer_lm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
     return module
 
 
-def check_run(result: dict, framework: str) -> None:
+def checkpoint_arrays(path) -> dict:
+    with np.load(path) as f:
+        return {name: f[name] for name in f.files}
+
+
+def check_run(result: dict, framework: str, steps: int) -> None:
     assert result["framework"] == framework
-    assert [step for step, _ in result["losses"]] == [3]
+    assert [step for step, _ in result["losses"]][-1:] == [steps]
     assert all(np.isfinite(loss) for _, loss in result["losses"])
-    assert len(result["val_loss"]) == 4  # before training and after each step
-    # The stacked params as a Python loop over unstacked layers give the same logits...
+    assert [step for step, _ in result["val_loss"]] == list(range(steps + 1))
+    assert result["val_bits_per_char"] == pytest.approx(result["val_loss"][-1][1] / math.log(2))
+    # The stacked params in a Python loop's layout give the same logits...
     assert result["loop_diff"] <= LOGITS_ATOL
     # ...and so does decoding token by token from the per-layer KV cache.
     assert result["cache_diff"] <= LOGITS_ATOL
+    assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
     assert result["sample"].startswith("\n") and len(result["sample"]) == 1 + 12
 
 
 @pytest.mark.parametrize("framework", ["haiku", "flax", "nnx"])
-def test_adapter_frameworks(framework, tmp_path):
+def test_adapter_frameworks(framework, tmp_path, env):
     pytest.importorskip(f"stackwise.{framework}")
     ckpt = tmp_path / "lm.npz"
-    (result,) = run_example(f"--framework {framework} {TINY} --quiet --checkpoint {ckpt}")
-    check_run(result, framework)
-    assert ckpt.exists()
+    (result,) = run_example(env, f"--framework {framework} --steps 3 {TINY} --checkpoint {ckpt}")
+    check_run(result, framework, 3)
+    assert load_example().read_meta(ckpt)["run"]["framework"] == framework
 
 
-def test_jax_train_checkpoint_restore(tmp_path):
-    ckpt = tmp_path / "lm.npz"
-    common = f"--framework jax {TINY} --quiet --checkpoint {ckpt}"
-    trained, restored = run_example(common, common + " --restore")
-    check_run(trained, "jax")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, env) -> dict:
+    """A tiny pure-JAX run saved to a checkpoint, then --restore and --resume of it."""
+    ckpt = tmp_path_factory.mktemp("trained") / "lm.npz"
+    common = f"--steps 3 {TINY} --checkpoint {ckpt}"
+    trained, restored, resumed = run_example(
+        env, common, f"{common} --restore", f"{common} --resume"
+    )
+    return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed}
+
+
+def test_jax_train_checkpoint_restore(trained):
+    check_run(trained["trained"], "jax", 3)
     # Restoring the checkpoint gives back the very same model: the same sample, same logits.
+    restored = trained["restored"]
     assert "losses" not in restored
-    assert restored["sample"] == trained["sample"]
+    assert restored["sample"] == trained["trained"]["sample"]
     assert restored["loop_diff"] <= LOGITS_ATOL and restored["cache_diff"] <= LOGITS_ATOL
+    # --resume of a finished run has nothing to train: it samples.
+    resumed = trained["resumed"]
+    assert "losses" not in resumed and resumed["sample"] == trained["trained"]["sample"]
+    assert resumed["val_loss"] == trained["trained"]["val_loss"][-1:]
+
+
+def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, env):
+    straight, stopped = tmp_path / "straight.npz", tmp_path / "stopped.npz"
+    common = f"--steps 16 {TINY}"  # validates and saves every 2 steps
+    # Ctrl-C as step 0's line is printed: the run stops after step 1 and saves there.
+    full, interrupted, resumed = run_example(
+        env,
+        f"{common} --checkpoint {straight}",
+        (f"{common} --checkpoint {stopped}", 0),
+        f"{common} --checkpoint {stopped} --resume",
+    )
+    assert interrupted["stopped_at"] == 1 and "sample" not in interrupted
+    assert [step for step, _ in resumed["val_loss"]] == [1, *range(2, 17, 2)]
+    # Params, optimizer state, step and RNG were saved: the resumed run computes exactly what the
+    # uninterrupted one did.
+    assert resumed["val_loss"][1:] == full["val_loss"][1:]
+    assert resumed["sample"] == full["sample"]
+    a, b = checkpoint_arrays(straight), checkpoint_arrays(stopped)
+    assert sorted(a) == sorted(b)
+    assert any(name.startswith("['opt_state']") for name in a) and "['rng']" in a
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_ctrl_c_saves_and_exits_without_a_traceback(tmp_path, env):
+    ckpt = tmp_path / "lm.npz"
+    cmd = [sys.executable, "-u", str(EXAMPLES / "transformer_lm.py"), "--steps", "1000000"]
+    cmd += [*TINY.split(), "--checkpoint", str(ckpt)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # Ctrl-C once training has started
+            if line.startswith("step     0 "):
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    stopped = re.search(r"stopped at step (\d+) of 1000000: saved (\S+)\. .*--resume", out)
+    assert stopped and pathlib.Path(stopped.group(2)) == ckpt, out
+    assert load_example().read_meta(ckpt)["step"] == int(stopped.group(1))
+
+
+def test_restore_without_a_checkpoint_says_to_train_first(tmp_path, env):
+    missing = tmp_path / "none.npz"
+    cmd = [sys.executable, str(EXAMPLES / "transformer_lm.py"), "--restore"]
+    proc = subprocess.run(
+        [*cmd, "--checkpoint", str(missing)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"error: --restore: there is no checkpoint at {missing}. Train first" in proc.stderr
+
+
+def test_default_checkpoint_is_in_examples_checkpoints():
+    lm = load_example()
+    assert lm.parse_args([]).checkpoint == EXAMPLES / "checkpoints" / "lm_jax.npz"
+    assert lm.parse_args(["--framework", "nnx"]).checkpoint.name == "lm_nnx.npz"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # Training over another run's checkpoint: refused, naming what differs.
+        ("--steps 5", r"holds another run \(step 3 of 3\).*\n  --steps: 3 in the checkpoint vs 5"),
+        ("--steps 3 --layers 3", r"--layers: 2 in the checkpoint vs 3 here\n.*--overwrite"),
+        # ...and over the same run's: refused too, offering --resume.
+        ("--steps 3", r"already holds this run \(finished, step 3 of 3\)\. Pass --resume"),
+        # Restoring or resuming with a flag that disagrees with the checkpoint: named.
+        ("--restore --layers 4", r"another run than the flags ask for:\n  --layers: 2 in the"),
+        ("--resume --steps 9", r"  --steps: 3 in the checkpoint vs 9 here"),
+        ("--restore --framework flax", r"saved by the jax model: pass --framework jax"),
+    ],
+)
+def test_checkpoint_errors_name_what_to_do(trained, flags, message):
+    lm = load_example()
+    before = trained["ckpt"].read_bytes()
+    tiny = TINY.replace("--layers 2 ", "") if "--layers" in flags else TINY
+    argv = f"{tiny} {flags} --checkpoint {trained['ckpt']}".split()
+    with pytest.raises(lm.CheckpointError, match=message):
+        lm.main(argv)
+    assert trained["ckpt"].read_bytes() == before  # never overwritten
+
+
+def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
+    lm = load_example()
+    args = lm.parse_args(["--restore", "--checkpoint", str(trained["ckpt"])])
+    lm.settle_args(args, lm.read_meta(trained["ckpt"]), lm.MODEL_FIELDS)
+    assert (args.layers, args.d_model, args.heads, args.seq_len) == (2, 32, 2, 16)
 
 
 def test_checkpoint_format_and_errors(tmp_path):
@@ -98,19 +239,23 @@ def test_checkpoint_format_and_errors(tmp_path):
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     params = {"blocks": {"w": w}, "head": np.ones(2, np.float32)}
     path = tmp_path / "ckpt.npz"
-    lm.save_checkpoint(path, params, {"framework": "jax"})
+    lm.save_checkpoint(path, params, {"format": lm.FORMAT})
     with np.load(path) as f:  # plain numpy reads it: one array per leaf, named by its path
         assert sorted(f.files) == ["['blocks']['w']", "['head']", "__meta__"]
         np.testing.assert_array_equal(f["['blocks']['w']"], params["blocks"]["w"])
-    assert lm.read_meta(path) == {"framework": "jax"}
+    assert lm.read_meta(path) == {"format": lm.FORMAT}
+    assert not path.with_name(path.name + ".tmp").exists()
     restored = lm.load_checkpoint(path, params)
     np.testing.assert_array_equal(restored["blocks"]["w"], params["blocks"]["w"])
 
     deeper = {"blocks": {"w": np.zeros((4, 2), np.float32)}, "head": np.ones(2, np.float32)}
-    with pytest.raises(ValueError, match=r"\['blocks'\]\['w'\] has shape \(3, 2\).*--layers"):
+    with pytest.raises(ValueError, match=r"\['blocks'\]\['w'\] is float32\[3, 2\].*--layers"):
         lm.load_checkpoint(path, deeper)
     with pytest.raises(ValueError, match=r"no array \['other'\]"):
         lm.load_checkpoint(path, {"other": np.zeros(2, np.float32)})
+    (tmp_path / "junk.npz").write_bytes(b"not a checkpoint")
+    with pytest.raises(lm.CheckpointError, match="junk.npz is not a checkpoint of this example"):
+        lm.read_meta(tmp_path / "junk.npz")
 
 
 def test_bad_prompt_and_framework():
@@ -119,3 +264,84 @@ def test_bad_prompt_and_framework():
         lm.encode("abc", "abz")
     with pytest.raises(SystemExit):  # argparse rejects it with a usage message
         lm.parse_args(["--framework", "torch"])
+    with pytest.raises(SystemExit):  # one of --resume, --restore, --overwrite
+        lm.parse_args(["--resume", "--overwrite"])
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        lm.parse_args(["--text", "no/such/file.txt"])
+    with pytest.raises(lm.UsageError, match=r"--d-model 36 must be a multiple of 2 \* --heads = 8"):
+        lm.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused.npz"])
+
+
+# --------------------------------------------------------------------------
+# The four frameworks' models are one model.
+
+
+def canonical_name(path) -> str:
+    """A leaf's name in one naming for all frameworks: ``blocks/qkv``, ``blocks/up_bias``..."""
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    name = re.sub(r"^lm/", "", name)  # Haiku's module names
+    name = re.sub(r"^blocks/(block|layers)/", "blocks/", name)  # Haiku's, NNX's Stack
+    name = re.sub(r"/(kernel|w|embedding|embeddings)$", "", name)
+    name = re.sub(r"(ln\d|ln_f)/offset$", r"\1/bias", name)
+    return re.sub(r"^((?:blocks/)?(?:qkv|out|up|down|head))/(bias|b)$", r"\1_bias", name)
+
+
+def canonical(params) -> dict[str, jax.Array]:
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    out = {canonical_name(path): leaf for path, leaf in leaves}
+    assert len(out) == len(leaves), "two leaves with one canonical name"
+    return out
+
+
+def same_model_report() -> dict:
+    """For each framework: its params' canonical names and shapes, and the largest difference
+    between its logits and the pure-JAX model's when given the pure-JAX model's params."""
+    sys.path.insert(0, str(EXAMPLES))
+    import lm_models
+
+    config = lm_models.Config(vocab=11, layers=3, d_model=16, heads=2, seq_len=8)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, config.vocab)
+    positions = jnp.arange(8)
+    report, reference = {}, None
+    for framework in lm_models.FRAMEWORKS:  # "jax" first
+        lm = lm_models.build(framework, config)
+        params = jax.jit(lm.init)(jax.random.key(0))
+        if reference is None:
+            reference = canonical(params)
+            expected, _ = jax.jit(lm.apply)(params, tokens, positions)
+        same = jax.tree_util.tree_map_with_path(
+            lambda path, _, ref=reference: ref[canonical_name(path)], params
+        )
+        logits, _ = jax.jit(lm.apply)(same, tokens, positions)
+        report[framework] = {
+            "shapes": {name: list(leaf.shape) for name, leaf in canonical(params).items()},
+            "logits_diff": float(jnp.abs(logits - expected).max()),
+        }
+    return report
+
+
+def test_the_four_frameworks_are_one_model(env):
+    pytest.importorskip("stackwise.haiku")
+    pytest.importorskip("stackwise.flax")
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_examples; "
+        "print(json.dumps(test_examples.same_model_report()))"
+    )
+    here = str(pathlib.Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code, here],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(report) == ["jax", "haiku", "flax", "nnx"]
+    for framework, r in report.items():
+        # The same params (names and shapes, so the same count) in every framework...
+        assert r["shapes"] == report["jax"]["shapes"], framework
+        # ...and, given the same values, the same logits.
+        assert r["logits_diff"] <= FRAMEWORKS_ATOL, framework
