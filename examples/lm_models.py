@@ -406,7 +406,7 @@ def build_flax(config: Config) -> LM:
         return _zeros_like_shapes(shapes)
 
     def to_loop(params):  # "blocks" -> "blocks_0", "blocks_1", ...
-        loop = stackwise.flax.unstack_variables({"params": params}, "blocks", names="blocks_{}")
+        loop = stackwise.flax.to_loop({"params": params}, "blocks", names="blocks_{}")
         return loop["params"]
 
     def loop_apply(loop_params, tokens):

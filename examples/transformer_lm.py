@@ -15,7 +15,7 @@ What it shows:
     checked against the full forward pass, with prefill and decode speeds;
   * checkpoints of the stacked params, restored and converted to the layout of the same model
     written as a plain Python loop over separate blocks (``stackwise.unstack_layers``, or
-    ``stackwise.haiku.to_loop``, ``stackwise.flax.unstack_variables``), giving the same logits.
+    ``stackwise.haiku.to_loop``, ``stackwise.flax.to_loop``), giving the same logits.
 
 Checkpoints: ``examples/checkpoints/lm_<framework>.npz`` unless ``--checkpoint PATH``. Training
 saves at every validation (every ``--steps``/8 steps) and on Ctrl-C, atomically (write, then
