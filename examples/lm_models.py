@@ -1,4 +1,5 @@
-"""One character-level transformer LM, written four ways: pure JAX, Haiku, Flax linen and NNX.
+"""One character-level transformer LM, written five ways: pure JAX, Haiku, Flax linen, NNX and
+Equinox.
 
 Each ``build_<framework>(config)`` returns an :class:`LM`, a set of pure functions over a plain
 pytree of params, so that ``transformer_lm.py`` trains, checkpoints and samples every framework
@@ -11,17 +12,27 @@ ring buffer of ``config.seq_len`` slots: a query attends to at most the last ``s
 exactly as in training, so the sample can be longer than the training context (with RoPE only
 relative positions matter).
 
-The four are one model: the same params under each framework's names (the same count), drawn
+``config.pattern`` repeats kinds of block over the layers, Gemma-style: a "global" block is the
+one above; a "local" block is the same block attending only to the last ``config.window``
+tokens (itself included), in training and in decoding (its cache masks by the slots' positions).
+With the default pattern, ``("global",)``, the blocks are a plain stack; with k kinds, layer i
+is of kind ``pattern[i % k]`` and the blocks are ONE pattern stack (``stackwise.stack`` of lists
+of k functions, or each adapter's ``Stack([...], n)``): position p holds layers p, p + k, ...
+stacked, and ``layers`` need not be a multiple of k.
+
+The five are one model: the same params under each framework's names (the same count), drawn
 from the same distributions (embedding N(0, 0.02²); dense kernels N(0, 1/fan_in), the residual
 branches' output projections scaled by 1/sqrt(2 * layers); biases 0; LayerNorm scale 1, offset
-0), and the same computation: given the same param values the four give the same logits up to
-float32 rounding (tests/examples checks it). What differs is the random draw itself: each
-framework splits the init key its own way, so the initial params differ between frameworks as
-they do between seeds of one framework. So does the initial loss, by more than one might
-expect: at init about half the variance of the logits is one random vector shared by every
-position, so the loss moves with that one draw (with the default sizes, 4.45 to 4.91 nats over
-seeds 0-5 of the pure-JAX model; 4.54, 4.73, 4.69 and 4.65 for seed 0 in JAX, Haiku, linen and
-NNX). Trained with the defaults they end within 0.02 nats of each other (1.52 to 1.54).
+0), and the same computation: given the same param values the five give the same logits up to
+float32 rounding (tests/examples checks it, with the default blocks and with a pattern;
+Equinox's dense weights are the others' transposed, ``[out, in]``). What differs is the random
+draw itself: each framework splits the init key its own way, so the initial params differ
+between frameworks as they do between seeds of one framework. So does the initial loss, by more
+than one might expect: at init about half the variance of the logits is one random vector
+shared by every position, so the loss moves with that one draw (with the default sizes, 4.45 to
+4.91 nats over seeds 0-5 of the pure-JAX model; 4.54, 4.73, 4.69 and 4.65 for seed 0 in JAX,
+Haiku, linen and NNX). Trained with the defaults they end within 0.02 nats of each other (1.52
+to 1.54; measured before Equinox joined).
 """
 
 from __future__ import annotations
