@@ -126,7 +126,7 @@ class LM(NamedTuple):
 
 
 # --------------------------------------------------------------------------
-# Shared numerics: written once, used by every framework so the four models compute the same.
+# Shared numerics: written once, used by every framework so the five models compute the same.
 
 
 def rope(x: jax.Array, positions: jax.Array) -> jax.Array:

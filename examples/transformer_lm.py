@@ -594,7 +594,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     n_params = sum(leaf.size for leaf in jax.tree.leaves(template))
     kinds = "" if pattern == ("global",) else f" (pattern {args.pattern}, window {args.window})"
     log(
-        f"{args.framework}: {args.layers} blocks{kinds} stacked as one layer, {n_params:,} params; "
+        f"{args.framework}: {args.layers} blocks{kinds} stacked as one "
+        f"{'layer' if pattern == ('global',) else 'pattern stack'}, {n_params:,} params; "
         f"{len(data):,} characters of {args.text.name}, vocabulary {len(chars)}; "
         f"{jax.device_count()} {jax.default_backend()} device(s)"
     )
