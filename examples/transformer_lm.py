@@ -285,7 +285,8 @@ def read_meta(path: pathlib.Path) -> dict:
             f"{meta.get('format', 1)}, this one reads {FORMAT}); train again with --overwrite."
         )
     for field, value in OLD_RUN_FIELDS.items():
-        meta["run"].setdefault(field, value)
+        if "run" in meta:
+            meta["run"].setdefault(field, value)
     return meta
 
 
