@@ -1,7 +1,8 @@
 """Train a character-level transformer whose blocks are one stackwise stack, then sample.
 
     python examples/transformer_lm.py                      # pure JAX, about 2 min on 2 CPU cores
-    python examples/transformer_lm.py --framework flax     # or haiku, nnx: the same model
+    python examples/transformer_lm.py --framework flax     # or haiku, nnx, equinox: the same
+    python examples/transformer_lm.py --pattern local,local,global --window 16  # local attention
     python examples/transformer_lm.py --resume             # continue an interrupted run
     python examples/transformer_lm.py --restore            # sample from the saved checkpoint
     python examples/transformer_lm.py --remat --layers 24  # remat each block; any depth
@@ -9,18 +10,22 @@
 What it shows:
   * the blocks' params are stacked (a leading layer axis) and run as ONE scanned layer, so the
     compile time does not grow with ``--layers``;
+  * a pattern of kinds of block (``--pattern local,local,global``: sliding-window attention
+    over the last ``--window`` tokens, and attention over the whole context), repeated over
+    the ``--layers`` blocks as one pattern stack, ``--layers`` need not be a multiple of it;
   * training with optax on the embedded text (``examples/data/shakespeare.txt``, or ``--text``),
     reporting the loss in nats, bits per character and perplexity;
   * sampling token by token with a stacked per-layer KV cache (the stack's per-layer state),
     checked against the full forward pass, with prefill and decode speeds;
   * checkpoints of the stacked params, restored and converted to the layout of the same model
-    written as a plain Python loop over separate blocks (``stackwise.unstack_layers``, or
-    ``stackwise.haiku.to_loop``, ``stackwise.flax.to_loop``), giving the same logits.
+    written as a plain Python loop over separate blocks (``stackwise.unstack_layers``,
+    ``stackwise.haiku.to_loop``, ``stackwise.flax.to_loop`` or Equinox's
+    ``Stack.to_layers()``), giving the same logits.
 
 Checkpoints: ``examples/checkpoints/lm_<framework>.npz`` unless ``--checkpoint PATH``. Training
 saves at every validation (every ``--steps``/8 steps) and on Ctrl-C, atomically (write, then
-rename). A checkpoint belongs to one run: the framework, the model's sizes, the text (its
-SHA-256), the seed, batch, learning rate and number of steps. Training never replaces an
+rename). A checkpoint belongs to one run: the framework, the model's sizes and pattern, the
+text (its SHA-256), the seed, batch, learning rate and number of steps. Training never replaces an
 existing checkpoint unless asked: ``--resume`` continues the run it holds from its last save
 (params, optimizer state, step and RNG are saved, so a resumed run computes exactly what an
 uninterrupted one does), ``--overwrite`` trains a new run over it. ``--resume`` and
@@ -28,8 +33,9 @@ uninterrupted one does), ``--overwrite`` trains a new run over it. ``--resume`` 
 
 Format (``.npz``, readable with plain numpy): one array per leaf of ``{"params", "opt_state",
 "rng"}``, named by ``jax.tree_util.keystr`` of its path (e.g. ``['params']['blocks']['qkv']``,
-shape ``[layers, ...]``), plus ``__meta__``, a JSON string: the run, the step reached, the
-validation loss there and the vocabulary.
+shape ``[layers, ...]``; with a pattern of k blocks ``['params']['blocks'][p]['qkv']``, shape
+``[layers of position p, ...]``, and each framework's names), plus ``__meta__``, a JSON string:
+the run, the step reached, the validation loss there and the vocabulary.
 """
 
 from __future__ import annotations
@@ -52,12 +58,12 @@ import optax
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lm_models  # noqa: E402  (the four model definitions, next to this file)
+import lm_models  # noqa: E402  (the five model definitions, next to this file)
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_TEXT = HERE / "data" / "shakespeare.txt"
 CHECKPOINTS = HERE / "checkpoints"
-FORMAT = 2  # of the checkpoint files
+FORMAT = 2  # of the checkpoint files (a format-2 run without "pattern" is all global blocks)
 
 #: The defaults of the flags that identify a run (see the module docstring).
 RUN_DEFAULTS = {  # the best measured in about 2 minutes on 2 CPU cores: docs/example-tuning.md
@@ -67,12 +73,16 @@ RUN_DEFAULTS = {  # the best measured in about 2 minutes on 2 CPU cores: docs/ex
     "d_model": 128,
     "heads": 4,
     "seq_len": 64,
+    "pattern": "global",
+    "window": 16,
     "batch": 8,
     "lr": 2e-3,
     "seed": 0,
 }
 #: The run fields that fix the model (and so which params a checkpoint has).
-MODEL_FIELDS = ("framework", "layers", "d_model", "heads", "seq_len")
+MODEL_FIELDS = ("framework", "layers", "d_model", "heads", "seq_len", "pattern", "window")
+#: What checkpoints saved before --pattern existed (all global blocks) hold for the new fields.
+OLD_RUN_FIELDS = {"pattern": "global", "window": 16}
 #: Validation: this many tokens, in evenly spaced windows of the validation text.
 VAL_TOKENS = 8192
 #: Cached decoding and the unstacked loop compute the same function in another order.
@@ -106,6 +116,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=positive, help=f"(default: {d['d_model']})")
     p.add_argument("--heads", type=positive, help=f"(default: {d['heads']})")
     p.add_argument("--seq-len", type=positive, help=f"training context (default: {d['seq_len']})")
+    p.add_argument(
+        "--pattern",
+        help="the blocks' kinds, comma-separated and repeated over --layers: local\n"
+        "(sliding-window attention) or global (the whole context), e.g. local,local,global\n"
+        f"(default: {d['pattern']})",
+    )
+    p.add_argument(
+        "--window",
+        type=positive,
+        help=f"a local block's window in tokens, at most --seq-len (default: {d['window']})",
+    )
     p.add_argument("--batch", type=positive, help=f"(default: {d['batch']})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d['lr']})")
     p.add_argument("--seed", type=int, help=f"(default: {d['seed']})")
@@ -131,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.text is not None and not args.text.is_file():
         p.error(f"--text {args.text}: no such file")
+    if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
+        args.pattern = ",".join(kind.strip() for kind in args.pattern.split(","))
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
         args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}.npz"
@@ -261,6 +284,9 @@ def read_meta(path: pathlib.Path) -> dict:
             f"{path} is a checkpoint of an older version of this example (format "
             f"{meta.get('format', 1)}, this one reads {FORMAT}); train again with --overwrite."
         )
+    for field, value in OLD_RUN_FIELDS.items():
+        if "run" in meta:
+            meta["run"].setdefault(field, value)
     return meta
 
 
@@ -347,6 +373,17 @@ class StopOnCtrlC:
             signal.signal(signal.SIGINT, self._previous)
 
 
+def scanned(args: argparse.Namespace) -> str:
+    """How the blocks run: ``4 blocks, one scan``; with a pattern of k kinds, one scan over
+    the whole repeats of the pattern and the last ``layers % k`` blocks after it."""
+    k = len(args.pattern.split(","))
+    if k == 1:
+        return f"{args.layers} blocks, one scan"
+    repeats, tail = divmod(args.layers, k)
+    rest = f", then {tail} block{'s' * (tail > 1)}" if tail else ""
+    return f"{args.layers} blocks: one scan of {repeats} x {args.pattern}{rest}"
+
+
 def train(lm, state, start: int, train_data, val, args, save, log=print) -> tuple[Any, dict]:
     """Trains ``state = {"params", "opt_state", "rng"}`` from step ``start`` to ``args.steps``.
 
@@ -378,7 +415,7 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
         t0 = time.perf_counter()
         step = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, key).compile()
         compile_s = time.perf_counter() - t0
-        write(f"compiled the train step ({args.layers} blocks, one scan) in {compile_s:.1f} s")
+        write(f"compiled the train step ({scanned(args)}) in {compile_s:.1f} s")
         val_loss = float(evaluate(params))
         record = {"compile_s": compile_s, "val_loss": [(start, val_loss)], "losses": []}
         write(f"step {start:5d}  val {describe_loss(val_loss)}")
@@ -471,11 +508,35 @@ def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int
 # --------------------------------------------------------------------------
 
 
+def parse_pattern(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--pattern`` as a tuple of kinds, checked with ``--window`` and ``--layers``."""
+    pattern = tuple(args.pattern.split(","))
+    for kind in pattern:
+        if kind not in lm_models.KINDS:
+            raise UsageError(
+                f"--pattern {args.pattern}: {kind!r} is not a kind of block; give a "
+                "comma-separated list of local and global, e.g. --pattern local,local,global."
+            )
+    if "local" in pattern and args.window > args.seq_len:
+        raise UsageError(
+            f"--window {args.window} is longer than --seq-len {args.seq_len}: a local block "
+            "sees at most the training context; pass a smaller --window."
+        )
+    if args.layers < len(pattern):
+        raise UsageError(
+            f"--layers {args.layers} is fewer than the {len(pattern)} entries of --pattern "
+            f"{args.pattern}; pass at least --layers {len(pattern)}."
+        )
+    return pattern
+
+
 def main(argv: list[str] | None = None, log=print) -> dict:
     """Runs the example; returns what it measured (for the smoke tests).
 
     Raises:
-      UsageError: ``--d-model`` not a multiple of ``2 * --heads``.
+      UsageError: ``--d-model`` not a multiple of ``2 * --heads``, a ``--pattern`` entry other
+        than local or global, ``--window`` over ``--seq-len``, fewer ``--layers`` than the
+        pattern has entries.
       CheckpointError: ``--restore`` without a checkpoint, a checkpoint of another run than
         the flags given, or training over an existing checkpoint without ``--resume`` or
         ``--overwrite``; the message says what to pass.
@@ -498,6 +559,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             f"--d-model {args.d_model} must be a multiple of 2 * --heads = {2 * args.heads} "
             "(each head's width is split in two halves for the rotary embedding)."
         )
+    pattern = parse_pattern(args)
     chars, data, text_sha256 = load_text(args.text)
     run = run_identity(args, text_sha256)
     if args.restore and saved["chars"] != chars:
@@ -525,12 +587,16 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         heads=args.heads,
         seq_len=args.seq_len,
         remat=args.remat,
+        pattern=pattern,
+        window=args.window,
     )
     lm = lm_models.build(args.framework, config)
     template = jax.eval_shape(lm.init, jax.random.key(args.seed))
     n_params = sum(leaf.size for leaf in jax.tree.leaves(template))
+    kinds = "" if pattern == ("global",) else f" (pattern {args.pattern}, window {args.window})"
     log(
-        f"{args.framework}: {args.layers} blocks stacked as one layer, {n_params:,} params; "
+        f"{args.framework}: {args.layers} blocks{kinds} stacked as one "
+        f"{'layer' if pattern == ('global',) else 'pattern stack'}, {n_params:,} params; "
         f"{len(data):,} characters of {args.text.name}, vocabulary {len(chars)}; "
         f"{jax.device_count()} {jax.default_backend()} device(s)"
     )

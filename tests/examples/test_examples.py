@@ -2,8 +2,8 @@
 
 Smoke runs (a few training steps of a tiny model, a checkpoint round trip, the Python-loop layout
 and KV-cached decoding against the full forward, a short sample) for each framework; resuming
-after Ctrl-C against an uninterrupted run; the checkpoint errors; the four frameworks' models
-being one model.
+after Ctrl-C against an uninterrupted run; the checkpoint errors; the five frameworks' models
+being one model, with the default blocks and with a pattern of local and global blocks.
 
 Each run is a subprocess (a fresh JAX, so it can compile at a low XLA optimisation level: the
 runs are dominated by compile time) with the suite's strict settings: rank promotion raises and
@@ -12,6 +12,7 @@ warnings are errors.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -31,7 +32,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TINY = "--layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --sample-len 12 --quiet"
 #: Cached decoding and the unstacked loop compute the same logits in another order.
 LOGITS_ATOL = 1e-4
-#: The four frameworks compute the same function with differently ordered float32 ops.
+#: The five frameworks compute the same function with differently ordered float32 ops.
 FRAMEWORKS_ATOL = 1e-4
 
 
@@ -110,7 +111,7 @@ def check_run(result: dict, framework: str, steps: int) -> None:
     assert result["sample"].startswith("\n") and len(result["sample"]) == 1 + 12
 
 
-@pytest.mark.parametrize("framework", ["haiku", "flax", "nnx"])
+@pytest.mark.parametrize("framework", ["haiku", "flax", "nnx", "equinox"])
 def test_adapter_frameworks(framework, tmp_path, env):
     pytest.importorskip(f"stackwise.{framework}")
     ckpt = tmp_path / "lm.npz"
@@ -128,6 +129,18 @@ def trained(tmp_path_factory, env) -> dict:
         env, common, f"{common} --restore", f"{common} --resume"
     )
     return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed}
+
+
+def test_pattern_trains_checkpoints_and_samples(tmp_path, env):
+    ckpt = tmp_path / "lm.npz"
+    pattern = "--pattern local,local,global --window 4"
+    (result,) = run_example(env, f"--steps 3 {TINY} --layers 4 {pattern} --checkpoint {ckpt}")
+    check_run(result, "jax", 3)
+    run = load_example().read_meta(ckpt)["run"]
+    assert (run["pattern"], run["window"], run["layers"]) == ("local,local,global", 4, 4)
+    with np.load(ckpt) as f:  # position p of the pattern holds layers p, p + 3: 2, 1, 1
+        depths = [f[f"['params']['blocks'][{p}]['qkv']"].shape[0] for p in range(3)]
+    assert depths == [2, 1, 1]
 
 
 def test_jax_train_checkpoint_restore(trained):
@@ -215,6 +228,8 @@ def test_default_checkpoint_is_in_examples_checkpoints():
         ("--restore --layers 4", r"another run than the flags ask for:\n  --layers: 2 in the"),
         ("--resume --steps 9", r"  --steps: 3 in the checkpoint vs 9 here"),
         ("--restore --framework flax", r"saved by the jax model: pass --framework jax"),
+        ("--restore --pattern local,global", r"--pattern: global in the checkpoint vs local,gl"),
+        ("--resume --window 8", r"  --window: 16 in the checkpoint vs 8 here"),
     ],
 )
 def test_checkpoint_errors_name_what_to_do(trained, flags, message):
@@ -232,6 +247,17 @@ def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
     args = lm.parse_args(["--restore", "--checkpoint", str(trained["ckpt"])])
     lm.settle_args(args, lm.read_meta(trained["ckpt"]), lm.MODEL_FIELDS)
     assert (args.layers, args.d_model, args.heads, args.seq_len) == (2, 32, 2, 16)
+    assert (args.pattern, args.window) == ("global", 16)
+
+
+def test_a_checkpoint_from_before_patterns_is_all_global(trained, tmp_path):
+    lm = load_example()
+    meta = lm.read_meta(trained["ckpt"])
+    for field in ("pattern", "window"):
+        del meta["run"][field]
+    old = tmp_path / "old.npz"
+    lm.save_checkpoint(old, {}, meta)
+    assert lm.read_meta(old)["run"] == lm.read_meta(trained["ckpt"])["run"]
 
 
 def test_checkpoint_format_and_errors(tmp_path):
@@ -274,60 +300,132 @@ def test_bad_prompt_and_framework():
         lm.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused.npz"])
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--pattern local,lokal", r"--pattern local,lokal: 'lokal' is not a kind of block"),
+        ("--pattern local,", r"--pattern local,: '' is not a kind of block"),
+        ("--pattern local --window 65", r"--window 65 is longer than --seq-len 64"),
+        ("--pattern local,global --layers 1", r"--layers 1 is fewer than the 2 entries"),
+    ],
+)
+def test_bad_pattern(flags, message):
+    lm = load_example()
+    with pytest.raises(lm.UsageError, match=message):
+        lm.main([*flags.split(), "--checkpoint", "unused.npz"])
+    # A global-only model does not use the window: it is not checked against --seq-len.
+    args = lm.parse_args(["--window", "99"])
+    lm.settle_args(args, None, ())
+    assert lm.parse_pattern(args) == ("global",)
+
+
 # --------------------------------------------------------------------------
-# The four frameworks' models are one model.
+# The five frameworks' models are one model, with a pattern of local and global blocks too.
+
+#: The pattern the tests use: n = 5 is not a multiple of its 3, and a window of 3 of the 12
+#: tokens makes the local blocks' mask matter in training and in decoding past the prefill.
+PATTERN = {"pattern": ("local", "local", "global"), "layers": 5, "window": 3, "seq_len": 12}
+#: Each framework's names of the pattern's positions, as their index.
+POSITIONS = {"local": 0, "local_1": 1, "global": 2, "Local_0": 0, "Local_1": 1, "Global_0": 2}
 
 
 def canonical_name(path) -> str:
-    """A leaf's name in one naming for all frameworks: ``blocks/qkv``, ``blocks/up_bias``..."""
+    """A leaf's name in one naming for all frameworks: ``blocks/qkv``, ``blocks/up_bias``,
+    with a pattern ``blocks/0/qkv`` (position 0)..."""
     name = jax.tree_util.keystr(path, simple=True, separator="/")
     name = re.sub(r"^lm/", "", name)  # Haiku's module names
-    name = re.sub(r"^blocks/(block|layers)/", "blocks/", name)  # Haiku's, NNX's Stack
-    name = re.sub(r"/(kernel|w|embedding|embeddings)$", "", name)
+    name = re.sub(r"^blocks/(block|layers)/", "blocks/", name)  # Haiku's, NNX's, Equinox's Stack
+    position = re.match(r"^blocks/([A-Za-z]+(?:_\d+)?)/", name)  # Haiku's, linen's positions
+    if position and position.group(1) in POSITIONS:
+        name = name.replace(position.group(1), str(POSITIONS[position.group(1)]), 1)
+    name = re.sub(r"(ln\d|ln_f)/weight$", r"\1/scale", name)  # Equinox's LayerNorm
+    name = re.sub(r"/(kernel|w|embedding|embeddings|weight)$", "", name)
     name = re.sub(r"(ln\d|ln_f)/offset$", r"\1/bias", name)
-    return re.sub(r"^((?:blocks/)?(?:qkv|out|up|down|head))/(bias|b)$", r"\1_bias", name)
+    return re.sub(r"^((?:blocks/(?:\d+/)?)?(?:qkv|out|up|down|head))/(bias|b)$", r"\1_bias", name)
 
 
-def canonical(params) -> dict[str, jax.Array]:
+def canonical_leaf(framework: str, path, leaf):
+    """A leaf in the pure-JAX model's layout: Equinox's Linear keeps its weight as
+    ``[out, in]``, the others as ``[in, out]`` (the transpose is its own inverse)."""
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    linear = re.search(r"(qkv|out|up|down|head)/weight$", name)
+    return jnp.swapaxes(leaf, -1, -2) if framework == "equinox" and linear else leaf
+
+
+def canonical(framework: str, params) -> dict[str, jax.Array]:
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    out = {canonical_name(path): leaf for path, leaf in leaves}
+    out = {canonical_name(p): canonical_leaf(framework, p, leaf) for p, leaf in leaves}
     assert len(out) == len(leaves), "two leaves with one canonical name"
     return out
 
 
-def same_model_report() -> dict:
+def same_model_report(check_loop_and_cache: bool = False, **sizes) -> dict:
     """For each framework: its params' canonical names and shapes, and the largest difference
-    between its logits and the pure-JAX model's when given the pure-JAX model's params."""
+    between its logits and the pure-JAX model's when given the pure-JAX model's params; if
+    asked, the stacked params in the Python loop's layout, and KV-cached decoding (a prefill,
+    then token by token), against the full forward (the smoke runs check those for the
+    default model)."""
     sys.path.insert(0, str(EXAMPLES))
     import lm_models
 
-    config = lm_models.Config(vocab=11, layers=3, d_model=16, heads=2, seq_len=8)
-    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, config.vocab)
-    positions = jnp.arange(8)
+    config = lm_models.Config(**{"vocab": 11, "layers": 3, "d_model": 16, "heads": 2, **sizes})
+    tokens = jax.random.randint(jax.random.key(1), (2, config.seq_len), 0, config.vocab)
+    positions = jnp.arange(config.seq_len)
+    prefill = config.seq_len // 2 - 1
     report, reference = {}, None
     for framework in lm_models.FRAMEWORKS:  # "jax" first
         lm = lm_models.build(framework, config)
         params = jax.jit(lm.init)(jax.random.key(0))
         if reference is None:
-            reference = canonical(params)
+            reference = canonical(framework, params)
             expected, _ = jax.jit(lm.apply)(params, tokens, positions)
         same = jax.tree_util.tree_map_with_path(
-            lambda path, _, ref=reference: ref[canonical_name(path)], params
+            lambda path, _, ref=reference, fw=framework: canonical_leaf(
+                fw, path, ref[canonical_name(path)]
+            ),
+            params,
         )
-        logits, _ = jax.jit(lm.apply)(same, tokens, positions)
+        forward = jax.jit(lm.apply)
+        logits, _ = forward(same, tokens, positions)
         report[framework] = {
-            "shapes": {name: list(leaf.shape) for name, leaf in canonical(params).items()},
+            "shapes": {
+                name: list(leaf.shape) for name, leaf in canonical(framework, params).items()
+            },
             "logits_diff": float(jnp.abs(logits - expected).max()),
         }
+        if check_loop_and_cache:
+            loop = jax.jit(lm.loop_apply)(lm.to_loop(same), tokens)
+            steps, cache = [], lm.init_cache(2)
+            tokens_at = [slice(i, i + 1) for i in range(prefill, config.seq_len)]
+            for at in [slice(0, prefill), *tokens_at]:  # a prefill, then one token at a time
+                step_logits, cache = forward(same, tokens[:, at], positions[at], cache)
+                steps.append(step_logits)
+            report[framework]["loop_diff"] = float(jnp.abs(loop - logits).max())
+            cache_diff = jnp.abs(jnp.concatenate(steps, axis=1) - logits).max()
+            report[framework]["cache_diff"] = float(cache_diff)
+    if config.pattern != ("global",):  # the same params with global blocks only
+        lm = lm_models.build("jax", dataclasses.replace(config, pattern=("global",) * 3))
+        logits, _ = jax.jit(lm.apply)(params_of_jax(reference, lm), tokens, positions)
+        report["all_global_diff"] = float(jnp.abs(logits - expected).max())
     return report
 
 
-def test_the_four_frameworks_are_one_model(env):
+def params_of_jax(reference: dict, lm) -> dict:
+    """The pure-JAX model ``lm``'s params with the values of ``reference`` (canonical names)."""
+    template = jax.eval_shape(lm.init, jax.random.key(0))
+    return jax.tree_util.tree_map_with_path(lambda p, _: reference[canonical_name(p)], template)
+
+
+@pytest.fixture(scope="module")
+def reports(env) -> dict:
+    """``same_model_report`` of the default model and of the :data:`PATTERN` model."""
     pytest.importorskip("stackwise.haiku")
     pytest.importorskip("stackwise.flax")
+    pytest.importorskip("stackwise.equinox")
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_examples; "
-        "print(json.dumps(test_examples.same_model_report()))"
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_examples as t; "
+        "print(json.dumps({'default': t.same_model_report(seq_len=8), "
+        "'pattern': t.same_model_report(True, **t.PATTERN)}))"
     )
     here = str(pathlib.Path(__file__).parent)
     proc = subprocess.run(
@@ -338,10 +436,42 @@ def test_the_four_frameworks_are_one_model(env):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert list(report) == ["jax", "haiku", "flax", "nnx"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model", ["default", "pattern"])
+def test_the_five_frameworks_are_one_model(reports, model):
+    report = {k: v for k, v in reports[model].items() if k != "all_global_diff"}
+    assert list(report) == ["jax", "haiku", "flax", "nnx", "equinox"]
     for framework, r in report.items():
         # The same params (names and shapes, so the same count) in every framework...
         assert r["shapes"] == report["jax"]["shapes"], framework
         # ...and, given the same values, the same logits.
         assert r["logits_diff"] <= FRAMEWORKS_ATOL, framework
+    if model == "pattern":  # 3 positions: 2 layers, 2, 1
+        assert report["jax"]["shapes"]["blocks/0/qkv"][0] == 2
+        assert report["jax"]["shapes"]["blocks/2/qkv"][0] == 1
+
+
+@pytest.mark.parametrize("framework", ["jax", "haiku", "flax", "nnx", "equinox"])
+def test_pattern_stack_equals_loop_and_cached_decoding(reports, framework):
+    r = reports["pattern"][framework]
+    # The stacked params in a Python loop's layout (the framework's conversion) give the same
+    # logits, and so does decoding from the per-layer KV cache, past the local blocks' window.
+    assert r["loop_diff"] <= LOGITS_ATOL
+    assert r["cache_diff"] <= LOGITS_ATOL
+
+
+def test_local_blocks_see_only_their_window(reports):
+    sys.path.insert(0, str(EXAMPLES))
+    import lm_models
+
+    # The mask: a query at t sees the keys at t - window + 1 .. t.
+    window, length = 3, 7
+    keys = jnp.eye(length)[None, :, None, :]  # key/value j: the one-hot vector of j
+    pos = jnp.arange(length)
+    seen = lm_models.attention(jnp.zeros_like(keys), keys, keys, pos, pos, window)[0, :, 0] > 0
+    t, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    np.testing.assert_array_equal(np.asarray(seen), (j <= t) & (t - j < window))
+    # The model uses it: the same params with global blocks only give other logits.
+    assert reports["pattern"]["all_global_diff"] > 100 * FRAMEWORKS_ATOL
