@@ -3,6 +3,10 @@
 import doctest
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.slow  # see "Fast tests" in README.md
+
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "conversion.md"
 
 

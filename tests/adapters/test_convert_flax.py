@@ -153,6 +153,7 @@ def test_random_depths_match_loop(n, depth, reverse):
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8]
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(
     n=st.integers(1, 5),
@@ -382,6 +383,7 @@ TOKENS = jnp.array([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 0]])
 
 
 # Upstream builds its attention with nn.SelfAttention, which this flax deprecates.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated:DeprecationWarning")
 def test_upstream_lm1b_checkpoint_converts_in_one_call():
     loop, port = upstream.TransformerLM(CONFIG), PortedLM(CONFIG)

@@ -129,6 +129,7 @@ def loop_trees(draw):
     return n, naming, specs, seed
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(case=loop_trees(), as_list=st.booleans())
 def test_random_loops_round_trip_bitwise(case, as_list):
@@ -336,6 +337,7 @@ def rank_promotion_allowed():
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("rank_promotion_allowed")
 def test_upstream_transformer_checkpoint_converts_in_one_call():
     loop, port = language_model(upstream.Transformer), language_model(PortedTransformer)

@@ -167,6 +167,7 @@ def test_sharding_metadata_gains_and_loses_the_layer_axis():
         swn.to_loop(state, "layers")
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(
     n=st.integers(1, 5),
@@ -342,6 +343,7 @@ def gemma_loss_and_grads(model):
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
+@pytest.mark.slow
 @UPSTREAM_WARNINGS
 def test_upstream_gemma_state_converts_in_one_call():
     loop = upstream.Transformer(CONFIG, rngs=nnx.Rngs(0))
@@ -391,6 +393,7 @@ def linen_checkpoint(model):
     return {"transformer": params}
 
 
+@pytest.mark.slow
 @UPSTREAM_WARNINGS
 def test_upstream_from_params_then_one_call_onto_the_port():
     reference = upstream.Transformer(CONFIG, rngs=nnx.Rngs(3))
@@ -405,6 +408,7 @@ def test_upstream_from_params_then_one_call_onto_the_port():
     assert_trees_close(gemma_logits(port), gemma_logits(reference))
 
 
+@pytest.mark.slow
 @UPSTREAM_WARNINGS
 def test_one_layer_of_a_stack_is_a_block_of_its_own():
     loop = upstream.Transformer(CONFIG, rngs=nnx.Rngs(0))

@@ -359,6 +359,7 @@ case_params = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 # Both ways, bitwise.
 
 
+@pytest.mark.slow
 @case_params
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 def test_convert_and_by_name_move_a_loop_into_a_pattern_stack_and_back_bitwise(case, reverse):
@@ -373,6 +374,7 @@ def test_convert_and_by_name_move_a_loop_into_a_pattern_stack_and_back_bitwise(c
     assert_trees_bitwise(case.to_loop(stacked), tree)
 
 
+@pytest.mark.slow
 @case_params
 def test_the_converted_pattern_stack_computes_the_loop(case):
     loop, port = case.loop(sequence(PATTERN)), case.port()
@@ -388,6 +390,7 @@ def test_the_converted_pattern_stack_computes_the_loop(case):
 # Refused, naming the layer.
 
 
+@pytest.mark.slow
 @case_params
 def test_a_loop_layer_of_another_kind_than_its_position_is_refused(case):
     # Layer 4 is global where position 4 % 3 = 1 holds local blocks.

@@ -98,6 +98,7 @@ value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
 # Creation.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_init_is_bitwise_a_loop_of_blocks_and_filter_vmap(n):
     s = swe.Stack(Block, n, key=KEY)
@@ -112,6 +113,7 @@ def test_init_is_bitwise_a_loop_of_blocks_and_filter_vmap(n):
     assert_trees_equal(arrays(linear.layers), stacked([eqx.nn.Linear(D, 2, key=k) for k in keys]))
 
 
+@pytest.mark.slow
 def test_a_stack_is_an_equinox_module():
     s = swe.Stack(Block, 3, key=KEY, remat=True)
     assert isinstance(s, eqx.Module)
@@ -146,6 +148,7 @@ def test_dropout_keys_forward_and_grad_match_a_python_loop(case):
     assert_trees_close(arrays(grads.layers), stacked(grads_loop.blocks))
 
 
+@pytest.mark.slow
 def test_per_layer_keys_marker_equals_a_key():
     s = swe.Stack(Block, 4, key=KEY)
     key = jax.random.key(3)
@@ -222,6 +225,7 @@ class Model(eqx.Module):
         return self.head(self.blocks(self.embed(x), scale, key=key))
 
 
+@pytest.mark.slow
 def test_optax_steps_match_the_loop_and_the_loss_falls():
     s = swe.Stack(Block, 3, key=KEY, remat=True)
     model, loop = Model(s, KEY), Model(Loop(s.to_layers()), KEY)
@@ -538,6 +542,7 @@ def test_decoding_with_an_explicit_stacked_cache_matches_a_loop():
 # Conversion: to_layers / from_layers / stack[i], exact, and clear errors.
 
 
+@pytest.mark.slow
 def test_conversion_round_trips_are_exact():
     keys = jax.random.split(KEY, 4)
     blocks = [Block(key=k) for k in keys]
@@ -582,6 +587,7 @@ def test_state_round_trips_are_exact():
     assert_trees_close(y, x)
 
 
+@pytest.mark.slow
 def test_conversion_errors_name_the_block_and_leaf():
     keys = jax.random.split(KEY, 3)
     with pytest.raises(ValueError, match="needs at least one block, got none"):
@@ -747,6 +753,7 @@ def test_missing_equinox_gives_an_install_hint():
 # Varying shapes.
 
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None)
 @given(n=st.integers(1, 5), d=st.integers(2, 4), batch=st.integers(1, 3), reverse=st.booleans())
 def test_shapes_vary(n, d, batch, reverse):

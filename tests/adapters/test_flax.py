@@ -179,6 +179,7 @@ def test_mutability_follows_the_caller():
         Loop(Block, N).apply(to_loop(variables), X, 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])
 def test_batch_norm_matches_loop(remat):
     loop, stacked = Loop(BNBlock, N), Stacked(BNBlock, N, (("remat", remat),))
@@ -285,6 +286,7 @@ class Noisy(nn.Module):
         return y + noise
 
 
+@pytest.mark.slow
 def test_rng_streams_are_split_per_layer_and_deterministic():
     stack = stackwise.flax.Stack(Noisy, 4)
     x = jnp.ones((64,))

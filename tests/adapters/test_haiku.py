@@ -105,6 +105,7 @@ def test_forward_and_grad_match_a_python_loop(case):
     assert_trees_close(g_x, l_x)
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None)
 @given(n=st.integers(1, 4), batch=st.integers(1, 3), d=st.integers(2, 3))
 def test_shapes_vary(n, batch, d):
@@ -212,6 +213,7 @@ def test_state_matches_a_python_loop_across_applies():
     assert_trees_equal(state_eval, state)
 
 
+@pytest.mark.slow
 def test_unnamed_stateful_stacks_in_one_scope_keep_their_own_state():
     def forward(x):
         x = swh.Stack(Counted, 2)(x, is_training=True)
@@ -433,6 +435,7 @@ def test_names_are_readable_and_distinct():
     }
 
 
+@pytest.mark.slow
 def test_under_vmap_and_grad_of_inputs():
     f = hk.transform(lambda x: swh.Stack(Block, 3)(x))
     xs = x_of((4, 3, D))
@@ -465,6 +468,7 @@ class TransformerBlock(hk.Module):
         return x + drop(h)
 
 
+@pytest.mark.slow
 def test_a_transformer_block_matches_its_python_loop():
     n = 2
     stacked = hk.transform(

@@ -301,6 +301,7 @@ class Mlp(nnx.Module):
         return x + self.down(jax.nn.gelu(self.up(x)))
 
 
+@pytest.mark.slow
 def test_optimizer_steps_match_the_loop_and_the_loss_falls():
     s = stackwise.nnx.Stack(Mlp, 3, rngs=nnx.Rngs(0), remat=True)
     loop = Loop(s.to_layers())

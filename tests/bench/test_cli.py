@@ -64,6 +64,7 @@ def test_help_says_where_the_outputs_go(capsys):
     assert "current directory" in out and "benchmarks/targets.py" in out
 
 
+@pytest.mark.slow
 def test_quick_run_writes_csv_plot_and_table(tmp_path):
     csv_path, png_path = tmp_path / "bench.csv", tmp_path / "bench.png"
     out = subprocess.run(

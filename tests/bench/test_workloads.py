@@ -89,6 +89,7 @@ def _assert_same_caches(state, reference, name):
         del left[found[0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", ["decode", "prefill"])
 def test_decoding_rows_compute_what_their_loop_computes(block):
     """Each row's jitted step (the cache donated, as measured) gives its loop's outputs
@@ -117,6 +118,7 @@ def test_decoding_rows_compute_what_their_loop_computes(block):
             _assert_same_caches(state, ref_state, f"{framework}: {name}")
 
 
+@pytest.mark.slow
 def test_pattern_rows_compute_what_the_loop_computes():
     n, k = 5, 3  # a pattern [a, a, b]: one whole repeat, then a and a
     cases = workloads.cases("pattern", CFG, [])
@@ -134,6 +136,7 @@ def test_pattern_rows_compute_what_the_loop_computes():
             np.testing.assert_allclose(got, expected, **CLOSE, err_msg=case.name)
 
 
+@pytest.mark.slow
 def test_the_harness_gives_each_step_the_state_the_last_one_returned():
     # the cache is donated: a step given a state that an earlier call consumed would raise
     cfg = BenchConfig.quick(blocks=("decode",), variants=("jax",), rounds=3)
@@ -176,6 +179,7 @@ def test_a_selection_of_missing_rows_says_what_is_missing(monkeypatch):
         run_benchmark(cfg, progress=False, log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_haiku_rows_barriers_and_same_program():
     pytest.importorskip("haiku")
     pytest.importorskip("stackwise.haiku")
@@ -205,6 +209,7 @@ def test_haiku_rows_barriers_and_same_program():
         adapter.compile_s / by["hk.layer_stack+hk.remat"].compile_s)
 
 
+@pytest.mark.slow
 def test_equinox_rows_of_both_blocks_barriers_and_same_program():
     pytest.importorskip("equinox")
     pytest.importorskip("stackwise.equinox")

@@ -224,6 +224,7 @@ def test_each_position_is_traced_at_most_twice_and_the_program_does_not_grow():
     assert sizes[62] == sizes[8]
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=12)
 @given(k=st.integers(1, 4), extra=st.integers(0, 5), reverse=st.booleans())
 def test_random_patterns_match_the_loop(k, extra, reverse):

@@ -435,6 +435,7 @@ def _shapes():
     return hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=3)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(
     n=st.integers(1, 6),

@@ -148,6 +148,7 @@ def test_writes_inside_jitted_helpers_chains_and_untouched_leaves():
     np.testing.assert_array_equal(new["count"], np.ones(n))
 
 
+@pytest.mark.slow
 def test_state_under_grad_matches_the_loop():
     """Differentiating through a stateful decode step: the in-place path is differentiable."""
     n = 3

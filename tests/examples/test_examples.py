@@ -111,6 +111,7 @@ def check_run(result: dict, framework: str, steps: int) -> None:
     assert result["sample"].startswith("\n") and len(result["sample"]) == 1 + 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["haiku", "flax", "nnx", "equinox"])
 def test_adapter_frameworks(framework, tmp_path, env):
     pytest.importorskip(f"stackwise.{framework}")
@@ -131,6 +132,7 @@ def trained(tmp_path_factory, env) -> dict:
     return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed}
 
 
+@pytest.mark.slow
 def test_pattern_trains_checkpoints_and_samples(tmp_path, env):
     ckpt = tmp_path / "lm.npz"
     pattern = "--pattern local,local,global --window 4"
@@ -156,6 +158,7 @@ def test_jax_train_checkpoint_restore(trained):
     assert resumed["val_loss"] == trained["trained"]["val_loss"][-1:]
 
 
+@pytest.mark.slow
 def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, env):
     straight, stopped = tmp_path / "straight.npz", tmp_path / "stopped.npz"
     common = f"--steps 16 {TINY}"  # validates and saves every 2 steps
@@ -179,6 +182,7 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, env):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_without_a_traceback(tmp_path, env):
     ckpt = tmp_path / "lm.npz"
     cmd = [sys.executable, "-u", str(EXAMPLES / "transformer_lm.py"), "--steps", "1000000"]
@@ -439,6 +443,7 @@ def reports(env) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["default", "pattern"])
 def test_the_five_frameworks_are_one_model(reports, model):
     report = {k: v for k, v in reports[model].items() if k != "all_global_diff"}
@@ -453,6 +458,7 @@ def test_the_five_frameworks_are_one_model(reports, model):
         assert report["jax"]["shapes"]["blocks/2/qkv"][0] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["jax", "haiku", "flax", "nnx", "equinox"])
 def test_pattern_stack_equals_loop_and_cached_decoding(reports, framework):
     r = reports["pattern"][framework]
@@ -462,6 +468,7 @@ def test_pattern_stack_equals_loop_and_cached_decoding(reports, framework):
     assert r["cache_diff"] <= LOGITS_ATOL
 
 
+@pytest.mark.slow
 def test_local_blocks_see_only_their_window(reports):
     sys.path.insert(0, str(EXAMPLES))
     import lm_models

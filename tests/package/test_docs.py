@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.slow  # see "Fast tests" in README.md
+
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 PAGES = ["patterns.md"]
 

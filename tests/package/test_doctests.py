@@ -32,6 +32,7 @@ def _submodules(name):
             yield importlib.import_module(f"{name}.{info.name}")
 
 
+@pytest.mark.every_case
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name):
     try:

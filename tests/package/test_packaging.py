@@ -26,6 +26,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds an sdist and a wheel; see "Fast tests" in README.md
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Folders of the source tree shipped in the sdist besides the wheel's sources (MANIFEST.in).
 SDIST_EXTRA_DIRS = ("tests", "examples", "docs")
