@@ -69,6 +69,13 @@ class Block(NamedTuple):
     warmup_n: int = 2
 
 
+# The decode and prefill blocks: one layer and one harness, fed one token or a whole prompt.
+_CACHED_ATTENTION = (
+    "attention layer over a KV cache of {dec_cache} positions: D={dec_d}, heads={dec_heads}, "
+    "batch={dec_batch}; jit(step) with the cache donated"
+)
+_DECODING = dict(modules=("core", "haiku", "flax", "nnx"), grad=False, state=True)
+
 BLOCKS: dict[str, Block] = {
     "mlp": Block(
         "mlp block h + gelu(h @ w1) @ w2: D={d}, hidden={hidden}, batch={batch}"
@@ -83,22 +90,15 @@ BLOCKS: dict[str, Block] = {
         ("core", "haiku", "flax", "nnx", "equinox"),
     ),
     "decode": Block(
-        "decode: one token at position {dec_prompt} per call, attention layer over a KV cache "
-        "of {dec_cache} positions: D={dec_d}, heads={dec_heads}, batch={dec_batch}; "
-        "jit(step) with the cache donated (step ms = ms/token)",
+        "decode: one token at position {dec_prompt} per call, " + _CACHED_ATTENTION
+        + " (step ms = ms/token)",
         "decode_ns",
-        ("core", "haiku", "flax", "nnx"),
-        grad=False,
-        state=True,
+        **_DECODING,
     ),
     "prefill": Block(
-        "prefill: a prompt of {dec_prompt} tokens in one call, attention layer over a KV "
-        "cache of {dec_cache} positions: D={dec_d}, heads={dec_heads}, batch={dec_batch}; "
-        "jit(step) with the cache donated",
+        "prefill: a prompt of {dec_prompt} tokens in one call, " + _CACHED_ATTENTION,
         "prefill_ns",
-        ("core", "haiku", "flax", "nnx"),
-        grad=False,
-        state=True,
+        **_DECODING,
     ),
     "pattern": Block(
         "pattern [a, a, b] of mlp blocks h + gelu(h @ w1) @ w2: D={d}, hidden {hidden} (a) "
