@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from _references import Loop
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,21 +38,6 @@ class Sharded(nn.Module):
         )
         init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("embed", "mlp"))
         return x + jnp.tanh(nn.Dense(D, kernel_init=init)(x @ w))
-
-
-class Loop(nn.Module):
-    """A Python loop of blocks named layers_0, layers_1, ..."""
-
-    block: type
-    n: int
-    reverse: bool = False
-
-    @nn.compact
-    def __call__(self, x, *args, **kwargs):
-        blocks = [self.block(name=f"layers_{i}") for i in range(self.n)]
-        for b in reversed(blocks) if self.reverse else blocks:
-            x = b(x, *args, **kwargs)
-        return x
 
 
 class Stacked(nn.Module):

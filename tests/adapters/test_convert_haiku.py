@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import Counted, loop_of
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,26 +31,6 @@ def haiku_name(name, i):
 class Block(hk.Module):
     def __call__(self, x):
         return x + jnp.tanh(hk.Linear(D)(jnp.sin(x)))
-
-
-class Counted(hk.Module):
-    """Batch norm, plus a per-layer call counter (state)."""
-
-    def __call__(self, x, *, is_training):
-        count = hk.get_state("count", [], jnp.int32, init=jnp.zeros)
-        if is_training:
-            hk.set_state("count", count + 1)
-        y = hk.BatchNorm(True, True, 0.9)(x, is_training=is_training)
-        return x + jnp.tanh(hk.Linear(x.shape[-1])(y)) / (1 + count).astype(x.dtype)
-
-
-def loop_of(make_block, n):
-    def forward(x, *args, **kwargs):
-        for block in [make_block() for _ in range(n)]:
-            x = block(x, *args, **kwargs)
-        return x
-
-    return forward
 
 
 X = jax.random.normal(jax.random.key(1), (3, D))

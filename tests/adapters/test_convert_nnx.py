@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from _references import NNX_D, Block, make, scan_model, stacked
 from _trees import assert_trees_bitwise, assert_trees_close
 from flax import nnx
 from hypothesis import given, settings
@@ -15,36 +16,7 @@ from upstream import gemma as upstream
 
 import stackwise.nnx as swn
 
-D, B = 8, 3
-
-
-class Block(nnx.Module):
-    def __init__(self, d, rngs, rate=0.0):
-        self.linear = nnx.Linear(d, d, rngs=rngs)
-        self.norm = nnx.BatchNorm(d, rngs=rngs)
-        self.drop = nnx.Dropout(rate, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.drop(self.norm(self.linear(x))))
-
-
-def make(rngs, rate=0.0):
-    return Block(D, rngs, rate)
-
-
-def scan_model(n, rngs, rate=0.0):
-    """NNX's own tool, as in the Flax docs: nnx.vmap to create (nnx.scan to apply)."""
-
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-        return make(rngs, rate)
-
-    return create(rngs)
-
-
-def stacked(states):
-    return jax.tree.map(lambda *a: jnp.stack(a), *states)
+D, B = NNX_D, 3
 
 
 class Loop(nnx.Module):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import Loop
 from _trees import assert_trees_close, assert_trees_equal
 
 import stackwise
@@ -54,21 +55,6 @@ class BNBlock(nn.Module):
         h = nn.Dense(D, use_bias=False)(x)
         y = x + jnp.tanh(nn.BatchNorm(use_running_average=not train)(h))
         return (y, None) if self.scan_out else y
-
-
-class Loop(nn.Module):
-    """The reference: a Python loop of blocks named layers_0, layers_1, ..."""
-
-    block: type
-    n: int
-    reverse: bool = False
-
-    @nn.compact
-    def __call__(self, x, *args, **kwargs):
-        blocks = [self.block(name=f"layers_{i}") for i in range(self.n)]
-        for b in reversed(blocks) if self.reverse else blocks:
-            x = b(x, *args, **kwargs)
-        return x
 
 
 class Stacked(nn.Module):

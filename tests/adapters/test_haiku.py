@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import Counted, loop_of
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,18 +30,6 @@ class Block(hk.Module):
 
     def __call__(self, x, scale=1.0):
         return x + scale * jnp.tanh(hk.Linear(self.d)(jnp.sin(x)))
-
-
-def loop_of(make_block, n, reverse=False):
-    """The Python loop a Stack replaces: n modules, named `block`, `block_1`, ..."""
-
-    def forward(x, *args, **kwargs):
-        blocks = [make_block() for _ in range(n)]
-        for block in reversed(blocks) if reverse else blocks:
-            x = block(x, *args, **kwargs)
-        return x
-
-    return forward
 
 
 def shapes(tree):
@@ -155,17 +144,6 @@ def test_forward_and_grad_match_hk_layer_stack(reverse):
 
 # --------------------------------------------------------------------------
 # State.
-
-
-class Counted(hk.Module):
-    """Batch norm, plus a per-layer call counter that scales the update."""
-
-    def __call__(self, x, *, is_training):
-        count = hk.get_state("count", [], jnp.int32, init=jnp.zeros)
-        if is_training:
-            hk.set_state("count", count + 1)
-        y = hk.BatchNorm(True, True, 0.9)(x, is_training=is_training)
-        return x + jnp.tanh(hk.Linear(x.shape[-1])(y)) / (1 + count).astype(x.dtype)
 
 
 def test_state_matches_a_python_loop_across_applies():

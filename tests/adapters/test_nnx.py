@@ -9,31 +9,18 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _references import NNX_D, Block, make, scan_model, stacked
 from flax import nnx
 
 import stackwise
 import stackwise.nnx
 from stackwise.bench import program_fingerprint
 
-D, B = 8, 3  # features and batch: distinct, so params and activations differ in type
+D, B = NNX_D, 3  # features and batch: distinct, so params and activations differ in type
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32 reassociation between scan and loop
 # Gradients: the bias before BatchNorm has a true gradient of 0, so what the
 # two programs compute there is float32 rounding noise of the batch mean.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-class Block(nnx.Module):
-    def __init__(self, d, rngs, rate=0.0):
-        self.linear = nnx.Linear(d, d, rngs=rngs)
-        self.norm = nnx.BatchNorm(d, rngs=rngs)
-        self.drop = nnx.Dropout(rate, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.drop(self.norm(self.linear(x))))
-
-
-def make(rngs, rate=0.0):
-    return Block(D, rngs, rate)
 
 
 class Loop(nnx.Module):
@@ -74,10 +61,6 @@ def assert_close(a, b, tol=TOL):
         assert jnp.allclose(x, y, **tol), float(jnp.abs(x - y).max())
 
 
-def stacked(states):
-    return jax.tree.map(lambda *a: jnp.stack(a), *states)
-
-
 def loss_and_grads(model, x):
     """``jax.grad`` through ``nnx.split``, as a user writes it."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -87,17 +70,6 @@ def loss_and_grads(model, x):
         return jnp.sum(m(x) ** 2)
 
     return jax.value_and_grad(loss)(params)
-
-
-def scan_model(n, rngs, rate=0.0):
-    """NNX's own tool, as in the Flax docs: nnx.vmap to create, nnx.scan to apply."""
-
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-        return make(rngs, rate)
-
-    return create(rngs)
 
 
 @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
