@@ -115,10 +115,11 @@ def _layers_of(template: str, names: Sequence[str]) -> dict[int, str]:
 
 
 def _templates(names: Sequence[str]) -> dict[str, dict[int, str]]:
-    """Per-layer templates: each name's number runs replaced by ``{}``, the widest kept."""
+    """Per-layer templates: a number that is a whole component of a name (``layers.3.w``,
+    ``layers_3/w``, not ``ln1``) replaced by ``{}``; the widest kept."""
     options: dict[str, dict[int, str]] = {}
     for name in names:
-        for m in re.finditer(r"\d+", name):
+        for m in re.finditer(r"(?<![^./_])\d+(?![^./])", name):  # a whole name component
             options.setdefault(name[: m.start()] + "{}" + name[m.end() :], {})
             options[name[: m.start()] + "{}" + name[m.end() :]][int(m.group())] = name
     # The layer index is the number run that varies most: widest templates first, each

@@ -12,6 +12,8 @@ MODULES = [
     "stackwise._logical",
     "stackwise._pipeline",
     "stackwise._sharding",
+    "stackwise._checkpoint",
+    "stackwise._checkpoint_read",
     "stackwise.bench",
     "stackwise.haiku",
     "stackwise.flax",
