@@ -10,12 +10,15 @@ Why a memory map and not ``safe_open(...).get_slice``: the safetensors
 package cannot hand a bfloat16 slice to NumPy (``framework="numpy"`` has no
 bfloat16, ``framework="flax"`` would put every slice on a device first). The
 file is still validated by ``safe_open`` (a truncated or corrupt file is
-refused there), and only the header's offsets are read by hand.
+refused there), and only the header's offsets are read by hand. After each
+read the mapped pages are released (``madvise(MADV_DONTNEED)``), so the
+process's memory holds the arrays built, not the files it read.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -112,7 +115,9 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         header = json.loads(f.read(size))
     header.pop("__metadata__", None)
     start = 8 + size
-    memmap = np.memmap(path, dtype=np.uint8, mode="r") if header else None
+    if header:
+        with open(path, "rb") as f:
+            memmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     tensors, views = {}, {}
     for name, entry in header.items():
         if entry["dtype"] not in _SAFETENSORS_DTYPES:
@@ -127,8 +132,14 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
 
     def read(name, index):
         begin, end, dtype, shape = views[name]
-        view = memmap[begin:end].view(dtype).reshape(shape)
-        return np.array(view[index])
+        view = np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)
+        out = np.array(view[index])
+        del view
+        # The pages read stay in the page cache but leave this process's memory: host memory
+        # holds the slices built, not the files mapped.
+        page = begin - begin % mmap.PAGESIZE
+        memmap.madvise(mmap.MADV_DONTNEED, page, end - page)
+        return out
 
     return tensors, dict.fromkeys(tensors, path), read
 
