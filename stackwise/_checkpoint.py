@@ -6,8 +6,9 @@ fills a stacked leaf (row j = layer j; with ``pattern=k`` position p's row j
 = layer ``p + j*k``); a name without ``{}`` fills a leaf whole (embeddings,
 a final norm, or a checkpoint that is already stacked). Every check runs
 before a byte is read, so nothing is ever partly loaded, and each device's
-shard is built by ``jax.make_array_from_callback`` from the slices it needs
-only: host memory beyond the final arrays stays about one layer's tensor.
+shard is built from the slices it needs only, one device at a time, each
+layer's slice copied straight into it: host memory beyond the final arrays
+stays about one device's shard of one leaf.
 """
 
 from __future__ import annotations
@@ -509,35 +510,53 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
 
 
 def _reader(ckpt: Checkpoint, plan: _Plan):
+    """``callback(index) -> the shard``, reading each layer's slice straight into it."""
     spec = plan.spec
     perm = tuple(spec.transpose) if spec.transpose is not None else None
-    cast = None if spec.dtype is None else plan.dtype
 
-    def one(name: str, index: tuple) -> np.ndarray:
+    def one(name: str, index: tuple) -> np.ndarray:  # a view or a copy; the caller copies
         if spec.reshape is not None:
-            x = ckpt.read(name, ())
-            x = (x.transpose(perm) if perm else x).reshape(spec.reshape)[index]
-        elif perm:
+            x = ckpt.view(name, ())
+            return (x.transpose(perm) if perm else x).reshape(spec.reshape)[index]
+        if perm:
             inverse = [slice(None)] * len(perm)
             for d, a in enumerate(perm):
-                inverse[a] = index[d] if d < len(index) else slice(None)
-            x = ckpt.read(name, tuple(inverse)).transpose(perm)
-        else:
-            x = ckpt.read(name, index)
-        return x.astype(cast) if cast is not None else x
+                inverse[a] = index[d]
+            return ckpt.view(name, tuple(inverse)).transpose(perm)
+        return ckpt.view(name, index)
 
     def callback(index: tuple) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(plan.shape) - len(index))
         if plan.sources is None:
-            return one(spec.name, index)
+            out = np.array(one(spec.name, index), dtype=plan.dtype)  # the cast, if asked
+            ckpt.release(spec.name)
+            return out
         rows = range(*index[0].indices(plan.shape[0]))
         inner = tuple(len(range(*s.indices(d))) for s, d in zip(index[1:], plan.shape[1:]))
         out = np.empty((len(rows), *inner), plan.dtype)
-        for r, j in enumerate(rows):  # one layer's slice in memory at a time
+        for r, j in enumerate(rows):  # one layer's slice at a time, copied (and cast) once
             out[r] = one(plan.sources[j], index[1:])
+            ckpt.release(plan.sources[j])
         return out
 
     return callback
+
+
+def _build(plan: _Plan, callback) -> jax.Array:
+    """The leaf, one device's shard at a time (``jax.make_array_from_callback`` would hold
+    every device's host copy of the leaf at once); a shard that several devices hold is read
+    once."""
+    arrays, built = [], {}
+    for device, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
+        key = tuple(s.indices(d) for s, d in zip(index, plan.shape))
+        if key in built:
+            arrays.append(jax.device_put(built[key], device))
+            continue
+        host = callback(index)
+        built[key] = jax.device_put(host, device).block_until_ready()
+        del host
+        arrays.append(built[key])
+    return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays)
 
 
 def load_checkpoint(
@@ -611,8 +630,7 @@ def load_checkpoint(
     out = [
         leaf
         if plan is None
-        else jax.make_array_from_callback(plan.shape, plan.sharding, _reader(ckpt, plan),
-                                          dtype=plan.dtype)
+        else _build(plan, _reader(ckpt, plan))
         for leaf, plan in zip(leaves, plans)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -77,18 +77,31 @@ class Checkpoint:
         tensors: Mapping[str, jax.ShapeDtypeStruct],
         files: Mapping[str, str],
         reader: Callable[[str, tuple], np.ndarray],
+        release: Callable[[str], None] | None = None,
     ):
         self.kind, self.where = kind, where
         self.tensors = dict(tensors)
         self._files, self._reader = dict(files), reader
+        self._release = release or (lambda name: None)
 
     def file_of(self, name: str) -> str:
         """The file (or checkpoint) that holds tensor ``name``."""
         return self._files.get(name, self.where)
 
     def read(self, name: str, index: tuple = ()) -> np.ndarray:
-        """``tensor[index]`` as a NumPy array, reading only that slice."""
+        """``tensor[index]`` as a NumPy array of its own, reading only that slice."""
+        out = np.array(self.view(name, index))
+        self.release(name)
+        return out
+
+    def view(self, name: str, index: tuple = ()) -> np.ndarray:
+        """``tensor[index]``, possibly a read-only view of a mapped file (copy it before
+        :meth:`release`), reading only that slice."""
         return self._reader(name, tuple(index))
+
+    def release(self, name: str) -> None:
+        """Lets go of the pages that views of ``name`` mapped (they stay in the page cache)."""
+        self._release(name)
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.kind}, {self.where!r}, {len(self.tensors)} tensors)"
@@ -132,22 +145,22 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
 
     def read(name, index):
         begin, end, dtype, shape = views[name]
-        view = np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)
-        out = np.array(view[index])
-        del view
+        return np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)[index]
+
+    def release(name):
         # The pages read stay in the page cache but leave this process's memory: host memory
-        # holds the slices built, not the files mapped.
+        # holds the arrays built, not the files mapped.
+        begin, end, _, _ = views[name]
         page = begin - begin % mmap.PAGESIZE
         memmap.madvise(mmap.MADV_DONTNEED, page, end - page)
-        return out
 
-    return tensors, dict.fromkeys(tensors, path), read
+    return tensors, dict.fromkeys(tensors, path), read, release
 
 
 def _safetensors(paths: Sequence[str], where: str, who: str) -> Checkpoint:
-    tensors, files, readers = {}, {}, {}
+    tensors, files, readers, releases = {}, {}, {}, {}
     for path in paths:
-        t, f, r = _safetensors_file(path, who)
+        t, f, r, release = _safetensors_file(path, who)
         for name in t:
             if name in tensors:
                 raise ValueError(
@@ -156,7 +169,9 @@ def _safetensors(paths: Sequence[str], where: str, who: str) -> Checkpoint:
                     "checkpoint (or its directory with the index)."
                 )
         tensors.update(t), files.update(f), readers.update(dict.fromkeys(t, r))
-    return Checkpoint("safetensors", where, tensors, files, lambda n, i: readers[n](n, i))
+        releases.update(dict.fromkeys(t, release))
+    return Checkpoint("safetensors", where, tensors, files, lambda n, i: readers[n](n, i),
+                      lambda n: releases[n](n))
 
 
 def _index(path: str, who: str) -> Checkpoint:
@@ -237,7 +252,7 @@ def _arrays(arrays: Mapping[str, Any], where: str) -> Checkpoint:
     for name, a in arrays.items():
         dtype = getattr(a, "dtype", None) or np.asarray(a).dtype
         tensors[name] = jax.ShapeDtypeStruct(tuple(np.shape(a)), np.dtype(dtype))
-    return Checkpoint("arrays", where, tensors, {}, lambda n, i: np.asarray(arrays[n][i]))
+    return Checkpoint("arrays", where, tensors, {}, lambda n, i: np.asarray(arrays[n])[i])
 
 
 def open_checkpoint(source: Any) -> Checkpoint:
