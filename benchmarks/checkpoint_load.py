@@ -7,7 +7,12 @@ subprocess of its own, so that each peak RSS is its own:
 
 - ``sequential``: read every file's bytes in order, in 64 MiB chunks (the disk's / page
   cache's throughput; nothing kept);
-- ``stream``: ``stackwise.load_checkpoint`` into FSDP shardings over 8 devices;
+- ``sequential_device_put``: the same, each chunk put on a device (round robin) and kept:
+  reading plus jax's host-to-device copy, which every path that ends in jax arrays pays;
+- ``stream``: ``stackwise.load_checkpoint`` into FSDP shardings over 8 devices, each torch
+  ``(out, in)`` weight transposed into JAX's ``(in, out)`` (``Tensor(..., transpose=(1, 0))``);
+- ``stream_torch_layout``: the same into leaves of torch's layout (no transposes, as an
+  Equinox model has them): the loader's own cost;
 - ``naive``: read every tensor whole, ``np.stack`` each leaf's layers, ``jax.device_put``
   with the same shardings (what a converter script does).
 
@@ -68,17 +73,19 @@ def write(folder: str, layers: int, per_file: int) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
 
 
-def _model(layers: int):
+def _model(layers: int, transpose: bool = True):
     import jax
     import jax.numpy as jnp
 
     import stackwise
 
     leaf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    blocks = {name: leaf(layers, b, a) for name, (a, b) in LINEAR.items()}
+    blocks = {name: leaf(layers, *((b, a) if transpose else (a, b)))
+              for name, (a, b) in LINEAR.items()}
     blocks |= {name: leaf(layers, E) for name in NORMS}
     target = {"blocks": blocks, "embed": leaf(VOCAB, E), "norm": leaf(E)}
-    names = {"blocks": {name: stackwise.Tensor(f"model.layers.{{}}.{name}", transpose=(1, 0))
+    perm = (1, 0) if transpose else None
+    names = {"blocks": {name: stackwise.Tensor(f"model.layers.{{}}.{name}", transpose=perm)
                         for name in LINEAR} | {n: f"model.layers.{{}}.{n}" for n in NORMS},
              "embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     mesh = jax.make_mesh((8,), ("data",))
@@ -102,22 +109,34 @@ def _peak_rss() -> int:
 def run_path(path: str, folder: str, layers: int) -> dict:
     start = time.perf_counter()
     baseline = _peak_rss()
-    if path == "sequential":
+    if path.startswith("sequential"):
+        put = path == "sequential_device_put"
+        if put:
+            import jax
+
+            devices, kept = jax.devices(), []
+            jax.device_put(np.zeros(8), devices[0]).block_until_ready()  # jax started
+            start = time.perf_counter()
         total = 0
         for file in sorted(os.listdir(folder)):
             with open(os.path.join(folder, file), "rb") as fh:
                 while chunk := fh.read(64 << 20):
                     total += len(chunk)
+                    if put:  # the bytes onto the devices, round robin, kept there
+                        device = devices[len(kept) % len(devices)]
+                        kept.append(jax.device_put(np.frombuffer(chunk, np.uint8), device))
+        if put:
+            jax.block_until_ready(kept)
     else:
         import jax
 
         import stackwise
 
-        target, names, shardings = _model(layers)
+        target, names, shardings = _model(layers, transpose=path != "stream_torch_layout")
         jax.block_until_ready(jax.device_put(np.zeros(8), shardings["norm"]))  # devices up
         baseline = _peak_rss()
         start = time.perf_counter()  # the load alone, not jax's start-up
-        if path == "stream":
+        if path.startswith("stream"):
             params = stackwise.load_checkpoint(folder, target, names, shardings=shardings)
         else:
             from safetensors import safe_open
@@ -159,7 +178,8 @@ def main() -> None:
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                    JAX_PLATFORMS="cpu")
         runs = {}
-        for path in ("sequential", "stream", "naive"):
+        for path in ("sequential", "sequential_device_put", "stream", "stream_torch_layout",
+                     "naive"):
             out = subprocess.run(
                 [sys.executable, __file__, "--path", path, "--folder", folder,
                  "--layers", str(layers)], env=env, capture_output=True, text=True, check=True)
@@ -179,8 +199,14 @@ def main() -> None:
         "stream_total_peak_over_size": runs["stream"]["peak_rss"] / size,
         "stream_over_sequential_throughput": runs["sequential"]["seconds"]
         / runs["stream"]["seconds"],
+        "stream_torch_layout_over_sequential_throughput": runs["sequential"]["seconds"]
+        / runs["stream_torch_layout"]["seconds"],
         "naive_over_sequential_throughput": runs["sequential"]["seconds"]
         / runs["naive"]["seconds"],
+        "stream_over_sequential_device_put_throughput": runs["sequential_device_put"]["seconds"]
+        / runs["stream"]["seconds"],
+        "stream_torch_layout_over_sequential_device_put_throughput":
+        runs["sequential_device_put"]["seconds"] / runs["stream_torch_layout"]["seconds"],
     }
     report["targets"] = {
         "stream peak <= size + 2 layers": report["stream_peak_minus_size_in_layers"] <= 2,

@@ -534,7 +534,11 @@ def _reader(ckpt: Checkpoint, plan: _Plan):
         rows = range(*index[0].indices(plan.shape[0]))
         inner = tuple(len(range(*s.indices(d))) for s, d in zip(index[1:], plan.shape[1:]))
         out = np.empty((len(rows), *inner), plan.dtype)
+        direct = perm is None and spec.reshape is None  # and any cast: read_into falls back
         for r, j in enumerate(rows):  # one layer's slice at a time, copied (and cast) once
+            if direct:
+                ckpt.read_into(plan.sources[j], index[1:], out[r])
+                continue
             out[r] = one(plan.sources[j], index[1:])
             ckpt.release(plan.sources[j])
         return out

@@ -78,11 +78,13 @@ class Checkpoint:
         files: Mapping[str, str],
         reader: Callable[[str, tuple], np.ndarray],
         release: Callable[[str], None] | None = None,
+        into: Callable[[str, tuple, np.ndarray], bool] | None = None,
     ):
         self.kind, self.where = kind, where
         self.tensors = dict(tensors)
         self._files, self._reader = dict(files), reader
         self._release = release or (lambda name: None)
+        self._into = into or (lambda name, index, out: False)
 
     def file_of(self, name: str) -> str:
         """The file (or checkpoint) that holds tensor ``name``."""
@@ -98,6 +100,12 @@ class Checkpoint:
         """``tensor[index]``, possibly a read-only view of a mapped file (copy it before
         :meth:`release`), reading only that slice."""
         return self._reader(name, tuple(index))
+
+    def read_into(self, name: str, index: tuple, out: np.ndarray) -> None:
+        """``out[...] = tensor[index]``, read straight into ``out`` where the format allows."""
+        if not self._into(name, tuple(index), out):
+            out[...] = self.view(name, index)
+            self.release(name)
 
     def release(self, name: str) -> None:
         """Lets go of the pages that views of ``name`` mapped (they stay in the page cache)."""
@@ -129,8 +137,8 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
     header.pop("__metadata__", None)
     start = 8 + size
     if header:
-        with open(path, "rb") as f:
-            memmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = os.open(path, os.O_RDONLY)  # kept open, as the map is, while the reader lives
+        memmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     tensors, views = {}, {}
     for name, entry in header.items():
         if entry["dtype"] not in _SAFETENSORS_DTYPES:
@@ -143,9 +151,32 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         tensors[name] = jax.ShapeDtypeStruct(tuple(entry["shape"]), dtype)
         views[name] = (start + begin, start + end, dtype, tuple(entry["shape"]))
 
+    def into(name, index, out):
+        """Reads a slice that is one run of bytes straight into ``out``; False if it is not."""
+        begin, _, dtype, shape = views[name]
+        run = _contiguous(shape, index)
+        if run is None or out.dtype != dtype or not out.flags.c_contiguous:
+            return False
+        first, out_shape = run
+        if tuple(out.shape) != out_shape:
+            return False
+        buffer, offset = memoryview(out.reshape(-1).view(np.uint8)), begin + first * dtype.itemsize
+        while buffer.nbytes:
+            got = os.preadv(fd, [buffer], offset)
+            if not got:
+                raise ValueError(f"{who}: {path} ends inside tensor {name!r} (truncated?).")
+            buffer, offset = buffer[got:], offset + got
+        return True
+
     def read(name, index):
-        begin, end, dtype, shape = views[name]
-        return np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)[index]
+        begin, _, dtype, shape = views[name]
+        run = _contiguous(shape, index)
+        if run is None:  # a strided slice: from the map, page by page
+            view = np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)
+            return view[index]
+        out = np.empty(run[1], dtype)  # one run of bytes: read straight into the array
+        into(name, index, out)
+        return out
 
     def release(name):
         # The pages read stay in the page cache but leave this process's memory: host memory
@@ -154,13 +185,33 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         page = begin - begin % mmap.PAGESIZE
         memmap.madvise(mmap.MADV_DONTNEED, page, end - page)
 
-    return tensors, dict.fromkeys(tensors, path), read, release
+    return tensors, dict.fromkeys(tensors, path), read, release, into
+
+
+def _contiguous(shape: tuple, index: tuple) -> tuple[int, tuple] | None:
+    """``(first element, shape)`` when ``tensor[index]`` (slices) is one run of a C-order
+    tensor's elements, else None."""
+    ranges = [
+        (s.indices(n) if isinstance(s, slice) else None) for s, n in
+        zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)
+    ]
+    if any(r is None for r in ranges):
+        return None
+    lengths = [len(range(*r)) for r in ranges]
+    partial = [a for a, (r, n) in enumerate(zip(ranges, shape)) if r != (0, n, 1)]
+    if partial:
+        last = partial[-1]
+        if ranges[last][2] != 1 or any(lengths[a] != 1 for a in range(last)):
+            return None
+    strides = np.cumprod((1, *shape[:0:-1]))[::-1]  # elements per step of each axis
+    first = int(sum(r[0] * st for r, st in zip(ranges, strides)))
+    return first, tuple(lengths)
 
 
 def _safetensors(paths: Sequence[str], where: str, who: str) -> Checkpoint:
-    tensors, files, readers, releases = {}, {}, {}, {}
+    tensors, files, readers, releases, intos = {}, {}, {}, {}, {}
     for path in paths:
-        t, f, r, release = _safetensors_file(path, who)
+        t, f, r, release, into = _safetensors_file(path, who)
         for name in t:
             if name in tensors:
                 raise ValueError(
@@ -169,9 +220,9 @@ def _safetensors(paths: Sequence[str], where: str, who: str) -> Checkpoint:
                     "checkpoint (or its directory with the index)."
                 )
         tensors.update(t), files.update(f), readers.update(dict.fromkeys(t, r))
-        releases.update(dict.fromkeys(t, release))
+        releases.update(dict.fromkeys(t, release)), intos.update(dict.fromkeys(t, into))
     return Checkpoint("safetensors", where, tensors, files, lambda n, i: readers[n](n, i),
-                      lambda n: releases[n](n))
+                      lambda n: releases[n](n), lambda n, i, out: intos[n](n, i, out))
 
 
 def _index(path: str, who: str) -> Checkpoint:

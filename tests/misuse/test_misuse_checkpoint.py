@@ -210,3 +210,14 @@ def test_a_broken_orbax_metadata_names_the_folder(tmp_path):
     (tmp_path / "_METADATA").write_text("[1]")  # orbax itself fails to read it
     with pytest.raises(ValueError, match=f"{tmp_path} is not a readable orbax checkpoint"):
         stackwise.open_checkpoint(tmp_path)
+
+
+def test_a_file_cut_short_after_opening_names_the_file_and_tensor(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"l.0.w": np.ones((4, 2), np.float32)}, path)
+    ckpt = stackwise.open_checkpoint(path)  # valid when opened ...
+    path.write_bytes(path.read_bytes()[:-16])  # ... cut short by another process
+    with pytest.raises(ValueError, match=r"m.safetensors ends inside tensor 'l.0.w'"):
+        stackwise.load_checkpoint(ckpt, {"w": _abstract((1, 4, 2))}, {"w": "l.{}.w"})
