@@ -114,6 +114,40 @@ def hf_arrays(params, names, c) -> dict[str, np.ndarray]:
     return out
 
 
+def random_hf(abstract, names, c, seed=0) -> dict[str, np.ndarray]:
+    """A random checkpoint for the pure-JAX model's ``abstract`` params, by ``names``."""
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda a: (rng.standard_normal(a.shape) * 0.5).astype(a.dtype),
+                          abstract)
+    return hf_arrays(params, names, c)
+
+
+def loop_of(hf, abstract, names, c) -> dict:
+    """The pure-JAX model's loop params (``"blocks"``: one tree per layer, in layer order)
+    read from the checkpoint by hand: layer i's tensors, transposed back."""
+    k = len(c.pattern)
+
+    def leaf(path, a, i=None):
+        node = names
+        for key in _keys(path):
+            node = node[key]
+        x = hf[node.name.format(i) if i is not None else node.name]
+        return np.ascontiguousarray(x.T) if node.transpose else x
+
+    top = {key: jax.tree_util.tree_map_with_path(
+               lambda p, a, key=key: leaf((jax.tree_util.DictKey(key), *p), a), v)
+           for key, v in abstract.items() if key != "blocks"}
+    blocks = abstract["blocks"]
+    layers = []
+    for i in range(c.layers):
+        tree = blocks[i % k] if k > 1 else blocks
+        prefix = (jax.tree_util.DictKey("blocks"),) + (
+            (jax.tree_util.SequenceKey(i % k),) if k > 1 else ())
+        layers.append(jax.tree_util.tree_map_with_path(
+            lambda p, a, i=i, prefix=prefix: leaf(prefix + p, a, i), tree))
+    return {**top, "blocks": layers}
+
+
 def write_hf(folder, arrays: dict[str, np.ndarray], files: int = 2) -> None:
     """A sharded safetensors checkpoint: ``files`` files plus model.safetensors.index.json."""
     from safetensors.numpy import save_file

@@ -11,7 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _checkpoint_models import FRAMEWORKS, config, hf_arrays, lm_models, names_for, write_hf
+from _checkpoint_models import (
+    FRAMEWORKS,
+    config,
+    hf_arrays,
+    lm_models,
+    loop_of,
+    names_for,
+    random_hf,
+    write_hf,
+)
 from _trees import assert_trees_bitwise, assert_trees_close
 
 import stackwise
@@ -21,26 +30,43 @@ pytest.importorskip("safetensors")
 CLOSE = dict(rtol=1e-5, atol=1e-5)  # the same float32 sums, ordered by different frameworks
 
 
-def _loss(logits):
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+def _loss_and_logits(apply):
+    def loss(params, tokens):
+        logits = apply(params, tokens)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def _checkpoint(c, tmp_path):
+    """A random checkpoint of the model ``c`` in Hugging Face's layout, two files."""
+    lm = lm_models.build("jax", c)
+    abstract = jax.eval_shape(lm.init, jax.random.key(0))
+    names = names_for("jax", abstract, c)
+    hf = random_hf(abstract, names, c)
+    folder = tmp_path / "hf"
+    write_hf(folder, hf)
+    return lm, abstract, names, hf, folder
 
 
 def _reference(c, tmp_path, with_grads=True):
-    """The checkpoint (from the pure-JAX model's params), and the loop's logits and grads."""
-    lm = lm_models.build("jax", c)
-    params = lm.init(jax.random.key(0))
-    names = names_for("jax", params, c)
-    folder = tmp_path / "hf"
-    write_hf(folder, hf_arrays(params, names, c))
+    """A random checkpoint, and the plain loop's logits and grads on it (the loop's params
+    read from the checkpoint by hand)."""
+    lm, abstract, names, hf, folder = _checkpoint(c, tmp_path)
     tokens = jax.random.randint(jax.random.key(1), (2, c.seq_len), 0, c.vocab)
-    loop = lm.to_loop(params)  # a list of per-layer trees: the Python loop's params
-    logits = lm.loop_apply(loop, tokens)
+    loop = loop_of(hf, abstract, names, c)
     if not with_grads:
-        return folder, tokens, logits, None
-    grads = jax.grad(lambda p: _loss(lm.loop_apply(p, tokens)))(loop)
-    blocks = stackwise.stack_layers(grads["blocks"], pattern=len(c.pattern) if len(c.pattern) > 1 else None)
-    grads = hf_arrays({**grads, "blocks": blocks}, names, c)
-    return folder, tokens, logits, grads
+        return folder, tokens, jax.jit(lm.loop_apply)(loop, tokens), None
+    (_, logits), grads = _loss_and_logits(lm.loop_apply)(loop, tokens)
+    k = len(c.pattern) if len(c.pattern) > 1 else None
+    grads = {**grads, "blocks": stackwise.stack_layers(grads["blocks"], pattern=k)}
+    return folder, tokens, logits, hf_arrays(grads, names, c)
+
+
+@pytest.fixture(scope="module")
+def plain_files(tmp_path_factory):
+    c = config(layers=3)
+    return c, _checkpoint(c, tmp_path_factory.mktemp("files"))[-1]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +81,9 @@ def pattern(tmp_path_factory):
     return (c, *_reference(c, tmp_path_factory.mktemp("pattern"), with_grads=False))
 
 
-def _check_framework(framework, case, grads_too=True):
+def _check_framework(framework, case):
+    """The checkpoint, loaded into the framework's stacked model: the loop's logits, and its
+    grads (in the checkpoint's layout, loaded the same way)."""
     c, folder, tokens, logits, grads = case
     lm = lm_models.build(framework, c)
     abstract = jax.eval_shape(lm.init, jax.random.key(0))
@@ -63,25 +91,30 @@ def _check_framework(framework, case, grads_too=True):
     k = len(c.pattern) if len(c.pattern) > 1 else None
     params = stackwise.load_checkpoint(folder, abstract, names, pattern=k)
     positions = jnp.arange(c.seq_len)
-    np.testing.assert_allclose(lm.apply(params, tokens, positions)[0], logits, **CLOSE)
-    if grads_too:
-        got = jax.grad(lambda p: _loss(lm.apply(p, tokens, positions)[0]))(params)
-        assert_trees_close(got, stackwise.load_checkpoint(grads, abstract, names, pattern=k),
-                           rtol=1e-4)
+    apply = lambda p, tokens: lm.apply(p, tokens, positions)[0]  # noqa: E731
+    if grads is None:  # the 6-position pattern: logits (its grads' compile is slow)
+        np.testing.assert_allclose(jax.jit(apply)(params, tokens), logits, **CLOSE)
+        return
+    (_, got), got_grads = _loss_and_logits(apply)(params, tokens)
+    np.testing.assert_allclose(got, logits, **CLOSE)
+    assert_trees_close(got_grads, stackwise.load_checkpoint(grads, abstract, names, pattern=k),
+                       rtol=1e-4)
 
 
+@pytest.mark.slow  # 5 frameworks' compiles; the fast tier loads in the tests below
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_hf_checkpoint_into_every_framework(plain, framework):
     _check_framework(framework, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_pattern_checkpoint_into_every_framework(pattern, framework):
-    _check_framework(framework, pattern, grads_too=False)  # the grads: as above
+    _check_framework(framework, pattern)
 
 
-def test_inspect_says_per_layer_depth_pattern_and_names(plain, pattern):
-    layout = stackwise.inspect_checkpoint(plain[1])
+def test_inspect_says_per_layer_depth_pattern_and_names(plain_files):
+    layout = stackwise.inspect_checkpoint(plain_files[1])
     assert (layout.kind, layout.layout, layout.depth, layout.pattern) == (
         "safetensors", "per-layer", 3, 1)
     assert "model.layers.{}.self_attn.qkv_proj.weight" in layout.names
@@ -119,9 +152,9 @@ def test_transforms_split_heads_and_cast_on_request(tmp_path):
     np.testing.assert_array_equal(back.read("l.2.q"), want[2].reshape(e, heads * d).T)
 
 
-def test_npz_orbax_and_dict_sources_load_the_same(plain, tmp_path):
+def test_npz_orbax_and_dict_sources_load_the_same(plain_files, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
-    c, folder, *_ = plain
+    c, folder = plain_files
     lm = lm_models.build("flax", c)
     abstract = jax.eval_shape(lm.init, jax.random.key(0))
     names = names_for("flax", abstract, c)
@@ -145,8 +178,8 @@ def test_npz_orbax_and_dict_sources_load_the_same(plain, tmp_path):
     assert stackwise.inspect_checkpoint(tmp_path / "orbax")[:3] == ("orbax", "per-layer", 3)
 
 
-def test_save_round_trip_is_bitwise_and_never_overwrites(plain, tmp_path):
-    c, folder, *_ = plain
+def test_save_round_trip_is_bitwise_and_never_overwrites(plain_files, tmp_path):
+    c, folder = plain_files
     lm = lm_models.build("haiku", c)
     abstract = jax.eval_shape(lm.init, jax.random.key(0))
     names = names_for("haiku", abstract, c)
