@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
 from stackwise._checkpoint_read import INDEX, Checkpoint, need, open_checkpoint
 
-__all__ = ["CheckpointLayout", "Tensor", "inspect_checkpoint", "load_checkpoint", "save_safetensors"]
+__all__ = [
+    "CheckpointLayout", "Tensor", "inspect_checkpoint", "load_checkpoint", "save_safetensors",
+]
 
 _LOAD = "stackwise.load_checkpoint"
 _SAVE = "stackwise.save_safetensors"
@@ -335,9 +337,10 @@ def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
             )
         sources = [found[i] for i in layers]
         stored = tuple(ckpt.tensors[sources[0]].shape)
+        stored_dtype = np.dtype(ckpt.tensors[sources[0]].dtype)
         for i, name in zip(layers, sources):
             s = ckpt.tensors[name]
-            if tuple(s.shape) != stored or np.dtype(s.dtype) != np.dtype(ckpt.tensors[sources[0]].dtype):
+            if tuple(s.shape) != stored or np.dtype(s.dtype) != stored_dtype:
                 raise ValueError(
                     f"{who}: leaf {path}: layer {i}'s tensor {name!r} in {ckpt.file_of(name)} "
                     f"is {_desc(s)}, layer {layers[0]}'s {_desc(ckpt.tensors[sources[0]])}; "
@@ -681,9 +684,12 @@ def save_safetensors(
     >>> import jax.numpy as jnp, numpy as np, stackwise, tempfile, os
     >>> params = {"w": jnp.arange(12.0).reshape(3, 2, 2)}
     >>> folder = tempfile.mkdtemp()
-    >>> [os.path.basename(f) for f in stackwise.save_safetensors(
-    ...     params, {"w": "layers.{}.w"}, folder, max_file_bytes=32)]
-    ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+    >>> for f in stackwise.save_safetensors(params, {"w": "layers.{}.w"}, folder,
+    ...                                     max_file_bytes=32):
+    ...     print(os.path.basename(f))
+    model-00001-of-00002.safetensors
+    model-00002-of-00002.safetensors
+    model.safetensors.index.json
     >>> back = stackwise.load_checkpoint(folder, params, {"w": "layers.{}.w"})
     >>> bool((back["w"] == params["w"]).all())
     True

@@ -85,7 +85,8 @@ def names_for(framework: str, abstract, c) -> dict:
             leaf = "weight"
         kind = "weight" if leaf in WEIGHT else "bias" if leaf in BIAS else None
         assert kind, (framework, keys)
-        transpose = (1, 0) if module in LINEAR and kind == "weight" and framework != "equinox" else None
+        torch_layout = framework == "equinox"  # eqx.nn.Linear keeps (out, in) too
+        transpose = (1, 0) if module in LINEAR and kind == "weight" and not torch_layout else None
         spec = stackwise.Tensor(f"{MODULES[module]}.{kind}", transpose=transpose,
                                 position=_position(framework, keys, c))
         node = names

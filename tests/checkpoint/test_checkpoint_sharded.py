@@ -81,7 +81,8 @@ def _shardings_case(mesh_shape, axes, base):
     specs_out = {jax.tree_util.keystr(p): str(a.sharding.spec)
                  for p, a in jax.tree_util.tree_leaves_with_path(sharded)}
     return {"equal": equal, "read": read_bytes, "shards": shard_bytes, "whole": whole,
-            "largest_up_read": max(b for n, b in counted.reads if "up_proj" in n), "specs": specs_out}
+            "largest_up_read": max(b for n, b in counted.reads if "up_proj" in n),
+            "specs": specs_out}
 
 
 def _case_fsdp():
