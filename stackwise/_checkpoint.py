@@ -679,7 +679,8 @@ def save_safetensors(
     undone), the others whole. Layers go to files in order, each file at
     most ``max_file_bytes`` (a layer is never split), with a
     ``model.safetensors.index.json`` when there are several; only one file's
-    tensors are on the host at a time. A round trip is bitwise.
+    tensors are on the host at a time. A round trip is bitwise (a leaf loaded
+    with a cast, ``Tensor(..., dtype=)``, is saved in its own dtype).
 
     >>> import jax.numpy as jnp, numpy as np, stackwise, tempfile, os
     >>> params = {"w": jnp.arange(12.0).reshape(3, 2, 2)}
