@@ -1,12 +1,12 @@
 """stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
 
-from stackwise._checkpoint import CheckpointLayout as CheckpointLayout
-from stackwise._checkpoint import Tensor as Tensor
-from stackwise._checkpoint import inspect_checkpoint as inspect_checkpoint
 from stackwise._checkpoint import load_checkpoint as load_checkpoint
-from stackwise._checkpoint import save_safetensors as save_safetensors
+from stackwise._checkpoint_inspect import CheckpointLayout as CheckpointLayout
+from stackwise._checkpoint_inspect import inspect_checkpoint as inspect_checkpoint
+from stackwise._checkpoint_names import Tensor as Tensor
 from stackwise._checkpoint_read import Checkpoint as Checkpoint
 from stackwise._checkpoint_read import open_checkpoint as open_checkpoint
+from stackwise._checkpoint_save import save_safetensors as save_safetensors
 from stackwise._layout import slice_layers as slice_layers
 from stackwise._layout import stack_layers as stack_layers
 from stackwise._layout import stacked_shardings as stacked_shardings
