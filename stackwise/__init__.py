@@ -1,5 +1,12 @@
 """stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
 
+from stackwise._checkpoint import load_checkpoint as load_checkpoint
+from stackwise._checkpoint_inspect import CheckpointLayout as CheckpointLayout
+from stackwise._checkpoint_inspect import inspect_checkpoint as inspect_checkpoint
+from stackwise._checkpoint_names import Tensor as Tensor
+from stackwise._checkpoint_read import Checkpoint as Checkpoint
+from stackwise._checkpoint_read import open_checkpoint as open_checkpoint
+from stackwise._checkpoint_save import save_safetensors as save_safetensors
 from stackwise._layout import slice_layers as slice_layers
 from stackwise._layout import stack_layers as stack_layers
 from stackwise._layout import stacked_shardings as stacked_shardings
@@ -51,15 +58,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CARRY_NAME",
+    "Checkpoint",
+    "CheckpointLayout",
     "DEFAULT_REMAT",
     "Stacked",
+    "Tensor",
     "fsdp_specs",
+    "inspect_checkpoint",
     "layer_index",
+    "load_checkpoint",
     "logical_specs",
+    "open_checkpoint",
     "per_example",
     "per_layer",
     "per_layer_keys",
     "pipeline",
+    "save_safetensors",
     "shard_stacked",
     "slice_layers",
     "stack",

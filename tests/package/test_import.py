@@ -9,7 +9,8 @@ def test_import_stackwise_imports_no_framework():
     code = (
         "import sys, stackwise\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('haiku', 'flax', 'equinox', 'optax', 'matplotlib', 'rich', 'tqdm'))\n"
+        "('haiku', 'flax', 'equinox', 'optax', 'matplotlib', 'rich', 'tqdm', "
+        "'safetensors', 'orbax', 'tensorstore'))\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

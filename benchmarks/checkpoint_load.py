@@ -1,0 +1,221 @@
+"""Loading a multi-GiB per-layer checkpoint into a stacked, FSDP-sharded model on 8 simulated
+CPU devices: peak host RSS and throughput, streamed against the naive path.
+
+Writes a synthetic Llama-like safetensors checkpoint (Hugging Face names, torch's (out, in)
+layout, several files and an index) to a temporary folder, then runs each path in a fresh
+subprocess of its own, so that each peak RSS is its own:
+
+- ``sequential``: read every file's bytes in order, in 64 MiB chunks (the disk's / page
+  cache's throughput; nothing kept);
+- ``sequential_device_put``: the same, each chunk put on a device (round robin) and kept:
+  reading plus jax's host-to-device copy, which every path that ends in jax arrays pays;
+- ``stream``: ``stackwise.load_checkpoint`` into FSDP shardings over 8 devices, each torch
+  ``(out, in)`` weight transposed into JAX's ``(in, out)`` (``Tensor(..., transpose=(1, 0))``);
+- ``stream_torch_layout``: the same into leaves of torch's layout (no transposes, as an
+  Equinox model has them): the loader's own cost;
+- ``naive``: read every tensor whole, ``np.stack`` each leaf's layers, ``jax.device_put``
+  with the same shardings (what a converter script does).
+
+Reports, as ratios of one run: peak RSS over the checkpoint's size (and the bytes of two
+layers), and stream's throughput over sequential reading. The checkpoint is deleted at the
+end. The files are read from the page cache once written (sequential first, so each path
+reads warm files): the throughput ratio is of the loader's work, not of the disk.
+
+    python benchmarks/checkpoint_load.py --gib 2 > benchmarks/results/checkpoint_load.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+E, F = 1024, 2816  # width and MLP width (a ~1B-parameter Llama's proportions, narrower)
+LINEAR = {  # name -> torch shape (out, in); the JAX leaf is its transpose
+    "self_attn.q_proj.weight": (E, E), "self_attn.k_proj.weight": (E, E),
+    "self_attn.v_proj.weight": (E, E), "self_attn.o_proj.weight": (E, E),
+    "mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E),
+    "mlp.down_proj.weight": (E, F),
+}  # fmt: skip
+NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+VOCAB = 8192
+LAYER_BYTES = 4 * (sum(a * b for a, b in LINEAR.values()) + E * len(NORMS))
+
+
+def write(folder: str, layers: int, per_file: int) -> int:
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    weight_map, files = {}, -(-layers // per_file)
+    for f in range(files):
+        file = f"model-{f + 1:05d}-of-{files:05d}.safetensors"
+        arrays = {}
+        if f == 0:
+            arrays["model.embed_tokens.weight"] = rng.standard_normal((VOCAB, E), np.float32)
+            arrays["model.norm.weight"] = np.ones(E, np.float32)
+        for i in range(f * per_file, min(layers, (f + 1) * per_file)):
+            for name, shape in LINEAR.items():
+                arrays[f"model.layers.{i}.{name}"] = rng.standard_normal(shape, np.float32)
+            for name in NORMS:
+                arrays[f"model.layers.{i}.{name}"] = np.ones(E, np.float32)
+        save_file(arrays, os.path.join(folder, file))
+        weight_map.update(dict.fromkeys(arrays, file))
+        del arrays
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": weight_map}, fh)
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+
+
+def _model(layers: int, transpose: bool = True):
+    import jax
+    import jax.numpy as jnp
+
+    import stackwise
+
+    leaf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    blocks = {name: leaf(layers, *((b, a) if transpose else (a, b)))
+              for name, (a, b) in LINEAR.items()}
+    blocks |= {name: leaf(layers, E) for name in NORMS}
+    target = {"blocks": blocks, "embed": leaf(VOCAB, E), "norm": leaf(E)}
+    perm = (1, 0) if transpose else None
+    names = {"blocks": {name: stackwise.Tensor(f"model.layers.{{}}.{name}", transpose=perm)
+                        for name in LINEAR} | {n: f"model.layers.{{}}.{n}" for n in NORMS},
+             "embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    mesh = jax.make_mesh((8,), ("data",))
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    shardings = {"blocks": stackwise.stacked_shardings(
+        mesh, stackwise.fsdp_specs(target["blocks"], mesh, "data")),
+        "embed": NamedSharding(mesh, P("data")), "norm": NamedSharding(mesh, P())}
+    return target, names, shardings
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory (VmHWM: unlike ``ru_maxrss``, not inherited from
+    the parent across fork and exec)."""
+    with open("/proc/self/status") as fh:
+        line = next(line for line in fh if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def run_path(path: str, folder: str, layers: int) -> dict:
+    start = time.perf_counter()
+    baseline = _peak_rss()
+    if path.startswith("sequential"):
+        put = path == "sequential_device_put"
+        if put:
+            import jax
+
+            devices, kept = jax.devices(), []
+            jax.device_put(np.zeros(8), devices[0]).block_until_ready()  # jax started
+            start = time.perf_counter()
+        total = 0
+        for file in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, file), "rb") as fh:
+                while chunk := fh.read(64 << 20):
+                    total += len(chunk)
+                    if put:  # the bytes onto the devices, round robin, kept there
+                        device = devices[len(kept) % len(devices)]
+                        kept.append(jax.device_put(np.frombuffer(chunk, np.uint8), device))
+        if put:
+            jax.block_until_ready(kept)
+    else:
+        import jax
+
+        import stackwise
+
+        target, names, shardings = _model(layers, transpose=path != "stream_torch_layout")
+        jax.block_until_ready(jax.device_put(np.zeros(8), shardings["norm"]))  # devices up
+        baseline = _peak_rss()
+        start = time.perf_counter()  # the load alone, not jax's start-up
+        if path.startswith("stream"):
+            params = stackwise.load_checkpoint(folder, target, names, shardings=shardings)
+        else:
+            from safetensors import safe_open
+
+            index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
+            handles = {f: safe_open(os.path.join(folder, f), "numpy")
+                       for f in set(index["weight_map"].values())}
+            get = lambda n: handles[index["weight_map"][n]].get_tensor(n)  # noqa: E731
+            host = {"blocks": {}, "embed": get("model.embed_tokens.weight"),
+                    "norm": get("model.norm.weight")}
+            for name, spec in names["blocks"].items():
+                template = getattr(spec, "name", spec)
+                rows = [get(template.format(i)) for i in range(layers)]
+                host["blocks"][name] = np.stack([r.T if r.ndim == 2 else r for r in rows])
+            params = jax.device_put(host, shardings)
+        jax.block_until_ready(params)
+        total = sum(a.nbytes for a in jax.tree.leaves(params))
+    seconds = time.perf_counter() - start
+    peak = _peak_rss()
+    return {"path": path, "seconds": seconds, "bytes": total, "peak_rss": peak,
+            "baseline_rss": baseline, "peak_over_baseline": peak - baseline}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size (GiB)")
+    parser.add_argument("--per-file", type=int, default=8, help="layers per file")
+    parser.add_argument("--folder", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--path", help=argparse.SUPPRESS)  # a subprocess's one path
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.path:
+        print(json.dumps(run_path(args.path, args.folder, args.layers)))
+        return
+    layers = max(2, round(args.gib * 2**30 / LAYER_BYTES))
+    folder = tempfile.mkdtemp(dir=args.folder)
+    try:
+        size = write(folder, layers, args.per_file)
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                   JAX_PLATFORMS="cpu")
+        runs = {}
+        for path in ("sequential", "sequential_device_put", "stream", "stream_torch_layout",
+                     "naive"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--path", path, "--folder", folder,
+                 "--layers", str(layers)], env=env, capture_output=True, text=True, check=True)
+            runs[path] = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(folder)
+    gib = 2**30
+    report = {
+        "checkpoint_gib": size / gib, "layers": layers, "layer_mib": LAYER_BYTES / 2**20,
+        "files": -(-layers // args.per_file),
+        "runs": runs,
+        # Host memory the load added to the process (jax's runtime before it excluded).
+        "stream_peak_over_size": runs["stream"]["peak_over_baseline"] / size,
+        "stream_peak_minus_size_in_layers": (runs["stream"]["peak_over_baseline"] - size)
+        / LAYER_BYTES,
+        "naive_peak_over_size": runs["naive"]["peak_over_baseline"] / size,
+        "stream_total_peak_over_size": runs["stream"]["peak_rss"] / size,
+        "stream_over_sequential_throughput": runs["sequential"]["seconds"]
+        / runs["stream"]["seconds"],
+        "stream_torch_layout_over_sequential_throughput": runs["sequential"]["seconds"]
+        / runs["stream_torch_layout"]["seconds"],
+        "naive_over_sequential_throughput": runs["sequential"]["seconds"]
+        / runs["naive"]["seconds"],
+        "stream_over_sequential_device_put_throughput": runs["sequential_device_put"]["seconds"]
+        / runs["stream"]["seconds"],
+        "stream_torch_layout_over_sequential_device_put_throughput":
+        runs["sequential_device_put"]["seconds"] / runs["stream_torch_layout"]["seconds"],
+    }
+    report["targets"] = {
+        "stream peak <= size + 2 layers": report["stream_peak_minus_size_in_layers"] <= 2,
+        "naive peak >= 2 x size": report["naive_peak_over_size"] >= 2,
+        "stream throughput >= 0.8 x sequential": report["stream_over_sequential_throughput"]
+        >= 0.8,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

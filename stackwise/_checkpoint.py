@@ -1,0 +1,417 @@
+"""Per-layer checkpoints straight into stacked, sharded params, and back, streamed.
+
+The names follow the conversion vocabulary (``docs/conversion.md``): a name
+with ``{}`` is a per-layer tensor, ``{}`` standing for the layer index, and
+fills a stacked leaf (row j = layer j; with ``pattern=k`` position p's row j
+= layer ``p + j*k``); a name without ``{}`` fills a leaf whole (embeddings,
+a final norm, or a checkpoint that is already stacked). Every check runs
+before a byte is read, so nothing is ever partly loaded, and each device's
+shard is built from the slices it needs only, one device at a time, each
+layer's slice copied straight into it: host memory beyond the final arrays
+stays about one device's shard of one leaf.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+
+from stackwise._checkpoint_names import (
+    Tensor,
+    _check_template,
+    _is_array,
+    _key,
+    _layers_of,
+    _lookup,
+    _name_leaves,
+)
+from stackwise._checkpoint_read import Checkpoint, open_checkpoint
+
+__all__ = ["load_checkpoint"]
+
+_LOAD = "stackwise.load_checkpoint"
+
+
+class _Plan(NamedTuple):
+    path: str
+    spec: Tensor
+    shape: tuple
+    dtype: np.dtype
+    sources: list[str] | None  # one per row (per layer), or None: the tensor `spec.name`
+    stored: tuple  # the stored tensor's shape (per layer)
+    sharding: Sharding
+
+
+def _where(ckpt: Checkpoint, name: str) -> str:
+    return ckpt.file_of(name) if name in ckpt.tensors else ckpt.where
+
+
+def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkpoint,
+                 who: str) -> tuple:
+    shape = tuple(stored)
+    if spec.transpose is not None:
+        perm = tuple(spec.transpose)
+        if sorted(perm) != list(range(len(shape))):
+            raise TypeError(
+                f"{who}: leaf {path}: `transpose={perm}` is not a permutation of the "
+                f"{len(shape)} axes of tensor {name!r} (shape {shape}) in {_where(ckpt, name)}."
+            )
+        shape = tuple(shape[a] for a in perm)
+    if spec.reshape is not None:
+        if int(np.prod(spec.reshape)) != int(np.prod(shape)):
+            raise ValueError(
+                f"{who}: leaf {path}: tensor {name!r} in {_where(ckpt, name)} has shape "
+                f"{shape} (after the transpose), which cannot be reshaped to {spec.reshape}."
+            )
+        shape = tuple(spec.reshape)
+    return shape
+
+
+def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
+    _check_template(spec, path, who)
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    if spec.position is not None and (k is None or not 0 <= spec.position < k):
+        raise ValueError(
+            f"{who}: leaf {path} has position={spec.position}, which needs `pattern=k` with "
+            f"k > {spec.position} (got pattern={k})."
+        )
+    if spec.per_layer:
+        if k is not None and k > 1 and spec.position is None:
+            raise ValueError(
+                f"{who}: with pattern={k}, the per-layer name {spec.name!r} of leaf {path} "
+                "needs the pattern position it fills: stackwise.Tensor(name, position=p), "
+                "p in 0..k-1 (its row j is layer p + j*k)."
+            )
+        if not shape:
+            raise ValueError(
+                f"{who}: leaf {path} is a scalar, so it has no layer axis for the "
+                f"per-layer name {spec.name!r}; give it a name without `{{}}`."
+            )
+        p, step = spec.position or 0, k or 1
+        layers = [p + j * step for j in range(shape[0])]
+        found = _layers_of(spec.name, list(ckpt.tensors))
+        missing = [i for i in layers if i not in found]
+        if missing:
+            i = missing[0]
+            have = (
+                f"it has layers {_ranges(sorted(found))} of it"
+                if found
+                else f"no tensor matches it at all{_closest(spec.name.format(i), ckpt)}"
+            )
+            raise ValueError(
+                f"{who}: layer {i}'s tensor {spec.name.format(i)!r} for leaf {path} is not "
+                f"in {ckpt.where} ({len(missing)} of the target's {len(layers)} layers "
+                f"missing; {have}). Check the name template and the depth: the target has "
+                f"{shape[0]} rows of {spec.name!r}"
+                + (f" at pattern position {p} of {k}" if k else "") + "."
+            )
+        sources = [found[i] for i in layers]
+        stored = tuple(ckpt.tensors[sources[0]].shape)
+        stored_dtype = np.dtype(ckpt.tensors[sources[0]].dtype)
+        for i, name in zip(layers, sources):
+            s = ckpt.tensors[name]
+            if tuple(s.shape) != stored or np.dtype(s.dtype) != stored_dtype:
+                raise ValueError(
+                    f"{who}: leaf {path}: layer {i}'s tensor {name!r} in {ckpt.file_of(name)} "
+                    f"is {_desc(s)}, layer {layers[0]}'s {_desc(ckpt.tensors[sources[0]])}; "
+                    "every layer's tensor must have one shape and dtype to be stacked."
+                )
+        first, inner = sources[0], shape[1:]
+    else:
+        if spec.name not in ckpt.tensors:
+            raise ValueError(
+                f"{who}: tensor {spec.name!r} for leaf {path} is not in {ckpt.where}"
+                f"{_closest(spec.name, ckpt)}. Check the name; a per-layer tensor needs "
+                "`{}` where the layer index goes."
+            )
+        sources, first, inner = None, spec.name, shape
+        stored = tuple(ckpt.tensors[first].shape)
+    file = ckpt.file_of(first)
+    got = _transformed(spec, stored, path, first, ckpt, who)
+    if got != inner:
+        hint = ""
+        if len(stored) == 2 and stored[::-1] == tuple(inner) and spec.transpose is None:
+            hint = (" Torch's Linear stores (out, in): pass "
+                    f"stackwise.Tensor({spec.name!r}, transpose=(1, 0)).")
+        elif int(np.prod(got)) == int(np.prod(inner)):
+            hint = f" To split or merge axes, pass stackwise.Tensor(..., reshape={tuple(inner)})."
+        where = "per layer " if spec.per_layer else ""
+        which = f"layer {_first_layer(spec)}'s tensor" if spec.per_layer else "tensor"
+        raise ValueError(
+            f"{who}: leaf {path} has shape {shape} ({where}{tuple(inner)}) but {which} "
+            f"{first!r} in {file} is {list(stored)}"
+            + (f", {list(got)} after the transforms" if got != stored else "")
+            + f".{hint}"
+        )
+    src_dtype = np.dtype(ckpt.tensors[first].dtype)
+    if spec.dtype is None and src_dtype != dtype:
+        which = f"layer {_first_layer(spec)}'s tensor" if spec.per_layer else "tensor"
+        raise TypeError(
+            f"{who}: leaf {path} is {dtype.name} but {which} {first!r} in {file} is "
+            f"{src_dtype.name}; stackwise never casts implicitly. Cast on purpose with "
+            f"stackwise.Tensor({spec.name!r}, dtype=jnp.{dtype.name}), or make the model "
+            f"{src_dtype.name}."
+        )
+    if spec.dtype is not None and np.dtype(spec.dtype) != dtype:
+        raise TypeError(
+            f"{who}: leaf {path} is {dtype.name}, but its Tensor casts tensor {first!r} to "
+            f"{np.dtype(spec.dtype).name}; pass dtype=jnp.{dtype.name}."
+        )
+    _check_sharding(sharding, shape, path, who)
+    return _Plan(path, spec, shape, dtype, sources, stored, sharding)
+
+
+def _first_layer(spec: Tensor) -> int:
+    """The first layer a per-layer leaf holds (its pattern position)."""
+    return spec.position or 0
+
+
+def _desc(s: Any) -> str:
+    return f"{np.dtype(s.dtype).name}{list(s.shape)}"
+
+
+def _ranges(xs: list[int]) -> str:
+    parts, start = [], None
+    for j, x in enumerate(xs):
+        start = x if start is None else start
+        if j + 1 == len(xs) or xs[j + 1] != x + 1:
+            parts.append(f"{start}" if start == x else f"{start}..{x}")
+            start = None
+    return ", ".join(parts)
+
+
+def _closest(name: str, ckpt: Checkpoint) -> str:
+    close = difflib.get_close_matches(name, list(ckpt.tensors), n=1, cutoff=0.6)
+    return f"; the closest name there is {close[0]!r}" if close else ""
+
+
+def _check_sharding(sharding: Any, shape: tuple, path: str, who: str) -> None:
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"{who}: the sharding for leaf {path} is {type(sharding).__name__}, not a "
+            "jax.sharding.Sharding; build them with stackwise.stacked_shardings or "
+            "NamedSharding(mesh, spec)."
+        )
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+        if len(spec) > len(shape):
+            raise ValueError(
+                f"{who}: leaf {path} has shape {shape} but its sharding's spec "
+                f"{sharding.spec} names {len(spec)} axes. Stacked leaves' specs include the "
+                "layer axis: build them with stackwise.stacked_shardings(mesh, specs)."
+            )
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            size = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+            if shape[d] % size:
+                raise ValueError(
+                    f"{who}: leaf {path} has shape {shape}; axis {d} (length {shape[d]}) "
+                    f"cannot be split over mesh axes {entry!r} of size {size} (spec "
+                    f"{sharding.spec}). Shard another axis (stackwise.fsdp_specs picks one "
+                    "that divides) or leave this one unsharded."
+                )
+
+
+def _shardings_by_path(shardings: Any, target: Any) -> dict[str, Any]:
+    if shardings is None or isinstance(shardings, Sharding):
+        return {}
+    is_leaf = lambda s: s is None or isinstance(s, Sharding)  # noqa: E731
+    return {
+        jax.tree_util.keystr(p): s
+        for p, s in jax.tree_util.tree_leaves_with_path(shardings, is_leaf=is_leaf)
+    }
+
+
+def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
+    if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int)
+                                or pattern < 1):
+        raise TypeError(f"{who}: `pattern` must be None or a positive int k, got {pattern!r}.")
+    by_path = _shardings_by_path(shardings, target)
+    default = shardings if isinstance(shardings, Sharding) else None
+    plans, used, seen = [], set(), {}
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(target):
+        if not _is_array(leaf):
+            plans.append(None)  # functions, static numbers: kept as they are
+            continue
+        path = jax.tree_util.keystr(keys) or "<root>"
+        spec = _lookup(names, [_key(k) for k in keys], path, who)
+        used.add("/".join(_key(k) for k in keys if _key(k) != "value"))
+        sharding = by_path.get(jax.tree_util.keystr(keys)) or default
+        if sharding is None:
+            sharding = getattr(leaf, "sharding", None)
+            if not isinstance(sharding, Sharding):
+                sharding = SingleDeviceSharding(jax.devices()[0])
+        plan = _plan_leaf(ckpt, path, leaf, spec, pattern, sharding, who)
+        for name in plan.sources or [spec.name]:
+            if name in seen:
+                raise ValueError(
+                    f"{who}: tensor {name!r} of {ckpt.file_of(name)} would fill two leaves, "
+                    f"{seen[name]} and {path}; a name must match one leaf (for tied weights, "
+                    "load it once and share it in the model)."
+                )
+            seen[name] = path
+        plans.append(plan)
+    extra = [n for n in _name_leaves(names) if n not in used]
+    if extra:
+        raise ValueError(
+            f"{who}: `names` has entries for leaves the target does not have: {extra}; "
+            "a misspelt key would leave its tensors behind. Remove them or fix the key."
+        )
+    # The checkpoint's layers beyond the target's: they would be left behind.
+    wanted: dict[str, set[int]] = {}
+    for plan in plans:
+        if plan is not None and plan.sources is not None:
+            found = _layers_of(plan.spec.name, plan.sources)
+            wanted.setdefault(plan.spec.name, set()).update(found)
+    for template, layers in wanted.items():
+        found = _layers_of(template, list(ckpt.tensors))
+        extra_layers = sorted(set(found) - layers)
+        if extra_layers:
+            i = extra_layers[0]
+            raise ValueError(
+                f"{who}: {ckpt.file_of(found[i])} has layer {i}'s tensor {found[i]!r} (layers "
+                f"{_ranges(extra_layers)} of {template!r}) that the target has no place for: "
+                f"the target fills layers {_ranges(sorted(layers))}. Build the model with all "
+                f"{1 + max(found)} layers (then stackwise.slice_layers for fewer), or check "
+                "`pattern` and the positions."
+            )
+    return plans
+
+
+# --------------------------------------------------------------------------
+# Loading.
+
+
+def _reader(ckpt: Checkpoint, plan: _Plan):
+    """``callback(index) -> the shard``, reading each layer's slice straight into it."""
+    spec = plan.spec
+    perm = tuple(spec.transpose) if spec.transpose is not None else None
+
+    def one(name: str, index: tuple) -> np.ndarray:  # a view or a copy; the caller copies
+        if spec.reshape is not None:
+            x = ckpt.view(name, ())
+            return (x.transpose(perm) if perm else x).reshape(spec.reshape)[index]
+        if perm:
+            inverse = [slice(None)] * len(perm)
+            for d, a in enumerate(perm):
+                inverse[a] = index[d]
+            return ckpt.view(name, tuple(inverse)).transpose(perm)
+        return ckpt.view(name, index)
+
+    def callback(index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(plan.shape) - len(index))
+        if plan.sources is None:
+            out = np.array(one(spec.name, index), dtype=plan.dtype)  # the cast, if asked
+            ckpt.release(spec.name)
+            return out
+        rows = range(*index[0].indices(plan.shape[0]))
+        inner = tuple(len(range(*s.indices(d))) for s, d in zip(index[1:], plan.shape[1:]))
+        out = np.empty((len(rows), *inner), plan.dtype)
+        direct = perm is None and spec.reshape is None  # and any cast: read_into falls back
+        for r, j in enumerate(rows):  # one layer's slice at a time, copied (and cast) once
+            if direct:
+                ckpt.read_into(plan.sources[j], index[1:], out[r])
+                continue
+            out[r] = one(plan.sources[j], index[1:])
+            ckpt.release(plan.sources[j])
+        return out
+
+    return callback
+
+
+def _build(plan: _Plan, callback) -> jax.Array:
+    """The leaf, one device's shard at a time (``jax.make_array_from_callback`` would hold
+    every device's host copy of the leaf at once); a shard that several devices hold is read
+    once."""
+    arrays, built = [], {}
+    for device, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
+        key = tuple(s.indices(d) for s, d in zip(index, plan.shape))
+        if key in built:
+            arrays.append(jax.device_put(built[key], device))
+            continue
+        host = callback(index)
+        built[key] = jax.device_put(host, device).block_until_ready()
+        del host
+        arrays.append(built[key])
+    return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays)
+
+
+def load_checkpoint(
+    source: Any,
+    target: Any,
+    names: Any,
+    *,
+    shardings: Any = None,
+    pattern: int | None = None,
+) -> Any:
+    """Loads a per-layer (or stacked) checkpoint into stacked, sharded params, streamed.
+
+    The plain loop the call replaces reads every layer whole and stacks it
+    on the host (two copies of the model in host memory):
+
+    >>> import jax, jax.numpy as jnp, numpy as np, stackwise
+    >>> ckpt = {f"model.layers.{i}.mlp.weight": np.full((3, 2), i, np.float32)
+    ...         for i in range(4)} | {"lm_head.weight": np.ones((2, 5), np.float32)}
+    >>> w = np.stack([ckpt[f"model.layers.{i}.mlp.weight"].T for i in range(4)])
+    >>> target = {"blocks": {"w": jax.ShapeDtypeStruct((4, 2, 3), jnp.float32)},
+    ...           "head": jax.ShapeDtypeStruct((2, 5), jnp.float32)}
+    >>> names = {"blocks": {"w": stackwise.Tensor("model.layers.{}.mlp.weight",
+    ...                                           transpose=(1, 0))},
+    ...          "head": "lm_head.weight"}
+    >>> params = stackwise.load_checkpoint(ckpt, target, names)
+    >>> bool((params["blocks"]["w"] == w).all()), params["head"].shape
+    (True, (2, 5))
+
+    Nothing is cast unless asked, and every layer must be there:
+
+    >>> try:
+    ...     stackwise.load_checkpoint(ckpt, {"w": jax.ShapeDtypeStruct((5, 3, 2), jnp.float32)},
+    ...                               {"w": "model.layers.{}.mlp.weight"})
+    ... except ValueError as e:
+    ...     print(str(e)[:89])
+    stackwise.load_checkpoint: layer 4's tensor 'model.layers.4.mlp.weight' for leaf ['w'] is
+
+    Args:
+      source: a checkpoint, as :func:`stackwise.open_checkpoint` takes it
+        (safetensors files or directory, orbax directory, .npz, dict).
+      target: the params to fill: a tree whose array leaves are
+        ``jax.ShapeDtypeStruct`` s or arrays (``jax.eval_shape`` of an init,
+        any adapter's params, an ``nnx.State``, an Equinox module from
+        ``eqx.filter_eval_shape``); leaves that are not arrays are kept.
+      names: the target's tree of names, nested by the same keys: a str or
+        a :class:`Tensor` per array leaf; ``{}`` marks a per-layer tensor
+        and fills a stacked leaf (its leading axis) row by row.
+      shardings: None (each leaf's own ``.sharding`` if it has one, else
+        the first device), one ``Sharding`` for all, or a tree of them like
+        the target (``stackwise.stacked_shardings``, ``fsdp_specs``).
+      pattern: k for a pattern Stack: the per-layer names then say their
+        position (``Tensor(name, position=p)``), whose row j is layer
+        ``p + j*k``.
+
+    Returns:
+      The target with every array leaf loaded, as a ``jax.Array`` with its
+      sharding; each device's shard is read from the checkpoint alone.
+
+    Raises:
+      ValueError: a missing layer or tensor, an extra layer, a shape that
+        differs, a template that matches nothing or a tensor that would
+        fill two leaves, names for leaves the target lacks, a mesh that does
+        not divide a leaf, or a truncated or corrupt file. Every check runs
+        before anything is read.
+      TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, or
+        a bad transform or sharding.
+    """
+    ckpt = open_checkpoint(source)
+    plans = _plans(ckpt, target, names, shardings, pattern, _LOAD)
+    leaves, treedef = jax.tree_util.tree_flatten(target)
+    out = [
+        leaf
+        if plan is None
+        else _build(plan, _reader(ckpt, plan))
+        for leaf, plan in zip(leaves, plans)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, out)

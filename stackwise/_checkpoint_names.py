@@ -1,0 +1,151 @@
+"""The names of a checkpoint's tensors, as the conversions name layers: ``{}`` for the layer
+index, one :class:`Tensor` per leaf, nested by the target's keys. Shared by loading
+(:mod:`stackwise._checkpoint`), saving (:mod:`stackwise._checkpoint_save`) and inspecting
+(:mod:`stackwise._checkpoint_inspect`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["Tensor"]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one leaf comes from in a checkpoint, and how it is turned into the leaf.
+
+    The transforms apply to each stored tensor (one layer's, for a name with
+    ``{}``) in this order: ``transpose``, then ``reshape``, then the cast to
+    ``dtype``. Saving applies them backwards.
+
+    >>> import jax.numpy as jnp, stackwise
+    >>> q = stackwise.Tensor("model.layers.{}.self_attn.q_proj.weight", transpose=(1, 0))
+    >>> q.name.format(3)
+    'model.layers.3.self_attn.q_proj.weight'
+
+    Attributes:
+      name: the tensor's name in the checkpoint, ``{}`` for the layer index.
+      transpose: a permutation of the stored tensor's axes (torch's
+        ``Linear`` keeps ``(out, in)``, JAX layers ``(in, out)``: ``(1, 0)``).
+      reshape: the leaf's per-layer shape after the transpose (split or
+        merge heads: ``(H*D, E)`` stored, ``(E, H, D)`` wanted).
+      dtype: cast to this dtype (it must be the leaf's); without it, a
+        dtype that differs from the leaf's is an error, never a cast.
+      position: with ``pattern=k``, the pattern position (0..k-1) whose
+        stacked leaf this is; its row j is layer ``position + j*k``.
+      stored_shape: the stored per-layer shape, needed only to save a leaf
+        with ``reshape`` back (the merge has many inverses).
+    """
+
+    name: str
+    transpose: tuple[int, ...] | None = None
+    reshape: tuple[int, ...] | None = None
+    dtype: Any = None
+    position: int | None = None
+    stored_shape: tuple[int, ...] | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether ``name`` has ``{}`` (one tensor per layer)."""
+        return "{}" in self.name
+
+
+def _regex(template: str) -> re.Pattern:
+    return re.compile("^" + r"(\d+)".join(map(re.escape, template.split("{}"))) + "$")
+
+
+def _layers_of(template: str, names: Sequence[str]) -> dict[int, str]:
+    """``{layer: name}`` of every name that ``template`` (one ``{}``) matches."""
+    regex, found = _regex(template), {}
+    for name in names:
+        m = regex.match(name)
+        if m and str(int(m.group(1))) == m.group(1):
+            found[int(m.group(1))] = name
+    return found
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _is_name(x: Any) -> bool:
+    return isinstance(x, (str, Tensor))
+
+
+def _lookup(names: Any, keys: list[str], path: str, who: str) -> Tensor:
+    node, walked = names, []
+    for i, k in enumerate(keys):
+        if _is_name(node):
+            if keys[i:] == ["value"]:  # an NNX Variable's value
+                break
+            raise ValueError(
+                f"{who}: `names` gives the tensor {_as_tensor(node).name!r} at "
+                f"{'/'.join(walked)}, but the target has a subtree there (leaf {path}); "
+                "give a name per leaf."
+            )
+        entries = (
+            {str(key): v for key, v in node.items()}
+            if isinstance(node, Mapping)
+            else {str(j): v for j, v in enumerate(node)}
+            if isinstance(node, (list, tuple))
+            else {}
+        )
+        if k not in entries:
+            close = difflib.get_close_matches(k, list(entries), n=1)
+            raise ValueError(
+                f"{who}: `names` has no tensor name for the target's leaf {path} (no entry "
+                f"{k!r} under {'/'.join(walked) or 'the top'}"
+                + (f"; did you mean {close[0]!r}?" if close else f"; it has {sorted(entries)}")
+                + "). Give every array leaf of the target a name, nested as the target is, "
+                "e.g. {'params': {'w': 'model.layers.{}.w'}}."
+            )
+        node, walked = entries[k], walked + [k]
+    if not _is_name(node):
+        raise ValueError(
+            f"{who}: `names` has a subtree, not a name, for the target's leaf {path}."
+        )
+    return _as_tensor(node)
+
+
+def _as_tensor(name: Any) -> Tensor:
+    return name if isinstance(name, Tensor) else Tensor(name)
+
+
+def _name_leaves(names: Any) -> list[str]:
+    out = []
+
+    def walk(node, prefix):
+        if _is_name(node):
+            out.append("/".join(prefix))
+        elif isinstance(node, Mapping):
+            for k, v in node.items():
+                walk(v, prefix + [str(k)])
+        elif isinstance(node, (list, tuple)):
+            for j, v in enumerate(node):
+                walk(v, prefix + [str(j)])
+
+    walk(names, [])
+    return out
+
+
+def _check_template(spec: Tensor, path: str, who: str) -> None:
+    if not isinstance(spec.name, str):
+        raise TypeError(f"{who}: the name of leaf {path} must be a str, got {spec.name!r}.")
+    if spec.name.count("{}") > 1 or re.search(r"\{[^}]", spec.name):
+        raise ValueError(
+            f"{who}: the name {spec.name!r} of leaf {path} must have one `{{}}` for the "
+            "layer index (or none for a tensor that is not per layer), e.g. "
+            "'model.layers.{}.mlp.up_proj.weight'."
+        )

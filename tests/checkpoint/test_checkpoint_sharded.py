@@ -1,0 +1,228 @@
+"""Checkpoints on 8 simulated devices: a per-layer safetensors (and a loop-layout orbax)
+checkpoint loaded into FSDP and tensor-parallel shardings equals the unsharded load, and each
+device's callback reads only its own shard's bytes (counted); orbax's CheckpointManager
+restores stacked params and optimizer state onto another mesh than they were saved from; a
+mesh that does not divide a leaf is refused, naming it.
+
+Runs in a subprocess with 8 simulated CPU devices (see ``_CASES``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from _multidevice import result, run_cases, run_module
+
+N, E, F = 4, 16, 8  # layers, model width, hidden width
+
+
+def _setup():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from safetensors.numpy import save_file
+
+    import stackwise
+
+    rng = np.random.default_rng(0)
+    arrays = {f"model.layers.{i}.mlp.up_proj.weight": rng.normal(size=(F, E)).astype(np.float32)
+              for i in range(N)}  # torch's (out, in)
+    arrays |= {f"model.layers.{i}.input_layernorm.weight": rng.normal(size=E).astype(np.float32)
+               for i in range(N)}
+    arrays["model.embed_tokens.weight"] = rng.normal(size=(32, E)).astype(np.float32)
+    folder = tempfile.mkdtemp()
+    save_file(arrays, os.path.join(folder, "model.safetensors"))
+    target = {"blocks": {"up": jax.ShapeDtypeStruct((N, E, F), jnp.float32),
+                         "norm": jax.ShapeDtypeStruct((N, E), jnp.float32)},
+              "embed": jax.ShapeDtypeStruct((32, E), jnp.float32)}
+    names = {"blocks": {"up": stackwise.Tensor("model.layers.{}.mlp.up_proj.weight",
+                                               transpose=(1, 0)),
+                        "norm": "model.layers.{}.input_layernorm.weight"},
+             "embed": "model.embed_tokens.weight"}
+    return jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names
+
+
+class _Counted:
+    """Wraps a Checkpoint: every read's tensor name and bytes."""
+
+    def __init__(self, stackwise, folder):
+        ckpt = stackwise.open_checkpoint(folder)
+        self.reads = []
+
+        def read(name, index):
+            out = ckpt.read(name, index)
+            self.reads.append((name, out.nbytes))
+            return out
+
+        self.ckpt = stackwise.Checkpoint(ckpt.kind, ckpt.where, ckpt.tensors, {}, read)
+
+
+def _shardings_case(mesh_shape, axes, base):
+    jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
+    mesh = jax.make_mesh(mesh_shape, axes)
+    specs = stackwise.fsdp_specs(target["blocks"], mesh, "data", base=base(P))
+    shardings = {"blocks": stackwise.stacked_shardings(mesh, specs),
+                 "embed": NamedSharding(mesh, P(None, "data"))}
+    unsharded = stackwise.load_checkpoint(folder, target, names)
+    counted = _Counted(stackwise, folder)
+    sharded = stackwise.load_checkpoint(counted.ckpt, target, names, shardings=shardings)
+    equal = all(bool((np.asarray(a) == np.asarray(b)).all())
+                for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(unsharded)))
+    # Bytes read = the bytes of the distinct shards built (a replica is read once).
+    shard_bytes = sum({(i, str(s.index)): s.data.nbytes
+                       for i, a in enumerate(jax.tree.leaves(sharded))
+                       for s in a.addressable_shards}.values())
+    read_bytes = sum(b for _, b in counted.reads)
+    whole = sum(a.nbytes for a in arrays.values())
+    specs_out = {jax.tree_util.keystr(p): str(a.sharding.spec)
+                 for p, a in jax.tree_util.tree_leaves_with_path(sharded)}
+    return {"equal": equal, "read": read_bytes, "shards": shard_bytes, "whole": whole,
+            "largest_up_read": max(b for n, b in counted.reads if "up_proj" in n),
+            "specs": specs_out}
+
+
+def _case_fsdp():
+    return _shardings_case((8,), ("data",), lambda P: None)
+
+
+def _case_tensor_parallel():
+    # FSDP over "data" on top of tensor parallel over "model": the up projection's output
+    # (the torch weight's first axis, the JAX leaf's last) split over "model".
+    return _shardings_case((4, 2), ("data", "model"), lambda P: {"up": P(None, "model"),
+                                                                 "norm": None})
+
+
+def _case_mesh_does_not_divide():
+    jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
+    mesh = jax.make_mesh((8,), ("data",))
+    shardings = {"blocks": {"up": NamedSharding(mesh, P("data")), "norm": None},
+                 "embed": None}
+    try:
+        stackwise.load_checkpoint(folder, target, names, shardings=shardings)
+    except ValueError as e:
+        return {"message": str(e)}
+    return {"message": ""}
+
+
+def _case_orbax_loop_layout_and_manager():
+    import optax
+    import orbax.checkpoint as ocp
+
+    jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
+    # A loop model's orbax checkpoint: one tree per layer, as the loop keeps them.
+    loop = {"layers": {str(i): {"up": arrays[f"model.layers.{i}.mlp.up_proj.weight"].T.copy(),
+                                "norm": arrays[f"model.layers.{i}.input_layernorm.weight"]}
+                       for i in range(N)},
+            "embed": arrays["model.embed_tokens.weight"]}
+    path = os.path.join(tempfile.mkdtemp(), "loop")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, loop)
+    checkpointer.wait_until_finished()
+    mesh = jax.make_mesh((8,), ("data",))
+    fsdp = {"blocks": stackwise.stacked_shardings(
+        mesh, stackwise.fsdp_specs(target["blocks"], mesh, "data")),
+        "embed": NamedSharding(mesh, P("data"))}
+    loop_names = {"blocks": {"up": "layers.{}.up", "norm": "layers.{}.norm"}, "embed": "embed"}
+    counted = _Counted(stackwise, path)
+    params = stackwise.load_checkpoint(counted.ckpt, target, loop_names, shardings=fsdp)
+    want = stackwise.load_checkpoint(folder, target, names)
+    loop_equal = all(bool((np.asarray(a) == np.asarray(b)).all())
+                     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+    loop_read = sum(b for _, b in counted.reads)
+    # Stacked params and optimizer state, saved FSDP over 8 devices, restored onto a 2 x 4
+    # mesh with tensor parallel over "model".
+    opt = optax.adam(1e-3)
+    state = {"params": params, "opt": opt.init(params), "step": jnp.int32(7)}
+    manager = ocp.CheckpointManager(tempfile.mkdtemp(),
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    for step in (1, 2, 3):
+        manager.save(step, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    other = jax.make_mesh((2, 4), ("data", "model"))
+    def onto(a):
+        spec = P(*([None] * (a.ndim - 1)), "model") if a.ndim and a.shape[-1] % 4 == 0 else P()
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(other, spec))
+    restored = manager.restore(manager.latest_step(),
+                               args=ocp.args.StandardRestore(jax.tree.map(onto, state)))
+    same = all(bool((np.asarray(a) == np.asarray(b)).all())
+               for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+    moved = {str(a.sharding.spec) for a in jax.tree.leaves(restored["params"])}
+    return {"loop_equal": loop_equal, "loop_read": loop_read,
+            "whole": sum(a.nbytes for a in arrays.values()), "steps": list(manager.all_steps()),
+            "restored_equal": same, "restored_specs": sorted(moved),
+            "restored_mesh": str(dict(jax.tree.leaves(restored)[0].sharding.mesh.shape))}
+
+
+def _case_save_sharded():
+    jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
+    mesh = jax.make_mesh((8,), ("data",))
+    fsdp = {"blocks": stackwise.stacked_shardings(
+        mesh, stackwise.fsdp_specs(target["blocks"], mesh, "data")),
+        "embed": NamedSharding(mesh, P("data"))}
+    params = stackwise.load_checkpoint(folder, target, names, shardings=fsdp)
+    out = tempfile.mkdtemp()
+    written = stackwise.save_safetensors(params, names, out, max_file_bytes=E * F * 4 * 2)
+    back = stackwise.open_checkpoint(out)
+    same = sorted(back.tensors) == sorted(arrays) and all(
+        bool((back.read(n) == a).all()) for n, a in arrays.items())
+    return {"files": len(written), "bitwise": same}
+
+
+_CASES = {
+    "fsdp": _case_fsdp,
+    "tensor_parallel": _case_tensor_parallel,
+    "mesh_does_not_divide": _case_mesh_does_not_divide,
+    "orbax": _case_orbax_loop_layout_and_manager,
+    "save_sharded": _case_save_sharded,
+}
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    pytest.importorskip("safetensors")
+    pytest.importorskip("orbax.checkpoint")
+    return run_module(__file__)
+
+
+@pytest.mark.parametrize("case", ["fsdp", "tensor_parallel"])
+def test_each_device_reads_only_its_shard(multi_device, case):
+    r = result(multi_device, case)
+    assert r["equal"]
+    assert r["read"] == r["shards"]  # not a byte more than the shards hold
+    assert r["read"] == r["whole"]  # each byte of the checkpoint read once
+    # One read per layer and device, of that device's slice of the layer alone.
+    assert r["largest_up_read"] == E * F * 4 // 8
+
+
+def test_fsdp_and_tensor_parallel_specs(multi_device):
+    assert result(multi_device, "fsdp")["specs"]["['blocks']['up']"] == "P(None, 'data')"
+    tp = result(multi_device, "tensor_parallel")["specs"]["['blocks']['up']"]
+    assert tp == "P(None, 'data', 'model')"
+
+
+def test_a_mesh_that_does_not_divide_is_refused(multi_device):
+    message = result(multi_device, "mesh_does_not_divide")["message"]
+    assert "leaf ['blocks']['up']" in message and "axis 0 (length 4)" in message
+    assert "size 8" in message and "fsdp_specs" in message
+
+
+def test_orbax_loop_layout_and_manager_onto_another_mesh(multi_device):
+    r = result(multi_device, "orbax")
+    assert r["loop_equal"] and r["loop_read"] == r["whole"]  # FSDP: each byte read once
+    assert r["steps"] == [2, 3]  # max_to_keep=2
+    assert r["restored_equal"]
+    assert r["restored_mesh"] == "{'data': 2, 'model': 4}"
+    assert "P(None, None, 'model')" in r["restored_specs"]
+
+
+def test_save_from_sharded_params_is_bitwise(multi_device):
+    r = result(multi_device, "save_sharded")
+    assert r["bitwise"] and r["files"] > 2
+
+
+if __name__ == "__main__":
+    run_cases(_CASES)

@@ -1,0 +1,225 @@
+"""The misuse catalogue of the checkpoint calls (load_checkpoint, save_safetensors,
+open_checkpoint, inspect_checkpoint): each bad input, the error type, and what the message
+must name (the file, the tensor, the layer, the leaf) and the fix it gives. Nothing is
+returned partly loaded, and nothing on disk is overwritten unless asked."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stackwise
+from stackwise import Tensor
+
+pytest.importorskip("safetensors")
+
+F32 = jnp.float32
+
+
+def _abstract(shape, dtype=F32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A 3-layer checkpoint in two safetensors files with an index, a bf16 one, bad files."""
+    from safetensors.numpy import save_file
+
+    root = tmp_path_factory.mktemp("ckpt")
+    layers = {f"model.layers.{i}.w": np.full((4, 2), i, np.float32) for i in range(3)}
+    save_file(dict(list(layers.items())[:2]), root / "a.safetensors")
+    save_file(dict(list(layers.items())[2:]) | {"embed": np.ones((5, 2), np.float32)},
+              root / "b.safetensors")
+    weight_map = {n: "a.safetensors" for n in list(layers)[:2]}
+    weight_map |= {"model.layers.2.w": "b.safetensors", "embed": "b.safetensors"}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({f"l.{i}.w": np.zeros(2, jnp.bfloat16) for i in range(2)}, root / "bf16.safetensors")
+    whole = (root / "b.safetensors").read_bytes()
+    (root / "truncated.safetensors").write_bytes(whole[:-5])
+    (root / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    (root / "other").mkdir()
+    (root / "bad.json").write_text("[1, 2]")
+    return root
+
+
+ONE = {"w": _abstract((3, 2, 4))}
+W = {"w": Tensor("model.layers.{}.w", transpose=(1, 0))}
+
+
+def _load(source, target=ONE, names=W, **kw):
+    return lambda root: stackwise.load_checkpoint(
+        root / source if isinstance(source, str) else source, target, names, **kw)
+
+
+CASES = {
+    # (call of the fixture's folder, error type, what the message names)
+    "missing layer": (
+        _load(".", {"w": _abstract((4, 2, 4))}),
+        ValueError, ["model.layers.3.w", "layer 3", "index.json", "leaf ['w']", "depth"]),
+    "missing tensor": (
+        _load(".", {"w": _abstract((3, 2, 4)), "e": _abstract((5, 2))}, {**W, "e": "embeds"}),
+        ValueError, ["'embeds'", "index.json", "closest name there is 'embed'", "leaf ['e']"]),
+    "extra layer": (
+        _load(".", {"w": _abstract((2, 2, 4))}),
+        ValueError, ["layer 2's tensor 'model.layers.2.w'", "b.safetensors", "all 3 layers",
+                     "slice_layers"]),
+    "shape differs (torch's (out, in) kept)": (
+        _load(".", names={"w": "model.layers.{}.w"}),
+        ValueError, ["leaf ['w']", "layer 0's tensor 'model.layers.0.w'", "a.safetensors",
+                     "transpose=(1, 0)"]),
+    "bfloat16 into float32 without a cast": (
+        _load("bf16.safetensors", {"w": _abstract((2, 2))}, {"w": "l.{}.w"}),
+        TypeError, ["leaf ['w']", "layer 0's tensor 'l.0.w'", "bf16.safetensors", "bfloat16",
+                    "never casts", "dtype=jnp.float32"]),
+    "a cast to another dtype than the leaf's": (
+        _load("bf16.safetensors", {"w": _abstract((2, 2))},
+              {"w": Tensor("l.{}.w", dtype="float16")}),
+        TypeError, ["leaf ['w']", "'l.0.w'", "float16", "dtype=jnp.float32"]),
+    "truncated file": (
+        _load("truncated.safetensors"), ValueError,
+        ["truncated.safetensors", "truncated or corrupt", "Write it again"]),
+    "corrupt file": (
+        _load("corrupt.safetensors"), ValueError, ["corrupt.safetensors", "truncated or corrupt"]),
+    "a template that matches nothing": (
+        _load(".", names={"w": "model.layer.{}.w"}),
+        ValueError, ["'model.layer.0.w'", "no tensor matches it", "closest", "model.layers.0.w",
+                     "index.json"]),
+    "a template with two {}": (
+        _load(".", names={"w": "model.layers.{}.{}"}),
+        ValueError, ["'model.layers.{}.{}'", "leaf ['w']", "one `{}`"]),
+    "a tensor that fills two leaves": (
+        _load(".", {"w": _abstract((3, 2, 4)), "v": _abstract((3, 2, 4))}, {**W, "v": W["w"]}),
+        ValueError, ["'model.layers.0.w'", "a.safetensors", "['w']", "['v']", "tied"]),
+    "a tensor in two files": (
+        lambda root: stackwise.open_checkpoint([root / "b.safetensors", root / "b.safetensors"]),
+        ValueError, ["tensor 'embed'", "b.safetensors", "two files"]),
+    "a leaf without a name": (
+        _load(".", {"w": _abstract((3, 2, 4)), "e": _abstract((5, 2))}),
+        ValueError, ["leaf ['e']", "no entry 'e'", "Give every array leaf"]),
+    "a name for a leaf the target lacks": (
+        _load(".", names={**W, "wq": "embed"}),
+        ValueError, ["['wq']", "misspelt"]),
+    "a subtree given one name": (
+        _load(".", {"w": {"a": _abstract((3, 2, 4))}}, W),
+        ValueError, ["model.layers.{}.w", "leaf ['w']['a']", "a name per leaf"]),
+    "position without pattern": (
+        _load(".", names={"w": Tensor("model.layers.{}.w", transpose=(1, 0), position=1)}),
+        ValueError, ["leaf ['w']", "position=1", "pattern=k"]),
+    "a pattern without positions": (
+        _load(".", pattern=2), ValueError, ["pattern=2", "'model.layers.{}.w'", "position=p"]),
+    "pattern not an int": (_load(".", pattern="2"), TypeError, ["`pattern`", "'2'"]),
+    "transpose not a permutation": (
+        _load(".", names={"w": Tensor("model.layers.{}.w", transpose=(0, 2))}),
+        TypeError, ["leaf ['w']", "transpose=(0, 2)", "'model.layers.0.w'", "a.safetensors"]),
+    "reshape to another size": (
+        _load(".", names={"w": Tensor("model.layers.{}.w", reshape=(3, 3))}),
+        ValueError, ["leaf ['w']", "'model.layers.0.w'", "(3, 3)"]),
+    "a sharding that is not one": (
+        _load(".", shardings={"w": "data"}), TypeError, ["leaf ['w']", "str", "stacked_shardings"]),
+    "a spec longer than the leaf": (
+        lambda root: _load(".", shardings={"w": jax.sharding.NamedSharding(
+            jax.make_mesh((1,), ("data",)), jax.sharding.PartitionSpec(None, None, None, "data"))})(
+                root),
+        ValueError, ["leaf ['w']", "names 4 axes", "stacked_shardings"]),
+    "a scalar leaf with a per-layer name": (
+        _load(".", {"w": _abstract(())}), ValueError, ["leaf ['w']", "scalar", "without `{}`"]),
+    "a source of another type": (
+        lambda root: stackwise.open_checkpoint(42), TypeError, ["`source`", "int"]),
+    "a path of no checkpoint": (
+        lambda root: stackwise.open_checkpoint(root / "model.bin"), ValueError,
+        ["model.bin", "cannot tell"]),
+    "a folder of no checkpoint": (
+        lambda root: stackwise.open_checkpoint(root / "other"), ValueError,
+        ["other", "no safetensors files", "<dir>/<step>/<item>"]),
+    "a safetensors file that is not there": (
+        lambda root: stackwise.open_checkpoint(root / "nope.safetensors"), ValueError,
+        ["nope.safetensors", "does not exist"]),
+    "an index that is not one": (
+        lambda root: stackwise.open_checkpoint(root / "bad.json"), ValueError,
+        ["bad.json", "weight_map"]),
+    "an npz that is not there": (
+        lambda root: stackwise.open_checkpoint(root / "nope.npz"), ValueError,
+        ["nope.npz", "does not exist"]),
+    "saving over a checkpoint": (
+        lambda root: stackwise.save_safetensors({"w": jnp.zeros((3, 4, 2))}, W, root),
+        FileExistsError,
+        ["ckpt", "a.safetensors", "already holds a checkpoint", "overwrite=True"]),
+    "saving a reshaped leaf without its stored shape": (
+        lambda root: stackwise.save_safetensors(
+            {"w": jnp.zeros((3, 2, 2, 2))}, {"w": Tensor("l.{}.w", reshape=(2, 2, 2))},
+            root / "new"),
+        ValueError, ["leaf ['w']", "reshape=(2, 2, 2)", "stored_shape="]),
+    "saving two leaves under one name": (
+        lambda root: stackwise.save_safetensors(
+            {"a": jnp.zeros(2), "b": jnp.zeros(2)}, {"a": "x", "b": "x"}, root / "new2"),
+        ValueError, ["['a']", "['b']", "'x'"]),
+}
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("case", list(CASES))
+def test_misuse(files, case):
+    call, error, parts = CASES[case]
+    before = {p: p.read_bytes() for p in files.glob("*") if p.is_file()}
+    with pytest.raises(error) as info:
+        call(files)
+    message = str(info.value)
+    for part in parts:
+        assert part in message, f"{case}: {part!r} not in: {message}"
+    assert {p: p.read_bytes() for p in files.glob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("module, extra", [("safetensors", "safetensors"),
+                                           ("orbax.checkpoint", "orbax")])
+def test_a_missing_reader_says_which_extra(files, monkeypatch, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    source = files / ("a.safetensors" if extra == "safetensors" else "orbax")
+    if extra == "orbax":
+        source.mkdir(exist_ok=True)
+        (source / "_METADATA").write_text("{}")
+    with pytest.raises(ImportError, match=rf"pip install 'stackwise\[{extra}\]'"):
+        stackwise.open_checkpoint(source)
+
+
+def test_an_unreadable_orbax_checkpoint_names_the_folder(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    (tmp_path / "_METADATA").write_text("not json")
+    with pytest.raises(ValueError, match="is not a readable orbax checkpoint"):
+        stackwise.open_checkpoint(tmp_path)
+
+
+def test_layers_of_different_shapes_name_the_layer():
+    ckpt = {"l.0.w": np.zeros(2, np.float32), "l.1.w": np.zeros(3, np.float32)}
+    with pytest.raises(ValueError, match=r"layer 1's tensor 'l.1.w' .* float32\[3\], layer 0's"):
+        stackwise.load_checkpoint(ckpt, {"w": _abstract((2, 2))}, {"w": "l.{}.w"})
+
+
+def test_a_dtype_stackwise_does_not_read_names_the_tensor(tmp_path):
+    header = json.dumps({"z": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ValueError, match=r"'z' in .*c.safetensors has dtype C64"):
+        stackwise.open_checkpoint(path)
+
+
+def test_a_broken_orbax_metadata_names_the_folder(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    (tmp_path / "_METADATA").write_text("[1]")  # orbax itself fails to read it
+    with pytest.raises(ValueError, match=f"{tmp_path} is not a readable orbax checkpoint"):
+        stackwise.open_checkpoint(tmp_path)
+
+
+def test_a_file_cut_short_after_opening_names_the_file_and_tensor(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"l.0.w": np.ones((4, 2), np.float32)}, path)
+    ckpt = stackwise.open_checkpoint(path)  # valid when opened ...
+    path.write_bytes(path.read_bytes()[:-16])  # ... cut short by another process
+    with pytest.raises(ValueError, match=r"m.safetensors ends inside tensor 'l.0.w'"):
+        stackwise.load_checkpoint(ckpt, {"w": _abstract((1, 4, 2))}, {"w": "l.{}.w"})
