@@ -17,6 +17,7 @@ MODULES = [
     "stackwise.flax",
     "stackwise.nnx",
     "stackwise.equinox",
+    "stackwise.optax",
 ]
 
 
