@@ -22,11 +22,13 @@ except ImportError:  # pragma: no cover - exercised only without optax
 from stackwise.optax._layerwise import layer_decay as layer_decay
 from stackwise.optax._layerwise import layer_mask as layer_mask
 from stackwise.optax._layerwise import layerwise as layerwise
+from stackwise.optax._layerwise import muon_dimensions as muon_dimensions
 from stackwise.optax._stacked import stacked_in as stacked_in
 
 __all__ = [
     "layer_decay",
     "layer_mask",
     "layerwise",
+    "muon_dimensions",
     "stacked_in",
 ]

@@ -24,6 +24,7 @@ would treat the n layers as one matrix. :func:`layerwise` makes any
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import optax
 
 from stackwise.optax._classify import Program
 
-__all__ = ["layer_decay", "layer_mask", "layerwise"]
+__all__ = ["layer_decay", "layer_mask", "layerwise", "muon_dimensions"]
 
 _WHERE = "stackwise.optax.layerwise"
 
@@ -42,6 +43,16 @@ _WHERE = "stackwise.optax.layerwise"
 # the elements are grouped into leaves: on stacked leaves they compute the loop's value.
 # optax/transforms/_clipping.py, `clip_by_global_norm`: `g_norm = optax.tree.norm(updates)`.
 _WHOLE_TREE = frozenset(["clip_by_global_norm.<locals>.update_fn"])
+
+# The update functions of the transformations made here: they already see the layers, so a
+# `layerwise` around them (or around a chain holding them) leaves them as they are.
+_LAYER_AWARE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _aware(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    _LAYER_AWARE.add(tx.update)
+    return tx
+
 
 # What `stacked=` may be: as in `stackwise.fsdp_specs`, plus an int (how many leading layer
 # axes: 2 for a stack of stacks).
@@ -365,14 +376,16 @@ def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
                 plan.treedef, [_from_loop(s, d) for s, d in zip(subs, depths)]), state
         return _run_vmapped(plan, tx, updates, state, params, extra)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 def _wrap(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
+    if tx.update in _LAYER_AWARE:
+        return optax.with_extra_args_support(tx)
     parts = _chain_parts(tx)
     if parts is None:
         return _single(tx, stacked)
-    return optax.chain(*(_wrap(p, stacked) for p in parts))
+    return _aware(optax.chain(*(_wrap(p, stacked) for p in parts)))
 
 
 def _check_transform(tx: Any, where: str, arg: str) -> None:
@@ -537,7 +550,7 @@ def layerwise(
             updates = _map_rows(zero, is_frozen, updates)
         return updates, state
 
-    return optax.GradientTransformationExtraArgs(core.init, update_fn)
+    return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
 
 
 def layer_mask(
@@ -590,7 +603,7 @@ def layer_mask(
         new, state = core.update(inside, state, params, **extra)
         return _map_rows(lambda k, a, b: jnp.where(k, b, a), is_on, updates, new), state
 
-    return optax.GradientTransformationExtraArgs(core.init, update_fn)
+    return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
 
 
 def layer_decay(decay: float, n: int) -> np.ndarray:
@@ -619,3 +632,43 @@ def layer_decay(decay: float, n: int) -> np.ndarray:
             f"{where}: `decay` must be a number in (0, 1] (e.g. 0.8), got {decay!r}."
         )
     return (float(decay) ** (n - 1 - np.arange(n))).astype(np.float32)
+
+
+def muon_dimensions(stacked: Which = True) -> Callable[[Any], Any]:
+    """``muon_weight_dimension_numbers`` for stacked params: the layer axes as batch axes.
+
+    ``optax.contrib.muon`` orthogonalises 2-D leaves and gives the others AdamW; with these
+    dimension numbers it orthogonalises each layer's matrix of a stacked leaf (the loop
+    model's rule: a leaf whose one layer is 2-D), in one batch, without :func:`layerwise`:
+
+    >>> import jax.numpy as jnp, optax, stackwise.optax
+    >>> params = {"w": jnp.ones((4, 8, 16)), "b": jnp.ones((4, 16)), "embed": jnp.ones((9, 8))}
+    >>> stacked = {"w": True, "b": True, "embed": False}
+    >>> dims = stackwise.optax.muon_dimensions(stacked)
+    >>> dims(params)["w"]
+    MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,))
+    >>> dims(params)["b"] is None, dims(params)["embed"]
+    (True, MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1,)))
+    >>> tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
+    >>> state = tx.init(params)
+
+    Pass the result to ``muon`` itself, not to ``layerwise(muon(...))`` (which runs Muon per
+    layer by ``vmap`` and needs no dimension numbers; on CPU this is faster).
+
+    Args:
+      stacked: which leaves have layer axes first, as for :func:`layerwise`.
+
+    Returns:
+      A function of the params giving a ``MuonDimensionNumbers`` (or ``None``: AdamW) per
+      leaf.
+    """
+    dims_type = optax.contrib.MuonDimensionNumbers
+
+    def dimensions(params):
+        depths = _depths(stacked, params, "stackwise.optax.muon_dimensions")
+        leaves, treedef = jax.tree.flatten(params)
+        out = [dims_type(reduction_axis=(d,), output_axis=(d + 1,)) if a.ndim - d == 2
+               else None for a, d in zip(leaves, depths)]
+        return jax.tree.unflatten(treedef, out)
+
+    return dimensions

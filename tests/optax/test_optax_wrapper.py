@@ -258,3 +258,11 @@ def test_weight_decay_on_some_layers_equals_per_layer_multi_transform():
                               lambda loop: _per_layer(loop, decayed, "plain")),
         params, _depth)
     assert _max_diff(history[-1], reference[-1]) < ROUNDING_ATOL
+
+
+def test_muon_with_its_own_batch_axes_equals_the_loop_model():
+    params = _params()
+    dims = so.muon_dimensions(STACKED)
+    wrapped = _train(optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims), params)
+    reference = _train_loop(optax.contrib.muon(1e-2), params, _depth)
+    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
