@@ -8,10 +8,10 @@ elementwise optimizers unchanged. Per-layer controls: ``freeze=``, ``lr_scale=``
 
 >>> import jax.numpy as jnp, optax, stackwise.optax
 >>> params = {"w": jnp.ones((4, 8, 8))}                 # 4 stacked layers
->>> tx = stackwise.optax.layerwise(optax.contrib.muon(1e-2))
->>> updates, state = tx.update(params, tx.init(params), params)
->>> updates["w"].shape
-(4, 8, 8)
+>>> tx = stackwise.optax.layerwise(optax.adafactor(1e-2, min_dim_size_to_factor=8))
+>>> state = tx.init(params)                             # per layer: rows and columns
+>>> state[0].v_row["w"].shape, state[0].v_col["w"].shape
+((4, 8), (4, 8))
 """
 
 try:
