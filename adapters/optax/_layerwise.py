@@ -652,8 +652,10 @@ def muon_dimensions(stacked: Which = True) -> Callable[[Any], Any]:
     >>> tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
     >>> state = tx.init(params)
 
-    Pass the result to ``muon`` itself, not to ``layerwise(muon(...))`` (which runs Muon per
-    layer by ``vmap`` and needs no dimension numbers; on CPU this is faster).
+    Pass the result to ``muon`` itself, not to ``layerwise(muon(...))``: ``layerwise`` runs
+    Muon per layer by ``vmap`` and needs no dimension numbers, but on CPU its step was slower
+    (``benchmarks/results/optimizer_step.md``: ``vmap`` over Muon's own size-1 batch adds
+    layout copies to every Newton-Schulz iteration).
 
     Args:
       stacked: which leaves have layer axes first, as for :func:`layerwise`.

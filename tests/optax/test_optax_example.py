@@ -27,7 +27,8 @@ LOOP_ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("transformer_lm_optax", EXAMPLES / "transformer_lm.py")
+    spec = importlib.util.spec_from_file_location("transformer_lm_optax",
+                                                  EXAMPLES / "transformer_lm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
     return module, sys.modules["lm_models"]
