@@ -16,8 +16,11 @@ Rounds visit the variants in a new shuffled order; each variant is timed on the 
 two back-to-back calls, and the ratios are medians of the per-round ratios (so a drift of the
 machine's speed cancels out). Cold compile: ``jax.clear_caches()``, then lower + compile.
 
-    python benchmarks/optimizer_step.py --markdown benchmarks/results/optimizer_step.md \\
-        --csv benchmarks/results/optimizer_step.csv
+    python benchmarks/optimizer_step.py --rounds 21 \\
+        --markdown benchmarks/results/optimizer_step.md > benchmarks/results/optimizer_step.txt
+
+(No CSV in ``benchmarks/results/``: the saved-results tests read every CSV there as a
+``stackwise-bench`` run; ``--csv`` writes one elsewhere.)
 """
 
 from __future__ import annotations
