@@ -57,6 +57,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+import stackwise.optax
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lm_models  # noqa: E402  (the five model definitions, next to this file)
 
@@ -129,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=positive, help=f"(default: {d['batch']})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d['lr']})")
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="adamw",
+        help="optax optimizer, per layer of the stack (default: adamw)",
+    )
     p.add_argument("--seed", type=int, help=f"(default: {d['seed']})")
     p.add_argument(
         "--text",
@@ -340,12 +348,27 @@ def loss_fn(lm: lm_models.LM, params, inputs, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def make_optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+OPTIMIZERS = {
+    "adamw": lambda lr: optax.adamw(lr, 0.9, 0.99),
+    "lamb": lambda lr: optax.lamb(lr, 0.9, 0.99),
+    "adafactor": lambda lr: optax.adafactor(lr),
+    "muon": lambda lr: optax.contrib.muon(lr),
+}
+
+
+def make_optimizer(args: argparse.Namespace, *, layerwise: bool = True):
+    """The optimizer, through ``stackwise.optax.layerwise``: the blocks' leaves are stacked
+    (every framework's params name them "blocks"), so LAMB's trust ratio, Adafactor's factored
+    moments and Muon's orthogonalisation run per layer, as in the loop model, and the global
+    norm stays global. ``layerwise=False``: the plain optimizer (for the loop model's params)."""
     warmup = min(100, max(1, args.steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, 2), args.lr / 10
     )
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.9, 0.99))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), OPTIMIZERS[args.optimizer](schedule))
+    if not layerwise:
+        return tx
+    return stackwise.optax.layerwise(tx, stacked=lambda path: "blocks" in path)
 
 
 class StopOnCtrlC:

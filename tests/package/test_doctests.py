@@ -22,6 +22,7 @@ MODULES = [
     "stackwise.flax",
     "stackwise.nnx",
     "stackwise.equinox",
+    "stackwise.optax",
 ]
 
 

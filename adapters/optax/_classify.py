@@ -1,0 +1,115 @@
+"""What a gradient transformation does with a leaf: read from its jaxpr, not from its name.
+
+One layer's view of the tree (every stacked leaf sliced to one layer, the others whole) is
+traced through the transformation's ``update`` once, with :func:`jax.make_jaxpr`, and the
+dataflow of the program is followed from each input leaf to each output:
+
+- **elementwise**: every operation that touches a stacked leaf's values is elementwise
+  (``add``, ``mul``, ``sqrt``, ``select_n``, ...), and no output mixes two leaves. Such a
+  transformation (``scale_by_adam``, ``sgd``, ``lion``, ``add_decayed_weights``, ...) gives
+  the loop model's updates on stacked leaves as it is, so it runs unwrapped: the same
+  program.
+- **per leaf**: no output mixes two leaves, but some operation reduces, contracts or
+  reshapes a leaf (``scale_by_trust_ratio``, ``adafactor``, ``contrib.muon``,
+  ``adaptive_grad_clip``, ``clip_by_block_rms``, ...). On a stacked leaf it would see all
+  layers as one array: it runs per layer, vmapped over the layer axes.
+- **mixing**: an output depends on two leaves, one of them stacked (``clip_by_global_norm``
+  and anything that reduces over the whole tree).
+
+Which inputs an output depends on is over-approximated where the program has control flow
+(``while``, ``cond``, ``scan``: every output of such an operation depends on every input),
+so a transformation is never called elementwise or per-leaf when it is not; calls (``jit``,
+``custom_jvp``, ``custom_vjp``) are followed inside. Values that only take a leaf's *shape*
+(``zeros_like``) do not depend on it, as in JAX's own batching.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+__all__ = ["Program"]
+
+# Primitives that map each element to an element of the same position (and those that only
+# change the dtype or copy). A call of one on a stacked leaf keeps the layers apart.
+ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow
+    real reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor
+    """.split()
+)
+
+# Primitives whose sub-program is a plain call: followed inside, input by input.
+_CALLS = frozenset(
+    ["pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+     "custom_vjp_call_jaxpr", "remat", "checkpoint"]
+)
+
+
+def _sub_jaxpr(eqn) -> Any:
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if sub is not None:
+            inner = getattr(sub, "jaxpr", sub)
+            if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+                return inner
+    return None
+
+
+def _run(jaxpr, in_labels: list[frozenset], watched: frozenset, state: list[bool]):
+    env: dict[Any, frozenset] = {}
+    empty = frozenset()
+
+    def read(v):
+        return empty if isinstance(v, jcore.Literal) else env.get(v, empty)
+
+    for var, labels in zip(jaxpr.invars, in_labels):
+        env[var] = labels
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        sub = _sub_jaxpr(eqn)
+        if sub is not None:
+            outs = _run(sub, ins, watched, state)
+        else:
+            touched = any(labels & watched for labels in ins)
+            if touched and not _elementwise(eqn, ins, watched):
+                state[0] = False
+            union = frozenset().union(*ins) if ins else empty
+            outs = [union] * len(eqn.outvars)
+        for var, labels in zip(eqn.outvars, outs):
+            env[var] = labels
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _elementwise(eqn, ins, watched) -> bool:
+    name = eqn.primitive.name
+    if name in ELEMENTWISE:
+        return True
+    if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+        # Broadcasting a scalar that no stacked leaf feeds, or a no-op reshape.
+        operand = eqn.invars[0]
+        same = tuple(operand.aval.shape) == tuple(eqn.outvars[0].aval.shape)
+        return same or not (ins[0] & watched)
+    return False
+
+
+class Program:
+    """One traced function, whose dataflow can be followed from any labelling of its inputs.
+
+    ``Program(fn, args).run(in_labels, watched)`` gives, per flat output leaf, the frozenset of
+    input labels it depends on, and whether every operation that touches a ``watched`` label
+    is elementwise.
+    """
+
+    def __init__(self, fn, args: tuple):
+        self.jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+
+    def run(self, in_labels: list[frozenset], watched: frozenset) -> tuple[list[frozenset], bool]:
+        state = [True]
+        outputs = _run(self.jaxpr, in_labels, watched, state)
+        return outputs, state[0]

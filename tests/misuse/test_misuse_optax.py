@@ -1,0 +1,107 @@
+"""The misuse catalogue of `stackwise.optax`: each bad input, the error type, and what the
+message must name (the argument or leaf) and the fix it gives. The errors come when the
+wrapper is built where they can (the transform, the layers, the scales), else at ``init`` /
+``update``, before any optimizer runs."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import stackwise.optax as so
+
+PARAMS = {"blocks": {"w": jnp.ones((4, 3, 3))}, "embed": jnp.ones((5, 3))}
+STACKED = {"blocks": True, "embed": False}
+
+
+def _init(tx, params=PARAMS):
+    return lambda: tx().init(params)
+
+
+def _step(tx, state_of, params=PARAMS):
+    def run():
+        state = state_of().init(params)
+        return tx().update(params, state, params)
+    return run
+
+
+def _module_without_stack():
+    from flax import nnx
+
+    return nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+
+CASES = {
+    # name: (call, error type, what the message names)
+    "transform is the factory, not called": (
+        lambda: so.layerwise(optax.adam), TypeError, ["`transform`", "optax.adam(1e-3)"]),
+    "transform is not a transformation": (
+        lambda: so.layerwise({"lr": 1e-3}), TypeError, ["`transform`", "dict"]),
+    "stacked is a string": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), "blocks")), TypeError,
+        ["`stacked`", "['blocks']['w']", "'blocks'"]),
+    "stacked is a negative depth": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), -1)), TypeError, ["`stacked`", "-1"]),
+    "stacked tree does not match the params": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), {"blocks": True})), ValueError,
+        ["`stacked`", "structure", "embed"]),
+    "stacked function returns a string": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), lambda path: path)), TypeError,
+        ["`stacked`", "['blocks']['w']", "bool"]),
+    "a leaf with fewer axes than its layer axes": (
+        _init(lambda: so.layerwise(optax.lamb(1e-3), stacked=3)), ValueError,
+        ["['embed']", "(5, 3)", "3 leading layer axes"]),
+    "state of the unwrapped optimizer (another structure)": (
+        _step(lambda: so.layerwise(optax.contrib.muon(1e-3), STACKED),
+              lambda: optax.contrib.muon(1e-3)), ValueError, ["optimizer state", "`init`"]),
+    "state of the unwrapped optimizer (other shapes)": (
+        _step(lambda: so.layerwise(optax.adafactor(1e-3, min_dim_size_to_factor=2), STACKED),
+              lambda: optax.adafactor(1e-3, min_dim_size_to_factor=2)), ValueError,
+        ["optimizer state leaf", "stacked like its leaf", "wrapped optimizer's `init`"]),
+    "freeze names a layer the stack lacks": (
+        _step(lambda: so.layerwise(optax.adam(1e-3), STACKED, freeze=[4]),
+              lambda: so.layerwise(optax.adam(1e-3), STACKED)), ValueError,
+        ["`freeze`", "[4]", "['blocks']['w']", "4 layers"]),
+    "freeze is a number": (
+        lambda: so.layerwise(optax.adam(1e-3), freeze=1.5), TypeError, ["`freeze`", "range(2)"]),
+    "freeze holds strings": (
+        lambda: so.layerwise(optax.adam(1e-3), freeze="01"), TypeError, ["`freeze`", "'0'"]),
+    "lr_scale of the wrong length": (
+        _step(lambda: so.layerwise(optax.adam(1e-3), STACKED, lr_scale=[1.0, 0.5, 0.25]),
+              lambda: so.layerwise(optax.adam(1e-3), STACKED)), ValueError,
+        ["`lr_scale`", "3 values", "['blocks']['w']", "4 layers"]),
+    "lr_scale is a matrix": (
+        lambda: so.layerwise(optax.adam(1e-3), lr_scale=[[1.0, 2.0]]), TypeError,
+        ["`lr_scale`", "layer_decay"]),
+    "lr_scale is text": (
+        lambda: so.layerwise(optax.adam(1e-3), lr_scale="decay"), TypeError, ["`lr_scale`"]),
+    "layer_mask names a layer the stack lacks": (
+        _step(lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [7], STACKED),
+              lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [7], STACKED)), ValueError,
+        ["`layers`", "[7]", "['blocks']['w']"]),
+    "layer_mask of the factory": (
+        lambda: so.layer_mask(optax.add_decayed_weights, [0]), TypeError, ["`transform`"]),
+    "layer_mask layers is not a collection": (
+        lambda: so.layer_mask(optax.add_decayed_weights(1e-4), None), TypeError, ["`layers`"]),
+    "layer_decay above 1": (
+        lambda: so.layer_decay(1.5, 4), ValueError, ["`decay`", "(0, 1]", "1.5"]),
+    "layer_decay of no layers": (lambda: so.layer_decay(0.8, 0), TypeError, ["`n`", "0"]),
+    "stacked_in of a params dict": (
+        lambda: so.stacked_in(PARAMS), TypeError, ["`model`", "dict", "stacked="]),
+    "stacked_in of a module without a Stack": (
+        lambda: so.stacked_in(_module_without_stack()), TypeError,
+        ["`model`", "Linear", "no stackwise Stack"]),
+}
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("case", list(CASES))
+def test_misuse(case):
+    call, error, names = CASES[case]
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith("stackwise.optax."), message
+    for name in names:
+        assert name in message, f"{name!r} not in: {message}"

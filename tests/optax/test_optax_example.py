@@ -1,0 +1,82 @@
+"""The example trains through `stackwise.optax.layerwise`: its first steps with
+``--optimizer muon`` (in every framework) and ``lamb`` equal the plain optimizer's on the loop
+model's params (``lm.to_loop``; the example's own tests check that the stack and the loop
+compute the same logits). Both get the same gradients, the stack's, laid out by
+``lm.to_loop`` for the loop: Adam's first steps turn a gradient's rounding into a relative
+change of its update where the gradient is near zero, which would drown what is compared."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+pytestmark = pytest.mark.slow  # compiles the LM's step and Muon's orthogonalisation
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+STEPS = 2
+# float32 rounding of the same optimizer arithmetic, batched or not (updates of ~lr = 1e-2).
+LOOP_ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("transformer_lm_optax",
+                                                  EXAMPLES / "transformer_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
+    return module, sys.modules["lm_models"]
+
+
+# Every framework's params name the stacked leaves "blocks" (what make_optimizer relies on):
+# tests/optax/test_optax_adapters.py trains each adapter's tree. Compiling the LM's step with
+# Muon costs ~15 s of CPU, so one framework here, and LAMB (the same wrapper) not at all.
+@pytest.mark.parametrize("framework, optimizer", [("jax", "muon")])
+def test_first_steps_equal_the_loop_model(example, framework, optimizer):
+    t, lm_models = example
+    args = t.parse_args(["--optimizer", optimizer, "--steps", "10", "--lr", "1e-2"])
+    t.settle_args(args, None, t.RUN_DEFAULTS)
+    lm = lm_models.build(framework, lm_models.Config(vocab=11, layers=2, d_model=16, heads=2,
+                                                     seq_len=8))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 11)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    params = lm.init(jax.random.key(0))
+    grads = jax.jit(jax.grad(lambda p: t.loss_fn(lm, p, inputs, targets)))
+    stacked_tx, loop_tx = t.make_optimizer(args), t.make_optimizer(args, layerwise=False)
+
+    def step_of(tx, layout=lambda g: g):
+        @jax.jit
+        def step(params, state, grads):
+            updates, state = tx.update(layout(grads), state, params)
+            return optax.apply_updates(params, updates), state
+        return step
+
+    # Separate programs: XLA compiles the Newton-Schulz steps of one faster than of all.
+    stacked_step, plain_step = step_of(stacked_tx), step_of(loop_tx)
+    loop_step = step_of(loop_tx, lm.to_loop)  # the stack's gradients, as the loop holds them
+    stacked, loop, plain = params, lm.to_loop(params), params
+    states = stacked_tx.init(stacked), loop_tx.init(loop), loop_tx.init(plain)
+    for _ in range(STEPS):
+        g = grads(stacked)
+        (stacked, s1), (loop, s2), (plain, s3) = (
+            stacked_step(stacked, states[0], g), loop_step(loop, states[1], g),
+            plain_step(plain, states[2], g))
+        states = s1, s2, s3
+    got, want = jax.tree.leaves(lm.to_loop(stacked)), jax.tree.leaves(loop)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=LOOP_ATOL, rtol=0)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(lm.to_loop(params)), want))
+    assert moved > 100 * LOOP_ATOL
+    # Unwrapped, the same optimizer given the same gradients on the stacked params would train
+    # another model.
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(lm.to_loop(plain)), want)) > 10 * LOOP_ATOL

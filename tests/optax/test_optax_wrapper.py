@@ -1,0 +1,276 @@
+"""`stackwise.optax.layerwise` against the plain optimizer on the loop model's per-layer params.
+
+The loop model's params are the stacked ones with every stacked leaf split into its layers
+(a list of n leaves, as a Python loop of blocks holds them); the same gradients go to both.
+After a few steps every leaf must agree to float32 rounding, and, for the optimizers that
+look at a leaf's shape or norm, the unwrapped optimizer on the stacked params must not (so
+the comparison can fail).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stackwise
+import stackwise.optax as so
+
+# float32 rounding of updates of size ~1e-2 over a few steps, reassociated by vmap.
+ROUNDING_ATOL = 2e-6
+# The unwrapped shape-aware optimizers differ from the loop by 7e-6 (lars) to 4e-2.
+CHANGED_MEANING = 2e-6
+
+N, D, STEPS = 4, 8, 3
+
+
+def _params(key=0, n=N):
+    k = jax.random.split(jax.random.key(key), 3)
+    return {
+        "blocks": {"w": jax.random.normal(k[0], (n, D, D)) / D**0.5,
+                   "b": 0.1 * jax.random.normal(k[1], (n, D))},
+        "embed": jax.random.normal(k[2], (5, D)),
+    }
+
+
+STACKED = {"blocks": True, "embed": False}
+
+
+def _loop(tree, depth_of):
+    """Each stacked leaf split into (nested) lists of its layers: the loop model's params."""
+    def split(a, d):
+        return a if not d else [split(a[i], d - 1) for i in range(a.shape[0])]
+
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree.unflatten(
+        treedef, [split(a, depth_of(jax.tree_util.keystr(p))) for p, a in pairs])
+
+
+def _unloop(loop_tree, like, depth_of):
+    def join(sub, d):
+        return sub if not d else jnp.stack([join(s, d - 1) for s in sub])
+
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(like)
+    subs = treedef.flatten_up_to(loop_tree)
+    return jax.tree.unflatten(
+        treedef, [join(s, depth_of(jax.tree_util.keystr(p))) for (p, _), s in zip(pairs, subs)])
+
+
+def _grads(params, t):
+    return jax.tree.map(lambda a: jnp.sin(3.0 * a + t) + 0.1 * t, params)
+
+
+def _train(tx, params, steps=STEPS, edit=None):
+    """``steps`` steps with made-up gradients, jitted (compiled once); the params after each."""
+
+    @jax.jit
+    def step(params, state, t):
+        updates, state = tx.update(_grads(params, t), state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = jax.jit(tx.init)(params)
+    history = []
+    for t in range(steps):
+        if edit is not None:
+            state = edit(t, state)
+        params, state = step(params, state, t)
+        history.append(params)
+    return history
+
+
+def _train_loop(tx, params, depth_of, steps=STEPS, edit=None):
+    """The same steps for the loop model (the same gradients, split by layer)."""
+    like = params
+
+    @jax.jit
+    def step(loop, state, t):
+        grads = _loop(_grads(_unloop(loop, like, depth_of), t), depth_of)
+        updates, state = tx.update(grads, state, loop)
+        loop = optax.apply_updates(loop, updates)
+        return loop, state, _unloop(loop, like, depth_of)
+
+    loop = _loop(params, depth_of)
+    state = jax.jit(tx.init)(loop)
+    history = []
+    for t in range(steps):
+        if edit is not None:
+            state = edit(t, state)
+        loop, state, stacked = step(loop, state, t)
+        history.append(stacked)
+    return history
+
+
+def _max_diff(a, b):
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                                jax.tree.leaves(b)))
+
+
+def _depth(path):
+    return int("blocks" in path)
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "lars": lambda: optax.lars(1.0),  # its trust coefficient 1e-3 makes steps small
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+    "muon": lambda: optax.contrib.muon(1e-2),
+    "adaptive_grad_clip": lambda: optax.chain(optax.adaptive_grad_clip(0.01), optax.sgd(1e-1)),
+    "clip_by_block_rms": lambda: optax.chain(optax.clip_by_block_rms(0.1), optax.sgd(1e-1)),
+    "clip_global_then_lamb": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                                 optax.lamb(1e-2)),
+    # Not split, not known: runs on the loop view (exact).
+    "apply_if_finite_lamb": lambda: optax.apply_if_finite(optax.lamb(1e-2), 3),
+}
+SHAPE_AWARE = {"lamb", "lars", "adafactor", "muon", "adaptive_grad_clip", "clip_by_block_rms",
+               "clip_global_then_lamb", "apply_if_finite_lamb"}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_equals_the_loop_model(name):
+    params = _params()
+    wrapped = _train(so.layerwise(OPTIMIZERS[name](), STACKED), params)
+    reference = _train_loop(OPTIMIZERS[name](), params, _depth)
+    for step, (a, b) in enumerate(zip(wrapped, reference)):
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(x, y, atol=ROUNDING_ATOL, rtol=0,
+                                       err_msg=f"step {step}, {jax.tree_util.keystr(path)}")
+    assert _max_diff(params, wrapped[-1]) > 100 * ROUNDING_ATOL  # the params moved
+    if name in SHAPE_AWARE:  # ... and unwrapped, the optimizer would train another model
+        plain = _train(OPTIMIZERS[name](), params, steps=1)
+        assert _max_diff(plain[0], reference[0]) > CHANGED_MEANING
+
+
+def _program(text: str) -> str:
+    """A compiled program without its source locations (file and function names)."""
+    text = re.sub(r",? ?metadata=\{[^}]*\}", "", text)
+    return "\n".join(line for line in text.splitlines()
+                     if not re.match(r'^\s*\d+ ["{]', line))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd_momentum", "lion"])
+def test_elementwise_optimizers_compile_to_the_same_program(name):
+    params = _params()
+    plain, wrapped = OPTIMIZERS[name](), so.layerwise(OPTIMIZERS[name](), STACKED)
+    args = (_grads(params, 0), plain.init(params), params)
+
+    def programs(tx):
+        lowered = jax.jit(tx.update).lower(*args)
+        return lowered.as_text(debug_info=False), _program(lowered.compile().as_text())
+
+    assert programs(wrapped) == programs(plain)
+
+
+@pytest.mark.slow
+def test_inject_hyperparams_learning_rate_changed_during_training():
+    def edit(t, state):
+        if t == 2:  # halve the learning rate before the third step, as a user would
+            state.hyperparams["learning_rate"] = state.hyperparams["learning_rate"] * 0.5
+        return state
+
+    make = lambda: optax.inject_hyperparams(optax.lamb)(learning_rate=1e-2)  # noqa: E731
+    params = _params()
+    wrapped = _train(so.layerwise(make(), STACKED), params, edit=edit)
+    reference = _train_loop(make(), params, _depth, edit=edit)
+    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
+    state = so.layerwise(make(), STACKED).init(params)
+    assert state.hyperparams["learning_rate"].shape == ()  # shared, not per layer
+
+
+@pytest.mark.slow
+def test_a_pattern_of_positions_with_different_numbers_of_layers():
+    # stackwise.stack([a, b], ..., n=5): a tuple of 2 stacked trees, of 3 and 2 layers.
+    dense = lambda k: {"w": jax.random.normal(k, (D, D))}  # noqa: E731
+    wide = lambda k: {"w": jax.random.normal(k, (D, 2 * D)), "s": jnp.ones((D,))}  # noqa: E731
+    layers = stackwise.stack([dense, wide], [lambda p, x: x, lambda p, x: x], n=5)
+    params = {"stack": layers.init(jax.random.key(1)), "head": jnp.ones((D, 3))}
+    assert [p["w"].shape[0] for p in params["stack"]] == [3, 2]
+    stacked = {"stack": True, "head": False}
+    depth = lambda path: int("stack" in path)  # noqa: E731
+    make = OPTIMIZERS["adaptive_grad_clip"]
+    wrapped = _train(so.layerwise(make(), stacked), params)
+    reference = _train_loop(make(), params, depth)
+    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
+
+
+@pytest.mark.slow
+def test_nested_stacks():
+    params = {"w": jax.random.normal(jax.random.key(2), (2, 3, D, D)), "b": jnp.ones((2, 3, D))}
+    make = OPTIMIZERS["adaptive_grad_clip"]
+    wrapped = _train(so.layerwise(make(), stacked=2), params)
+    reference = _train_loop(make(), params, lambda path: 2)
+    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
+
+
+def test_freezing_layers_0_and_1_of_4():
+    params = _params()
+    make = lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))  # noqa: E731
+    history = _train(so.layerwise(make(), STACKED, freeze=[0, 1]), params)
+    w0, w = params["blocks"]["w"], history[-1]["blocks"]["w"]
+    assert jnp.array_equal(w[:2], w0[:2]) and jnp.array_equal(
+        history[-1]["blocks"]["b"][:2], params["blocks"]["b"][:2])
+    assert bool(jnp.all(jnp.any(w[2:] != w0[2:], axis=(1, 2))))
+    assert not jnp.array_equal(history[-1]["embed"], params["embed"])
+
+    # The loop model with per-layer optax.multi_transform: layers 0-1 set_to_zero.
+    def labels(loop):
+        blocks = jax.tree.map(lambda _: "train", loop["blocks"])
+        for layer in blocks.values():
+            layer[0] = layer[1] = "frozen"
+        return {"blocks": blocks, "embed": "train"}
+
+    reference = _train_loop(
+        optax.multi_transform({"train": make(), "frozen": optax.set_to_zero()}, labels),
+        params, _depth)
+    assert _max_diff(history[-1], reference[-1]) < ROUNDING_ATOL
+
+
+def _per_layer(loop, name_of_layer, other):
+    blocks = {k: [name_of_layer(i) for i in range(len(v))] for k, v in loop["blocks"].items()}
+    return {"blocks": blocks, "embed": other}
+
+
+@pytest.mark.slow
+def test_layer_decay_equals_per_layer_multi_transform():
+    params = _params()
+    scales = so.layer_decay(0.5, N)
+    history = _train(so.layerwise(optax.adamw(1e-2), STACKED, lr_scale=scales), params)
+    per_layer = {f"layer{i}": optax.adamw(1e-2 * float(s)) for i, s in enumerate(scales)}
+    reference = _train_loop(
+        optax.multi_transform({**per_layer, "embed": optax.adamw(1e-2)},
+                              lambda loop: _per_layer(loop, lambda i: f"layer{i}", "embed")),
+        params, _depth)
+    assert _max_diff(history[-1], reference[-1]) < ROUNDING_ATOL
+
+
+@pytest.mark.slow
+def test_weight_decay_on_some_layers_equals_per_layer_multi_transform():
+    params = _params()
+    tx = so.layerwise(optax.chain(
+        optax.scale_by_adam(),
+        so.layer_mask(optax.add_decayed_weights(0.5), layers=[1, 3], stacked=STACKED),
+        optax.scale(-1e-2)), STACKED)
+    history = _train(tx, params)
+    decayed = lambda i: "decay" if i in (1, 3) else "plain"  # noqa: E731
+    reference = _train_loop(
+        optax.multi_transform({"decay": optax.adamw(1e-2, weight_decay=0.5),
+                               "plain": optax.adam(1e-2)},
+                              lambda loop: _per_layer(loop, decayed, "plain")),
+        params, _depth)
+    assert _max_diff(history[-1], reference[-1]) < ROUNDING_ATOL
+
+
+@pytest.mark.slow
+def test_muon_with_its_own_batch_axes_equals_the_loop_model():
+    params = _params()
+    dims = so.muon_dimensions(STACKED)
+    wrapped = _train(optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims), params)
+    reference = _train_loop(optax.contrib.muon(1e-2), params, _depth)
+    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
