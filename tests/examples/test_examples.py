@@ -123,13 +123,15 @@ def test_adapter_frameworks(framework, tmp_path, env):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, env) -> dict:
-    """A tiny pure-JAX run saved to a checkpoint, then --restore and --resume of it."""
+    """A tiny pure-JAX run saved to a checkpoint, then --restore and --resume of it, and the
+    same command again."""
     ckpt = tmp_path_factory.mktemp("trained") / "lm.npz"
     common = f"--steps 3 {TINY} --checkpoint {ckpt}"
-    trained, restored, resumed = run_example(
-        env, common, f"{common} --restore", f"{common} --resume"
+    trained, restored, resumed, again = run_example(
+        env, common, f"{common} --restore", f"{common} --resume", common
     )
-    return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed}
+    return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed,
+            "again": again}
 
 
 @pytest.mark.slow
@@ -156,6 +158,9 @@ def test_jax_train_checkpoint_restore(trained):
     resumed = trained["resumed"]
     assert "losses" not in resumed and resumed["sample"] == trained["trained"]["sample"]
     assert resumed["val_loss"] == trained["trained"]["val_loss"][-1:]
+    # The same command again (the README's first, run twice) samples from the finished run.
+    again = trained["again"]
+    assert "losses" not in again and again["sample"] == trained["trained"]["sample"]
 
 
 @pytest.mark.slow
@@ -224,10 +229,10 @@ def test_default_checkpoint_is_in_examples_checkpoints():
     "flags, message",
     [
         # Training over another run's checkpoint: refused, naming what differs.
-        ("--steps 5", r"holds another run \(step 3 of 3\).*\n  --steps: 3 in the checkpoint vs 5"),
-        ("--steps 3 --layers 3", r"--layers: 2 in the checkpoint vs 3 here\n.*--overwrite"),
-        # ...and over the same run's: refused too, offering --resume.
-        ("--steps 3", r"already holds this run \(finished, step 3 of 3\)\. Pass --resume"),
+        # One line: what differs and the flag to pass.
+        ("--steps 5", r"^\S+ holds another run \(step 3 of 3; --steps: 3 in the checkpoint vs 5 "
+         r"here\): pass --overwrite to replace it, --checkpoint PATH [^\n]*$"),
+        ("--steps 3 --layers 3", r"--layers: 2 in the checkpoint vs 3 here\): pass --overwrite"),
         # Restoring or resuming with a flag that disagrees with the checkpoint: named.
         ("--restore --layers 4", r"another run than the flags ask for:\n  --layers: 2 in the"),
         ("--resume --steps 9", r"  --steps: 3 in the checkpoint vs 9 here"),
@@ -269,19 +274,21 @@ def test_checkpoint_format_and_errors(tmp_path):
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     params = {"blocks": {"w": w}, "head": np.ones(2, np.float32)}
     path = tmp_path / "ckpt.npz"
-    lm.save_checkpoint(path, params, {"format": lm.FORMAT})
+    meta = {"format": lm.FORMAT, "run": {}, "step": 0, "val_loss": 1.0, "chars": "ab"}
+    lm.save_checkpoint(path, params, meta)
     with np.load(path) as f:  # plain numpy reads it: one array per leaf, named by its path
         assert sorted(f.files) == ["['blocks']['w']", "['head']", "__meta__"]
         np.testing.assert_array_equal(f["['blocks']['w']"], params["blocks"]["w"])
-    assert lm.read_meta(path) == {"format": lm.FORMAT}
+    assert lm.read_meta(path) == {**meta, "run": lm.OLD_RUN_FIELDS}
     assert not path.with_name(path.name + ".tmp").exists()
     restored = lm.load_checkpoint(path, params)
     np.testing.assert_array_equal(restored["blocks"]["w"], params["blocks"]["w"])
 
     deeper = {"blocks": {"w": np.zeros((4, 2), np.float32)}, "head": np.ones(2, np.float32)}
-    with pytest.raises(ValueError, match=r"\['blocks'\]\['w'\] is float32\[3, 2\].*--layers"):
+    shallower = r"\['blocks'\]\['w'\] is float32\[3, 2\].*--layers"
+    with pytest.raises(lm.CheckpointError, match=shallower):
         lm.load_checkpoint(path, deeper)
-    with pytest.raises(ValueError, match=r"no array \['other'\]"):
+    with pytest.raises(lm.CheckpointError, match=r"no array \['other'\]"):
         lm.load_checkpoint(path, {"other": np.zeros(2, np.float32)})
     (tmp_path / "junk.npz").write_bytes(b"not a checkpoint")
     with pytest.raises(lm.CheckpointError, match="junk.npz is not a checkpoint of this example"):
