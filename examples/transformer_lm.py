@@ -1,6 +1,6 @@
 """Train a character-level transformer whose blocks are one stackwise stack, then sample.
 
-    python examples/transformer_lm.py                      # pure JAX, about 2 min on 2 CPU cores
+    python examples/transformer_lm.py                      # pure JAX: 93 s on 2 idle CPU cores
     python examples/transformer_lm.py --framework flax     # or haiku, nnx, equinox: the same
     python examples/transformer_lm.py --pattern local,local,global --window 16  # local attention
     python examples/transformer_lm.py --resume             # continue an interrupted run
@@ -68,7 +68,7 @@ CHECKPOINTS = HERE / "checkpoints"
 FORMAT = 2  # of the checkpoint files (a format-2 run without "pattern" is all global blocks)
 
 #: The defaults of the flags that identify a run (see the module docstring).
-RUN_DEFAULTS = {  # the best measured in about 2 minutes on 2 CPU cores: docs/example-tuning.md
+RUN_DEFAULTS = {  # the best for a 2-minute budget on 2 CPU cores: docs/example-tuning.md
     "framework": "jax",
     "steps": 1600,
     "layers": 4,
