@@ -186,7 +186,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.text is not None and args.text.is_dir():
         p.error(f"--text {args.text}: a folder, not a file; give a UTF-8 text file")
     if args.text is not None and not args.text.is_file():
-        p.error(f"--text {args.text}: no such file")
+        what = "not a regular file" if args.text.exists() else "no such file"
+        p.error(f"--text {args.text}: {what}; give a UTF-8 text file")
     if args.checkpoint is not None and args.checkpoint.is_dir():
         p.error(f"--checkpoint {args.checkpoint}: a folder; give a file path, e.g. "
                 f"--checkpoint {args.checkpoint / 'lm.npz'}")
@@ -536,6 +537,7 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
                 bar.set_postfix(loss=f"{record['losses'][-1][1]:.3f}", tok_s=f"{tok_s:,.0f}")
             if i % log_every == 0 or i == args.steps or ctrl_c.requested:
                 val_loss = float(evaluate(params))
+                check_finite(val_loss, i, args)  # (before saving: the last save stays finite)
                 record["val_loss"].append((i, val_loss))
                 save({"params": params, "opt_state": opt_state, "rng": key}, i, val_loss)
                 write(f"step {i:5d}  train {float(loss):.3f}  val {describe_loss(val_loss)}")
@@ -549,6 +551,15 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
         f"trained steps {start + 1}-{i} in {train_s:.1f} s ({record['tokens_per_s']:,.0f} tokens/s)"
     )
     return {"params": params, "opt_state": opt_state, "rng": key}, record
+
+
+def check_finite(val_loss: float, step: int, args: argparse.Namespace) -> None:
+    """Stops a run whose loss is no longer a number: sampling from it would be noise."""
+    if not math.isfinite(val_loss):
+        raise UsageError(
+            f"training diverged: the validation loss is {val_loss} at step {step}; pass a "
+            f"smaller --lr than {args.lr} (the default is {RUN_DEFAULTS['lr']}) and --overwrite."
+        )
 
 
 # --------------------------------------------------------------------------

@@ -65,6 +65,7 @@ CASES = [
     (["--text", "{tmp}/empty.txt"], "--text", "has 0 characters"),
     (["--text", "{tmp}"], "--text", "a folder, not a file"),
     (["--text", "{tmp}/missing.txt"], "--text", "no such file"),
+    (["--text", "/dev/null"], "--text", "not a regular file"),
     # Checkpoints: where it goes, and files that are not (whole) checkpoints.
     (["--checkpoint", "{tmp}"], "--checkpoint", "a folder; give a file path"),
     (["--checkpoint", "{tmp}/tiny.txt/lm.npz"], "--checkpoint", "cannot write there"),
@@ -167,3 +168,12 @@ def test_misuse_is_refused_naming_the_flag(lm, files, no_work, capsys, argv, nam
     error = refused(lm, [*TINY, *argv], capsys)
     assert names.format(tmp=files) in error and message in error, error
     assert {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()} == before
+
+
+def test_a_diverged_run_is_stopped_naming_the_flag(lm):
+    args = lm.parse_args(["--lr", "10"])
+    lm.check_finite(2.5, 7, args)  # a number: training goes on
+    for loss in (float("nan"), float("inf")):
+        with pytest.raises(lm.UsageError, match=r"diverged: .* at step 7; pass a smaller --lr "
+                           r"than 10\.0 \(the default is 0\.002\) and --overwrite"):
+            lm.check_finite(loss, 7, args)
