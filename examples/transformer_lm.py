@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -673,6 +674,11 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         settle_args(args, saved, MODEL_FIELDS if args.restore else RUN_DEFAULTS)
     else:
         settle_args(args, None, ())
+    if args.framework != "jax":  # its adapter, and so the framework, must import
+        try:
+            importlib.import_module(f"stackwise.{args.framework}")
+        except ImportError as e:
+            raise UsageError(f"--framework {args.framework}: {e}") from None
     if args.d_model % (2 * args.heads):
         raise UsageError(
             f"--d-model {args.d_model} must be a multiple of 2 * --heads = {2 * args.heads} "

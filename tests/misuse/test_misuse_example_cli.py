@@ -177,3 +177,17 @@ def test_a_diverged_run_is_stopped_naming_the_flag(lm):
         with pytest.raises(lm.UsageError, match=r"diverged: .* at step 7; pass a smaller --lr "
                            r"than 10\.0 \(the default is 0\.002\) and --overwrite"):
             lm.check_finite(loss, 7, args)
+
+
+def test_a_framework_that_is_not_installed_gets_the_install_hint(
+    lm, files, no_work, capsys, monkeypatch
+):
+    import stackwise
+
+    monkeypatch.setitem(sys.modules, "haiku", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "stackwise.haiku", raising=False)
+    if "haiku" in vars(stackwise):  # (hasattr would import it: a lazy submodule)
+        monkeypatch.delattr(stackwise, "haiku")
+    argv = [*TINY, "--framework", "haiku", "--text", str(files / "tiny.txt")]
+    error = refused(lm, [*argv, "--checkpoint", str(files / "none.npz")], capsys)
+    assert "--framework haiku: `stackwise.haiku` needs dm-haiku: pip install" in error
