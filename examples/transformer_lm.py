@@ -320,9 +320,8 @@ def settle_args(args: argparse.Namespace, saved: dict | None, fields) -> None:
                 f"{run['framework']}, or leave --framework out)"
             )
         raise CheckpointError(
-            f"{args.checkpoint} holds another run than the flags ask for:\n  "
-            + "\n  ".join(lines)
-            + "\nLeave these flags out to use the checkpoint's, or pass --checkpoint PATH."
+            f"{args.checkpoint} holds another run than the flags ask for ({'; '.join(lines)}): "
+            "leave these flags out to use the checkpoint's, or pass --checkpoint PATH."
         )
     for field, default in RUN_DEFAULTS.items():
         if getattr(args, field) is None:
@@ -698,8 +697,8 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         differ = differences(saved["run"], run, ["text_sha256"])
         if differ:
             raise CheckpointError(
-                f"{path} holds a run on another text:\n  {differ[0]}\n"
-                f"Pass --text {saved['run']['text']}, or --overwrite to start a new run."
+                f"{path} holds a run on another text ({differ[0]}): pass --text "
+                f"{saved['run']['text']}, or --overwrite to start a new run."
             )
     if saved and not (args.restore or args.resume or args.overwrite):
         if not finished_same_run(saved, run):

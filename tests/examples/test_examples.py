@@ -249,11 +249,11 @@ def test_default_checkpoint_is_in_examples_checkpoints():
          r"here\): pass --overwrite to replace it, --checkpoint PATH [^\n]*$"),
         ("--steps 3 --layers 3", r"--layers: 2 in the checkpoint vs 3 here\): pass --overwrite"),
         # Restoring or resuming with a flag that disagrees with the checkpoint: named.
-        ("--restore --layers 4", r"another run than the flags ask for:\n  --layers: 2 in the"),
-        ("--resume --steps 9", r"  --steps: 3 in the checkpoint vs 9 here"),
+        ("--restore --layers 4", r"another run than the flags ask for \(--layers: 2 in the"),
+        ("--resume --steps 9", r"\(--steps: 3 in the checkpoint vs 9 here\): leave these"),
         ("--restore --framework flax", r"saved by the jax model: pass --framework jax"),
         ("--restore --pattern local,global", r"--pattern: global in the checkpoint vs local,gl"),
-        ("--resume --window 8", r"  --window: 16 in the checkpoint vs 8 here"),
+        ("--resume --window 8", r"\(--window: 16 in the checkpoint vs 8 here\)"),
     ],
 )
 def test_checkpoint_errors_name_what_to_do(trained, flags, message):
@@ -261,8 +261,9 @@ def test_checkpoint_errors_name_what_to_do(trained, flags, message):
     before = trained["ckpt"].read_bytes()
     tiny = TINY.replace("--layers 2 ", "") if "--layers" in flags else TINY
     argv = f"{tiny} {flags} --checkpoint {trained['ckpt']}".split()
-    with pytest.raises(lm.CheckpointError, match=message):
+    with pytest.raises(lm.CheckpointError, match=message) as error:
         lm.main(argv)
+    assert "\n" not in str(error.value)  # one line
     assert trained["ckpt"].read_bytes() == before  # never overwritten
 
 

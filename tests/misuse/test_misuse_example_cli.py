@@ -81,6 +81,11 @@ CASES = [
     # Training over another run's checkpoint: one line, naming the flag to pass.
     (["--checkpoint", "{tmp}/short.npz", "--steps", "5"], "--overwrite",
      "holds another run (step 3 of 3; --steps: 3 in the checkpoint vs 5 here): pass --overwrite"),
+    # Resuming or restoring with another text: named, with the one to pass.
+    (["--resume", "--checkpoint", "{tmp}/short.npz", "--text", "{tmp}/other.txt"], "--text",
+     "holds a run on another text (--text: tiny.txt (SHA-256"),
+    (["--restore", "--checkpoint", "{tmp}/short.npz", "--text", "{tmp}/other.txt"], "--text",
+     "was trained on tiny.txt, whose vocabulary (28 characters) is not that of"),
     (["--stpes", "3"], "--stpes", "unrecognized arguments"),
     (["--checkpoint"], "--checkpoint", "expected one argument"),
 ]
@@ -99,6 +104,7 @@ def files(lm, tmp_path_factory) -> pathlib.Path:
     """Texts and damaged checkpoints of the tiny model's run on ``tiny.txt``."""
     tmp = tmp_path_factory.mktemp("misuse_example")
     (tmp / "tiny.txt").write_text(TEXT)
+    (tmp / "other.txt").write_text(TEXT.upper())
     (tmp / "latin1.txt").write_bytes("café au lait\n".encode("latin-1") * 20)
     (tmp / "short.txt").write_text("abc")
     (tmp / "empty.txt").write_text("")
