@@ -29,8 +29,8 @@ text (its SHA-256), the seed, batch, learning rate and number of steps. Training
 existing checkpoint unless asked: ``--resume`` continues the run it holds from its last save
 (params, optimizer state, step and RNG are saved, so a resumed run computes exactly what an
 uninterrupted one does), ``--overwrite`` trains a new run over it. The same command again, once
-its run has finished, samples from the checkpoint (and says so) instead of training. ``--resume`` and
-``--restore`` take every run flag you leave out from the checkpoint; one you give must agree.
+its run has finished, samples from the checkpoint (and says so) instead of training. ``--resume``
+and ``--restore`` take every run flag you leave out from the checkpoint; one you give must agree.
 
 Format (``.npz``, readable with plain numpy): one array per leaf of ``{"params", "opt_state",
 "rng"}``, named by ``jax.tree_util.keystr`` of its path (e.g. ``['params']['blocks']['qkv']``,
