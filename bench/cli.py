@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 import textwrap
