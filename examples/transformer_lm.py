@@ -1,6 +1,6 @@
 """Train a character-level transformer whose blocks are one stackwise stack, then sample.
 
-    python examples/transformer_lm.py                      # pure JAX, about 2 min on 2 CPU cores
+    python examples/transformer_lm.py                      # pure JAX: 93 s on 2 idle CPU cores
     python examples/transformer_lm.py --framework flax     # or haiku, nnx, equinox: the same
     python examples/transformer_lm.py --pattern local,local,global --window 16  # local attention
     python examples/transformer_lm.py --resume             # continue an interrupted run
@@ -28,8 +28,9 @@ rename). A checkpoint belongs to one run: the framework, the model's sizes and p
 text (its SHA-256), the seed, batch, learning rate and number of steps. Training never replaces an
 existing checkpoint unless asked: ``--resume`` continues the run it holds from its last save
 (params, optimizer state, step and RNG are saved, so a resumed run computes exactly what an
-uninterrupted one does), ``--overwrite`` trains a new run over it. ``--resume`` and
-``--restore`` take every run flag you leave out from the checkpoint; one you give must agree.
+uninterrupted one does), ``--overwrite`` trains a new run over it. The same command again, once
+its run has finished, samples from the checkpoint (and says so) instead of training. ``--resume``
+and ``--restore`` take every run flag you leave out from the checkpoint; one you give must agree.
 
 Format (``.npz``, readable with plain numpy): one array per leaf of ``{"params", "opt_state",
 "rng"}``, named by ``jax.tree_util.keystr`` of its path (e.g. ``['params']['blocks']['qkv']``,
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -49,6 +51,7 @@ import pathlib
 import signal
 import sys
 import time
+import zipfile
 from typing import Any
 
 import jax
@@ -68,7 +71,7 @@ CHECKPOINTS = HERE / "checkpoints"
 FORMAT = 2  # of the checkpoint files (a format-2 run without "pattern" is all global blocks)
 
 #: The defaults of the flags that identify a run (see the module docstring).
-RUN_DEFAULTS = {  # the best measured in about 2 minutes on 2 CPU cores: docs/example-tuning.md
+RUN_DEFAULTS = {  # the best for a 2-minute budget on 2 CPU cores: docs/example-tuning.md
     "framework": "jax",
     "steps": 1600,
     "layers": 4,
@@ -89,6 +92,8 @@ OLD_RUN_FIELDS = {"pattern": "global", "window": 16}
 VAL_TOKENS = 8192
 #: Cached decoding and the unstacked loop compute the same function in another order.
 LOGITS_ATOL = 1e-3
+#: The largest --seed (the run uses the keys of seed, seed + 1 and seed + 3).
+MAX_SEED = 2**32 - 4
 
 
 class UsageError(Exception):
@@ -158,14 +163,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--overwrite", action="store_true", help="train anew over a checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if args.text is not None and not args.text.is_file():
-        p.error(f"--text {args.text}: no such file")
     if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
         args.pattern = ",".join(kind.strip() for kind in args.pattern.split(","))
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
         args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}.npz"
+    check_args(p, args)
     return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, before any work, the flags no run can use: ``p.error`` (one line naming the
+    flag, exit status 2). What needs the text (its length, the prompt's characters) is checked
+    once it is read, by :func:`check_text`."""
+
+    def refuse(name: str, value, expected: str) -> None:
+        p.error(f"{name} {value!r}: expected {expected}")
+
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        refuse("--lr", args.lr, "a positive learning rate, e.g. --lr 2e-3")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        refuse("--temperature", args.temperature, "a positive number, e.g. --temperature 0.6 "
+               "(lower: safer samples; 1: the model's own distribution)")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        refuse("--seed", args.seed, f"an integer from 0 to {MAX_SEED}")
+    if args.sample_len < 0:
+        refuse("--sample-len", args.sample_len, "0 or more characters to generate")
+    if not args.prompt:
+        refuse("--prompt", args.prompt, "at least one character to start the sample from "
+               "(the default is a newline)")
+    if args.text is not None and args.text.is_dir():
+        p.error(f"--text {args.text}: a folder, not a file; give a UTF-8 text file")
+    if args.text is not None and not args.text.is_file():
+        what = "not a regular file" if args.text.exists() else "no such file"
+        p.error(f"--text {args.text}: {what}; give a UTF-8 text file")
+    if args.checkpoint is not None and args.checkpoint.is_dir():
+        p.error(f"--checkpoint {args.checkpoint}: a folder; give a file path, e.g. "
+                f"--checkpoint {args.checkpoint / 'lm.npz'}")
+    if args.checkpoint is not None and not args.restore:  # training writes it
+        folder = args.checkpoint.parent
+        while not folder.exists():  # (save_checkpoint creates the missing folders)
+            folder = folder.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            p.error(f"--checkpoint {args.checkpoint}: cannot write there ({folder} is not a "
+                    "writable folder); pass --checkpoint PATH in a folder you can write")
+
+
+def check_text(args: argparse.Namespace, chars: str, data: np.ndarray) -> None:
+    """Refuses a ``--text`` too short for the context and a ``--prompt`` the model cannot read
+    (UsageError naming the flag), before training: the prompt is used only after it."""
+
+    def fits(n: int) -> bool:  # room for a training window and a validation window
+        split = int(0.9 * n)
+        return split - args.seq_len - 1 >= 1 and n - split >= args.seq_len + 1
+
+    if not fits(len(data)):
+        need = next(n for n in range(len(data) + 1, 20 * args.seq_len + 40) if fits(n))
+        raise UsageError(
+            f"--text {args.text} has {len(data)} characters, too few for --seq-len "
+            f"{args.seq_len} (90% trains, 10% validates, each needs more than the context): "
+            f"give a text of at least {need} characters, or a smaller --seq-len."
+        )
+    missing = sorted(set(args.prompt) - set(chars))
+    if missing:
+        raise UsageError(
+            f"--prompt {args.prompt!r} has characters that are not in the vocabulary of "
+            f"{args.text.name}: {''.join(missing)!r}; use only characters of the training text."
+        )
+    if len(args.prompt) > args.seq_len:
+        raise UsageError(
+            f"--prompt has {len(args.prompt)} characters, more than the context, --seq-len "
+            f"{args.seq_len}; give a shorter --prompt."
+        )
 
 
 # --------------------------------------------------------------------------
@@ -175,7 +244,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_text(path: pathlib.Path) -> tuple[str, np.ndarray, str]:
     """The vocabulary (sorted distinct characters), the text as int32 ids, and its SHA-256."""
     raw = pathlib.Path(path).read_bytes()
-    text = raw.decode("utf-8")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--text {path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+            "give a UTF-8 file (e.g. convert it with iconv -t UTF-8)."
+        ) from None
     chars = "".join(sorted(set(text)))
     lookup = {ch: i for i, ch in enumerate(chars)}
     ids = np.array([lookup[ch] for ch in text], dtype=np.int32)
@@ -253,9 +328,8 @@ def settle_args(args: argparse.Namespace, saved: dict | None, fields) -> None:
                 f"{run['framework']}, or leave --framework out)"
             )
         raise CheckpointError(
-            f"{args.checkpoint} holds another run than the flags ask for:\n  "
-            + "\n  ".join(lines)
-            + "\nLeave these flags out to use the checkpoint's, or pass --checkpoint PATH."
+            f"{args.checkpoint} holds another run than the flags ask for ({'; '.join(lines)}): "
+            "leave these flags out to use the checkpoint's, or pass --checkpoint PATH."
         )
     for field, default in RUN_DEFAULTS.items():
         if getattr(args, field) is None:
@@ -281,16 +355,31 @@ def save_checkpoint(path: pathlib.Path, state, meta: dict) -> None:
     os.replace(tmp, path)
 
 
+#: What reading a damaged file (truncated, empty, not an .npz) raises in numpy and zipfile.
+DAMAGED = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
 def read_meta(path: pathlib.Path) -> dict:
-    try:
-        with np.load(path) as f:
+    try:  # (numpy leaves a file it cannot read open: this closes it)
+        with open(path, "rb") as file, np.load(file) as f:
             meta = json.loads(str(f["__meta__"]))
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path} is not a checkpoint of this example ({e}).") from None
+    except DAMAGED as e:
+        raise CheckpointError(
+            f"{path} is not a checkpoint of this example, or a damaged one ({e}); pass "
+            "--overwrite to train over it, or --checkpoint PATH for another file."
+        ) from None
+    if not isinstance(meta, dict):
+        meta = {}
     if meta.get("format") != FORMAT:
         raise CheckpointError(
             f"{path} is a checkpoint of an older version of this example (format "
             f"{meta.get('format', 1)}, this one reads {FORMAT}); train again with --overwrite."
+        )
+    if not {"run", "step", "val_loss", "chars"} <= set(meta):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint of this example (its __meta__ lacks "
+            f"{sorted({'run', 'step', 'val_loss', 'chars'} - set(meta))}); pass --overwrite to "
+            "train over it, or --checkpoint PATH for another file."
         )
     for field, value in OLD_RUN_FIELDS.items():
         if "run" in meta:
@@ -299,42 +388,60 @@ def read_meta(path: pathlib.Path) -> dict:
 
 
 def load_checkpoint(path: pathlib.Path, template) -> Any:
-    """The arrays saved at ``path``, in the structure of ``template`` (same shapes and dtypes)."""
-    with np.load(path) as f:
+    """The arrays saved at ``path``, in the structure of ``template`` (same shapes and dtypes).
 
-        def load(p, leaf):
-            name = jax.tree_util.keystr(p)
-            if name not in f:
-                raise ValueError(
-                    f"checkpoint {path} has no array {name}; was it saved by another model?"
-                )
-            array = f[name]
-            if array.shape != leaf.shape or array.dtype != leaf.dtype:
-                raise ValueError(
-                    f"checkpoint {path}: {name} is {array.dtype}{list(array.shape)}, the model "
-                    f"expects {leaf.dtype}{list(leaf.shape)}; pass the --layers/--d-model/--heads "
-                    "it was trained with."
-                )
-            return jnp.asarray(array)
+    Raises CheckpointError, naming the file, for a missing or mismatched array and for a file
+    that cannot be read (truncated, empty)."""
+    try:
+        with open(path, "rb") as file, np.load(file) as f:
+            load = lambda p, leaf: _load(path, f, p, leaf)  # noqa: E731
+            return jax.tree_util.tree_map_with_path(load, template)
+    except DAMAGED as e:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged ({type(e).__name__}: {e}); train again with "
+            "--overwrite, or pass --checkpoint PATH of another."
+        ) from None
 
-        return jax.tree_util.tree_map_with_path(load, template)
+
+def _load(path: pathlib.Path, f, p, leaf) -> jax.Array:
+    """The array of leaf ``p`` in the open .npz ``f``, checked against ``leaf``."""
+    name = jax.tree_util.keystr(p)
+    if name not in f:
+        raise CheckpointError(
+            f"checkpoint {path} has no array {name}: it is incomplete or was saved by another "
+            "model; train again with --overwrite, or pass --checkpoint PATH of another."
+        )
+    array = f[name]
+    if array.shape != leaf.shape or array.dtype != leaf.dtype:
+        raise CheckpointError(
+            f"checkpoint {path}: {name} is {array.dtype}{list(array.shape)}, the model "
+            f"expects {leaf.dtype}{list(leaf.shape)}; pass the --layers/--d-model/--heads "
+            "it was trained with."
+        )
+    return jnp.asarray(array)
+
+
+def finished_same_run(saved: dict, run: dict) -> bool:
+    """Whether the checkpoint's run is this run, trained to its last step: running the same
+    command again (the README's first one, say) then samples from it instead of training."""
+    same = not differences(saved["run"], run, [*RUN_DEFAULTS, "text_sha256"])
+    return same and saved["step"] >= saved["run"]["steps"]
 
 
 def refuse_to_overwrite(path: pathlib.Path, saved: dict, run: dict) -> CheckpointError:
-    """The error for training over an existing checkpoint without --resume or --overwrite."""
+    """The error for training over an existing checkpoint without --resume or --overwrite,
+    one line: what the checkpoint holds, what differs, the flags to pass."""
     where = f"step {saved['step']} of {saved['run']['steps']}"
     differ = differences(saved["run"], run, [*RUN_DEFAULTS, "text_sha256"])
     if not differ:
-        state = "finished" if saved["step"] >= saved["run"]["steps"] else "unfinished"
         return CheckpointError(
-            f"{path} already holds this run ({state}, {where}). Pass --resume to continue it, "
+            f"{path} already holds this run (unfinished, {where}). Pass --resume to continue it, "
             "--restore to sample from it, or --overwrite to train it again from step 0."
         )
     return CheckpointError(
-        f"{path} holds another run ({where}), which training would overwrite. It differs in:\n  "
-        + "\n  ".join(differ)
-        + "\nPass --checkpoint PATH to train into another file, --resume to continue that run "
-        "(leave out the flags above), or --overwrite to replace it."
+        f"{path} holds another run ({where}; {'; '.join(differ)}): pass --overwrite to replace "
+        "it, --checkpoint PATH to train into another file, or --resume to continue that run "
+        "(leaving out those flags)."
     )
 
 
@@ -453,6 +560,7 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
                 bar.set_postfix(loss=f"{record['losses'][-1][1]:.3f}", tok_s=f"{tok_s:,.0f}")
             if i % log_every == 0 or i == args.steps or ctrl_c.requested:
                 val_loss = float(evaluate(params))
+                check_finite(val_loss, i, args)  # (before saving: the last save stays finite)
                 record["val_loss"].append((i, val_loss))
                 save({"params": params, "opt_state": opt_state, "rng": key}, i, val_loss)
                 write(f"step {i:5d}  train {float(loss):.3f}  val {describe_loss(val_loss)}")
@@ -466,6 +574,15 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
         f"trained steps {start + 1}-{i} in {train_s:.1f} s ({record['tokens_per_s']:,.0f} tokens/s)"
     )
     return {"params": params, "opt_state": opt_state, "rng": key}, record
+
+
+def check_finite(val_loss: float, step: int, args: argparse.Namespace) -> None:
+    """Stops a run whose loss is no longer a number: sampling from it would be noise."""
+    if not math.isfinite(val_loss):
+        raise UsageError(
+            f"training diverged: the validation loss is {val_loss} at step {step}; pass a "
+            f"smaller --lr than {args.lr} (the default is {RUN_DEFAULTS['lr']}) and --overwrite."
+        )
 
 
 # --------------------------------------------------------------------------
@@ -559,15 +676,17 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     Raises:
       UsageError: ``--d-model`` not a multiple of ``2 * --heads``, a ``--pattern`` entry other
         than local or global, ``--window`` over ``--seq-len``, fewer ``--layers`` than the
-        pattern has entries.
+        pattern has entries, a ``--text`` that is not UTF-8 or too short for the context, a
+        ``--prompt`` with characters outside the text's vocabulary or longer than the context.
+        (The flags' own ranges are refused by ``parse_args``, which exits as argparse does.)
       CheckpointError: ``--restore`` without a checkpoint, a checkpoint of another run than
-        the flags given, or training over an existing checkpoint without ``--resume`` or
-        ``--overwrite``; the message says what to pass.
+        the flags given, training over another run's checkpoint without ``--resume`` or
+        ``--overwrite``, or a damaged or incomplete checkpoint; the message says what to pass.
     """
     args = parse_args(argv)
     start = time.perf_counter()
     path = args.checkpoint
-    saved = read_meta(path) if path.exists() else None
+    saved = read_meta(path) if path.exists() and not args.overwrite else None
     if args.restore and saved is None:
         raise CheckpointError(
             f"--restore: there is no checkpoint at {path}. Train first (the same command without "
@@ -577,6 +696,11 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         settle_args(args, saved, MODEL_FIELDS if args.restore else RUN_DEFAULTS)
     else:
         settle_args(args, None, ())
+    if args.framework != "jax":  # its adapter, and so the framework, must import
+        try:
+            importlib.import_module(f"stackwise.{args.framework}")
+        except ImportError as e:
+            raise UsageError(f"--framework {args.framework}: {e}") from None
     if args.d_model % (2 * args.heads):
         raise UsageError(
             f"--d-model {args.d_model} must be a multiple of 2 * --heads = {2 * args.heads} "
@@ -584,6 +708,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         )
     pattern = parse_pattern(args)
     chars, data, text_sha256 = load_text(args.text)
+    check_text(args, chars, data)
     run = run_identity(args, text_sha256)
     if args.restore and saved["chars"] != chars:
         raise CheckpointError(
@@ -595,11 +720,17 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         differ = differences(saved["run"], run, ["text_sha256"])
         if differ:
             raise CheckpointError(
-                f"{path} holds a run on another text:\n  {differ[0]}\n"
-                f"Pass --text {saved['run']['text']}, or --overwrite to start a new run."
+                f"{path} holds a run on another text ({differ[0]}): pass --text "
+                f"{saved['run']['text']}, or --overwrite to start a new run."
             )
     if saved and not (args.restore or args.resume or args.overwrite):
-        raise refuse_to_overwrite(path, saved, run)
+        if not finished_same_run(saved, run):
+            raise refuse_to_overwrite(path, saved, run)
+        log(
+            f"{path} already holds this run, trained to step {saved['step']}: sampling from it "
+            "without training (--overwrite trains it again, --checkpoint PATH elsewhere)"
+        )
+        args.restore = True
 
     split = int(0.9 * len(data))
     train_data, val = jnp.asarray(data[:split]), val_windows(data[split:], args.seq_len)

@@ -26,16 +26,38 @@ from stackwise._stack import Stacked as Stacked
 from stackwise._stack import stack as stack
 
 
-def _source_adapters() -> list[str]:
-    """``[<checkout>/adapters]`` when imported from a source checkout of stackwise, else ``[]``.
+#: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
+#: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no
+#: ``import stackwise.haiku``. A new optional submodule adds its name here.
+_LAZY_SUBMODULES = ("haiku", "flax", "nnx", "equinox", "optax", "bench")
+
+
+def __getattr__(name: str):
+    """``stackwise.<submodule>``: imports one of :data:`_LAZY_SUBMODULES` on first use.
+
+    A missing framework raises the submodule's ImportError, which says what to install.
+    """
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")  # (sets the attribute too)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})
+
+
+def _source_tree() -> str | None:
+    """The checkout's root when stackwise is imported from a source checkout, else None.
 
     The adapters (`stackwise.haiku`, `.flax`, `.nnx`, ...) live in `adapters/<framework>/` of
-    the source tree and are installed as `stackwise/<framework>/`. Imported from a checkout
-    (e.g. with the repository root as the working directory), stackwise finds them where they
-    are, so that the source tree and an installed package offer the same modules. A checkout is
-    recognised by a pyproject.toml naming this project next to `stackwise/`, not by an
-    `adapters/` folder alone: a project that vendors `stackwise/` next to an `adapters/` folder
-    of its own must not get that folder's packages as `stackwise.<name>`.
+    the source tree and the benchmark `stackwise.bench` in `bench/`; they are installed as
+    `stackwise/<name>/`. Imported from a checkout (e.g. with the repository root as the working
+    directory), stackwise finds them where they are, so that the source tree and an installed
+    package offer the same modules. A checkout is recognised by a pyproject.toml naming this
+    project next to `stackwise/`, not by an `adapters/` or `bench/` folder alone: a project that
+    vendors `stackwise/` next to folders of its own must not get them as `stackwise.<name>`.
     """
     import os
     import re
@@ -45,14 +67,52 @@ def _source_adapters() -> list[str]:
         with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
             pyproject = f.read()
     except OSError:  # installed: the folder holding `stackwise/` has no pyproject.toml
-        return []
-    adapters = os.path.join(root, "adapters")
-    ours = re.search(r"""(?m)^name\s*=\s*["']stackwise["']""", pyproject)
-    return [adapters] if ours and os.path.isdir(adapters) else []
+        return None
+    return root if re.search(r"""(?m)^name\s*=\s*["']stackwise["']""", pyproject) else None
 
 
-__path__.extend(_source_adapters())  # noqa: F821 (a package's own __path__)
-del _source_adapters
+class _SourcePackages:
+    """A meta path finder for the checkout's packages that are not in a folder of `__path__`:
+    ``stackwise.bench`` from `bench/` (a folder added to `__path__` would make every one of its
+    siblings a `stackwise.<name>` too). Installed, setuptools' package-dir puts them in place."""
+
+    def __init__(self, folders: dict[str, str]):
+        self.folders = folders
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        del path, target  # (the folder is known)
+        folder = self.folders.get(fullname)
+        if folder is None:
+            return None
+        import importlib.util
+        import os
+
+        init = os.path.join(folder, "__init__.py")
+        return importlib.util.spec_from_file_location(
+            fullname, init, submodule_search_locations=[folder]
+        )
+
+
+def _find_source_packages(root: str) -> None:
+    import os
+    import sys
+
+    if os.path.isdir(os.path.join(root, "adapters")):
+        __path__.append(os.path.join(root, "adapters"))  # noqa: F821 (a package's own __path__)
+    bench = os.path.join(root, "bench")
+    if os.path.isfile(os.path.join(bench, "__init__.py")):
+        # First on sys.meta_path: before an editable install's finder, which maps
+        # `stackwise.<name>` into the folder it was installed from, perhaps another checkout.
+        ours = [f for f in sys.meta_path if type(f).__name__ == "_SourcePackages"]
+        for finder in ours:  # (a reload of stackwise)
+            sys.meta_path.remove(finder)
+        sys.meta_path.insert(0, _SourcePackages({f"{__name__}.bench": bench}))
+
+
+_root = _source_tree()
+if _root is not None:
+    _find_source_packages(_root)
+del _find_source_packages, _root, _source_tree
 
 __version__ = "0.1.0"
 

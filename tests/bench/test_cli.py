@@ -6,6 +6,7 @@ No timing assertions: the smoke run checks that every variant runs and that the 
 
 import csv
 import importlib.metadata
+import os
 import pathlib
 import subprocess
 import sys
@@ -32,11 +33,7 @@ def test_console_script_is_declared():
     assert [s.value for s in scripts] == ["stackwise.bench:main"]
 
 
-def test_importing_bench_imports_no_framework_or_ui_library():
-    heavy = ("haiku", "flax", "rich", "tqdm", "matplotlib")
-    code = f"import sys, stackwise.bench; print([m for m in {heavy!r} if m in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+# That importing stackwise.bench imports no framework or UI library: tests/package/test_import.py.
 
 
 def test_bad_command_line_is_refused():
@@ -67,10 +64,13 @@ def test_help_says_where_the_outputs_go(capsys):
 @pytest.mark.slow
 def test_quick_run_writes_csv_plot_and_table(tmp_path):
     csv_path, png_path = tmp_path / "bench.csv", tmp_path / "bench.png"
+    # (--quick compiles its programs at XLA's backend optimisation level 0; the flag does the
+    # same for the eager ops that build the models, e.g. Equinox's vmapped inits)
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
     out = subprocess.run(
         [sys.executable, "-m", "stackwise.bench", "--quick", "--blocks", "mlp",
          "--csv", str(csv_path), "--plot", str(png_path), "--no-progress"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stackwise nested" in out.stdout

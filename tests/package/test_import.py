@@ -1,26 +1,106 @@
-"""`import stackwise` must not import any framework."""
+"""`import stackwise` must not import any framework; its optional submodules load on first use.
 
+The optional submodules (the adapters and the benchmark) are attributes of the package that
+import themselves when first used (PEP 562, as scipy does), so that `import stackwise` then
+`stackwise.haiku.Stack` works as the README writes it.
+"""
+
+import importlib.util
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
+import pytest
 
-def test_import_stackwise_imports_no_framework():
+import stackwise
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+#: The optional submodules, in the order the test uses them, and the framework each needs.
+LAZY = {
+    "bench": None, "haiku": "haiku", "flax": "flax", "nnx": "flax", "equinox": "equinox",
+    "optax": "optax",
+}
+HEAVY = (
+    "haiku", "flax", "equinox", "optax", "matplotlib", "rich", "tqdm",
+    "safetensors", "orbax", "tensorstore",
+)
+
+
+def test_import_stackwise_imports_no_framework_then_each_submodule_on_first_use():
     code = (
-        "import sys, stackwise\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('haiku', 'flax', 'equinox', 'optax', 'matplotlib', 'rich', 'tqdm', "
-        "'safetensors', 'orbax', 'tensorstore'))\n"
-        "print(','.join(bad))\n"
+        "import json, sys, stackwise\n"
+        f"heavy = {HEAVY!r}\n"
+        "def loaded(): return sorted({m.split('.')[0] for m in sys.modules} & set(heavy))\n"
+        "out = {'after import': loaded()}\n"
+        f"for name in {list(LAZY)!r}:\n"
+        "    module = getattr(stackwise, name)\n"
+        "    out[name] = [module.__name__, sys.modules.get('stackwise.' + name) is module,\n"
+        "                 any(hasattr(module, a) for a in ('Stack', 'main', 'layerwise')), loaded()]\n"
+        "print(json.dumps(out))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"import stackwise imported: {out.stdout}"
+    out = json.loads(out.stdout)
+    assert out.pop("after import") == [], "import stackwise imported a framework"
+    assert list(out) == list(LAZY)
+    for name, (module, registered, public, loaded) in out.items():
+        assert (module, registered, public) == (f"stackwise.{name}", True, True), name
+        assert LAZY[name] is None or LAZY[name] in loaded, name
+    # The benchmark imports no framework, rich, tqdm or matplotlib until it runs; the
+    # adapters load one at a time (dm-haiku itself imports flax).
+    assert out["bench"][3] == [] and "equinox" not in out["nnx"][3]
 
 
-def test_no_top_level_adapters_package():
-    code = "import importlib.util; print(importlib.util.find_spec('adapters'))"
+def test_lazy_submodules_are_listed_and_other_names_are_attribute_errors():
+    assert set(LAZY) <= set(dir(stackwise))
+    assert {"stack", "stack_layers", "__version__"} <= set(dir(stackwise))
+    with pytest.raises(AttributeError, match="module 'stackwise' has no attribute 'hiaku'"):
+        stackwise.hiaku  # noqa: B018
+
+
+def test_a_missing_framework_gets_the_install_hint(monkeypatch):
+    for framework in ("haiku", "flax", "equinox", "optax"):  # as if not installed
+        monkeypatch.setitem(sys.modules, framework, None)
+    hints = {}
+    for name in ("haiku", "flax", "nnx", "equinox", "optax"):
+        monkeypatch.delitem(sys.modules, f"stackwise.{name}", raising=False)
+        if name in vars(stackwise):  # (not hasattr: that would import it)
+            monkeypatch.delattr(stackwise, name)
+        with pytest.raises(ImportError) as e:
+            getattr(stackwise, name)
+        hints[name] = str(e.value)
+    assert hints == {
+        "haiku": "`stackwise.haiku` needs dm-haiku: pip install 'stackwise[haiku]'",
+        "flax": "`stackwise.flax` needs flax: pip install 'stackwise[flax]'",
+        "nnx": "`stackwise.nnx` needs flax: pip install 'stackwise[flax]'",
+        "equinox": "`stackwise.equinox` needs equinox: pip install 'stackwise[equinox]'",
+        "optax": "`stackwise.optax` needs optax: pip install 'stackwise[optax]'",
+    }
+
+
+def test_the_source_tree_offers_the_installed_modules_and_no_others():
+    # From a checkout: the adapters from adapters/, the benchmark from bench/ ...
+    assert pathlib.Path(stackwise.__file__) == ROOT / "stackwise" / "__init__.py"
+    bench = importlib.util.find_spec("stackwise.bench")
+    assert pathlib.Path(bench.origin) == ROOT / "bench" / "__init__.py"
+    workloads = importlib.util.find_spec("stackwise.bench.workloads")
+    assert pathlib.Path(workloads.origin) == ROOT / "bench" / "workloads" / "__init__.py"
+    haiku = importlib.util.find_spec("stackwise.haiku")
+    assert pathlib.Path(haiku.origin) == ROOT / "adapters" / "haiku" / "__init__.py"
+    # ... and none of the repository's other folders as `stackwise.<folder>`.
+    # (`stackwise.egg-info` of an editable install is no module name: not a candidate)
+    folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and p.name.isidentifier())
+    strays = [f for f in folders if f not in ("stackwise", "adapters", "bench")]
+    assert {"tests", "examples", "benchmarks", "docs"} <= set(strays)
+    for name in [*strays, "adapters", "stackwise", "bench.bench"]:
+        assert importlib.util.find_spec(f"stackwise.{name}") is None, name
+
+
+def test_no_top_level_adapters_or_bench_package():
+    code = "import importlib.util as u; print(u.find_spec('adapters'), u.find_spec('bench'))"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as an installed user
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/", env=env
     )
-    assert out.stdout.strip() == "None"
+    assert out.stdout.strip() == "None None"

@@ -1,8 +1,9 @@
 """The built package: the wheel and the sdist hold what they should, and a non-editable install
 offers the same modules as the source tree, imported from the repository root or elsewhere.
 
-The layout: `stackwise/` is the package; `adapters/<framework>/` is installed as
-`stackwise/<framework>/` (setuptools `package-dir`); there is no top-level `adapters` module.
+The layout: `stackwise/` is the core package; `adapters/<framework>/` is installed as
+`stackwise/<framework>/` and `bench/` (the benchmark) as `stackwise/bench/` (setuptools
+`package-dir`); there is no top-level `adapters` or `bench` module.
 The expected files are derived from that rule and the source tree, not from pyproject.toml (the
 thing under test), so an adapter folder that pyproject does not map fails here.
 
@@ -70,6 +71,8 @@ def expected_package_files() -> dict[str, str]:
             files[f] = f
         elif f.startswith("adapters/") and f.endswith(".py"):
             files["stackwise/" + f.removeprefix("adapters/")] = f
+        elif f.startswith("bench/") and f.endswith(".py"):
+            files["stackwise/" + f] = f
     return files
 
 
@@ -125,7 +128,8 @@ def test_wheel_contents(built):
         names = whl.namelist()
         package = sorted(n for n in names if ".dist-info/" not in n)
         expected = expected_package_files()
-        # stackwise/**, stackwise/<framework>/** and py.typed; no `adapters`, tests or examples.
+        # stackwise/**, stackwise/<framework>/**, stackwise/bench/** and py.typed; no `adapters`,
+        # `bench`, tests or examples.
         assert package == sorted(expected)
         for installed, source in expected.items():
             assert whl.read(installed) == (ROOT / source).read_bytes(), installed
@@ -147,13 +151,14 @@ def test_sdist_contents(built):
         m for m in members if m not in written and not m.startswith("stackwise.egg-info/")
     )
     assert written <= set(members)
-    dirs = ("stackwise/", "adapters/", *(d + "/" for d in SDIST_EXTRA_DIRS))
+    dirs = ("stackwise/", "adapters/", "bench/", *(d + "/" for d in SDIST_EXTRA_DIRS))
     expected = sorted(
         f
         for f in source_files()
         if f in SDIST_TOP_FILES or (f.startswith(dirs) and not f.startswith(IGNORED_DIRS))
     )
-    # Sources, adapters, tests, examples (with their data) and docs; not .ci/ or benchmarks/.
+    # Sources, adapters, the benchmark, tests, examples (with their data) and docs; not .ci/ or
+    # benchmarks/.
     assert shipped == expected
     assert "examples/data/shakespeare.txt" in shipped and "LICENSE" in shipped
 
@@ -171,7 +176,8 @@ def test_installed_package_imports_from_anywhere(built, where):
     cwd = ROOT if where == "repository root" else built["tmp"]
     paths = sysconfig.get_paths()
     site_packages = dict.fromkeys([paths["purelib"], paths["platlib"]])
-    modules = ["stackwise", *(f"stackwise.{name}" for name in adapter_names())]
+    modules = ["stackwise", *(f"stackwise.{name}" for name in adapter_names()), "stackwise.bench"]
+    modules.append("stackwise.bench.workloads")
     code = (
         "import importlib, sys\n"
         "for name in sys.argv[1:]:\n"
@@ -200,4 +206,5 @@ def test_installed_files_equal_the_source_tree(built):
     assert installed == sorted(expected)
     for rel, source in expected.items():
         assert (site / rel).read_bytes() == (ROOT / source).read_bytes(), rel
-    assert not (site / "adapters").exists()
+    assert not (site / "adapters").exists() and not (site / "bench").exists()
+    assert "bench/workloads/__init__.py" in {f.removeprefix("stackwise/") for f in installed}

@@ -2,10 +2,13 @@
 
 A block measured at several depths gets three log-log panels against n (one line per
 variant); a block measured at one depth gets three dot charts (one row per variant).
-Colour says the family (Python loop, hand-written scan, stackwise, each framework),
-marker the variant within it, and line style the kind (solid with filled markers:
-stackwise; dashed with open markers: a framework's tool or the hand-written scan; dotted:
-a loop). matplotlib is imported when a plot is written.
+Colour says the family (Python loop, hand-written scan, stackwise, each framework), its
+shade and the marker the variant within it (darkest first), and line style the kind (solid
+with filled markers: stackwise; dashed with open markers: a framework's tool or the
+hand-written scan; dotted: a loop). In the memory panel (exact sizes, not noisy timings),
+series with equal values at every depth are drawn side by side, shifted left and right a
+little around each n, and the panel says so.
+matplotlib is imported when a plot is written.
 """
 
 from __future__ import annotations
@@ -30,13 +33,20 @@ _COLOURS = {
     "Haiku": "#009E73",
     "Flax linen": "#D55E00",
     "Flax NNX": "#CC79A7",
+    "Equinox": "#882255",  # (Paul Tol's wine: Okabe-Ito's sky blue is too near stackwise's)
 }
-_SPARE_COLOURS = ("#56B4E9", "#F0E442", "#999999", "#882255")
+_SPARE_COLOURS = ("#56B4E9", "#999999", "#F0E442")
+#: How far the lightest shade of a family's colour goes towards white.
+_LIGHTEST = 0.45
+#: Series within this relative difference at every depth are drawn side by side.
+_SAME = 0.005
+#: The x factor between side-by-side series (log scale: the same gap at every n).
+_DODGE = 1.03
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
-_PANELS = (  # (title, unit, value of a result)
-    ("cold compile", "s", lambda r: r.compile_s),
-    ("step time (median)", "ms", lambda r: r.step_s * 1e3),
-    ("compiled temp memory", "MiB", lambda r: r.temp_bytes / 2**20),
+_PANELS = (  # (title, unit, value of a result, exact: equal values are drawn side by side)
+    ("cold compile", "s", lambda r: r.compile_s, False),
+    ("step time (median)", "ms", lambda r: r.step_s * 1e3, False),
+    ("compiled temp memory", "MiB", lambda r: r.temp_bytes / 2**20, True),
 )
 
 
@@ -92,19 +102,43 @@ def _styles(results: Sequence[Result]) -> dict[str, dict[str, Any]]:
     or filled marker) by kind: stackwise, a framework's tool, a loop."""
     spare = itertools.cycle(_SPARE_COLOURS)
     colours = dict(_COLOURS)
-    markers: dict[str, Any] = {}
-    out = {}
+    members: dict[str, list[str]] = {}
     for r in results:
-        if r.variant in out:
-            continue
-        fam = family(r)
+        if r.variant not in members.setdefault(family(r), []):
+            members[family(r)].append(r.variant)
+    out = {}
+    for fam, variants in members.items():
         if fam not in colours:
             colours[fam] = next(spare)
-        marker = markers.setdefault(fam, itertools.cycle(_MARKERS))
-        kind = ":" if "loop" in r.variant else "-" if "stackwise" in r.variant else "--"
-        out[r.variant] = dict(color=colours[fam], marker=next(marker), linestyle=kind,
-                              fillstyle="none" if kind == "--" else "full", family=fam)
+        for i, (variant, marker) in enumerate(zip(variants, itertools.cycle(_MARKERS))):
+            kind = ":" if "loop" in variant else "-" if "stackwise" in variant else "--"
+            shade = _LIGHTEST * i / max(len(variants) - 1, 1)
+            out[variant] = dict(color=_lighter(colours[fam], shade), marker=marker,
+                                linestyle=kind, fillstyle="none" if kind == "--" else "full",
+                                family=fam)
     return out
+
+
+def _lighter(colour: str, amount: float) -> str:
+    """``colour`` (``#rrggbb``) moved ``amount`` (0 to 1) of the way to white."""
+    rgb = [int(colour[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in rgb)
+
+
+def _dodges(series: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """Per series ``[(n, value), ...]``: the factor its n are drawn at, spreading the series
+    with equal values (within :data:`_SAME`) side by side around n; 1 for the others."""
+    out = {}
+    for variant, pts in series.items():
+        same = [v for v, other in series.items() if pts and _coincide(pts, other)]
+        out[variant] = _DODGE ** (same.index(variant) - (len(same) - 1) / 2) if same else 1.0
+    return out
+
+
+def _coincide(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        abs(u - v) <= _SAME * max(abs(u), abs(v)) for (_, u), (_, v) in zip(a, b)
+    )
 
 
 def _log_ticks(axis: Any, values: Sequence[float]) -> None:
@@ -128,14 +162,21 @@ def _lines(sub: Any, block: str, results: list[Result], styles: dict) -> None:
 
     ns = sorted({r.n for r in results})
     axes = sub.subplots(1, len(_PANELS))
-    for ax, (what, unit, value) in zip(axes, _PANELS):
+    for ax, (what, unit, value, exact) in zip(axes, _PANELS):
         values = [value(r) for r in results if value(r) > 0]
+        series = {}
         for variant in dict.fromkeys(r.variant for r in results):
             pts = sorted((r.n, value(r)) for r in results if r.variant == variant)
-            pts = [(n, v) for n, v in pts if v > 0]
+            series[variant] = [(n, v) for n, v in pts if v > 0]
+        dodges = _dodges(series) if exact else {}
+        for variant, pts in series.items():
+            dodge = dodges.get(variant, 1.0)
             style = {k: v for k, v in styles[variant].items() if k != "family"}
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=variant, markersize=5,
-                    linewidth=1.4, **style)
+            ax.plot([p[0] * dodge for p in pts], [p[1] for p in pts], label=variant,
+                    markersize=5, linewidth=1.4, **style)
+        if any(d != 1.0 for d in dodges.values()):
+            ax.text(0.02, 0.98, "equal values: drawn side by side", transform=ax.transAxes,
+                    fontsize=7, color="0.35", va="top")
         ax.set(xscale="log", yscale="log", title=f"{block}: {what}", xlabel="n (layers)",
                ylabel=unit)
         ax.set_xticks(ns)
@@ -155,7 +196,7 @@ def _dots(sub: Any, block: str, results: list[Result], styles: dict) -> None:
     n = results[0].n
     y = {v: i for i, v in enumerate(variants)}
     axes = sub.subplots(1, len(_PANELS), sharey=True)
-    for ax, (what, unit, value) in zip(axes, _PANELS):
+    for ax, (what, unit, value, _) in zip(axes, _PANELS):
         values = [value(r) for r in results if value(r) > 0]
         for r in results:
             style = {k: v for k, v in styles[r.variant].items() if k != "family"}

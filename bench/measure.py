@@ -44,7 +44,10 @@ from stackwise.bench.programs import (
 from stackwise.bench.stats import paired_ratio
 from stackwise.bench.workloads import Case
 
-__all__ = ["fill_ratios", "plan", "run_benchmark"]
+__all__ = ["FAILED", "fill_ratios", "plan", "run_benchmark"]
+
+#: In the note of each variant that failed (and was left out).
+FAILED = "failed, skipped"
 
 
 def run_benchmark(
@@ -62,8 +65,9 @@ def run_benchmark(
       depth (ratios filled in), and notes on what was skipped and why.
 
     Raises:
-      ValueError: an unknown block, or no variant matches ``cfg.variants`` (the message
-        lists the variants there are and what could not be imported).
+      ValueError: an unknown block, depths a block does not accept, or a ``cfg.variants``
+        entry that matches no variant (the message lists the variants there are and what
+        could not be imported).
     """
     notes: list[str] = []
     blocks = plan(cfg, notes)
@@ -87,12 +91,18 @@ def run_benchmark(
 def plan(cfg: BenchConfig, notes: list[str]) -> list[tuple[str, list[Case], tuple[int, ...]]]:
     """``(block, cases, depths)`` for every block with a selected variant.
 
-    A block none of whose variants is selected is left out with a note, as is a
-    ``cfg.variants`` entry that selects nothing; if nothing at all is selected, raises a
-    ValueError that lists the variants there are.
+    A block none of whose variants is selected is left out with a note. Raises a ValueError
+    that lists the variants there are if nothing at all is selected or a ``cfg.variants``
+    entry selects nothing, and one for depths a block's rows do not accept.
     """
     out, every = [], []
     for block in cfg.blocks:
+        entry = workloads.BLOCKS[block]
+        if min(workloads.depths(block, cfg)) < entry.min_n:
+            raise ValueError(
+                f"{entry.depths}={workloads.depths(block, cfg)}: the {block} block's rows need "
+                f"n >= {entry.min_n}; give depths of at least {entry.min_n}."
+            )
         cases = workloads.cases(block, cfg, notes)
         every += cases
         chosen = workloads.select(cases, cfg.variants)
@@ -116,9 +126,13 @@ def plan(cfg: BenchConfig, notes: list[str]) -> list[tuple[str, list[Case], tupl
             f"  A variant runs if its name contains one of the strings, or its framework "
             f"({', '.join(workloads.frameworks())}) is one. The variants here are: {names}."
         )
-    for wanted in cfg.variants:
-        if not workloads.select(every, [wanted]):
-            notes.append(f"{wanted!r} matches no variant; ignored.")
+    unmatched = [wanted for wanted in cfg.variants if not workloads.select(every, [wanted])]
+    if unmatched:  # a typo: running the others alone would look like a whole run
+        names = ", ".join(dict.fromkeys(c.name for c in every))
+        raise ValueError(
+            f"{', '.join(map(repr, unmatched))} matches no variant of the blocks "
+            f"{', '.join(cfg.blocks)}; the variants there are: {names}."
+        )
     return out
 
 
@@ -154,10 +168,11 @@ class _BlockRun:
         self.block, self.cfg, self.bar, self.notes, self.log = block, cfg, bar, notes, log
         self.grad = workloads.BLOCKS[block].grad
         self.state = workloads.BLOCKS[block].state
+        self.options = {"xla_backend_optimization_level": 0} if cfg.smoke else None
 
     def failed(self, where: str, e: BaseException) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        note = f"{self.block}/{where}: failed, skipped ({type(e).__name__}: {first[:200]})"
+        note = f"{self.block}/{where}: {FAILED} ({type(e).__name__}: {first[:200]})"
         self.notes.append(note)
         self.log(f"note: {note}")
 
@@ -188,7 +203,7 @@ class _BlockRun:
         for case in cases:
             self.bar.describe(f"{self.block}: warm-up {case.name}")
             try:
-                compiled, *_ = _compile(_build(case, n), self.grad, self.state)
+                compiled, *_ = _compile(_build(case, n), self.grad, self.state, self.options)
                 _time_call(compiled)
                 working.append(case)
             except Exception as e:  # noqa: BLE001
@@ -203,7 +218,9 @@ class _BlockRun:
             for name in _shuffled(list(built), self.cfg.seed, repeat):
                 self.bar.describe(f"{self.block} n={n}: compile {name}")
                 try:
-                    c, seconds, traced, lowered = _compile(built[name], self.grad, self.state)
+                    c, seconds, traced, lowered = _compile(
+                        built[name], self.grad, self.state, self.options
+                    )
                 except Exception as e:  # noqa: BLE001
                     self.failed(f"{name} n={n}", e)
                     del built[name]
@@ -245,15 +262,19 @@ def _build(case: Case, n: int) -> tuple:
     return jax.block_until_ready(case.build(n))
 
 
-def _compile(built: tuple, grad: bool, state: bool) -> tuple[_Compiled, float, float, Any]:
+def _compile(
+    built: tuple, grad: bool, state: bool, options: dict | None = None
+) -> tuple[_Compiled, float, float, Any]:
     """Compiles ``jit(grad(loss))`` (``jit(loss)`` without ``grad``; ``jit(step,
-    donate_argnums=1)`` with ``state``) cold: caches cleared, garbage collected, then timed.
+    donate_argnums=1)`` with ``state``) cold: caches cleared, garbage collected, then timed;
+    ``options``: XLA's compiler options; given (:attr:`BenchConfig.smoke`), compiles warm.
 
     Returns the compiled function, the seconds of the whole compile and of its tracing
     and lowering part, and the lowered program.
     """
-    jax.clear_caches()
-    gc.collect()
+    if options is None:  # cold (a smoke run compiles warm, and at a low optimisation level)
+        jax.clear_caches()
+        gc.collect()
     start = time.perf_counter()
     if state:
         params, carried, x, step = built
@@ -262,7 +283,7 @@ def _compile(built: tuple, grad: bool, state: bool) -> tuple[_Compiled, float, f
         (params, x, loss), carried = built, None
         lowered = jax.jit(jax.grad(loss) if grad else loss, keep_unused=True).lower(params, x)
     traced = time.perf_counter() - start
-    compiled = lowered.compile()
+    compiled = lowered.compile(options)
     seconds = time.perf_counter() - start
     return _Compiled(compiled, params, x, carried), seconds, traced, lowered
 

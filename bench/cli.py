@@ -15,7 +15,7 @@ import jax
 
 from stackwise.bench import workloads
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.measure import run_benchmark
+from stackwise.bench.measure import FAILED, run_benchmark
 from stackwise.bench.plot import write_plot
 from stackwise.bench.report import machine, print_report, write_csv, write_markdown
 
@@ -32,11 +32,16 @@ _EPILOG = """\
 outputs: a table per block and framework on stdout (columns explained in the project's
 benchmarks/README.md), progress on stderr, and in the current directory
 stackwise-bench.csv (every measurement and the raw timings, one row per variant and n) and
-stackwise-bench.png (compile time, step time and memory against n); --csv/--plot move them.
-The project's pass/fail targets are checked from the CSV by benchmarks/targets.py.
+stackwise-bench.png (compile time, step time and memory against n); --csv/--plot move them
+(the repository's .gitignore covers both names). Every output is checked writable before the
+run starts. The project's pass/fail targets are checked from the CSV by benchmarks/targets.py.
+The exit status is 0 when every selected variant was measured, 1 when one failed (the notes
+say which; what was measured is still written), 2 for a bad command line.
 
 examples:
-  stackwise-bench --quick                 smoke run: tiny sizes, every variant (minutes)
+  stackwise-bench --quick                 smoke run: the mlp and pattern blocks, every variant,
+                                          tiny sizes, fast compiles (seconds)
+  stackwise-bench --quick --blocks transformer,decode   the framework rows, tiny (a minute)
   stackwise-bench --blocks mlp            the core comparison at n=8,24,48,96
   stackwise-bench --variants haiku        every Haiku row (transformer, decode, prefill)
   stackwise-bench --blocks transformer --transformer-n 48 --compile-repeats 7 --rounds 21
@@ -51,14 +56,19 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+#: The largest --seed (a 32-bit PRNG seed).
+MAX_SEED = 2**32 - 1
+
+
 def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated positive ints, each once, in increasing order."""
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values
+    return tuple(sorted(set(values)))
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -85,8 +95,10 @@ def parser() -> argparse.ArgumentParser:
     )
     what = p.add_argument_group("what to run")
     what.add_argument("--quick", action="store_true",
-                      help="smoke run: tiny sizes, n=2,4 (transformer, decode, prefill n=2; "
-                      "pattern n=3,5), 2 rounds")
+                      help="smoke run, seconds: the mlp and pattern blocks (others with "
+                      "--blocks), every variant, tiny sizes, n=2,4 (pattern n=3,5; transformer, "
+                      "decode, prefill n=2), 2 rounds, fast warm compiles; the numbers mean "
+                      "little")
     what.add_argument("--blocks", type=_names, default=None, metavar="B[,B]",
                       help=f"blocks to run: {', '.join(workloads.BLOCKS)} (default: all)")
     defaults = BenchConfig()
@@ -105,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
                      help="timed rounds per depth; the step time is their median (default 7)")
     how.add_argument("--compile-repeats", type=_positive, default=None, metavar="K",
                      help="cold compiles per variant and depth; the fastest is shown (default 1)")
-    how.add_argument("--seed", type=int, default=0, help="seed of params, inputs and orders")
+    how.add_argument("--seed", type=int, default=0,
+                     help=f"seed of params, inputs and orders, 0 to {MAX_SEED} (default 0)")
     out = p.add_argument_group("outputs")
     out.add_argument("--csv", default="stackwise-bench.csv", metavar="PATH",
                      help="the CSV (default: ./stackwise-bench.csv; '' for none)")
@@ -128,32 +141,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     overrides: dict[str, Any] = {"seed": args.seed, "variants": args.variants}
-    if args.blocks:
-        unknown = [b for b in args.blocks if b not in workloads.BLOCKS]
-        if unknown:
-            p.error(f"--blocks: unknown {', '.join(unknown)}; choose from "
-                    f"{', '.join(workloads.BLOCKS)}")
-        overrides["blocks"] = args.blocks
+    if args.blocks is not None:
+        overrides["blocks"] = tuple(dict.fromkeys(args.blocks))
     for block, entry in workloads.BLOCKS.items():
         if getattr(args, f"depths_{block}") is not None:
             overrides[entry.depths] = getattr(args, f"depths_{block}")
     for field in ("rounds", "compile_repeats"):
         if getattr(args, field) is not None:
             overrides[field] = getattr(args, field)
+    _check(p, args)
     cfg = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+    _check_blocks(p, args, cfg)
     log = functools.partial(print, file=sys.stderr)
     log(f"stackwise-bench: jax {jax.__version__} on {machine()}")
     start = time.perf_counter()
     try:
         results, notes = run_benchmark(cfg, progress=not args.no_progress, log=log)
     except ValueError as e:
-        p.error("\n".join(textwrap.fill(line, 100, subsequent_indent="    ")
-                          for line in str(e).splitlines()))
+        flag = "--variants" if cfg.variants else "--blocks"
+        p.error(f"{flag}: " + "\n".join(textwrap.fill(line, 100, subsequent_indent="    ")
+                                        for line in str(e).splitlines()))
     print_report(results, notes, cfg, wide=args.wide)
     if not results:
         log("stackwise-bench: every selected variant failed (see the notes above); "
             "nothing written.")
         return 1
+    failed = [note for note in notes if FAILED in note]
     if args.csv:
         write_csv(results, args.csv)
         print(f"wrote {os.path.abspath(args.csv)}")
@@ -164,4 +177,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_markdown(results, cfg, args.markdown)
         print(f"wrote {os.path.abspath(args.markdown)}")
     print(f"total time {time.perf_counter() - start:.0f} s")
+    if failed:
+        log(f"stackwise-bench: {len(failed)} variant(s) failed and were left out (the notes "
+            "above say which and why); exit status 1.")
+        return 1
     return 0
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, before any work, what the run could not use: ``p.error`` (one line naming
+    the flag, exit status 2)."""
+    if args.blocks is not None:
+        unknown = [b for b in args.blocks if b not in workloads.BLOCKS]
+        if unknown or not args.blocks:
+            what = f"unknown {', '.join(unknown)}" if unknown else "no block named"
+            p.error(f"--blocks {','.join(args.blocks)!r}: {what}; choose from "
+                    f"{', '.join(workloads.BLOCKS)}")
+    if not 0 <= args.seed <= MAX_SEED:
+        p.error(f"--seed {args.seed}: expected an integer from 0 to {MAX_SEED}")
+    outputs = {}
+    for flag, path, default in (("--csv", args.csv, "stackwise-bench.csv"),
+                                ("--plot", args.plot, "stackwise-bench.png"),
+                                ("--markdown", args.markdown, "stackwise-bench.md")):
+        if not path:
+            continue
+        where = os.path.realpath(path)
+        if where in outputs:
+            p.error(f"{flag} {path}: also given to {outputs[where]}; give each output its own "
+                    "file")
+        outputs[where] = flag
+        _check_writable(p, flag, path, default)
+    if args.plot:
+        _check_plot_format(p, args.plot)
+
+
+def _check_writable(p: argparse.ArgumentParser, flag: str, path: str, default: str) -> None:
+    if os.path.isdir(path):
+        p.error(f"{flag} {path}: a folder; give a file path, e.g. "
+                f"{flag} {os.path.join(path, default)}")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        p.error(f"{flag} {path}: there is no folder {folder}; create it (mkdir -p {folder}) or "
+                "give another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+        os.path.exists(path) and not os.access(path, os.W_OK)
+    ):
+        p.error(f"{flag} {path}: not writable; give a path in a folder you can write")
+
+
+def _check_plot_format(p: argparse.ArgumentParser, path: str) -> None:
+    """The figure's format, from the extension as matplotlib reads it (none: PNG)."""
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # the run notes that no plot is written
+        return
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        p.error(f"--plot {path}: matplotlib cannot write .{suffix} files; use .png (or one of "
+                f"{', '.join('.' + f for f in sorted(formats))})")
+
+
+def _check_blocks(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: BenchConfig):
+    """Each depth flag given belongs to a block that runs, at depths its rows accept."""
+    for block, entry in workloads.BLOCKS.items():
+        given = getattr(args, f"depths_{block}")
+        if given is None:
+            continue
+        flag = _depth_flag(block)
+        if block not in cfg.blocks:
+            p.error(f"{flag} {','.join(map(str, given))}: the {block} block is not run "
+                    f"(--blocks {','.join(cfg.blocks)}); add it to --blocks, or leave {flag} out")
+        if min(given) < entry.min_n:
+            p.error(f"{flag} {','.join(map(str, given))}: the {block} block's rows need n >= "
+                    f"{entry.min_n} (its pattern has {entry.min_n} layers); give depths of at "
+                    f"least {entry.min_n}")

@@ -58,7 +58,8 @@ class Block(NamedTuple):
       with the state donated, and each call is given the state the previous call
       returned (see :data:`~stackwise.bench.workloads.common.Build`);
     * ``warmup_n``: the depth of the warm-up compiles (small, but one that every row
-      accepts: a pattern of k layers needs at least k).
+      accepts);
+    * ``min_n``: the smallest depth every row accepts (a pattern of k layers needs k).
     """
 
     title: str
@@ -67,6 +68,7 @@ class Block(NamedTuple):
     grad: bool = True
     state: bool = False
     warmup_n: int = 2
+    min_n: int = 1
 
 
 # The decode and prefill blocks: one layer and one harness, fed one token or a whole prompt.
@@ -106,6 +108,7 @@ BLOCKS: dict[str, Block] = {
         "pattern_ns",
         ("core",),
         warmup_n=3,
+        min_n=3,
     ),
 }
 

@@ -32,6 +32,9 @@ class BenchConfig:
       variants: run only the variants whose name contains one of these strings, or whose
         framework (``jax``, ``haiku``, ``flax``, ``nnx``) is one of them (empty: all).
       seed: the PRNG seed of params and inputs, and of the measuring order.
+      smoke: a smoke run, for speed, not for figures: compile at XLA's backend
+        optimisation level 0 (a third of the time or less; the code runs slower), and
+        compile warm (no clearing of JAX's caches and no garbage collection before each).
 
     A block's depths are the field its ``stackwise.bench.workloads.BLOCKS`` entry names.
     """
@@ -61,18 +64,23 @@ class BenchConfig:
     warmup: bool = True
     variants: tuple[str, ...] = ()
     seed: int = 0
+    smoke: bool = False
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
-        """A smoke run of every variant: tiny sizes, few depths and rounds, no warm-up.
+        """A smoke run in seconds: the ``mlp`` and ``pattern`` blocks (every variant, the
+        Equinox rows included; pass ``blocks`` for others), tiny sizes, two depths each, two
+        rounds, no warm-up, fast, warm compiles (:attr:`smoke`).
 
         The numbers mean little (the first compile of each framework pays its one-time
-        costs); it checks that everything runs and writes its outputs.
+        costs, the code is less optimised); it checks that everything runs and writes its
+        outputs.
 
-        >>> BenchConfig.quick(blocks=("mlp",)).ns
-        (2, 4)
+        >>> BenchConfig.quick().blocks, BenchConfig.quick().ns
+        (('mlp', 'pattern'), (2, 4))
         """
         small = dict(
+            blocks=("mlp", "pattern"), smoke=True,
             ns=(2, 4), transformer_ns=(2,), decode_ns=(2,), prefill_ns=(2,), pattern_ns=(3, 5),
             d=16, hidden=32, batch=4, tf_d=16, tf_hidden=32, tf_heads=2, tf_seq=8, tf_batch=2,
             dec_d=16, dec_heads=2, dec_batch=2, dec_cache=16, dec_prompt=4, pattern_hidden=48,

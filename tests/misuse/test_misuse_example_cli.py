@@ -1,0 +1,199 @@
+"""Misuses of the example's command line (`examples/transformer_lm.py`), as a user who
+mistypes at 2 a.m. would try them.
+
+Each is refused before any work (training and sampling are replaced by functions that fail the
+test if called) with an error that names the flag (or the file at fault), exit status 2 and no
+traceback. The command runs in-process: `cli(argv)`, whose argparse errors exit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+#: A tiny model (the same as tests/examples' smoke runs) with a context of 16.
+TINY = "--layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --steps 3 --quiet".split()
+TEXT = "the quick brown fox jumps over the lazy dog\n" * 20
+
+#: (argv, what the message must name (the flag, or the file), a part of the message).
+#: "{tmp}" is a folder holding the files of :func:`files`.
+CASES = [
+    (["--temperature", "-1"], "--temperature", "expected a positive number"),
+    (["--temperature", "0"], "--temperature", "expected a positive number"),
+    (["--temperature", "nan"], "--temperature", "expected a positive number"),
+    (["--temperature", "inf"], "--temperature", "expected a positive number"),
+    (["--temperature", "warm"], "--temperature", "invalid float value"),
+    (["--lr", "0"], "--lr", "expected a positive learning rate"),
+    (["--lr", "-2e-3"], "--lr", "expected one argument"),  # (argparse: "-2e-3", a flag?)
+    (["--lr", "nan"], "--lr", "expected a positive learning rate"),
+    (["--lr", "inf"], "--lr", "expected a positive learning rate"),
+    (["--steps", "0"], "--steps", "expected a positive integer"),
+    (["--steps", "-3"], "--steps", "expected a positive integer"),
+    (["--steps", "1.5"], "--steps", "expected a positive integer"),
+    (["--steps", "1e3"], "--steps", "expected a positive integer"),
+    (["--layers", "0"], "--layers", "expected a positive integer"),
+    (["--d-model", "0"], "--d-model", "expected a positive integer"),
+    (["--heads", "0"], "--heads", "expected a positive integer"),
+    (["--seq-len", "0"], "--seq-len", "expected a positive integer"),
+    (["--window", "0"], "--window", "expected a positive integer"),
+    (["--batch", "0"], "--batch", "expected a positive integer"),
+    (["--sample-len", "-1"], "--sample-len", "expected 0 or more characters"),
+    (["--sample-len", "x"], "--sample-len", "invalid int value"),
+    (["--seed", "-1"], "--seed", "expected an integer from 0 to"),
+    (["--seed", str(2**32)], "--seed", "expected an integer from 0 to"),
+    (["--seed", "x"], "--seed", "invalid int value"),
+    (["--d-model", "36", "--heads", "4"], "--d-model", "must be a multiple of 2 * --heads = 8"),
+    (["--pattern", "lokal"], "--pattern", "'lokal' is not a kind of block"),
+    (["--pattern", ""], "--pattern", "'' is not a kind of block"),
+    (["--pattern", "local", "--window", "17"], "--window", "longer than --seq-len 16"),
+    (["--pattern", "local,global", "--layers", "1"], "--layers", "fewer than the 2 entries"),
+    (["--framework", "torch"], "--framework", "invalid choice: 'torch'"),
+    (["--resume", "--overwrite"], "--overwrite", "not allowed with argument --resume"),
+    # The prompt and the text: checked before training (the prompt is used only after it).
+    (["--prompt", ""], "--prompt", "expected at least one character"),
+    (["--prompt", "héllo"], "--prompt", "not in the vocabulary of tiny.txt: 'é'"),
+    (["--prompt", "q" * 17], "--prompt", "17 characters, more than the context, --seq-len 16"),
+    (["--text", "{tmp}/latin1.txt"], "--text", "is not UTF-8 text (byte 0xe9 at offset 3)"),
+    (["--text", "{tmp}/short.txt"], "--text", "has 3 characters, too few for --seq-len 16"),
+    (["--text", "{tmp}/empty.txt"], "--text", "has 0 characters"),
+    (["--text", "{tmp}"], "--text", "a folder, not a file"),
+    (["--text", "{tmp}/missing.txt"], "--text", "no such file"),
+    (["--text", "/dev/null"], "--text", "not a regular file"),
+    # Checkpoints: where it goes, and files that are not (whole) checkpoints.
+    (["--checkpoint", "{tmp}"], "--checkpoint", "a folder; give a file path"),
+    (["--checkpoint", "{tmp}/tiny.txt/lm.npz"], "--checkpoint", "cannot write there"),
+    (["--restore"], "--restore", "there is no checkpoint at"),
+    (["--checkpoint", "{tmp}/junk.npz"], "{tmp}/junk.npz", "not a checkpoint of this example"),
+    (["--checkpoint", "{tmp}/empty.npz"], "{tmp}/empty.npz", "not a checkpoint of this example"),
+    (["--resume", "--checkpoint", "{tmp}/truncated.npz"], "{tmp}/truncated.npz", "damaged one"),
+    (["--restore", "--checkpoint", "{tmp}/nometa.npz"], "{tmp}/nometa.npz", "lacks ['chars']"),
+    (["--restore", "--checkpoint", "{tmp}/short.npz"], "{tmp}/short.npz",
+     "has no array ['params']['head']: it is incomplete"),
+    (["--restore", "--checkpoint", "{tmp}/corrupt.npz"], "{tmp}/corrupt.npz",
+     "is damaged (BadZipFile: Bad CRC-32"),
+    # Training over another run's checkpoint: one line, naming the flag to pass.
+    (["--checkpoint", "{tmp}/short.npz", "--steps", "5"], "--overwrite",
+     "holds another run (step 3 of 3; --steps: 3 in the checkpoint vs 5 here): pass --overwrite"),
+    # Resuming or restoring with another text: named, with the one to pass.
+    (["--resume", "--checkpoint", "{tmp}/short.npz", "--text", "{tmp}/other.txt"], "--text",
+     "holds a run on another text (--text: tiny.txt (SHA-256"),
+    (["--restore", "--checkpoint", "{tmp}/short.npz", "--text", "{tmp}/other.txt"], "--text",
+     "was trained on tiny.txt, whose vocabulary (28 characters) is not that of"),
+    (["--stpes", "3"], "--stpes", "unrecognized arguments"),
+    (["--checkpoint"], "--checkpoint", "expected one argument"),
+]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLES / "transformer_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
+    return module
+
+
+@pytest.fixture(scope="module")
+def files(lm, tmp_path_factory) -> pathlib.Path:
+    """Texts and damaged checkpoints of the tiny model's run on ``tiny.txt``."""
+    tmp = tmp_path_factory.mktemp("misuse_example")
+    (tmp / "tiny.txt").write_text(TEXT)
+    (tmp / "other.txt").write_text(TEXT.upper())
+    (tmp / "latin1.txt").write_bytes("café au lait\n".encode("latin-1") * 20)
+    (tmp / "short.txt").write_text("abc")
+    (tmp / "empty.txt").write_text("")
+    (tmp / "junk.npz").write_bytes(b"not a checkpoint")
+    (tmp / "empty.npz").write_bytes(b"")
+    # A checkpoint of the tiny run (zeros: the values do not matter here), to damage.
+    args = lm.parse_args([*TINY, "--text", str(tmp / "tiny.txt")])
+    lm.settle_args(args, None, ())
+    chars, _, sha256 = lm.load_text(args.text)
+    import lm_models
+
+    config = lm_models.Config(vocab=len(chars), layers=2, d_model=32, heads=2, seq_len=16)
+    template = jax.eval_shape(lm_models.build("jax", config).init, jax.random.key(0))
+    arrays = {
+        jax.tree_util.keystr(p): np.zeros(leaf.shape, leaf.dtype)
+        for p, leaf in jax.tree_util.tree_leaves_with_path({"params": template})
+    }
+    meta = {"format": lm.FORMAT, "run": lm.run_identity(args, sha256), "step": 3,
+            "val_loss": 1.0, "chars": chars}
+    whole = tmp / "whole.npz"
+    np.savez(whole, __meta__=np.array(json.dumps(meta)), **arrays)
+    data = whole.read_bytes()
+    (tmp / "truncated.npz").write_bytes(data[: len(data) // 2])
+    middle = data.index(b"['params']['head']")  # damage the head's data, not the zip's index
+    (tmp / "corrupt.npz").write_bytes(data[: middle + 200] + b"\xff" * 8 + data[middle + 208 :])
+    short = {name: a for name, a in arrays.items() if name != "['params']['head']"}
+    np.savez(tmp / "short.npz", __meta__=np.array(json.dumps(meta)), **short)
+    incomplete = {k: v for k, v in meta.items() if k != "chars"}
+    np.savez(tmp / "nometa.npz", __meta__=np.array(json.dumps(incomplete)), **arrays)
+    return tmp
+
+
+@pytest.fixture
+def no_work(lm, monkeypatch):
+    """Training or sampling fails the test: every misuse must be refused before them."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the example started working on a command it should refuse")
+
+    for name in ("train", "generate", "cached_vs_full"):
+        monkeypatch.setattr(lm, name, started)
+
+
+def refused(lm, argv: list[str], capsys) -> str:
+    """The error of ``cli(argv)``, which must exit with status 2, without a traceback."""
+    try:
+        code = lm.cli(argv)
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    error = err[err.index("error: "):]
+    assert error.count("\n") == 1, error  # one line
+    return error
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("argv, names, message", CASES)
+def test_misuse_is_refused_naming_the_flag(lm, files, no_work, capsys, argv, names, message):
+    argv = [a.format(tmp=files) for a in argv]
+    if "--text" not in argv:
+        argv += ["--text", str(files / "tiny.txt")]
+    if "--checkpoint" not in argv:
+        argv += ["--checkpoint", str(files / "none.npz")]
+    before = {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()}
+    error = refused(lm, [*TINY, *argv], capsys)
+    assert names.format(tmp=files) in error and message in error, error
+    assert {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()} == before
+
+
+def test_a_diverged_run_is_stopped_naming_the_flag(lm):
+    args = lm.parse_args(["--lr", "10"])
+    lm.check_finite(2.5, 7, args)  # a number: training goes on
+    for loss in (float("nan"), float("inf")):
+        with pytest.raises(lm.UsageError, match=r"diverged: .* at step 7; pass a smaller --lr "
+                           r"than 10\.0 \(the default is 0\.002\) and --overwrite"):
+            lm.check_finite(loss, 7, args)
+
+
+def test_a_framework_that_is_not_installed_gets_the_install_hint(
+    lm, files, no_work, capsys, monkeypatch
+):
+    import stackwise
+
+    monkeypatch.setitem(sys.modules, "haiku", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "stackwise.haiku", raising=False)
+    if "haiku" in vars(stackwise):  # (hasattr would import it: a lazy submodule)
+        monkeypatch.delattr(stackwise, "haiku")
+    argv = [*TINY, "--framework", "haiku", "--text", str(files / "tiny.txt")]
+    error = refused(lm, [*argv, "--checkpoint", str(files / "none.npz")], capsys)
+    assert "--framework haiku: `stackwise.haiku` needs dm-haiku: pip install" in error
