@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 #: What each block must leave behind, in the README's order: the framework of each.
-EXPECTED = ["jax", "haiku", "flax", "nnx", "equinox"]
+EXPECTED = ["jax", "haiku", "flax", "nnx", "equinox", "optax"]
+FRAMEWORKS = EXPECTED[1:5]
 
 
 def run_block(i: int) -> dict:
@@ -23,8 +24,9 @@ def run_block(i: int) -> dict:
 
 def test_the_blocks_are_the_ones_these_tests_check():
     assert len(BLOCKS) == len(EXPECTED)
-    for block, framework in zip(BLOCKS[1:], EXPECTED[1:]):
+    for block, framework in zip(BLOCKS[1:5], FRAMEWORKS):
         assert f"stackwise.{framework}.Stack" in block and block.startswith("import ")
+    assert "stackwise.optax.layerwise" in BLOCKS[5] and BLOCKS[5].startswith("import ")
 
 
 def test_readme_example_runs():
@@ -34,7 +36,7 @@ def test_readme_example_runs():
     assert bool(jnp.isfinite(namespace["grads"]["w"]).all())
 
 
-@pytest.mark.parametrize("framework", EXPECTED[1:])  # (the fast tier runs the first)
+@pytest.mark.parametrize("framework", FRAMEWORKS)  # (the fast tier runs the first)
 def test_readme_framework_example_runs(framework):
     pytest.importorskip({"haiku": "haiku", "nnx": "flax"}.get(framework, framework))
     namespace = run_block(EXPECTED.index(framework))
@@ -47,6 +49,22 @@ def test_readme_framework_example_runs(framework):
     assert linear.shape == (24, 64, 64)  # as the block's comment says
     assert namespace["y"].shape == ((64,) if framework == "equinox" else (8, 64))
     assert bool(jnp.isfinite(namespace["y"]).all())
+
+
+def test_readme_optimizer_example_runs():
+    pytest.importorskip("optax")
+    import optax
+
+    namespace = run_block(EXPECTED.index("optax"))
+    params, grads = namespace["params"], namespace["grads"]
+    # Each layer of blocks/w gets the update LAMB gives that layer alone, as in the loop.
+    for i in range(4):
+        layer = {"w": params["blocks"]["w"][i]}
+        tx = optax.lamb(1e-3)
+        want, _ = tx.update({"w": grads["blocks"]["w"][i]}, tx.init(layer), layer)
+        assert jnp.allclose(namespace["updates"]["blocks"]["w"][i], want["w"], atol=1e-7)
+    plain, _ = optax.lamb(1e-3).update(grads, optax.lamb(1e-3).init(params), params)
+    assert not jnp.allclose(plain["blocks"]["w"], namespace["updates"]["blocks"]["w"])
 
 
 def test_section_references_name_existing_headings():
