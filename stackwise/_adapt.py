@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
+
+from stackwise import _check
 
 __all__ = [
     "OPTION_NAMES",
@@ -158,26 +159,8 @@ def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, wh
 # The depth check: every leaf of stacked params/state has the layer axis first.
 
 
-def check_depth(leaves: Iterable[tuple[str, Any]], n: int, who: str, what: str, fix: str) -> None:
-    """Raises ValueError listing the ``(name, leaf)`` whose leading axis is not ``n``."""
-    bad = [
-        f"  {name}: shape {jnp.shape(leaf)}"
-        for name, leaf in leaves
-        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n
-    ]
-    if bad:
-        raise ValueError(
-            f"{who}: every leaf of the stacked {what} needs a leading layer axis of "
-            f"length n={n}, but these do not:\n" + "\n".join(bad) + "\n" + fix
-        )
-
-
-def tree_leaves(tree: Any) -> list[tuple[str, Any]]:
-    """``(keystr path, leaf)`` pairs, for :func:`check_depth`."""
-    return [
-        (jax.tree_util.keystr(path) or "<root>", leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    ]
+check_depth = _check.check_depth  # one depth check for the core and every adapter
+tree_leaves = _check.named_leaves  # ``(keystr path, leaf)`` pairs, for check_depth
 
 
 # --------------------------------------------------------------------------
@@ -315,16 +298,7 @@ def check_options(
         raise TypeError(
             f"{who}: `nested` must be a bool or a positive int group size, got {nested!r}."
         )
-    if isinstance(fsdp, str):
-        fsdp = (fsdp,)
-    elif fsdp is not None:
-        if not (isinstance(fsdp, (tuple, list)) and fsdp and all(isinstance(a, str) for a in fsdp)):
-            raise TypeError(
-                f"{who}: `fsdp` must be a mesh axis name or a tuple of them (the axes the "
-                f"params are sharded over, e.g. `fsdp='data'` or `fsdp=('data', 'fsdp')`), "
-                f"got {fsdp!r}."
-            )
-        fsdp = tuple(fsdp)
+    fsdp = _check.axis_names(fsdp, who, "fsdp", optional=True)
     return Options(
         remat=rematted,
         policy=policy,

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stackwise import _check
+
 __all__ = [
     "check_distinct",
     "check_n",
@@ -52,10 +54,7 @@ __all__ = [
 # Exact stacking.
 
 
-def dtype_of(a: Any) -> Any:
-    """A leaf's own dtype (a NumPy array's as it is, never canonicalised by jax)."""
-    dtype = getattr(a, "dtype", None)
-    return np.asarray(a).dtype if dtype is None else dtype
+dtype_of = _check.leaf_dtype  # a leaf's own dtype, never canonicalised by jax
 
 
 def _shape(a: Any) -> tuple[int, ...]:
@@ -176,36 +175,12 @@ def stack_exact(
 
 
 def unstack_exact(stacked: Any, n: int) -> list[Any]:
-    """``[layer_0, ..., layer_{n-1}]``: each leaf's slice ``[i]`` (exact)."""
-    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
+    """``[layer_0, ..., layer_{n-1}]``: each leaf's slice ``[i]`` (exact; abstract leaves
+    give abstract slices)."""
+    return [jax.tree.map(lambda a, i=i: _check.take(a, i), stacked) for i in range(n)]
 
 
-def depth_of(
-    tree: Any,
-    who: str,
-    what: str,
-    fix: str = "",
-    leaf_name: Callable[[str], str] = lambda path: path,
-) -> int:
-    """The common length of every leaf's leading axis; ValueError listing the leaves if none.
-
-    ``leaf_name`` turns a ``keystr`` path into the framework's leaf name, as
-    for :func:`stack_exact`.
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    if not leaves:
-        raise ValueError(f"{who}: the {what} has no array leaves.")
-    depths = {_shape(a)[0] if _shape(a) else None for _, a in leaves}
-    if len(depths) != 1 or None in depths:
-        lines = "\n".join(
-            f"  {leaf_name(jax.tree_util.keystr(p)) or '<root>'}: shape {_shape(a)}"
-            for p, a in leaves
-        )
-        raise ValueError(
-            f"{who}: every leaf of the {what} needs the same leading layer axis, but the "
-            f"leaves are:\n{lines}" + (f"\n{fix}" if fix else "")
-        )
-    return depths.pop()
+depth_of = _check.depth  # the common depth of every leaf, or a ValueError listing them
 
 
 # --------------------------------------------------------------------------

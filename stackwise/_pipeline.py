@@ -257,6 +257,7 @@ def pipeline(
         call = _split_args(args, kwargs, n)
         for i, v in enumerate(call.examples):
             _check_batch(v, plan, f"stackwise.per_example argument {i}")
+            _check_same_batch(v, x, f"stackwise.per_example argument {i}")
         slices = [_to_chunks(v, plan) for v in call.per_layer]
         inputs = _place((params, slices, x, call.examples, call.consts), mesh, plan)
         layer_spec = PartitionSpec(None, plan.stage_axis)
@@ -341,6 +342,24 @@ def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
         )
 
     return _Call(per_layer, kinds, examples, consts, build)
+
+
+def _check_same_batch(tree: Any, x: Any, what: str) -> None:
+    """A per-example value has x's batch: a smaller one that divides the microbatches would
+    be split and broadcast, where ``Stacked.apply`` gives every layer the whole value."""
+    batch = jnp.shape(jax.tree.leaves(x)[0])[0]
+    bad = [
+        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
+        for p, v in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.shape(v)[0] != batch
+    ]
+    if bad:
+        raise ValueError(
+            f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
+            f"batch is {batch}, but these leaves do not:\n" + "\n".join(bad)
+            + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
+            "or pass it unmarked if every example shares it."
+        )
 
 
 def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
