@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +29,7 @@ __all__ = [
     "block_name",
     "check_bool",
     "check_built",
+    "check_built_options",
     "check_depth",
     "check_layers",
     "check_options",
@@ -139,11 +140,20 @@ def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, wh
 
     Every block must be an instance of ``module`` (``what`` names it: ``"an nnx.Module"``).
     """
+    if isinstance(blocks, Mapping) or isinstance(blocks, module):
+        got = "a dict" if isinstance(blocks, Mapping) else f"one {type(blocks).__name__}"
+        raise TypeError(
+            f"{who}: `blocks` must be a list of the built blocks in layer order, got {got}; "
+            "pass e.g. `[block_0, block_1, ...]`"
+            + (" (`list(blocks.values())`)." if isinstance(blocks, Mapping) else ".")
+        )
     blocks = list(blocks)
     if not blocks:
         raise ValueError(f"{who}: needs at least one block, got none.")
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-        raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.")
+    try:
+        pattern = _check.integer(pattern, who, "pattern", minimum=1)
+    except (TypeError, ValueError):
+        raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.") from None
     if len(blocks) < pattern:
         raise ValueError(
             f"{who}: a pattern of {pattern} kinds needs at least {pattern} blocks, got "
@@ -153,6 +163,28 @@ def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, wh
         if not isinstance(block, module):
             raise TypeError(f"{who}: block {i} must be {what}, got {type(block).__name__}.")
     return blocks
+
+
+def check_built_options(options: dict[str, Any], allowed: Iterable[str], who: str) -> None:
+    """``Stack.from_layers(blocks, **options)``: only the Stack's options, no keys/rngs.
+
+    Built blocks already hold their params, so a key (``key=``, ``rngs=``) has nothing
+    to build; an unknown name is refused before it reaches the constructor.
+    """
+    allowed = tuple(allowed)
+    for name in options:
+        if name in ("key", "rngs"):
+            raise TypeError(
+                f"{who}: got `{name}=`, but `from_layers` stacks blocks that are already "
+                f"built (their params are kept as they are), so it takes no `{name}`; drop "
+                f"it. To build new layers from a key, use `Stack(make_block, n, {name}=...)`."
+            )
+        if name not in allowed:
+            raise TypeError(
+                f"{who}: unknown option `{name}=`; the options are "
+                + ", ".join(f"`{a}`" for a in allowed)
+                + "."
+            )
 
 
 # --------------------------------------------------------------------------

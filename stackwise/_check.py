@@ -33,6 +33,9 @@ Params trees, concrete or abstract:
   as it is; a Python scalar's as NumPy gives it); anything else is refused, named.
 - :func:`take` / :func:`take_range`: layer ``i`` / layers ``start:stop`` of a stacked leaf,
   abstract leaves giving abstract slices.
+- :func:`stack` / :func:`moveaxis`: abstract leaves stacked, or an axis moved, as
+  ``jnp.stack`` / ``jnp.moveaxis`` would.
+- :func:`describe`: what came (``one array float32[2, 8]``, ``a tuple of 3``).
 - :func:`named_leaves`: ``(keystr path, leaf)`` pairs of a tree.
 - :func:`depth`: the common leading-axis length of every leaf (ValueError listing them).
 - :func:`check_depth`: every leaf's leading axis is ``n`` (ValueError listing those not).
@@ -61,6 +64,7 @@ __all__ = [
     "check_all_exact",
     "check_depth",
     "depth",
+    "describe",
     "exact_dtype",
     "integer",
     "is_abstract",
@@ -69,11 +73,13 @@ __all__ = [
     "leaf_shape",
     "mesh",
     "mesh_lacks",
+    "moveaxis",
     "named_leaves",
     "partition_spec",
     "same_array_kind",
     "spec_names",
     "spec_on_mesh",
+    "stack",
     "take",
     "take_range",
 ]
@@ -293,6 +299,30 @@ def take_range(leaf: Any, start: int, stop: int, step: int = 1) -> Any:
     return leaf[start:stop:step]
 
 
+def stack(column: Sequence[Any]) -> Any:
+    """Abstract leaves of one shape and dtype stacked along a new axis 0 (abstract)."""
+    first = column[0]
+    return jax.ShapeDtypeStruct((len(column), *first.shape), first.dtype)
+
+
+def moveaxis(leaf: Any, source: int, destination: int) -> Any:
+    """``jnp.moveaxis`` of a leaf; an abstract leaf gives the abstract result."""
+    if not is_abstract(leaf):
+        return jnp.moveaxis(leaf, source, destination)
+    axes = list(range(len(leaf.shape)))
+    axes.insert(destination % len(axes), axes.pop(source % len(axes)))
+    return jax.ShapeDtypeStruct(tuple(leaf.shape[a] for a in axes), leaf.dtype)
+
+
+def describe(value: Any) -> str:
+    """What a function returned, for messages: ``one array float32[2, 8]``, ``a tuple of 3``."""
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"one array {getattr(value.dtype, 'name', value.dtype)}{list(value.shape)}"
+    return type(value).__name__
+
+
 def named_leaves(tree: Any, **kwargs: Any) -> list[tuple[str, Any]]:
     """``(keystr path, leaf)`` pairs (``<root>`` for a lone leaf)."""
     return [
@@ -348,14 +378,14 @@ def exact_dtype(leaf: Any, who: str, name: str) -> None:
     """Raises TypeError if ``leaf`` would change dtype as a JAX array (NumPy 64-bit with
     ``jax_enable_x64`` off), naming the leaf, its dtype and the fix."""
     own = leaf_dtype(leaf)
-    if own == object:
+    if own == object or jnp.issubdtype(own, jax.dtypes.extended):  # e.g. PRNG keys
         return
     held = jax.dtypes.canonicalize_dtype(own)
     if held != own:
         raise TypeError(
             f"{who}: leaf {name} is {np.dtype(own).name}, which JAX holds as "
-            f"{np.dtype(held).name} with its current settings: its values would change "
-            f"(e.g. 2**40 + 1 as {np.dtype(held).name}). Cast it first (`a.astype(np."
+            f"{np.dtype(held).name} with its current settings: its values would be rounded "
+            "or wrapped (an int64 2**40 + 1 becomes 1). Cast it first (`a.astype(np."
             f"{np.dtype(held).name})`) if that is what you want, or enable 64-bit values "
             "with `jax.config.update('jax_enable_x64', True)`."
         )

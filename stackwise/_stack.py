@@ -80,8 +80,7 @@ class Stacked(NamedTuple):
 
 def _check_pair(out: Any, who: str, what: str, fix: str) -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
-        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
-        raise TypeError(f"{who}: {what}, but it returned {got}. {fix}")
+        raise TypeError(f"{who}: {what}, but it returned {_check.describe(out)}. {fix}")
     return out
 
 

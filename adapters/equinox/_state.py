@@ -203,8 +203,8 @@ def unstack(state: Any, stacked: Sequence[Any], n: int, who: str) -> list[eqx.nn
     k = len(stacked)
     per_position = []
     for p, block in enumerate(stacked):
-        sub = state.substate(block)
         count = len(range(p, n, k))
+        sub = _substate(state, block, count, p, k > 1, who)
         per_position.append([jax.tree.map(lambda a, j=j: a[j], sub) for j in range(count)])
     return [per_position[i % k][i // k] for i in range(n)]
 

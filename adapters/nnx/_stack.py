@@ -12,10 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import errors as flax_errors
 from flax import nnx
 
 import stackwise
-from stackwise import _adapt
+from stackwise import _adapt, _check
 from stackwise.nnx import _view
 
 __all__ = ["Stack", "layer_index"]
@@ -29,7 +31,8 @@ def layer_index() -> jax.Array:
     index within the innermost one.
 
     >>> import jax.numpy as jnp, stackwise.nnx
-    >>> from flax import nnx
+    >>> from flax import errors as flax_errors
+from flax import nnx
     >>> class AddIndex(nnx.Module):
     ...     def __init__(self, rngs):
     ...         pass
@@ -161,7 +164,8 @@ class Stack(nnx.Module):
     The loop it replaces, with n separately built blocks:
 
     >>> import jax, jax.numpy as jnp, stackwise.nnx
-    >>> from flax import nnx
+    >>> from flax import errors as flax_errors
+from flax import nnx
     >>> class Block(nnx.Module):
     ...     def __init__(self, d, rngs):
     ...         self.linear = nnx.Linear(d, d, rngs=rngs)
@@ -350,7 +354,7 @@ class Stack(nnx.Module):
                         "arguments in a function, e.g. `lambda rngs: "
                         "nnx.Linear(512, 512, rngs=rngs)`."
                     ) from None
-                except nnx.errors.TraceContextError as e:
+                except flax_errors.TraceContextError as e:
                     raise TypeError(
                         f"{who}: `make_block` used an `nnx.Rngs` other than the one it is "
                         f"given ({e}). Build each layer from its argument: `lambda rngs: "
@@ -387,14 +391,24 @@ class Stack(nnx.Module):
             for p in range(len(makers))
         ]
 
+    def _who(self) -> str:
+        blocks = self._blocks()
+        return _adapt.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
+
+    def _check_layers(self) -> None:
+        """Every variable of the stacked block(s) has the layer axis of its pattern
+        position first (ValueError naming those that do not)."""
+        blocks, who = self._blocks(), self._who()
+        for p, block in enumerate(blocks):
+            _, params, rest = nnx.split(block, nnx.Param, ...)
+            self._check_depth(params, len(range(p, self.n, len(blocks))), who)
+            self._check_depth(rest, len(range(p, self.n, len(blocks))), who)
+
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = self._blocks()
-        who = _adapt.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
-        k = len(blocks)
+        who = self._who()
+        self._check_layers()
         split = [nnx.split(block, nnx.Param, ...) for block in blocks]
-        for p, (_, params, rest) in enumerate(split):
-            self._check_depth(params, len(range(p, self.n, k)), who)
-            self._check_depth(rest, len(range(p, self.n, k)), who)
 
         def one(graphdef):
             def apply(p, s, x, extras, call):
@@ -457,7 +471,8 @@ class Stack(nnx.Module):
         of position ``i % k``).
 
         >>> import jax.numpy as jnp, stackwise.nnx
-        >>> from flax import nnx
+        >>> from flax import errors as flax_errors
+from flax import nnx
         >>> stack = stackwise.nnx.Stack(
         ...     lambda rngs: nnx.Linear(2, 2, rngs=rngs), n=3, rngs=nnx.Rngs(0))
         >>> blocks = stack.to_layers()
@@ -467,13 +482,14 @@ class Stack(nnx.Module):
         Returns:
           A list of ``n`` blocks.
         """
+        self._check_layers()
         stacked = self._blocks()
         k = len(stacked)
         blocks: list = [None] * self.n
         for p, block in enumerate(stacked):
             graphdef, state = nnx.split(block)
             for j, i in enumerate(range(p, self.n, k)):
-                layer = jax.tree.map(lambda a, j=j: a[j], state)
+                layer = jax.tree.map(lambda a, j=j: _check.take(a, j), state)
                 _remove_layer_axis(layer)
                 blocks[i] = nnx.merge(graphdef, layer)
         return blocks
@@ -495,7 +511,8 @@ class Stack(nnx.Module):
         :meth:`to_layers`, exact.
 
         >>> import stackwise.nnx
-        >>> from flax import nnx
+        >>> from flax import errors as flax_errors
+from flax import nnx
         >>> blocks = [nnx.Linear(2, 3, rngs=nnx.Rngs(i)) for i in range(5)]
         >>> stackwise.nnx.Stack.from_layers(blocks).layers.kernel.shape
         (5, 2, 3)
@@ -516,6 +533,7 @@ class Stack(nnx.Module):
           ValueError: no blocks, or fewer blocks than the pattern's length.
         """
         who = "stackwise.nnx.Stack.from_layers"
+        _adapt.check_built_options(options, _adapt.OPTION_NAMES, who)
         blocks = _adapt.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
         stacked = [
             _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
@@ -538,26 +556,77 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
     for i in indices[1:]:
         block = blocks[i]
         g, state = nnx.split(block)
-        if g != graphdef or jax.tree.structure(state) != jax.tree.structure(first):
+        found = _first_difference(blocks[first_i], block, arrays=False)
+        if found is None and (g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)):
+            found = "<root>", "another structure or other static attributes"
+        if found is not None:
+            at, how = found
             raise TypeError(
                 f"{who}: block {i} ({type(block).__name__}) differs in structure or static "
-                f"attributes from block {first_i} ({type(blocks[first_i]).__name__}); every "
-                "layer of a position must be built the same way (for repeating kinds of "
-                "blocks, pass `pattern=k`)."
+                f"attributes from block {first_i} at `{at}`: {how}. Every layer of a position "
+                "must be built the same way, with the same arguments (only the rngs "
+                "differing); for repeating kinds of blocks, pass `pattern=k`."
             )
-        pairs = zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(state))
-        bad = [
-            f"  {_path(p)}: {jnp.result_type(b).name}{list(jnp.shape(b))} (block {first_i}: "
-            f"{jnp.result_type(a).name}{list(jnp.shape(a))})"
-            for (p, a), b in pairs
-            if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
-        ]
-        if bad:
+        found = _first_difference(blocks[first_i], block)
+        if found is not None:
+            at, how = found
             raise TypeError(
                 f"{who}: block {i} has variables of other shapes or dtypes than block "
-                f"{first_i}:\n" + "\n".join(bad)
+                f"{first_i}: `{at}` is {how} (block {i} vs block {first_i}); every layer's variable must have one shape "
+                "and dtype to be stacked."
             )
         states.append(state)
+    for i, state in zip(indices, states):
+        for path, a in jax.tree_util.tree_leaves_with_path(state):
+            _check.exact_dtype(a, who, f"{_path(path)} of block {i}")
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
     _add_layer_axis(stacked, layer_axis_name)
     return nnx.merge(graphdef, _shard_eagerly(stacked))
+
+
+def _attributes(module: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_pytree__")}
+
+
+def _describe(a: Any) -> str:
+    return f"{_check.leaf_dtype(a).name}{list(jnp.shape(a))}"
+
+
+def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tuple | None:
+    """Where and how two blocks differ in anything but variable values, or None.
+
+    With ``arrays=False`` variables are not compared: a first pass over the other
+    attributes names the cause (``out_features``) rather than its effect (``kernel``).
+    """
+    where = path or "<root>"
+    if not _check.same_array_kind(a, b):
+        return where, f"{type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, nnx.Variable):
+        a, b = a.get_value(), b.get_value()
+    if isinstance(a, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        same = jnp.shape(a) == jnp.shape(b) and _check.leaf_dtype(a) == _check.leaf_dtype(b)
+        return None if same or not arrays else (where, f"{_describe(b)} vs {_describe(a)}")
+    if isinstance(a, nnx.Pytree):  # modules, rng streams
+        attrs_a, attrs_b = _attributes(a), _attributes(b)
+        if set(attrs_a) != set(attrs_b):
+            return where, f"attributes {sorted(attrs_a)} vs {sorted(attrs_b)}"
+        children = [(f".{k}", v, attrs_b[k]) for k, v in attrs_a.items()]
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return where, f"{len(a)} vs {len(b)} entries"
+        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(a, b))]
+    elif isinstance(a, dict):
+        if set(a) != set(b):
+            return where, f"keys {sorted(map(repr, a))} vs {sorted(map(repr, b))}"
+        children = [(f"[{k!r}]", a[k], b[k]) for k in a]
+    else:
+        try:
+            same = a is b or bool(a == b)
+        except Exception:  # values that do not compare: told apart by identity only
+            same = False
+        return None if same else (where, f"{a!r} vs {b!r}")
+    for name, u, v in children:
+        found = _first_difference(u, v, path + name, arrays)
+        if found:
+            return found
+    return None
