@@ -193,6 +193,8 @@ def check_pattern(pattern: Any, who: str) -> int | None:
     """``None`` or the pattern's length k, a positive int."""
     if pattern is None:
         return None
+    if isinstance(pattern, np.integer) and not isinstance(pattern, bool):
+        pattern = int(pattern)
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise TypeError(
             f"{who}: `pattern` must be None or the number k of layers in the repeating "
@@ -224,6 +226,8 @@ def check_n(n: Any, who: str) -> int | None:
     """``None`` or a positive int number of layers."""
     if n is None:
         return None
+    if isinstance(n, np.integer):
+        n = int(n)
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
             f"{who}: `n` must be None (find the layers) or the number of layers, a "
