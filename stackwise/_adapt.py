@@ -31,6 +31,7 @@ __all__ = [
     "check_built",
     "check_built_options",
     "check_depth",
+    "check_layer_axis_name",
     "check_layers",
     "check_options",
     "current_layer_index",
@@ -340,6 +341,17 @@ def check_options(
         has_aux=check_bool(has_aux, "has_aux", who),
         fsdp=fsdp,
     )
+
+
+def check_layer_axis_name(value: Any, who: str) -> str | None:
+    """A Stack's ``layer_axis_name``: the logical name of the layer axis, a str or None."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(
+            f"{who}: `layer_axis_name` must be None or the logical name of the layer axis "
+            f"(a str, e.g. 'layers', mapped to mesh axes by the logical rules), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    return value
 
 
 #: The options every adapter's Stack takes and passes on to :func:`stackwise.stack`.

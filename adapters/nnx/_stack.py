@@ -279,7 +279,7 @@ from flax import nnx
         self.n = n
         for name, value in options.items():  # static attributes of the module
             setattr(self, name, value)
-        self.layer_axis_name = layer_axis_name
+        self.layer_axis_name = _adapt.check_layer_axis_name(layer_axis_name, who)
         if isinstance(make_block, _adapt.Prebuilt):
             self.pattern = isinstance(make_block.layers, (list, tuple))
             self.layers = nnx.List(make_block.layers) if self.pattern else make_block.layers
@@ -534,6 +534,7 @@ from flax import nnx
         """
         who = "stackwise.nnx.Stack.from_layers"
         _adapt.check_built_options(options, _adapt.OPTION_NAMES, who)
+        _adapt.check_layer_axis_name(layer_axis_name, who)
         blocks = _adapt.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
         stacked = [
             _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)

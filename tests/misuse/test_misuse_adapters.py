@@ -174,6 +174,13 @@ NNX_CASES = [
          TypeError, "kernel", "int64", "jax_enable_x64"),
     case("from_layers of a dict of blocks",
          lambda: stackwise.nnx.Stack.from_layers({"a": NNX[0]}), TypeError, "`blocks`"),
+    case("layer_axis_name an int",
+         lambda: stackwise.nnx.Stack(lambda rngs: nnx.Linear(2, 2, rngs=rngs), 2,
+                                     rngs=nnx.Rngs(0), layer_axis_name=3),
+         TypeError, "`layer_axis_name`", "a str"),
+    case("from_layers layer_axis_name a tuple",
+         lambda: stackwise.nnx.Stack.from_layers(NNX.to_layers(), layer_axis_name=("a", "b")),
+         TypeError, "`layer_axis_name`"),
 ]
 
 
@@ -203,6 +210,9 @@ HAIKU_FLAX = [
          "stackwise.haiku.Stack(HkBlock, n=2)", "`has_aux=True`", "one array float32[1, 4]"),
     case("haiku fsdp= an axis the mesh lacks", _hk_fsdp_off_the_mesh, ValueError,
          "`fsdp='model'`", "{'data': 1}"),
+    case("linen Stack layer_axis_name an int",
+         lambda: stackwise.flax.Stack(nn.Dense(4), 2, layer_axis_name=0).init(KEY, X), TypeError,
+         "stackwise.flax.Stack(Dense, n=2)", "`layer_axis_name`"),
     case("linen Stack fsdp= a list with an int",
          lambda: stackwise.flax.Stack(nn.Dense(4), 2, fsdp=["data", 0]).init(KEY, X), TypeError,
          "`fsdp` must be a mesh axis name"),
