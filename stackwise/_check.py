@@ -23,6 +23,7 @@ Meshes, axes and specs:
 Integers and layer indices:
 
 - :func:`integer`: a Python or NumPy integer, never a bool, optionally with a minimum.
+- :func:`prng_key`: one PRNG key (typed or raw), not a seed or a batch of keys.
 - :func:`layer_index`: ``i`` with ``-n <= i < n`` (int or NumPy integer), as ``0 <= i < n``.
 
 Params trees, concrete or abstract:
@@ -76,6 +77,7 @@ __all__ = [
     "moveaxis",
     "named_leaves",
     "partition_spec",
+    "prng_key",
     "same_array_kind",
     "spec_names",
     "spec_on_mesh",
@@ -132,8 +134,8 @@ def axis_names(
     """
     if value is None and (optional or none_means):
         return None
-    ok = isinstance(value, str) or (
-        isinstance(value, (tuple, list)) and value and all(isinstance(a, str) for a in value)
+    ok = (isinstance(value, str) and value) or (
+        isinstance(value, (tuple, list)) and value and all(isinstance(a, str) and a for a in value)
     )
     if not ok:
         none = f"None ({none_means}), " if none_means else ""
@@ -254,6 +256,22 @@ def layer_index(i: Any, n: int, who: str, arg: str = "index") -> int:
     if not -n <= i < n:
         raise IndexError(f"{who}: layer {i} is out of range for n={n} layers (use -{n}..{n - 1}).")
     return i % n
+
+
+def prng_key(key: Any, who: str, arg: str = "key") -> Any:
+    """One PRNG key: a typed key of shape ``()`` (``jax.random.key``) or a raw ``uint32[2]``
+    (``jax.random.PRNGKey``); a seed, None, or a batch of keys is refused."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if (typed and jnp.shape(key) == ()) or (dtype == jnp.uint32 and jnp.shape(key) == (2,)):
+        return key
+    if typed or (dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,)):
+        got = f"a batch of keys of shape {jnp.shape(key)[: None if typed else -1]}"
+        fix = "pass one key (it is split for you), e.g. `keys[0]`"
+    else:
+        got = f"{type(key).__name__} {key!r}"
+        fix = "make one from a seed with `jax.random.key(seed)`"
+    raise TypeError(f"{who}: `{arg}` must be one PRNG key, got {got}; {fix}.")
 
 
 # --------------------------------------------------------------------------

@@ -327,7 +327,7 @@ def stack(
                 "apply, n)`), so it makes no params: give `Stacked.apply` params from "
                 "elsewhere, e.g. `stackwise.stack_layers([...])` of per-layer params."
             )
-        keys = jax.random.split(key, n)
+        keys = jax.random.split(_check.prng_key(key, f"{who}: Stacked.init"), n)
         xs, rebuild = _split_markers(args, kwargs, n, f"{who}: Stacked.init")
         out = []
         for p, init_p in enumerate(inits):

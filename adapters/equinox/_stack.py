@@ -134,13 +134,7 @@ def _make(factory: Callable, key: jax.Array, who: str) -> Any:
 
 
 def _check_key(key: Any, who: str) -> None:
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    if not ((typed and jnp.shape(key) == ()) or (dtype == jnp.uint32 and jnp.shape(key) == (2,))):
-        raise TypeError(
-            f"{who}: `key` must be one PRNG key (it is split into one key per layer), got "
-            f"{type(key).__name__} {key!r}. Make one with `jax.random.key(seed)`."
-        )
+    _check.prng_key(key, who)
 
 
 def _unused(*args: Any) -> None:

@@ -60,6 +60,8 @@ LAYOUT = [
          "stop=4", "n=3"),
     case("slice_layers too negative",
          lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, -4), ValueError, "start=-4"),
+    case("slice_layers of an empty tree", lambda: stackwise.slice_layers({}, 0), ValueError,
+         "no array leaves"),
     case("slice_layers of a Python float leaf",
          lambda: stackwise.slice_layers({"w": jnp.zeros(3), "s": 1.0}, 0, 1), ValueError,
          "['s']: shape ()"),
@@ -98,7 +100,16 @@ LAYOUT = [
 
 
 STACK = [
+    case("init with an int seed", lambda: _layers().init(0), TypeError, "Stacked.init",
+         "`key` must be one PRNG key", "jax.random.key(seed)"),
+    case("init with n keys already split",
+         lambda: _layers().init(jax.random.split(KEY, 3)), TypeError, "Stacked.init",
+         "a batch of keys of shape (3,)", "pass one key"),
+    case("per_layer_keys of keys already split",
+         lambda: stackwise.per_layer_keys(jax.random.split(KEY, 3)), TypeError,
+         "stackwise.per_layer_keys", "`key`", "pass one key"),
     case("fsdp= an int", lambda: _layers(fsdp=3), TypeError, "`fsdp` must be a mesh axis name"),
+    case("fsdp= an empty name", lambda: _layers(fsdp=""), TypeError, "`fsdp`", "got str ''"),
     case("fsdp= an axis the mesh in use lacks", lambda: _fsdp_off_the_mesh(), ValueError,
          "`fsdp='model'`", "'model'", "{'stage': 1}", "FSDP would be off"),
     case("has_aux=True, a layer returning no aux", _has_aux_without_aux, TypeError,

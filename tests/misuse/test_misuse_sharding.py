@@ -58,6 +58,8 @@ FSDP_SPECS = [
          ValueError, "leaf ['w']", "'model'"),
     case("base of another structure", lambda: stackwise.fsdp_specs(PARAMS, MESH, base={"v": P()}),
          ValueError, "`base` must mirror the params"),
+    case("min_size negative", lambda: stackwise.fsdp_specs(PARAMS, MESH, min_size=-1), ValueError,
+         "`min_size` must be at least 0"),
     case("min_size a str", lambda: stackwise.fsdp_specs(PARAMS, MESH, min_size="1"), TypeError,
          "`min_size`"),
 ]
