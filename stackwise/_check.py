@@ -208,15 +208,12 @@ def partition_spec(
         meant = "e.g. `P('data', None)`"
     allowed = " or None" if optional else ""
     what = (
-        f"the spec at {leaf} is {type(value).__name__} {value!r}, not a `PartitionSpec`"
-        f"{allowed}"
+        f"the spec at {leaf} is {type(value).__name__} {value!r}, not a `PartitionSpec`{allowed}"
         if leaf is not None
         else f"`{arg}` must be a `jax.sharding.PartitionSpec`{allowed}, got "
         f"{type(value).__name__} {value!r}"
     )
-    raise TypeError(
-        f"{who}: {what}; pass {meant} (`from jax.sharding import PartitionSpec as P`)."
-    )
+    raise TypeError(f"{who}: {what}; pass {meant} (`from jax.sharding import PartitionSpec as P`).")
 
 
 # --------------------------------------------------------------------------
@@ -396,7 +393,7 @@ def exact_dtype(leaf: Any, who: str, name: str) -> None:
     """Raises TypeError if ``leaf`` would change dtype as a JAX array (NumPy 64-bit with
     ``jax_enable_x64`` off), naming the leaf, its dtype and the fix."""
     own = leaf_dtype(leaf)
-    if own == object or jnp.issubdtype(own, jax.dtypes.extended):  # e.g. PRNG keys
+    if own == np.dtype(object) or jnp.issubdtype(own, jax.dtypes.extended):  # e.g. PRNG keys
         return
     held = jax.dtypes.canonicalize_dtype(own)
     if held != own:

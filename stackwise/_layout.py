@@ -144,8 +144,9 @@ def _layer_list(layers: Any, who: str) -> list[Any]:
     return list(layers)
 
 
-def slice_layers(stacked: Any, start: int, stop: int | None = None, *,
-                 pattern: int | None = None) -> Any:
+def slice_layers(
+    stacked: Any, start: int, stop: int | None = None, *, pattern: int | None = None
+) -> Any:
     """Layers ``start:stop`` of stacked params, e.g. the first k as a shallower model.
 
     >>> import jax.numpy as jnp, stackwise
@@ -189,8 +190,10 @@ def slice_layers(stacked: Any, start: int, stop: int | None = None, *,
         n = _convert.depth_of(stacked, who, "tree")
     else:
         positions = _positions(stacked, k, who)
-        depths = [_convert.depth_of(t, who, f"tree of pattern position {p}")
-                  for p, t in enumerate(positions)]
+        depths = [
+            _convert.depth_of(t, who, f"tree of pattern position {p}")
+            for p, t in enumerate(positions)
+        ]
         n = _convert.pattern_depth(depths, who)
     lo = start + n if start < 0 else start
     hi = n if stop is None else stop + n if stop < 0 else stop
@@ -206,8 +209,7 @@ def slice_layers(stacked: Any, start: int, stop: int | None = None, *,
         first = lo + q
         p, j = first % k, first // k
         stop_j = len(range(p, hi, k))
-        out.append(jax.tree.map(lambda a, j=j, s=stop_j: _check.take_range(a, j, s),
-                                positions[p]))
+        out.append(jax.tree.map(lambda a, j=j, s=stop_j: _check.take_range(a, j, s), positions[p]))
     return tuple(out)
 
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from stackwise import _check
 from stackwise._adapt import check_options
@@ -364,7 +364,8 @@ def _check_same_batch(tree: Any, x: Any, what: str) -> None:
     if bad:
         raise ValueError(
             f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
-            f"batch is {batch}, but these leaves do not:\n" + "\n".join(bad)
+            f"batch is {batch}, but these leaves do not:\n"
+            + "\n".join(bad)
             + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
             "or pass it unmarked if every example shares it."
         )

@@ -149,7 +149,8 @@ def _check_fsdp_axes(params: Any, axes: tuple[str, ...], who: str) -> None:
         if missing:
             raise ValueError(
                 f"{who}: `fsdp={axes if len(axes) > 1 else axes[0]!r}` names mesh axis "
-                f"{missing[0]!r}, but the mesh in use (`jax.set_mesh`, or the params' own) has axes "
+                f"{missing[0]!r}, but the mesh in use (`jax.set_mesh`, or the params' own) has "
+                "axes "
                 f"{dict(mesh.shape)}: nothing would be gathered and FSDP would be off. Name "
                 "the mesh axis the params are sharded over (e.g. `fsdp='data'`), or build "
                 f"the mesh with a {missing[0]!r} axis."

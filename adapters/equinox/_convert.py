@@ -31,7 +31,7 @@ __all__ = ["layer_of", "stack_blocks"]
 
 
 def is_array(x: Any) -> bool:
-    """An array leaf of a block: ``eqx.is_array``, or an abstract one (``eqx.filter_eval_shape``)."""
+    """An array leaf of a block: ``eqx.is_array``, or abstract (``eqx.filter_eval_shape``)."""
     return eqx.is_array(x) or _check.is_abstract(x)
 
 
@@ -63,7 +63,8 @@ def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tu
     if not _check.same_array_kind(a, b):
         return where, f"{type(a).__name__} vs {type(b).__name__}"
     if eqx.is_array(a):
-        if arrays and (jnp.shape(a) != jnp.shape(b) or _check.leaf_dtype(a) != _check.leaf_dtype(b)):
+        dtypes = _check.leaf_dtype(a), _check.leaf_dtype(b)
+        if arrays and (jnp.shape(a) != jnp.shape(b) or dtypes[0] != dtypes[1]):
             return where, f"{_describe(a)} vs {_describe(b)}"
         return None
     if isinstance(a, eqx.Module) and dataclasses.is_dataclass(a):

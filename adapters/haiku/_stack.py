@@ -401,7 +401,8 @@ class _Layers:
             if self.has_aux and not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
                     f"{self.who}: with `has_aux=True` the block returns `(x, aux)`, but it "
-                    f"returned {_check.describe(out)}. Return `x, aux` from the block's `__call__` (aux may "
+                    f"returned {_check.describe(out)}. Return `x, aux` from the block's "
+                    "`__call__` (aux may "
                     "be `()`), or build the Stack without `has_aux`."
                 )
             return out

@@ -31,8 +31,7 @@ def layer_index() -> jax.Array:
     index within the innermost one.
 
     >>> import jax.numpy as jnp, stackwise.nnx
-    >>> from flax import errors as flax_errors
-from flax import nnx
+    >>> from flax import nnx
     >>> class AddIndex(nnx.Module):
     ...     def __init__(self, rngs):
     ...         pass
@@ -164,8 +163,7 @@ class Stack(nnx.Module):
     The loop it replaces, with n separately built blocks:
 
     >>> import jax, jax.numpy as jnp, stackwise.nnx
-    >>> from flax import errors as flax_errors
-from flax import nnx
+    >>> from flax import nnx
     >>> class Block(nnx.Module):
     ...     def __init__(self, d, rngs):
     ...         self.linear = nnx.Linear(d, d, rngs=rngs)
@@ -471,8 +469,7 @@ from flax import nnx
         of position ``i % k``).
 
         >>> import jax.numpy as jnp, stackwise.nnx
-        >>> from flax import errors as flax_errors
-from flax import nnx
+        >>> from flax import nnx
         >>> stack = stackwise.nnx.Stack(
         ...     lambda rngs: nnx.Linear(2, 2, rngs=rngs), n=3, rngs=nnx.Rngs(0))
         >>> blocks = stack.to_layers()
@@ -511,8 +508,7 @@ from flax import nnx
         :meth:`to_layers`, exact.
 
         >>> import stackwise.nnx
-        >>> from flax import errors as flax_errors
-from flax import nnx
+        >>> from flax import nnx
         >>> blocks = [nnx.Linear(2, 3, rngs=nnx.Rngs(i)) for i in range(5)]
         >>> stackwise.nnx.Stack.from_layers(blocks).layers.kernel.shape
         (5, 2, 3)
@@ -558,7 +554,8 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
         block = blocks[i]
         g, state = nnx.split(block)
         found = _first_difference(blocks[first_i], block, arrays=False)
-        if found is None and (g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)):
+        other = g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)
+        if found is None and other:
             found = "<root>", "another structure or other static attributes"
         if found is not None:
             at, how = found
@@ -573,7 +570,8 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
             at, how = found
             raise TypeError(
                 f"{who}: block {i} has variables of other shapes or dtypes than block "
-                f"{first_i}: `{at}` is {how} (block {i} vs block {first_i}); every layer's variable must have one shape "
+                f"{first_i}: `{at}` is {how} (block {i} vs block {first_i}); every layer's "
+                "variable must have one shape "
                 "and dtype to be stacked."
             )
         states.append(state)

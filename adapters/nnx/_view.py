@@ -45,8 +45,6 @@ def layer(stack: Any, i: int) -> nnx.Module:
     >>> import stackwise.nnx
     >>> from stackwise.nnx._view import layer
     >>> from flax import nnx
-
-from stackwise import _check
     >>> class Attention(nnx.Module):
     ...     def __init__(self, rngs):
     ...         self.out = nnx.Linear(8, 4, rngs=rngs)

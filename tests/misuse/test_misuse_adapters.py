@@ -75,47 +75,111 @@ def _eqx_has_aux_without_aux():
 
 
 EQUINOX = [
-    case("stack[i] of a leaf with fewer layers than n", lambda: EQX_SHORT[2], ValueError,
-         "layers.weight: shape (2, 4, 4)", "n=3"),
-    case("to_layers() of a leaf with fewer layers than n", lambda: EQX_SHORT.to_layers(),
-         ValueError, "layers.weight"),
-    case("to_layers(state) of a State of another depth", _state_of_another_depth, ValueError,
-         "state", "n=3", "shape (2, 4)"),
-    case("to_layers(state) of a State of another model",
-         lambda: eqx.nn.make_with_state(stackwise.equinox.Stack)(_Normed, n=2, key=KEY)[0]
-         .to_layers(eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch", mode="ema")[1]),
-         ValueError, "holds no values", "make_with_state"),
+    case(
+        "stack[i] of a leaf with fewer layers than n",
+        lambda: EQX_SHORT[2],
+        ValueError,
+        "layers.weight: shape (2, 4, 4)",
+        "n=3",
+    ),
+    case(
+        "to_layers() of a leaf with fewer layers than n",
+        lambda: EQX_SHORT.to_layers(),
+        ValueError,
+        "layers.weight",
+    ),
+    case(
+        "to_layers(state) of a State of another depth",
+        _state_of_another_depth,
+        ValueError,
+        "state",
+        "n=3",
+        "shape (2, 4)",
+    ),
+    case(
+        "to_layers(state) of a State of another model",
+        lambda: eqx.nn.make_with_state(stackwise.equinox.Stack)(_Normed, n=2, key=KEY)[0].to_layers(
+            eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch", mode="ema")[1]
+        ),
+        ValueError,
+        "holds no values",
+        "make_with_state",
+    ),
     case("stack[True]", lambda: EQX[True], TypeError, "`i` must be an int", "bool"),
     case("stack[1.0]", lambda: EQX[1.0], TypeError, "`i` must be an int", "float"),
     case("stack[3] of 3 layers", lambda: EQX[3], IndexError, "layer 3", "n=3"),
     case("stack[-4] of 3 layers", lambda: EQX[-4], IndexError, "layer -4"),
-    case("Stack(eqx.nn.Linear, n, key=k)",
-         lambda: stackwise.equinox.Stack(eqx.nn.Linear, 2, key=KEY), TypeError, "`block`",
-         "in_features", "functools.partial(Linear, ...)"),
-    case("from_layers(blocks, key=k)",
-         lambda: stackwise.equinox.Stack.from_layers(EQX.to_layers(), key=KEY), TypeError,
-         "`key=`", "already built"),
-    case("from_layers(blocks, an unknown option)",
-         lambda: stackwise.equinox.Stack.from_layers(EQX.to_layers(), remat_policy=True),
-         TypeError, "`remat_policy=`", "`remat`"),
-    case("from_layers of a dict of blocks",
-         lambda: stackwise.equinox.Stack.from_layers(dict(enumerate(EQX.to_layers()))),
-         TypeError, "`blocks`", "list(blocks.values())"),
-    case("from_layers of one block",
-         lambda: stackwise.equinox.Stack.from_layers(EQX[0]), TypeError, "`blocks`", "one Linear"),
-    case("from_layers of NumPy int64 weights, x64 off",
-         lambda: stackwise.equinox.Stack.from_layers(
-             [_linear(np.full((2, 2), 2**40 + i, np.int64)) for i in range(2)]),
-         TypeError, "`.weight` of block 0", "int64", "jax_enable_x64"),
-    case("from_layers of NumPy float64 weights, x64 off",
-         lambda: stackwise.equinox.Stack.from_layers([_linear(np.ones((2, 2)))] * 2), TypeError,
-         "`.weight` of block 0", "float64", "astype(np.float32)"),
-    case("from_layers of blocks of other sizes",
-         lambda: stackwise.equinox.Stack.from_layers(
-             [eqx.nn.Linear(4, 4, key=KEY), eqx.nn.Linear(4, 5, key=KEY)]),
-         TypeError, "block 1", "out_features", "4 vs 5"),
-    case("has_aux=True, a block returning no aux", _eqx_has_aux_without_aux, TypeError,
-         "`has_aux=True`", "one array float32[4]"),
+    case(
+        "Stack(eqx.nn.Linear, n, key=k)",
+        lambda: stackwise.equinox.Stack(eqx.nn.Linear, 2, key=KEY),
+        TypeError,
+        "`block`",
+        "in_features",
+        "functools.partial(Linear, ...)",
+    ),
+    case(
+        "from_layers(blocks, key=k)",
+        lambda: stackwise.equinox.Stack.from_layers(EQX.to_layers(), key=KEY),
+        TypeError,
+        "`key=`",
+        "already built",
+    ),
+    case(
+        "from_layers(blocks, an unknown option)",
+        lambda: stackwise.equinox.Stack.from_layers(EQX.to_layers(), remat_policy=True),
+        TypeError,
+        "`remat_policy=`",
+        "`remat`",
+    ),
+    case(
+        "from_layers of a dict of blocks",
+        lambda: stackwise.equinox.Stack.from_layers(dict(enumerate(EQX.to_layers()))),
+        TypeError,
+        "`blocks`",
+        "list(blocks.values())",
+    ),
+    case(
+        "from_layers of one block",
+        lambda: stackwise.equinox.Stack.from_layers(EQX[0]),
+        TypeError,
+        "`blocks`",
+        "one Linear",
+    ),
+    case(
+        "from_layers of NumPy int64 weights, x64 off",
+        lambda: stackwise.equinox.Stack.from_layers(
+            [_linear(np.full((2, 2), 2**40 + i, np.int64)) for i in range(2)]
+        ),
+        TypeError,
+        "`.weight` of block 0",
+        "int64",
+        "jax_enable_x64",
+    ),
+    case(
+        "from_layers of NumPy float64 weights, x64 off",
+        lambda: stackwise.equinox.Stack.from_layers([_linear(np.ones((2, 2)))] * 2),
+        TypeError,
+        "`.weight` of block 0",
+        "float64",
+        "astype(np.float32)",
+    ),
+    case(
+        "from_layers of blocks of other sizes",
+        lambda: stackwise.equinox.Stack.from_layers(
+            [eqx.nn.Linear(4, 4, key=KEY), eqx.nn.Linear(4, 5, key=KEY)]
+        ),
+        TypeError,
+        "block 1",
+        "out_features",
+        "4 vs 5",
+    ),
+    case(
+        "has_aux=True, a block returning no aux",
+        _eqx_has_aux_without_aux,
+        TypeError,
+        "`has_aux=True`",
+        "one array float32[4]",
+    ),
 ]
 
 
@@ -148,39 +212,85 @@ def _nnx_linear(kernel):
 
 
 NNX_CASES = [
-    case("stack[i] of a variable with fewer layers than n", lambda: _nnx_short()[2], ValueError,
-         "kernel (Param): shape (2, 4, 4)", "n=3"),
-    case("to_layers() of a variable with fewer layers than n", lambda: _nnx_short().to_layers(),
-         ValueError, "kernel (Param)"),
+    case(
+        "stack[i] of a variable with fewer layers than n",
+        lambda: _nnx_short()[2],
+        ValueError,
+        "kernel (Param): shape (2, 4, 4)",
+        "n=3",
+    ),
+    case(
+        "to_layers() of a variable with fewer layers than n",
+        lambda: _nnx_short().to_layers(),
+        ValueError,
+        "kernel (Param)",
+    ),
     case("stack[True]", lambda: NNX[True], TypeError, "`i` must be an int", "bool"),
     case("stack[0:2]", lambda: NNX[0:2], TypeError, "`i` must be an int", "slice_layers"),
     case("stack[3] of 3 layers", lambda: NNX[3], IndexError, "layer 3", "n=3"),
-    case("make_block using an outer nnx.Rngs", _outer_rngs, TypeError,
-         "an `nnx.Rngs` other than the one it is given", "lambda rngs: Block(..., rngs=rngs)"),
-    case("from_layers(blocks, rngs=...)",
-         lambda: stackwise.nnx.Stack.from_layers(NNX.to_layers(), rngs=nnx.Rngs(0)), TypeError,
-         "`rngs=`", "already built"),
-    case("from_layers of Linear(4, 4) and Linear(4, 5)",
-         lambda: stackwise.nnx.Stack.from_layers(
-             [nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 5, rngs=nnx.Rngs(0))]),
-         TypeError, "block 1", "`.out_features`: 4 vs 5"),
-    case("from_layers of a kernel of another dtype",
-         lambda: stackwise.nnx.Stack.from_layers(
-             [_nnx_linear(jnp.ones((2, 2))), _nnx_linear(jnp.ones((2, 2), jnp.bfloat16))]),
-         TypeError, "block 1", "`.kernel` is bfloat16[2, 2] vs float32[2, 2]"),
-    case("from_layers of NumPy int64 kernels, x64 off",
-         lambda: stackwise.nnx.Stack.from_layers(
-             [_nnx_linear(np.full((2, 2), 2**40, np.int64))] * 2),
-         TypeError, "kernel", "int64", "jax_enable_x64"),
-    case("from_layers of a dict of blocks",
-         lambda: stackwise.nnx.Stack.from_layers({"a": NNX[0]}), TypeError, "`blocks`"),
-    case("layer_axis_name an int",
-         lambda: stackwise.nnx.Stack(lambda rngs: nnx.Linear(2, 2, rngs=rngs), 2,
-                                     rngs=nnx.Rngs(0), layer_axis_name=3),
-         TypeError, "`layer_axis_name`", "a str"),
-    case("from_layers layer_axis_name a tuple",
-         lambda: stackwise.nnx.Stack.from_layers(NNX.to_layers(), layer_axis_name=("a", "b")),
-         TypeError, "`layer_axis_name`"),
+    case(
+        "make_block using an outer nnx.Rngs",
+        _outer_rngs,
+        TypeError,
+        "an `nnx.Rngs` other than the one it is given",
+        "lambda rngs: Block(..., rngs=rngs)",
+    ),
+    case(
+        "from_layers(blocks, rngs=...)",
+        lambda: stackwise.nnx.Stack.from_layers(NNX.to_layers(), rngs=nnx.Rngs(0)),
+        TypeError,
+        "`rngs=`",
+        "already built",
+    ),
+    case(
+        "from_layers of Linear(4, 4) and Linear(4, 5)",
+        lambda: stackwise.nnx.Stack.from_layers(
+            [nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 5, rngs=nnx.Rngs(0))]
+        ),
+        TypeError,
+        "block 1",
+        "`.out_features`: 4 vs 5",
+    ),
+    case(
+        "from_layers of a kernel of another dtype",
+        lambda: stackwise.nnx.Stack.from_layers(
+            [_nnx_linear(jnp.ones((2, 2))), _nnx_linear(jnp.ones((2, 2), jnp.bfloat16))]
+        ),
+        TypeError,
+        "block 1",
+        "`.kernel` is bfloat16[2, 2] vs float32[2, 2]",
+    ),
+    case(
+        "from_layers of NumPy int64 kernels, x64 off",
+        lambda: stackwise.nnx.Stack.from_layers(
+            [_nnx_linear(np.full((2, 2), 2**40, np.int64))] * 2
+        ),
+        TypeError,
+        "kernel",
+        "int64",
+        "jax_enable_x64",
+    ),
+    case(
+        "from_layers of a dict of blocks",
+        lambda: stackwise.nnx.Stack.from_layers({"a": NNX[0]}),
+        TypeError,
+        "`blocks`",
+    ),
+    case(
+        "layer_axis_name an int",
+        lambda: stackwise.nnx.Stack(
+            lambda rngs: nnx.Linear(2, 2, rngs=rngs), 2, rngs=nnx.Rngs(0), layer_axis_name=3
+        ),
+        TypeError,
+        "`layer_axis_name`",
+        "a str",
+    ),
+    case(
+        "from_layers layer_axis_name a tuple",
+        lambda: stackwise.nnx.Stack.from_layers(NNX.to_layers(), layer_axis_name=("a", "b")),
+        TypeError,
+        "`layer_axis_name`",
+    ),
 ]
 
 
@@ -206,16 +316,34 @@ def _hk_fsdp_off_the_mesh():
 
 
 HAIKU_FLAX = [
-    case("haiku has_aux=True, a block returning no aux", _hk_has_aux_without_aux, TypeError,
-         "stackwise.haiku.Stack(HkBlock, n=2)", "`has_aux=True`", "one array float32[1, 4]"),
-    case("haiku fsdp= an axis the mesh lacks", _hk_fsdp_off_the_mesh, ValueError,
-         "`fsdp='model'`", "{'data': 1}"),
-    case("linen Stack layer_axis_name an int",
-         lambda: stackwise.flax.Stack(nn.Dense(4), 2, layer_axis_name=0).init(KEY, X), TypeError,
-         "stackwise.flax.Stack(Dense, n=2)", "`layer_axis_name`"),
-    case("linen Stack fsdp= a list with an int",
-         lambda: stackwise.flax.Stack(nn.Dense(4), 2, fsdp=["data", 0]).init(KEY, X), TypeError,
-         "`fsdp` must be a mesh axis name"),
+    case(
+        "haiku has_aux=True, a block returning no aux",
+        _hk_has_aux_without_aux,
+        TypeError,
+        "stackwise.haiku.Stack(HkBlock, n=2)",
+        "`has_aux=True`",
+        "one array float32[1, 4]",
+    ),
+    case(
+        "haiku fsdp= an axis the mesh lacks",
+        _hk_fsdp_off_the_mesh,
+        ValueError,
+        "`fsdp='model'`",
+        "{'data': 1}",
+    ),
+    case(
+        "linen Stack layer_axis_name an int",
+        lambda: stackwise.flax.Stack(nn.Dense(4), 2, layer_axis_name=0).init(KEY, X),
+        TypeError,
+        "stackwise.flax.Stack(Dense, n=2)",
+        "`layer_axis_name`",
+    ),
+    case(
+        "linen Stack fsdp= a list with an int",
+        lambda: stackwise.flax.Stack(nn.Dense(4), 2, fsdp=["data", 0]).init(KEY, X),
+        TypeError,
+        "`fsdp` must be a mesh axis name",
+    ),
 ]
 
 
@@ -240,7 +368,8 @@ def test_misuse_haiku_and_flax(call, error, words):
 
 def _same(a, b):
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        jnp.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        jnp.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def test_numpy_integer_indices_are_ints_in_every_adapter():
@@ -282,8 +411,9 @@ def test_abstract_trees_go_through_every_conversion():
     loop = stackwise.flax.to_loop(variables, "blocks", "layers_{}")
     assert loop["params"]["layers_1"]["kernel"] == jax.ShapeDtypeStruct((2, 2), jnp.float32)
     assert stackwise.flax.from_loop(loop, "blocks", "layers_{}") == variables
-    assert stackwise.flax.from_scan(stackwise.flax.to_scan(variables, "blocks"),
-                                    "blocks") == variables
+    assert (
+        stackwise.flax.from_scan(stackwise.flax.to_scan(variables, "blocks"), "blocks") == variables
+    )
 
     forward = hk.transform(lambda x: stackwise.haiku.Stack(HkBlock, 3)(x))
     params = jax.eval_shape(forward.init, KEY, X)

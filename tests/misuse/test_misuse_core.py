@@ -46,79 +46,200 @@ def case(name, call, error, *words):
 
 
 LAYOUT = [
-    case("slice_layers of a pattern's params without pattern=",
-         lambda: stackwise.slice_layers(PATTERN, 0, 2), TypeError, "`stacked`", "pattern=2"),
-    case("slice_layers pattern= of one tree",
-         lambda: stackwise.slice_layers(PATTERN[0], 0, 2, pattern=2), TypeError,
-         "pattern=2", "tuple of 2 stacked trees"),
-    case("slice_layers float start", lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, 1.0),
-         TypeError, "`start` must be an int"),
-    case("slice_layers bool stop",
-         lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, 0, True), TypeError, "`stop`"),
-    case("slice_layers past the end",
-         lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, 0, 4), ValueError,
-         "stop=4", "n=3"),
-    case("slice_layers too negative",
-         lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, -4), ValueError, "start=-4"),
-    case("slice_layers of an empty tree", lambda: stackwise.slice_layers({}, 0), ValueError,
-         "no array leaves"),
-    case("slice_layers of a Python float leaf",
-         lambda: stackwise.slice_layers({"w": jnp.zeros(3), "s": 1.0}, 0, 1), ValueError,
-         "['s']: shape ()"),
-    case("slice_layers of a non-array leaf",
-         lambda: stackwise.slice_layers({"w": "abc"}, 0, 1), TypeError, "leaf ['w']",
-         "not an array"),
-    case("stack_layers of a dict of layers",
-         lambda: stackwise.stack_layers({"a": {"w": jnp.zeros(2)}, "b": {"w": jnp.zeros(2)}}),
-         TypeError, "`layers`", "list(layers.values())"),
-    case("stack_layers of a str", lambda: stackwise.stack_layers("layers"), TypeError,
-         "`layers` must be a list"),
-    case("stack_layers of an already stacked array",
-         lambda: stackwise.stack_layers(jnp.zeros((3, 2))), TypeError, "already stacked"),
-    case("stack_layers of NumPy int64 next to int32",
-         lambda: stackwise.stack_layers([{"w": np.zeros(2, np.int64)}, {"w": jnp.zeros(2, int)}]),
-         TypeError, "leaf ['w']", "int64", "int32"),
-    case("unstack_layers of leaves of two depths",
-         lambda: stackwise.unstack_layers({"w": ABSTRACT, "b": jnp.zeros(2)}), ValueError,
-         "['b']: shape (2,)", "['w']: shape (3, 2)"),
-    case("stacked_spec of a str", lambda: stackwise.stacked_spec("data"), TypeError,
-         "`spec`", "P('data')"),
-    case("stacked_spec of a tuple", lambda: stackwise.stacked_spec(("data", None)), TypeError,
-         "`spec`", "P(*spec)"),
-    case("stacked_spec layer_axis of another kind",
-         lambda: stackwise.stacked_spec(P(), layer_axis=("stage", 3)), TypeError, "`layer_axis`"),
-    case("stacked_shardings without a mesh",
-         lambda: stackwise.stacked_shardings(None, {"w": P()}), TypeError, "`mesh`",
-         "jax.make_mesh"),
-    case("stacked_shardings spec naming an axis the mesh lacks",
-         lambda: stackwise.stacked_shardings(MESH, {"w": P("data")}), ValueError,
-         "leaf ['w']", "'data'", "'stage'"),
-    case("stacked_shardings layer_axis the mesh lacks",
-         lambda: stackwise.stacked_shardings(MESH, {"w": P()}, layer_axis="layers"),
-         ValueError, "`layer_axis='layers'`", "not an axis of the mesh"),
+    case(
+        "slice_layers of a pattern's params without pattern=",
+        lambda: stackwise.slice_layers(PATTERN, 0, 2),
+        TypeError,
+        "`stacked`",
+        "pattern=2",
+    ),
+    case(
+        "slice_layers pattern= of one tree",
+        lambda: stackwise.slice_layers(PATTERN[0], 0, 2, pattern=2),
+        TypeError,
+        "pattern=2",
+        "tuple of 2 stacked trees",
+    ),
+    case(
+        "slice_layers float start",
+        lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, 1.0),
+        TypeError,
+        "`start` must be an int",
+    ),
+    case(
+        "slice_layers bool stop",
+        lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, 0, True),
+        TypeError,
+        "`stop`",
+    ),
+    case(
+        "slice_layers past the end",
+        lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, 0, 4),
+        ValueError,
+        "stop=4",
+        "n=3",
+    ),
+    case(
+        "slice_layers too negative",
+        lambda: stackwise.slice_layers({"w": jnp.zeros(3)}, -4),
+        ValueError,
+        "start=-4",
+    ),
+    case(
+        "slice_layers of an empty tree",
+        lambda: stackwise.slice_layers({}, 0),
+        ValueError,
+        "no array leaves",
+    ),
+    case(
+        "slice_layers of a Python float leaf",
+        lambda: stackwise.slice_layers({"w": jnp.zeros(3), "s": 1.0}, 0, 1),
+        ValueError,
+        "['s']: shape ()",
+    ),
+    case(
+        "slice_layers of a non-array leaf",
+        lambda: stackwise.slice_layers({"w": "abc"}, 0, 1),
+        TypeError,
+        "leaf ['w']",
+        "not an array",
+    ),
+    case(
+        "stack_layers of a dict of layers",
+        lambda: stackwise.stack_layers({"a": {"w": jnp.zeros(2)}, "b": {"w": jnp.zeros(2)}}),
+        TypeError,
+        "`layers`",
+        "list(layers.values())",
+    ),
+    case(
+        "stack_layers of a str",
+        lambda: stackwise.stack_layers("layers"),
+        TypeError,
+        "`layers` must be a list",
+    ),
+    case(
+        "stack_layers of an already stacked array",
+        lambda: stackwise.stack_layers(jnp.zeros((3, 2))),
+        TypeError,
+        "already stacked",
+    ),
+    case(
+        "stack_layers of NumPy int64 next to int32",
+        lambda: stackwise.stack_layers([{"w": np.zeros(2, np.int64)}, {"w": jnp.zeros(2, int)}]),
+        TypeError,
+        "leaf ['w']",
+        "int64",
+        "int32",
+    ),
+    case(
+        "unstack_layers of leaves of two depths",
+        lambda: stackwise.unstack_layers({"w": ABSTRACT, "b": jnp.zeros(2)}),
+        ValueError,
+        "['b']: shape (2,)",
+        "['w']: shape (3, 2)",
+    ),
+    case(
+        "stacked_spec of a str",
+        lambda: stackwise.stacked_spec("data"),
+        TypeError,
+        "`spec`",
+        "P('data')",
+    ),
+    case(
+        "stacked_spec of a tuple",
+        lambda: stackwise.stacked_spec(("data", None)),
+        TypeError,
+        "`spec`",
+        "P(*spec)",
+    ),
+    case(
+        "stacked_spec layer_axis of another kind",
+        lambda: stackwise.stacked_spec(P(), layer_axis=("stage", 3)),
+        TypeError,
+        "`layer_axis`",
+    ),
+    case(
+        "stacked_shardings without a mesh",
+        lambda: stackwise.stacked_shardings(None, {"w": P()}),
+        TypeError,
+        "`mesh`",
+        "jax.make_mesh",
+    ),
+    case(
+        "stacked_shardings spec naming an axis the mesh lacks",
+        lambda: stackwise.stacked_shardings(MESH, {"w": P("data")}),
+        ValueError,
+        "leaf ['w']",
+        "'data'",
+        "'stage'",
+    ),
+    case(
+        "stacked_shardings layer_axis the mesh lacks",
+        lambda: stackwise.stacked_shardings(MESH, {"w": P()}, layer_axis="layers"),
+        ValueError,
+        "`layer_axis='layers'`",
+        "not an axis of the mesh",
+    ),
 ]
 
 
 STACK = [
-    case("init with an int seed", lambda: _layers().init(0), TypeError, "Stacked.init",
-         "`key` must be one PRNG key", "jax.random.key(seed)"),
-    case("init with n keys already split",
-         lambda: _layers().init(jax.random.split(KEY, 3)), TypeError, "Stacked.init",
-         "a batch of keys of shape (3,)", "pass one key"),
-    case("per_layer_keys of keys already split",
-         lambda: stackwise.per_layer_keys(jax.random.split(KEY, 3)), TypeError,
-         "stackwise.per_layer_keys", "`key`", "pass one key"),
+    case(
+        "init with an int seed",
+        lambda: _layers().init(0),
+        TypeError,
+        "Stacked.init",
+        "`key` must be one PRNG key",
+        "jax.random.key(seed)",
+    ),
+    case(
+        "init with n keys already split",
+        lambda: _layers().init(jax.random.split(KEY, 3)),
+        TypeError,
+        "Stacked.init",
+        "a batch of keys of shape (3,)",
+        "pass one key",
+    ),
+    case(
+        "per_layer_keys of keys already split",
+        lambda: stackwise.per_layer_keys(jax.random.split(KEY, 3)),
+        TypeError,
+        "stackwise.per_layer_keys",
+        "`key`",
+        "pass one key",
+    ),
     case("fsdp= an int", lambda: _layers(fsdp=3), TypeError, "`fsdp` must be a mesh axis name"),
     case("fsdp= an empty name", lambda: _layers(fsdp=""), TypeError, "`fsdp`", "got str ''"),
-    case("fsdp= an axis the mesh in use lacks", lambda: _fsdp_off_the_mesh(), ValueError,
-         "`fsdp='model'`", "'model'", "{'stage': 1}", "FSDP would be off"),
-    case("has_aux=True, a layer returning no aux", _has_aux_without_aux, TypeError,
-         "`has_aux=True`", "one array float32[2]", "(x, aux)"),
-    case("apply with too few layers",
-         lambda: _layers().apply({"w": jnp.ones((2, 2))}, jnp.ones(2)), ValueError,
-         "['w']: shape (2, 2)", "n=3"),
-    case("apply with a Python float leaf",
-         lambda: _layers().apply({"w": 2.0}, jnp.ones(2)), ValueError, "['w']: shape ()"),
+    case(
+        "fsdp= an axis the mesh in use lacks",
+        lambda: _fsdp_off_the_mesh(),
+        ValueError,
+        "`fsdp='model'`",
+        "'model'",
+        "{'stage': 1}",
+        "FSDP would be off",
+    ),
+    case(
+        "has_aux=True, a layer returning no aux",
+        _has_aux_without_aux,
+        TypeError,
+        "`has_aux=True`",
+        "one array float32[2]",
+        "(x, aux)",
+    ),
+    case(
+        "apply with too few layers",
+        lambda: _layers().apply({"w": jnp.ones((2, 2))}, jnp.ones(2)),
+        ValueError,
+        "['w']: shape (2, 2)",
+        "n=3",
+    ),
+    case(
+        "apply with a Python float leaf",
+        lambda: _layers().apply({"w": 2.0}, jnp.ones(2)),
+        ValueError,
+        "['w']: shape ()",
+    ),
 ]
 
 
@@ -129,23 +250,47 @@ def _fsdp_off_the_mesh():
 
 
 PIPELINE = [
-    case("pipeline mesh=None", lambda: stackwise.pipeline(None, _apply, 2, None, microbatches=1),
-         TypeError, "`mesh`", "jax.make_mesh"),
-    case("pipeline mesh as axis names",
-         lambda: stackwise.pipeline(None, _apply, 2, ("stage",), microbatches=1), TypeError,
-         "`mesh`", "('stage',)"),
-    case("pipeline data_axis as a list",
-         lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=1, data_axis=["stage"]),
-         TypeError, "`data_axis`", "a str"),
-    case("pipeline stage_axis the mesh lacks",
-         lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=1, stage_axis="pp"),
-         ValueError, "`stage_axis='pp'`"),
-    case("pipeline microbatches a float",
-         lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=2.0), TypeError,
-         "`microbatches`"),
-    case("pipeline per_example of another batch that divides the microbatches",
-         _per_example_of_another_batch, ValueError, "per_example argument 0", "batch is 4",
-         "<root>: shape (2, 1)"),
+    case(
+        "pipeline mesh=None",
+        lambda: stackwise.pipeline(None, _apply, 2, None, microbatches=1),
+        TypeError,
+        "`mesh`",
+        "jax.make_mesh",
+    ),
+    case(
+        "pipeline mesh as axis names",
+        lambda: stackwise.pipeline(None, _apply, 2, ("stage",), microbatches=1),
+        TypeError,
+        "`mesh`",
+        "('stage',)",
+    ),
+    case(
+        "pipeline data_axis as a list",
+        lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=1, data_axis=["stage"]),
+        TypeError,
+        "`data_axis`",
+        "a str",
+    ),
+    case(
+        "pipeline stage_axis the mesh lacks",
+        lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=1, stage_axis="pp"),
+        ValueError,
+        "`stage_axis='pp'`",
+    ),
+    case(
+        "pipeline microbatches a float",
+        lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=2.0),
+        TypeError,
+        "`microbatches`",
+    ),
+    case(
+        "pipeline per_example of another batch that divides the microbatches",
+        _per_example_of_another_batch,
+        ValueError,
+        "per_example argument 0",
+        "batch is 4",
+        "<root>: shape (2, 1)",
+    ),
 ]
 
 
@@ -188,17 +333,20 @@ def test_slice_layers_of_a_pattern_takes_the_models_layers():
         assert len(sliced) == len(want), (start, stop)
         for g, w in zip(sliced, want):
             assert jax.tree.structure(g) == jax.tree.structure(w)
-            assert all(jnp.array_equal(u, v) for u, v in zip(jax.tree.leaves(g),
-                                                             jax.tree.leaves(w)))
+            assert all(
+                jnp.array_equal(u, v) for u, v in zip(jax.tree.leaves(g), jax.tree.leaves(w))
+            )
 
 
 def test_slice_layers_takes_numpy_ints_negatives_and_abstract_leaves():
     params = {"w": jnp.arange(12.0).reshape(6, 2)}
-    assert jnp.array_equal(stackwise.slice_layers(params, np.int64(1), np.int32(3))["w"],
-                           params["w"][1:3])
+    assert jnp.array_equal(
+        stackwise.slice_layers(params, np.int64(1), np.int32(3))["w"], params["w"][1:3]
+    )
     assert jnp.array_equal(stackwise.slice_layers(params, -2)["w"], params["w"][-2:])
     assert stackwise.slice_layers({"w": ABSTRACT}, 1) == {
-        "w": jax.ShapeDtypeStruct((2, 2), jnp.float32)}
+        "w": jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    }
 
 
 def test_abstract_trees_unstack_and_stack_back():
@@ -210,8 +358,12 @@ def test_abstract_trees_unstack_and_stack_back():
 
 def test_numpy_integers_count_as_patterns():
     layers = [{"w": jnp.zeros(1)}, {"v": jnp.ones(1)}]
-    assert stackwise.unstack_layers(stackwise.stack_layers(layers, pattern=np.int64(2)),
-                                    pattern=np.int32(2)) == layers
+    assert (
+        stackwise.unstack_layers(
+            stackwise.stack_layers(layers, pattern=np.int64(2)), pattern=np.int32(2)
+        )
+        == layers
+    )
 
 
 def test_pipeline_takes_numpy_int_microbatches():
