@@ -62,7 +62,7 @@ def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tu
     where = path or "<root>"
     if not _check.same_array_kind(a, b):
         return where, f"{type(a).__name__} vs {type(b).__name__}"
-    if eqx.is_array(a):
+    if is_array(a):
         dtypes = _check.leaf_dtype(a), _check.leaf_dtype(b)
         if arrays and (jnp.shape(a) != jnp.shape(b) or dtypes[0] != dtypes[1]):
             return where, f"{_describe(a)} vs {_describe(b)}"
@@ -117,12 +117,12 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
     block's StateIndexes keep the first block's markers.
     """
     first = _state.unmarked(blocks[0])
-    arrays0, static0 = eqx.partition(first, eqx.is_array)
+    arrays0, static0 = eqx.partition(first, is_array)
     arrays = [arrays0]
     for i, block in zip(numbers[1:], blocks[1:]):
         block = _state.unmarked(block)
         found = _first_difference(first, block, arrays=False) or _first_difference(first, block)
-        a, static = eqx.partition(block, eqx.is_array)
+        a, static = eqx.partition(block, is_array)
         if found is None and jax.tree.structure(static) != jax.tree.structure(static0):
             found = "<root>", "another structure or other static fields"
         if found is not None:
@@ -140,6 +140,8 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
     def stack(path, *leaves):
         for i, leaf in zip(numbers, leaves):
             _check.exact_dtype(leaf, who, f"`{jax.tree_util.keystr(path)}` of block {i}")
+        if all(_check.is_abstract(leaf) for leaf in leaves):  # eqx.filter_eval_shape
+            return _check.stack(leaves)
         return jnp.stack(leaves)
 
     stacked = jax.tree_util.tree_map_with_path(stack, *arrays)

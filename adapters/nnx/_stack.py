@@ -578,7 +578,9 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
     for i, state in zip(indices, states):
         for path, a in jax.tree_util.tree_leaves_with_path(state):
             _check.exact_dtype(a, who, f"{_path(path)} of block {i}")
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    stacked = jax.tree.map(
+        lambda *a: _check.stack(a) if _check.is_abstract(a[0]) else jnp.stack(a), *states
+    )
     _add_layer_axis(stacked, layer_axis_name)
     return nnx.merge(graphdef, _shard_eagerly(stacked))
 

@@ -420,3 +420,16 @@ def test_abstract_trees_go_through_every_conversion():
     loop = stackwise.haiku.to_loop(params, "stack", "block_{}")
     assert loop["block_2/hk_block/linear"]["w"] == jax.ShapeDtypeStruct((4, 4), jnp.float32)
     assert stackwise.haiku.from_loop(loop, "stack", "block_{}") == params
+    layer_stack = stackwise.haiku.to_layer_stack(params, "stack")
+    assert stackwise.haiku.from_layer_stack(layer_stack, "stack") == params
+
+
+def test_abstract_blocks_stack_into_an_abstract_stack():
+    blocks = [eqx.filter_eval_shape(partial(eqx.nn.Linear, 2, 3), key=KEY) for _ in range(3)]
+    stack = stackwise.equinox.Stack.from_layers(blocks)
+    assert stack.layers.weight == jax.ShapeDtypeStruct((3, 3, 2), jnp.float32)
+    assert stack[2].weight == blocks[2].weight
+    nnx_blocks = [nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0))) for _ in range(3)]
+    nnx_stack = stackwise.nnx.Stack.from_layers(nnx_blocks)
+    assert nnx_stack.layers.kernel.get_value() == jax.ShapeDtypeStruct((3, 2, 3), jnp.float32)
+    assert nnx_stack[1].kernel.get_value() == nnx_blocks[1].kernel.get_value()
