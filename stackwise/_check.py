@@ -62,7 +62,6 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 __all__ = [
     "axis_entry",
     "axis_names",
-    "check_all_exact",
     "check_depth",
     "depth",
     "describe",
@@ -385,7 +384,7 @@ def check_depth(leaves: Iterable[tuple[str, Any]], n: int, who: str, what: str, 
 
 def same_array_kind(a: Any, b: Any) -> bool:
     """Whether two values are both arrays (NumPy or JAX alike) or of one type."""
-    arrays = (np.ndarray, jax.Array)
+    arrays = (np.ndarray, np.generic, jax.Array)
     return type(a) is type(b) or (isinstance(a, arrays) and isinstance(b, arrays))
 
 
@@ -404,9 +403,3 @@ def exact_dtype(leaf: Any, who: str, name: str) -> None:
             f"{np.dtype(held).name})`) if that is what you want, or enable 64-bit values "
             "with `jax.config.update('jax_enable_x64', True)`."
         )
-
-
-def check_all_exact(leaves: Sequence[tuple[str, Any]], who: str) -> None:
-    """:func:`exact_dtype` for each ``(name, leaf)``."""
-    for name, leaf in leaves:
-        exact_dtype(leaf, who, name)

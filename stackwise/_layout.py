@@ -103,8 +103,8 @@ def stack_layers(layers: Sequence[Any], *, pattern: int | None = None) -> Any:
     Raises:
       ValueError: no layers, fewer than k, or layers of different structure
         or leaf shapes.
-      TypeError: a leaf whose dtype differs between layers, or a bad
-        ``pattern``.
+      TypeError: a leaf whose dtype differs between layers, a bad ``pattern``,
+        or ``layers`` that is not a list (a dict's keys would be taken as layers).
     """
     k = _convert.check_pattern(pattern, _STACK)
     layers = _layer_list(layers, _STACK)

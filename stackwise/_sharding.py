@@ -47,10 +47,7 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
 
 
 def _check_axis(mesh: Mesh | AbstractMesh, axis: str, where: str, arg: str) -> None:
-    try:
-        _check.axis_names(axis, where, arg, mesh=mesh)
-    except ValueError as e:
-        raise _LeafError(str(e)) from None
+    _check.axis_names(axis, where, arg, mesh=mesh)
 
 
 def _map_specs(specs: Any, params: Any, fn, where: str, arg: str = "specs") -> Any:
@@ -183,8 +180,11 @@ def fsdp_specs(
       A tree like ``params`` with a ``PartitionSpec`` per leaf.
 
     Raises:
-      ValueError: ``axis`` is not a mesh axis, or ``base`` / ``stacked`` do
-        not match the params.
+      TypeError: ``mesh`` not a mesh, ``axis`` not axis names, a spec given as a
+        str or a tuple (``P('data')`` was meant), or a leaf that is not an array.
+      ValueError: ``axis`` (or an axis of ``base``) is not a mesh axis, a base spec
+        longer than its leaf, a stacked leaf with no axes (a Python float), or
+        ``base`` / ``stacked`` do not match the params.
     """
     where = "stackwise.fsdp_specs"
     mesh = _check.mesh(mesh, where)
@@ -282,9 +282,11 @@ def shard_stacked(
       ``jax.eval_shape``) comes back abstract, carrying its ``NamedSharding``.
 
     Raises:
+      TypeError: ``mesh`` not a ``Mesh`` of devices, a spec given as a str or a
+        tuple, or a leaf that is not an array.
       ValueError: an axis name not in the mesh, a spec longer than its
-        leaf's axes, a dimension the mesh axes do not divide, or ``specs`` /
-        ``stacked`` trees that do not match ``params``.
+        leaf's axes, a dimension the mesh axes do not divide, a stacked leaf with
+        no axes, or ``specs`` / ``stacked`` trees that do not match ``params``.
     """
     where = "stackwise.shard_stacked"
     mesh = _check.mesh(mesh, where)
