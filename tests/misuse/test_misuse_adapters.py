@@ -347,6 +347,75 @@ HAIKU_FLAX = [
 ]
 
 
+LOOP = {"params": {f"layers_{i}": {"kernel": jnp.ones((2, 2))} for i in range(3)}}
+HK_LOOP = {f"block_{i}/linear": {"w": jnp.ones((2, 2))} for i in range(3)}
+
+CONVERSIONS = [
+    case(
+        "linen from_loop names without {}",
+        lambda: stackwise.flax.from_loop(LOOP, "blocks", "layers"),
+        TypeError,
+        "`names='layers'`",
+        "'layers_{}'",
+    ),
+    case(
+        "linen from_loop n=True",
+        lambda: stackwise.flax.from_loop(LOOP, "blocks", "layers_{}", n=True),
+        TypeError,
+        "`n`",
+        "bool",
+    ),
+    case(
+        "linen from_loop n past the layers",
+        lambda: stackwise.flax.from_loop(LOOP, "blocks", "layers_{}", n=4),
+        ValueError,
+        "n=4",
+        "Pass n=3",
+    ),
+    case(
+        "linen from_loop of a list",
+        lambda: stackwise.flax.from_loop([1], "blocks", "l_{}"),
+        TypeError,
+        "`variables`",
+        "got list",
+    ),
+    case(
+        "linen to_loop path an int in a list",
+        lambda: stackwise.flax.to_loop(LOOP, ["a", 3], "l_{}"),
+        TypeError,
+        "`path`",
+        "got 3",
+    ),
+    case(
+        "haiku from_loop path an int",
+        lambda: stackwise.haiku.from_loop(HK_LOOP, 3, "block_{}"),
+        TypeError,
+        "`path`",
+    ),
+    case(
+        "haiku from_loop names a dict",
+        lambda: stackwise.haiku.from_loop(HK_LOOP, "stack", {"a": 1}),
+        TypeError,
+        "`names`",
+    ),
+    case(
+        "haiku to_loop of leaves of two depths",
+        lambda: stackwise.haiku.to_loop(
+            {"stack/linear": {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}}, "stack", "block_{}"
+        ),
+        ValueError,
+        "stack/linear/b: shape (2,)",
+        "stack/linear/w: shape (3, 2)",
+    ),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", CONVERSIONS)
+def test_misuse_conversions(call, error, words):
+    _assert_refused(call, error, words)
+
+
 @pytest.mark.parametrize("call, error, words", EQUINOX)
 def test_misuse_equinox(call, error, words):
     _assert_refused(call, error, words)
@@ -370,6 +439,14 @@ def _same(a, b):
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         jnp.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
     )
+
+
+def test_numpy_integer_depths_and_dtypes_kept_by_conversions():
+    stacked = stackwise.flax.from_loop(LOOP, "blocks", "layers_{}", n=np.int64(3))
+    assert stacked["params"]["blocks"]["kernel"].shape == (3, 2, 2)
+    wide = {k: {"w": np.full((2, 2), 2**40, np.int64)} for k in HK_LOOP}
+    w = stackwise.haiku.from_loop(wide, "stack", "block_{}")["stack/linear"]["w"]
+    assert w.dtype == np.int64 and (w == 2**40).all()  # NumPy kept, never int32
 
 
 def test_numpy_integer_indices_are_ints_in_every_adapter():
