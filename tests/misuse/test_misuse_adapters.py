@@ -485,6 +485,17 @@ def test_abstract_trees_go_through_every_conversion():
             return stackwise.flax.Stack(nn.Dense(2), 3, name="blocks")(x)
 
     variables = jax.eval_shape(Linen().init, KEY, jnp.ones((1, 2)))
+
+    class LinenLoop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.Dense(2, name=f"layers_{i}")(x)
+            return x
+
+    loop_variables = jax.eval_shape(LinenLoop().init, KEY, jnp.ones((1, 2)))
+    ported = stackwise.flax.convert(loop_variables, LinenLoop(), Linen(), jnp.ones((1, 2)))
+    assert ported == variables
     loop = stackwise.flax.to_loop(variables, "blocks", "layers_{}")
     assert loop["params"]["layers_1"]["kernel"] == jax.ShapeDtypeStruct((2, 2), jnp.float32)
     assert stackwise.flax.from_loop(loop, "blocks", "layers_{}") == variables
