@@ -218,6 +218,7 @@ def fsdp_specs(
         while entries and entries[-1] is None:
             entries.pop()
         return PartitionSpec(*entries)
+
     return _map_specs(base, params, one, where, "base")
 
 
@@ -356,8 +357,9 @@ def _reshape(leaf: Any, shape: tuple, sharding: NamedSharding) -> Any:
     return jnp.reshape(leaf, shape)
 
 
-def _check_leaf(mesh, name: str, shape: tuple, full: PartitionSpec, stacked: bool,
-                layer_axis: str | None) -> None:
+def _check_leaf(
+    mesh, name: str, shape: tuple, full: PartitionSpec, stacked: bool, layer_axis: str | None
+) -> None:
     where = "stackwise.shard_stacked"
     if len(full) > len(shape):
         fix = (
@@ -390,6 +392,30 @@ def _check_leaf(mesh, name: str, shape: tuple, full: PartitionSpec, stacked: boo
                 f"cannot be split over mesh axis {entry!r} of size "
                 f"{_axis_size(mesh, entry)}. Use a spec that leaves it unsharded, or pick a "
                 "mesh axis size that divides it."
+            )
+
+
+def check_fsdp_axes(params: Any, axes: tuple[str, ...], who: str) -> None:
+    """``fsdp=axes`` on a mesh without them would gather nothing: FSDP silently off.
+
+    The meshes are the one set by ``jax.set_mesh`` and those the params are placed on;
+    off every mesh (one device) ``fsdp`` changes nothing but the remat, by design.
+    """
+    meshes = [jax.sharding.get_abstract_mesh()]
+    for _, leaf in _check.named_leaves(params):
+        meshes.append(getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None))
+    for mesh in meshes:
+        if mesh is None or getattr(mesh, "empty", True):
+            continue
+        missing = _check.mesh_lacks(mesh, axes)
+        if missing:
+            raise ValueError(
+                f"{who}: `fsdp={axes if len(axes) > 1 else axes[0]!r}` names mesh axis "
+                f"{missing[0]!r}, but the mesh in use (`jax.set_mesh`, or the params' own) has "
+                "axes "
+                f"{dict(mesh.shape)}: nothing would be gathered and FSDP would be off. Name "
+                "the mesh axis the params are sharded over (e.g. `fsdp='data'`), or build "
+                f"the mesh with a {missing[0]!r} axis."
             )
 
 

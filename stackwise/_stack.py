@@ -27,7 +27,7 @@ from stackwise._markers import _PerLayer, _split_markers
 from stackwise._markers import layer_index as layer_index
 from stackwise._markers import per_layer as per_layer
 from stackwise._markers import per_layer_keys as per_layer_keys
-from stackwise._sharding import gather
+from stackwise._sharding import check_fsdp_axes, gather
 
 __all__ = [
     "CARRY_NAME",
@@ -130,30 +130,6 @@ def _check_not_split_over_layers(params: Any, who: str) -> None:
                 "Run them as pipeline stages with `stackwise.pipeline`, or reshard the "
                 "layer axis to replicated first (`stackwise.shard_stacked(params, mesh, "
                 "specs)` without `layer_axis`)."
-            )
-
-
-def _check_fsdp_axes(params: Any, axes: tuple[str, ...], who: str) -> None:
-    """``fsdp=axes`` on a mesh without them would gather nothing: FSDP silently off.
-
-    The meshes are the one set by ``jax.set_mesh`` and those the params are placed on;
-    off every mesh (one device) ``fsdp`` changes nothing but the remat, by design.
-    """
-    meshes = [jax.sharding.get_abstract_mesh()]
-    for _, leaf in tree_leaves(params):
-        meshes.append(getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None))
-    for mesh in meshes:
-        if mesh is None or getattr(mesh, "empty", True):
-            continue
-        missing = _check.mesh_lacks(mesh, axes)
-        if missing:
-            raise ValueError(
-                f"{who}: `fsdp={axes if len(axes) > 1 else axes[0]!r}` names mesh axis "
-                f"{missing[0]!r}, but the mesh in use (`jax.set_mesh`, or the params' own) has "
-                "axes "
-                f"{dict(mesh.shape)}: nothing would be gathered and FSDP would be off. Name "
-                "the mesh axis the params are sharded over (e.g. `fsdp='data'`), or build "
-                f"the mesh with a {missing[0]!r} axis."
             )
 
 
@@ -377,7 +353,7 @@ def stack(
         state = run.positions(state, "state", pattern) if with_state else (None,) * k
         _check_not_split_over_layers(params, f"{who}: Stacked.apply")
         if options.fsdp:
-            _check_fsdp_axes(params, options.fsdp, who)
+            check_fsdp_axes(params, options.fsdp, who)
         xs, rebuild = _split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
         x, new_state, aux = run(params, state, x, xs, rebuild)
         out = (x, unwrap(aux)) if has_aux else x

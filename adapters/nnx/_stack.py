@@ -12,13 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import errors as flax_errors
 from flax import nnx
 
 import stackwise
 from stackwise import _adapt, _check
-from stackwise.nnx import _view
+from stackwise.nnx import _compare, _view
 
 __all__ = ["Stack", "layer_index"]
 
@@ -553,7 +552,7 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
     for i in indices[1:]:
         block = blocks[i]
         g, state = nnx.split(block)
-        found = _first_difference(blocks[first_i], block, arrays=False)
+        found = _compare.first_difference(blocks[first_i], block, arrays=False)
         other = g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)
         if found is None and other:
             found = "<root>", "another structure or other static attributes"
@@ -565,7 +564,7 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
                 "must be built the same way, with the same arguments (only the rngs "
                 "differing); for repeating kinds of blocks, pass `pattern=k`."
             )
-        found = _first_difference(blocks[first_i], block)
+        found = _compare.first_difference(blocks[first_i], block)
         if found is not None:
             at, how = found
             raise TypeError(
@@ -583,51 +582,3 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
     )
     _add_layer_axis(stacked, layer_axis_name)
     return nnx.merge(graphdef, _shard_eagerly(stacked))
-
-
-def _attributes(module: Any) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_pytree__")}
-
-
-def _describe(a: Any) -> str:
-    return f"{_check.leaf_dtype(a).name}{list(jnp.shape(a))}"
-
-
-def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tuple | None:
-    """Where and how two blocks differ in anything but variable values, or None.
-
-    With ``arrays=False`` variables are not compared: a first pass over the other
-    attributes names the cause (``out_features``) rather than its effect (``kernel``).
-    """
-    where = path or "<root>"
-    if not _check.same_array_kind(a, b):
-        return where, f"{type(a).__name__} vs {type(b).__name__}"
-    if isinstance(a, nnx.Variable):
-        a, b = a.get_value(), b.get_value()
-    if isinstance(a, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-        same = jnp.shape(a) == jnp.shape(b) and _check.leaf_dtype(a) == _check.leaf_dtype(b)
-        return None if same or not arrays else (where, f"{_describe(b)} vs {_describe(a)}")
-    if isinstance(a, nnx.Pytree):  # modules, rng streams
-        attrs_a, attrs_b = _attributes(a), _attributes(b)
-        if set(attrs_a) != set(attrs_b):
-            return where, f"attributes {sorted(attrs_a)} vs {sorted(attrs_b)}"
-        children = [(f".{k}", v, attrs_b[k]) for k, v in attrs_a.items()]
-    elif isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return where, f"{len(a)} vs {len(b)} entries"
-        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(a, b))]
-    elif isinstance(a, dict):
-        if set(a) != set(b):
-            return where, f"keys {sorted(map(repr, a))} vs {sorted(map(repr, b))}"
-        children = [(f"[{k!r}]", a[k], b[k]) for k in a]
-    else:
-        try:
-            same = a is b or bool(a == b)
-        except Exception:  # values that do not compare: told apart by identity only
-            same = False
-        return None if same else (where, f"{a!r} vs {b!r}")
-    for name, u, v in children:
-        found = _first_difference(u, v, path + name, arrays)
-        if found:
-            return found
-    return None
