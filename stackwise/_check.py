@@ -246,8 +246,9 @@ def layer_index(i: Any, n: int, who: str, arg: str = "index") -> int:
         i = operator.index(i)
     except TypeError:
         raise TypeError(
-            f"{who}: `{arg}` must be an int layer number, got {type(i).__name__} {i!r}; for "
-            "several layers use `stackwise.slice_layers` on the params, or `to_layers()[a:b]`."
+            f"{who}: a layer index must be an int, got {type(i).__name__} {i!r} (as `{arg}`; "
+            "a NumPy integer works too); for several layers use `stackwise.slice_layers` on "
+            "the params, or `to_layers()[a:b]`."
         ) from None
     if not -n <= i < n:
         raise IndexError(f"{who}: layer {i} is out of range for n={n} layers (use -{n}..{n - 1}).")

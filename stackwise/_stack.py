@@ -351,7 +351,7 @@ def stack(
             )
         params = run.positions(params, "params", pattern)
         state = run.positions(state, "state", pattern) if with_state else (None,) * k
-        _check_not_split_over_layers(params, f"{who}: Stacked.apply")
+        _check_not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
         if options.fsdp:
             check_fsdp_axes(params, options.fsdp, who)
         xs, rebuild = _split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")

@@ -105,8 +105,8 @@ EQUINOX = [
         "holds no values",
         "make_with_state",
     ),
-    case("stack[True]", lambda: EQX[True], TypeError, "`i` must be an int", "bool"),
-    case("stack[1.0]", lambda: EQX[1.0], TypeError, "`i` must be an int", "float"),
+    case("stack[True]", lambda: EQX[True], TypeError, "a layer index must be an int", "bool"),
+    case("stack[1.0]", lambda: EQX[1.0], TypeError, "a layer index must be an int", "float"),
     case("stack[3] of 3 layers", lambda: EQX[3], IndexError, "layer 3", "n=3"),
     case("stack[-4] of 3 layers", lambda: EQX[-4], IndexError, "layer -4"),
     case(
@@ -225,8 +225,8 @@ NNX_CASES = [
         ValueError,
         "kernel (Param)",
     ),
-    case("stack[True]", lambda: NNX[True], TypeError, "`i` must be an int", "bool"),
-    case("stack[0:2]", lambda: NNX[0:2], TypeError, "`i` must be an int", "slice_layers"),
+    case("stack[True]", lambda: NNX[True], TypeError, "a layer index must be an int", "bool"),
+    case("stack[0:2]", lambda: NNX[0:2], TypeError, "a layer index must be an int", "slice_layers"),
     case("stack[3] of 3 layers", lambda: NNX[3], IndexError, "layer 3", "n=3"),
     case(
         "make_block using an outer nnx.Rngs",
@@ -521,3 +521,209 @@ def test_abstract_blocks_stack_into_an_abstract_stack():
     nnx_stack = stackwise.nnx.Stack.from_layers(nnx_blocks)
     assert nnx_stack.layers.kernel.get_value() == jax.ShapeDtypeStruct((3, 2, 3), jnp.float32)
     assert nnx_stack[1].kernel.get_value() == nnx_blocks[1].kernel.get_value()
+
+
+# --------------------------------------------------------------------------
+# Building a Stack and its conversions: every error path one call can reach.
+
+
+def _normed_blocks_and_states():
+    made = [eqx.nn.make_with_state(_Normed)(KEY) for _ in range(2)]
+    return [b for b, _ in made], [s for _, s in made]
+
+
+def _states_not_states():
+    blocks, states = _normed_blocks_and_states()
+    stackwise.equinox.Stack.from_layers(blocks, [states[0], "state"])
+
+
+def _states_of_another_block():
+    blocks, states = _normed_blocks_and_states()
+    other = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch", mode="ema")[1]
+    stackwise.equinox.Stack.from_layers(blocks, [states[0], other])
+
+
+NNX_TREE = {"blocks": {"layers": {"kernel": jnp.ones((3, 2, 2))}}}
+
+
+def _in_haiku(make_stack):
+    hk.transform(lambda x: make_stack()(x)).init(KEY, X)
+
+
+BUILDING = [
+    case(
+        "Equinox Stack of no factories",
+        lambda: stackwise.equinox.Stack([], 2, key=KEY),
+        ValueError,
+        "at least one block factory",
+    ),
+    case(
+        "Equinox Stack of an int",
+        lambda: stackwise.equinox.Stack(3, 2, key=KEY),
+        TypeError,
+        "`block` must be a function of a key",
+    ),
+    case(
+        "Equinox factory that fails itself",
+        lambda: stackwise.equinox.Stack(lambda key: eqx.nn.Linear(key=key), 2, key=KEY),
+        TypeError,
+        "in_features",
+    ),
+    case(
+        "Equinox to_layers(state) of a dict",
+        lambda: EQX.to_layers({}),
+        TypeError,
+        "`state` must be an eqx.nn.State",
+        "dict",
+    ),
+    case(
+        "Equinox from_layers with fewer states than blocks",
+        lambda: stackwise.equinox.Stack.from_layers(EQX.to_layers(), [None]),
+        ValueError,
+        "3 blocks but 1 states",
+    ),
+    case(
+        "Equinox from_layers states[1] not a State",
+        _states_not_states,
+        TypeError,
+        "`states[1]`",
+        "eqx.nn.State",
+        "str",
+    ),
+    case(
+        "Equinox from_layers states[1] of another block",
+        _states_of_another_block,
+        ValueError,
+        "`states[1]` holds no values",
+        "make_with_state",
+    ),
+    case(
+        "NNX Stack of no make_block",
+        lambda: stackwise.nnx.Stack([], 2, rngs=nnx.Rngs(0)),
+        ValueError,
+        "at least one `make_block`",
+    ),
+    case(
+        "NNX Stack of an int",
+        lambda: stackwise.nnx.Stack(3, 2, rngs=nnx.Rngs(0)),
+        TypeError,
+        "`make_block` must be a function of `rngs`",
+    ),
+    case(
+        "NNX Stack of a built module",
+        lambda: stackwise.nnx.Stack(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 2, rngs=nnx.Rngs(0)),
+        TypeError,
+        "a built Linear module",
+        "Stack.from_layers",
+    ),
+    case(
+        "NNX Stack(nnx.Linear, n)",
+        lambda: stackwise.nnx.Stack(nnx.Linear, 2, rngs=nnx.Rngs(0)),
+        TypeError,
+        "`make_block(rngs)` failed",
+        "lambda rngs: nnx.Linear",
+    ),
+    case(
+        "linen Stack of no blocks",
+        lambda: stackwise.flax.Stack([], 2),
+        ValueError,
+        "at least one block",
+    ),
+    case(
+        "linen Stack of a class missing arguments",
+        lambda: stackwise.flax.Stack(nn.Dense, 2).init(KEY, X),
+        TypeError,
+        "building the block failed",
+        "features",
+    ),
+    case(
+        "Haiku Stack of no blocks",
+        lambda: _in_haiku(lambda: stackwise.haiku.Stack([], 2)),
+        ValueError,
+        "at least one block",
+    ),
+    case(
+        "Haiku block() returning no module",
+        lambda: _in_haiku(lambda: stackwise.haiku.Stack(lambda: 3, 2)),
+        TypeError,
+        "`block()` must return a callable module",
+        "int",
+    ),
+    case(
+        "linen from_loop names giving no str",
+        lambda: stackwise.flax.from_loop(LOOP, "blocks", lambda i: i),
+        TypeError,
+        "`names` must give a non-empty str",
+    ),
+    case(
+        "linen from_loop n=0",
+        lambda: stackwise.flax.from_loop(LOOP, "blocks", "layers_{}", n=0),
+        ValueError,
+        "`n` must be at least 1",
+    ),
+    case(
+        "linen from_loop names list and another n",
+        lambda: stackwise.flax.from_loop(LOOP, "blocks", ["layers_0", "layers_1", "layers_2"], n=2),
+        ValueError,
+        "n=2 but 3 names",
+    ),
+    case(
+        "linen to_loop path []",
+        lambda: stackwise.flax.to_loop(LOOP, [], "l_{}"),
+        TypeError,
+        "`path` lists its k positions",
+    ),
+    case(
+        "linen to_scan variable_axes an int",
+        lambda: stackwise.flax.to_scan(LOOP, "blocks", variable_axes=0),
+        TypeError,
+        "`variable_axes`",
+    ),
+    case(
+        "Haiku to_loop of a list",
+        lambda: stackwise.haiku.to_loop([1], "stack", "block_{}"),
+        TypeError,
+        "`tree` must be a Haiku params or state dict",
+    ),
+    case(
+        "Haiku from_loop pattern deeper than n",
+        lambda: stackwise.haiku.from_loop(HK_LOOP, ["stack/a", "stack/b"], "block_{}", n=1),
+        ValueError,
+        "pattern of 2 blocks needs at least 2 layers",
+    ),
+    case(
+        "NNX to_loop of a list",
+        lambda: stackwise.nnx.to_loop([1], "blocks", "l_{}"),
+        TypeError,
+        "`tree` must be an `nnx.State`",
+    ),
+    case(
+        "NNX to_loop path ''",
+        lambda: stackwise.nnx.to_loop({}, "", "l_{}"),
+        TypeError,
+        "`path` must name a place in the state",
+    ),
+    case(
+        "NNX to_loop path []",
+        lambda: stackwise.nnx.to_loop({}, [], "l_{}"),
+        TypeError,
+        "`path` lists its k positions",
+    ),
+    case(
+        "NNX to_scan variable_axes an int",
+        lambda: stackwise.nnx.to_scan(NNX_TREE, "blocks", variable_axes=0),
+        TypeError,
+        "`variable_axes` maps NNX filters",
+    ),
+    case(
+        "NNX to_scan variable_axes of a str axis",
+        lambda: stackwise.nnx.to_scan(NNX_TREE, "blocks", variable_axes={nnx.Param: "x"}),
+        TypeError,
+        "must be an int axis or None",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, words", BUILDING)
+def test_misuse_building(call, error, words):
+    _assert_refused(call, error, words)

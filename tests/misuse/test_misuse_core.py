@@ -369,3 +369,81 @@ def test_numpy_integers_count_as_patterns():
 def test_pipeline_takes_numpy_int_microbatches():
     pp = stackwise.pipeline(None, _apply, 2, MESH, microbatches=np.int64(2))
     assert jnp.array_equal(pp.apply({"w": jnp.full(2, 2.0)}, jnp.ones(4)), jnp.full(4, 4.0))
+
+
+# --------------------------------------------------------------------------
+# Options, markers and conversions' shared checks: every error path of the core.
+
+
+def _split_over_layers():
+    mesh = jax.make_mesh((1,), ("data",))
+    placed = stackwise.shard_stacked({"w": jnp.ones((3, 2))}, mesh, layer_axis="data")
+    _layers().apply(placed, jnp.ones(2))
+
+
+OPTIONS_AND_MARKERS = [
+    case(
+        "remat=jax.checkpoint",
+        lambda: _layers(remat=jax.checkpoint),
+        TypeError,
+        "`remat`",
+        "not `jax.checkpoint`",
+        "remat=True",
+    ),
+    case(
+        "remat= a policy factory, uncalled",
+        lambda: _layers(remat=jax.checkpoint_policies.save_only_these_names),
+        TypeError,
+        "policy factory",
+        "save_only_these_names(...)",
+    ),
+    case(
+        "a pattern of no layers",
+        lambda: stackwise.stack(None, [], 2),
+        ValueError,
+        "`apply` is empty",
+    ),
+    case(
+        "per_layer itself, uncalled",
+        lambda: _layers().apply({"w": jnp.ones((3, 2))}, jnp.ones(2), stackwise.per_layer),
+        TypeError,
+        "argument *args[0]",
+        "stackwise.per_layer(xs)",
+    ),
+    case(
+        "a per-layer marker as the carry",
+        lambda: _layers().apply({"w": jnp.ones((3, 2))}, stackwise.per_layer(jnp.ones((3, 2)))),
+        TypeError,
+        "carry `x`",
+        "per-layer marker",
+    ),
+    case(
+        "params split over their layer axis",
+        _split_over_layers,
+        ValueError,
+        "params leaf ['w']",
+        "layer axis",
+        "stackwise.pipeline",
+    ),
+    case(
+        "stack_layers of a NumPy int64 next to a Python int",
+        lambda: stackwise.stack_layers([{"w": np.int64(1)}, {"w": 2}]),
+        TypeError,
+        "leaf ['w']",
+        "int64",
+        "stored as int32",
+    ),
+    case(
+        "pipeline repeats= with the gpipe schedule",
+        lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=1, repeats=2),
+        ValueError,
+        "`repeats=2`",
+        "schedule='circular'",
+    ),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", OPTIONS_AND_MARKERS)
+def test_misuse_options_and_markers(call, error, words):
+    _assert_refused(call, error, words)

@@ -269,3 +269,52 @@ def test_unstacked_scalars_keep_their_specs():
     model = {"blocks": PARAMS, "scale": 1.0}
     specs = stackwise.fsdp_specs(model, MESH, stacked={"blocks": True, "scale": False})
     assert specs["scale"] == P()
+
+
+# --------------------------------------------------------------------------
+# Placing leaves: every per-leaf refusal of shard_stacked that one device can show.
+
+PLACEMENT = [
+    case(
+        "repeats= without a layer axis",
+        lambda: stackwise.shard_stacked(PARAMS, DEVICES, repeats=3),
+        ValueError,
+        "`repeats=3`",
+        "layer_axis=",
+    ),
+    case(
+        "repeats= that does not divide the layers",
+        lambda: stackwise.shard_stacked(PARAMS, DEVICES, layer_axis="data", repeats=2),
+        ValueError,
+        "leaf ['b'] has 3 layers",
+        "`repeats=2`",
+    ),
+    case(
+        "a per-layer spec longer than the leaf",
+        lambda: stackwise.shard_stacked(PARAMS, DEVICES, {"w": P(None, None, None), "b": None}),
+        ValueError,
+        "leaf ['w']",
+        "names 4 axes",
+        "leave out the layer axis",
+    ),
+    case(
+        "a spec naming one mesh axis twice",
+        lambda: stackwise.shard_stacked(PARAMS, DEVICES, {"w": P("data", "data"), "b": None}),
+        ValueError,
+        "leaf ['w']",
+        "'data' twice",
+    ),
+    case(
+        "logical names holding an int",
+        lambda: stackwise.logical_specs({"w": P("embed", 3)}, [("embed", "data")]),
+        TypeError,
+        "leaf ['w']",
+        "got 3",
+    ),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", PLACEMENT)
+def test_misuse_placement(call, error, words):
+    _assert_refused(call, error, words)
