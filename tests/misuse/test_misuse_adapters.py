@@ -716,6 +716,42 @@ BUILDING = [
         "`variable_axes` maps NNX filters",
     ),
     case(
+        "NNX Stack rngs=0",
+        lambda: stackwise.nnx.Stack(lambda r: nnx.Linear(2, 2, rngs=r), 2, rngs=0),
+        TypeError,
+        "`rngs` must be an nnx.Rngs",
+        "got int 0",
+    ),
+    case(
+        "NNX to_scan variable_axes past the variable's axes",
+        lambda: stackwise.nnx.to_scan(NNX_TREE, "blocks", variable_axes={...: 3}),
+        ValueError,
+        "blocks.layers.kernel",
+        "without axis 3",
+    ),
+    case(
+        "NNX to_loop of a pattern found nowhere",
+        lambda: stackwise.nnx.to_loop(NNX_TREE, ["a", "b"], "l_{}"),
+        ValueError,
+        "nothing at the pattern's positions",
+        "blocks.layers",
+    ),
+    case(
+        "NNX convert of a function building no module",
+        lambda: stackwise.nnx.convert(nnx.State({}), lambda: 3, lambda: 3),
+        TypeError,
+        "source model's function did not build a module",
+    ),
+    case(
+        "linen from_scan of a variable without the layer axis",
+        lambda: stackwise.flax.from_scan(
+            {"params": {"blocks": {"kernel": jnp.ones(())}}}, "blocks"
+        ),
+        ValueError,
+        "params/blocks['kernel']",
+        "without the layer axis 0",
+    ),
+    case(
         "NNX to_scan variable_axes of a str axis",
         lambda: stackwise.nnx.to_scan(NNX_TREE, "blocks", variable_axes={nnx.Param: "x"}),
         TypeError,
