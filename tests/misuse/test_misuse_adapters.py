@@ -763,3 +763,17 @@ BUILDING = [
 @pytest.mark.parametrize("call, error, words", BUILDING)
 def test_misuse_building(call, error, words):
     _assert_refused(call, error, words)
+
+
+def test_names_functions_past_the_last_layer_end_the_loop():
+    # A function of the index may fail past the last layer (a list's IndexError): that is
+    # where the loop ends, in every adapter.
+    names = ["layers_0", "layers_1", "layers_2"]
+    linen = stackwise.flax.from_loop(LOOP, "blocks", lambda i: names[i])
+    assert linen["params"]["blocks"]["kernel"].shape == (3, 2, 2)
+    haiku_names = ["block_0", "block_1", "block_2"]
+    haiku = stackwise.haiku.from_loop(HK_LOOP, "stack", lambda i: haiku_names[i])
+    assert haiku["stack/linear"]["w"].shape == (3, 2, 2)
+    nnx_loop = {name: {"kernel": jnp.ones((2, 2))} for name in names}
+    stacked = stackwise.nnx.from_loop(nnx_loop, "blocks", lambda i: names[i])
+    assert stacked["blocks"]["layers"]["kernel"].shape == (3, 2, 2)
