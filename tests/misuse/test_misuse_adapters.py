@@ -686,6 +686,36 @@ BUILDING = [
         "`tree` must be a Haiku params or state dict",
     ),
     case(
+        "NNX to_loop of a pattern position inside another",
+        lambda: stackwise.nnx.to_loop(NNX_TREE, ["blocks", "blocks/layers"], "l_{}"),
+        ValueError,
+        "position 1 (blocks.layers) lies inside position 0",
+    ),
+    case(
+        "NNX from_loop of a layer inside another",
+        lambda: stackwise.nnx.from_loop(
+            {"l": {"kernel": jnp.ones((2, 2)), "x": {"kernel": jnp.ones((2, 2))}}},
+            "blocks",
+            ["l", "l/x"],
+        ),
+        ValueError,
+        "layer 1 (l.x) lies inside layer 0",
+    ),
+    case(
+        "Haiku to_loop of pattern positions no depth gives",
+        lambda: stackwise.haiku.to_loop(
+            {
+                "stack/a/linear": {"w": jnp.ones((1, 2, 2))},
+                "stack/c/linear": {"w": jnp.ones((3, 2, 2))},
+            },
+            ["stack/a", "stack/b", "stack/c"],
+            "block_{}",
+        ),
+        ValueError,
+        "position 0: 1, position 2: 3",
+        "no depth gives",
+    ),
+    case(
         "Haiku from_loop pattern deeper than n",
         lambda: stackwise.haiku.from_loop(HK_LOOP, ["stack/a", "stack/b"], "block_{}", n=1),
         ValueError,
