@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
+
+from stackwise import _check
 
 __all__ = [
     "OPTION_NAMES",
@@ -28,7 +29,9 @@ __all__ = [
     "block_name",
     "check_bool",
     "check_built",
+    "check_built_options",
     "check_depth",
+    "check_layer_axis_name",
     "check_layers",
     "check_options",
     "current_layer_index",
@@ -138,11 +141,20 @@ def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, wh
 
     Every block must be an instance of ``module`` (``what`` names it: ``"an nnx.Module"``).
     """
+    if isinstance(blocks, Mapping) or isinstance(blocks, module):
+        got = "a dict" if isinstance(blocks, Mapping) else f"one {type(blocks).__name__}"
+        raise TypeError(
+            f"{who}: `blocks` must be a list of the built blocks in layer order, got {got}; "
+            "pass e.g. `[block_0, block_1, ...]`"
+            + (" (`list(blocks.values())`)." if isinstance(blocks, Mapping) else ".")
+        )
     blocks = list(blocks)
     if not blocks:
         raise ValueError(f"{who}: needs at least one block, got none.")
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-        raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.")
+    try:
+        pattern = _check.integer(pattern, who, "pattern", minimum=1)
+    except (TypeError, ValueError):
+        raise TypeError(f"{who}: `pattern` must be a positive int, got {pattern!r}.") from None
     if len(blocks) < pattern:
         raise ValueError(
             f"{who}: a pattern of {pattern} kinds needs at least {pattern} blocks, got "
@@ -154,30 +166,34 @@ def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, wh
     return blocks
 
 
+def check_built_options(options: dict[str, Any], allowed: Iterable[str], who: str) -> None:
+    """``Stack.from_layers(blocks, **options)``: only the Stack's options, no keys/rngs.
+
+    Built blocks already hold their params, so a key (``key=``, ``rngs=``) has nothing
+    to build; an unknown name is refused before it reaches the constructor.
+    """
+    allowed = tuple(allowed)
+    for name in options:
+        if name in ("key", "rngs"):
+            raise TypeError(
+                f"{who}: got `{name}=`, but `from_layers` stacks blocks that are already "
+                f"built (their params are kept as they are), so it takes no `{name}`; drop "
+                f"it. To build new layers from a key, use `Stack(make_block, n, {name}=...)`."
+            )
+        if name not in allowed:
+            raise TypeError(
+                f"{who}: unknown option `{name}=`; the options are "
+                + ", ".join(f"`{a}`" for a in allowed)
+                + "."
+            )
+
+
 # --------------------------------------------------------------------------
 # The depth check: every leaf of stacked params/state has the layer axis first.
 
 
-def check_depth(leaves: Iterable[tuple[str, Any]], n: int, who: str, what: str, fix: str) -> None:
-    """Raises ValueError listing the ``(name, leaf)`` whose leading axis is not ``n``."""
-    bad = [
-        f"  {name}: shape {jnp.shape(leaf)}"
-        for name, leaf in leaves
-        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != n
-    ]
-    if bad:
-        raise ValueError(
-            f"{who}: every leaf of the stacked {what} needs a leading layer axis of "
-            f"length n={n}, but these do not:\n" + "\n".join(bad) + "\n" + fix
-        )
-
-
-def tree_leaves(tree: Any) -> list[tuple[str, Any]]:
-    """``(keystr path, leaf)`` pairs, for :func:`check_depth`."""
-    return [
-        (jax.tree_util.keystr(path) or "<root>", leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    ]
+check_depth = _check.check_depth  # one depth check for the core and every adapter
+tree_leaves = _check.named_leaves  # ``(keystr path, leaf)`` pairs, for check_depth
 
 
 # --------------------------------------------------------------------------
@@ -315,16 +331,7 @@ def check_options(
         raise TypeError(
             f"{who}: `nested` must be a bool or a positive int group size, got {nested!r}."
         )
-    if isinstance(fsdp, str):
-        fsdp = (fsdp,)
-    elif fsdp is not None:
-        if not (isinstance(fsdp, (tuple, list)) and fsdp and all(isinstance(a, str) for a in fsdp)):
-            raise TypeError(
-                f"{who}: `fsdp` must be a mesh axis name or a tuple of them (the axes the "
-                f"params are sharded over, e.g. `fsdp='data'` or `fsdp=('data', 'fsdp')`), "
-                f"got {fsdp!r}."
-            )
-        fsdp = tuple(fsdp)
+    fsdp = _check.axis_names(fsdp, who, "fsdp", optional=True)
     return Options(
         remat=rematted,
         policy=policy,
@@ -334,6 +341,17 @@ def check_options(
         has_aux=check_bool(has_aux, "has_aux", who),
         fsdp=fsdp,
     )
+
+
+def check_layer_axis_name(value: Any, who: str) -> str | None:
+    """A Stack's ``layer_axis_name``: the logical name of the layer axis, a str or None."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(
+            f"{who}: `layer_axis_name` must be None or the logical name of the layer axis "
+            f"(a str, e.g. 'layers', mapped to mesh axes by the logical rules), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    return value
 
 
 #: The options every adapter's Stack takes and passes on to :func:`stackwise.stack`.

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stackwise import _check
+
 __all__ = [
     "check_distinct",
     "check_n",
@@ -52,10 +54,7 @@ __all__ = [
 # Exact stacking.
 
 
-def dtype_of(a: Any) -> Any:
-    """A leaf's own dtype (a NumPy array's as it is, never canonicalised by jax)."""
-    dtype = getattr(a, "dtype", None)
-    return np.asarray(a).dtype if dtype is None else dtype
+dtype_of = _check.leaf_dtype  # a leaf's own dtype, never canonicalised by jax
 
 
 def _shape(a: Any) -> tuple[int, ...]:
@@ -95,6 +94,8 @@ def stack_arrays(column: Sequence[Any]) -> Any:
     """
     if all(isinstance(a, (np.ndarray, np.generic)) for a in column):
         return np.stack(column)
+    if all(_check.is_abstract(a) for a in column):  # a restore target: shapes only
+        return _check.stack(column)
     if all(isinstance(a, (bool, int, float, complex)) for a in column):
         return np.stack([np.asarray(a) for a in column])
     return jnp.stack(column)
@@ -176,36 +177,12 @@ def stack_exact(
 
 
 def unstack_exact(stacked: Any, n: int) -> list[Any]:
-    """``[layer_0, ..., layer_{n-1}]``: each leaf's slice ``[i]`` (exact)."""
-    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
+    """``[layer_0, ..., layer_{n-1}]``: each leaf's slice ``[i]`` (exact; abstract leaves
+    give abstract slices)."""
+    return [jax.tree.map(lambda a, i=i: _check.take(a, i), stacked) for i in range(n)]
 
 
-def depth_of(
-    tree: Any,
-    who: str,
-    what: str,
-    fix: str = "",
-    leaf_name: Callable[[str], str] = lambda path: path,
-) -> int:
-    """The common length of every leaf's leading axis; ValueError listing the leaves if none.
-
-    ``leaf_name`` turns a ``keystr`` path into the framework's leaf name, as
-    for :func:`stack_exact`.
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    if not leaves:
-        raise ValueError(f"{who}: the {what} has no array leaves.")
-    depths = {_shape(a)[0] if _shape(a) else None for _, a in leaves}
-    if len(depths) != 1 or None in depths:
-        lines = "\n".join(
-            f"  {leaf_name(jax.tree_util.keystr(p)) or '<root>'}: shape {_shape(a)}"
-            for p, a in leaves
-        )
-        raise ValueError(
-            f"{who}: every leaf of the {what} needs the same leading layer axis, but the "
-            f"leaves are:\n{lines}" + (f"\n{fix}" if fix else "")
-        )
-    return depths.pop()
+depth_of = _check.depth  # the common depth of every leaf, or a ValueError listing them
 
 
 # --------------------------------------------------------------------------
@@ -216,6 +193,8 @@ def check_pattern(pattern: Any, who: str) -> int | None:
     """``None`` or the pattern's length k, a positive int."""
     if pattern is None:
         return None
+    if isinstance(pattern, np.integer) and not isinstance(pattern, bool):
+        pattern = int(pattern)
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise TypeError(
             f"{who}: `pattern` must be None or the number k of layers in the repeating "
@@ -247,6 +226,8 @@ def check_n(n: Any, who: str) -> int | None:
     """``None`` or a positive int number of layers."""
     if n is None:
         return None
+    if isinstance(n, np.integer):
+        n = int(n)
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
             f"{who}: `n` must be None (find the layers) or the number of layers, a "

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from stackwise import _check
 from stackwise._convert import describe, dtype_name, dtype_of, pattern_depths, stack_arrays
 
 __all__ = ["Leaf", "assemble", "check_given", "correspond"]
@@ -230,7 +231,10 @@ def assemble(
     """
     out = []
     for leaf, slots in zip(target, sources):
-        column = [values[s.leaf] if s.layer is None else values[s.leaf][s.layer] for s in slots]
+        column = [
+            values[s.leaf] if s.layer is None else _check.take(values[s.leaf], s.layer)
+            for s in slots
+        ]
         out.append(stack_arrays(column) if leaf.depth else column[0])
     return out
 

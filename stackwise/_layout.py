@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from stackwise import _convert
+from stackwise import _check, _convert
 
 __all__ = ["slice_layers", "stack_layers", "stacked_shardings", "stacked_spec", "unstack_layers"]
 
@@ -102,11 +103,11 @@ def stack_layers(layers: Sequence[Any], *, pattern: int | None = None) -> Any:
     Raises:
       ValueError: no layers, fewer than k, or layers of different structure
         or leaf shapes.
-      TypeError: a leaf whose dtype differs between layers, or a bad
-        ``pattern``.
+      TypeError: a leaf whose dtype differs between layers, a bad ``pattern``,
+        or ``layers`` that is not a list (a dict's keys would be taken as layers).
     """
     k = _convert.check_pattern(pattern, _STACK)
-    layers = list(layers)
+    layers = _layer_list(layers, _STACK)
     if k is None:
         return _convert.stack_exact(layers, _STACK)
     if len(layers) < k:
@@ -119,35 +120,128 @@ def stack_layers(layers: Sequence[Any], *, pattern: int | None = None) -> Any:
     )
 
 
-def slice_layers(stacked: Any, start: int, stop: int | None = None) -> Any:
+def _layer_list(layers: Any, who: str) -> list[Any]:
+    """``layers`` as a list; a mapping (whose keys would be iterated) or a non-sequence is
+    refused."""
+    if isinstance(layers, Mapping):
+        raise TypeError(
+            f"{who}: `layers` must be a list of per-layer trees in layer order, got a "
+            f"{type(layers).__name__} with keys {list(layers)[:4]!r}; its keys would be "
+            "taken as layers. Pass `list(layers.values())` (in layer order), or "
+            "`[layers[name] for name in names]`."
+        )
+    if not isinstance(layers, Iterable) or isinstance(layers, (str, bytes)):
+        raise TypeError(
+            f"{who}: `layers` must be a list of per-layer trees, got "
+            f"{type(layers).__name__} {layers!r}."
+        )
+    if isinstance(layers, (jax.Array, np.ndarray)):
+        raise TypeError(
+            f"{who}: `layers` must be a list of per-layer trees, got an array of shape "
+            f"{layers.shape}; it is already stacked (wrap it in a tree, e.g. `{{'w': a}}`, "
+            "to use it as stacked params)."
+        )
+    return list(layers)
+
+
+def slice_layers(
+    stacked: Any, start: int, stop: int | None = None, *, pattern: int | None = None
+) -> Any:
     """Layers ``start:stop`` of stacked params, e.g. the first k as a shallower model.
 
     >>> import jax.numpy as jnp, stackwise
     >>> stackwise.slice_layers({"w": jnp.zeros((6, 3))}, 0, 2)["w"].shape
     (2, 3)
+
+    Negative ``start`` / ``stop`` count from the end, as in Python (``-2``: the last two
+    layers). With a pattern of k layers (``stackwise.stack([init_a, init_b], ...)``:
+    a tuple of k stacked trees, position p holding layers p, p+k, ...), pass
+    ``pattern=k``: the result holds layers ``start:stop`` of the model, position p of it
+    holding layers ``start + p``, ``start + p + k``, ... (the params of the stack whose
+    pattern starts with the kind of layer ``start``):
+
+    >>> a, b = {"w": jnp.zeros((3, 2))}, {"v": jnp.zeros((3, 5))}  # 6 layers, a b a b a b
+    >>> first4 = stackwise.slice_layers((a, b), 0, 4, pattern=2)
+    >>> first4[0]["w"].shape, first4[1]["v"].shape
+    ((2, 2), (2, 5))
+
+    Args:
+      stacked: a tree whose every leaf has the layer axis first (arrays, or
+        ``jax.ShapeDtypeStruct`` s from ``jax.eval_shape``); with ``pattern=k``, a
+        tuple of k such trees.
+      start: the first layer, an int.
+      stop: one past the last layer (None: to the end).
+      pattern: None, or the pattern's length k.
+
+    Returns:
+      The layers' params, every leaf keeping its dtype.
+
+    Raises:
+      TypeError: ``start``/``stop`` not ints, a bad ``pattern``, or a tuple of trees
+        (a pattern's params) without ``pattern=``.
+      ValueError: an empty or out-of-range slice, or leaves of different depths.
     """
     who = "stackwise.slice_layers"
-    n = _convert.depth_of(stacked, who, "tree")
-    for arg, value in (("start", start), ("stop", stop)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{who}: `{arg}` must be an int, got {type(value).__name__} {value!r}.")
-    stop = n if stop is None else stop
-    if not 0 <= start < stop <= n:
-        raise ValueError(f"{who}: need 0 <= start < stop <= n={n}, got start={start}, stop={stop}.")
-    return jax.tree.map(lambda a: a[start:stop], stacked)
-
-
-def _check_axis(axis: Any, what: str, who: str) -> None:
-    ok = (
-        axis is None
-        or isinstance(axis, str)
-        or (isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis))
-    )
-    if not ok:
-        raise TypeError(
-            f"{who}: {what} must be None (replicated), a mesh axis name or a tuple of "
-            f"names, got {type(axis).__name__} {axis!r}."
+    k = _convert.check_pattern(pattern, who)
+    start = _check.integer(start, who, "start")
+    stop = None if stop is None else _check.integer(stop, who, "stop")
+    if k is None:
+        _refuse_a_pattern(stacked, who)
+        n = _convert.depth_of(stacked, who, "tree")
+    else:
+        positions = _positions(stacked, k, who)
+        depths = [
+            _convert.depth_of(t, who, f"tree of pattern position {p}")
+            for p, t in enumerate(positions)
+        ]
+        n = _convert.pattern_depth(depths, who)
+    lo = start + n if start < 0 else start
+    hi = n if stop is None else stop + n if stop < 0 else stop
+    if not 0 <= lo < hi <= n:
+        raise ValueError(
+            f"{who}: need -n <= start < stop <= n={n} (negative values count from the end), "
+            f"got start={start}, stop={stop}: an empty or out-of-range slice."
         )
+    if k is None:
+        return jax.tree.map(lambda a: _check.take_range(a, lo, hi), stacked)
+    out = []
+    for q in range(min(k, hi - lo)):  # the result's position q: layers lo+q, lo+q+k, ...
+        first = lo + q
+        p, j = first % k, first // k
+        stop_j = len(range(p, hi, k))
+        out.append(jax.tree.map(lambda a, j=j, s=stop_j: _check.take_range(a, j, s), positions[p]))
+    return tuple(out)
+
+
+def _positions(stacked: Any, k: int, who: str) -> Any:
+    if not isinstance(stacked, (tuple, list)) or len(stacked) != k:
+        got = (
+            f"{len(stacked)} trees"
+            if isinstance(stacked, (tuple, list))
+            else type(stacked).__name__
+        )
+        raise TypeError(
+            f"{who}: with pattern={k}, pass a tuple of {k} stacked trees (position p "
+            f"holding layers p, p+{k}, ...), as `Stacked.init` returns them; got {got}."
+        )
+    return stacked
+
+
+def _refuse_a_pattern(stacked: Any, who: str) -> None:
+    """A tuple of several trees at the root is a pattern's params: slicing each position
+    alike would take k times the layers asked for."""
+    if not isinstance(stacked, (tuple, list)) or len(stacked) < 2:
+        return
+    if all(jax.tree_util.treedef_is_leaf(jax.tree.structure(t)) for t in stacked):
+        return  # a tuple of arrays: one stack's params
+    k = len(stacked)
+    raise TypeError(
+        f"{who}: `stacked` is a {type(stacked).__name__} of {k} trees, as the params of a "
+        f"pattern of {k} layers are (position p holding layers p, p+{k}, ...): pass "
+        f"`pattern={k}` to take layers of the model. (For one stack whose params are a "
+        f"{type(stacked).__name__} of trees, slice every leaf: "
+        "`jax.tree.map(lambda a: a[start:stop], params)`.)"
+    )
 
 
 def stacked_spec(spec: PartitionSpec | None, layer_axis: str | None = None) -> PartitionSpec:
@@ -173,19 +267,8 @@ def stacked_spec(spec: PartitionSpec | None, layer_axis: str | None = None) -> P
         ``layer_axis``.
     """
     who = "stackwise.stacked_spec"
-    if spec is not None and not isinstance(spec, PartitionSpec):
-        example = (
-            f"`P({spec!r})` to split the leaf's first axis over {spec!r}"
-            if isinstance(spec, str)
-            else "`P(*spec)`"
-            if isinstance(spec, tuple)
-            else "`P('data', None)`"
-        )
-        raise TypeError(
-            f"{who}: `spec` must be a `jax.sharding.PartitionSpec` or None, got "
-            f"{type(spec).__name__} {spec!r}; pass {example}."
-        )
-    _check_axis(layer_axis, "`layer_axis`", who)
+    spec = _check.partition_spec(spec, who, "spec")
+    layer_axis = _check.axis_entry(layer_axis, who, "layer_axis")
     return PartitionSpec(layer_axis, *(spec or ()))
 
 
@@ -204,18 +287,21 @@ def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> 
     P(None, 'data', None)
 
     Raises:
-      TypeError: a spec that is not a ``PartitionSpec`` or None (its path is
-        named), or a bad ``layer_axis``.
+      TypeError: ``mesh`` not a mesh, a spec that is not a ``PartitionSpec`` or None
+        (its path is named), or a bad ``layer_axis``.
+      ValueError: an axis name the mesh does not have.
     """
+    who = "stackwise.stacked_shardings"
+    mesh = _check.mesh(mesh, who)
+    layer_axis = _check.axis_entry(layer_axis, who, "layer_axis", mesh=mesh)
     is_spec = lambda s: s is None or isinstance(s, PartitionSpec)  # noqa: E731
+    if isinstance(specs, str):
+        _check.partition_spec(specs, who, "specs")
 
     def sharding(path, s):
-        if not is_spec(s):
-            hint = f" Pass `P({s!r})`." if isinstance(s, str) else ""
-            raise TypeError(
-                f"stackwise.stacked_shardings: the spec at {jax.tree_util.keystr(path)} is "
-                f"{type(s).__name__} {s!r}, not a `PartitionSpec` or None.{hint}"
-            )
+        name = jax.tree_util.keystr(path) or "<root>"
+        s = _check.partition_spec(s, who, "specs", leaf=name)
+        _check.spec_on_mesh(s, mesh, who, f"the spec of leaf {name},")
         return NamedSharding(mesh, stacked_spec(s, layer_axis))
 
     return jax.tree_util.tree_map_with_path(sharding, specs, is_leaf=is_spec)

@@ -16,6 +16,8 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from stackwise import _check
+
 __all__ = ["logical_specs"]
 
 _WHO = "stackwise.logical_specs"
@@ -71,6 +73,13 @@ def _one(names: Any, rules: list[tuple[str, Any]], where: str) -> PartitionSpec:
     axes stays replicated."""
     if names is None:
         return PartitionSpec()
+    if not isinstance(names, (PartitionSpec, tuple, list)):
+        example = f"({names!r},)" if isinstance(names, str) else "('embed', 'mlp')"
+        raise TypeError(
+            f"{_WHO}: leaf {where} has logical names {type(names).__name__} {names!r}; give "
+            "one logical name (a str) or None per dimension, as a tuple or a "
+            f"`PartitionSpec`, e.g. `{example}`."
+        )
     names = tuple(names)
     for e in names:
         if e is not None and not isinstance(e, str):
@@ -143,10 +152,12 @@ def logical_specs(
       A tree like ``names`` with a mesh ``PartitionSpec`` per leaf.
 
     Raises:
-      TypeError: a malformed rule or name.
+      TypeError: a malformed rule or name (a str is one name, not the names of a
+        leaf: ``("embed",)``), or ``mesh`` not a mesh.
       ValueError: a name used twice in one leaf, or (with ``mesh``) a rule
         naming an axis the mesh lacks.
     """
+    mesh = _check.mesh(mesh, _WHO, optional=True)
     checked = _check_rules(rules, mesh)
     return jax.tree_util.tree_map_with_path(
         lambda path, v: _one(v, checked, jax.tree_util.keystr(path) or "<root>"),

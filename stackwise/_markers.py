@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from stackwise import _check
 from stackwise._adapt import CallArgs, check_depth, tree_leaves
 
 __all__ = ["layer_index", "per_example", "per_layer", "per_layer_keys"]
@@ -89,15 +90,7 @@ def per_layer_keys(key: jax.Array) -> Any:
     Raises:
       TypeError: ``key`` is not a PRNG key (e.g. an int seed).
     """
-    typed = jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key)
-    raw = getattr(key, "dtype", None) == jnp.uint32 and jnp.shape(key) == (2,)
-    if not (typed or raw):
-        raise TypeError(
-            f"stackwise.per_layer_keys: `key` must be a PRNG key, got "
-            f"{type(key).__name__} {key!r}. Make one from a seed with "
-            "`jax.random.key(seed)`."
-        )
-    return _PerLayer("keys", key)
+    return _PerLayer("keys", _check.prng_key(key, "stackwise.per_layer_keys"))
 
 
 def layer_index() -> Any:

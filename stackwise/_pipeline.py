@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
+from stackwise import _check
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
 from stackwise._pipeline_program import (
@@ -45,7 +46,11 @@ _SCHEDULES = ("gpipe", "circular")
 
 
 def _int_arg(value: Any, name: str, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    try:
+        value = _check.integer(value, _WHO, name)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
         raise TypeError(
             f"{_WHO}: `{name}` must be a positive Python int, got "
             f"{type(value).__name__} {value!r}. {fix}"
@@ -64,11 +69,14 @@ def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
 
 
 def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _Plan:
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"{_WHO}: `mesh` must be a `jax.sharding.Mesh`, got {type(mesh).__name__}. "
-            "Build one with e.g. `jax.make_mesh((4, 2), ('stage', 'data'))`."
-        )
+    mesh = _check.mesh(mesh, _WHO)
+    for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
+        if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
+            raise TypeError(
+                f"{_WHO}: `{arg}` must be one mesh axis name (a str)"
+                + (" or None" if arg == "data_axis" else "")
+                + f", got {type(axis).__name__} {axis!r}."
+            )
     M = _int_arg(microbatches, "microbatches", "It is the number of microbatches M.")
     S = _mesh_axis(mesh, stage_axis, "stage_axis")
     D = 1
@@ -231,7 +239,7 @@ def pipeline(
             "`stackwise.layer_index()` (e.g. with `jax.lax.switch`), or stack the pattern "
             "without a pipeline."
         )
-    if not callable(apply) or mesh is None:
+    if not callable(apply):
         raise TypeError(
             f"{_WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
             "`stackwise.stack` and a mesh, e.g. `stackwise.pipeline(init, apply, n, mesh, "
@@ -257,6 +265,7 @@ def pipeline(
         call = _split_args(args, kwargs, n)
         for i, v in enumerate(call.examples):
             _check_batch(v, plan, f"stackwise.per_example argument {i}")
+            _check_same_batch(v, x, f"stackwise.per_example argument {i}")
         slices = [_to_chunks(v, plan) for v in call.per_layer]
         inputs = _place((params, slices, x, call.examples, call.consts), mesh, plan)
         layer_spec = PartitionSpec(None, plan.stage_axis)
@@ -341,6 +350,25 @@ def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
         )
 
     return _Call(per_layer, kinds, examples, consts, build)
+
+
+def _check_same_batch(tree: Any, x: Any, what: str) -> None:
+    """A per-example value has x's batch: a smaller one that divides the microbatches would
+    be split and broadcast, where ``Stacked.apply`` gives every layer the whole value."""
+    batch = jnp.shape(jax.tree.leaves(x)[0])[0]
+    bad = [
+        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
+        for p, v in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.shape(v)[0] != batch
+    ]
+    if bad:
+        raise ValueError(
+            f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
+            f"batch is {batch}, but these leaves do not:\n"
+            + "\n".join(bad)
+            + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
+            "or pass it unmarked if every example shares it."
+        )
 
 
 def _check_batch(tree: Any, plan: _Plan, what: str) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from stackwise import _check
 from stackwise._layout import stacked_spec
 
 __all__ = ["fsdp_specs", "shard_stacked"]
@@ -46,36 +47,48 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
 
 
 def _check_axis(mesh: Mesh | AbstractMesh, axis: str, where: str, arg: str) -> None:
-    if axis not in mesh.shape:
-        raise _LeafError(
-            f"{where}: `{arg}={axis!r}` is not an axis of the mesh, whose axes are "
-            f"{dict(mesh.shape)}. Name one of those, or build the mesh with it, e.g. "
-            f"`jax.make_mesh((8,), ({axis!r},))`."
-        )
+    _check.axis_names(axis, where, arg, mesh=mesh)
 
 
-def _map_specs(specs: Any, params: Any, fn, where: str) -> Any:
+def _map_specs(specs: Any, params: Any, fn, where: str, arg: str = "specs") -> Any:
     """``fn(path, spec, leaf)`` over params, ``specs`` being a tree prefix of them."""
     if specs is None or isinstance(specs, PartitionSpec):
         return jax.tree_util.tree_map_with_path(lambda p, a: fn(p, specs, a), params)
+    written_as_entries = isinstance(specs, (tuple, list)) and all(
+        e is None or isinstance(e, str) for e in specs
+    )
+    if isinstance(specs, str) or (written_as_entries and not isinstance(params, (tuple, list))):
+        _check.partition_spec(specs, where, arg)  # a spec written as a str or a tuple
     try:
-        return jax.tree_util.tree_map_with_path(
-            lambda p, s, sub: jax.tree_util.tree_map_with_path(lambda q, a: fn(p + q, s, a), sub),
-            specs,
-            params,
-            is_leaf=_is_spec,
-        )
-    except _LeafError:
-        raise
+        jax.tree.map(lambda s, sub: None, specs, params, is_leaf=_is_spec)
     except ValueError:
         raise ValueError(
-            f"{where}: `specs` must mirror the params (a PartitionSpec or None per leaf, "
+            f"{where}: `{arg}` must mirror the params (a PartitionSpec or None per leaf, "
             "or per subtree), but its structure does not match the params':\n"
-            f"  specs:  {jax.tree_util.tree_structure(specs, is_leaf=_is_spec)}\n"
+            f"  {arg}:  {jax.tree_util.tree_structure(specs, is_leaf=_is_spec)}\n"
             f"  params: {jax.tree_util.tree_structure(params)}\n"
             "Build it from the params, e.g. `stackwise.fsdp_specs(params, mesh)`, or "
             "`jax.tree.map(lambda a: P(), params)` and edit the leaves you shard."
         ) from None
+
+    def subtree(p, s, sub):
+        s = _check.partition_spec(s, where, arg, leaf=f"{arg}{jax.tree_util.keystr(p)}")
+        return jax.tree_util.tree_map_with_path(lambda q, a: fn(p + q, s, a), sub)
+
+    return jax.tree_util.tree_map_with_path(subtree, specs, params, is_leaf=_is_spec)
+
+
+def _shape(leaf: Any, name: str, stacked: bool, where: str) -> tuple[int, ...]:
+    """A leaf's shape (arrays, abstract leaves, NumPy values); a stacked leaf needs one axis."""
+    shape = _check.leaf_shape(leaf, where, name)
+    if stacked and not shape:
+        raise _LeafError(
+            f"{where}: leaf {name} is {type(leaf).__name__} {leaf!r} with no axes, so it has "
+            "no layer axis; make it a stacked array (one value per layer, shape (n,)) or "
+            "say it is not stacked, e.g. `stacked=lambda path: path != "
+            f"{name!r}`."
+        )
+    return shape
 
 
 def _stacked_leaves(stacked: _Which, params: Any, where: str) -> dict[str, bool]:
@@ -167,23 +180,35 @@ def fsdp_specs(
       A tree like ``params`` with a ``PartitionSpec`` per leaf.
 
     Raises:
-      ValueError: ``axis`` is not a mesh axis, or ``base`` / ``stacked`` do
-        not match the params.
+      TypeError: ``mesh`` not a mesh, ``axis`` not axis names, a spec given as a
+        str or a tuple (``P('data')`` was meant), or a leaf that is not an array.
+      ValueError: ``axis`` (or an axis of ``base``) is not a mesh axis, a base spec
+        longer than its leaf, a stacked leaf with no axes (a Python float), or
+        ``base`` / ``stacked`` do not match the params.
     """
     where = "stackwise.fsdp_specs"
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    for a in axes:
-        _check_axis(mesh, a, where, "axis")
+    mesh = _check.mesh(mesh, where)
+    axes = _check.axis_names(axis, where, "axis", mesh=mesh)
+    min_size = _check.integer(min_size, where, "min_size", minimum=0)
     entry = axes[0] if len(axes) == 1 else axes
     size = _axis_size(mesh, axes)
     flags = _stacked_leaves(stacked, params, where)
 
     def one(path, spec, leaf):
-        shape = tuple(leaf.shape)
-        if flags[jax.tree_util.keystr(path)]:
-            shape = shape[1:]
-        else:
+        name = jax.tree_util.keystr(path) or "<root>"
+        is_stacked = flags[jax.tree_util.keystr(path)]
+        shape = _shape(leaf, name, is_stacked, where)
+        if not is_stacked:
             return spec or PartitionSpec()
+        shape = shape[1:]
+        _check.spec_on_mesh(spec, mesh, where, f"the base spec of leaf {name},")
+        if len(spec or ()) > len(shape):
+            raise _LeafError(
+                f"{where}: leaf {name} has {len(shape)} axes per layer (shape "
+                f"{_check.leaf_shape(leaf, where, name)}, layer axis first) but its base "
+                f"spec {spec} names {len(spec)}. The base specs "
+                "are per layer: leave out the layer axis, one entry per inner axis at most."
+            )
         entries = list(spec or ()) + [None] * (len(shape) - len(spec or ()))
         if set(axes) & _spec_axes(PartitionSpec(*entries)) or math.prod(shape) < min_size:
             return PartitionSpec(*entries)
@@ -194,7 +219,7 @@ def fsdp_specs(
             entries.pop()
         return PartitionSpec(*entries)
 
-    return _map_specs(base, params, one, where)
+    return _map_specs(base, params, one, where, "base")
 
 
 def shard_stacked(
@@ -253,18 +278,27 @@ def shard_stacked(
         params with a bool per subtree, or a function of a leaf's path.
 
     Returns:
-      ``params`` with every leaf placed by :func:`jax.device_put`.
+      ``params`` with every leaf placed by :func:`jax.device_put`; an abstract leaf
+      (``jax.ShapeDtypeStruct``, e.g. a checkpoint's restore target from
+      ``jax.eval_shape``) comes back abstract, carrying its ``NamedSharding``.
 
     Raises:
+      TypeError: ``mesh`` not a ``Mesh`` of devices, a spec given as a str or a
+        tuple, or a leaf that is not an array.
       ValueError: an axis name not in the mesh, a spec longer than its
-        leaf's axes, a dimension the mesh axes do not divide, or ``specs`` /
-        ``stacked`` trees that do not match ``params``.
+        leaf's axes, a dimension the mesh axes do not divide, a stacked leaf with
+        no axes, or ``specs`` / ``stacked`` trees that do not match ``params``.
     """
     where = "stackwise.shard_stacked"
-    if layer_axis is not None:
-        _check_axis(mesh, layer_axis, where, "layer_axis")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise TypeError(f"{where}: `repeats` must be a positive int, got {repeats!r}.")
+    mesh = _check.mesh(mesh, where)
+    if isinstance(mesh, AbstractMesh):
+        raise TypeError(
+            f"{where}: `mesh` must be a `jax.sharding.Mesh` of devices to place the params "
+            "on, got an AbstractMesh; build one with `jax.make_mesh(...)` (an AbstractMesh "
+            "suffices for `stackwise.fsdp_specs` and `stackwise.logical_specs`)."
+        )
+    layer_axis = _check.axis_entry(layer_axis, where, "layer_axis", mesh=mesh)
+    repeats = _check.integer(repeats, where, "repeats", minimum=1)
     if repeats > 1 and layer_axis is None:
         raise ValueError(
             f"{where}: `repeats={repeats}` lays the layers out for a circular pipeline over "
@@ -274,7 +308,7 @@ def shard_stacked(
 
     def place(path, spec, leaf):
         name = jax.tree_util.keystr(path) or "<root>"
-        shape = tuple(leaf.shape)
+        shape = _shape(leaf, name, flags[jax.tree_util.keystr(path)], where)
         if not flags[jax.tree_util.keystr(path)]:
             full = spec or PartitionSpec()
         elif repeats > 1:
@@ -289,16 +323,30 @@ def shard_stacked(
             full = stacked_spec(spec, layer_axis)
         _check_leaf(mesh, name, shape, full, flags[jax.tree_util.keystr(path)], layer_axis)
         sharding = NamedSharding(mesh, full)
-        if shape != tuple(leaf.shape):
+        if _check.is_abstract(leaf):  # a restore target: the shape, placed
+            return _Placed(jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding), None)
+        if shape != _check.leaf_shape(leaf, where, name):
             leaf = _reshape(leaf, shape, sharding)
-        return leaf, sharding
+        return _Placed(leaf, sharding)
 
     pairs = _map_specs(specs, params, place, where)
-    is_pair = lambda v: isinstance(v, tuple) and len(v) == 2 and isinstance(  # noqa: E731
-        v[1], NamedSharding
+    is_pair = lambda v: isinstance(v, _Placed)  # noqa: E731
+    leaves = jax.tree.map(lambda v: v.leaf, pairs, is_leaf=is_pair)
+    shardings = jax.tree.map(lambda v: v.sharding, pairs, is_leaf=is_pair)
+    if not any(_check.is_abstract(a) for a in jax.tree.leaves(leaves)):
+        return jax.device_put(leaves, shardings)
+    return jax.tree.map(
+        lambda v: v.leaf if v.sharding is None else jax.device_put(v.leaf, v.sharding),
+        pairs,
+        is_leaf=is_pair,
     )
-    leaves = jax.tree.map(lambda v: v[0], pairs, is_leaf=is_pair)
-    return jax.device_put(leaves, jax.tree.map(lambda v: v[1], pairs, is_leaf=is_pair))
+
+
+class _Placed(NamedTuple):
+    """A leaf and where it goes (None: an abstract leaf that carries its sharding)."""
+
+    leaf: Any
+    sharding: NamedSharding | None
 
 
 def _reshape(leaf: Any, shape: tuple, sharding: NamedSharding) -> Any:
@@ -309,8 +357,9 @@ def _reshape(leaf: Any, shape: tuple, sharding: NamedSharding) -> Any:
     return jnp.reshape(leaf, shape)
 
 
-def _check_leaf(mesh, name: str, shape: tuple, full: PartitionSpec, stacked: bool,
-                layer_axis: str | None) -> None:
+def _check_leaf(
+    mesh, name: str, shape: tuple, full: PartitionSpec, stacked: bool, layer_axis: str | None
+) -> None:
     where = "stackwise.shard_stacked"
     if len(full) > len(shape):
         fix = (
@@ -343,6 +392,30 @@ def _check_leaf(mesh, name: str, shape: tuple, full: PartitionSpec, stacked: boo
                 f"cannot be split over mesh axis {entry!r} of size "
                 f"{_axis_size(mesh, entry)}. Use a spec that leaves it unsharded, or pick a "
                 "mesh axis size that divides it."
+            )
+
+
+def check_fsdp_axes(params: Any, axes: tuple[str, ...], who: str) -> None:
+    """``fsdp=axes`` on a mesh without them would gather nothing: FSDP silently off.
+
+    The meshes are the one set by ``jax.set_mesh`` and those the params are placed on;
+    off every mesh (one device) ``fsdp`` changes nothing but the remat, by design.
+    """
+    meshes = [jax.sharding.get_abstract_mesh()]
+    for _, leaf in _check.named_leaves(params):
+        meshes.append(getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None))
+    for mesh in meshes:
+        if mesh is None or getattr(mesh, "empty", True):
+            continue
+        missing = _check.mesh_lacks(mesh, axes)
+        if missing:
+            raise ValueError(
+                f"{who}: `fsdp={axes if len(axes) > 1 else axes[0]!r}` names mesh axis "
+                f"{missing[0]!r}, but the mesh in use (`jax.set_mesh`, or the params' own) has "
+                "axes "
+                f"{dict(mesh.shape)}: nothing would be gathered and FSDP would be off. Name "
+                "the mesh axis the params are sharded over (e.g. `fsdp='data'`), or build "
+                f"the mesh with a {missing[0]!r} axis."
             )
 
 

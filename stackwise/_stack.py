@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from stackwise import _inplace
+from stackwise import _check, _inplace
 from stackwise._adapt import (
     Options,
     check_bool,
@@ -27,7 +27,7 @@ from stackwise._markers import _PerLayer, _split_markers
 from stackwise._markers import layer_index as layer_index
 from stackwise._markers import per_layer as per_layer
 from stackwise._markers import per_layer_keys as per_layer_keys
-from stackwise._sharding import gather
+from stackwise._sharding import check_fsdp_axes, gather
 
 __all__ = [
     "CARRY_NAME",
@@ -80,8 +80,7 @@ class Stacked(NamedTuple):
 
 def _check_pair(out: Any, who: str, what: str, fix: str) -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
-        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
-        raise TypeError(f"{who}: {what}, but it returned {got}. {fix}")
+        raise TypeError(f"{who}: {what}, but it returned {_check.describe(out)}. {fix}")
     return out
 
 
@@ -305,7 +304,7 @@ def stack(
                 "apply, n)`), so it makes no params: give `Stacked.apply` params from "
                 "elsewhere, e.g. `stackwise.stack_layers([...])` of per-layer params."
             )
-        keys = jax.random.split(key, n)
+        keys = jax.random.split(_check.prng_key(key, f"{who}: Stacked.init"), n)
         xs, rebuild = _split_markers(args, kwargs, n, f"{who}: Stacked.init")
         out = []
         for p, init_p in enumerate(inits):
@@ -352,7 +351,9 @@ def stack(
             )
         params = run.positions(params, "params", pattern)
         state = run.positions(state, "state", pattern) if with_state else (None,) * k
-        _check_not_split_over_layers(params, f"{who}: Stacked.apply")
+        _check_not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
+        if options.fsdp:
+            check_fsdp_axes(params, options.fsdp, who)
         xs, rebuild = _split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
         x, new_state, aux = run(params, state, x, xs, rebuild)
         out = (x, unwrap(aux)) if has_aux else x

@@ -20,6 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from stackwise import _check
 from stackwise.equinox import _state
 
 __all__ = ["layer_of", "stack_blocks"]
@@ -29,9 +30,19 @@ __all__ = ["layer_of", "stack_blocks"]
 # One layer of a stacked block.
 
 
+def is_array(x: Any) -> bool:
+    """An array leaf of a block: ``eqx.is_array``, or abstract (``eqx.filter_eval_shape``)."""
+    return eqx.is_array(x) or _check.is_abstract(x)
+
+
+def arrays(block: Any) -> Any:
+    """The block's array leaves (abstract ones too), the rest None: ``eqx.partition``'s half."""
+    return eqx.filter(block, is_array)
+
+
 def layer_of(stacked: Any, j: int) -> Any:
     """The block at index ``j`` of the stacked block: every array sliced, the rest shared."""
-    return jax.tree.map(lambda a: a[j] if eqx.is_array(a) else a, stacked)
+    return jax.tree.map(lambda a: _check.take(a, j) if is_array(a) else a, stacked)
 
 
 # --------------------------------------------------------------------------
@@ -39,7 +50,7 @@ def layer_of(stacked: Any, j: int) -> Any:
 
 
 def _describe(a: Any) -> str:
-    return f"{jnp.result_type(a).name}{list(jnp.shape(a))}"
+    return f"{_check.leaf_dtype(a).name}{list(jnp.shape(a))}"
 
 
 def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tuple | None:
@@ -49,10 +60,11 @@ def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tu
     static fields names the cause (``out_features``) rather than its effect (``weight``).
     """
     where = path or "<root>"
-    if type(a) is not type(b):
+    if not _check.same_array_kind(a, b):
         return where, f"{type(a).__name__} vs {type(b).__name__}"
-    if eqx.is_array(a):
-        if arrays and (jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)):
+    if is_array(a):
+        dtypes = _check.leaf_dtype(a), _check.leaf_dtype(b)
+        if arrays and (jnp.shape(a) != jnp.shape(b) or dtypes[0] != dtypes[1]):
             return where, f"{_describe(a)} vs {_describe(b)}"
         return None
     if isinstance(a, eqx.Module) and dataclasses.is_dataclass(a):
@@ -105,12 +117,12 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
     block's StateIndexes keep the first block's markers.
     """
     first = _state.unmarked(blocks[0])
-    arrays0, static0 = eqx.partition(first, eqx.is_array)
+    arrays0, static0 = eqx.partition(first, is_array)
     arrays = [arrays0]
     for i, block in zip(numbers[1:], blocks[1:]):
         block = _state.unmarked(block)
         found = _first_difference(first, block, arrays=False) or _first_difference(first, block)
-        a, static = eqx.partition(block, eqx.is_array)
+        a, static = eqx.partition(block, is_array)
         if found is None and jax.tree.structure(static) != jax.tree.structure(static0):
             found = "<root>", "another structure or other static fields"
         if found is not None:
@@ -126,15 +138,11 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
         arrays.append(a)
 
     def stack(path, *leaves):
-        out = jnp.stack(leaves)
-        if out.dtype != jnp.result_type(leaves[0]):
-            raise TypeError(
-                f"{who}: the leaf `{jax.tree_util.keystr(path)}` of dtype "
-                f"{jnp.result_type(leaves[0]).name} would be stacked as {out.dtype.name} "
-                "(a numpy array of a dtype JAX does not hold with its current settings); "
-                "cast it first, or enable `jax_enable_x64`."
-            )
-        return out
+        for i, leaf in zip(numbers, leaves):
+            _check.exact_dtype(leaf, who, f"`{jax.tree_util.keystr(path)}` of block {i}")
+        if all(_check.is_abstract(leaf) for leaf in leaves):  # eqx.filter_eval_shape
+            return _check.stack(leaves)
+        return jnp.stack(leaves)
 
     stacked = jax.tree_util.tree_map_with_path(stack, *arrays)
     markers = [x.marker for x in _state.state_indices(blocks[0])]

@@ -10,7 +10,6 @@ reverse and patterns all live in the core; an ``eqx.nn.State`` is handled in ``_
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import stackwise
-from stackwise import _adapt
+from stackwise import _adapt, _check
 from stackwise._markers import is_per_layer
 from stackwise.equinox import _convert, _state
 
@@ -100,7 +99,18 @@ def _takes_key_keyword(factory: Callable) -> bool:
 
 
 def _make(factory: Callable, key: jax.Array, who: str) -> Any:
-    block = factory(key=key) if _takes_key_keyword(factory) else factory(key)
+    try:
+        block = factory(key=key) if _takes_key_keyword(factory) else factory(key)
+    except TypeError as e:
+        if not isinstance(factory, type):
+            raise  # the user's own function failed: its error is the right one
+        name = factory.__name__
+        raise TypeError(
+            f"{who}: `block` is called with a key only, once per layer, but `{name}(key=key)` "
+            f"failed: {e}. Pass a factory that gives the other arguments: "
+            f"`functools.partial({name}, ...)` or `lambda key: {name}(..., key=key)`, e.g. "
+            "`Stack(functools.partial(eqx.nn.Linear, 512, 512), n, key=key)`."
+        ) from None
     if isinstance(block, tuple) and len(block) == 2 and isinstance(block[1], eqx.nn.State):
         raise TypeError(
             f"{who}: `block` returned `(module, state)`, as `eqx.nn.make_with_state` "
@@ -124,13 +134,7 @@ def _make(factory: Callable, key: jax.Array, who: str) -> Any:
 
 
 def _check_key(key: Any, who: str) -> None:
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    if not ((typed and jnp.shape(key) == ()) or (dtype == jnp.uint32 and jnp.shape(key) == (2,))):
-        raise TypeError(
-            f"{who}: `key` must be one PRNG key (it is split into one key per layer), got "
-            f"{type(key).__name__} {key!r}. Make one with `jax.random.key(seed)`."
-        )
+    _check.prng_key(key, who)
 
 
 def _unused(*args: Any) -> None:
@@ -425,17 +429,11 @@ class Stack(eqx.nn.StatefulLayer):
         >>> stack[-1].weight.shape
         (3, 2)
         """
-        try:
-            i = operator.index(i)
-        except TypeError:
-            raise TypeError(
-                f"{self._who()}: index a Stack with an int layer number, got "
-                f"{type(i).__name__} {i!r}; for several layers use `stack.to_layers()[a:b]`."
-            ) from None
-        if not -self.n <= i < self.n:
-            raise IndexError(f"{self._who()}: layer {i} is out of range for n={self.n}.")
-        blocks, _ = self._blocks()
-        i %= self.n
+        who = self._who()
+        i = _check.layer_index(i, self.n, who, "i")
+        blocks, pattern = self._blocks()
+        counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
+        self._check_depth(tuple(_convert.arrays(b) for b in blocks), pattern, counts, who)
         return _convert.layer_of(blocks[i % len(blocks)], i // len(blocks))
 
     def to_layers(self, state: eqx.nn.State | None = None) -> Any:
@@ -512,6 +510,7 @@ class Stack(eqx.nn.StatefulLayer):
             state lives in an ``eqx.nn.State`` but no ``states``.
         """
         who = "stackwise.equinox.Stack.from_layers"
+        _adapt.check_built_options(options, (*_adapt.OPTION_NAMES, "with_state"), who)
         blocks = _adapt.check_built(blocks, pattern, eqx.Module, "an eqx.Module", who)
         states = _state.check_states(blocks, states, who)
         stacked = [

@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from stackwise import _adapt
+from stackwise import _adapt, _check
 
 __all__ = [
     "check_returned",
@@ -203,8 +203,8 @@ def unstack(state: Any, stacked: Sequence[Any], n: int, who: str) -> list[eqx.nn
     k = len(stacked)
     per_position = []
     for p, block in enumerate(stacked):
-        sub = state.substate(block)
         count = len(range(p, n, k))
+        sub = _substate(state, block, count, p, k > 1, who)
         per_position.append([jax.tree.map(lambda a, j=j: a[j], sub) for j in range(count)])
     return [per_position[i % k][i // k] for i in range(n)]
 
@@ -241,7 +241,11 @@ def stack_states(blocks: list, states: list, stacked: Sequence[Any], who: str) -
         numbers = range(p, len(blocks), k)
         per_block = [_values(blocks[i], states[i], i, who) for i in numbers]
         keys += [x.marker for x in state_indices(block)]
-        values += [jax.tree.map(lambda *a: jnp.stack(a), *entry) for entry in zip(*per_block)]
+        for entry in zip(*per_block):
+            for i, value in zip(numbers, entry):
+                for name, leaf in _check.named_leaves(value):
+                    _check.exact_dtype(leaf, who, f"{name} of `states[{i}]`")
+            values.append(jax.tree.map(lambda *a: jnp.stack(a), *entry))
     return eqx.nn.State.tree_unflatten(tuple(keys), tuple(values))
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import in_filter
 
-from stackwise import _convert
+from stackwise import _check, _convert
 from stackwise.flax import _boxes
 
 __all__ = ["from_loop", "from_scan", "get", "put", "show", "to_loop", "to_scan", "variables_dict"]
@@ -403,7 +403,7 @@ def _move(
                     f"shape {jnp.shape(_boxes.value(b))}, without the layer axis {src}."
                 )
             if not _boxes.is_box(b):
-                return jnp.moveaxis(b, src, dst)
+                return _check.moveaxis(b, src, dst)
             names = getattr(b, "names", None)
             expected = p_src[nn.PARTITION_NAME]
             if names is not None and (len(names) <= src or names[src] != expected):
@@ -413,7 +413,7 @@ def _move(
                     f"is partitioned as {tuple(names)}, whose axis {src} should be named "
                     f"{expected!r}; pass the name it was given as {fix}."
                 )
-            moved = b.replace_boxed(jnp.moveaxis(_boxes.value(b), src, dst))
+            moved = b.replace_boxed(_check.moveaxis(_boxes.value(b), src, dst))
             return moved.remove_axis(src, p_src).add_axis(dst, p_dst)
 
         moved = jax.tree_util.tree_map_with_path(move, sub, is_leaf=_boxes.is_box)

@@ -230,6 +230,7 @@ class Stack(nn.Module):
         for block in blocks:
             _check_block(block, who)
         self._options(who)  # checked now, not at the first call
+        _adapt.check_layer_axis_name(self.layer_axis_name, who)
         super().__post_init__()
 
     def _options(self, who: str) -> dict[str, Any]:

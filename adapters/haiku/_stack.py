@@ -17,7 +17,7 @@ import haiku as hk
 import jax
 
 import stackwise
-from stackwise import _adapt
+from stackwise import _adapt, _check
 
 __all__ = ["Stack", "layer_index"]
 
@@ -397,7 +397,15 @@ class _Layers:
                 if self.pattern and self.names is None:
                     self.names = [m.module_name for m in modules]
             _check_call(self.signatures[p] or module, self.who, x, args, kwargs)
-            return module(x, *args, **kwargs)
+            out = module(x, *args, **kwargs)
+            if self.has_aux and not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"{self.who}: with `has_aux=True` the block returns `(x, aux)`, but it "
+                    f"returned {_check.describe(out)}. Return `x, aux` from the block's "
+                    "`__call__` (aux may "
+                    "be `()`), or build the Stack without `has_aux`."
+                )
+            return out
 
         return one_layer
 

@@ -32,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from stackwise import _convert
+from stackwise import _check, _convert
 
 __all__ = [
     "BLOCK",
@@ -491,7 +491,7 @@ def _move(tree, path, variable_axes, to_stack, scan_axis_name, layer_axis_name, 
                 )
             del spec[src]
             spec.insert(dst, layer_axis_name if to_stack else scan_axis_name)
-        new = jnp.moveaxis(value, src, dst) if src != dst else value
+        new = _check.moveaxis(value, src, dst) if src != dst else value
         moved[r] = _with(v, new, lambda s, spec=spec: tuple(spec))
     _put_all(rest, dst_prefix, moved, who)
     return unflatten(rest, is_state)

@@ -12,11 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import errors as flax_errors
 from flax import nnx
 
 import stackwise
-from stackwise import _adapt
-from stackwise.nnx import _view
+from stackwise import _adapt, _check
+from stackwise.nnx import _compare, _view
 
 __all__ = ["Stack", "layer_index"]
 
@@ -275,7 +276,7 @@ class Stack(nnx.Module):
         self.n = n
         for name, value in options.items():  # static attributes of the module
             setattr(self, name, value)
-        self.layer_axis_name = layer_axis_name
+        self.layer_axis_name = _adapt.check_layer_axis_name(layer_axis_name, who)
         if isinstance(make_block, _adapt.Prebuilt):
             self.pattern = isinstance(make_block.layers, (list, tuple))
             self.layers = nnx.List(make_block.layers) if self.pattern else make_block.layers
@@ -350,7 +351,7 @@ class Stack(nnx.Module):
                         "arguments in a function, e.g. `lambda rngs: "
                         "nnx.Linear(512, 512, rngs=rngs)`."
                     ) from None
-                except nnx.errors.TraceContextError as e:
+                except flax_errors.TraceContextError as e:
                     raise TypeError(
                         f"{who}: `make_block` used an `nnx.Rngs` other than the one it is "
                         f"given ({e}). Build each layer from its argument: `lambda rngs: "
@@ -387,14 +388,24 @@ class Stack(nnx.Module):
             for p in range(len(makers))
         ]
 
+    def _who(self) -> str:
+        blocks = self._blocks()
+        return _adapt.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
+
+    def _check_layers(self) -> None:
+        """Every variable of the stacked block(s) has the layer axis of its pattern
+        position first (ValueError naming those that do not)."""
+        blocks, who = self._blocks(), self._who()
+        for p, block in enumerate(blocks):
+            _, params, rest = nnx.split(block, nnx.Param, ...)
+            self._check_depth(params, len(range(p, self.n, len(blocks))), who)
+            self._check_depth(rest, len(range(p, self.n, len(blocks))), who)
+
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = self._blocks()
-        who = _adapt.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
-        k = len(blocks)
+        who = self._who()
+        self._check_layers()
         split = [nnx.split(block, nnx.Param, ...) for block in blocks]
-        for p, (_, params, rest) in enumerate(split):
-            self._check_depth(params, len(range(p, self.n, k)), who)
-            self._check_depth(rest, len(range(p, self.n, k)), who)
 
         def one(graphdef):
             def apply(p, s, x, extras, call):
@@ -467,13 +478,14 @@ class Stack(nnx.Module):
         Returns:
           A list of ``n`` blocks.
         """
+        self._check_layers()
         stacked = self._blocks()
         k = len(stacked)
         blocks: list = [None] * self.n
         for p, block in enumerate(stacked):
             graphdef, state = nnx.split(block)
             for j, i in enumerate(range(p, self.n, k)):
-                layer = jax.tree.map(lambda a, j=j: a[j], state)
+                layer = jax.tree.map(lambda a, j=j: _check.take(a, j), state)
                 _remove_layer_axis(layer)
                 blocks[i] = nnx.merge(graphdef, layer)
         return blocks
@@ -516,6 +528,8 @@ class Stack(nnx.Module):
           ValueError: no blocks, or fewer blocks than the pattern's length.
         """
         who = "stackwise.nnx.Stack.from_layers"
+        _adapt.check_built_options(options, _adapt.OPTION_NAMES, who)
+        _adapt.check_layer_axis_name(layer_axis_name, who)
         blocks = _adapt.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
         stacked = [
             _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
@@ -538,26 +552,33 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
     for i in indices[1:]:
         block = blocks[i]
         g, state = nnx.split(block)
-        if g != graphdef or jax.tree.structure(state) != jax.tree.structure(first):
+        found = _compare.first_difference(blocks[first_i], block, arrays=False)
+        other = g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)
+        if found is None and other:
+            found = "<root>", "another structure or other static attributes"
+        if found is not None:
+            at, how = found
             raise TypeError(
                 f"{who}: block {i} ({type(block).__name__}) differs in structure or static "
-                f"attributes from block {first_i} ({type(blocks[first_i]).__name__}); every "
-                "layer of a position must be built the same way (for repeating kinds of "
-                "blocks, pass `pattern=k`)."
+                f"attributes from block {first_i} at `{at}`: {how}. Every layer of a position "
+                "must be built the same way, with the same arguments (only the rngs "
+                "differing); for repeating kinds of blocks, pass `pattern=k`."
             )
-        pairs = zip(jax.tree_util.tree_leaves_with_path(first), jax.tree.leaves(state))
-        bad = [
-            f"  {_path(p)}: {jnp.result_type(b).name}{list(jnp.shape(b))} (block {first_i}: "
-            f"{jnp.result_type(a).name}{list(jnp.shape(a))})"
-            for (p, a), b in pairs
-            if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
-        ]
-        if bad:
+        found = _compare.first_difference(blocks[first_i], block)
+        if found is not None:
+            at, how = found
             raise TypeError(
                 f"{who}: block {i} has variables of other shapes or dtypes than block "
-                f"{first_i}:\n" + "\n".join(bad)
+                f"{first_i}: `{at}` is {how} (block {i} vs block {first_i}); every layer's "
+                "variable must have one shape "
+                "and dtype to be stacked."
             )
         states.append(state)
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *states)
+    for i, state in zip(indices, states):
+        for path, a in jax.tree_util.tree_leaves_with_path(state):
+            _check.exact_dtype(a, who, f"{_path(path)} of block {i}")
+    stacked = jax.tree.map(
+        lambda *a: _check.stack(a) if _check.is_abstract(a[0]) else jnp.stack(a), *states
+    )
     _add_layer_axis(stacked, layer_axis_name)
     return nnx.merge(graphdef, _shard_eagerly(stacked))

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from stackwise import _check
+
 __all__ = ["iter_layers", "layer", "num_layers"]
 
 
@@ -26,12 +28,7 @@ def num_layers(stack: Any) -> int:
 
 
 def _slice(i: int) -> Any:
-    def one(a):
-        if isinstance(a, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-        return a[i]
-
-    return one
+    return lambda a: _check.take(a, i)
 
 
 def _without_layer_axis(state: Any) -> None:
@@ -69,20 +66,13 @@ def layer(stack: Any, i: int) -> nnx.Module:
       leaves the stack as it is.
 
     Raises:
-      TypeError: ``i`` is not an int (for layers ``a:b`` as a shallower
-        model use ``stackwise.slice_layers`` on the state).
+      TypeError: ``i`` is not an int or a NumPy integer (for layers ``a:b`` as a
+        shallower model use ``stackwise.slice_layers`` on the state).
       IndexError: ``i`` out of range.
+      ValueError: a variable with another number of layers than ``n`` (named).
     """
-    n = stack.n
-    if isinstance(i, bool) or not isinstance(i, int):
-        raise TypeError(
-            f"stackwise.nnx.Stack: a layer index must be an int, got {type(i).__name__} "
-            f"{i!r}. For layers a:b as a shallower stack, slice the state with "
-            "`stackwise.slice_layers`."
-        )
-    if not -n <= i < n:
-        raise IndexError(f"stackwise.nnx.Stack: layer {i} is out of range for n={n} layers.")
-    i %= n
+    i = _check.layer_index(i, stack.n, "stackwise.nnx.Stack", "i")
+    stack._check_layers()
     blocks = stack._blocks()  # one stacked block per pattern position
     k = len(blocks)
     graphdef, state = nnx.split(blocks[i % k])
