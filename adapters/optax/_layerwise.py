@@ -155,7 +155,8 @@ def layerwise(
         params with a bool or int per subtree, or a function of a leaf's path
         (``jax.tree_util.keystr``); see :func:`stackwise.optax.stacked_in` for NNX and
         Equinox models.
-      freeze: layer indices whose params do not move: their gradients enter the
+      freeze: layer indices (ints or NumPy integers, negative ones counting from the
+        end of each stacked leaf) whose params do not move: their gradients enter the
         optimizer as zeros (so a global norm leaves them out, as
         ``optax.multi_transform`` with ``optax.set_to_zero()`` for them does) and their
         updates are zero, bitwise.
@@ -170,8 +171,9 @@ def layerwise(
     Raises:
       TypeError: ``transform`` is not a gradient transformation, or ``stacked``,
         ``freeze`` or ``lr_scale`` have the wrong type.
-      ValueError: ``stacked`` does not match the params, or ``freeze`` / ``lr_scale``
-        do not match a stacked leaf's number of layers.
+      ValueError: ``stacked`` does not match the params, or ``lr_scale`` does not
+        match a stacked leaf's number of layers.
+      IndexError: ``freeze`` names a layer a stacked leaf does not have.
     """
     _check_transform(transform, _WHERE, "transform")
     core = _wrap(transform, stacked)
@@ -230,7 +232,7 @@ def layer_mask(
 
     Args:
       transform: the optax gradient transformation to apply on ``layers``.
-      layers: layer indices.
+      layers: layer indices, as for ``freeze`` in :func:`layerwise`.
       stacked: which leaves have layer axes first, as for :func:`layerwise`.
 
     Returns:
@@ -239,7 +241,7 @@ def layer_mask(
     Raises:
       TypeError: ``transform`` is not a gradient transformation, or ``layers`` is not a
         collection of ints.
-      ValueError: ``layers`` names a layer a stacked leaf does not have.
+      IndexError: ``layers`` names a layer a stacked leaf does not have.
     """
     where = "stackwise.optax.layer_mask"
     _check_transform(transform, where, "transform")
@@ -273,8 +275,8 @@ def layer_decay(decay: float, n: int) -> np.ndarray:
       A float32 vector of n scales (the last layer 1), for ``layerwise(lr_scale=...)``.
 
     Raises:
-      TypeError: ``n`` is not a positive int.
-      ValueError: ``decay`` is not in (0, 1].
+      TypeError: ``n`` is not an int (a NumPy integer works too).
+      ValueError: ``n`` is below 1, or ``decay`` is not in (0, 1].
     """
     where = "stackwise.optax.layer_decay"
     n = _check.integer(n, where, "n", minimum=1)
