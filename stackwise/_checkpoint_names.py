@@ -11,8 +11,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Tensor"]
+import numpy as np
 
+from stackwise import _check
+
+__all__ = ["Tensor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,39 @@ class Tensor:
     dtype: Any = None
     position: int | None = None
     stored_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # The shared checks of `stackwise._check`: ints (NumPy ones too, never a bool), each
+        # shape and permutation a tuple of them, the dtype a dtype; named by the Tensor.
+        who = f"stackwise.Tensor({self.name!r})"
+        for arg in ("transpose", "reshape", "stored_shape"):
+            value = getattr(self, arg)
+            if value is None:
+                continue
+            try:
+                items = None if isinstance(value, (str, bytes)) else tuple(value)
+            except TypeError:
+                items = None
+            if items is None:
+                raise TypeError(
+                    f"{who}: `{arg}` must be a tuple of ints (e.g. `{arg}=(1, 0)`), got "
+                    f"{type(value).__name__} {value!r}."
+                )
+            ints = tuple(_check.integer(v, who, f"{arg}[{i}]") for i, v in enumerate(items))
+            object.__setattr__(self, arg, ints)
+        if self.position is not None:
+            object.__setattr__(
+                self, "position", _check.integer(self.position, who, "position", minimum=0)
+            )
+        if self.dtype is not None:
+            try:
+                dtype = np.dtype(self.dtype)
+            except TypeError:
+                raise TypeError(
+                    f"{who}: `dtype` must be a dtype (e.g. `dtype=jnp.bfloat16` or "
+                    f"'float32'), got {type(self.dtype).__name__} {self.dtype!r}."
+                ) from None
+            object.__setattr__(self, "dtype", dtype)
 
     @property
     def per_layer(self) -> bool:
@@ -149,3 +185,25 @@ def _check_template(spec: Tensor, path: str, who: str) -> None:
             "layer index (or none for a tensor that is not per layer), e.g. "
             "'model.layers.{}.mlp.up_proj.weight'."
         )
+
+
+def _check_layout(spec: Tensor, shape: tuple[int, ...], k: int | None, path: str, who: str) -> None:
+    """The pattern position and layer axis a leaf of ``shape`` needs for ``spec`` (with
+    ``pattern=k``), as loading and saving both read them."""
+    if spec.position is not None and (k is None or not 0 <= spec.position < k):
+        raise ValueError(
+            f"{who}: leaf {path} has position={spec.position}, which needs `pattern=k` with "
+            f"k > {spec.position} (got pattern={k})."
+        )
+    if spec.per_layer:
+        if k is not None and k > 1 and spec.position is None:
+            raise ValueError(
+                f"{who}: with pattern={k}, the per-layer name {spec.name!r} of leaf {path} "
+                "needs the pattern position it fills: stackwise.Tensor(name, position=p), "
+                "p in 0..k-1 (its row j is layer p + j*k)."
+            )
+        if not shape:
+            raise ValueError(
+                f"{who}: leaf {path} is a scalar, so it has no layer axis for the "
+                f"per-layer name {spec.name!r}; give it a name without `{{}}`."
+            )

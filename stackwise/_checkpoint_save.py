@@ -9,7 +9,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from stackwise._checkpoint_names import Tensor, _check_template, _is_array, _key, _lookup
+from stackwise import _check
+from stackwise._checkpoint_names import (
+    Tensor,
+    _check_layout,
+    _check_template,
+    _is_array,
+    _key,
+    _lookup,
+)
 from stackwise._checkpoint_read import INDEX, need
 
 __all__ = ["save_safetensors"]
@@ -82,16 +90,30 @@ def save_safetensors(
     Raises:
       FileExistsError: ``directory`` already holds safetensors files or an
         index and ``overwrite`` is False.
+      TypeError: an abstract leaf (``jax.ShapeDtypeStruct``: nothing to
+        save), or ``pattern``, ``max_file_bytes`` or ``overwrite`` of the
+        wrong type.
       ValueError: as :func:`load_checkpoint` for names that do not fit.
     """
+    pattern = None if pattern is None else _check.integer(pattern, _SAVE, "pattern", minimum=1)
+    max_file_bytes = _check.integer(max_file_bytes, _SAVE, "max_file_bytes", minimum=1)
+    if not isinstance(overwrite, (bool, np.bool_)):
+        raise TypeError(f"{_SAVE}: `overwrite` must be True or False, got {overwrite!r}.")
     safetensors_numpy = need("safetensors.numpy", "safetensors", _SAVE)
     directory = os.fspath(directory)
     tensors, rows = {}, []
     flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
             for p, a in jax.tree_util.tree_leaves_with_path(params) if _is_array(a)]
     for path, keys, a in flat:
+        if _check.is_abstract(a):
+            raise TypeError(
+                f"{_SAVE}: leaf {path} is abstract ({a}, as `jax.eval_shape` gives): it has "
+                "no values to save. Pass the params themselves (e.g. as `load_checkpoint` "
+                "returns them)."
+            )
         spec = _lookup(names, [_key(k) for k in keys], path, _SAVE)
         _check_template(spec, path, _SAVE)
+        _check_layout(spec, _check.leaf_shape(a, _SAVE, path), pattern, path, _SAVE)
         if spec.per_layer:
             p, step = spec.position or 0, pattern or 1
             for j in range(a.shape[0]):

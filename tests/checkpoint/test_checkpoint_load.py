@@ -200,3 +200,22 @@ def test_save_round_trip_is_bitwise_and_never_overwrites(plain_files, tmp_path):
         stackwise.save_safetensors(params, names, tmp_path / "out")
     assert {p: pathlib.Path(p).read_bytes() for p in written} == before
     stackwise.save_safetensors(params, names, tmp_path / "out", overwrite=True)
+
+
+def test_numpy_integers_and_sequences_read_as_in_the_core(tmp_path):
+    """`Tensor`'s position, transpose and shapes and `save_safetensors`' pattern and
+    max_file_bytes take NumPy integers and any sequence, as `stackwise._check.integer` does."""
+    params = {"a": jnp.arange(12.0).reshape(2, 3, 2), "b": jnp.arange(8.0).reshape(2, 4)}
+    names = {"a": stackwise.Tensor("l.{}.a", position=np.int64(0), transpose=np.array([1, 0])),
+             "b": stackwise.Tensor("l.{}.b", position=np.int32(1), reshape=[4],
+                                   stored_shape=np.array([2, 2]))}
+    assert names["a"].transpose == (1, 0) and names["b"].reshape == (4,)
+    assert names["b"].stored_shape == (2, 2)
+    written = stackwise.save_safetensors(params, names, tmp_path, pattern=np.int64(2),
+                                         max_file_bytes=np.int64(24), overwrite=np.False_)
+    ckpt = stackwise.open_checkpoint(tmp_path)
+    assert sorted(ckpt.tensors) == ["l.0.a", "l.1.b", "l.2.a", "l.3.b"] and len(written) == 5
+    np.testing.assert_array_equal(ckpt.read("l.2.a"), params["a"][1].T)
+    np.testing.assert_array_equal(ckpt.read("l.3.b"), params["b"][1].reshape(2, 2))
+    back = stackwise.load_checkpoint(tmp_path, params, names, pattern=2)
+    assert_trees_bitwise(back, params)

@@ -56,6 +56,12 @@ def _load(source, target=ONE, names=W, **kw):
         root / source if isinstance(source, str) else source, target, names, **kw)
 
 
+def _save(params=None, names=None, **kw):
+    return lambda root: stackwise.save_safetensors(
+        {"w": jnp.zeros((3, 4, 2))} if params is None else params,
+        {"w": "l.{}.w"} if names is None else names, root / "new4", **kw)
+
+
 CASES = {
     # (call of the fixture's folder, error type, what the message names)
     "missing layer": (
@@ -158,6 +164,42 @@ CASES = {
         lambda root: stackwise.save_safetensors(
             {"a": jnp.zeros(2), "b": jnp.zeros(2)}, {"a": "x", "b": "x"}, root / "new2"),
         ValueError, ["['a']", "['b']", "'x'"]),
+    "saving abstract params": (
+        lambda root: stackwise.save_safetensors(ONE, W, root / "new3"),
+        TypeError, ["leaf ['w']", "abstract", "jax.eval_shape", "no values to save"]),
+    "saving with pattern not an int": (
+        _save(pattern="2"), TypeError, ["save_safetensors", "`pattern`", "'2'"]),
+    "saving with pattern 0": (_save(pattern=0), ValueError, ["`pattern`", "at least 1", "0"]),
+    "saving with max_file_bytes not an int": (
+        _save(max_file_bytes="4GB"), TypeError, ["`max_file_bytes`", "'4GB'"]),
+    "saving with overwrite a string": (
+        lambda root: stackwise.save_safetensors({"w": jnp.zeros((3, 4, 2))}, W, root,
+                                                overwrite="no"),
+        TypeError, ["`overwrite`", "True or False", "'no'"]),
+    "saving a position without pattern": (
+        _save(names={"w": Tensor("l.{}.w", position=1)}), ValueError,
+        ["leaf ['w']", "position=1", "pattern=k"]),
+    "saving a pattern without positions": (
+        _save(pattern=2), ValueError, ["pattern=2", "'l.{}.w'", "position=p"]),
+    "saving a scalar under a per-layer name": (
+        _save({"w": jnp.zeros(())}), ValueError, ["leaf ['w']", "scalar", "without `{}`"]),
+    "a Tensor position that is not an int": (
+        lambda root: Tensor("l.{}.w", position="1"), TypeError,
+        ["stackwise.Tensor('l.{}.w')", "`position`", "'1'"]),
+    "a Tensor position that is a bool": (
+        lambda root: Tensor("l.{}.w", position=True), TypeError, ["`position`", "bool"]),
+    "a Tensor position below 0": (
+        lambda root: Tensor("l.{}.w", position=-1), ValueError, ["`position`", "at least 0"]),
+    "a Tensor transpose that is one int": (
+        lambda root: Tensor("l.{}.w", transpose=1), TypeError,
+        ["`transpose`", "tuple of ints", "(1, 0)"]),
+    "a Tensor reshape of floats": (
+        lambda root: Tensor("l.{}.w", reshape=(2.0, 4)), TypeError, ["`reshape[0]`", "2.0"]),
+    "a Tensor stored_shape of strings": (
+        lambda root: Tensor("l.{}.w", stored_shape="24"), TypeError, ["`stored_shape`", "'24'"]),
+    "a Tensor dtype that is none": (
+        lambda root: Tensor("l.{}.w", dtype="floaty"), TypeError,
+        ["stackwise.Tensor('l.{}.w')", "`dtype`", "'floaty'", "jnp.bfloat16"]),
 }
 
 

@@ -61,12 +61,22 @@ CASES = {
         ["optimizer state leaf", "stacked like its leaf", "wrapped optimizer's `init`"]),
     "freeze names a layer the stack lacks": (
         _step(lambda: so.layerwise(optax.adam(1e-3), STACKED, freeze=[4]),
-              lambda: so.layerwise(optax.adam(1e-3), STACKED)), ValueError,
-        ["`freeze`", "[4]", "['blocks']['w']", "4 layers"]),
+              lambda: so.layerwise(optax.adam(1e-3), STACKED)), IndexError,
+        ["`freeze`", "layer 4", "['blocks']['w']", "4 layers", "-4..3"]),
+    "freeze names a layer before the first": (
+        _step(lambda: so.layerwise(optax.adam(1e-3), STACKED, freeze=[-5]),
+              lambda: so.layerwise(optax.adam(1e-3), STACKED)), IndexError,
+        ["`freeze`", "layer -5", "['blocks']['w']", "-4..3"]),
     "freeze is a number": (
         lambda: so.layerwise(optax.adam(1e-3), freeze=1.5), TypeError, ["`freeze`", "range(2)"]),
     "freeze holds strings": (
-        lambda: so.layerwise(optax.adam(1e-3), freeze="01"), TypeError, ["`freeze`", "'0'"]),
+        lambda: so.layerwise(optax.adam(1e-3), freeze="01"), TypeError, ["`freeze[0]`", "'0'"]),
+    "freeze holds a bool": (
+        lambda: so.layerwise(optax.adam(1e-3), freeze=[1, True]), TypeError,
+        ["`freeze[1]`", "bool"]),
+    "freeze holds a float": (
+        lambda: so.layerwise(optax.adam(1e-3), freeze=[1.0]), TypeError,
+        ["`freeze[0]`", "float"]),
     "lr_scale of the wrong length": (
         _step(lambda: so.layerwise(optax.adam(1e-3), STACKED, lr_scale=[1.0, 0.5, 0.25]),
               lambda: so.layerwise(optax.adam(1e-3), STACKED)), ValueError,
@@ -78,15 +88,31 @@ CASES = {
         lambda: so.layerwise(optax.adam(1e-3), lr_scale="decay"), TypeError, ["`lr_scale`"]),
     "layer_mask names a layer the stack lacks": (
         _step(lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [7], STACKED),
-              lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [7], STACKED)), ValueError,
-        ["`layers`", "[7]", "['blocks']['w']"]),
+              lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [7], STACKED)), IndexError,
+        ["`layers`", "layer 7", "['blocks']['w']"]),
+    "layer_mask layers holds a string": (
+        lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [0, "1"]), TypeError,
+        ["`layers[1]`", "'1'"]),
     "layer_mask of the factory": (
         lambda: so.layer_mask(optax.add_decayed_weights, [0]), TypeError, ["`transform`"]),
     "layer_mask layers is not a collection": (
         lambda: so.layer_mask(optax.add_decayed_weights(1e-4), None), TypeError, ["`layers`"]),
     "layer_decay above 1": (
         lambda: so.layer_decay(1.5, 4), ValueError, ["`decay`", "(0, 1]", "1.5"]),
-    "layer_decay of no layers": (lambda: so.layer_decay(0.8, 0), TypeError, ["`n`", "0"]),
+    "layer_decay of no layers": (
+        lambda: so.layer_decay(0.8, 0), ValueError, ["`n`", "at least 1", "0"]),
+    "layer_decay of a bool n": (lambda: so.layer_decay(0.8, True), TypeError, ["`n`", "bool"]),
+    "layer_decay of a float n": (lambda: so.layer_decay(0.8, 4.0), TypeError, ["`n`", "4.0"]),
+    "stacked is a float depth": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), {"blocks": 1.0, "embed": False})),
+        TypeError, ["`stacked`", "['blocks']['w']", "1.0"]),
+    "a params leaf that is not an array": (
+        _init(lambda: so.layerwise(optax.lamb(1e-3), {"blocks": True, "embed": False}),
+              {"blocks": PARAMS["blocks"], "embed": "embed"}), TypeError,
+        ["leaf ['embed']", "str", "not an array"]),
+    "muon_dimensions of a leaf that is not an array": (
+        lambda: so.muon_dimensions()({"w": jnp.ones((4, 3, 3)), "name": "w"}), TypeError,
+        ["stackwise.optax.muon_dimensions", "leaf ['name']", "not an array"]),
     "stacked_in of a params dict": (
         lambda: so.stacked_in(PARAMS), TypeError, ["`model`", "dict", "stacked="]),
     "stacked_in of a module without a Stack": (

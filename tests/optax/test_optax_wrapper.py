@@ -274,3 +274,41 @@ def test_muon_with_its_own_batch_axes_equals_the_loop_model():
     wrapped = _train(optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims), params)
     reference = _train_loop(optax.contrib.muon(1e-2), params, _depth)
     assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
+
+
+def test_layer_indices_read_as_in_the_core():
+    """`freeze=` / `layers=` take what `stackwise._check.layer_index` takes: NumPy integers,
+    and negative indices counting from the end, per leaf (bitwise the same updates)."""
+    params = {"w": jnp.arange(1.0, 25.0).reshape(N, 2, 3), "e": jnp.ones(3)}
+    stacked = {"w": np.True_, "e": False}
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def step(tx):
+        return tx.update(grads, tx.init(params), params)[0]
+
+    plain = step(so.layerwise(optax.adam(1e-2), stacked, freeze=[2, 3]))
+    assert not jnp.any(plain["w"][2:]) and jnp.all(plain["w"][:2])
+    for freeze in ([np.int64(-2), -1], np.array([2, 3]), range(-2, 0)):
+        same = step(so.layerwise(optax.adam(1e-2), stacked, freeze=freeze))
+        assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(same),
+                                                         jax.tree.leaves(plain)))
+    masked = step(so.layer_mask(optax.add_decayed_weights(0.5), np.int32(-1), stacked))
+    assert masked["w"][:, 0, 0].tolist() == [1.0, 1.0, 1.0, 1.0 + 0.5 * 19.0]
+    assert so.layer_decay(0.5, np.int64(2)).tolist() == [0.5, 1.0]
+
+
+def test_numbers_and_abstract_leaves_where_shapes_suffice():
+    """A Python number among the params is a leaf of shape () (as optax's elementwise
+    transformations take it); `muon_dimensions` reads abstract params (`jax.eval_shape`) as
+    concrete ones."""
+    params = {"w": jnp.arange(36.0).reshape(N, 3, 3), "scale": 2.0}
+    grads = {"w": jnp.ones((N, 3, 3)), "scale": 1.0}
+    tx = so.layerwise(optax.adamw(1e-2), {"w": True, "scale": False}, freeze=[0])
+    u, _ = tx.update(grads, tx.init(params), params)
+    plain = optax.adamw(1e-2)
+    want, _ = plain.update(grads, plain.init(params), params)
+    assert jnp.array_equal(u["scale"], want["scale"]) and jnp.array_equal(u["w"][1:], want["w"][1:])
+    dims = so.muon_dimensions({"w": True, "scale": False})
+    abstract = jax.eval_shape(lambda: params)
+    assert dims(abstract) == dims(params) and dims(params)["scale"] is None
+    assert dims(abstract)["w"].reduction_axis == (1,)

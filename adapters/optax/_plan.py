@@ -1,0 +1,270 @@
+"""How one (non-chain) transformation runs on stacked leaves: as it is, vmapped per layer, or
+on the loop model's tree (each stacked leaf unstacked into its layers, then restacked).
+
+:class:`Plan` classifies the transformation by the dataflow of one layer's view of its
+``update`` (``_classify.py``); :func:`run_vmapped` / :func:`init_vmapped` run the per-leaf
+parts per layer with their state stacked like their leaves; :func:`loop_tree` /
+:func:`from_loop` give the loop view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optax
+from stackwise.optax._classify import Program
+
+__all__ = ["Plan", "chain_parts", "from_loop", "init_vmapped", "loop_tree", "run_vmapped"]
+
+_WHERE = "stackwise.optax.layerwise"
+
+# Whole-tree transformations whose reductions run over every element of the tree, however
+# the elements are grouped into leaves: on stacked leaves they compute the loop's value.
+# optax/transforms/_clipping.py, `clip_by_global_norm`: `g_norm = optax.tree.norm(updates)`.
+_WHOLE_TREE = frozenset(["clip_by_global_norm.<locals>.update_fn"])
+
+
+def _view(leaf: Any, depth: int) -> Any:
+    """One layer's slice of a leaf (abstract, as a ShapeDtypeStruct); a Python number as JAX
+    holds it (weakly typed)."""
+    if not hasattr(leaf, "shape"):  # a Python number, whose dtype JAX picks
+        return jax.eval_shape(lambda: jnp.asarray(leaf))
+    return jax.ShapeDtypeStruct(tuple(leaf.shape)[depth:], leaf.dtype)
+
+
+def _first(leaf: Any, depth: int) -> Any:
+    """Layer 0 of a leaf (a stand-in for the leaves of other groups; its results are unused)."""
+    return leaf[(0,) * depth] if depth else leaf
+
+
+def _origin(fn: Any) -> str:
+    """The qualified name of an update function, seen through ``with_extra_args_support``."""
+    name = getattr(fn, "__qualname__", "")
+    if name == "with_extra_args_support.<locals>.update" and fn.__closure__:
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+        inner = cells.get("tx")
+        if inner is not None:
+            return _origin(inner.update)
+    return name
+
+
+def chain_parts(tx: Any) -> list | None:
+    """The parts of an ``optax.chain`` (read from its update function's closure), or None."""
+    fn = tx.update
+    if getattr(fn, "__qualname__", "") != "chain.<locals>.update_fn" or not fn.__closure__:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    init_fns = cells.get("init_fns")
+    update_fns = cells.get("update_fns")
+    if init_fns is None:
+        init_fns = tx.init.__closure__ and dict(
+            zip(tx.init.__code__.co_freevars, (c.cell_contents for c in tx.init.__closure__))
+        ).get("init_fns")
+    if init_fns is None or update_fns is None or len(init_fns) != len(update_fns):
+        return None
+    return [optax.GradientTransformationExtraArgs(i, u) for i, u in zip(init_fns, update_fns)]
+
+
+class Plan:
+    """How one (non-chain) transformation runs on a tree: 'direct', 'vmap' or 'loop'."""
+
+    def __init__(self, tx, updates: Any, params: Any, depths: list[int], extra: dict):
+        leaves, self.treedef = jax.tree.flatten(updates)
+        self.depths = depths
+        self.n_leaves = len(leaves)
+        self.stacked = frozenset(i for i, d in enumerate(depths) if d)
+        template = params if params is not None else updates
+        p_leaves = jax.tree.leaves(template)
+        view = lambda ls: jax.tree.unflatten(  # noqa: E731
+            self.treedef, [_view(a, d) for a, d in zip(ls, depths)]
+        )
+        u_view, p_view = view(leaves), view(p_leaves)
+        state_view = jax.eval_shape(tx.init, p_view)
+        s_leaves, self.state_treedef = jax.tree.flatten(state_view)
+        self.state_view = s_leaves
+        self.owner: list[int | None] = [None] * len(s_leaves)
+        if not self.stacked:
+            self.kind = "direct"
+            return
+        if _origin(tx.update) in _WHOLE_TREE:
+            self.kind = "direct"
+            return
+        with_params = params is not None
+
+        def one_layer(u, s, p, e):
+            new_u, new_s = tx.update(u, s, p if with_params else None, **e)
+            return jax.tree.leaves(new_u), jax.tree.leaves(new_s)
+
+        program = Program(one_layer, (u_view, state_view, p_view, extra))
+        n, m = self.n_leaves, len(s_leaves)
+        n_extra = len(jax.tree.leaves(extra))
+        mine = [frozenset([i]) for i in range(n)]
+        state_labels = [frozenset()] * m
+        for _ in range(8):  # state labels: a fixpoint over steps (a few iterations)
+            labels = mine + state_labels + mine + [frozenset()] * n_extra
+            outs, elementwise = program.run(labels, self.stacked)
+            new_state = [a | b for a, b in zip(state_labels, outs[n:])]
+            if new_state == state_labels:
+                break
+            state_labels = new_state
+        u_out = outs[:n]
+        mixing = any(not labels <= {i} and (labels | {i}) & self.stacked
+                     for i, labels in enumerate(u_out))
+        mixing |= any(len(labels) > 1 and labels & self.stacked for labels in state_labels)
+        if mixing:
+            self.kind = "loop"
+            return
+        self.owner = [next(iter(lb)) if lb and lb <= self.stacked else None
+                      for lb in state_labels]
+        self.kind = "direct" if elementwise else "vmap"
+
+    def groups(self, leaves: list) -> dict[tuple, list[int]]:
+        groups: dict[tuple, list[int]] = {}
+        for i in sorted(self.stacked):
+            groups.setdefault(tuple(leaves[i].shape[: self.depths[i]]), []).append(i)
+        return groups
+
+
+def _vmap_n(fn, depth: int, out_axes) -> Callable:
+    for _ in range(depth):
+        fn = jax.vmap(fn, in_axes=0, out_axes=out_axes)
+    return fn
+
+
+def run_vmapped(plan: Plan, tx, updates, state, params, extra):
+    u_leaves = jax.tree.leaves(updates)
+    p_leaves = jax.tree.leaves(params) if params is not None else None
+    s_leaves = jax.tree.leaves(state)
+    _check_state(plan, s_leaves, u_leaves)
+    owner = plan.owner
+    depths = plan.depths
+    s_depth = [depths[o] if o is not None else 0 for o in owner]
+    unstacked = [i for i in range(plan.n_leaves) if i not in plan.stacked]
+    shared = [j for j, o in enumerate(owner) if o is None]
+    out_u: list[Any] = [None] * len(u_leaves)
+    out_s: list[Any] = [None] * len(s_leaves)
+    for k, (layer_shape, idxs) in enumerate(plan.groups(u_leaves).items()):
+        mine = set(idxs)
+        s_idx = [j for j, o in enumerate(owner) if o in mine]
+
+        def body(bu, bp, bs, idxs=idxs, s_idx=s_idx, mine=mine):
+            us = [_first(a, d) if d and i not in mine else a
+                  for i, (a, d) in enumerate(zip(u_leaves, depths))]
+            ss = [_first(a, d) if d and owner[j] not in mine else a
+                  for j, (a, d) in enumerate(zip(s_leaves, s_depth))]
+            ps = None
+            if p_leaves is not None:
+                ps = [_first(a, d) if d and i not in mine else a
+                      for i, (a, d) in enumerate(zip(p_leaves, depths))]
+                for i, a in zip(idxs, bp):
+                    ps[i] = a
+                ps = jax.tree.unflatten(plan.treedef, ps)
+            for i, a in zip(idxs, bu):
+                us[i] = a
+            for j, a in zip(s_idx, bs):
+                ss[j] = a
+            new_u, new_s = tx.update(jax.tree.unflatten(plan.treedef, us),
+                                     jax.tree.unflatten(plan.state_treedef, ss), ps, **extra)
+            fu, fs = jax.tree.leaves(new_u), jax.tree.leaves(new_s)
+            return ([fu[i] for i in idxs], [fs[j] for j in s_idx],
+                    [fu[i] for i in unstacked], [fs[j] for j in shared])
+
+        bp = [p_leaves[i] for i in idxs] if p_leaves is not None else []
+        res = _vmap_n(body, len(layer_shape), (0, 0, None, None))(
+            [u_leaves[i] for i in idxs], bp, [s_leaves[j] for j in s_idx])
+        for i, a in zip(idxs, res[0]):
+            out_u[i] = a
+        for j, a in zip(s_idx, res[1]):
+            out_s[j] = a
+        if k == 0:
+            for i, a in zip(unstacked, res[2]):
+                out_u[i] = a
+            for j, a in zip(shared, res[3]):
+                out_s[j] = a
+    return (jax.tree.unflatten(plan.treedef, out_u),
+            jax.tree.unflatten(plan.state_treedef, out_s))
+
+
+def init_vmapped(plan: Plan, tx, params):
+    p_leaves = jax.tree.leaves(params)
+    owner, depths = plan.owner, plan.depths
+    shared = [j for j, o in enumerate(owner) if o is None]
+    out_s: list[Any] = [None] * len(plan.state_view)
+    for k, (layer_shape, idxs) in enumerate(plan.groups(p_leaves).items()):
+        mine = set(idxs)
+        s_idx = [j for j, o in enumerate(owner) if o in mine]
+
+        def body(bp, idxs=idxs, s_idx=s_idx, mine=mine):
+            ps = [_first(a, d) if d and i not in mine else a
+                  for i, (a, d) in enumerate(zip(p_leaves, depths))]
+            for i, a in zip(idxs, bp):
+                ps[i] = a
+            fs = jax.tree.leaves(tx.init(jax.tree.unflatten(plan.treedef, ps)))
+            return [fs[j] for j in s_idx], [fs[j] for j in shared]
+
+        res = _vmap_n(body, len(layer_shape), (0, None))([p_leaves[i] for i in idxs])
+        for j, a in zip(s_idx, res[0]):
+            out_s[j] = _like(a, p_leaves[owner[j]])
+        if k == 0:
+            for j, a in zip(shared, res[1]):
+                out_s[j] = a
+    return jax.tree.unflatten(plan.state_treedef, out_s)
+
+
+def _like(state_leaf: Any, param: Any) -> Any:
+    """A stacked state leaf of its param's shape gets its param's sharding (e.g. FSDP)."""
+    if tuple(state_leaf.shape) != tuple(param.shape):
+        return state_leaf
+    sharding = getattr(jax.typeof(param), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(e is None for e in spec):
+        if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
+            return jax.device_put(state_leaf, param.sharding)
+        return state_leaf
+    return jax.sharding.reshard(state_leaf, sharding)
+
+
+def _check_state(plan: Plan, s_leaves: list, u_leaves: list) -> None:
+    if len(s_leaves) != len(plan.state_view):
+        raise ValueError(
+            f"{_WHERE}: the optimizer state has {len(s_leaves)} leaves where this "
+            f"transformation's state has {len(plan.state_view)}; pass the state that the same "
+            "wrapped optimizer's `init` made."
+        )
+    for j, (a, v) in enumerate(zip(s_leaves, plan.state_view)):
+        o = plan.owner[j]
+        want = (tuple(u_leaves[o].shape[: plan.depths[o]]) if o is not None else ()) + v.shape
+        if tuple(np.shape(a)) != want:
+            raise ValueError(
+                f"{_WHERE}: optimizer state leaf {j} has shape {tuple(np.shape(a))}, expected "
+                f"{want} (one layer's state {v.shape}, stacked like its leaf). Make the state "
+                "with the wrapped optimizer's `init`, not the unwrapped one's."
+            )
+
+
+# The loop view.
+
+
+def _to_loop(leaves: list, depths: list[int]) -> list:
+    def split(a, d):
+        if not d:
+            return a
+        return [split(a[i], d - 1) for i in range(a.shape[0])]
+
+    return [split(a, d) for a, d in zip(leaves, depths)]
+
+
+def from_loop(sub: Any, depth: int) -> Any:
+    if not depth:
+        return sub
+    return jnp.stack([from_loop(s, depth - 1) for s in sub])
+
+
+def loop_tree(tree: Any, treedef, depths: list[int]) -> Any:
+    return jax.tree.unflatten(treedef, _to_loop(jax.tree.leaves(tree), depths))
+
