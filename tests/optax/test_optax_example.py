@@ -1,6 +1,5 @@
 """The example trains through `stackwise.optax.layerwise`: its first steps with
-``--optimizer muon`` (in every framework) and ``lamb`` equal the plain optimizer's on the loop
-model's params (``lm.to_loop``; the example's own tests check that the stack and the loop
+``--optimizer muon`` and ``lamb`` equal the plain optimizer's on the loop model's params (``lm.to_loop``; the example's own tests check that the stack and the loop
 compute the same logits). Both get the same gradients, the stack's, laid out by
 ``lm.to_loop`` for the loop: Adam's first steps turn a gradient's rounding into a relative
 change of its update where the gradient is near zero, which would drown what is compared."""
@@ -36,8 +35,8 @@ def example():
 
 # Every framework's params name the stacked leaves "blocks" (what make_optimizer relies on):
 # tests/optax/test_optax_adapters.py trains each adapter's tree. Compiling the LM's step with
-# Muon costs ~15 s of CPU, so one framework here, and LAMB (the same wrapper) not at all.
-@pytest.mark.parametrize("framework, optimizer", [("jax", "muon")])
+# Muon costs ~15 s of CPU, so one framework here.
+@pytest.mark.parametrize("framework, optimizer", [("jax", "muon"), ("jax", "lamb")])
 def test_first_steps_equal_the_loop_model(example, framework, optimizer):
     t, lm_models = example
     args = t.parse_args(["--optimizer", optimizer, "--steps", "10", "--lr", "1e-2"])
