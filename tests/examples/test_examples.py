@@ -187,7 +187,7 @@ def test_pattern_trains_checkpoints_and_samples(tmp_path, env):
     run = load_example().read_meta(ckpt)["run"]
     assert (run["pattern"], run["window"], run["layers"]) == ("local,local,global", 4, 4)
     arrays = checkpoint_arrays(ckpt)  # position p of the pattern holds layers p, p + 3: 2, 1, 1
-    depths = [arrays[f"['params']['blocks']['{p}']['qkv']"].shape[0] for p in range(3)]
+    depths = [arrays[f"['params']['blocks'][{p}]['qkv']"].shape[0] for p in range(3)]
     assert depths == [2, 1, 1]
     # The export has the 4 layers under their own index, whatever their pattern position, and
     # gives back the same model: the same sample.
