@@ -227,7 +227,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         what = "not a regular file" if args.text.exists() else "no such file"
         p.error(f"--text {args.text}: {what}; give a UTF-8 text file")
     if args.checkpoint.exists() and not args.checkpoint.is_dir():
-        hint = " (an .npz of an older version of this example?)" * (args.checkpoint.suffix == ".npz")
+        old = args.checkpoint.suffix == ".npz"
+        hint = " (an .npz of an older version of this example?)" * old
         p.error(f"--checkpoint {args.checkpoint}: a file{hint}; checkpoints are folders (orbax's): "
                 f"give a folder path, e.g. --checkpoint {args.checkpoint.with_suffix('')}")
     if args.export is not None and holds_files(args.export):
@@ -603,8 +604,8 @@ def load_safetensors(folder: pathlib.Path, template, k: int) -> Any:
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(
-            f"--load-safetensors {folder}: {' '.join(str(e).split())} (export it again with --restore "
-            "--export DIR)"
+            f"--load-safetensors {folder}: {' '.join(str(e).split())} (export it again with "
+            "--restore --export DIR)"
         ) from None
 
 

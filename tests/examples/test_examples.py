@@ -302,7 +302,8 @@ def test_default_checkpoint_is_in_examples_checkpoints():
         ("--restore --pattern local,global", r"--pattern: global in the checkpoint vs local,gl"),
         ("--resume --window 8", r"\(--window: 16 in the checkpoint vs 8 here\)"),
         # The optimizer is part of the run: its state is in the checkpoint.
-        ("--steps 3 --optimizer lamb", r"\(step 3 of 3; --optimizer: adamw in the checkpoint vs lamb here\)"),
+        ("--steps 3 --optimizer lamb",
+         r"\(step 3 of 3; --optimizer: adamw in the checkpoint vs lamb here\)"),
         ("--resume --optimizer muon", r"\(--optimizer: adamw in the checkpoint vs muon here\)"),
     ],
 )

@@ -114,7 +114,8 @@ CASES = [
     (["--load-safetensors", "{tmp}/export", "--layers", "3"], "--layers",
      "another run than the flags ask for (--layers: 2 in the checkpoint vs 3 here)"),
     (["--load-safetensors", "{tmp}/export"], "--load-safetensors {tmp}/export",
-     "layer 0's tensor 'model.layers.0.mlp.down_proj.weight' for leaf ['blocks']['down'] is not in"),
+     "layer 0's tensor 'model.layers.0.mlp.down_proj.weight' for leaf ['blocks']['down'] is "
+     "not in"),
     (["--load-safetensors", "{tmp}/badexport"], "{tmp}/badexport/transformer_lm.json",
      "is not what --export writes, or is damaged (JSONDecodeError"),
     (["--stpes", "3"], "--stpes", "unrecognized arguments"),
