@@ -5,6 +5,8 @@
     python examples/transformer_lm.py --pattern local,local,global --window 16  # local attention
     python examples/transformer_lm.py --resume             # continue an interrupted run
     python examples/transformer_lm.py --restore            # sample from the saved checkpoint
+    python examples/transformer_lm.py --restore --export out/lm_hf  # as per-layer safetensors
+    python examples/transformer_lm.py --load-safetensors out/lm_hf  # sample from them
     python examples/transformer_lm.py --remat --layers 24  # remat each block; any depth
 
 What it shows:
@@ -22,21 +24,24 @@ What it shows:
     ``stackwise.haiku.to_loop``, ``stackwise.flax.to_loop`` or Equinox's
     ``Stack.to_layers()``), giving the same logits.
 
-Checkpoints: ``examples/checkpoints/lm_<framework>.npz`` unless ``--checkpoint PATH``. Training
-saves at every validation (every ``--steps``/8 steps) and on Ctrl-C, atomically (write, then
-rename). A checkpoint belongs to one run: the framework, the model's sizes and pattern, the
-text (its SHA-256), the seed, batch, learning rate and number of steps. Training never replaces an
-existing checkpoint unless asked: ``--resume`` continues the run it holds from its last save
-(params, optimizer state, step and RNG are saved, so a resumed run computes exactly what an
+Checkpoints: orbax's ``CheckpointManager`` in the folder ``examples/checkpoints/lm_<framework>``
+unless ``--checkpoint DIR``, one subfolder per saved step (``state``: the arrays, ``meta``: the
+run as JSON), the last ``--keep`` (3) kept. Training saves every ``--save-every`` steps (by
+default at every validation, every ``--steps``/8), at the last step and on Ctrl-C; orbax writes
+a step to a temporary folder, then renames it, so a save is never half-written. A checkpoint
+belongs to one run: the framework, the model's sizes and pattern, the text (its SHA-256), the
+seed, batch, learning rate, optimizer and number of steps. Training never replaces an existing
+checkpoint unless asked: ``--resume`` continues the run it holds from its last save (params,
+optimizer state, step and RNG are saved, so a resumed run computes exactly what an
 uninterrupted one does), ``--overwrite`` trains a new run over it. The same command again, once
 its run has finished, samples from the checkpoint (and says so) instead of training. ``--resume``
 and ``--restore`` take every run flag you leave out from the checkpoint; one you give must agree.
 
-Format (``.npz``, readable with plain numpy): one array per leaf of ``{"params", "opt_state",
-"rng"}``, named by ``jax.tree_util.keystr`` of its path (e.g. ``['params']['blocks']['qkv']``,
-shape ``[layers, ...]``; with a pattern of k blocks ``['params']['blocks'][p]['qkv']``, shape
-``[layers of position p, ...]``, and each framework's names), plus ``__meta__``, a JSON string:
-the run, the step reached, the validation loss there and the vocabulary.
+``--export DIR`` also saves the params as a per-layer safetensors checkpoint with Hugging
+Face-style names (``model.layers.{i}.self_attn.qkv_proj.weight``, torch's ``(out, in)`` layout,
+through ``stackwise.save_safetensors``) and the run (``transformer_lm.json``);
+``--load-safetensors DIR`` samples from it (``stackwise.load_checkpoint``), as ``--restore``
+does: the same samples (``--framework jax``).
 """
 
 from __future__ import annotations
@@ -51,13 +56,13 @@ import pathlib
 import signal
 import sys
 import time
-import zipfile
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 import stackwise.optax
@@ -68,7 +73,9 @@ import lm_models  # noqa: E402  (the five model definitions, next to this file)
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_TEXT = HERE / "data" / "shakespeare.txt"
 CHECKPOINTS = HERE / "checkpoints"
-FORMAT = 2  # of the checkpoint files (a format-2 run without "pattern" is all global blocks)
+FORMAT = 3  # of the checkpoints: 3, orbax folders (2 was one .npz file)
+#: Saved steps kept by default (--keep).
+KEEP = 3
 
 #: The defaults of the flags that identify a run (see the module docstring).
 RUN_DEFAULTS = {  # the best for a 2-minute budget on 2 CPU cores: docs/example-tuning.md
@@ -82,12 +89,13 @@ RUN_DEFAULTS = {  # the best for a 2-minute budget on 2 CPU cores: docs/example-
     "window": 16,
     "batch": 8,
     "lr": 2e-3,
+    "optimizer": "adamw",
     "seed": 0,
 }
 #: The run fields that fix the model (and so which params a checkpoint has).
 MODEL_FIELDS = ("framework", "layers", "d_model", "heads", "seq_len", "pattern", "window")
-#: What checkpoints saved before --pattern existed (all global blocks) hold for the new fields.
-OLD_RUN_FIELDS = {"pattern": "global", "window": 16}
+#: What checkpoints saved before --pattern and --optimizer existed hold for these fields.
+OLD_RUN_FIELDS = {"pattern": "global", "window": 16, "optimizer": "adamw"}
 #: Validation: this many tokens, in evenly spaced windows of the validation text.
 VAL_TOKENS = 8192
 #: Cached decoding and the unstacked loop compute the same function in another order.
@@ -139,8 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--optimizer",
         choices=list(OPTIMIZERS),
-        default="adamw",
-        help="optax optimizer, per layer of the stack (default: adamw)",
+        help=f"optax optimizer, per layer of the stack (default: {d['optimizer']})",
     )
     p.add_argument("--seed", type=int, help=f"(default: {d['seed']})")
     p.add_argument(
@@ -155,19 +162,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--checkpoint",
         type=pathlib.Path,
-        help="checkpoint file (default: examples/checkpoints/lm_<framework>.npz)",
+        help="checkpoint folder, orbax's (default: examples/checkpoints/lm_<framework>)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=positive,
+        help="save (and validate) every this many steps, besides the last step and Ctrl-C\n"
+        "(default: every validation, --steps/8)",
+    )
+    p.add_argument(
+        "--keep", type=positive, default=KEEP, help=f"saved steps to keep (default: {KEEP})"
+    )
+    p.add_argument(
+        "--export",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="also save the trained params to DIR as per-layer safetensors with Hugging\n"
+        "Face-style names (model.layers.{i}.self_attn.qkv_proj.weight, ...; --framework jax)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the checkpoint's run")
     mode.add_argument("--restore", action="store_true", help="skip training: sample from it")
     mode.add_argument("--overwrite", action="store_true", help="train anew over a checkpoint")
+    mode.add_argument(
+        "--load-safetensors",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="skip training: sample from the params an --export saved in DIR",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
         args.pattern = ",".join(kind.strip() for kind in args.pattern.split(","))
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
-        args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}.npz"
+        args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}"
     check_args(p, args)
     return args
 
@@ -197,10 +226,27 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.text is not None and not args.text.is_file():
         what = "not a regular file" if args.text.exists() else "no such file"
         p.error(f"--text {args.text}: {what}; give a UTF-8 text file")
-    if args.checkpoint is not None and args.checkpoint.is_dir():
-        p.error(f"--checkpoint {args.checkpoint}: a folder; give a file path, e.g. "
-                f"--checkpoint {args.checkpoint / 'lm.npz'}")
-    if args.checkpoint is not None and not args.restore:  # training writes it
+    if args.checkpoint.exists() and not args.checkpoint.is_dir():
+        old = args.checkpoint.suffix == ".npz"
+        hint = " (an .npz of an older version of this example?)" * old
+        p.error(f"--checkpoint {args.checkpoint}: a file{hint}; checkpoints are folders (orbax's): "
+                f"give a folder path, e.g. --checkpoint {args.checkpoint.with_suffix('')}")
+    if args.export is not None and holds_files(args.export):
+        what = "a file" if not args.export.is_dir() else "a folder that is not empty"
+        p.error(f"--export {args.export}: {what}; give a new or empty folder (an export never "
+                "replaces files)")
+    if args.export is not None and args.load_safetensors is not None:
+        p.error("--export: not allowed with --load-safetensors (it would save the same params)")
+    if args.load_safetensors is not None and not (args.load_safetensors / EXPORT_META).is_file():
+        p.error(f"--load-safetensors {args.load_safetensors}: no {EXPORT_META} there; give a "
+                "folder that --export DIR wrote")
+    if (args.framework or RUN_DEFAULTS["framework"]) != "jax" and (
+        args.export is not None or args.load_safetensors is not None
+    ):
+        which = "--export" if args.export is not None else "--load-safetensors"
+        p.error(f"{which}: Hugging Face-style names are defined for --framework jax only; "
+                "pass --framework jax (or leave it out)")
+    if not (args.restore or args.load_safetensors):  # training writes it
         folder = args.checkpoint.parent
         while not folder.exists():  # (save_checkpoint creates the missing folders)
             folder = folder.parent
@@ -339,34 +385,71 @@ def settle_args(args: argparse.Namespace, saved: dict | None, fields) -> None:
         args.text = saved_text if saved_text.is_file() else DEFAULT_TEXT
 
 
-def save_checkpoint(path: pathlib.Path, state, meta: dict) -> None:
-    """Writes ``state`` (a pytree of arrays) and ``meta`` (JSON) to ``path``, atomically."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {
-        jax.tree_util.keystr(p): np.asarray(leaf)
-        for p, leaf in jax.tree_util.tree_leaves_with_path(state)
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:  # write, then rename: never a half-written checkpoint
-        np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+#: The items of each saved step: the arrays, and the run as JSON.
+ITEMS = ("state", "meta")
 
 
-#: What reading a damaged file (truncated, empty, not an .npz) raises in numpy and zipfile.
-DAMAGED = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+def checkpoint_manager(path: pathlib.Path, keep: int | None = None):
+    """orbax's CheckpointManager of the folder ``path`` (steps saved synchronously: a Ctrl-C
+    never leaves half a step, which orbax writes to a temporary folder, then renames)."""
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=keep is not None, enable_async_checkpointing=False
+    )
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(pathlib.Path(path).resolve(), options=options,
+                                 item_handlers=handlers)
+
+
+def save_checkpoint(path: pathlib.Path, state, meta: dict, keep: int = 3) -> None:
+    """Saves ``state`` (a pytree of arrays) and ``meta`` (JSON) as step ``meta["step"]`` of the
+    orbax checkpoint folder ``path``, keeping the last ``keep`` steps."""
+    with checkpoint_manager(path, keep) as manager:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  meta=ocp.args.JsonSave(meta))
+        manager.save(meta["step"], args=args, force=True)
+
+
+def clear_checkpoint(path: pathlib.Path) -> None:
+    """Deletes the saved steps of ``path`` (``--overwrite``, as its new run first saves)."""
+    with checkpoint_manager(path) as manager:
+        for step in manager.all_steps():
+            manager.delete(step)
+
+
+def holds_files(path: pathlib.Path) -> bool:
+    """Whether ``path`` exists and is not an empty folder (an empty one holds no checkpoint)."""
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+#: What orbax and tensorstore raise reading a damaged step (truncated, empty, not JSON).
+DAMAGED = (OSError, ValueError, KeyError, EOFError, TypeError)
+
+
+def latest_step(path: pathlib.Path) -> int:
+    """The last saved step of the checkpoint folder ``path``: CheckpointError if none."""
+    with checkpoint_manager(path) as manager:
+        step = manager.latest_step()
+    if step is None:
+        raise CheckpointError(
+            f"{path} is not a checkpoint of this example (a folder without a saved step); pass "
+            "--overwrite to train into it, or --checkpoint PATH for another folder."
+        )
+    return step
 
 
 def read_meta(path: pathlib.Path) -> dict:
-    try:  # (numpy leaves a file it cannot read open: this closes it)
-        with open(path, "rb") as file, np.load(file) as f:
-            meta = json.loads(str(f["__meta__"]))
+    """The run saved with the last step of ``path``: its fields, step, validation loss and
+    vocabulary. CheckpointError, naming the step's folder, if it cannot be read."""
+    step = latest_step(path)
+    try:
+        with checkpoint_manager(path) as manager:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = meta["meta"]
     except DAMAGED as e:
         raise CheckpointError(
-            f"{path} is not a checkpoint of this example, or a damaged one ({e}); pass "
-            "--overwrite to train over it, or --checkpoint PATH for another file."
+            f"{path / str(step)} is not a checkpoint of this example, or a damaged one "
+            f"({type(e).__name__}: {first_line(e)}); pass --overwrite to train over it, or "
+            "--checkpoint PATH for another folder."
         ) from None
     if not isinstance(meta, dict):
         meta = {}
@@ -377,48 +460,165 @@ def read_meta(path: pathlib.Path) -> dict:
         )
     if not {"run", "step", "val_loss", "chars"} <= set(meta):
         raise CheckpointError(
-            f"{path} is not a complete checkpoint of this example (its __meta__ lacks "
+            f"{path / str(step)} is not a complete checkpoint of this example (its meta lacks "
             f"{sorted({'run', 'step', 'val_loss', 'chars'} - set(meta))}); pass --overwrite to "
-            "train over it, or --checkpoint PATH for another file."
+            "train over it, or --checkpoint PATH for another folder."
         )
     for field, value in OLD_RUN_FIELDS.items():
-        if "run" in meta:
-            meta["run"].setdefault(field, value)
+        meta["run"].setdefault(field, value)
     return meta
 
 
-def load_checkpoint(path: pathlib.Path, template) -> Any:
-    """The arrays saved at ``path``, in the structure of ``template`` (same shapes and dtypes).
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
-    Raises CheckpointError, naming the file, for a missing or mismatched array and for a file
+
+def leaf_names(tree) -> dict[str, Any]:
+    """The leaves of ``tree`` by a name of their path that orbax's metadata tree shares
+    (``params/blocks/qkv``; a named tuple's fields and a module's attributes by name)."""
+
+    def name(k) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {"/".join(name(k) for k in p): leaf for p, leaf in leaves}
+
+
+def load_checkpoint(path: pathlib.Path, template) -> Any:
+    """The arrays of the last step saved at ``path``, in the structure of ``template`` (the
+    same shapes and dtypes: orbax alone would cast a dtype that differs).
+
+    Raises CheckpointError, naming the folder, for a missing or mismatched array and for a step
     that cannot be read (truncated, empty)."""
+    step = latest_step(path)
+    where = path / str(step)
     try:
-        with open(path, "rb") as file, np.load(file) as f:
-            load = lambda p, leaf: _load(path, f, p, leaf)  # noqa: E731
-            return jax.tree_util.tree_map_with_path(load, template)
+        with checkpoint_manager(path) as manager:
+            saved = leaf_names(manager.item_metadata(step)["state"])
+            for name, leaf in leaf_names(template).items():
+                _check_leaf(where, name, saved.get(name), leaf)
+            for name in sorted(set(saved) - set(leaf_names(template))):
+                raise CheckpointError(
+                    f"checkpoint {where} has an array {name} this model lacks: it was saved by "
+                    "another model; train again with --overwrite, or pass --checkpoint PATH."
+                )
+            restore = ocp.args.Composite(state=ocp.args.StandardRestore(template))
+            return manager.restore(step, args=restore)["state"]
     except DAMAGED as e:
         raise CheckpointError(
-            f"checkpoint {path} is damaged ({type(e).__name__}: {e}); train again with "
-            "--overwrite, or pass --checkpoint PATH of another."
+            f"checkpoint {where} is damaged ({type(e).__name__}: {first_line(e)}); train again "
+            "with --overwrite, or pass --checkpoint PATH of another."
         ) from None
 
 
-def _load(path: pathlib.Path, f, p, leaf) -> jax.Array:
-    """The array of leaf ``p`` in the open .npz ``f``, checked against ``leaf``."""
-    name = jax.tree_util.keystr(p)
-    if name not in f:
+def _check_leaf(where: pathlib.Path, name: str, saved, leaf) -> None:
+    """Refuses a leaf the checkpoint lacks or holds with another shape or dtype."""
+    if saved is None:
         raise CheckpointError(
-            f"checkpoint {path} has no array {name}: it is incomplete or was saved by another "
+            f"checkpoint {where} has no array {name}: it is incomplete or was saved by another "
             "model; train again with --overwrite, or pass --checkpoint PATH of another."
         )
-    array = f[name]
-    if array.shape != leaf.shape or array.dtype != leaf.dtype:
+    if tuple(saved.shape) != tuple(leaf.shape) or np.dtype(saved.dtype) != np.dtype(leaf.dtype):
         raise CheckpointError(
-            f"checkpoint {path}: {name} is {array.dtype}{list(array.shape)}, the model "
-            f"expects {leaf.dtype}{list(leaf.shape)}; pass the --layers/--d-model/--heads "
-            "it was trained with."
+            f"checkpoint {where}: {name} is {np.dtype(saved.dtype)}{list(saved.shape)}, the "
+            f"model expects {np.dtype(leaf.dtype)}{list(leaf.shape)}; pass the "
+            "--layers/--d-model/--heads it was trained with."
         )
-    return jnp.asarray(array)
+
+
+#: The file an --export writes next to the safetensors: the run, step and vocabulary.
+EXPORT_META = "transformer_lm.json"
+#: The pure-JAX model's leaves under Hugging Face-style names (a Llama's, where it has the
+#: tensor; "{}" is the layer) and whether the stored tensor is torch's (out, in) transpose.
+HF_BLOCK = {
+    "ln1": {"scale": ("input_layernorm.weight", False), "bias": ("input_layernorm.bias", False)},
+    "qkv": ("self_attn.qkv_proj.weight", True),
+    "out": ("self_attn.o_proj.weight", True),
+    "ln2": {"scale": ("post_attention_layernorm.weight", False),
+            "bias": ("post_attention_layernorm.bias", False)},
+    "up": ("mlp.up_proj.weight", True),
+    "up_bias": ("mlp.up_proj.bias", False),
+    "down": ("mlp.down_proj.weight", True),
+    "down_bias": ("mlp.down_proj.bias", False),
+}
+HF_OUTER = {
+    "embed": ("model.embed_tokens.weight", False),
+    "ln_f": {"scale": ("model.norm.weight", False), "bias": ("model.norm.bias", False)},
+    "head": ("lm_head.weight", True),
+    "head_bias": ("lm_head.bias", False),
+}
+
+
+def hf_names(k: int) -> dict:
+    """The names tree of ``stackwise.load_checkpoint``/``save_safetensors`` for the pure-JAX
+    model's params with a pattern of ``k`` kinds of block (``k = 1``: all global)."""
+
+    def tensor(entry, prefix="", position=None):
+        if isinstance(entry, dict):
+            return {key: tensor(e, prefix, position) for key, e in entry.items()}
+        name, torch_layout = entry
+        return stackwise.Tensor(prefix + name, transpose=(1, 0) if torch_layout else None,
+                                position=position)
+
+    names = tensor(HF_OUTER)
+    block = "model.layers.{}."
+    names["blocks"] = (tensor(HF_BLOCK, block) if k == 1 else
+                       [tensor(HF_BLOCK, block, position=p) for p in range(k)])
+    return names
+
+
+def export_safetensors(folder: pathlib.Path, params, k: int, meta: dict) -> list[str]:
+    """Saves ``params`` to ``folder`` as per-layer safetensors (``hf_names``), with the run
+    as JSON (``EXPORT_META``) for ``--load-safetensors``. Returns the paths written."""
+    files = stackwise.save_safetensors(params, hf_names(k), folder, pattern=k if k > 1 else None)
+    (pathlib.Path(folder) / EXPORT_META).write_text(json.dumps(meta))
+    return [*files, str(pathlib.Path(folder) / EXPORT_META)]
+
+
+def read_export_meta(folder: pathlib.Path) -> dict:
+    """The run an --export saved in ``folder``: CheckpointError naming the file if damaged."""
+    path = pathlib.Path(folder) / EXPORT_META
+    try:
+        meta = json.loads(path.read_text())
+        if not {"run", "step", "val_loss", "chars"} <= set(meta):
+            raise KeyError(sorted({"run", "step", "val_loss", "chars"} - set(meta)))
+    except (*DAMAGED, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"--load-safetensors: {path} is not what --export writes, or is damaged "
+            f"({type(e).__name__}: {first_line(e)}); export it again with --restore --export DIR."
+        ) from None
+    for field, value in OLD_RUN_FIELDS.items():
+        meta["run"].setdefault(field, value)
+    return meta
+
+
+def load_safetensors(folder: pathlib.Path, template, k: int) -> Any:
+    """The params an --export saved in ``folder``, via ``stackwise.load_checkpoint`` (each
+    tensor read and transposed back, every shape and dtype checked against ``template``)."""
+    try:
+        return stackwise.load_checkpoint(
+            str(folder), template, hf_names(k), pattern=k if k > 1 else None
+        )
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"--load-safetensors {folder}: {' '.join(str(e).split())} (export it again with "
+            "--restore --export DIR)"
+        ) from None
+
+
+def state_template(lm, args: argparse.Namespace, run: dict) -> dict:
+    """The abstract training state a checkpoint of ``run`` holds: params, the state of its
+    ``--optimizer`` and the RNG's key data."""
+    params = jax.eval_shape(lm.init, jax.random.key(0))
+    optimizer = make_optimizer(argparse.Namespace(**{**vars(args), **run}))
+    return {
+        "params": params,
+        "opt_state": jax.eval_shape(optimizer.init, params),
+        "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+    }
 
 
 def finished_same_run(saved: dict, run: dict) -> bool:
@@ -517,7 +717,8 @@ def scanned(args: argparse.Namespace) -> str:
 def train(lm, state, start: int, train_data, val, args, save, log=print) -> tuple[Any, dict]:
     """Trains ``state = {"params", "opt_state", "rng"}`` from step ``start`` to ``args.steps``.
 
-    ``save(state, step, val_loss)`` is called at every validation and when Ctrl-C stops the
+    ``save(state, step, val_loss)`` is called every ``--save-every`` steps (validating there:
+    by default the validations, every ``--steps``/8), at the last step and when Ctrl-C stops the
     run early. Returns the state and a record of the run (``record["stopped_at"]`` if stopped).
     """
     optimizer = make_optimizer(args)
@@ -531,6 +732,7 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
     evaluate = jax.jit(lambda params: loss_fn(lm, params, *val))
     params, opt_state, key = state["params"], state["opt_state"], state["rng"]
     log_every = max(1, args.steps // 8)
+    save_every = args.save_every or log_every
     tokens_per_step = args.batch * args.seq_len
     bar = tqdm(
         range(start + 1, args.steps + 1),
@@ -558,7 +760,7 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
                 record["losses"].append((i, float(loss)))
                 tok_s = (i - start) * tokens_per_step / (time.perf_counter() - t0)
                 bar.set_postfix(loss=f"{record['losses'][-1][1]:.3f}", tok_s=f"{tok_s:,.0f}")
-            if i % log_every == 0 or i == args.steps or ctrl_c.requested:
+            if i % log_every == 0 or i % save_every == 0 or i == args.steps or ctrl_c.requested:
                 val_loss = float(evaluate(params))
                 check_finite(val_loss, i, args)  # (before saving: the last save stays finite)
                 record["val_loss"].append((i, val_loss))
@@ -686,14 +888,18 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
     path = args.checkpoint
-    saved = read_meta(path) if path.exists() and not args.overwrite else None
+    if args.load_safetensors is not None:  # sample from an export, as --restore does
+        saved, path = read_export_meta(args.load_safetensors), args.load_safetensors
+    else:
+        saved = read_meta(path) if holds_files(path) and not args.overwrite else None
     if args.restore and saved is None:
         raise CheckpointError(
             f"--restore: there is no checkpoint at {path}. Train first (the same command without "
             "--restore saves there), or pass --checkpoint PATH of one you trained."
         )
-    if args.restore or args.resume:
-        settle_args(args, saved, MODEL_FIELDS if args.restore else RUN_DEFAULTS)
+    sampling_only = args.restore or args.load_safetensors is not None
+    if sampling_only or args.resume:
+        settle_args(args, saved, MODEL_FIELDS if sampling_only else RUN_DEFAULTS)
     else:
         settle_args(args, None, ())
     if args.framework != "jax":  # its adapter, and so the framework, must import
@@ -710,7 +916,12 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     chars, data, text_sha256 = load_text(args.text)
     check_text(args, chars, data)
     run = run_identity(args, text_sha256)
-    if args.restore and saved["chars"] != chars:
+    if args.export is not None and args.framework != "jax":  # (the checkpoint's framework)
+        raise UsageError(
+            f"--export: {path} holds a {args.framework} model; Hugging Face-style names are "
+            "defined for --framework jax only"
+        )
+    if sampling_only and saved["chars"] != chars:
         raise CheckpointError(
             f"{path} was trained on {pathlib.Path(saved['run']['text']).name}, whose "
             f"vocabulary ({len(saved['chars'])} characters) is not that of {args.text} "
@@ -723,7 +934,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
                 f"{path} holds a run on another text ({differ[0]}): pass --text "
                 f"{saved['run']['text']}, or --overwrite to start a new run."
             )
-    if saved and not (args.restore or args.resume or args.overwrite):
+    if saved and not (sampling_only or args.resume or args.overwrite):
         if not finished_same_run(saved, run):
             raise refuse_to_overwrite(path, saved, run)
         log(
@@ -756,19 +967,22 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     )
     result: dict[str, Any] = {"framework": args.framework, "n_params": n_params}
 
-    if args.restore:
-        params = load_checkpoint(path, {"params": template})["params"]
+    k = len(pattern)
+    if args.load_safetensors is not None:
+        params = load_safetensors(args.load_safetensors, template, k)
+        log(
+            f"loaded {args.load_safetensors} (step {saved['step']} of {saved['run']['steps']}, "
+            f"val {describe_loss(saved['val_loss'])})"
+        )
+    elif args.restore:
+        params = load_checkpoint(path, state_template(lm, args, saved["run"]))["params"]
         log(
             f"restored {path} (step {saved['step']} of {saved['run']['steps']}, "
             f"val {describe_loss(saved['val_loss'])})"
         )
     else:
-        opt_template = jax.eval_shape(make_optimizer(args).init, template)
-        rng_template = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
         if args.resume and saved:
-            state = load_checkpoint(
-                path, {"params": template, "opt_state": opt_template, "rng": rng_template}
-            )
+            state = load_checkpoint(path, state_template(lm, args, saved["run"]))
             state["rng"] = jax.random.wrap_key_data(state["rng"])
             first = saved["step"]
             log(f"resuming {path} at step {first} of {args.steps}")
@@ -780,13 +994,19 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             state = {"params": params, "opt_state": opt_state, "rng": jax.random.key(args.seed + 1)}
             first = 0
 
+        replace = [args.overwrite and holds_files(path)]  # the old run's steps, at the first save
+
         def save(state, step, val_loss):
+            if replace[0]:
+                clear_checkpoint(path)
+                replace[0] = False
             state = {**state, "rng": jax.random.key_data(state["rng"])}
             meta = {"format": FORMAT, "run": run, "step": step, "val_loss": val_loss}
-            save_checkpoint(path, state, {**meta, "chars": chars, "remat": args.remat})
+            save_checkpoint(path, state, {**meta, "chars": chars, "remat": args.remat}, args.keep)
 
         if first < args.steps:
-            log(f"saving to {path} at every validation and on Ctrl-C")
+            every = args.save_every or max(1, args.steps // 8)
+            log(f"saving to {path} every {every} steps and on Ctrl-C (keeping {args.keep})")
             state, record = train(lm, state, first, train_data, val, args, save, log)
             result.update(record)
             if "stopped_at" in record:
@@ -796,16 +1016,26 @@ def main(argv: list[str] | None = None, log=print) -> dict:
                 )
                 return result
             # Checkpoint round trip: read the params back, compare bitwise.
-            params = load_checkpoint(path, {"params": template})["params"]
+            params = load_checkpoint(path, state_template(lm, args, run))["params"]
             pairs = zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params))
             if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs):
                 raise RuntimeError(f"the checkpoint {path} did not restore bitwise")
-            log(f"saved and restored {path} ({os.path.getsize(path):,} bytes)")
+            size = sum(f.stat().st_size for f in (path / str(args.steps)).rglob("*") if f.is_file())
+            log(f"saved and restored {path / str(args.steps)} ({size:,} bytes)")
         else:
             log(f"{path} is already at step {first} of {args.steps}: nothing left to train")
             result["val_loss"] = [(first, saved["val_loss"])]
             params = state["params"]
         result["val_bits_per_char"] = result["val_loss"][-1][1] / math.log(2)
+
+    if args.export is not None:
+        step, val_loss = result["val_loss"][-1] if "val_loss" in result else (
+            saved["step"], saved["val_loss"])
+        meta = {"format": FORMAT, "run": saved["run"] if args.restore else run, "chars": chars,
+                "step": step, "val_loss": val_loss}
+        files = export_safetensors(args.export, params, k, meta)
+        log(f"exported the params to {args.export} as per-layer safetensors ({len(files)} files)")
+        result["exported"] = files
 
     forward = jax.jit(lm.apply)  # the full forward pass (no cache)
     decode = jax.jit(lm.apply, donate_argnums=(3,))  # with the KV cache, updated in place

@@ -93,8 +93,25 @@ def load_example():
 
 
 def checkpoint_arrays(path) -> dict:
-    with np.load(path) as f:
-        return {name: f[name] for name in f.files}
+    """The arrays of the last step of the orbax checkpoint folder ``path``, by their path."""
+    import orbax.checkpoint as ocp
+
+    step = max(int(p.name) for p in pathlib.Path(path).iterdir() if p.name.isdigit())
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(pathlib.Path(path).resolve() / str(step) / "state")
+    return {jax.tree_util.keystr(p): np.asarray(a)
+            for p, a in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def safetensors_shapes(folder) -> dict:
+    """The tensors' names and shapes in the safetensors files of ``folder``."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(pathlib.Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "numpy") as f:
+            out.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+    return out
 
 
 def check_run(result: dict, framework: str, steps: int) -> None:
@@ -122,9 +139,9 @@ def adapter_runs(tmp_path_factory, env) -> dict:
     installed = [f for f in ADAPTERS if importlib.util.find_spec(f"stackwise.{f}") is not None]
     installed = [f for f in installed if importlib.util.find_spec(
         {"haiku": "haiku", "nnx": "flax"}.get(f, f)) is not None]
-    runs = [f"--framework {f} --steps 3 {TINY} --checkpoint {tmp / f}.npz" for f in installed]
+    runs = [f"--framework {f} --steps 3 {TINY} --checkpoint {tmp / f}" for f in installed]
     results = run_example(env, *runs)
-    return {f: (r, tmp / f"{f}.npz") for f, r in zip(installed, results)}
+    return {f: (r, tmp / f) for f, r in zip(installed, results)}
 
 
 @pytest.mark.slow
@@ -139,28 +156,45 @@ def test_adapter_frameworks(framework, adapter_runs):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, env) -> dict:
-    """A tiny pure-JAX run saved to a checkpoint, then --restore and --resume of it, and the
-    same command again."""
-    ckpt = tmp_path_factory.mktemp("trained") / "lm.npz"
+    """A tiny pure-JAX run saved to a checkpoint (every 2 steps, keeping 2), then --restore of
+    it exporting per-layer safetensors, --resume, the same command again, and sampling from
+    the export."""
+    tmp = tmp_path_factory.mktemp("trained")
+    ckpt, export = tmp / "lm", tmp / "hf"
     common = f"--steps 3 {TINY} --checkpoint {ckpt}"
-    trained, restored, resumed, again = run_example(
-        env, common, f"{common} --restore", f"{common} --resume", common
+    trained, restored, resumed, again, loaded = run_example(
+        env,
+        f"{common} --save-every 2 --keep 2",
+        f"{common} --restore --export {export}",
+        f"{common} --resume",
+        common,
+        f"--load-safetensors {export} --sample-len 12 --quiet",
     )
     return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed,
-            "again": again}
+            "again": again, "export": export, "loaded": loaded}
 
 
 @pytest.mark.slow
 def test_pattern_trains_checkpoints_and_samples(tmp_path, env):
-    ckpt = tmp_path / "lm.npz"
+    ckpt, export = tmp_path / "lm", tmp_path / "hf"
     pattern = "--pattern local,local,global --window 4"
-    (result,) = run_example(env, f"--steps 3 {TINY} --layers 4 {pattern} --checkpoint {ckpt}")
+    result, loaded = run_example(
+        env,
+        f"--steps 3 {TINY} --layers 4 {pattern} --checkpoint {ckpt} --export {export}",
+        f"--load-safetensors {export} --sample-len 12 --quiet",
+    )
     check_run(result, "jax", 3)
     run = load_example().read_meta(ckpt)["run"]
     assert (run["pattern"], run["window"], run["layers"]) == ("local,local,global", 4, 4)
-    with np.load(ckpt) as f:  # position p of the pattern holds layers p, p + 3: 2, 1, 1
-        depths = [f[f"['params']['blocks'][{p}]['qkv']"].shape[0] for p in range(3)]
+    arrays = checkpoint_arrays(ckpt)  # position p of the pattern holds layers p, p + 3: 2, 1, 1
+    depths = [arrays[f"['params']['blocks'][{p}]['qkv']"].shape[0] for p in range(3)]
     assert depths == [2, 1, 1]
+    # The export has the 4 layers under their own index, whatever their pattern position, and
+    # gives back the same model: the same sample.
+    shapes = safetensors_shapes(export)
+    assert [shapes[f"model.layers.{i}.self_attn.qkv_proj.weight"] for i in range(4)] == [
+        [96, 32]] * 4
+    assert loaded["sample"] == result["sample"] and loaded["loop_diff"] <= LOGITS_ATOL
 
 
 def test_jax_train_checkpoint_restore(trained):
@@ -177,11 +211,24 @@ def test_jax_train_checkpoint_restore(trained):
     # The same command again (the README's first, run twice) samples from the finished run.
     again = trained["again"]
     assert "losses" not in again and again["sample"] == trained["trained"]["sample"]
+    # Saved every 2 steps and at the last, the last 2 kept.
+    assert sorted(int(p.name) for p in trained["ckpt"].iterdir()) == [2, 3]
+    # The export: per-layer safetensors under Hugging Face-style names, torch's (out, in)
+    # layout, and the run; loaded back (stackwise.load_checkpoint), the same samples.
+    shapes = safetensors_shapes(trained["export"])
+    assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == [96, 32]
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == [32, 128]
+    assert shapes["lm_head.weight"][1] == 32 and shapes["model.norm.weight"] == [32]
+    assert len(shapes) == 5 + 2 * 10  # embed, norm (2), head (2); 10 per layer
+    assert restored["exported"][-1].endswith("transformer_lm.json")
+    loaded = trained["loaded"]
+    assert loaded["sample"] == trained["trained"]["sample"] and "losses" not in loaded
+    assert loaded["loop_diff"] <= LOGITS_ATOL and loaded["cache_diff"] <= LOGITS_ATOL
 
 
 @pytest.mark.slow
 def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, env):
-    straight, stopped = tmp_path / "straight.npz", tmp_path / "stopped.npz"
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     common = f"--steps 16 {TINY}"  # validates and saves every 2 steps
     # Ctrl-C as step 0's line is printed: the run stops after step 1 and saves there.
     full, interrupted, resumed = run_example(
@@ -205,7 +252,7 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(tmp_path, env):
 
 @pytest.mark.slow
 def test_ctrl_c_saves_and_exits_without_a_traceback(tmp_path, env):
-    ckpt = tmp_path / "lm.npz"
+    ckpt = tmp_path / "lm"
     cmd = [sys.executable, "-u", str(EXAMPLES / "transformer_lm.py"), "--steps", "1000000"]
     cmd += [*TINY.split(), "--checkpoint", str(ckpt)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -225,7 +272,7 @@ def test_ctrl_c_saves_and_exits_without_a_traceback(tmp_path, env):
 
 
 def test_restore_without_a_checkpoint_says_to_train_first(tmp_path, capsys):
-    missing = tmp_path / "none.npz"
+    missing = tmp_path / "none"
     # The command line's own function, in-process (the misuse catalogue, tests/misuse, has the
     # other refusals).
     assert load_example().cli(["--restore", "--checkpoint", str(missing)]) == 2
@@ -236,8 +283,8 @@ def test_restore_without_a_checkpoint_says_to_train_first(tmp_path, capsys):
 
 def test_default_checkpoint_is_in_examples_checkpoints():
     lm = load_example()
-    assert lm.parse_args([]).checkpoint == EXAMPLES / "checkpoints" / "lm_jax.npz"
-    assert lm.parse_args(["--framework", "nnx"]).checkpoint.name == "lm_nnx.npz"
+    assert lm.parse_args([]).checkpoint == EXAMPLES / "checkpoints" / "lm_jax"
+    assert lm.parse_args(["--framework", "nnx"]).checkpoint.name == "lm_nnx"
 
 
 @pytest.mark.parametrize(
@@ -254,17 +301,25 @@ def test_default_checkpoint_is_in_examples_checkpoints():
         ("--restore --framework flax", r"saved by the jax model: pass --framework jax"),
         ("--restore --pattern local,global", r"--pattern: global in the checkpoint vs local,gl"),
         ("--resume --window 8", r"\(--window: 16 in the checkpoint vs 8 here\)"),
+        # The optimizer is part of the run: its state is in the checkpoint.
+        ("--steps 3 --optimizer lamb",
+         r"\(step 3 of 3; --optimizer: adamw in the checkpoint vs lamb here\)"),
+        ("--resume --optimizer muon", r"\(--optimizer: adamw in the checkpoint vs muon here\)"),
     ],
 )
 def test_checkpoint_errors_name_what_to_do(trained, flags, message):
     lm = load_example()
-    before = trained["ckpt"].read_bytes()
+    before = files_of(trained["ckpt"])
     tiny = TINY.replace("--layers 2 ", "") if "--layers" in flags else TINY
     argv = f"{tiny} {flags} --checkpoint {trained['ckpt']}".split()
     with pytest.raises(lm.CheckpointError, match=message) as error:
         lm.main(argv)
     assert "\n" not in str(error.value)  # one line
-    assert trained["ckpt"].read_bytes() == before  # never overwritten
+    assert files_of(trained["ckpt"]) == before  # never overwritten
+
+
+def files_of(folder: pathlib.Path) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
@@ -275,13 +330,13 @@ def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
     assert (args.pattern, args.window) == ("global", 16)
 
 
-def test_a_checkpoint_from_before_patterns_is_all_global(trained, tmp_path):
+def test_a_checkpoint_from_before_patterns_and_optimizers_is_global_adamw(trained, tmp_path):
     lm = load_example()
     meta = lm.read_meta(trained["ckpt"])
-    for field in ("pattern", "window"):
+    for field in ("pattern", "window", "optimizer"):
         del meta["run"][field]
-    old = tmp_path / "old.npz"
-    lm.save_checkpoint(old, {}, meta)
+    old = tmp_path / "old"
+    lm.save_checkpoint(old, {"x": np.zeros(1)}, meta)
     assert lm.read_meta(old)["run"] == lm.read_meta(trained["ckpt"])["run"]
 
 
@@ -289,26 +344,32 @@ def test_checkpoint_format_and_errors(tmp_path):
     lm = load_example()
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     params = {"blocks": {"w": w}, "head": np.ones(2, np.float32)}
-    path = tmp_path / "ckpt.npz"
+    path = tmp_path / "ckpt"
     meta = {"format": lm.FORMAT, "run": {}, "step": 0, "val_loss": 1.0, "chars": "ab"}
-    lm.save_checkpoint(path, params, meta)
-    with np.load(path) as f:  # plain numpy reads it: one array per leaf, named by its path
-        assert sorted(f.files) == ["['blocks']['w']", "['head']", "__meta__"]
-        np.testing.assert_array_equal(f["['blocks']['w']"], params["blocks"]["w"])
-    assert lm.read_meta(path) == {**meta, "run": lm.OLD_RUN_FIELDS}
-    assert not path.with_name(path.name + ".tmp").exists()
-    restored = lm.load_checkpoint(path, params)
+    for step in range(5):  # the last 3 steps kept (--keep)
+        lm.save_checkpoint(path, {**params, "head": params["head"] * step}, {**meta, "step": step})
+    assert sorted(p.name for p in path.iterdir()) == ["2", "3", "4"]
+    arrays = checkpoint_arrays(path)  # orbax reads it: one array per leaf, by its path
+    assert sorted(arrays) == ["['blocks']['w']", "['head']"]
+    np.testing.assert_array_equal(arrays["['head']"], params["head"] * 4)
+    assert lm.read_meta(path) == {**meta, "step": 4, "run": lm.OLD_RUN_FIELDS}
+    assert {"meta", "state"} <= {p.name for p in (path / "4").iterdir()}  # the two items
+    restored = lm.load_checkpoint(path, jax.eval_shape(lambda: params))
     np.testing.assert_array_equal(restored["blocks"]["w"], params["blocks"]["w"])
 
     deeper = {"blocks": {"w": np.zeros((4, 2), np.float32)}, "head": np.ones(2, np.float32)}
-    shallower = r"\['blocks'\]\['w'\] is float32\[3, 2\].*--layers"
+    shallower = r"ckpt/4: blocks/w is float32\[3, 2\], the model expects float32\[4, 2\].*--layers"
     with pytest.raises(lm.CheckpointError, match=shallower):
         lm.load_checkpoint(path, deeper)
-    with pytest.raises(lm.CheckpointError, match=r"no array \['other'\]"):
-        lm.load_checkpoint(path, {"other": np.zeros(2, np.float32)})
-    (tmp_path / "junk.npz").write_bytes(b"not a checkpoint")
-    with pytest.raises(lm.CheckpointError, match="junk.npz is not a checkpoint of this example"):
-        lm.read_meta(tmp_path / "junk.npz")
+    half = {"blocks": {"w": np.zeros((3, 2), jnp.bfloat16)}, "head": np.ones(2, np.float32)}
+    with pytest.raises(lm.CheckpointError, match=r"float32\[3, 2\], the model expects bfloat16"):
+        lm.load_checkpoint(path, half)  # (orbax alone would cast it)
+    with pytest.raises(lm.CheckpointError, match=r"no array other"):
+        lm.load_checkpoint(path, {**params, "other": np.zeros(2, np.float32)})
+    with pytest.raises(lm.CheckpointError, match=r"has an array head this model lacks"):
+        lm.load_checkpoint(path, {"blocks": params["blocks"]})
+    lm.clear_checkpoint(path)  # (--overwrite, at its first save)
+    assert list(path.iterdir()) == []
 
 
 def test_bad_prompt_and_framework():
@@ -324,7 +385,7 @@ def test_bad_prompt_and_framework():
     with pytest.raises(SystemExit):
         lm.parse_args(["--text", "no/such/file.txt"])
     with pytest.raises(lm.UsageError, match=r"--d-model 36 must be a multiple of 2 \* --heads = 8"):
-        lm.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused.npz"])
+        lm.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused"])
 
 
 @pytest.mark.parametrize(
@@ -339,7 +400,7 @@ def test_bad_prompt_and_framework():
 def test_bad_pattern(flags, message):
     lm = load_example()
     with pytest.raises(lm.UsageError, match=message):
-        lm.main([*flags.split(), "--checkpoint", "unused.npz"])
+        lm.main([*flags.split(), "--checkpoint", "unused"])
     # A global-only model does not use the window: it is not checked against --seq-len.
     args = lm.parse_args(["--window", "99"])
     lm.settle_args(args, None, ())

@@ -66,26 +66,58 @@ CASES = [
     (["--text", "{tmp}"], "--text", "a folder, not a file"),
     (["--text", "{tmp}/missing.txt"], "--text", "no such file"),
     (["--text", "/dev/null"], "--text", "not a regular file"),
-    # Checkpoints: where it goes, and files that are not (whole) checkpoints.
-    (["--checkpoint", "{tmp}"], "--checkpoint", "a folder; give a file path"),
-    (["--checkpoint", "{tmp}/tiny.txt/lm.npz"], "--checkpoint", "cannot write there"),
+    (["--optimizer", "sgd"], "--optimizer", "invalid choice: 'sgd'"),
+    (["--save-every", "0"], "--save-every", "expected a positive integer"),
+    (["--keep", "0"], "--keep", "expected a positive integer"),
+    # Checkpoints (orbax folders): where they go, and folders that are not (whole) checkpoints.
+    (["--checkpoint", "{tmp}/tiny.txt"], "--checkpoint", "a file; checkpoints are folders"),
+    (["--checkpoint", "{tmp}/old.npz"], "--checkpoint",
+     "a file (an .npz of an older version of this example?); checkpoints are folders"),
+    (["--checkpoint", "{tmp}/tiny.txt/lm"], "--checkpoint", "cannot write there"),
     (["--restore"], "--restore", "there is no checkpoint at"),
-    (["--checkpoint", "{tmp}/junk.npz"], "{tmp}/junk.npz", "not a checkpoint of this example"),
-    (["--checkpoint", "{tmp}/empty.npz"], "{tmp}/empty.npz", "not a checkpoint of this example"),
-    (["--resume", "--checkpoint", "{tmp}/truncated.npz"], "{tmp}/truncated.npz", "damaged one"),
-    (["--restore", "--checkpoint", "{tmp}/nometa.npz"], "{tmp}/nometa.npz", "lacks ['chars']"),
-    (["--restore", "--checkpoint", "{tmp}/short.npz"], "{tmp}/short.npz",
-     "has no array ['params']['head']: it is incomplete"),
-    (["--restore", "--checkpoint", "{tmp}/corrupt.npz"], "{tmp}/corrupt.npz",
-     "is damaged (BadZipFile: Bad CRC-32"),
+    (["--checkpoint", "{tmp}/junk"], "{tmp}/junk", "not a checkpoint of this example (a folder "
+     "without a saved step)"),
+    (["--checkpoint", "{tmp}/badmeta"], "{tmp}/badmeta/3", "damaged one (JSONDecodeError"),
+    (["--resume", "--checkpoint", "{tmp}/emptymeta"], "{tmp}/emptymeta/3", "damaged one"),
+    (["--restore", "--checkpoint", "{tmp}/nometa"], "{tmp}/nometa/3", "lacks ['chars']"),
+    (["--restore", "--checkpoint", "{tmp}/short"], "{tmp}/short/3",
+     "has no array params/head: it is incomplete"),
+    (["--restore", "--checkpoint", "{tmp}/truncated"], "{tmp}/truncated/3",
+     "is damaged (ValueError: DATA_LOSS"),
+    (["--resume", "--checkpoint", "{tmp}/damaged"], "{tmp}/damaged/3",
+     "is damaged (JSONDecodeError"),
     # Training over another run's checkpoint: one line, naming the flag to pass.
-    (["--checkpoint", "{tmp}/short.npz", "--steps", "5"], "--overwrite",
+    (["--checkpoint", "{tmp}/short", "--steps", "5"], "--overwrite",
      "holds another run (step 3 of 3; --steps: 3 in the checkpoint vs 5 here): pass --overwrite"),
+    (["--checkpoint", "{tmp}/short", "--optimizer", "lamb"], "--optimizer",
+     "(step 3 of 3; --optimizer: adamw in the checkpoint vs lamb here): pass --overwrite"),
+    (["--resume", "--checkpoint", "{tmp}/short", "--optimizer", "muon"], "--optimizer",
+     "another run than the flags ask for (--optimizer: adamw in the checkpoint vs muon here)"),
     # Resuming or restoring with another text: named, with the one to pass.
-    (["--resume", "--checkpoint", "{tmp}/short.npz", "--text", "{tmp}/other.txt"], "--text",
+    (["--resume", "--checkpoint", "{tmp}/short", "--text", "{tmp}/other.txt"], "--text",
      "holds a run on another text (--text: tiny.txt (SHA-256"),
-    (["--restore", "--checkpoint", "{tmp}/short.npz", "--text", "{tmp}/other.txt"], "--text",
+    (["--restore", "--checkpoint", "{tmp}/short", "--text", "{tmp}/other.txt"], "--text",
      "was trained on tiny.txt, whose vocabulary (28 characters) is not that of"),
+    # Per-layer safetensors: --export into a new folder, --load-safetensors from an export.
+    (["--export", "{tmp}/junk"], "--export", "a folder that is not empty"),
+    (["--export", "{tmp}/tiny.txt"], "--export", "a file; give a new or empty folder"),
+    (["--export", "{tmp}/out", "--load-safetensors", "{tmp}/export"], "--export",
+     "not allowed with --load-safetensors"),
+    (["--export", "{tmp}/out", "--framework", "flax"], "--export",
+     "defined for --framework jax only"),
+    (["--load-safetensors", "{tmp}/junk"], "--load-safetensors",
+     "no transformer_lm.json there; give a folder that --export DIR wrote"),
+    (["--load-safetensors", "{tmp}/export", "--framework", "nnx"], "--load-safetensors",
+     "defined for --framework jax only"),
+    (["--load-safetensors", "{tmp}/export", "--resume"], "--load-safetensors",
+     "not allowed with argument --load-safetensors"),
+    (["--load-safetensors", "{tmp}/export", "--layers", "3"], "--layers",
+     "another run than the flags ask for (--layers: 2 in the checkpoint vs 3 here)"),
+    (["--load-safetensors", "{tmp}/export"], "--load-safetensors {tmp}/export",
+     "layer 0's tensor 'model.layers.0.mlp.down_proj.weight' for leaf ['blocks']['down'] is "
+     "not in"),
+    (["--load-safetensors", "{tmp}/badexport"], "{tmp}/badexport/transformer_lm.json",
+     "is not what --export writes, or is damaged (JSONDecodeError"),
     (["--stpes", "3"], "--stpes", "unrecognized arguments"),
     (["--checkpoint"], "--checkpoint", "expected one argument"),
 ]
@@ -108,8 +140,9 @@ def files(lm, tmp_path_factory) -> pathlib.Path:
     (tmp / "latin1.txt").write_bytes("café au lait\n".encode("latin-1") * 20)
     (tmp / "short.txt").write_text("abc")
     (tmp / "empty.txt").write_text("")
-    (tmp / "junk.npz").write_bytes(b"not a checkpoint")
-    (tmp / "empty.npz").write_bytes(b"")
+    (tmp / "old.npz").write_bytes(b"PK an .npz of format 2")
+    (tmp / "junk").mkdir()
+    (tmp / "junk" / "notes.txt").write_text("not a checkpoint")
     # A checkpoint of the tiny run (zeros: the values do not matter here), to damage.
     args = lm.parse_args([*TINY, "--text", str(tmp / "tiny.txt")])
     lm.settle_args(args, None, ())
@@ -117,23 +150,31 @@ def files(lm, tmp_path_factory) -> pathlib.Path:
     import lm_models
 
     config = lm_models.Config(vocab=len(chars), layers=2, d_model=32, heads=2, seq_len=16)
-    template = jax.eval_shape(lm_models.build("jax", config).init, jax.random.key(0))
-    arrays = {
-        jax.tree_util.keystr(p): np.zeros(leaf.shape, leaf.dtype)
-        for p, leaf in jax.tree_util.tree_leaves_with_path({"params": template})
-    }
-    meta = {"format": lm.FORMAT, "run": lm.run_identity(args, sha256), "step": 3,
-            "val_loss": 1.0, "chars": chars}
-    whole = tmp / "whole.npz"
-    np.savez(whole, __meta__=np.array(json.dumps(meta)), **arrays)
-    data = whole.read_bytes()
-    (tmp / "truncated.npz").write_bytes(data[: len(data) // 2])
-    middle = data.index(b"['params']['head']")  # damage the head's data, not the zip's index
-    (tmp / "corrupt.npz").write_bytes(data[: middle + 200] + b"\xff" * 8 + data[middle + 208 :])
-    short = {name: a for name, a in arrays.items() if name != "['params']['head']"}
-    np.savez(tmp / "short.npz", __meta__=np.array(json.dumps(meta)), **short)
-    incomplete = {k: v for k, v in meta.items() if k != "chars"}
-    np.savez(tmp / "nometa.npz", __meta__=np.array(json.dumps(incomplete)), **arrays)
+    model = lm_models.build("jax", config)
+    run = lm.run_identity(args, sha256)
+    state = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype),
+                         lm.state_template(model, args, run))
+    meta = {"format": lm.FORMAT, "run": run, "step": 3, "val_loss": 1.0, "chars": chars}
+    for name in ("badmeta", "emptymeta", "truncated", "damaged"):
+        lm.save_checkpoint(tmp / name, state, meta)
+    (tmp / "badmeta" / "3" / "meta" / "metadata").write_text("{not json")
+    (tmp / "emptymeta" / "3" / "meta" / "metadata").write_text("")
+    for name, file in [("truncated", "manifest.ocdbt"), ("damaged", "_METADATA")]:
+        path = tmp / name / "3" / "state" / file  # cut in half
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    params = dict(state["params"])
+    del params["head"]
+    lm.save_checkpoint(tmp / "short", {**state, "params": params}, meta)
+    lm.save_checkpoint(tmp / "nometa", state, {k: v for k, v in meta.items() if k != "chars"})
+    # An --export of the tiny run with one tensor missing.
+    from safetensors.numpy import save_file
+
+    (tmp / "export").mkdir()
+    save_file({"model.embed_tokens.weight": np.zeros((len(chars), 32), np.float32)},
+              str(tmp / "export" / "model.safetensors"))
+    (tmp / "export" / lm.EXPORT_META).write_text(json.dumps(meta))
+    (tmp / "badexport").mkdir()
+    (tmp / "badexport" / lm.EXPORT_META).write_text("{")
     return tmp
 
 
@@ -169,11 +210,16 @@ def test_misuse_is_refused_naming_the_flag(lm, files, no_work, capsys, argv, nam
     if "--text" not in argv:
         argv += ["--text", str(files / "tiny.txt")]
     if "--checkpoint" not in argv:
-        argv += ["--checkpoint", str(files / "none.npz")]
-    before = {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()}
+        argv += ["--checkpoint", str(files / "none")]
+    before = snapshot(files)
     error = refused(lm, [*TINY, *argv], capsys)
     assert names.format(tmp=files) in error and message in error, error
-    assert {p.name: p.read_bytes() for p in files.iterdir() if p.is_file()} == before
+    assert snapshot(files) == before  # nothing written, nothing replaced
+
+
+def snapshot(folder: pathlib.Path) -> dict:
+    """Every file under ``folder`` (checkpoints are folders): its bytes."""
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_a_diverged_run_is_stopped_naming_the_flag(lm):
@@ -195,5 +241,5 @@ def test_a_framework_that_is_not_installed_gets_the_install_hint(
     if "haiku" in vars(stackwise):  # (hasattr would import it: a lazy submodule)
         monkeypatch.delattr(stackwise, "haiku")
     argv = [*TINY, "--framework", "haiku", "--text", str(files / "tiny.txt")]
-    error = refused(lm, [*argv, "--checkpoint", str(files / "none.npz")], capsys)
+    error = refused(lm, [*argv, "--checkpoint", str(files / "none")], capsys)
     assert "--framework haiku: `stackwise.haiku` needs dm-haiku: pip install" in error
