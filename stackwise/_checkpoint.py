@@ -20,8 +20,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
+from stackwise import _check
 from stackwise._checkpoint_names import (
     Tensor,
+    _check_layout,
     _check_template,
     _is_array,
     _key,
@@ -73,24 +75,10 @@ def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkp
 
 def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
     _check_template(spec, path, who)
+    _check.exact_dtype(leaf, who, f"leaf {path}")
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-    if spec.position is not None and (k is None or not 0 <= spec.position < k):
-        raise ValueError(
-            f"{who}: leaf {path} has position={spec.position}, which needs `pattern=k` with "
-            f"k > {spec.position} (got pattern={k})."
-        )
+    _check_layout(spec, shape, k, path, who)
     if spec.per_layer:
-        if k is not None and k > 1 and spec.position is None:
-            raise ValueError(
-                f"{who}: with pattern={k}, the per-layer name {spec.name!r} of leaf {path} "
-                "needs the pattern position it fills: stackwise.Tensor(name, position=p), "
-                "p in 0..k-1 (its row j is layer p + j*k)."
-            )
-        if not shape:
-            raise ValueError(
-                f"{who}: leaf {path} is a scalar, so it has no layer axis for the "
-                f"per-layer name {spec.name!r}; give it a name without `{{}}`."
-            )
         p, step = spec.position or 0, k or 1
         layers = [p + j * step for j in range(shape[0])]
         found = _layers_of(spec.name, list(ckpt.tensors))
@@ -227,9 +215,8 @@ def _shardings_by_path(shardings: Any, target: Any) -> dict[str, Any]:
 
 
 def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
-    if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int)
-                                or pattern < 1):
-        raise TypeError(f"{who}: `pattern` must be None or a positive int k, got {pattern!r}.")
+    if pattern is not None:
+        pattern = _check.integer(pattern, who, "pattern", minimum=1)
     by_path = _shardings_by_path(shardings, target)
     default = shardings if isinstance(shardings, Sharding) else None
     plans, used, seen = [], set(), {}

@@ -119,6 +119,10 @@ CASES = {
     "a pattern without positions": (
         _load(".", pattern=2), ValueError, ["pattern=2", "'model.layers.{}.w'", "position=p"]),
     "pattern not an int": (_load(".", pattern="2"), TypeError, ["`pattern`", "'2'"]),
+    "pattern 0": (_load(".", pattern=0), ValueError, ["`pattern`", "at least 1", "0"]),
+    "an int64 target with x64 off (its values would wrap)": (
+        _load(".", {"w": _abstract((3, 2, 4), np.int64)}),
+        TypeError, ["load_checkpoint", "leaf ['w']", "int64", "jax_enable_x64"]),
     "transpose not a permutation": (
         _load(".", names={"w": Tensor("model.layers.{}.w", transpose=(0, 2))}),
         TypeError, ["leaf ['w']", "transpose=(0, 2)", "'model.layers.0.w'", "a.safetensors"]),
@@ -265,3 +269,10 @@ def test_a_file_cut_short_after_opening_names_the_file_and_tensor(tmp_path):
     path.write_bytes(path.read_bytes()[:-16])  # ... cut short by another process
     with pytest.raises(ValueError, match=r"m.safetensors ends inside tensor 'l.0.w'"):
         stackwise.load_checkpoint(ckpt, {"w": _abstract((1, 4, 2))}, {"w": "l.{}.w"})
+
+
+def test_a_numpy_integer_pattern_reads_as_an_int(files):
+    # One position of a 1-pattern: the same leaf as without a pattern.
+    want = stackwise.load_checkpoint(files, ONE, W)
+    got = stackwise.load_checkpoint(files, ONE, W, pattern=np.int64(1))
+    np.testing.assert_array_equal(got["w"], want["w"])
