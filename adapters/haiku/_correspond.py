@@ -199,12 +199,17 @@ class _Model:
         )
 
     def kind_of(self, tree: Tree) -> str:
+        """Which of the model's trees ``tree`` is, by its entries' names; ``"params"``
+        when neither, whose :meth:`check` then lists the differences."""
         names = {f"{m}/{k}" for m, b in tree.items() for k in b}
-        for kind in _KINDS:
-            if names == {f"{m}/{k}" for m, b in self.shapes[kind].items() for k in b}:
-                return kind
-        self.check(tree, "params")  # lists the differences
-        raise AssertionError("unreachable")  # pragma: no cover
+        return next(
+            (
+                kind
+                for kind in _KINDS
+                if names == {f"{m}/{k}" for m, b in self.shapes[kind].items() for k in b}
+            ),
+            "params",
+        )
 
 
 def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
