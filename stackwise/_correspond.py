@@ -109,9 +109,13 @@ def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
                 bad = True
         if bad:
             depths = {p: sorted(d) for p, d in counts.items()}
+            held = ", ".join(f"{leaves[r].name}: {leaves[r].depth}" for r in run[:6])
             raise ValueError(
                 f"{who}: the {side} model's stack {leaf.group!r} holds leaves of depths "
-                f"{depths} (by pattern position) in an order no loop or pattern gives."
+                f"{depths} (by pattern position) in an order no loop or pattern gives "
+                f"(layers per leaf: {held}). Every leaf of a stack holds all its layers "
+                "(a pattern's position p: layers p, p + k, ...): build the stack anew "
+                "(an NNX Stack from its blocks: `Stack.from_layers(blocks)`)."
             )
         for layer in range(max(leaves[r].depth for r in run)):
             out.extend(

@@ -144,7 +144,9 @@ class _Model:
             if position not in names:
                 raise ValueError(
                     f"{self.who}: the {self.side} model's {name} lies in a pattern Stack "
-                    f"but in none of its positions {names}."
+                    f"but in none of its positions {names}, so its place in the loop is "
+                    "unknown. A pattern's block factory must build only the module it "
+                    "returns: build and call other modules inside that module."
                 )
             p = names.index(position)
             rank[name] = ((first[prefix], p, order[name]), p, len(names))
