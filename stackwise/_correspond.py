@@ -92,7 +92,9 @@ def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
             raise ValueError(
                 f"{who}: the {side} model's stack {leaf.group!r} creates its variables in "
                 f"two separate runs (at {leaf.name}); a stack's variables are created "
-                "together, so this model cannot be matched leaf by leaf."
+                "together, so this model cannot be matched leaf by leaf. A Stack nested "
+                "in another Stack's block does this: convert nested stacks by name with "
+                "`from_loop` / `to_loop`."
             )
         done.add(leaf.group)
         run = range(i, j)

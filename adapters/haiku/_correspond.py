@@ -162,7 +162,9 @@ class _Model:
                     raise ValueError(
                         f"{self.who}: the {self.side} model's {kind} entry {name} was not "
                         "created by `hk.get_parameter` / `hk.get_state` / `hk.set_state` "
-                        "during init, so its place in the model is unknown."
+                        "during init, so its place in the model is unknown. Create it with "
+                        "`hk.get_parameter` / `hk.get_state` in the model, or convert the "
+                        "tree without it and add it back by hand."
                     )
                 prefix, owner, shape, dtype, scope = created[name]
                 if tuple(struct.shape) == shape:

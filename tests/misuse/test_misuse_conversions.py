@@ -125,8 +125,16 @@ def _hk_pattern_with_a_helper(x):
     return stackwise.haiku.Stack([_make_with_a_helper, lambda: hk.Linear(2)], 2)(x)
 
 
+def _hk_with_a_table_of_its_own():
+    """A transform whose init adds an entry by hand, not by `hk.get_parameter`."""
+    f = hk.transform(lambda x: hk.Linear(2)(x))
+    return hk.Transformed(lambda k, x: {**f.init(k, x), "table": {"w": jnp.zeros(2)}}, f.apply)
+
+
 def _hk_convert(source, target):
-    source, target = hk.transform(source), hk.transform(target)
+    source, target = (
+        m if isinstance(m, hk.Transformed) else hk.transform(m) for m in (source, target)
+    )
     return stackwise.haiku.convert(jax.eval_shape(source.init, KEY, X), source, target, X)
 
 
@@ -156,6 +164,13 @@ class NnxStack(nnx.Module):
 
 def _abstract(shape):
     return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+class WithInnerStack(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(2, 2, rngs=rngs)
+        self.inner = stackwise.nnx.Stack(lambda r: nnx.Linear(2, 2, rngs=r), 2, rngs=rngs)
+        self.z = nnx.Linear(2, 2, rngs=rngs)
 
 
 def _nnx_short_leaf():
@@ -264,6 +279,24 @@ CASES = [
         "stack/helper/w",
         "none of its positions ['linear', 'linear_1']",
         "build and call other modules inside that module",
+    ),
+    case(
+        "haiku convert of an init adding an entry by hand",
+        lambda: _hk_convert(_hk_with_a_table_of_its_own(), lambda x: hk.Linear(2)(x)),
+        ValueError,
+        "params entry table/w was not created by `hk.get_parameter`",
+        "add it back by hand",
+    ),
+    case(
+        "nnx convert of a Stack nested in a Stack's block",
+        lambda: _nnx_convert(
+            nnx.eval_shape(lambda: NnxStack(nnx.Rngs(0), WithInnerStack, 2)),
+            lambda: NnxStack(nnx.Rngs(0), WithInnerStack, 2),
+        ),
+        ValueError,
+        "source model's stack ('layers', 'layers')",
+        "at layers.layers.z.bias",
+        "`from_loop` / `to_loop`",
     ),
     case(
         "nnx convert to a block of other attribute names",
