@@ -199,12 +199,7 @@ class _Model:
             value = _boxes.value(struct)
             shape, depth = tuple(value.shape), 0
             names = getattr(struct, "names", None)
-            if group is not None:
-                if not shape:
-                    raise ValueError(
-                        f"{self.who}: the {self.side} model's {show(col, keys)} is a scalar "
-                        "inside a Stack."
-                    )
+            if group is not None:  # the Stack's init refused any leaf without its n axis
                 depth, shape = shape[0], shape[1:]
                 names = None if names is None else tuple(names)[1:]
             extra = None if names is None else ("partitioned", tuple(names))
