@@ -92,7 +92,9 @@ def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
             raise ValueError(
                 f"{who}: the {side} model's stack {leaf.group!r} creates its variables in "
                 f"two separate runs (at {leaf.name}); a stack's variables are created "
-                "together, so this model cannot be matched leaf by leaf."
+                "together, so this model cannot be matched leaf by leaf. A Stack nested "
+                "in another Stack's block does this: convert nested stacks by name with "
+                "`from_loop` / `to_loop`."
             )
         done.add(leaf.group)
         run = range(i, j)
@@ -109,9 +111,13 @@ def _slots(leaves: Sequence[Leaf], who: str, side: str) -> list[_Slot]:
                 bad = True
         if bad:
             depths = {p: sorted(d) for p, d in counts.items()}
+            held = ", ".join(f"{leaves[r].name}: {leaves[r].depth}" for r in run[:6])
             raise ValueError(
                 f"{who}: the {side} model's stack {leaf.group!r} holds leaves of depths "
-                f"{depths} (by pattern position) in an order no loop or pattern gives."
+                f"{depths} (by pattern position) in an order no loop or pattern gives "
+                f"(layers per leaf: {held}). Every leaf of a stack holds all its layers "
+                "(a pattern's position p: layers p, p + k, ...): build the stack anew "
+                "(an NNX Stack from its blocks: `Stack.from_layers(blocks)`)."
             )
         for layer in range(max(leaves[r].depth for r in run)):
             out.extend(

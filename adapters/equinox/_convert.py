@@ -71,8 +71,10 @@ def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tu
         static = [f for f in dataclasses.fields(a) if f.metadata.get("static", False)]
         for f in static:
             va, vb = getattr(a, f.name, None), getattr(b, f.name, None)
-            if not _same(va, vb):
-                return f"{path}.{f.name}", f"{va!r} vs {vb!r} (a static field)"
+            same = _same(va, vb)
+            if not same:
+                why = "" if same is False else ", which `==` cannot compare (arrays inside?)"
+                return f"{path}.{f.name}", f"{va!r} vs {vb!r} (a static field{why})"
         children = [
             (f".{f.name}", getattr(a, f.name, None), getattr(b, f.name, None))
             for f in dataclasses.fields(a)
@@ -90,7 +92,9 @@ def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tu
         leaves_a, def_a = jax.tree_util.tree_flatten(a)
         leaves_b, def_b = jax.tree_util.tree_flatten(b)
         if leaves_a == [a]:  # a leaf that is not an array: shared, so it must be equal
-            return None if _same(a, b) else (where, f"{a!r} vs {b!r}")
+            same = _same(a, b)
+            why = "" if same is not None else ", which `==` cannot compare (arrays inside?)"
+            return None if same else (where, f"{a!r} vs {b!r}{why}")
         if def_a != def_b:
             return where, f"{def_a} vs {def_b}"
         children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(leaves_a, leaves_b))]
@@ -101,13 +105,15 @@ def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tu
     return None
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any) -> bool | None:
+    """``a == b``; None where ``==`` cannot tell (e.g. arrays in a static field): then
+    only the one same object is the same."""
     if a is b:
         return True
     try:
         return bool(a == b)
     except Exception:  # e.g. arrays in a static field: compare by identity only
-        return False
+        return None
 
 
 def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any:

@@ -109,7 +109,10 @@ def put(tree: dict, path: tuple, value: Any, col: str, who: str) -> None:
     node = tree
     for k, p in enumerate(path[:-1]):
         if p in node and not isinstance(node[p], Mapping):
-            raise ValueError(f"{who}: {show(col, path[: k + 1])} exists and is not a module.")
+            raise ValueError(
+                f"{who}: {show(col, path[: k + 1])} exists and is not a module, so "
+                f"{show(col, path)} cannot be put under it; choose other names."
+            )
         node = node.get(p, {})
     if get(tree, path) is not None:
         raise ValueError(

@@ -70,10 +70,14 @@ class _Pattern:
         for q, fresh in enumerate(self.fresh):
             if _same_kind(module, fresh):
                 return self.kinds[q]
+        name = type(module).__name__
         raise ValueError(
-            f"{self.who}: the pattern Stack at {where} ran a block "
-            f"({type(module).__name__}) that is none of its positions' blocks "
-            f"({', '.join(self.names)}), so its variables cannot be placed."
+            f"{self.who}: the pattern Stack at {where} ran a block ({name}) whose fields "
+            f"equal those of none of its positions' blocks ({', '.join(self.names)}), so "
+            "its variables cannot be placed. A field built afresh for every block (a "
+            "`default_factory`, a new function or array each time) never compares equal: "
+            f"give the positions as template instances, `Stack([{name}(...), ...], n)`, "
+            "whose fields every layer shares."
         )
 
     def record(self, kind: int, path: tuple, cls: str) -> None:
@@ -195,12 +199,7 @@ class _Model:
             value = _boxes.value(struct)
             shape, depth = tuple(value.shape), 0
             names = getattr(struct, "names", None)
-            if group is not None:
-                if not shape:
-                    raise ValueError(
-                        f"{self.who}: the {self.side} model's {show(col, keys)} is a scalar "
-                        "inside a Stack."
-                    )
+            if group is not None:  # the Stack's init refused any leaf without its n axis
                 depth, shape = shape[0], shape[1:]
                 names = None if names is None else tuple(names)[1:]
             extra = None if names is None else ("partitioned", tuple(names))
@@ -317,7 +316,8 @@ def convert(
     if sorted(src.shapes) != sorted(tgt.shapes):
         raise ValueError(
             f"{who}: the source model has collections {sorted(src.shapes)} but the target "
-            f"{sorted(tgt.shapes)}."
+            f"{sorted(tgt.shapes)}; both models must create the same collections (convert "
+            "the shared ones by name with `from_loop` / `to_loop`)."
         )
     boxed = any(_boxes.is_box(b) for b in jax.tree.leaves(variables, is_leaf=_boxes.is_box))
     hint = "Models whose modules differ convert by name with `from_loop` / `to_loop`."

@@ -273,13 +273,11 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
     layers = sorted((p + j * k, p, j) for p, v in positions.items() for j in range(len(v)))
     loop_names = [name_of(i) for i, _, _ in layers]
     _convert.check_distinct(loop_names, who)
+    # Layers' modules never clash: each is its layer's name plus "" or "/...", and
+    # check_distinct refused a name equal to another or lying inside it.
     new: dict[str, dict[str, Any]] = {}
-    for (i, p, j), name in zip(layers, loop_names):
-        layer = _nested(positions[p][j], name)
-        clash = sorted(set(new) & set(layer))
-        if clash:  # e.g. one loop name inside another's module
-            raise ValueError(f"{who}: layer {i} would overwrite modules {clash}.")
-        new.update(layer)
+    for (_, p, j), name in zip(layers, loop_names):
+        new.update(_nested(positions[p][j], name))
     return _merge(outside, new, who)
 
 

@@ -144,7 +144,9 @@ class _Model:
             if position not in names:
                 raise ValueError(
                     f"{self.who}: the {self.side} model's {name} lies in a pattern Stack "
-                    f"but in none of its positions {names}."
+                    f"but in none of its positions {names}, so its place in the loop is "
+                    "unknown. A pattern's block factory must build only the module it "
+                    "returns: build and call other modules inside that module."
                 )
             p = names.index(position)
             rank[name] = ((first[prefix], p, order[name]), p, len(names))
@@ -160,7 +162,9 @@ class _Model:
                     raise ValueError(
                         f"{self.who}: the {self.side} model's {kind} entry {name} was not "
                         "created by `hk.get_parameter` / `hk.get_state` / `hk.set_state` "
-                        "during init, so its place in the model is unknown."
+                        "during init, so its place in the model is unknown. Create it with "
+                        "`hk.get_parameter` / `hk.get_state` in the model, or convert the "
+                        "tree without it and add it back by hand."
                     )
                 prefix, owner, shape, dtype, scope = created[name]
                 if tuple(struct.shape) == shape:
@@ -199,12 +203,17 @@ class _Model:
         )
 
     def kind_of(self, tree: Tree) -> str:
+        """Which of the model's trees ``tree`` is, by its entries' names; ``"params"``
+        when neither, whose :meth:`check` then lists the differences."""
         names = {f"{m}/{k}" for m, b in tree.items() for k in b}
-        for kind in _KINDS:
-            if names == {f"{m}/{k}" for m, b in self.shapes[kind].items() for k in b}:
-                return kind
-        self.check(tree, "params")  # lists the differences
-        raise AssertionError("unreachable")  # pragma: no cover
+        return next(
+            (
+                kind
+                for kind in _KINDS
+                if names == {f"{m}/{k}" for m, b in self.shapes[kind].items() for k in b}
+            ),
+            "params",
+        )
 
 
 def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:

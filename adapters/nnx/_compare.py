@@ -57,8 +57,11 @@ def first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tup
     else:
         try:
             same = a is b or bool(a == b)
-        except Exception:  # values that do not compare: told apart by identity only
-            same = False
+        except Exception:  # values that do not compare (arrays inside): identity only
+            return where, (
+                f"{a!r} vs {b!r}, which `==` cannot compare (arrays inside?), so the "
+                "blocks must share one object there"
+            )
         return None if same else (where, f"{a!r} vs {b!r}")
     for name, u, v in children:
         found = first_difference(u, v, path + name, arrays)

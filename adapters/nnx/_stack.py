@@ -553,8 +553,9 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
         block = blocks[i]
         g, state = nnx.split(block)
         found = _compare.first_difference(blocks[first_i], block, arrays=False)
-        other = g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)
-        if found is None and other:
+        if found is None and (
+            g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)
+        ):
             found = "<root>", "another structure or other static attributes"
         if found is not None:
             at, how = found
