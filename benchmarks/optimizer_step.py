@@ -110,7 +110,7 @@ def measure(n, d, h, rounds, only):
                 jax.block_until_ready(compiled(p, state, grads))
                 times[v].append(time.perf_counter() - start)
         for v, (*_, compile_s) in cases.items():
-            ratio = lambda other: statistics.median(  # noqa: E731
+            ratio = lambda other, v=v, times=times: statistics.median(  # noqa: E731
                 a / b for a, b in zip(times[v], times[other]))
             rows.append({
                 "optimizer": name, "variant": v, "n": n,

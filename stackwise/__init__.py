@@ -25,7 +25,6 @@ from stackwise._stack import DEFAULT_REMAT as DEFAULT_REMAT
 from stackwise._stack import Stacked as Stacked
 from stackwise._stack import stack as stack
 
-
 #: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
 #: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no
 #: ``import stackwise.haiku``. A new optional submodule adds its name here.

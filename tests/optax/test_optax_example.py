@@ -1,6 +1,7 @@
 """The example trains through `stackwise.optax.layerwise`: its first steps with
-``--optimizer muon`` and ``lamb`` equal the plain optimizer's on the loop model's params (``lm.to_loop``; the example's own tests check that the stack and the loop
-compute the same logits). Both get the same gradients, the stack's, laid out by
+``--optimizer muon`` and ``lamb`` equal the plain optimizer's on the loop model's params
+(``lm.to_loop``; the example's own tests check that the stack and the loop compute the same
+logits). Both get the same gradients, the stack's, laid out by
 ``lm.to_loop`` for the loop: Adam's first steps turn a gradient's rounding into a relative
 change of its update where the gradient is near zero, which would drown what is compared."""
 

@@ -36,8 +36,9 @@ def test_import_stackwise_imports_no_framework_then_each_submodule_on_first_use(
         "out = {'after import': loaded()}\n"
         f"for name in {list(LAZY)!r}:\n"
         "    module = getattr(stackwise, name)\n"
+        "    public = any(hasattr(module, a) for a in ('Stack', 'main', 'layerwise'))\n"
         "    out[name] = [module.__name__, sys.modules.get('stackwise.' + name) is module,\n"
-        "                 any(hasattr(module, a) for a in ('Stack', 'main', 'layerwise')), loaded()]\n"
+        "                 public, loaded()]\n"
         "print(json.dumps(out))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
