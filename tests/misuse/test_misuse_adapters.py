@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _misuse import assert_refused, case
 from flax import nnx
 
 import stackwise
@@ -27,18 +28,6 @@ import stackwise.nnx
 
 KEY = jax.random.key(0)
 X = jnp.ones((1, 4))
-
-
-def case(name, call, error, *words):
-    return pytest.param(call, error, words, id=name)
-
-
-def _assert_refused(call, error, words):
-    with pytest.raises(error) as info:
-        call()
-    message = str(info.value)
-    for word in words:
-        assert word in message, f"{word!r} not in the message:\n{message}"
 
 
 # --------------------------------------------------------------------------
@@ -413,22 +402,22 @@ CONVERSIONS = [
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", CONVERSIONS)
 def test_misuse_conversions(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.parametrize("call, error, words", EQUINOX)
 def test_misuse_equinox(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.parametrize("call, error, words", NNX_CASES)
 def test_misuse_nnx(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.parametrize("call, error, words", HAIKU_FLAX)
 def test_misuse_haiku_and_flax(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 # --------------------------------------------------------------------------
@@ -792,7 +781,7 @@ BUILDING = [
 
 @pytest.mark.parametrize("call, error, words", BUILDING)
 def test_misuse_building(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 def test_names_functions_past_the_last_layer_end_the_loop():

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _misuse import assert_refused, case
 from flax import nnx
 
 import stackwise
@@ -31,10 +32,6 @@ import stackwise.nnx
 
 KEY = jax.random.key(0)
 X = jnp.ones((1, 2))
-
-
-def case(name, call, error, *words):
-    return pytest.param(call, error, words, id=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,11 +360,7 @@ CASES = [
 
 @pytest.mark.parametrize("call, error, words", CASES)
 def test_misuse_conversions(call, error, words):
-    with pytest.raises(error) as info:
-        call()
-    message = str(info.value)
-    for word in words:
-        assert word in message, f"{word!r} not in the message:\n{message}"
+    assert_refused(call, error, words)
 
 
 # --------------------------------------------------------------------------

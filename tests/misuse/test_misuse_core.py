@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _misuse import assert_refused, case
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -39,10 +40,6 @@ def _has_aux_without_aux():
 def _per_example_of_another_batch():
     pp = stackwise.pipeline(None, _apply, 2, MESH, microbatches=2)
     pp.apply({"w": jnp.ones((2, 1))}, jnp.zeros((4, 1)), stackwise.per_example(jnp.ones((2, 1))))
-
-
-def case(name, call, error, *words):
-    return pytest.param(call, error, words, id=name)
 
 
 LAYOUT = [
@@ -297,27 +294,19 @@ PIPELINE = [
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", LAYOUT)
 def test_misuse_layout(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", STACK)
 def test_misuse_stack(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", PIPELINE)
 def test_misuse_pipeline(call, error, words):
-    _assert_refused(call, error, words)
-
-
-def _assert_refused(call, error, words):
-    with pytest.raises(error) as info:
-        call()
-    message = str(info.value)
-    for word in words:
-        assert word in message, f"{word!r} not in the message:\n{message}"
+    assert_refused(call, error, words)
 
 
 # --------------------------------------------------------------------------
@@ -446,4 +435,4 @@ OPTIONS_AND_MARKERS = [
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", OPTIONS_AND_MARKERS)
 def test_misuse_options_and_markers(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _misuse import assert_refused, case
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -20,10 +21,6 @@ import stackwise
 MESH = AbstractMesh((2,), ("data",))
 DEVICES = Mesh(np.array(jax.devices()[:1]), ("data",))
 PARAMS = {"w": jnp.zeros((3, 4, 8)), "b": jnp.zeros((3, 8))}
-
-
-def case(name, call, error, *words):
-    return pytest.param(call, error, words, id=name)
 
 
 FSDP_SPECS = [
@@ -226,27 +223,19 @@ LOGICAL_SPECS = [
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", FSDP_SPECS)
 def test_misuse_fsdp_specs(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", SHARD_STACKED)
 def test_misuse_shard_stacked(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
 
 
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", LOGICAL_SPECS)
 def test_misuse_logical_specs(call, error, words):
-    _assert_refused(call, error, words)
-
-
-def _assert_refused(call, error, words):
-    with pytest.raises(error) as info:
-        call()
-    message = str(info.value)
-    for word in words:
-        assert word in message, f"{word!r} not in the message:\n{message}"
+    assert_refused(call, error, words)
 
 
 # --------------------------------------------------------------------------
@@ -317,4 +306,4 @@ PLACEMENT = [
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", PLACEMENT)
 def test_misuse_placement(call, error, words):
-    _assert_refused(call, error, words)
+    assert_refused(call, error, words)
