@@ -496,6 +496,7 @@ def load_checkpoint(path: pathlib.Path, template) -> Any:
     step = latest_step(path)
     where = path / str(step)
     try:
+        _check_readable(where / "state")
         with checkpoint_manager(path) as manager:
             saved = leaf_names(manager.item_metadata(step)["state"])
             for name, leaf in leaf_names(template).items():
@@ -512,6 +513,19 @@ def load_checkpoint(path: pathlib.Path, template) -> Any:
             f"checkpoint {where} is damaged ({type(e).__name__}: {first_line(e)}); train again "
             "with --overwrite, or pass --checkpoint PATH of another."
         ) from None
+
+
+def _check_readable(state: pathlib.Path) -> None:
+    """Reads every record of a saved state's OCDBT store, synchronously, before orbax opens
+    it: orbax reads asynchronously, and on a damaged step (a truncated manifest or data file)
+    its reads still in flight outlive its event loop and print tracebacks after the error.
+    Raises ValueError (one of DAMAGED: tensorstore's DATA_LOSS) for a record it cannot read;
+    the example's states are a few MB."""
+    import tensorstore as ts  # (orbax's own storage layer)
+
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state}/"}).result()
+    for key in store.list().result():
+        store.read(key).result()
 
 
 def _check_leaf(where: pathlib.Path, name: str, saved, leaf) -> None:
