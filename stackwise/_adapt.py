@@ -4,8 +4,8 @@ Framework-free (jax only). Each adapter (``adapters/<framework>/_stack.py``)
 uses these so that the same failure reads the same everywhere: one storage for
 the running layer's index, one exception type outside a Stack, one depth check
 and message, one validation of the stack's options (also used by
-:func:`stackwise.stack` itself), one check of ``Stack.from_layers``' arguments, and
-one way to name a block in messages.
+:func:`stackwise.stack` itself), one check of ``Stack.from_layers``' arguments, one
+way to name a block in messages, and one walk to where two blocks first differ.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from stackwise import _check
 
@@ -35,6 +37,8 @@ __all__ = [
     "check_layers",
     "check_options",
     "current_layer_index",
+    "first_difference",
+    "same_value",
     "stack_name",
     "stack_options",
 ]
@@ -367,3 +371,79 @@ def stack_options(who: str, n: Any, arguments: dict[str, Any]) -> dict[str, Any]
     options = {name: arguments[name] for name in OPTION_NAMES}
     check_options(who, n, **options)
     return options
+
+
+# --------------------------------------------------------------------------
+# Where two blocks first differ, for `from_layers`' messages.
+
+#: A difference: where (``.mlp.kernel``) and how (``4 vs 5``).
+Difference = tuple[str, str]
+#: A framework's hook for its own nodes: ``None`` (not one of them), or the
+#: difference found at the node itself, or its ``(name, child of a, child of b)``.
+Expand = Callable[[Any, Any, str], "Difference | list[tuple[str, Any, Any]] | None"]
+
+
+def same_value(a: Any, b: Any) -> bool | None:
+    """``a == b``; None where ``==`` cannot tell (e.g. arrays inside): then only the
+    one same object is the same."""
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- values `==` cannot compare: identity only
+        return None
+
+
+def _describe(a: Any) -> str:
+    return f"{_check.leaf_dtype(a).name}{list(jnp.shape(a))}"
+
+
+def first_difference(
+    a: Any, b: Any, expand: Expand, *, arrays: bool = True, path: str = ""
+) -> Difference | None:
+    """Where and how two blocks differ in anything but their array values, or None.
+
+    Arrays (JAX, NumPy or abstract) agree when their shapes and dtypes do, and are
+    not compared at all with ``arrays=False``: a first pass over everything else
+    names the cause (``.out_features: 4 vs 5``) rather than its effect (the kernel's
+    shape). ``expand`` opens the framework's own nodes (NNX modules and variables,
+    Equinox modules' fields); lists, tuples, dicts and other pytrees are opened
+    here, and any other value must be ``==`` (or, where ``==`` cannot tell, the
+    same object) in both.
+    """
+    where = path or "<root>"
+    if not _check.same_array_kind(a, b):
+        return where, f"{type(a).__name__} vs {type(b).__name__}"
+    if _check.is_abstract(a) or isinstance(a, (jax.Array, np.ndarray, np.generic)):
+        same = jnp.shape(a) == jnp.shape(b) and _check.leaf_dtype(a) == _check.leaf_dtype(b)
+        return None if same or not arrays else (where, f"{_describe(a)} vs {_describe(b)}")
+    children = expand(a, b, path)
+    if isinstance(children, tuple):
+        return children
+    if children is None and isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return where, f"{len(a)} vs {len(b)} entries"
+        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(a, b))]
+    elif children is None and isinstance(a, dict):
+        if set(a) != set(b):
+            return where, f"keys {sorted(map(repr, a))} vs {sorted(map(repr, b))}"
+        children = [(f"[{k!r}]", a[k], b[k]) for k in a]
+    elif children is None:
+        leaves_a, def_a = jax.tree_util.tree_flatten(a)
+        leaves_b, def_b = jax.tree_util.tree_flatten(b)
+        if leaves_a == [a]:  # a value that is not a pytree: shared, so it must be equal
+            same = same_value(a, b)
+            if same is None:
+                return where, (
+                    f"{a!r} vs {b!r}, which `==` cannot compare (arrays inside?), so the "
+                    "blocks must share one object there"
+                )
+            return None if same else (where, f"{a!r} vs {b!r}")
+        if def_a != def_b:
+            return where, f"{def_a} vs {def_b}"
+        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(leaves_a, leaves_b))]
+    for name, u, v in children:
+        found = first_difference(u, v, expand, arrays=arrays, path=path + name)
+        if found:
+            return found
+    return None

@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from stackwise import _check
+from stackwise import _adapt, _check
 from stackwise.equinox import _state
 
 __all__ = ["layer_of", "stack_blocks"]
@@ -49,71 +49,33 @@ def layer_of(stacked: Any, j: int) -> Any:
 # Blocks stacked into one, checked.
 
 
-def _describe(a: Any) -> str:
-    return f"{_check.leaf_dtype(a).name}{list(jnp.shape(a))}"
+def _expand(a: Any, b: Any, path: str) -> Any:
+    """Equinox's own nodes for :func:`stackwise._adapt.first_difference`: a module's
+    static fields, which must be equal, and then its other fields."""
+    if not (isinstance(a, eqx.Module) and dataclasses.is_dataclass(a)):
+        return None
+    static = [f for f in dataclasses.fields(a) if f.metadata.get("static", False)]
+    for f in static:
+        va, vb = getattr(a, f.name, None), getattr(b, f.name, None)
+        same = _adapt.same_value(va, vb)
+        if not same:
+            why = "" if same is False else ", which `==` cannot compare (arrays inside?)"
+            return f"{path}.{f.name}", f"{va!r} vs {vb!r} (a static field{why})"
+    return [
+        (f".{f.name}", getattr(a, f.name, None), getattr(b, f.name, None))
+        for f in dataclasses.fields(a)
+        if f not in static
+    ]
 
 
-def _first_difference(a: Any, b: Any, path: str = "", arrays: bool = True) -> tuple | None:
+def _first_difference(a: Any, b: Any, arrays: bool = True) -> tuple | None:
     """Where and how two blocks differ in anything but array values, or None.
 
-    With ``arrays=False`` array shapes and dtypes are not compared: a first pass over the
-    static fields names the cause (``out_features``) rather than its effect (``weight``).
+    With ``arrays=False`` array shapes and dtypes are not compared: a first pass over
+    the static fields names the cause (``out_features``) rather than its effect
+    (``weight``).
     """
-    where = path or "<root>"
-    if not _check.same_array_kind(a, b):
-        return where, f"{type(a).__name__} vs {type(b).__name__}"
-    if is_array(a):
-        dtypes = _check.leaf_dtype(a), _check.leaf_dtype(b)
-        if arrays and (jnp.shape(a) != jnp.shape(b) or dtypes[0] != dtypes[1]):
-            return where, f"{_describe(a)} vs {_describe(b)}"
-        return None
-    if isinstance(a, eqx.Module) and dataclasses.is_dataclass(a):
-        static = [f for f in dataclasses.fields(a) if f.metadata.get("static", False)]
-        for f in static:
-            va, vb = getattr(a, f.name, None), getattr(b, f.name, None)
-            same = _same(va, vb)
-            if not same:
-                why = "" if same is False else ", which `==` cannot compare (arrays inside?)"
-                return f"{path}.{f.name}", f"{va!r} vs {vb!r} (a static field{why})"
-        children = [
-            (f".{f.name}", getattr(a, f.name, None), getattr(b, f.name, None))
-            for f in dataclasses.fields(a)
-            if f not in static
-        ]
-    elif isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return where, f"{len(a)} vs {len(b)} entries"
-        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(a, b))]
-    elif isinstance(a, dict):
-        if set(a) != set(b):
-            return where, f"keys {sorted(map(repr, a))} vs {sorted(map(repr, b))}"
-        children = [(f"[{k!r}]", a[k], b[k]) for k in a]
-    else:
-        leaves_a, def_a = jax.tree_util.tree_flatten(a)
-        leaves_b, def_b = jax.tree_util.tree_flatten(b)
-        if leaves_a == [a]:  # a leaf that is not an array: shared, so it must be equal
-            same = _same(a, b)
-            why = "" if same is not None else ", which `==` cannot compare (arrays inside?)"
-            return None if same else (where, f"{a!r} vs {b!r}{why}")
-        if def_a != def_b:
-            return where, f"{def_a} vs {def_b}"
-        children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(leaves_a, leaves_b))]
-    for name, u, v in children:
-        found = _first_difference(u, v, path + name, arrays)
-        if found:
-            return found
-    return None
-
-
-def _same(a: Any, b: Any) -> bool | None:
-    """``a == b``; None where ``==`` cannot tell (e.g. arrays in a static field): then
-    only the one same object is the same."""
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # e.g. arrays in a static field: compare by identity only
-        return None
+    return _adapt.first_difference(a, b, _expand, arrays=arrays)
 
 
 def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any:

@@ -565,7 +565,7 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
                 "must be built the same way, with the same arguments (only the rngs "
                 "differing); for repeating kinds of blocks, pass `pattern=k`."
             )
-        found = _compare.first_difference(blocks[first_i], block)
+        found = _compare.first_difference(block, blocks[first_i])
         if found is not None:
             at, how = found
             raise TypeError(
