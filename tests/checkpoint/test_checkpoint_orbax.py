@@ -59,6 +59,7 @@ def _loop_layers(tree, prefix="") -> set[int]:
     return found
 
 
+@pytest.mark.slow  # orbax's partial saves, ~2 s (the fast tier has save_orbax's doctest)
 def test_save_orbax_writes_the_loop_layout_a_group_at_a_time_bitwise(tmp_path, monkeypatch):
     c = config(layers=5, pattern=("local", "local", "global"))
     abstract = jax.eval_shape(lm_models.build("jax", c).init, jax.random.key(0))
