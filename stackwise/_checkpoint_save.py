@@ -294,6 +294,7 @@ def save_orbax(
         two names of which one's parts are a prefix of the other's.
       ImportError: orbax is missing (``pip install 'stackwise[orbax]'``), or
         too old for partial saves.
+      NotImplementedError: more than one JAX process (a multi-host run).
     """
     pattern, max_group_bytes = _check_options(pattern, max_group_bytes, "max_group_bytes",
                                               overwrite, _ORBAX)
@@ -306,6 +307,12 @@ def save_orbax(
             "in orbax-checkpoint 0.12.8, say), which this orbax-checkpoint lacks: "
             "pip install -U orbax-checkpoint"
         ) from None
+    if jax.process_count() > 1:  # every process would stage, rename and clear the folder
+        raise NotImplementedError(
+            f"{_ORBAX} writes from one process; this is process {jax.process_index()} of "
+            f"{jax.process_count()}. Save the stacked params with orbax's CheckpointManager "
+            "(every process writes its shards) and convert on one host."
+        )
     directory = os.path.abspath(os.fspath(directory))
     rows = _rows(params, names, pattern, _ORBAX)
     _loop_tree(rows, rows, _ORBAX)  # every name a leaf of one tree: checked before writing
