@@ -41,7 +41,9 @@ and ``--restore`` take every run flag you leave out from the checkpoint; one you
 Face-style names (``model.layers.{i}.self_attn.qkv_proj.weight``, torch's ``(out, in)`` layout,
 through ``stackwise.save_safetensors``) and the run (``transformer_lm.json``);
 ``--load-safetensors DIR`` samples from it (``stackwise.load_checkpoint``), as ``--restore``
-does: the same samples (``--framework jax``).
+does: the same samples. The names are the same for every ``--framework`` (``hf_names`` reads
+them off each framework's params: Haiku's ``lm/blocks/block/qkv`` ``w``, linen's and NNX's
+``kernel``, Equinox's ``weight``, which alone keeps torch's layout).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=pathlib.Path,
         metavar="DIR",
         help="also save the trained params to DIR as per-layer safetensors with Hugging\n"
-        "Face-style names (model.layers.{i}.self_attn.qkv_proj.weight, ...; --framework jax)",
+        "Face-style names (model.layers.{i}.self_attn.qkv_proj.weight, ...), any --framework",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the checkpoint's run")
@@ -240,12 +242,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.load_safetensors is not None and not (args.load_safetensors / EXPORT_META).is_file():
         p.error(f"--load-safetensors {args.load_safetensors}: no {EXPORT_META} there; give a "
                 "folder that --export DIR wrote")
-    if (args.framework or RUN_DEFAULTS["framework"]) != "jax" and (
-        args.export is not None or args.load_safetensors is not None
-    ):
-        which = "--export" if args.export is not None else "--load-safetensors"
-        p.error(f"{which}: Hugging Face-style names are defined for --framework jax only; "
-                "pass --framework jax (or leave it out)")
     if not (args.restore or args.load_safetensors):  # training writes it
         folder = args.checkpoint.parent
         while not folder.exists():  # (save_checkpoint creates the missing folders)
@@ -355,9 +351,10 @@ def differences(saved: dict, run: dict, fields) -> list[str]:
     return out
 
 
-def settle_args(args: argparse.Namespace, saved: dict | None, fields) -> None:
-    """Fills the run flags not given: from the checkpoint's run ``saved`` for ``fields``,
-    else the defaults. Raises CheckpointError naming the given flags that disagree with it."""
+def settle_args(args: argparse.Namespace, saved: dict | None, fields, where=None) -> None:
+    """Fills the run flags not given: from the checkpoint's run ``saved`` (in ``where``,
+    by default ``--checkpoint``) for ``fields``, else the defaults. Raises CheckpointError
+    naming the given flags that disagree with it."""
     run = saved["run"] if saved else {}
     clashes = []
     for field in fields:
@@ -374,7 +371,8 @@ def settle_args(args: argparse.Namespace, saved: dict | None, fields) -> None:
                 f"{run['framework']}, or leave --framework out)"
             )
         raise CheckpointError(
-            f"{args.checkpoint} holds another run than the flags ask for ({'; '.join(lines)}): "
+            f"{where or args.checkpoint} holds another run than the flags ask for "
+            f"({'; '.join(lines)}): "
             "leave these flags out to use the checkpoint's, or pass --checkpoint PATH."
         )
     for field, default in RUN_DEFAULTS.items():
@@ -545,49 +543,74 @@ def _check_leaf(where: pathlib.Path, name: str, saved, leaf) -> None:
 
 #: The file an --export writes next to the safetensors: the run, step and vocabulary.
 EXPORT_META = "transformer_lm.json"
-#: The pure-JAX model's leaves under Hugging Face-style names (a Llama's, where it has the
-#: tensor; "{}" is the layer) and whether the stored tensor is torch's (out, in) transpose.
-HF_BLOCK = {
-    "ln1": {"scale": ("input_layernorm.weight", False), "bias": ("input_layernorm.bias", False)},
-    "qkv": ("self_attn.qkv_proj.weight", True),
-    "out": ("self_attn.o_proj.weight", True),
-    "ln2": {"scale": ("post_attention_layernorm.weight", False),
-            "bias": ("post_attention_layernorm.bias", False)},
-    "up": ("mlp.up_proj.weight", True),
-    "up_bias": ("mlp.up_proj.bias", False),
-    "down": ("mlp.down_proj.weight", True),
-    "down_bias": ("mlp.down_proj.bias", False),
+#: The model's modules under Hugging Face-style names (a Llama's, where it has the tensor;
+#: "{}" is the layer), the same in every framework: each framework's leaves are named by their
+#: module (the last key that is one of these) and their kind (a weight or a bias).
+HF_MODULES = {
+    "ln1": "model.layers.{}.input_layernorm",
+    "qkv": "model.layers.{}.self_attn.qkv_proj",
+    "out": "model.layers.{}.self_attn.o_proj",
+    "ln2": "model.layers.{}.post_attention_layernorm",
+    "up": "model.layers.{}.mlp.up_proj",
+    "down": "model.layers.{}.mlp.down_proj",
+    "embed": "model.embed_tokens",
+    "ln_f": "model.norm",
+    "head": "lm_head",
 }
-HF_OUTER = {
-    "embed": ("model.embed_tokens.weight", False),
-    "ln_f": {"scale": ("model.norm.weight", False), "bias": ("model.norm.bias", False)},
-    "head": ("lm_head.weight", True),
-    "head_bias": ("lm_head.bias", False),
-}
+#: The frameworks' names of a module's bias (Haiku's "b", a Haiku norm's "offset"); every
+#: other leaf of a module is its weight ("w", "kernel", a norm's "scale", "embedding", ...).
+HF_BIAS = {"b", "bias", "offset"}
+#: The Linear layers: torch stores their weight (out, in); every framework here but Equinox
+#: keeps (in, out), so the export transposes them.
+HF_LINEAR = {"qkv", "out", "up", "down", "head"}
 
 
-def hf_names(k: int) -> dict:
-    """The names tree of ``stackwise.load_checkpoint``/``save_safetensors`` for the pure-JAX
-    model's params with a pattern of ``k`` kinds of block (``k = 1``: all global)."""
+def _keys(path) -> list[str]:
+    """A leaf's path as strings (dict keys, attribute names, indices)."""
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
-    def tensor(entry, prefix="", position=None):
-        if isinstance(entry, dict):
-            return {key: tensor(e, prefix, position) for key, e in entry.items()}
-        name, torch_layout = entry
-        return stackwise.Tensor(prefix + name, transpose=(1, 0) if torch_layout else None,
-                                position=position)
 
-    names = tensor(HF_OUTER)
-    block = "model.layers.{}."
-    names["blocks"] = (tensor(HF_BLOCK, block) if k == 1 else
-                       [tensor(HF_BLOCK, block, position=p) for p in range(k)])
+def _hf_position(parts: list[str], pattern: tuple[str, ...]) -> int | None:
+    """The pattern position of a stacked leaf: the key after "blocks" (and NNX's and
+    Equinox's "layers") is its index (JAX, NNX, Equinox) or its kind's module, numbered by
+    kind (linen's "Local_1", Haiku's "local_1")."""
+    if len(pattern) == 1 or "blocks" not in parts:
+        return None
+    after = parts[parts.index("blocks") + 1 :]
+    tag = after[1] if after[0] == "layers" else after[0]
+    if tag.isdigit():
+        return int(tag)
+    kind, _, j = tag.lower().partition("_")
+    return [p for p, k in enumerate(pattern) if k == kind][int(j or 0)]
+
+
+def hf_names(framework: str, template, pattern: tuple[str, ...]) -> dict:
+    """The names tree of ``stackwise.load_checkpoint``/``save_safetensors`` for the
+    ``framework`` model's params ``template`` (nested by its keys) with ``pattern``: one
+    Hugging Face-style checkpoint for all five frameworks."""
+    names: dict = {}
+    for path, _ in jax.tree_util.tree_leaves_with_path(template):
+        keys = _keys(path)
+        parts = [part for key in keys for part in key.split("/")]  # Haiku's "lm/blocks/..."
+        module = next(p for p in reversed(parts) if p in HF_MODULES or p.endswith("_bias"))
+        if module.endswith("_bias"):  # the pure-JAX model's "up_bias", "head_bias"
+            module, kind = module[: -len("_bias")], "bias"
+        else:  # a module's leaf ("w", "b", "scale", ...), or the pure-JAX model's bare "qkv"
+            kind = "bias" if parts[-1] in HF_BIAS else "weight"
+        transpose = kind == "weight" and module in HF_LINEAR and framework != "equinox"
+        node = names
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = stackwise.Tensor(
+            f"{HF_MODULES[module]}.{kind}", transpose=(1, 0) if transpose else None,
+            position=_hf_position(parts, pattern))
     return names
 
 
-def export_safetensors(folder: pathlib.Path, params, k: int, meta: dict) -> list[str]:
+def export_safetensors(folder: pathlib.Path, params, names, k: int, meta: dict) -> list[str]:
     """Saves ``params`` to ``folder`` as per-layer safetensors (``hf_names``), with the run
     as JSON (``EXPORT_META``) for ``--load-safetensors``. Returns the paths written."""
-    files = stackwise.save_safetensors(params, hf_names(k), folder, pattern=k if k > 1 else None)
+    files = stackwise.save_safetensors(params, names, folder, pattern=k if k > 1 else None)
     (pathlib.Path(folder) / EXPORT_META).write_text(json.dumps(meta))
     return [*files, str(pathlib.Path(folder) / EXPORT_META)]
 
@@ -609,12 +632,12 @@ def read_export_meta(folder: pathlib.Path) -> dict:
     return meta
 
 
-def load_safetensors(folder: pathlib.Path, template, k: int) -> Any:
+def load_safetensors(folder: pathlib.Path, template, names, k: int) -> Any:
     """The params an --export saved in ``folder``, via ``stackwise.load_checkpoint`` (each
     tensor read and transposed back, every shape and dtype checked against ``template``)."""
     try:
         return stackwise.load_checkpoint(
-            str(folder), template, hf_names(k), pattern=k if k > 1 else None
+            str(folder), template, names, pattern=k if k > 1 else None
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(
@@ -913,7 +936,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         )
     sampling_only = args.restore or args.load_safetensors is not None
     if sampling_only or args.resume:
-        settle_args(args, saved, MODEL_FIELDS if sampling_only else RUN_DEFAULTS)
+        settle_args(args, saved, MODEL_FIELDS if sampling_only else RUN_DEFAULTS, path)
     else:
         settle_args(args, None, ())
     if args.framework != "jax":  # its adapter, and so the framework, must import
@@ -930,11 +953,6 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     chars, data, text_sha256 = load_text(args.text)
     check_text(args, chars, data)
     run = run_identity(args, text_sha256)
-    if args.export is not None and args.framework != "jax":  # (the checkpoint's framework)
-        raise UsageError(
-            f"--export: {path} holds a {args.framework} model; Hugging Face-style names are "
-            "defined for --framework jax only"
-        )
     if sampling_only and saved["chars"] != chars:
         raise CheckpointError(
             f"{path} was trained on {pathlib.Path(saved['run']['text']).name}, whose "
@@ -982,8 +1000,9 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     result: dict[str, Any] = {"framework": args.framework, "n_params": n_params}
 
     k = len(pattern)
+    names = hf_names(args.framework, template, pattern)  # for --export, --load-safetensors
     if args.load_safetensors is not None:
-        params = load_safetensors(args.load_safetensors, template, k)
+        params = load_safetensors(args.load_safetensors, template, names, k)
         log(
             f"loaded {args.load_safetensors} (step {saved['step']} of {saved['run']['steps']}, "
             f"val {describe_loss(saved['val_loss'])})"
@@ -1047,7 +1066,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             saved["step"], saved["val_loss"])
         meta = {"format": FORMAT, "run": saved["run"] if args.restore else run, "chars": chars,
                 "step": step, "val_loss": val_loss}
-        files = export_safetensors(args.export, params, k, meta)
+        files = export_safetensors(args.export, params, names, k, meta)
         log(f"exported the params to {args.export} as per-layer safetensors ({len(files)} files)")
         result["exported"] = files
 

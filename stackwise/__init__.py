@@ -6,6 +6,7 @@ from stackwise._checkpoint_inspect import inspect_checkpoint as inspect_checkpoi
 from stackwise._checkpoint_names import Tensor as Tensor
 from stackwise._checkpoint_read import Checkpoint as Checkpoint
 from stackwise._checkpoint_read import open_checkpoint as open_checkpoint
+from stackwise._checkpoint_save import save_orbax as save_orbax
 from stackwise._checkpoint_save import save_safetensors as save_safetensors
 from stackwise._layout import slice_layers as slice_layers
 from stackwise._layout import stack_layers as stack_layers
@@ -132,6 +133,7 @@ __all__ = [
     "per_layer",
     "per_layer_keys",
     "pipeline",
+    "save_orbax",
     "save_safetensors",
     "shard_stacked",
     "slice_layers",

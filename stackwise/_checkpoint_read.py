@@ -320,7 +320,9 @@ def open_checkpoint(source: Any) -> Checkpoint:
           directory with a ``model.safetensors.index.json`` or that index
           file itself (``pip install 'stackwise[safetensors]'``);
         - an orbax checkpoint directory (a pytree checkpoint, e.g. one item
-          of a ``CheckpointManager`` step: ``<dir>/<step>/<item>``;
+          of a ``CheckpointManager`` step: ``<dir>/<step>/<item>``, or a
+          directory whose pytree is ``<dir>/state``, as orbax's v1 API and
+          :func:`stackwise.save_orbax` write it;
           ``pip install 'stackwise[orbax]'``);
         - an ``.npz`` file (each tensor is read whole, as NumPy does);
         - a dict of arrays (NumPy or jax), by name;
@@ -356,6 +358,8 @@ def open_checkpoint(source: Any) -> Checkpoint:
             return _safetensors([os.path.join(path, f) for f in files], path, _OPEN)
         if any(os.path.exists(os.path.join(path, m)) for m in ("_METADATA", "manifest.ocdbt")):
             return _orbax(path, _OPEN)
+        if os.path.exists(os.path.join(path, "state", "_METADATA")):  # orbax v1's layout:
+            return _orbax(os.path.join(path, "state"), _OPEN)  # (stackwise.save_orbax's)
         raise ValueError(
             f"{_OPEN}: the directory {path} holds no safetensors files, no {INDEX} and no "
             "orbax checkpoint (_METADATA). For a CheckpointManager's directory, pass one "

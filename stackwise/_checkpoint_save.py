@@ -1,10 +1,15 @@
-"""Stacked params back to a per-layer safetensors checkpoint, a group of layers at a time."""
+"""Stacked params back to a per-layer checkpoint, a group of layers at a time: safetensors
+files with Hugging Face's index (:func:`save_safetensors`), or an orbax checkpoint of the
+loop's tree (:func:`save_orbax`). Both read the leaves and ``names`` alike (:func:`_rows`)
+and group the layers alike (:func:`_groups`)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-from typing import Any
+import shutil
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -20,16 +25,27 @@ from stackwise._checkpoint_names import (
 )
 from stackwise._checkpoint_read import INDEX, need
 
-__all__ = ["save_safetensors"]
+__all__ = ["save_orbax", "save_safetensors"]
 
 _SAVE = "stackwise.save_safetensors"
+_ORBAX = "stackwise.save_orbax"
 
 
-def _stored(plan_spec: Tensor, x: np.ndarray, path: str) -> np.ndarray:
+class _Row(NamedTuple):
+    layer: int  # -1: a leaf outside the stack, saved whole
+    name: str  # the tensor's name in the checkpoint
+    path: str  # the leaf's
+    spec: Tensor
+    array: Any  # the stacked leaf
+    row: int | None  # its row j, or None: the leaf whole
+
+
+def _stored(plan_spec: Tensor, x: Any, path: str, who: str) -> Any:
+    """One stored tensor from its leaf's row ``x`` (NumPy or jax): the transforms undone."""
     if plan_spec.reshape is not None:
         if plan_spec.stored_shape is None:
             raise ValueError(
-                f"{_SAVE}: leaf {path} is loaded with reshape={plan_spec.reshape}; to save it "
+                f"{who}: leaf {path} is loaded with reshape={plan_spec.reshape}; to save it "
                 "back, say the stored per-layer shape: stackwise.Tensor(..., "
                 "stored_shape=(...)) (a merge of axes has many inverses)."
             )
@@ -37,8 +53,64 @@ def _stored(plan_spec: Tensor, x: np.ndarray, path: str) -> np.ndarray:
         shape = plan_spec.stored_shape
         x = x.reshape(tuple(shape[a] for a in perm) if perm else shape)
     if plan_spec.transpose is not None:
-        x = x.transpose(np.argsort(plan_spec.transpose))
-    return np.ascontiguousarray(x)
+        x = x.transpose(tuple(int(a) for a in np.argsort(plan_spec.transpose)))
+    return x
+
+
+def _check_options(pattern: Any, max_bytes: Any, bytes_arg: str, overwrite: Any,
+                   who: str) -> tuple[int | None, int]:
+    pattern = None if pattern is None else _check.integer(pattern, who, "pattern", minimum=1)
+    max_bytes = _check.integer(max_bytes, who, bytes_arg, minimum=1)
+    if not isinstance(overwrite, (bool, np.bool_)):
+        raise TypeError(f"{who}: `overwrite` must be True or False, got {overwrite!r}.")
+    return pattern, max_bytes
+
+
+def _rows(params: Any, names: Any, pattern: int | None, who: str) -> list[_Row]:
+    """Every tensor to save, by layer (the leaves outside the stack first), each name once."""
+    rows, tensors = [], {}
+    flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
+            for p, a in jax.tree_util.tree_leaves_with_path(params) if _is_array(a)]
+    for path, keys, a in flat:
+        if _check.is_abstract(a):
+            raise TypeError(
+                f"{who}: leaf {path} is abstract ({a}, as `jax.eval_shape` gives): it has "
+                "no values to save. Pass the params themselves (e.g. as `load_checkpoint` "
+                "returns them)."
+            )
+        spec = _lookup(names, [_key(k) for k in keys], path, who)
+        _check_template(spec, path, who)
+        _check_layout(spec, _check.leaf_shape(a, who, path), pattern, path, who)
+        if spec.per_layer:
+            p, step = spec.position or 0, pattern or 1
+            for j in range(a.shape[0]):
+                rows.append(_Row(p + j * step, spec.name.format(p + j * step), path, spec, a, j))
+        else:
+            rows.append(_Row(-1, spec.name, path, spec, a, None))
+    for r in rows:
+        if r.name in tensors:
+            raise ValueError(f"{who}: leaves {tensors[r.name]} and {r.path} both save {r.name!r}.")
+        tensors[r.name] = r.path
+    return sorted(rows, key=lambda r: r.layer)
+
+
+def _groups(rows: list[_Row], max_bytes: int) -> list[list[_Row]]:
+    """Consecutive layers, each group at most ``max_bytes`` (a bigger layer on its own)."""
+    nbytes: dict[int, int] = {}
+    for r in rows:
+        shape = r.array.shape[1:] if r.row is not None else r.array.shape
+        nbytes[r.layer] = nbytes.get(r.layer, 0) + int(np.prod(shape)) * np.dtype(
+            r.array.dtype).itemsize
+    groups, size, current = [[]], 0, None
+    for r in rows:
+        if r.layer != current:  # a new layer: start a new group if it would not fit
+            current = r.layer
+            if groups[-1] and size + nbytes[current] > max_bytes:
+                groups.append([])
+                size = 0
+            size += nbytes[current]
+        groups[-1].append(r)
+    return groups
 
 
 def save_safetensors(
@@ -95,50 +167,11 @@ def save_safetensors(
         wrong type.
       ValueError: as :func:`load_checkpoint` for names that do not fit.
     """
-    pattern = None if pattern is None else _check.integer(pattern, _SAVE, "pattern", minimum=1)
-    max_file_bytes = _check.integer(max_file_bytes, _SAVE, "max_file_bytes", minimum=1)
-    if not isinstance(overwrite, (bool, np.bool_)):
-        raise TypeError(f"{_SAVE}: `overwrite` must be True or False, got {overwrite!r}.")
+    pattern, max_file_bytes = _check_options(pattern, max_file_bytes, "max_file_bytes",
+                                             overwrite, _SAVE)
     safetensors_numpy = need("safetensors.numpy", "safetensors", _SAVE)
     directory = os.fspath(directory)
-    tensors, rows = {}, []
-    flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
-            for p, a in jax.tree_util.tree_leaves_with_path(params) if _is_array(a)]
-    for path, keys, a in flat:
-        if _check.is_abstract(a):
-            raise TypeError(
-                f"{_SAVE}: leaf {path} is abstract ({a}, as `jax.eval_shape` gives): it has "
-                "no values to save. Pass the params themselves (e.g. as `load_checkpoint` "
-                "returns them)."
-            )
-        spec = _lookup(names, [_key(k) for k in keys], path, _SAVE)
-        _check_template(spec, path, _SAVE)
-        _check_layout(spec, _check.leaf_shape(a, _SAVE, path), pattern, path, _SAVE)
-        if spec.per_layer:
-            p, step = spec.position or 0, pattern or 1
-            for j in range(a.shape[0]):
-                name = spec.name.format(p + j * step)
-                rows.append((p + j * step, name, path, spec, a, j))
-        else:
-            rows.append((-1, spec.name, path, spec, a, None))
-    for _, name, path, *_ in rows:
-        if name in tensors:
-            raise ValueError(f"{_SAVE}: leaves {tensors[name]} and {path} both save {name!r}.")
-        tensors[name] = path
-    rows.sort(key=lambda r: r[0])  # the leaves outside the stack first, then layer by layer
-    nbytes = {}
-    for layer, _, _, _, a, j in rows:
-        shape = a.shape[1:] if j is not None else a.shape
-        nbytes[layer] = nbytes.get(layer, 0) + int(np.prod(shape)) * np.dtype(a.dtype).itemsize
-    groups, size, current = [[]], 0, None
-    for r in rows:
-        if r[0] != current:  # a new layer: start a new file if it would not fit
-            current = r[0]
-            if groups[-1] and size + nbytes[current] > max_file_bytes:
-                groups.append([])
-                size = 0
-            size += nbytes[current]
-        groups[-1].append(r)
+    groups = _groups(_rows(params, names, pattern, _SAVE), max_file_bytes)
     files = (
         ["model.safetensors"]
         if len(groups) == 1
@@ -158,7 +191,7 @@ def save_safetensors(
         arrays = {}
         for _, name, path, spec, a, j in group:
             x = np.asarray(jax.device_get(a[j] if j is not None else a))
-            arrays[name] = _stored(spec, x, path)
+            arrays[name] = np.ascontiguousarray(_stored(spec, x, path, _SAVE))
             weight_map[name] = file
             total += arrays[name].nbytes
         final = os.path.join(directory, file)
@@ -173,3 +206,141 @@ def save_safetensors(
         os.replace(index + ".tmp", index)
         written.append(index)
     return written
+
+
+def _loop_tree(rows: list[_Row], values: list[Any], who: str) -> dict:
+    """The loop's tree of ``values``, one per row: each name's parts (split at ".") its keys,
+    as orbax's checkpoints name their arrays (and :func:`open_checkpoint` reads them)."""
+    tree: dict = {}
+    for r, value in zip(rows, values):
+        *keys, last = r.name.split(".")
+        node = tree
+        for k in keys:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or last in node:
+            raise ValueError(
+                f"{who}: the tensor {r.name!r} (leaf {r.path}) cannot be a leaf of the loop's "
+                "tree (its keys are a name's parts between dots): another name's parts are a "
+                "prefix of its own, or its own of another's. Rename one of them."
+            )
+        node[last] = value
+    return tree
+
+
+def save_orbax(
+    params: Any,
+    names: Any,
+    directory: str | os.PathLike,
+    *,
+    pattern: int | None = None,
+    max_group_bytes: int = 1 << 30,
+    overwrite: bool = False,
+) -> str:
+    """Saves stacked params as an orbax checkpoint in the loop's layout, a group of layers at
+    a time.
+
+    The inverse of :func:`load_checkpoint` from an orbax checkpoint, with the
+    same ``names``: each tensor's name, split at its dots, is its path in the
+    loop's tree (``"layers_{}.up.kernel"``: layer i's leaf at
+    ``["layers_i"]["up"]["kernel"]``), row j of each stacked leaf is saved as
+    its layer's array (the transforms undone), the other leaves whole. The
+    layers are written a group at a time (orbax's partial saves, finalised
+    into one checkpoint), each group's slices made on the devices, so no more
+    than about ``max_group_bytes`` beyond the params is ever held, on the
+    devices or the host. The checkpoint is written next to ``directory``
+    and renamed into place once whole. A round trip is bitwise.
+
+    >>> import jax, jax.numpy as jnp, stackwise, tempfile, os
+    >>> import orbax.checkpoint as ocp
+    >>> params = {"up": {"kernel": jnp.arange(12.0).reshape(3, 2, 2)}}
+    >>> names = {"up": {"kernel": "layers_{}.up.kernel"}}
+    >>> path = stackwise.save_orbax(params, names, os.path.join(tempfile.mkdtemp(), "loop"))
+    >>> loop = ocp.StandardCheckpointer().restore(path, jax.eval_shape(
+    ...     lambda: {f"layers_{i}": {"up": {"kernel": params["up"]["kernel"][i]}}
+    ...              for i in range(3)}))
+    >>> loop["layers_2"]["up"]["kernel"].tolist()
+    [[8.0, 9.0], [10.0, 11.0]]
+    >>> back = stackwise.load_checkpoint(path, params, names)
+    >>> bool((back["up"]["kernel"] == params["up"]["kernel"]).all())
+    True
+
+    Args:
+      params: the stacked params (sharded or not), as ``load_checkpoint``
+        returns them.
+      names: the names tree, as for :func:`load_checkpoint`; its names'
+        parts (between dots) are the loop tree's keys.
+      directory: the checkpoint to write (a new folder; its parent is
+        created if missing).
+      pattern: as for :func:`load_checkpoint`.
+      max_group_bytes: the most bytes of layers written at once (a bigger
+        layer is written on its own).
+      overwrite: replace a checkpoint already at ``directory``; without it,
+        an existing ``directory`` that is not empty is an error and nothing
+        is written.
+
+    Returns:
+      The path of the saved pytree (``directory/state``): what
+      :func:`load_checkpoint`, :func:`inspect_checkpoint` and orbax's
+      ``StandardCheckpointer().restore`` read.
+
+    Raises:
+      FileExistsError: ``directory`` exists, is not empty, and ``overwrite``
+        is False.
+      TypeError: an abstract leaf (nothing to save), or ``pattern``,
+        ``max_group_bytes`` or ``overwrite`` of the wrong type.
+      ValueError: as :func:`load_checkpoint` for names that do not fit, or
+        two names of which one's parts are a prefix of the other's.
+      ImportError: orbax is missing (``pip install 'stackwise[orbax]'``), or
+        too old for partial saves.
+      NotImplementedError: more than one JAX process (a multi-host run).
+    """
+    pattern, max_group_bytes = _check_options(pattern, max_group_bytes, "max_group_bytes",
+                                              overwrite, _ORBAX)
+    need("orbax.checkpoint", "orbax", _ORBAX)
+    try:
+        partial = importlib.import_module("orbax.checkpoint.experimental.v1.partial")
+    except ImportError:
+        raise ImportError(
+            f"{_ORBAX} needs orbax's partial saves (orbax.checkpoint.experimental.v1.partial, "
+            "in orbax-checkpoint 0.12.8, say), which this orbax-checkpoint lacks: "
+            "pip install -U orbax-checkpoint"
+        ) from None
+    if jax.process_count() > 1:  # every process would stage, rename and clear the folder
+        raise NotImplementedError(
+            f"{_ORBAX} writes from one process; this is process {jax.process_index()} of "
+            f"{jax.process_count()}. Save the stacked params with orbax's CheckpointManager "
+            "(every process writes its shards) and convert on one host."
+        )
+    directory = os.path.abspath(os.fspath(directory))
+    rows = _rows(params, names, pattern, _ORBAX)
+    _loop_tree(rows, rows, _ORBAX)  # every name a leaf of one tree: checked before writing
+    groups = _groups(rows, max_group_bytes)
+    if os.path.exists(directory) and not overwrite and (
+        not os.path.isdir(directory) or os.listdir(directory)
+    ):
+        raise FileExistsError(
+            f"{_ORBAX}: {directory} already exists and is not empty; stackwise never "
+            "overwrites a checkpoint unless asked: pass overwrite=True, or save to a new "
+            "directory."
+        )
+    parent, name = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f"{name}.stackwise-tmp")
+    for leftover in os.listdir(parent):  # an earlier save's, interrupted
+        if leftover.startswith(f"{name}.stackwise-tmp"):
+            shutil.rmtree(os.path.join(parent, leftover))
+    for group in groups:
+        arrays = [_stored(r.spec, r.array[r.row] if r.row is not None else r.array, r.path,
+                          _ORBAX) for r in group]
+        partial.save(staging, _loop_tree(group, arrays, _ORBAX))
+        del arrays
+    partial.finalize(staging)
+    if os.path.exists(directory):  # overwrite=True (checked above): the new one is whole
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        else:
+            os.remove(directory)
+    os.replace(staging, directory)
+    return os.path.join(directory, "state")

@@ -1,8 +1,9 @@
 """Checkpoints on 8 simulated devices: a per-layer safetensors (and a loop-layout orbax)
 checkpoint loaded into FSDP and tensor-parallel shardings equals the unsharded load, and each
 device's callback reads only its own shard's bytes (counted); orbax's CheckpointManager
-restores stacked params and optimizer state onto another mesh than they were saved from; a
-mesh that does not divide a leaf is refused, naming it.
+restores stacked params and optimizer state onto another mesh than they were saved from;
+sharded params saved as per-layer safetensors and as a loop-layout orbax checkpoint
+(stackwise.save_orbax), bitwise; a mesh that does not divide a leaf is refused, naming it.
 
 Runs in a subprocess with 8 simulated CPU devices (see ``_CASES``).
 """
@@ -169,7 +170,18 @@ def _case_save_sharded():
     back = stackwise.open_checkpoint(out)
     same = sorted(back.tensors) == sorted(arrays) and all(
         bool((back.read(n) == a).all()) for n, a in arrays.items())
-    return {"files": len(written), "bitwise": same}
+    # The same params to an orbax checkpoint in the loop's layout, two layers at a time, and
+    # back onto the mesh, bitwise.
+    path = stackwise.save_orbax(params, names, os.path.join(tempfile.mkdtemp(), "loop"),
+                                max_group_bytes=2 * (E * F + E) * 4)
+    loop = stackwise.open_checkpoint(path)
+    loop_same = sorted(loop.tensors) == sorted(arrays) and all(
+        bool((loop.read(n) == a).all()) for n, a in arrays.items())
+    again = stackwise.load_checkpoint(path, target, names, shardings=fsdp)
+    again_same = all(bool((np.asarray(a) == np.asarray(b)).all()) and a.sharding == b.sharding
+                     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)))
+    return {"files": len(written), "bitwise": same, "orbax_bitwise": loop_same,
+            "orbax_back_bitwise": again_same}
 
 
 _CASES = {
@@ -222,6 +234,7 @@ def test_orbax_loop_layout_and_manager_onto_another_mesh(multi_device):
 def test_save_from_sharded_params_is_bitwise(multi_device):
     r = result(multi_device, "save_sharded")
     assert r["bitwise"] and r["files"] > 2
+    assert r["orbax_bitwise"] and r["orbax_back_bitwise"]
 
 
 if __name__ == "__main__":

@@ -133,15 +133,20 @@ ADAPTERS = ("haiku", "flax", "nnx", "equinox")
 
 @pytest.fixture(scope="module")
 def adapter_runs(tmp_path_factory, env) -> dict:
-    """A smoke run of each installed adapter framework, all in one process (one start-up of
-    JAX and the frameworks): ``{framework: (result, checkpoint)}``."""
+    """A smoke run of each installed adapter framework exporting per-layer safetensors, then
+    sampling from each export, all in one process (one start-up of JAX and the frameworks):
+    ``{framework: (result, checkpoint, export, loaded)}``."""
     tmp = tmp_path_factory.mktemp("adapters")
     installed = [f for f in ADAPTERS if importlib.util.find_spec(f"stackwise.{f}") is not None]
     installed = [f for f in installed if importlib.util.find_spec(
         {"haiku": "haiku", "nnx": "flax"}.get(f, f)) is not None]
-    runs = [f"--framework {f} --steps 3 {TINY} --checkpoint {tmp / f}" for f in installed]
+    runs = [f"--framework {f} --steps 3 {TINY} --checkpoint {tmp / f} --export {tmp / f}_hf"
+            for f in installed]
+    runs += [f"--load-safetensors {tmp / f}_hf --sample-len 12 --quiet" for f in installed]
     results = run_example(env, *runs)
-    return {f: (r, tmp / f) for f, r in zip(installed, results)}
+    n = len(installed)
+    return {f: (r, tmp / f, tmp / f"{f}_hf", loaded)
+            for f, r, loaded in zip(installed, results[:n], results[n:])}
 
 
 @pytest.mark.slow
@@ -149,9 +154,20 @@ def adapter_runs(tmp_path_factory, env) -> dict:
 def test_adapter_frameworks(framework, adapter_runs):
     if framework not in adapter_runs:
         pytest.skip(f"stackwise.{framework} or its framework is not installed")
-    result, ckpt = adapter_runs[framework]
+    result, ckpt, export, loaded = adapter_runs[framework]
     check_run(result, framework, 3)
     assert load_example().read_meta(ckpt)["run"]["framework"] == framework
+    # The export: the same Hugging Face-style checkpoint as the pure-JAX model's (names,
+    # torch's (out, in) shapes), whatever the framework's own names and layouts; sampled from
+    # (stackwise.load_checkpoint into the framework's params), the same model.
+    shapes = safetensors_shapes(export)
+    assert shapes["model.layers.1.self_attn.qkv_proj.weight"] == [96, 32]
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == [32, 128]
+    assert shapes["model.layers.0.input_layernorm.bias"] == [32]
+    assert shapes["lm_head.weight"][1] == 32 and len(shapes) == 5 + 2 * 10
+    assert loaded["framework"] == framework and "losses" not in loaded
+    assert loaded["sample"] == result["sample"]
+    assert loaded["loop_diff"] <= LOGITS_ATOL and loaded["cache_diff"] <= LOGITS_ATOL
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """The misuse catalogue of the checkpoint calls (load_checkpoint, save_safetensors,
-open_checkpoint, inspect_checkpoint): each bad input, the error type, and what the message
-must name (the file, the tensor, the layer, the leaf) and the fix it gives. Nothing is
+save_orbax, open_checkpoint, inspect_checkpoint): each bad input, the error type, and what the
+message must name (the file, the tensor, the layer, the leaf) and the fix it gives. Nothing is
 returned partly loaded, and nothing on disk is overwritten unless asked."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import jax
@@ -187,6 +188,29 @@ CASES = {
         _save(pattern=2), ValueError, ["pattern=2", "'l.{}.w'", "position=p"]),
     "saving a scalar under a per-layer name": (
         _save({"w": jnp.zeros(())}), ValueError, ["leaf ['w']", "scalar", "without `{}`"]),
+    "saving orbax over a checkpoint": (
+        lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4, 2))}, W, root),
+        FileExistsError, ["save_orbax", "ckpt", "already exists and is not empty",
+                          "overwrite=True"]),
+    "saving orbax abstract params": (
+        lambda root: stackwise.save_orbax(ONE, W, root / "new5"),
+        TypeError, ["save_orbax", "leaf ['w']", "abstract", "no values to save"]),
+    "saving orbax with max_group_bytes 0": (
+        lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4, 2))}, W, root / "new5",
+                                          max_group_bytes=0),
+        ValueError, ["save_orbax", "`max_group_bytes`", "at least 1"]),
+    "saving orbax with overwrite a string": (
+        lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4, 2))}, W, root / "new5",
+                                          overwrite="yes"),
+        TypeError, ["save_orbax", "`overwrite`", "True or False", "'yes'"]),
+    "saving orbax a name inside another's (a leaf, not a subtree)": (
+        lambda root: stackwise.save_orbax({"a": jnp.zeros(2), "b": jnp.zeros(2)},
+                                          {"a": "x.y", "b": "x.y.z"}, root / "new5"),
+        ValueError, ["save_orbax", "'x.y.z'", "leaf ['b']", "prefix", "Rename"]),
+    "saving orbax a name over another's subtree": (
+        lambda root: stackwise.save_orbax({"a": jnp.zeros(2), "b": jnp.zeros(2)},
+                                          {"a": "x.y.z", "b": "x.y"}, root / "new5"),
+        ValueError, ["save_orbax", "'x.y'", "leaf ['b']", "prefix", "Rename"]),
     "a Tensor position that is not an int": (
         lambda root: Tensor("l.{}.w", position="1"), TypeError,
         ["stackwise.Tensor('l.{}.w')", "`position`", "'1'"]),
@@ -230,6 +254,27 @@ def test_a_missing_reader_says_which_extra(files, monkeypatch, module, extra):
         (source / "_METADATA").write_text("{}")
     with pytest.raises(ImportError, match=rf"pip install 'stackwise\[{extra}\]'"):
         stackwise.open_checkpoint(source)
+
+
+@pytest.mark.parametrize("module, hint", [
+    ("orbax.checkpoint", "pip install 'stackwise[orbax]'"),
+    ("orbax.checkpoint.experimental.v1.partial", "pip install -U orbax-checkpoint")])
+def test_save_orbax_without_orbax_or_its_partial_saves_says_what_to_install(
+        tmp_path, monkeypatch, module, hint):
+    pytest.importorskip("orbax.checkpoint")
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed (or too old)
+    with pytest.raises(ImportError, match=re.escape(hint)) as info:
+        stackwise.save_orbax({"w": jnp.zeros((2, 1))}, {"w": "l.{}.w"}, tmp_path / "new")
+    assert "stackwise.save_orbax" in str(info.value) and not (tmp_path / "new").exists()
+
+
+def test_save_orbax_refuses_a_multi_process_run(tmp_path, monkeypatch):
+    pytest.importorskip("orbax.checkpoint")
+    monkeypatch.setattr(jax, "process_count", lambda: 4)  # as on a pod's hosts
+    with pytest.raises(NotImplementedError, match=r"stackwise.save_orbax writes from one "
+                       r"process; this is process 0 of 4\. .*CheckpointManager"):
+        stackwise.save_orbax({"w": jnp.zeros((2, 1))}, {"w": "l.{}.w"}, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
 
 
 def test_an_unreadable_orbax_checkpoint_names_the_folder(tmp_path):
