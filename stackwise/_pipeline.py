@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the layer axis: GPipe and circular schedules.
+"""Pipeline parallelism over the layer axis: GPipe, circular and 1F1B schedules.
 
 The n layers are split into S stages along a mesh axis and the batch into M
 microbatches; :func:`jax.shard_map` runs one program per device, a
@@ -10,7 +10,8 @@ remat) and per-layer arguments are resolved by the core's marker handling.
 The module reads top-down: :func:`pipeline` checks its arguments into a
 :class:`_Plan`; :func:`_split_args` sorts the call's arguments; :func:`_place`
 moves the inputs to their layout on the mesh; :func:`_device_program` is one
-device's program and :func:`_tick` one step of it.
+device's program and :func:`_tick` one step of it. The 1F1B schedule, which
+needs the loss, is in ``_pipeline_1f1b.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from stackwise import _check
+from stackwise import _check, _pipeline_1f1b
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
 from stackwise._pipeline_program import (
@@ -32,13 +33,14 @@ from stackwise._pipeline_program import (
     _out_spec,
     _place,
     _Plan,
+    _reshard,
     _to_chunks,
 )
 from stackwise._stack import DEFAULT_REMAT, Stacked, stack
 
 __all__ = ["pipeline"]
 
-_SCHEDULES = ("gpipe", "circular")
+_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 # --------------------------------------------------------------------------
@@ -89,11 +91,12 @@ def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _P
         D = _mesh_axis(mesh, data_axis, "data_axis")
     if schedule not in _SCHEDULES:
         raise ValueError(f"{_WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
-    if schedule == "gpipe":
+    if schedule != "circular":
         if repeats not in (None, 1):
             raise ValueError(
-                f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'`; the 'gpipe' "
-                "schedule runs each stage's layers once per microbatch."
+                f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'`; the "
+                f"{schedule!r} schedule runs each stage's layers once per microbatch"
+                + (" (interleaved 1F1B is not implemented)." if schedule == "1f1b" else ".")
             )
         V = 1
     else:
@@ -141,6 +144,7 @@ def pipeline(
     nested: bool | int = False,
     unroll: int | bool = 1,
     has_aux: bool = False,
+    loss: Callable[..., Any] | None = None,
 ) -> Stacked:
     """:func:`stackwise.stack` with the layers run as pipeline stages on a mesh axis.
 
@@ -251,6 +255,7 @@ def pipeline(
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
+    _check_loss_option(schedule, loss, has_aux)
 
     def stage(call: _Call) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""
@@ -260,6 +265,14 @@ def pipeline(
         )
 
     def pipelined(params, x, *args, **kwargs):
+        if loss is not None:
+            if not args:
+                raise TypeError(
+                    f"{_WHO} apply: with schedule='1f1b' the call is `apply(params, x, "
+                    "targets, *args)`: `targets` (the per-example values `loss(y, targets)` "
+                    "takes, or None) is missing."
+                )
+            targets, args = args[0], args[1:]
         params = _device_layout(params, plan)
         _check_batch(x, plan, "x")
         call = _split_args(args, kwargs, n)
@@ -271,17 +284,61 @@ def pipeline(
         layer_spec = PartitionSpec(None, plan.stage_axis)
         batch_spec = PartitionSpec(plan.data_axis)
         out_spec = _out_spec(x, plan)
-        run = jax.shard_map(
-            lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
-            mesh=mesh,
-            in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
-            out_specs=(out_spec, PartitionSpec()),
-            axis_names=frozenset(plan.manual),
+
+        def forward(inputs):
+            run = jax.shard_map(
+                lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
+                mesh=mesh,
+                in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
+                out_specs=(out_spec, PartitionSpec()),
+                axis_names=frozenset(plan.manual),
+            )
+            return run(*inputs)
+
+        if loss is None:
+            y, aux = forward(inputs)
+            return (y, aux) if has_aux else y
+        _check_batch(targets, plan, "targets")
+        _check_same_batch(targets, x, "targets")
+        _pipeline_1f1b.check_loss(loss, x, targets, plan)
+        targets = _place_targets(targets, mesh, plan)
+        return _pipeline_1f1b.loss_and_grads(
+            stage(call), plan, mesh, loss, lambda i: forward(i)[0], inputs, targets
         )
-        y, aux = run(*inputs)
-        return (y, aux) if has_aux else y
 
     return Stacked(plain.init, pipelined, n)
+
+
+def _check_loss_option(schedule: str, loss: Any, has_aux: bool) -> None:
+    """``loss=`` comes with ``schedule='1f1b'`` and only with it."""
+    if schedule == "1f1b" and loss is None:
+        raise ValueError(
+            f"{_WHO}: schedule='1f1b' needs `loss=`: a microbatch's backward pass starts as "
+            "soon as its forward leaves the last stage, so the pipeline computes the loss "
+            "itself. Pass `loss=lambda y, targets: ...` (one float scalar per microbatch); "
+            "`apply(params, x, targets, *args)` then returns its mean over microbatches."
+        )
+    if loss is not None and schedule != "1f1b":
+        raise ValueError(
+            f"{_WHO}: `loss=` is for schedule='1f1b', got schedule={schedule!r}. Pass "
+            "schedule='1f1b', or drop `loss=` and apply the loss to the pipeline's output."
+        )
+    if loss is not None and not callable(loss):
+        raise TypeError(
+            f"{_WHO}: `loss` must be a function `loss(y, targets)` returning a float scalar "
+            f"per microbatch, got {type(loss).__name__} {loss!r}."
+        )
+    if loss is not None and has_aux:
+        raise ValueError(
+            f"{_WHO}: schedule='1f1b' does not take `has_aux=True`: the pipeline returns the "
+            "loss only. Add the aux term to the carry (a pytree `x`) and to `loss`, or use "
+            "schedule='gpipe' with has_aux=True."
+        )
+
+
+def _place_targets(targets: Any, mesh: Any, plan: _Plan) -> Any:
+    """With explicit mesh axes, the targets split over the batch like ``x``."""
+    return _reshard(targets, mesh, (plan.data_axis,), plan.manual) if plan.explicit else targets
 
 
 # --------------------------------------------------------------------------
