@@ -172,6 +172,19 @@ def pipeline(
     >>> bool(jnp.allclose(y, layers.apply(params, x), atol=1e-5))
     True
 
+    With ``schedule="1f1b"`` the pipeline computes the loss too (``apply``
+    then takes the targets after ``x`` and returns the mean loss over the
+    microbatches), so that each microbatch's backward pass starts as soon as
+    its forward pass leaves the last stage:
+
+    >>> mse = lambda y, t: jnp.mean((y - t) ** 2)
+    >>> trained = stackwise.pipeline(init, apply, 4, mesh, microbatches=3,
+    ...                              schedule="1f1b", loss=mse)
+    >>> targets = jnp.zeros((6, 8))
+    >>> loss, grads = jax.jit(jax.value_and_grad(trained.apply))(params, x, targets)
+    >>> bool(jnp.allclose(loss, mse(layers.apply(params, x), targets), atol=1e-5))
+    True
+
     Schedules (``T`` ticks; in each, every stage runs ``n/(S*V)`` layers on
     one microbatch):
 
@@ -186,6 +199,22 @@ def pipeline(
       ``stackwise.shard_stacked(params, mesh, layer_axis=stage_axis,
       repeats=V)`` (leaves ``(V, n/V, ...)``), are used as they are, and their
       gradients come back in that layout.
+    * ``"1f1b"`` (one forward, one backward; needs ``loss``): ``apply(params,
+      x, targets, *args, **kwargs)`` returns the mean over the M (times the
+      data-axis size) microbatches of ``loss(y_m, targets_m)``, ``targets`` a
+      pytree split into microbatches with ``x`` (or ``None``). Under
+      :func:`jax.grad` (reverse mode only: it is a :func:`jax.custom_vjp`)
+      every tick runs, on each stage, the forward of one microbatch and the
+      backward of an earlier one: stage s runs the forward of microbatch
+      ``t - s`` and the backward of ``t - (2S - 2 - s)`` at tick t, the last
+      stage a microbatch's forward, loss and backward in one tick. The
+      backward recomputes the stage's forward from its input (the stage's
+      ``remat`` applies inside it), kept in a ring of ``min(M, 2S - 1)``
+      inputs: activation memory is bounded by S, not M. ``T = M + 2S - 2``
+      ticks of one forward and one backward each (all stages in lockstep,
+      idle slots computed and masked): a bubble of (2S-2)/(M+2S-2). Without
+      differentiation the GPipe forward and the loss run. Not with
+      ``repeats > 1`` (no interleaved 1F1B) or ``has_aux``.
 
     Where things are: the params' layer axis is split over ``stage_axis``;
     with ``data_axis`` the batch is also split over that mesh axis and the
@@ -215,7 +244,7 @@ def pipeline(
       microbatches: M; it (times the ``data_axis`` size) must divide the batch.
       stage_axis: the mesh axis the stages are laid out on.
       data_axis: a mesh axis to split the batch over as well, or ``None``.
-      schedule: ``"gpipe"`` or ``"circular"``.
+      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
       repeats: for ``"circular"``: V, the chunks per stage (default ``n // S``:
         one layer per chunk, the smallest bubble).
       remat, nested, unroll: passed to :func:`stackwise.stack` for each stage.
@@ -223,6 +252,8 @@ def pipeline(
         with aux stacked along a leading ``n`` axis, each layer's summed over
         microbatches and data shards (bubble ticks excluded): for an aux that
         is a sum over examples it equals the unpipelined stack's.
+      loss: for ``"1f1b"`` (and only for it): ``loss(y, targets)``, one float
+        scalar for a microbatch's output ``y`` and its rows of ``targets``.
 
     Returns:
       A :class:`stackwise.Stacked`.
@@ -232,9 +263,12 @@ def pipeline(
         ``repeats``, a non-callable ``apply``.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
-        ``"circular"``, an unknown ``schedule``; at call time, a batch not
-        divisible by ``M`` (times the data-axis size) or params of neither
-        layout.
+        ``"circular"``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
+        or with ``has_aux``/``repeats``, ``loss`` with another schedule; at
+        call time, a batch (of ``x``, per-example arguments or ``targets``)
+        not divisible by ``M`` (times the data-axis size) or params of
+        neither layout. TypeError for a ``loss`` that is not a function or
+        does not return a float scalar, and missing ``targets``.
     """
     if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
         raise TypeError(
