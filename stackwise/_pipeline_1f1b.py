@@ -66,11 +66,16 @@ def _vjp(f: Callable[[Any], Any], tree: Any) -> tuple[Any, Callable[[list], list
 
 def check_loss(loss: Callable[..., Any], y: Any, targets: Any, plan: _Plan) -> None:
     """``loss(y_m, targets_m)`` is a float scalar (traced abstractly, before the pipeline)."""
-    rows = lambda t: jax.tree.map(  # noqa: E731
-        lambda v: jax.ShapeDtypeStruct((jnp.shape(v)[0] // (plan.M * plan.D), *jnp.shape(v)[1:]),
-                                       jnp.result_type(v)),
-        t,
-    )
+
+    def rows(tree):
+        split = plan.M * plan.D
+        return jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(
+                (jnp.shape(v)[0] // split, *jnp.shape(v)[1:]), jnp.result_type(v)
+            ),
+            tree,
+        )
+
     out = jax.eval_shape(loss, rows(y), rows(targets))
     if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and _inexact(out)):
         got = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
@@ -104,9 +109,10 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets):
         y = forward(tuple(ins))
         if plan.explicit:  # y split like the targets, for the vmap below
             y = _reshard(y, mesh, (plan.data_axis,), plan.manual)
-        split = lambda t: jax.tree.map(  # noqa: E731
-            lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), t
-        )
+
+        def split(tree):
+            return jax.tree.map(lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), tree)
+
         return jnp.mean(jax.vmap(loss)(split(y), split(tg)))
 
     def schedule(diff):
@@ -126,8 +132,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets):
     def bwd(grads, g):
         it = iter(jax.tree.leaves(grads))
         out = [
-            (g * next(it)).astype(jnp.result_type(v)) if f
-            else np.zeros(shape, jax.dtypes.float0)
+            (g * next(it)).astype(jnp.result_type(v)) if f else np.zeros(shape, jax.dtypes.float0)
             for v, (shape, f) in zip(leaves, avals)
         ]
         return (jax.tree.unflatten(treedef, out),)

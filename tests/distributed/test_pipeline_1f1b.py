@@ -187,7 +187,8 @@ def _case_memory():
         kw = dict(microbatches=m, data_axis="data", remat=True)
         f1 = stackwise.pipeline(None, apply, n, mesh, schedule="1f1b", loss=_mse, **kw)
         gp = stackwise.pipeline(None, apply, n, mesh, **kw)
-        for name, f in (("1f1b", f1.apply), ("gpipe", lambda p, x, t: _mse(gp.apply(p, x), t))):
+        gpipe_loss = lambda p, x, t, gp=gp: _mse(gp.apply(p, x), t)  # noqa: E731
+        for name, f in (("1f1b", f1.apply), ("gpipe", gpipe_loss)):
             compiled = jax.jit(jax.grad(f)).lower(params, x, x).compile()
             out[f"{name}_M{m}"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
     return out
