@@ -202,7 +202,10 @@ def pipeline(
     * ``"1f1b"`` (one forward, one backward; needs ``loss``): ``apply(params,
       x, targets, *args, **kwargs)`` returns the mean over the M (times the
       data-axis size) microbatches of ``loss(y_m, targets_m)``, ``targets`` a
-      pytree split into microbatches with ``x`` (or ``None``). Under
+      pytree split into microbatches with ``x`` (or ``None``); with the keyword
+      ``apply(..., loss_params=head)``, of ``loss(y_m, targets_m, head)``: the
+      params of what follows the stack (an output head), whole on every device,
+      their gradient summed over the microbatches. Under
       :func:`jax.grad` (reverse mode only: it is a :func:`jax.custom_vjp`)
       every tick runs, on each stage, the forward of one microbatch and the
       backward of an earlier one: stage s runs the forward of microbatch
@@ -253,7 +256,8 @@ def pipeline(
         microbatches and data shards (bubble ticks excluded): for an aux that
         is a sum over examples it equals the unpipelined stack's.
       loss: for ``"1f1b"`` (and only for it): ``loss(y, targets)``, one float
-        scalar for a microbatch's output ``y`` and its rows of ``targets``.
+        scalar for a microbatch's output ``y`` and its rows of ``targets``
+        (``loss(y, targets, loss_params)`` when ``apply`` is given ``loss_params=``).
 
     Returns:
       A :class:`stackwise.Stacked`.
@@ -307,6 +311,7 @@ def pipeline(
                     "takes, or None) is missing."
                 )
             targets, args = args[0], args[1:]
+            loss_params = kwargs.pop("loss_params", None)
         params = _device_layout(params, plan)
         _check_batch(x, plan, "x")
         call = _split_args(args, kwargs, n)
@@ -334,10 +339,14 @@ def pipeline(
             return (y, aux) if has_aux else y
         _check_batch(targets, plan, "targets")
         _check_same_batch(targets, x, "targets")
-        _pipeline_1f1b.check_loss(loss, x, targets, plan)
+        _pipeline_1f1b.check_loss(loss, x, targets, loss_params, plan)
         targets = _place_targets(targets, mesh, plan)
+        if plan.explicit:
+            loss_params = _reshard(loss_params, mesh, (), plan.manual)
+        head = _pipeline_1f1b.with_params(loss, loss_params)
+        run = lambda i: forward(i)[0]  # noqa: E731
         return _pipeline_1f1b.loss_and_grads(
-            stage(call), plan, mesh, loss, lambda i: forward(i)[0], inputs, targets
+            stage(call), plan, mesh, head, run, inputs, targets, loss_params
         )
 
     return Stacked(plain.init, pipelined, n)

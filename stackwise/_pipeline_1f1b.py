@@ -64,8 +64,16 @@ def _vjp(f: Callable[[Any], Any], tree: Any) -> tuple[Any, Callable[[list], list
     return out, lambda ct: list(pull(ct))
 
 
-def check_loss(loss: Callable[..., Any], y: Any, targets: Any, plan: _Plan) -> None:
-    """``loss(y_m, targets_m)`` is a float scalar (traced abstractly, before the pipeline)."""
+def with_params(loss: Callable[..., Any], loss_params: Any) -> Callable[..., Any]:
+    """``loss`` as a function of ``(y, targets, loss_params)``, called with the user's arity."""
+    if loss_params is None:
+        return lambda y, t, lp: loss(y, t)
+    return loss
+
+
+def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any, plan: _Plan):
+    """``loss(y_m, targets_m[, loss_params])`` is a float scalar (traced abstractly, before
+    the pipeline)."""
 
     def rows(tree):
         split = plan.M * plan.D
@@ -76,28 +84,41 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, plan: _Plan) -> N
             tree,
         )
 
-    out = jax.eval_shape(loss, rows(y), rows(targets))
+    call = "loss(y, targets)" if loss_params is None else "loss(y, targets, loss_params)"
+    try:
+        out = jax.eval_shape(with_params(loss, loss_params), rows(y), rows(targets), loss_params)
+    except TypeError as e:
+        raise TypeError(
+            f"{_WHO}: with schedule='1f1b' the pipeline calls `{call}` on each microbatch, "
+            f"which raised TypeError: {e}. "
+            + (
+                ""
+                if loss_params is None
+                else "With `loss_params=` given, `loss` takes it as a third argument. "
+            )
+        ) from e
     if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and _inexact(out)):
         got = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
         raise TypeError(
-            f"{_WHO}: with schedule='1f1b', `loss(y, targets)` must return one float scalar "
+            f"{_WHO}: with schedule='1f1b', `{call}` must return one float scalar "
             f"for a microbatch (the pipeline returns the mean over microbatches), got {got}. "
             "Reduce it inside `loss`, e.g. `lambda y, t: jnp.mean((y - t) ** 2)`."
         )
 
 
-def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets):
+def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_params):
     """The mean microbatch loss, differentiable: its forward rule runs the 1F1B schedule.
 
-    ``inputs`` are the pipeline's placed ``(params, slices, x, examples, consts)``;
+    ``inputs`` are the pipeline's placed ``(params, slices, x, examples, consts)``,
+    ``loss`` takes ``(y, targets, loss_params)`` (see :func:`with_params`);
     ``forward(inputs)`` is the GPipe program's output ``y`` (the primal, run when
     nothing differentiates).
     """
-    diff = (*inputs, targets)
+    diff = (*inputs, targets, loss_params)
     leaves, treedef = jax.tree.flatten(diff)
     avals = [(jnp.shape(v), _inexact(v)) for v in leaves]
     layer, batch = PartitionSpec(None, plan.stage_axis), PartitionSpec(plan.data_axis)
-    specs = (layer, layer, batch, batch, PartitionSpec(), batch)
+    specs = (layer, layer, batch, batch, PartitionSpec(), batch, PartitionSpec())
 
     def grads_tree(floats):
         """The float gradients back in ``diff``'s tree, ``None`` at the other leaves."""
@@ -105,7 +126,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets):
         return jax.tree.unflatten(treedef, [next(it) if f else None for _, f in avals])
 
     def primal(diff):
-        *ins, tg = diff
+        *ins, tg, lp = diff
         y = forward(tuple(ins))
         if plan.explicit:  # y split like the targets, for the vmap below
             y = _reshard(y, mesh, (plan.data_axis,), plan.manual)
@@ -113,7 +134,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets):
         def split(tree):
             return jax.tree.map(lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), tree)
 
-        return jnp.mean(jax.vmap(loss)(split(y), split(tg)))
+        return jnp.mean(jax.vmap(loss, in_axes=(0, 0, None))(split(y), split(tg), lp))
 
     def schedule(diff):
         run = jax.shard_map(
@@ -141,16 +162,14 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets):
     return value(diff)
 
 
-def _device_program(stage, plan, loss, grads_tree, params, slices, x, examples, consts, targets):
+def _device_program(stage, plan, loss, grads_tree, *inputs):
     """One device's 1F1B schedule: the summed loss and every float input's gradient."""
     S, M, L = plan.S, plan.M, plan.L
     K = min(M, 2 * S - 1)  # ring slots: stage s has at most 2(S - 1 - s) + 1 in flight
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
     last = s == S - 1
-    params, slices, x, examples, consts, targets = _vary(
-        (params, slices, x, examples, consts, targets), plan.manual
-    )
+    params, slices, x, examples, consts, targets, loss_params = _vary(inputs, plan.manual)
     mbs, examples, targets = (_split_batch(v, M) for v in (x, examples, targets))
     chunks = jax.tree.map(lambda v: v.reshape(L, *v.shape[2:]), (params, slices))
     scale = 1.0 / (M * plan.D)  # the loss is the mean over all M*D microbatches
@@ -170,7 +189,7 @@ def _device_program(stage, plan, loss, grads_tree, params, slices, x, examples, 
 
     def tick(carry, t):
         h, g, ring, acc, total = carry
-        acc_chunks, acc_x, acc_ex, acc_consts, acc_tg = acc
+        acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
         # Forward: microbatch t - s enters this stage (stage 0 takes it from x).
         kf = t - s
         on_f = (kf >= 0) & (kf < M)
@@ -181,19 +200,23 @@ def _device_program(stage, plan, loss, grads_tree, params, slices, x, examples, 
             write(jax.tree.leaves(ring), mf % K, jax.tree.leaves(h_in), on_f),
         )
         y = run_stage(mf)((chunks, h_in, _take(examples, mf), consts))
-        # The loss, on the last stage: its value and its cotangents for y and targets.
-        value, pull_loss = _vjp(lambda a: loss(*a), (y, _take(targets, mf)))
-        dy_dt = pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)])
-        n_y = len(_floats(y))
-        total = total + jnp.where(on_f & last, value[0], 0).astype(total.dtype)
-        acc_tg = write(acc_tg, mf, dy_dt[n_y:], on_f & last)
+        # The loss, on the last stage: its value and cotangents for y, targets, loss_params.
+        value, pull_loss = _vjp(lambda a: loss(*a), (y, _take(targets, mf), loss_params))
+        dy, dt, dlp = _regroup(
+            pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)]),
+            (y, _take(targets, mf), loss_params),
+        )
+        now = on_f & last
+        total = total + jnp.where(now, value[0], 0).astype(total.dtype)
+        acc_tg = write(acc_tg, mf, dt, now)
+        acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
         # Backward: microbatch t - (2S - 2 - s), recomputed from its input in the ring.
         kb = t - (2 * S - 2 - s)
         on_b = (kb >= 0) & (kb < M)
         mb = jnp.clip(kb, 0, M - 1)
         ex_b = _take(examples, mb)
         primals = (chunks, _take(ring, mb % K), ex_b, consts)
-        ct = [jnp.where(last, a, b) for a, b in zip(dy_dt[:n_y], g)]
+        ct = [jnp.where(last, a, b) for a, b in zip(dy, g)]
         _, pull = _vjp(run_stage(mb), primals)
         dchunks, dh, dex, dconsts = _regroup(pull(ct), primals)
         acc = (
@@ -202,6 +225,7 @@ def _device_program(stage, plan, loss, grads_tree, params, slices, x, examples, 
             write(acc_ex, mb, dex, on_b),
             [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
             acc_tg,
+            acc_lp,
         )
         # Activations go one stage on, cotangents one stage back.
         if S > 1:
@@ -212,14 +236,16 @@ def _device_program(stage, plan, loss, grads_tree, params, slices, x, examples, 
     zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
     h0 = _take(mbs, 0)
     out = jax.eval_shape(
-        lambda: loss(run_stage(0)((chunks, h0, _take(examples, 0), consts)), _take(targets, 0))
+        lambda: loss(
+            run_stage(0)((chunks, h0, _take(examples, 0), consts)), _take(targets, 0), loss_params
+        )
     )
     ring0 = jax.tree.map(lambda v: jnp.zeros((K, *v.shape), v.dtype), h0)
-    acc0 = (zeros(chunks), zeros(mbs), zeros(examples), zeros(consts), zeros(targets))
+    acc0 = tuple(zeros(v) for v in (chunks, mbs, examples, consts, targets, loss_params))
     carry = (h0, zeros(h0), ring0, acc0, jnp.zeros((), out.dtype))
     carry = _vary(carry, plan.manual)
     (_, _, _, acc, total), _ = jax.lax.scan(tick, carry, jnp.arange(ticks(plan)))
-    acc_chunks, acc_x, acc_ex, acc_consts, acc_tg = acc
+    acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
     data = (plan.data_axis,) if plan.data_axis else ()
     sum_over = lambda vs, axes: [jax.lax.psum(v, axes) if axes else v for v in vs]  # noqa: E731
     unsplit = lambda vs: [v.reshape(-1, *v.shape[2:]) for v in vs]  # noqa: E731
@@ -232,6 +258,7 @@ def _device_program(stage, plan, loss, grads_tree, params, slices, x, examples, 
         + unsplit(sum_over(acc_ex, stage_axis))
         + sum_over(acc_consts, plan.manual)
         + unsplit(sum_over(acc_tg, stage_axis))
+        + sum_over(acc_lp, plan.manual)
     )
     total = jax.lax.psum(total, plan.manual) * jnp.asarray(scale, total.dtype)
     return total, grads_tree(grads)

@@ -96,17 +96,18 @@ def _arguments_apply(p, x, mask, key, i, gain):
     return jnp.where(keep, y, 0.0) + 0.01 * i, count + 1
 
 
-def _xent(y, labels):
-    """Cross-entropy of integer labels: targets need no gradient."""
+def _xent(y, labels, head):
+    """Cross-entropy of integer labels (targets with no gradient) after an output head."""
     h, count = y
-    logp = jax.nn.log_softmax(h)
+    logp = jax.nn.log_softmax(h @ head)
     return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)) + 0.0 * jnp.sum(count)
 
 
 def _case_arguments():
     """Auto mesh (stage=4, data=2), remat, 8 microbatches: a pytree carry with an int leaf,
-    int targets, per-example / per-layer keys / layer index / per-layer gains, against a
-    loop over the D*M microbatches; grads of params, x, the mask and the gains."""
+    int targets, an output head (loss_params), per-example / per-layer keys / layer index /
+    per-layer gains, against a loop over the D*M microbatches; grads of params, x, the mask,
+    the gains and the head."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
     n, m, data = 4, 4, 2
     pp = stackwise.pipeline(_init, _arguments_apply, n, mesh, microbatches=m,
@@ -118,28 +119,29 @@ def _case_arguments():
     mask = (jnp.arange(16) % 3 != 0).astype(jnp.float32)
     key = jax.random.key(5)
     gains = jnp.linspace(0.5, 1.5, n)
+    head = jax.random.normal(jax.random.key(4), (D, D))
 
-    def apply(params, x, mask, gains):
+    def apply(params, x, mask, gains, head):
         return pp.apply(params, (x, counts), labels, stackwise.per_example(mask),
                         stackwise.per_layer_keys(key), stackwise.layer_index(),
-                        stackwise.per_layer(gains))
+                        stackwise.per_layer(gains), loss_params=head)
 
-    def reference(params, x, mask, gains):
+    def reference(params, x, mask, gains, head):
         def one(x_j, c_j, mask_j, labels_j, j):
             h = (x_j, c_j)
             for i, p in enumerate(stackwise.unstack_layers(params)):
                 key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
                 h = _arguments_apply(p, h, mask_j, key_ij, jnp.int32(i), gains[i])
-            return _xent(h, labels_j)
+            return _xent(h, labels_j, head)
 
         split = lambda v: v.reshape(m * data, -1, *v.shape[1:])  # noqa: E731
         losses = jax.vmap(one)(split(x), split(counts), split(mask), split(labels),
                                jnp.arange(m * data))
         return jnp.mean(losses)
 
-    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))  # noqa: E731
-    v, g = grad(apply)(params, x, mask, gains)
-    v_ref, g_ref = grad(reference)(params, x, mask, gains)
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))  # noqa: E731
+    v, g = grad(apply)(params, x, mask, gains, head)
+    v_ref, g_ref = grad(reference)(params, x, mask, gains, head)
     return {"max_err": max(abs(float(v - v_ref)), _diff(g, g_ref))}
 
 

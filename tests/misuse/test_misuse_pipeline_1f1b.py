@@ -30,8 +30,8 @@ def _1f1b(**kw):
     return stackwise.pipeline(None, _apply, 2, MESH, microbatches=2, schedule="1f1b", **kw)
 
 
-def _call(pp, *args):
-    return jax.eval_shape(pp.apply, PARAMS, jnp.ones((4, 3)), *args)
+def _call(pp, *args, **kwargs):
+    return jax.eval_shape(lambda *a: pp.apply(*a, **kwargs), PARAMS, jnp.ones((4, 3)), *args)
 
 
 MISUSES = [
@@ -100,6 +100,13 @@ MISUSES = [
         "`loss(y, targets)` must return one float scalar",
         "float32[2, 3]",
         "jnp.mean",
+    ),
+    case(
+        "1f1b loss_params= with a loss of two arguments",
+        lambda: _call(_1f1b(loss=_mse), jnp.ones((4, 3)), loss_params=jnp.ones(3)),
+        TypeError,
+        "`loss(y, targets, loss_params)`",
+        "third argument",
     ),
     case(
         "1f1b loss that is an int",
