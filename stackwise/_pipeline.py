@@ -264,15 +264,16 @@ def pipeline(
 
     Raises:
       TypeError: a pattern of layers, non-int ``n``/``microbatches``/
-        ``repeats``, a non-callable ``apply``.
+        ``repeats``, a non-callable ``apply`` or ``loss``; at call time, for
+        ``"1f1b"``, missing ``targets`` or a ``loss`` that does not return a
+        float scalar.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
         ``"circular"``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
         or with ``has_aux``/``repeats``, ``loss`` with another schedule; at
         call time, a batch (of ``x``, per-example arguments or ``targets``)
         not divisible by ``M`` (times the data-axis size) or params of
-        neither layout. TypeError for a ``loss`` that is not a function or
-        does not return a float scalar, and missing ``targets``.
+        neither layout.
     """
     if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
         raise TypeError(
