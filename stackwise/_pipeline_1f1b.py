@@ -5,7 +5,7 @@ all M forwards, so every microbatch's activations live until then (GPipe). 1F1B
 starts a microbatch's backward as soon as its forward leaves the last stage, so
 the loss is part of the schedule: :func:`loss_and_grads` is a
 :func:`jax.custom_vjp` function of the pipeline's inputs whose value is the mean
-of ``loss(y_m, targets_m)`` over the microbatches. Its forward rule runs the whole
+of ``loss(y_m, targets_m[, loss_params])`` over the microbatches. Its forward rule runs the whole
 schedule and returns the gradients as the residual (the backward rule only scales
 them by the incoming cotangent); without differentiation the primal runs, the
 plain GPipe forward and the loss.
@@ -18,9 +18,9 @@ outside ``[0, M)``). The forward's input is kept in a ring of
 s); the backward is :func:`jax.vjp` of the stage's forward, recomputed from that
 input. The last stage runs a microbatch's forward, its loss and its backward in
 the same tick; cotangents go back one stage per tick with ``ppermute``. Params'
-gradients are accumulated in the scan's carry, so nothing the scan keeps grows
-with M except the gradients of the per-example inputs (x, targets), which are
-as large as those inputs.
+gradients (and the loss params') are accumulated in the scan's carry, so nothing
+the scan keeps grows with M except the gradients of the per-example inputs (x,
+per-example arguments, float targets), which are as large as those inputs.
 """
 
 from __future__ import annotations
