@@ -1,7 +1,9 @@
-"""Bubble fraction of the GPipe and circular schedules, measured against the theory.
+"""Bubble fraction of the GPipe, circular and 1F1B schedules, measured against the theory.
 
 Usage: ``python benchmarks/pipeline_bubble.py [--stages 4] [--rounds 9] [--markdown out.md]``
-(sets ``XLA_FLAGS=--xla_force_host_platform_device_count=S`` itself).
+(sets ``XLA_FLAGS=--xla_force_host_platform_device_count=S`` itself); the 1F1B
+training step and GPipe's: ``--gpipe --circular --gpipe-step 1 2 4 8 16 --1f1b 1 2 4
+8 16 --memory 4 8 16 32``.
 
 Method. ``stackwise.pipeline`` is SPMD: every stage runs every tick, and a
 stage with no microbatch (the fill and drain "bubble") computes on a
@@ -20,6 +22,14 @@ ticks, overhead included) against the theory ``(S-1)/(M*V+S-1)``, and
 ``alpha/beta`` is the overhead in ticks. Circular against GPipe at the same
 M is a paired ratio too, against ``(M*V+S-1) / (V*(M+S-1))`` (ticks of
 ``1/V`` the layers each).
+
+The training steps (``value_and_grad`` of a mean squared error) are fitted the
+same way. GPipe's step runs a forward and a backward loop of ``M + S - 1`` ticks
+each: a bubble of ``(S-1)/(M+S-1)``. 1F1B runs one loop of ``T = M + 2S - 2``
+ticks in which every stage runs one forward and one backward (masked when it has
+no microbatch for them), M of them useful: a bubble of ``(2S-2)/(M+2S-2)``.
+``--memory`` reads both steps' compiled temp memory at fixed rows per
+microbatch, so that the batch grows with M.
 
 On simulated CPU devices the S "devices" share the machine's cores, so a
 tick costs all stages' work: absolute times say nothing about accelerators,
@@ -74,12 +84,25 @@ def main() -> None:
     parser.add_argument("--layers-per-stage", type=int, default=2)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--microbatch", type=int, default=128, help="rows per microbatch")
-    parser.add_argument("--gpipe", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--circular", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--gpipe", type=int, nargs="*", default=[1, 2, 4, 8, 16],
+                        help="M of GPipe forward passes to time (none: skip)")
+    parser.add_argument("--circular", type=int, nargs="*", default=[4, 8, 16],
+                        help="M of circular forward passes to time (none: skip)")
+    parser.add_argument("--gpipe-step", type=int, nargs="*", default=[],
+                        help="M of GPipe training steps (value_and_grad) to time")
+    parser.add_argument("--1f1b", dest="one_f_one_b", type=int, nargs="*", default=[],
+                        help="M of 1F1B training steps (value_and_grad) to time")
+    parser.add_argument("--memory", type=int, nargs="*", default=[],
+                        help="M at which to read the training steps' compiled temp memory "
+                             "(GPipe and 1F1B, remat=True, --microbatch rows each)")
     parser.add_argument("--repeats", type=int, default=2, help="V of the circular schedule")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--calls", type=int, default=3,
                         help="back-to-back timed calls per variant per round (the fastest counts)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: time.perf_counter; cpu: time.process_time, the CPU time of "
+                             "all of this process's threads (the simulated devices' work), "
+                             "less disturbed by other processes on a shared machine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args()
@@ -105,74 +128,132 @@ def main() -> None:
     def apply(params, x):
         return x + jnp.tanh(x @ params["w"])
 
-    params = jax.jit(stackwise.stack(init, apply, n).init)(jax.random.key(0))
-    variants = {}  # (schedule, M) -> (compiled, params, x, ticks)
-    for schedule, Ms in (("gpipe", args.gpipe), ("circular", args.circular)):
-        repeats = V if schedule == "circular" else None
-        placed = stackwise.shard_stacked(params, mesh, layer_axis="stage", repeats=repeats or 1)
-        for M in Ms:
+    def mse(y, t):
+        return jnp.mean((y - t) ** 2)
+
+    def step(schedule, M, remat=False):
+        """A schedule's jitted call: the forward pass, or a training step (loss and grads)."""
+        if schedule in ("gpipe", "circular"):
+            repeats = V if schedule == "circular" else None
             pp = stackwise.pipeline(None, apply, n, mesh, microbatches=M, schedule=schedule,
                                     repeats=repeats)
-            x = jax.random.normal(jax.random.key(1), (M * args.microbatch, d))
-            compiled = jax.jit(pp.apply).lower(placed, x).compile()
-            trips = _tick_loop_trips(compiled.as_text())
-            expected = M * (repeats or 1) + S - 1
-            if trips != [expected]:
-                raise SystemExit(f"{schedule} M={M}: tick loop trips {trips}, expected {expected}")
-            compiled(placed, x).block_until_ready()  # warm up
-            variants[schedule, M] = (compiled, placed, x, expected)
+            return jax.jit(pp.apply), repeats or 1
+        if schedule == "1f1b":
+            pp = stackwise.pipeline(None, apply, n, mesh, microbatches=M, schedule="1f1b",
+                                    loss=mse, remat=remat)
+            return jax.jit(jax.value_and_grad(pp.apply)), 1
+        pp = stackwise.pipeline(None, apply, n, mesh, microbatches=M, remat=remat)
+        return jax.jit(jax.value_and_grad(lambda p, x, t: mse(pp.apply(p, x), t))), 1
 
+    def ticks(schedule, M, v):
+        """The schedule's ticks T and the loops that run them (GPipe's step: forward, backward)."""
+        if schedule == "1f1b":
+            return M + 2 * S - 2, 1
+        return M * v + S - 1, 2 if schedule == "gpipe-step" else 1
+
+    params = jax.jit(stackwise.stack(init, apply, n).init)(jax.random.key(0))
+    series = [("gpipe", args.gpipe), ("circular", args.circular),
+              ("gpipe-step", args.gpipe_step), ("1f1b", args.one_f_one_b)]
+    series = [(schedule, Ms) for schedule, Ms in series if Ms]
+    variants = {}  # (schedule, M) -> (compiled, inputs, ticks, useful ticks)
+    for schedule, Ms in series:
+        fn, v = step(schedule, Ms[0])
+        placed = stackwise.shard_stacked(params, mesh, layer_axis="stage", repeats=v)
+        for M in Ms:
+            fn, v = step(schedule, M)
+            x = jax.random.normal(jax.random.key(1), (M * args.microbatch, d))
+            inputs = (placed, x) if schedule in ("gpipe", "circular") else (placed, x, x)
+            compiled = fn.lower(*inputs).compile()
+            trips = _tick_loop_trips(compiled.as_text())
+            T, loops = ticks(schedule, M, v)
+            if trips != [T] * loops:
+                raise SystemExit(f"{schedule} M={M}: tick loop trips {trips}, expected "
+                                 f"{[T] * loops}")
+            jax.block_until_ready(compiled(*inputs))  # warm up
+            variants[schedule, M] = (compiled, inputs, T, M * v)
+
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     rng = random.Random(args.seed)
     times = {k: [] for k in variants}
     for _ in range(args.rounds):
         order = list(variants)
         rng.shuffle(order)
         for key in order:
-            compiled, placed, x, _ = variants[key]
-            compiled(placed, x).block_until_ready()
+            compiled, inputs, _, _ = variants[key]
+            jax.block_until_ready(compiled(*inputs))
             best = float("inf")
             for _ in range(args.calls):
-                start = time.perf_counter()
-                compiled(placed, x).block_until_ready()
-                best = min(best, time.perf_counter() - start)
+                start = clock()
+                jax.block_until_ready(compiled(*inputs))
+                best = min(best, clock() - start)
             times[key].append(best)
 
     lines = [
         f"S={S} stages x {args.layers_per_stage} layers (n={n}), width {d}, {args.microbatch} "
         f"rows per microbatch, {S} simulated {jax.devices()[0].platform} devices, "
-        f"{args.rounds} rounds of the fastest of {args.calls} calls; circular V={V}",
+        f"{args.rounds} rounds of the fastest of {args.calls} calls ({args.clock} clock); "
+        f"circular V={V}; "
+        "gpipe and circular: the forward pass; gpipe-step and 1f1b: a training step "
+        "(value_and_grad of the mean squared error, remat=False)",
         "",
         "| schedule | M | ticks (program) | r(M) median [min, max] | bubble measured | "
         "bubble theory |",
         "|---|---|---|---|---|---|",
     ]
     fits = {}
-    for schedule, Ms in (("gpipe", args.gpipe), ("circular", args.circular)):
-        v = V if schedule == "circular" else 1
+    for schedule, Ms in series:
         ref = max(Ms)
         ratios = {M: [t / r for t, r in zip(times[schedule, M], times[schedule, ref])]
                   for M in Ms}
         med = {M: statistics.median(ratios[M]) for M in Ms}
-        ticks = np.array([variants[schedule, M][3] for M in Ms], float)
-        beta, alpha = np.polyfit(ticks, np.array([med[M] for M in Ms]), 1)
+        tick_counts = np.array([variants[schedule, M][2] for M in Ms], float)
+        beta, alpha = np.polyfit(tick_counts, np.array([med[M] for M in Ms]), 1)
         fits[schedule] = (alpha, beta)
         for M in Ms:
-            measured = 1 - M * v * beta / med[M]
-            theory = (S - 1) / (M * v + S - 1)
+            T, useful = variants[schedule, M][2:]
+            measured = 1 - useful * beta / med[M]
+            theory = 1 - useful / T
             lines.append(
-                f"| {schedule} | {M} | {variants[schedule, M][3]} | {med[M]:.3f} "
+                f"| {schedule} | {M} | {T} | {med[M]:.3f} "
                 f"[{min(ratios[M]):.3f}, {max(ratios[M]):.3f}] | {measured:.3f} | {theory:.3f} |"
             )
     lines += ["", "Fit r = alpha + beta * ticks: overhead alpha/beta in ticks: "
               + ", ".join(f"{s} {a / b:.2f}" for s, (a, b) in fits.items()), ""]
-    both = sorted(set(args.gpipe) & set(args.circular))
-    if both:
-        lines += ["| M | circular / gpipe step, median [min, max] | theory |", "|---|---|---|"]
-        for M in both:
-            r = [c / g for c, g in zip(times["circular", M], times["gpipe", M])]
-            theory = (M * V + S - 1) / (V * (M + S - 1))
-            lines.append(f"| {M} | {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] "
-                         f"| {theory:.3f} |")
+    for a, b, theory, what in (
+        ("circular", "gpipe", lambda M: (M * V + S - 1) / (V * (M + S - 1)),
+         "(M*V+S-1) / (V*(M+S-1)) (ticks of 1/V the layers each)"),
+        ("1f1b", "gpipe-step", lambda M: (M + 2 * S - 2) / (M + S - 1),
+         "the ratio of ticks, (M+2S-2) / (M+S-1), the step ratio if a 1F1B tick cost a "
+         "GPipe forward tick plus a backward tick; it costs more, as its backward "
+         "recomputes the stage's forward from the stage's input (2F+B against F+B)"),
+    ):
+        both = sorted(set(dict(series).get(a, [])) & set(dict(series).get(b, [])))
+        if both:
+            lines += [f"| M | {a} / {b} step, median [min, max] | theory |", "|---|---|---|"]
+            for M in both:
+                r = [x / y for x, y in zip(times[a, M], times[b, M])]
+                lines.append(f"| {M} | {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] "
+                             f"| {theory(M):.3f} |")
+            lines += ["", f"Theory: {what}.", ""]
+    if args.memory:
+        lines += [
+            f"Compiled temp memory (MiB) of the training step, remat=True, {args.microbatch} "
+            "rows per microbatch (the batch grows with M), gradients of the params:",
+            "",
+            "| schedule | " + " | ".join(f"M={M}" for M in args.memory) + " | last / first |",
+            "|---|" + "---|" * (len(args.memory) + 1),
+        ]
+        placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+        for schedule in ("gpipe-step", "1f1b"):
+            mib = []
+            for M in args.memory:
+                fn, _ = step(schedule, M, remat=True)
+                x = jnp.zeros((M * args.microbatch, d))
+                mem = fn.lower(placed, x, x).compile().memory_analysis()
+                mib.append(mem.temp_size_in_bytes / 2**20)
+            lines.append(f"| {schedule} | " + " | ".join(f"{m:.2f}" for m in mib)
+                         + f" | {mib[-1] / mib[0]:.2f} |")
+        lines.append("")
     text = "\n".join(lines)
     print(text)
     if args.markdown:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the layer axis: GPipe and circular schedules.
+"""Pipeline parallelism over the layer axis: GPipe, circular and 1F1B schedules.
 
 The n layers are split into S stages along a mesh axis and the batch into M
 microbatches; :func:`jax.shard_map` runs one program per device, a
@@ -10,7 +10,8 @@ remat) and per-layer arguments are resolved by the core's marker handling.
 The module reads top-down: :func:`pipeline` checks its arguments into a
 :class:`_Plan`; :func:`_split_args` sorts the call's arguments; :func:`_place`
 moves the inputs to their layout on the mesh; :func:`_device_program` is one
-device's program and :func:`_tick` one step of it.
+device's program and :func:`_tick` one step of it. The 1F1B schedule, which
+needs the loss, is in ``_pipeline_1f1b.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from stackwise import _check
+from stackwise import _check, _pipeline_1f1b
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
 from stackwise._pipeline_program import (
@@ -32,13 +33,14 @@ from stackwise._pipeline_program import (
     _out_spec,
     _place,
     _Plan,
+    _reshard,
     _to_chunks,
 )
 from stackwise._stack import DEFAULT_REMAT, Stacked, stack
 
 __all__ = ["pipeline"]
 
-_SCHEDULES = ("gpipe", "circular")
+_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 # --------------------------------------------------------------------------
@@ -89,11 +91,12 @@ def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _P
         D = _mesh_axis(mesh, data_axis, "data_axis")
     if schedule not in _SCHEDULES:
         raise ValueError(f"{_WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
-    if schedule == "gpipe":
+    if schedule != "circular":
         if repeats not in (None, 1):
             raise ValueError(
-                f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'`; the 'gpipe' "
-                "schedule runs each stage's layers once per microbatch."
+                f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'`; the "
+                f"{schedule!r} schedule runs each stage's layers once per microbatch"
+                + (" (interleaved 1F1B is not implemented)." if schedule == "1f1b" else ".")
             )
         V = 1
     else:
@@ -141,6 +144,7 @@ def pipeline(
     nested: bool | int = False,
     unroll: int | bool = 1,
     has_aux: bool = False,
+    loss: Callable[..., Any] | None = None,
 ) -> Stacked:
     """:func:`stackwise.stack` with the layers run as pipeline stages on a mesh axis.
 
@@ -168,6 +172,19 @@ def pipeline(
     >>> bool(jnp.allclose(y, layers.apply(params, x), atol=1e-5))
     True
 
+    With ``schedule="1f1b"`` the pipeline computes the loss too (``apply``
+    then takes the targets after ``x`` and returns the mean loss over the
+    microbatches), so that each microbatch's backward pass starts as soon as
+    its forward pass leaves the last stage:
+
+    >>> mse = lambda y, t: jnp.mean((y - t) ** 2)
+    >>> trained = stackwise.pipeline(init, apply, 4, mesh, microbatches=3,
+    ...                              schedule="1f1b", loss=mse)
+    >>> targets = jnp.zeros((6, 8))
+    >>> loss, grads = jax.jit(jax.value_and_grad(trained.apply))(params, x, targets)
+    >>> bool(jnp.allclose(loss, mse(layers.apply(params, x), targets), atol=1e-5))
+    True
+
     Schedules (``T`` ticks; in each, every stage runs ``n/(S*V)`` layers on
     one microbatch):
 
@@ -182,6 +199,25 @@ def pipeline(
       ``stackwise.shard_stacked(params, mesh, layer_axis=stage_axis,
       repeats=V)`` (leaves ``(V, n/V, ...)``), are used as they are, and their
       gradients come back in that layout.
+    * ``"1f1b"`` (one forward, one backward; needs ``loss``): ``apply(params,
+      x, targets, *args, **kwargs)`` returns the mean over the M (times the
+      data-axis size) microbatches of ``loss(y_m, targets_m)``, ``targets`` a
+      pytree split into microbatches with ``x`` (or ``None``); with the keyword
+      ``apply(..., loss_params=head)``, of ``loss(y_m, targets_m, head)``: the
+      params of what follows the stack (an output head), whole on every device,
+      their gradient summed over the microbatches. Under
+      :func:`jax.grad` (reverse mode only: it is a :func:`jax.custom_vjp`)
+      every tick runs, on each stage, the forward of one microbatch and the
+      backward of an earlier one: stage s runs the forward of microbatch
+      ``t - s`` and the backward of ``t - (2S - 2 - s)`` at tick t, the last
+      stage a microbatch's forward, loss and backward in one tick. The
+      backward recomputes the stage's forward from its input (the stage's
+      ``remat`` applies inside it), kept in a ring of ``min(M, 2S - 1)``
+      inputs: activation memory is bounded by S, not M. ``T = M + 2S - 2``
+      ticks of one forward and one backward each (all stages in lockstep,
+      idle slots computed and masked): a bubble of (2S-2)/(M+2S-2). Without
+      differentiation the GPipe forward and the loss run. Not with
+      ``repeats > 1`` (no interleaved 1F1B) or ``has_aux``.
 
     Where things are: the params' layer axis is split over ``stage_axis``;
     with ``data_axis`` the batch is also split over that mesh axis and the
@@ -211,7 +247,7 @@ def pipeline(
       microbatches: M; it (times the ``data_axis`` size) must divide the batch.
       stage_axis: the mesh axis the stages are laid out on.
       data_axis: a mesh axis to split the batch over as well, or ``None``.
-      schedule: ``"gpipe"`` or ``"circular"``.
+      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
       repeats: for ``"circular"``: V, the chunks per stage (default ``n // S``:
         one layer per chunk, the smallest bubble).
       remat, nested, unroll: passed to :func:`stackwise.stack` for each stage.
@@ -219,18 +255,25 @@ def pipeline(
         with aux stacked along a leading ``n`` axis, each layer's summed over
         microbatches and data shards (bubble ticks excluded): for an aux that
         is a sum over examples it equals the unpipelined stack's.
+      loss: for ``"1f1b"`` (and only for it): ``loss(y, targets)``, one float
+        scalar for a microbatch's output ``y`` and its rows of ``targets``
+        (``loss(y, targets, loss_params)`` when ``apply`` is given ``loss_params=``).
 
     Returns:
       A :class:`stackwise.Stacked`.
 
     Raises:
       TypeError: a pattern of layers, non-int ``n``/``microbatches``/
-        ``repeats``, a non-callable ``apply``.
+        ``repeats``, a non-callable ``apply`` or ``loss``; at call time, for
+        ``"1f1b"``, missing ``targets`` or a ``loss`` that does not return a
+        float scalar.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
-        ``"circular"``, an unknown ``schedule``; at call time, a batch not
-        divisible by ``M`` (times the data-axis size) or params of neither
-        layout.
+        ``"circular"``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
+        or with ``has_aux``/``repeats``, ``loss`` with another schedule; at
+        call time, a batch (of ``x``, per-example arguments or ``targets``)
+        not divisible by ``M`` (times the data-axis size) or params of
+        neither layout.
     """
     if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
         raise TypeError(
@@ -251,6 +294,7 @@ def pipeline(
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
+    _check_loss_option(schedule, loss, has_aux)
 
     def stage(call: _Call) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""
@@ -260,6 +304,15 @@ def pipeline(
         )
 
     def pipelined(params, x, *args, **kwargs):
+        if loss is not None:
+            if not args:
+                raise TypeError(
+                    f"{_WHO} apply: with schedule='1f1b' the call is `apply(params, x, "
+                    "targets, *args)`: `targets` (the per-example values `loss(y, targets)` "
+                    "takes, or None) is missing."
+                )
+            targets, args = args[0], args[1:]
+            loss_params = kwargs.pop("loss_params", None)
         params = _device_layout(params, plan)
         _check_batch(x, plan, "x")
         call = _split_args(args, kwargs, n)
@@ -271,17 +324,65 @@ def pipeline(
         layer_spec = PartitionSpec(None, plan.stage_axis)
         batch_spec = PartitionSpec(plan.data_axis)
         out_spec = _out_spec(x, plan)
-        run = jax.shard_map(
-            lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
-            mesh=mesh,
-            in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
-            out_specs=(out_spec, PartitionSpec()),
-            axis_names=frozenset(plan.manual),
+
+        def forward(inputs):
+            run = jax.shard_map(
+                lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
+                mesh=mesh,
+                in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
+                out_specs=(out_spec, PartitionSpec()),
+                axis_names=frozenset(plan.manual),
+            )
+            return run(*inputs)
+
+        if loss is None:
+            y, aux = forward(inputs)
+            return (y, aux) if has_aux else y
+        _check_batch(targets, plan, "targets")
+        _check_same_batch(targets, x, "targets")
+        _pipeline_1f1b.check_loss(loss, x, targets, loss_params, plan)
+        targets = _place_targets(targets, mesh, plan)
+        if plan.explicit:
+            loss_params = _reshard(loss_params, mesh, (), plan.manual)
+        head = _pipeline_1f1b.with_params(loss, loss_params)
+        run = lambda i: forward(i)[0]  # noqa: E731
+        return _pipeline_1f1b.loss_and_grads(
+            stage(call), plan, mesh, head, run, inputs, targets, loss_params
         )
-        y, aux = run(*inputs)
-        return (y, aux) if has_aux else y
 
     return Stacked(plain.init, pipelined, n)
+
+
+def _check_loss_option(schedule: str, loss: Any, has_aux: bool) -> None:
+    """``loss=`` comes with ``schedule='1f1b'`` and only with it."""
+    if schedule == "1f1b" and loss is None:
+        raise ValueError(
+            f"{_WHO}: schedule='1f1b' needs `loss=`: a microbatch's backward pass starts as "
+            "soon as its forward leaves the last stage, so the pipeline computes the loss "
+            "itself. Pass `loss=lambda y, targets: ...` (one float scalar per microbatch); "
+            "`apply(params, x, targets, *args)` then returns its mean over microbatches."
+        )
+    if loss is not None and schedule != "1f1b":
+        raise ValueError(
+            f"{_WHO}: `loss=` is for schedule='1f1b', got schedule={schedule!r}. Pass "
+            "schedule='1f1b', or drop `loss=` and apply the loss to the pipeline's output."
+        )
+    if loss is not None and not callable(loss):
+        raise TypeError(
+            f"{_WHO}: `loss` must be a function `loss(y, targets)` returning a float scalar "
+            f"per microbatch, got {type(loss).__name__} {loss!r}."
+        )
+    if loss is not None and has_aux:
+        raise ValueError(
+            f"{_WHO}: schedule='1f1b' does not take `has_aux=True`: the pipeline returns the "
+            "loss only. Add the aux term to the carry (a pytree `x`) and to `loss`, or use "
+            "schedule='gpipe' with has_aux=True."
+        )
+
+
+def _place_targets(targets: Any, mesh: Any, plan: _Plan) -> Any:
+    """With explicit mesh axes, the targets split over the batch like ``x``."""
+    return _reshard(targets, mesh, (plan.data_axis,), plan.manual) if plan.explicit else targets
 
 
 # --------------------------------------------------------------------------

@@ -437,7 +437,7 @@ def test_error_other_arguments():
         stackwise.pipeline(None, _apply, 8, AbstractMesh((1,), ("stage",)), microbatches=2,
                            schedule="circular")
     with pytest.raises(ValueError, match=r"`schedule` must be one of"):
-        stackwise.pipeline(None, _apply, 8, mesh, microbatches=2, schedule="1f1b")
+        stackwise.pipeline(None, _apply, 8, mesh, microbatches=2, schedule="zb-h1")
     with pytest.raises(ValueError, match=r"`data_axis` and `stage_axis` are both"):
         stackwise.pipeline(None, _apply, 8, mesh, microbatches=2, data_axis="stage")
     with pytest.raises(TypeError, match=r"`microbatches` must be a positive Python int"):

@@ -1,0 +1,221 @@
+"""The 1F1B pipeline schedule: the same loss and gradients as GPipe and a loop, activation
+memory flat in M, and the tick loop the schedule says.
+
+The multi-device checks run once, in a subprocess with 8 simulated CPU devices (this file
+is also that subprocess's script, see ``_CASES``), as in ``test_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _hlo import collectives, loop_trip_counts
+from _multidevice import result, run_cases, run_module
+
+import stackwise
+
+# float32 sums reassociated across microbatches, stages and the data axis.
+PIPELINE_TOL = 2e-5
+# Temp memory of the 1F1B step at M=16 against M=4, same microbatch size: flat in M.
+FLAT_IN_M = 1.2
+# GPipe's, which keeps every microbatch's activations until the backward pass, grows.
+GROWS_IN_M = 1.5
+
+D = 8  # feature width
+
+
+def _init(key):
+    k1, k2 = jax.random.split(key)
+    return {"w": jax.random.normal(k1, (D, D)) / D**0.5, "b": 0.1 * jax.random.normal(k2, (D,))}
+
+
+def _apply(params, x, scale=1.0):
+    return x + scale * jnp.tanh(x @ params["w"] + params["b"][None, :])
+
+
+def _mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _diff(a, b) -> float:
+    return max(
+        jax.tree.leaves(jax.tree.map(lambda u, v: float(np.max(np.abs(np.asarray(u) - v))), a, b))
+    )
+
+
+# --------------------------------------------------------------------------
+# The cases, run in the 8-device subprocess.
+
+
+def _case_equals_gpipe(remat):
+    """(stage=4, data=2), explicit, params placed on the stages: the 1F1B loss and grads
+    (params, x, a float const) against GPipe's. Without remat, M=4, also against a loop,
+    the undifferentiated value and the compiled program; with a remat policy and nested
+    remat, M=8: more microbatches than the ring's 2S - 1 = 7 slots, so that it wraps."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    n, m = 8, 8 if remat else 4
+    kw = dict(microbatches=m, data_axis="data", remat=remat, nested=bool(remat))
+    f1 = stackwise.pipeline(_init, _apply, n, mesh, schedule="1f1b", loss=_mse, **kw)
+    gp = stackwise.pipeline(_init, _apply, n, mesh, **kw)
+    params = jax.jit(f1.init)(jax.random.key(0))
+    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+    x = jax.random.normal(jax.random.key(1), (32, D))
+    t = jax.random.normal(jax.random.key(2), (32, D))
+    scale = jnp.float32(0.7)
+
+    def loop(p, x, t, scale):
+        for q in stackwise.unstack_layers(p):
+            x = _apply(q, x, scale)
+        return _mse(x, t)
+
+    grad = lambda f, p: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3))).lower(  # noqa: E731
+        p, x, t, scale).compile()
+    step = grad(f1.apply, placed)
+    v1, g1 = step(placed, x, t, scale)
+    v2, g2 = grad(lambda p, x, t, s: _mse(gp.apply(p, x, s), t), placed)(placed, x, t, scale)
+    out = {"gpipe_err": max(abs(float(v1 - v2)), _diff(g1, g2))}
+    if not remat:
+        v3, g3 = grad(loop, params)(params, x, t, scale)
+        hlo = step.as_text()
+        out.update({
+            "loop_err": max(abs(float(v1 - v3)), _diff(g1, g3)),
+            "value_err": abs(float(jax.jit(f1.apply)(placed, x, t, scale) - v3)),
+            "grad_spec": str(g1[0]["w"].sharding.spec),
+            "tick_trips": loop_trip_counts(hlo, "collective-permute"),
+            "backward": collectives(hlo),
+        })
+    return out
+
+
+def _arguments_apply(p, x, mask, key, i, gain):
+    """A layer using a per-example mask, a dropout key, its index and a per-layer gain."""
+    h, count = x
+    y = h + gain * jnp.tanh(h @ p["w"] + p["b"][None, :]) * mask[:, None]
+    keep = jax.random.bernoulli(key, 0.8, y.shape)
+    return jnp.where(keep, y, 0.0) + 0.01 * i, count + 1
+
+
+def _xent(y, labels, head):
+    """Cross-entropy of integer labels (targets with no gradient) after an output head."""
+    h, count = y
+    logp = jax.nn.log_softmax(h @ head)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)) + 0.0 * jnp.sum(count)
+
+
+def _case_arguments():
+    """Auto mesh (stage=4, data=2), remat, 8 microbatches: a pytree carry with an int leaf,
+    int targets, an output head (loss_params), per-example / per-layer keys / layer index /
+    per-layer gains, against a loop over the D*M microbatches; grads of params, x, the mask,
+    the gains and the head."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
+    n, m, data = 4, 4, 2
+    pp = stackwise.pipeline(_init, _arguments_apply, n, mesh, microbatches=m,
+                            data_axis="data", schedule="1f1b", loss=_xent, remat=True)
+    params = pp.init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    counts = jnp.zeros((16,), jnp.int32)
+    labels = jax.random.randint(jax.random.key(3), (16,), 0, D)
+    mask = (jnp.arange(16) % 3 != 0).astype(jnp.float32)
+    key = jax.random.key(5)
+    gains = jnp.linspace(0.5, 1.5, n)
+    head = jax.random.normal(jax.random.key(4), (D, D))
+
+    def apply(params, x, mask, gains, head):
+        return pp.apply(params, (x, counts), labels, stackwise.per_example(mask),
+                        stackwise.per_layer_keys(key), stackwise.layer_index(),
+                        stackwise.per_layer(gains), loss_params=head)
+
+    def reference(params, x, mask, gains, head):
+        def one(x_j, c_j, mask_j, labels_j, j):
+            h = (x_j, c_j)
+            for i, p in enumerate(stackwise.unstack_layers(params)):
+                key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
+                h = _arguments_apply(p, h, mask_j, key_ij, jnp.int32(i), gains[i])
+            return _xent(h, labels_j, head)
+
+        split = lambda v: v.reshape(m * data, -1, *v.shape[1:])  # noqa: E731
+        losses = jax.vmap(one)(split(x), split(counts), split(mask), split(labels),
+                               jnp.arange(m * data))
+        return jnp.mean(losses)
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))  # noqa: E731
+    v, g = grad(apply)(params, x, mask, gains, head)
+    v_ref, g_ref = grad(reference)(params, x, mask, gains, head)
+    return {"max_err": max(abs(float(v - v_ref)), _diff(g, g_ref))}
+
+
+def _case_memory():
+    """Temp memory of the params' gradient at M = 4 and 16 with 32 rows per microbatch."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    width, n, rows = 128, 8, 32
+
+    def init(key):
+        return {"w": jax.random.normal(key, (width, width)) / width**0.5}
+
+    def apply(p, x):
+        return x + jnp.tanh(x @ p["w"])
+
+    params = jax.eval_shape(stackwise.stack(init, apply, n).init, jax.random.key(0))
+    params = stackwise.shard_stacked(
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params), mesh, layer_axis="stage"
+    )
+    out = {}
+    for m in (4, 16):
+        x = jnp.zeros((2 * m * rows, width))
+        kw = dict(microbatches=m, data_axis="data", remat=True)
+        f1 = stackwise.pipeline(None, apply, n, mesh, schedule="1f1b", loss=_mse, **kw)
+        gp = stackwise.pipeline(None, apply, n, mesh, **kw)
+        gpipe_loss = lambda p, x, t, gp=gp: _mse(gp.apply(p, x), t)  # noqa: E731
+        for name, f in (("1f1b", f1.apply), ("gpipe", gpipe_loss)):
+            compiled = jax.jit(jax.grad(f)).lower(params, x, x).compile()
+            out[f"{name}_M{m}"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    return out
+
+
+_CASES = {
+    "equals_gpipe": lambda: _case_equals_gpipe(False),
+    "equals_gpipe_remat": lambda: _case_equals_gpipe(jax.checkpoint_policies.nothing_saveable),
+    "arguments": _case_arguments,
+    "memory": _case_memory,
+}
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    return run_module(__file__)
+
+
+@pytest.mark.parametrize("name", ["equals_gpipe", "equals_gpipe_remat"])
+def test_1f1b_equals_gpipe(multi_device, name):
+    assert result(multi_device, name)["gpipe_err"] < PIPELINE_TOL
+
+
+def test_1f1b_equals_the_loop(multi_device):
+    r = result(multi_device, "equals_gpipe")
+    assert r["loop_err"] < PIPELINE_TOL
+    assert r["value_err"] < PIPELINE_TOL  # without differentiation: GPipe's forward
+    assert r["grad_spec"] == "P('stage', None, None)"  # the params' layout
+
+
+def test_1f1b_arguments_match_the_loop(multi_device):
+    assert result(multi_device, "arguments")["max_err"] < PIPELINE_TOL
+
+
+def test_1f1b_runs_its_ticks_and_reduces_grads_once(multi_device):
+    r = result(multi_device, "equals_gpipe")
+    # One scan over M + 2S - 2 ticks: forwards and backwards together, no second loop.
+    assert r["tick_trips"] == [4 + 2 * 4 - 2]
+    reduces = [c for c in r["backward"] if c[0] == "all-reduce"]
+    assert reduces and all(depth == 0 for _, _, depth in reduces), reduces
+
+
+def test_1f1b_memory_is_flat_in_microbatches_where_gpipe_grows(multi_device):
+    r = result(multi_device, "memory")
+    assert r["1f1b_M16"] <= FLAT_IN_M * r["1f1b_M4"], r
+    assert r["gpipe_M16"] >= GROWS_IN_M * r["gpipe_M4"], r
+
+
+if __name__ == "__main__":
+    run_cases(_CASES)

@@ -1,0 +1,124 @@
+"""The misuse catalogue of the 1F1B pipeline schedule (``schedule="1f1b", loss=``).
+
+Checked before any device computes: a one-device mesh and abstract evaluation will do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _misuse import assert_refused, case
+from jax.sharding import Mesh
+
+import stackwise
+
+MESH = Mesh(np.array(jax.devices()[:1]), ("stage",))
+PARAMS = {"w": jnp.ones((2, 3))}
+
+
+def _apply(params, x, *args):
+    return x * params["w"]
+
+
+def _mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _1f1b(**kw):
+    return stackwise.pipeline(None, _apply, 2, MESH, microbatches=2, schedule="1f1b", **kw)
+
+
+def _call(pp, *args, **kwargs):
+    return jax.eval_shape(lambda *a: pp.apply(*a, **kwargs), PARAMS, jnp.ones((4, 3)), *args)
+
+
+MISUSES = [
+    case(
+        "1f1b without loss",
+        lambda: _1f1b(),
+        ValueError,
+        "schedule='1f1b' needs `loss=`",
+        "loss=lambda y, targets",
+    ),
+    case(
+        "loss with the gpipe schedule",
+        lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=2, loss=_mse),
+        ValueError,
+        "`loss=`",
+        "schedule='gpipe'",
+        "schedule='1f1b'",
+    ),
+    case(
+        "loss not a function",
+        lambda: _1f1b(loss="mse"),
+        TypeError,
+        "`loss`",
+        "loss(y, targets)",
+        "str",
+    ),
+    case(
+        "1f1b with has_aux",
+        lambda: _1f1b(loss=_mse, has_aux=True),
+        ValueError,
+        "`has_aux=True`",
+        "schedule='gpipe'",
+    ),
+    case(
+        "1f1b with repeats (interleaved 1F1B)",
+        lambda: _1f1b(loss=_mse, repeats=2),
+        ValueError,
+        "`repeats=2`",
+        "interleaved 1F1B is not implemented",
+    ),
+    case(
+        "1f1b apply without targets",
+        lambda: _call(_1f1b(loss=_mse)),
+        TypeError,
+        "`targets`",
+        "apply(params, x, targets, *args)",
+    ),
+    case(
+        "1f1b targets of another batch",
+        lambda: _call(_1f1b(loss=_mse), jnp.ones((2, 3))),
+        ValueError,
+        "`targets`",
+        "batch is 4",
+    ),
+    case(
+        "1f1b targets not divisible by the microbatches",
+        lambda: _call(_1f1b(loss=_mse), {"t": jnp.ones((3, 3))}),
+        ValueError,
+        "`targets`",
+        "['t']: shape (3, 3)",
+    ),
+    case(
+        "1f1b loss that is not a scalar",
+        lambda: _call(_1f1b(loss=lambda y, t: (y - t) ** 2), jnp.ones((4, 3))),
+        TypeError,
+        "`loss(y, targets)` must return one float scalar",
+        "float32[2, 3]",
+        "jnp.mean",
+    ),
+    case(
+        "1f1b loss_params= with a loss of two arguments",
+        lambda: _call(_1f1b(loss=_mse), jnp.ones((4, 3)), loss_params=jnp.ones(3)),
+        TypeError,
+        "`loss(y, targets, loss_params)`",
+        "third argument",
+    ),
+    case(
+        "1f1b loss that is an int",
+        lambda: _call(_1f1b(loss=lambda y, t: jnp.sum(t)), jnp.ones((4,), jnp.int32)),
+        TypeError,
+        "`loss(y, targets)`",
+        "int32[]",
+    ),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", MISUSES)
+def test_misuse_pipeline_1f1b(call, error, words):
+    assert_refused(call, error, words)
