@@ -25,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 from stackwise import _check
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
+from stackwise._pipeline_pattern import pattern_pipeline
 from stackwise._pipeline_program import (
     _WHO,
     _device_layout,
@@ -141,6 +142,8 @@ def pipeline(
     nested: bool | int = False,
     unroll: int | bool = 1,
     has_aux: bool = False,
+    with_state: bool = False,
+    batched_state: bool | Callable[[str], bool] = True,
 ) -> Stacked:
     """:func:`stackwise.stack` with the layers run as pipeline stages on a mesh axis.
 
@@ -232,25 +235,26 @@ def pipeline(
         divisible by ``M`` (times the data-axis size) or params of neither
         layout.
     """
-    if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
-        raise TypeError(
-            f"{_WHO}: pipelining a pattern of layers (sequences of `init`/`apply`) is not "
-            "supported. Pipeline one layer function that dispatches on "
-            "`stackwise.layer_index()` (e.g. with `jax.lax.switch`), or stack the pattern "
-            "without a pipeline."
-        )
-    if not callable(apply):
+    layer_pattern = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
+    if not layer_pattern and not callable(apply):
         raise TypeError(
             f"{_WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
             "`stackwise.stack` and a mesh, e.g. `stackwise.pipeline(init, apply, n, mesh, "
             "microbatches=8)`; pass `init=None` when the params come from elsewhere. Got "
             f"apply={apply!r}, mesh={mesh!r}."
         )
-    plain = stack(init, apply, n, name=_WHO)  # checks n; its init is the pipeline's
+    # Checks n (and the pattern, with_state); its init is the pipeline's.
+    plain = stack(init, apply, n, with_state=with_state, name=_WHO)
     plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats)
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
+    if layer_pattern or with_state:
+        return pattern_pipeline(
+            plain, init, apply, plan, mesh, remat=remat, nested=nested, unroll=unroll,
+            has_aux=has_aux, with_state=with_state, batched_state=batched_state,
+            split_args=_split_args, check_batch=_check_batch, check_same_batch=_check_same_batch,
+        )  # fmt: skip
 
     def stage(call: _Call) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""

@@ -1,0 +1,387 @@
+"""Pipelines of layer patterns and of layers with state: the same outputs, gradients and
+state as a plain Python loop over the layers, and a pipelined decode gives its tokens.
+
+The cases run once, in a subprocess with 8 simulated CPU devices (this file is its
+script, see ``_CASES``); each records its largest difference to the loop, or the
+traceback if it raised, and the tests below assert on those records.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _multidevice import result, run_cases, run_module
+
+import stackwise
+
+# float32 sums reassociated across microbatches, stages and the data axis.
+PIPELINE_TOL = 2e-5
+
+D = 8  # feature width
+
+
+def _dense_init(key):
+    return {"w": jax.random.normal(key, (D, D)) / D**0.5}
+
+
+def _scale_init(key):
+    return {"s": 1.0 + 0.1 * jax.random.normal(key, (D,))}
+
+
+def _tanh(p, x):
+    return x + jnp.tanh(x @ p["w"])
+
+
+def _scale(p, x):
+    return x * p["s"][None, :]
+
+
+def _sin(p, x):
+    return x + 0.5 * jnp.sin(x @ p["w"])
+
+
+def _loop_params(inits, n, key):
+    """The loop's per-layer params: layer i made by ``inits[i % k]`` from the i-th key."""
+    keys = jax.random.split(key, n)
+    return [inits[i % len(inits)](keys[i]) for i in range(n)]
+
+
+def _regroup(per_layer, k):
+    """The loop's params as the stack's pattern layout (position p: layers p, p+k, ...)."""
+    return tuple(stackwise.stack_layers(per_layer[p::k]) for p in range(k))
+
+
+def _diff(a, b):
+    return max(
+        jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)),
+        default=0.0,
+    )
+
+
+def _rel(a, b):
+    """Largest difference relative to the reference (at least 1): for values far from 1."""
+    rel = jax.tree.map(
+        lambda u, v: float(jnp.max(jnp.abs(u - v) / jnp.maximum(jnp.abs(v), 1.0))), a, b
+    )
+    return max(jax.tree.leaves(rel), default=0.0)
+
+
+def _sin_loss(f):
+    def fn(p, v):
+        y = f(p, v)
+        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(y)), y
+
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+
+# --------------------------------------------------------------------------
+# Patterns.
+
+
+def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, **options):
+    """Outputs and grads (params and x) of the pipelined pattern against the loop."""
+    k = len(applies)
+    per_layer = _loop_params(inits, n, jax.random.key(0))
+    params = _regroup(per_layer, k)
+
+    def loop(per_layer, x):
+        for i, p in enumerate(per_layer):
+            x = applies[i % k](p, x)
+        return x
+
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=microbatches, data_axis=data_axis, **options
+    )
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    (_, y), (g, gx) = _sin_loss(pp.apply)(params, x)
+    (_, y_ref), (g_ref, gx_ref) = _sin_loss(loop)(per_layer, x)
+    return {
+        "max_err": _diff((y, gx, g), (y_ref, gx_ref, _regroup(g_ref, k))),
+        "init_equals_loop": _diff(pp.init(jax.random.key(0)), params) == 0.0,
+    }
+
+
+def _case_phases():
+    """k=3, n=8, S=4: two layers a stage, so stages start at phases 0, 2, 1, 0, and position
+    2's block is padded on stage 0 and 3. Explicit (stage=4, data=2)."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    return _pattern_case(
+        [_dense_init, _scale_init, _dense_init], [_tanh, _scale, _sin], 8, mesh, "data"
+    )
+
+
+def _case_gemma(stages):
+    """Gemma-3-like 5 : 1 over n=12: S=2 (each stage one whole period) and S=4 (half a
+    period a stage: blocks of one row each, padded on the stages without the position)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(stages, -1), ("stage", "data"))
+    inits = [_dense_init] * 5 + [_scale_init]
+    applies = [_tanh] * 5 + [_scale]
+    return _pattern_case(inits, applies, 12, mesh, "data", remat=True)
+
+
+def _case_options():
+    """k=2, n=12, S=4 (phases alternate, blocks of 2 rows): remat, nested and unroll."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    errors = {}
+    for remat, nested, unroll in ((False, False, 1), (True, True, True)):
+        r = _pattern_case(
+            [_dense_init, _scale_init],
+            [_tanh, _scale],
+            12,
+            mesh,
+            "data",
+            microbatches=4,
+            remat=remat,
+            nested=nested,
+            unroll=unroll,
+        )
+        errors[f"remat={str(remat)[:5]} nested={nested} unroll={unroll}"] = r["max_err"]
+    return {"errors": errors}
+
+
+def _aux_layer(p, x, i, key):
+    y = x + jnp.tanh(x @ p["w"]) * jax.random.uniform(key, (x.shape[0], 1))
+    return y, {"i": i, "sq": jnp.sum(y**2)}
+
+
+def _aux_scale(p, x, i, key):
+    del key
+    return x * p["s"][None, :], jnp.sum(x) + i
+
+
+def _case_aux_and_arguments():
+    """Positions with aux of different structures, the layer index and per-layer keys,
+    against a loop over the 4 microbatches (k=3, n=8, S=4, no data axis)."""
+    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    inits, applies, n, k, m = (
+        [_dense_init, _scale_init, _dense_init],
+        [_aux_layer, _aux_scale, _aux_layer],
+        8,
+        3,
+        4,
+    )
+    per_layer = _loop_params(inits, n, jax.random.key(0))
+    pp = stackwise.pipeline(inits, applies, n, mesh, microbatches=m, has_aux=True)
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    key = jax.random.key(3)
+    (y, aux) = jax.jit(pp.apply)(
+        _regroup(per_layer, k), x, stackwise.layer_index(), stackwise.per_layer_keys(key)
+    )
+    ys, auxes = [], []
+    for j, x_j in enumerate(x.reshape(m, -1, D)):
+        layer_aux = []
+        for i, p in enumerate(per_layer):
+            key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
+            x_j, a = applies[i % k](p, x_j, jnp.int32(i), key_ij)
+            layer_aux.append(a)
+        ys.append(x_j)
+        auxes.append(tuple(stackwise.stack_layers(layer_aux[p::k]) for p in range(k)))
+    aux_ref = jax.tree.map(lambda *a: sum(a), *auxes)
+    return {
+        "max_err": _diff(y, jnp.concatenate(ys)),
+        "aux_err": _rel(aux, aux_ref),
+        "index_sums": [aux[0]["i"].tolist(), aux[2]["i"].tolist()],
+    }
+
+
+# --------------------------------------------------------------------------
+# State.
+
+
+def _stats_init(key):
+    return _dense_init(key), {"mean": jnp.zeros(D), "count": jnp.zeros((), jnp.int32)}
+
+
+def _stats_apply(p, state, x):
+    """A BatchNorm-like running mean of the layer's input, and a call counter."""
+    mean = 0.9 * state["mean"] + 0.1 * jnp.mean(x, 0)
+    return _tanh(p, x - mean[None, :]), {"mean": mean, "count": state["count"] + 1}
+
+
+def _scale_state_init(key):
+    return _scale_init(key), {"peak": jnp.zeros(D)}
+
+
+def _scale_state_apply(p, state, x):
+    return _scale(p, x), {"peak": jnp.maximum(state["peak"], jnp.max(jnp.abs(x), 0))}
+
+
+def _case_statistics():
+    """Unbatched state (statistics, counters) in a pattern, k=2, n=8, S=4: outputs, state
+    and grads against the stack (one device) run on the 4 microbatches in order."""
+    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    inits, applies, n, m = (
+        [_stats_init, _scale_state_init],
+        [_stats_apply, _scale_state_apply],
+        8,
+        4,
+    )
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=m, with_state=True, batched_state=False, remat=True
+    )
+    plain = stackwise.stack(inits, applies, n, with_state=True)
+    params, state = pp.init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, D))
+
+    def reference(params, state, x):
+        ys = []
+        for x_j in x.reshape(m, -1, D):
+            y_j, state = plain.apply(params, state, x_j)
+            ys.append(y_j)
+        return jnp.concatenate(ys), state
+
+    def loss(f):
+        def fn(p, v):
+            y, new = f(p, state, v)
+            return jnp.sum(jnp.sin(y)), (y, new)
+
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+    (_, (y, new)), g = loss(pp.apply)(params, x)
+    (_, (y_ref, new_ref)), g_ref = loss(reference)(params, x)
+    return {
+        "max_err": _diff((y, g), (y_ref, g_ref)),
+        "state_err": _diff(new, new_ref),
+        "counts": [new[0]["count"].tolist(), new_ref[0]["count"].tolist()],
+    }
+
+
+HEADS, CONTEXT, WINDOW, VOCAB = 2, 8, 3, 16
+
+
+def _cached(window):
+    """Causal attention over a per-layer KV cache (``window``: a sliding window), written
+    with ``dynamic_update_slice`` at ``pos``: a prefill of t tokens or one decode step."""
+
+    def init(key):
+        k1, k2 = jax.random.split(key)
+        params = {
+            "qkv": jax.random.normal(k1, (D, 3 * D)) / D**0.5,
+            "out": jax.random.normal(k2, (D, D)) / D**0.5,
+        }
+        return params, {
+            "k": jnp.zeros((4, CONTEXT, HEADS, D // HEADS)),
+            "v": jnp.zeros((4, CONTEXT, HEADS, D // HEADS)),
+        }
+
+    def apply(params, cache, x, pos):
+        b, t, _ = x.shape
+        q, k, v = (a.reshape(b, t, HEADS, D // HEADS) for a in jnp.split(x @ params["qkv"], 3, -1))
+        ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k, pos, 1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v, pos, 1)
+        i = pos + jnp.arange(t)[:, None]
+        j = jnp.arange(CONTEXT)[None, :]
+        seen = (j <= i) if window is None else (j <= i) & (i - j < window)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, ck) / (D // HEADS) ** 0.5
+        scores = jnp.where(seen[None, None], scores, -1e30)
+        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), cv).reshape(b, t, D)
+        return x + y @ params["out"], {"k": ck, "v": cv}
+
+    return init, apply
+
+
+def _case_decode():
+    """A pipelined decode, 2 local : 1 global, n=8 over (stage=4, data=2), a batch of 4 in
+    2 microbatches: a prefill of 3 tokens and 4 greedy steps give the loop's tokens and
+    cache (the cache is split into microbatches and over the data axis with x)."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    kinds = [_cached(WINDOW), _cached(WINDOW), _cached(None)]
+    inits, applies, n, k = [i for i, _ in kinds], [a for _, a in kinds], 8, 3
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=2, data_axis="data", with_state=True
+    )
+    params, cache = pp.init(jax.random.key(0))
+    embed = jax.random.normal(jax.random.key(1), (VOCAB, D))
+    embed_on_mesh = jax.device_put(
+        embed, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    prompt = jax.random.randint(jax.random.key(2), (4, 3), 0, VOCAB)
+    keys = jax.random.split(jax.random.key(0), n)
+    loop_layers = [inits[i % k](keys[i]) for i in range(n)]
+
+    def loop_step(caches, tokens, pos):
+        h = embed[tokens]
+        new = []
+        for i, (p, c) in enumerate(zip([layer[0] for layer in loop_layers], caches)):
+            h, c = applies[i % k](p, c, h, pos)
+            new.append(c)
+        return jnp.argmax(h[:, -1] @ embed.T, -1), new
+
+    def pp_step(cache, tokens, pos):
+        h, cache = pp.apply(params, cache, jax.nn.one_hot(tokens, VOCAB) @ embed_on_mesh, pos)
+        return jnp.argmax(h[:, -1] @ embed_on_mesh.T, -1), cache
+
+    def generate(step, cache):
+        token, cache = jax.jit(step)(cache, prompt, jnp.int32(0))
+        tokens, decode = [token], jax.jit(step, donate_argnums=0)
+        for pos in range(3, 7):
+            token, cache = decode(cache, token[:, None], jnp.int32(pos))
+            tokens.append(token)
+        return jnp.stack(tokens, 1), cache
+
+    tokens, cache_pp = generate(pp_step, cache)
+    tokens_ref, caches_ref = generate(loop_step, [layer[1] for layer in loop_layers])
+    return {
+        "tokens": tokens.tolist(),
+        "tokens_ref": tokens_ref.tolist(),
+        "cache_err": _rel(cache_pp, _regroup(caches_ref, k)),
+        "cache_spec": str(cache_pp[0]["k"].sharding.spec),
+    }
+
+
+_CASES = {
+    "phases": _case_phases,
+    "gemma_s2": lambda: _case_gemma(2),
+    "gemma_s4": lambda: _case_gemma(4),
+    "options": _case_options,
+    "aux_and_arguments": _case_aux_and_arguments,
+    "statistics": _case_statistics,
+    "decode": _case_decode,
+}
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    return run_module(__file__)
+
+
+@pytest.mark.parametrize("name", ["phases", "gemma_s2", "gemma_s4"])
+def test_pattern_pipeline_matches_loop_outputs_and_grads(multi_device, name):
+    r = result(multi_device, name)
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["init_equals_loop"]  # Stacked.init is the stack's: the loop's params, regrouped
+
+
+def test_pattern_pipeline_every_option(multi_device):
+    errors = result(multi_device, "options")["errors"]
+    assert len(errors) == 2
+    assert {k: e for k, e in errors.items() if not e < PIPELINE_TOL} == {}
+
+
+def test_pattern_pipeline_aux_and_per_layer_arguments(multi_device):
+    r = result(multi_device, "aux_and_arguments")
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["aux_err"] < PIPELINE_TOL
+    # Positions 0 and 2 hold layers 0, 3, 6 and 2, 5; each index summed over 4 microbatches.
+    assert r["index_sums"] == [[0, 12, 24], [8, 20]]
+
+
+def test_state_pipeline_matches_microbatch_loop(multi_device):
+    r = result(multi_device, "statistics")
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["state_err"] < PIPELINE_TOL
+    assert r["counts"][0] == r["counts"][1] == [4] * 4  # once per microbatch, bubbles left out
+
+
+def test_pipelined_decode_gives_the_loops_tokens(multi_device):
+    r = result(multi_device, "decode")
+    assert r["tokens"] == r["tokens_ref"]
+    assert len(r["tokens"]) == 4 and len(r["tokens"][0]) == 5
+    assert r["cache_err"] < PIPELINE_TOL
+    assert r["cache_spec"].startswith("P(None, 'data'")  # the batch stays on the data axis
+
+
+if __name__ == "__main__":
+    run_cases(_CASES)
