@@ -67,6 +67,8 @@ class _Layout(NamedTuple):
     """Where each layer lives: position blocks ``(S, C_p, ...)`` and per-layer tables."""
 
     k: int
+    S: int
+    even: bool  # every stage holds C_p layers of each position p: blocks are a reshape
     counts: tuple  # layers of position p in the stack: len(range(p, n, k))
     gather: tuple  # per position: (S, C_p) int indices into its stack (padding: a real row)
     back: tuple  # per position: (stage, row) of each of its count_p layers
@@ -77,13 +79,14 @@ class _Layout(NamedTuple):
 def _layout(n: int, k: int, S: int) -> _Layout:
     L = n // S
     stage_of = np.arange(n) // L
-    counts, gather, back = [], [], []
+    counts, gather, back, even = [], [], [], True
     row = np.zeros(n, np.int32)
     for p in range(k):
         layers = np.arange(p, n, k)  # position p's layers, in its stack's order
         stages = stage_of[layers]
         per_stage = [np.flatnonzero(stages == s) for s in range(S)]  # indices into the stack
         width = max(len(t) for t in per_stage)
+        even = even and all(len(t) == width for t in per_stage)
         block = np.zeros((S, width), np.int32)
         rows = np.zeros(len(layers), np.int32)
         for s, t in enumerate(per_stage):
@@ -95,23 +98,57 @@ def _layout(n: int, k: int, S: int) -> _Layout:
         gather.append(block)
         back.append((stages.astype(np.int32), rows))
     position = (np.arange(n) % k).astype(np.int32)
-    return _Layout(k, tuple(counts), tuple(gather), tuple(back), position, row)
+    return _Layout(k, S, even, tuple(counts), tuple(gather), tuple(back), position, row)
 
 
-def _to_blocks(tree: Any, block: np.ndarray) -> Any:
-    """A position's ``(count_p, ...)`` leaves as ``(S, C_p, ...)`` stage blocks."""
-    return jax.tree.map(lambda a: jnp.take(a, block, axis=0), tree)
+def _spec(a: Any) -> tuple:
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    return tuple(getattr(sharding, "spec", ()) or ())
 
 
-def _from_blocks(tree: Any, back: tuple, explicit: bool) -> Any:
-    """``(S, C_p, ...)`` stage blocks back as the position's ``(count_p, ...)`` stack."""
-    stages, rows = back
+def _to_blocks(tree: Any, layout: _Layout, p: int, explicit: bool) -> Any:
+    """Position p's ``(count_p, ...)`` leaves as ``(S, C_p, ...)`` stage blocks."""
 
     def one(a):
+        spec = _spec(a)
+        split = explicit and spec and spec[0] is not None
+        if layout.even:  # the stack split evenly: a reshape, nothing moves
+            shape = (layout.S, -1, *jnp.shape(a)[1:])
+            if split:
+                out = NamedSharding(
+                    jax.typeof(a).sharding.mesh, PartitionSpec(spec[0], None, *spec[1:])
+                )
+                return jax.lax.reshape(
+                    a, (layout.S, a.shape[0] // layout.S, *a.shape[1:]), out_sharding=out
+                )
+            return jnp.reshape(a, shape)
+        if split:
+            # Layers split over a mesh axis: gather them first (a collective), keeping the
+            # inner axes' sharding, since a stage's block takes rows from several shards.
+            a = jax.reshard(
+                a, NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(None, *spec[1:]))
+            )
+        return jnp.take(a, layout.gather[p], axis=0)
+
+    return jax.tree.map(one, tree)
+
+
+def _from_blocks(tree: Any, layout: _Layout, p: int, explicit: bool) -> Any:
+    """``(S, C_p, ...)`` stage blocks back as position p's ``(count_p, ...)`` stack."""
+    stages, rows = layout.back[p]
+
+    def one(a):
+        spec = _spec(a)
+        if layout.even:
+            shape = (-1, *a.shape[2:])
+            if explicit and spec and spec[0] is not None:
+                out = NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(spec[0], *spec[2:]))
+                return jax.lax.reshape(a, (a.shape[0] * a.shape[1], *a.shape[2:]), out_sharding=out)
+            return jnp.reshape(a, shape)
         if explicit:  # gather the stages first: the layers' rows are read across them
-            sharding = jax.typeof(a).sharding
-            spec = PartitionSpec(None, None, *tuple(sharding.spec)[2:])
-            a = jax.reshard(a, NamedSharding(sharding.mesh, spec))
+            a = jax.reshard(
+                a, NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(None, None, *spec[2:]))
+            )
         return a[stages, rows]
 
     return jax.tree.map(one, tree)
@@ -184,8 +221,8 @@ def pattern_pipeline(
         for i, v in enumerate(call.examples):
             check_batch(v, plan, f"stackwise.per_example argument {i}")
             check_same_batch(v, x, f"stackwise.per_example argument {i}")
-        blocks = tuple(_to_blocks(params[p], layout.gather[p]) for p in range(k))
-        state_blocks = tuple(_to_blocks(state[p], layout.gather[p]) for p in range(k))
+        blocks = tuple(_to_blocks(params[p], layout, p, plan.explicit) for p in range(k))
+        state_blocks = tuple(_to_blocks(state[p], layout, p, plan.explicit) for p in range(k))
         per_layer = _to_chunks((tables, call.per_layer), plan)
         state_specs = jax.tree.map(lambda b: _state_spec(b, plan), batched)
         inputs = (blocks, state_blocks, per_layer, x, call.examples, call.consts)
@@ -212,9 +249,7 @@ def pattern_pipeline(
             axis_names=frozenset(plan.manual),
         )
         y, aux, new_state = run(*inputs)
-        new_state = tuple(
-            _from_blocks(new_state[p], layout.back[p], plan.explicit) for p in range(k)
-        )
+        new_state = tuple(_from_blocks(new_state[p], layout, p, plan.explicit) for p in range(k))
         aux = tuple(jax.tree.map(lambda a, p=p: a[p::k], aux[p]) for p in range(k))
         unwrap = (lambda t: t) if pattern else (lambda t: t[0])
         out = (y, unwrap(aux)) if has_aux else y
