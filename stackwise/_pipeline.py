@@ -15,7 +15,7 @@ device's program and :func:`_tick` one step of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -128,8 +128,8 @@ def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _P
 
 
 def pipeline(
-    init: Callable[..., Any] | None,
-    apply: Callable[..., Any],
+    init: Callable[..., Any] | Sequence[Callable[..., Any]] | None,
+    apply: Callable[..., Any] | Sequence[Callable[..., Any]],
     n: int,
     mesh: Mesh | None = None,
     *,
@@ -203,11 +203,45 @@ def pipeline(
     whole batch); :func:`stackwise.per_example` arguments are split into
     microbatches with ``x``; every other argument reaches every layer whole.
 
+    Patterns and state (GPipe only). A pattern of k layers (``init`` and
+    ``apply`` as sequences, layer i running ``apply[i % k]``) pipelines with
+    the stack's params, a tuple of k stacked trees; the stage boundaries may
+    cut the pattern anywhere (``n/S`` need not be a multiple of k). Each
+    position's layers are regrouped by stage into blocks ``(S, C_p, ...)``
+    (padded where stages hold different counts of a position: a gather at
+    each call; when every stage holds as many layers of each position, as
+    when k divides ``n/S``, it is a reshape and params placed with
+    ``shard_stacked(..., layer_axis=stage_axis)`` stay put), and every layer
+    runs its position's ``apply`` through :func:`jax.lax.switch` on a
+    per-layer table. With ``with_state=True``, ``apply(params, state, x,
+    ...)`` returns ``(out, new_state)`` as the stack's does, the state in the
+    stack's layout; a state leaf with a batch axis (``batched_state``: a KV
+    cache) is split into microbatches with ``x``, one without (statistics) is
+    updated by the microbatches in order, as a loop over them would:
+
+    >>> def counted(key):
+    ...     return init(key), {"calls": jnp.zeros((), jnp.int32)}
+    >>> def counting(params, state, x):
+    ...     return apply(params, x), {"calls": state["calls"] + 1}
+    >>> def stateless(key):
+    ...     return init(key), None
+    >>> def doubling(params, state, x):
+    ...     return 2 * apply(params, x), state
+    >>> pattern = stackwise.pipeline([counted, stateless], [counting, doubling], 3, mesh,
+    ...                              microbatches=3, with_state=True, batched_state=False)
+    >>> params, state = pattern.init(jax.random.key(0))
+    >>> y, state = jax.jit(pattern.apply)(params, state, x)
+    >>> state[0]["calls"].tolist()  # layers 0 and 2, once per microbatch
+    [3, 3]
+
     Args:
       init: as for :func:`stackwise.stack` (``None``: params come from
-        elsewhere). ``Stacked.init`` is the stack's, unplaced.
+        elsewhere; a sequence of k for a pattern). ``Stacked.init`` is the
+        stack's, unplaced.
       apply: ``x = apply(layer_params, x, *args, **kwargs)`` for one layer,
-        as for :func:`stackwise.stack`; with ``has_aux``, ``(x, aux)``.
+        as for :func:`stackwise.stack`; with ``has_aux``, ``(x, aux)``; with
+        ``with_state``, ``(out, layer_state) = apply(layer_params,
+        layer_state, x, ...)``; a sequence of k for a pattern.
       n: the number of layers.
       mesh: a :class:`jax.sharding.Mesh` with ``stage_axis`` (and
         ``data_axis``).
@@ -222,18 +256,30 @@ def pipeline(
         with aux stacked along a leading ``n`` axis, each layer's summed over
         microbatches and data shards (bubble ticks excluded): for an aux that
         is a sum over examples it equals the unpipelined stack's.
+      with_state: the layers carry per-layer state, as for
+        :func:`stackwise.stack`.
+      batched_state: which state leaves have a batch axis (after the layer
+        axis, of ``x``'s batch), split into microbatches and over
+        ``data_axis`` with ``x``: ``True`` (all: caches), ``False`` (none:
+        statistics, counters; then no ``data_axis``), or a function of a
+        leaf's path (``jax.tree_util.keystr``, e.g. ``"[0]['k']"``) returning
+        a bool.
 
     Returns:
       A :class:`stackwise.Stacked`.
 
     Raises:
-      TypeError: a pattern of layers, non-int ``n``/``microbatches``/
-        ``repeats``, a non-callable ``apply``.
+      TypeError: non-int ``n``/``microbatches``/``repeats``, a non-callable
+        ``apply``, a ``batched_state`` neither bool nor function; at call
+        time, a pattern's params or state not a tuple of k trees, a layer
+        that changes its state's shapes.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
-        ``"circular"``, an unknown ``schedule``; at call time, a batch not
-        divisible by ``M`` (times the data-axis size) or params of neither
-        layout.
+        ``"circular"``, the ``"circular"`` schedule of a pattern or of
+        layers with state, an unknown ``schedule``; at call time, a batch
+        not divisible by ``M`` (times the data-axis size), params of neither
+        layout, state of the wrong depth, a batched state leaf without
+        ``x``'s batch, or unbatched state with a ``data_axis``.
     """
     layer_pattern = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
     if not layer_pattern and not callable(apply):

@@ -147,20 +147,20 @@ def _case_gemma():
     return _pattern_case(inits, applies, 12, mesh, "data", place=place, remat=True)
 
 
-def _aux_layer(p, x, i, key):
-    y = x + jnp.tanh(x @ p["w"]) * jax.random.uniform(key, (x.shape[0], 1))
+def _aux_layer(p, x, i, key, mask):
+    y = x + jnp.tanh(x @ p["w"]) * jax.random.uniform(key, (x.shape[0], 1)) * mask[:, None]
     return y, {"i": i, "sq": jnp.sum(y**2)}
 
 
-def _aux_scale(p, x, i, key):
-    del key
+def _aux_scale(p, x, i, key, mask):
+    del key, mask
     return x * p["s"][None, :], jnp.sum(x) + i
 
 
 def _case_aux_and_arguments():
-    """Positions with aux of different structures, the layer index and per-layer keys,
-    against a loop over the 4 microbatches (k=3, n=8, S=4, auto axes, no data axis; the stages run
-    their layers as a Python loop, ``unroll=True``)."""
+    """Positions with aux of different structures, the layer index, per-layer keys and a
+    per-example mask, against a loop over the 4 microbatches (k=3, n=8, S=4, auto axes, no
+    data axis; the stages run their layers as a Python loop, ``unroll=True``)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("stage",))
     inits, applies, n, k, m = (
         [_dense_init, _scale_init, _dense_init],
@@ -173,21 +173,27 @@ def _case_aux_and_arguments():
     pp = stackwise.pipeline(inits, applies, n, mesh, microbatches=m, has_aux=True, unroll=True)
     x = jax.random.normal(jax.random.key(1), (8, D))
     key = jax.random.key(3)
-    (y, aux) = jax.jit(pp.apply)(
-        _regroup(per_layer, k), x, stackwise.layer_index(), stackwise.per_layer_keys(key)
-    )
-    ys, auxes = [], []
-    for j, x_j in enumerate(x.reshape(m, -1, D)):
-        layer_aux = []
-        for i, p in enumerate(per_layer):
-            key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
-            x_j, a = applies[i % k](p, x_j, jnp.int32(i), key_ij)
-            layer_aux.append(a)
-        ys.append(x_j)
-        auxes.append(tuple(stackwise.stack_layers(layer_aux[p::k]) for p in range(k)))
-    aux_ref = jax.tree.map(lambda *a: sum(a), *auxes)
+    mask = (jnp.arange(8) % 3 != 0).astype(jnp.float32)
+    marked = (stackwise.layer_index(), stackwise.per_layer_keys(key), stackwise.per_example(mask))
+    y, aux = jax.jit(pp.apply)(_regroup(per_layer, k), x, *marked)
+
+    @jax.jit
+    def reference(per_layer, x, mask):
+        """The loop over the layers, for each microbatch j in turn."""
+        ys, auxes = [], []
+        for j, (x_j, mask_j) in enumerate(zip(x.reshape(m, -1, D), mask.reshape(m, -1))):
+            layer_aux = []
+            for i, p in enumerate(per_layer):
+                key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
+                x_j, a = applies[i % k](p, x_j, jnp.int32(i), key_ij, mask_j)
+                layer_aux.append(a)
+            ys.append(x_j)
+            auxes.append(tuple(stackwise.stack_layers(layer_aux[p::k]) for p in range(k)))
+        return jnp.concatenate(ys), jax.tree.map(lambda *a: sum(a), *auxes)
+
+    y_ref, aux_ref = reference(per_layer, x, mask)
     return {
-        "max_err": _diff(y, jnp.concatenate(ys)),
+        "max_err": _diff(y, y_ref),
         "aux_err": _rel(aux, aux_ref),
         "index_sums": [aux[0]["i"].tolist(), aux[2]["i"].tolist()],
     }
