@@ -396,5 +396,36 @@ def test_pipelined_decode_gives_the_loops_tokens(multi_device):
     assert r["outside_loop"] == ["all-reduce"], r["outside_loop"]
 
 
+# --------------------------------------------------------------------------
+# One device (this process): one layer with state, the pipeline without a pattern.
+
+
+def test_one_layer_with_state_on_one_device():
+    # A cache with a batch axis and a counter without one (batched_state by path), one
+    # stage, auto axes: the stack's apply on the 2 microbatches in order, exactly.
+    def init(key):
+        return _dense_init(key), {"seen": jnp.zeros((4, D)), "calls": jnp.zeros((), jnp.int32)}
+
+    def apply(p, state, x):
+        seen = state["seen"] + x
+        return _tanh(p, x + 0.1 * seen), {"seen": seen, "calls": state["calls"] + 1}
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+    pp = stackwise.pipeline(init, apply, 3, mesh, microbatches=2, with_state=True,
+                            batched_state=lambda path: "seen" in path)  # fmt: skip
+    plain = stackwise.stack(init, apply, 3, with_state=True)
+    params, state = jax.jit(plain.init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, D))
+    y, new = jax.jit(pp.apply)(params, state, x)
+    ys, calls, reference = [], state["calls"], jax.jit(plain.apply)
+    for half in (slice(0, 2), slice(2, 4)):
+        y_h, s_h = reference(params, {"seen": state["seen"][:, half], "calls": calls}, x[half])
+        ys.append(y_h)
+        calls = s_h["calls"]
+        assert jnp.allclose(new["seen"][:, half], s_h["seen"], atol=1e-6)
+    assert jnp.allclose(y, jnp.concatenate(ys), atol=1e-6)
+    assert new["calls"].tolist() == calls.tolist() == [2, 2, 2]
+
+
 if __name__ == "__main__":
     run_cases(_CASES)
