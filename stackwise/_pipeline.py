@@ -203,17 +203,17 @@ def pipeline(
     whole batch); :func:`stackwise.per_example` arguments are split into
     microbatches with ``x``; every other argument reaches every layer whole.
 
-    Patterns and state (GPipe only). A pattern of k layers (``init`` and
-    ``apply`` as sequences, layer i running ``apply[i % k]``) pipelines with
-    the stack's params, a tuple of k stacked trees; the stage boundaries may
-    cut the pattern anywhere (``n/S`` need not be a multiple of k). Each
-    position's layers are regrouped by stage into blocks ``(S, C_p, ...)``
-    (padded where stages hold different counts of a position: a gather at
-    each call; when every stage holds as many layers of each position, as
-    when k divides ``n/S``, it is a reshape and params placed with
-    ``shard_stacked(..., layer_axis=stage_axis)`` stay put), and every layer
-    runs its position's ``apply`` through :func:`jax.lax.switch` on a
-    per-layer table. With ``with_state=True``, ``apply(params, state, x,
+    Patterns and state, with either schedule. A pattern of k layers
+    (``init`` and ``apply`` as sequences, layer i running ``apply[i % k]``)
+    pipelines with the stack's params, a tuple of k stacked trees; the stage
+    (or chunk) boundaries may cut the pattern anywhere (``n/S`` need not be a
+    multiple of k). Each position's layers are regrouped by chunk into
+    blocks ``(V, S, C_p, ...)`` (padded where chunks hold different counts of
+    a position: a gather at each call; with GPipe, when every stage holds as
+    many layers of each position, as when k divides ``n/S``, it is a reshape
+    and params placed with ``shard_stacked(..., layer_axis=stage_axis)`` stay
+    put), and every layer runs its position's ``apply`` through
+    :func:`jax.lax.switch` on a per-layer table. With ``with_state=True``, ``apply(params, state, x,
     ...)`` returns ``(out, new_state)`` as the stack's does, the state in the
     stack's layout; a state leaf with a batch axis (``batched_state``: a KV
     cache) is split into microbatches with ``x``, one without (statistics) is
@@ -275,8 +275,7 @@ def pipeline(
         that changes its state's shapes.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
-        ``"circular"``, the ``"circular"`` schedule of a pattern or of
-        layers with state, an unknown ``schedule``; at call time, a batch
+        ``"circular"``, an unknown ``schedule``; at call time, a batch
         not divisible by ``M`` (times the data-axis size), params of neither
         layout, state of the wrong depth, a batched state leaf without
         ``x``'s batch, or unbatched state with a ``data_axis``.
@@ -298,7 +297,7 @@ def pipeline(
     if layer_pattern or with_state:
         return pattern_pipeline(
             plain, init, apply, plan, mesh, remat=remat, nested=nested, unroll=unroll,
-            has_aux=has_aux, with_state=with_state, batched_state=batched_state,
+            options=options, has_aux=has_aux, with_state=with_state, batched_state=batched_state,
             split_args=_split_args, check_batch=_check_batch, check_same_batch=_check_same_batch,
         )  # fmt: skip
 

@@ -5,28 +5,33 @@ sequences) or a stack ``with_state=True`` to :func:`pattern_pipeline`.
 Every stage runs the same SPMD program, so every device needs the same
 layout whatever its stage's phase in the pattern:
 
-* **Stage blocks.** Stage s holds layers ``s*L`` to ``(s+1)*L - 1``
-  (``L = n/S``); layer i is pattern position ``i % k``. Position p's
-  stacked params ``(count_p, ...)`` (layers p, p+k, ...) are regrouped
-  into ``(S, C_p, ...)``: row s holds, in order, the layers of position p
-  that stage s runs, padded to ``C_p``, the most any stage holds (padding
-  rows repeat a real layer and are never run; their gradient is zero). The
-  stage axis is split over the mesh, so each device holds ``C_p`` rows of
-  each position. The state is regrouped the same way and comes back in the
-  stack's layout, as do the params' gradients.
+* **Chunk blocks.** Chunk ``c = r*S + s`` (round r of stage s; GPipe has
+  one round, V = 1) holds layers ``c*L`` to ``(c+1)*L - 1`` (``L =
+  n/(S*V)``); layer i is pattern position ``i % k``. Position p's stacked
+  params ``(count_p, ...)`` (layers p, p+k, ...) are regrouped into
+  ``(V, S, C_p, ...)``: entry ``[r, s]`` holds, in order, the layers of
+  position p in chunk ``r*S + s``, padded to ``C_p``, the most any chunk
+  holds (padding rows repeat a real layer and are never run; their gradient
+  is zero). The stage axis is split over the mesh. With one chunk a stage
+  and as many layers of each position in every chunk, the blocks are the
+  stack's layout reshaped (nothing moves); otherwise a gather. The state is
+  regrouped the same way and comes back in the stack's layout, as do the
+  params' gradients.
 * **Dispatch.** A table per layer, split over the stages like per-layer
-  arguments, gives layer ``s*L + j`` its position and its row in the
-  stage's block; the stage's L layers run as one
-  :func:`stackwise.stack` (the core's scan and remat) of a layer that takes
-  its row and runs its position's ``apply`` with :func:`jax.lax.switch`.
-  Stage boundaries may cut the pattern anywhere.
+  arguments, gives each layer its position and its row in its chunk's
+  block; a chunk's L layers run as one :func:`stackwise.stack` (the core's
+  scan and remat) of a layer that takes its row and runs its position's
+  ``apply`` with :func:`jax.lax.switch`. Chunk boundaries may cut the
+  pattern anywhere.
 * **State.** A stage's state is carried through the tick loop. A leaf with
   a batch axis (``batched_state``: a KV cache) is split into microbatches
   with ``x``, and microbatch m reads and writes its own rows; a leaf without
   one (statistics, counters) is threaded through the microbatches in order,
   as a loop over the M microbatches would. Bubble ticks write nothing.
 
-Only the GPipe schedule: the circular schedule raises.
+The tick loop follows ``_pipeline_program._tick`` (the same schedules, the
+same parking of microbatches between rounds) with one addition: the chunk's
+state, read before the stage runs and written after it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from stackwise._pipeline_program import (
     _WHO,
     _gather_aux,
     _gather_output,
+    _never_sliced,
     _out_spec,
     _Plan,
     _reshard,
@@ -64,41 +70,43 @@ __all__ = ["pattern_pipeline"]
 
 
 class _Layout(NamedTuple):
-    """Where each layer lives: position blocks ``(S, C_p, ...)`` and per-layer tables."""
+    """Where each layer lives: position blocks ``(V, S, C_p, ...)`` and per-layer tables."""
 
     k: int
     S: int
-    even: bool  # every stage holds C_p layers of each position p: blocks are a reshape
+    V: int
+    even: bool  # every chunk holds C_p layers of each position p: blocks are a reshape
     counts: tuple  # layers of position p in the stack: len(range(p, n, k))
-    gather: tuple  # per position: (S, C_p) int indices into its stack (padding: a real row)
-    back: tuple  # per position: (stage, row) of each of its count_p layers
+    gather: tuple  # per position: (V, S, C_p) indices into its stack (padding: a real row)
+    back: tuple  # per position: (round, stage, row) of each of its count_p layers
     position: np.ndarray  # (n,): layer i's position, i % k
-    row: np.ndarray  # (n,): layer i's row in its stage's block of its position
+    row: np.ndarray  # (n,): layer i's row in its chunk's block of its position
 
 
-def _layout(n: int, k: int, S: int) -> _Layout:
-    L = n // S
-    stage_of = np.arange(n) // L
+def _layout(n: int, k: int, S: int, V: int) -> _Layout:
+    """Chunk c = r*S + s (round r of stage s) holds layers c*L to (c+1)*L - 1."""
+    L = n // (S * V)
+    chunk_of = np.arange(n) // L
     counts, gather, back, even = [], [], [], True
     row = np.zeros(n, np.int32)
     for p in range(k):
         layers = np.arange(p, n, k)  # position p's layers, in its stack's order
-        stages = stage_of[layers]
-        per_stage = [np.flatnonzero(stages == s) for s in range(S)]  # indices into the stack
-        width = max(len(t) for t in per_stage)
-        even = even and all(len(t) == width for t in per_stage)
-        block = np.zeros((S, width), np.int32)
+        chunks = chunk_of[layers]
+        per_chunk = [np.flatnonzero(chunks == c) for c in range(S * V)]  # stack indices
+        width = max(len(t) for t in per_chunk)
+        even = even and all(len(t) == width for t in per_chunk)
+        block = np.zeros((S * V, width), np.int32)
         rows = np.zeros(len(layers), np.int32)
-        for s, t in enumerate(per_stage):
-            block[s, : len(t)] = t
-            block[s, len(t) :] = t[0] if len(t) else 0  # padding: never run
+        for c, t in enumerate(per_chunk):
+            block[c, : len(t)] = t
+            block[c, len(t) :] = t[0] if len(t) else 0  # padding: never run
             rows[t] = np.arange(len(t))
         row[layers] = rows
         counts.append(len(layers))
-        gather.append(block)
-        back.append((stages.astype(np.int32), rows))
+        gather.append(block.reshape(V, S, width))
+        back.append(((chunks // S).astype(np.int32), (chunks % S).astype(np.int32), rows))
     position = (np.arange(n) % k).astype(np.int32)
-    return _Layout(k, S, even, tuple(counts), tuple(gather), tuple(back), position, row)
+    return _Layout(k, S, V, even, tuple(counts), tuple(gather), tuple(back), position, row)
 
 
 def _spec(a: Any) -> tuple:
@@ -107,49 +115,45 @@ def _spec(a: Any) -> tuple:
 
 
 def _to_blocks(tree: Any, layout: _Layout, p: int, explicit: bool) -> Any:
-    """Position p's ``(count_p, ...)`` leaves as ``(S, C_p, ...)`` stage blocks."""
+    """Position p's ``(count_p, ...)`` leaves as ``(V, S, C_p, ...)`` chunk blocks."""
+    V, S = layout.V, layout.S
 
     def one(a):
         spec = _spec(a)
         split = explicit and spec and spec[0] is not None
-        if layout.even:  # the stack split evenly: a reshape, nothing moves
-            shape = (layout.S, -1, *jnp.shape(a)[1:])
+        shape = (V, S, a.shape[0] // (S * V), *a.shape[1:])
+        if layout.even and V == 1:  # the stack split evenly: a reshape, nothing moves
             if split:
-                out = NamedSharding(
-                    jax.typeof(a).sharding.mesh, PartitionSpec(spec[0], None, *spec[1:])
-                )
-                return jax.lax.reshape(
-                    a, (layout.S, a.shape[0] // layout.S, *a.shape[1:]), out_sharding=out
-                )
+                out = PartitionSpec(None, spec[0], None, *spec[1:])
+                out = NamedSharding(jax.typeof(a).sharding.mesh, out)
+                return jax.lax.reshape(a, shape, out_sharding=out)
             return jnp.reshape(a, shape)
         if split:
             # Layers split over a mesh axis: gather them first (a collective), keeping the
             # inner axes' sharding, since a stage's block takes rows from several shards.
-            a = jax.reshard(
-                a, NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(None, *spec[1:]))
-            )
+            out = NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(None, *spec[1:]))
+            a = jax.reshard(a, out)
         return jnp.take(a, layout.gather[p], axis=0)
 
     return jax.tree.map(one, tree)
 
 
 def _from_blocks(tree: Any, layout: _Layout, p: int, explicit: bool) -> Any:
-    """``(S, C_p, ...)`` stage blocks back as position p's ``(count_p, ...)`` stack."""
-    stages, rows = layout.back[p]
+    """``(V, S, C_p, ...)`` chunk blocks back as position p's ``(count_p, ...)`` stack."""
+    rounds, stages, rows = layout.back[p]
 
     def one(a):
         spec = _spec(a)
-        if layout.even:
-            shape = (-1, *a.shape[2:])
-            if explicit and spec and spec[0] is not None:
-                out = NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(spec[0], *spec[2:]))
-                return jax.lax.reshape(a, (a.shape[0] * a.shape[1], *a.shape[2:]), out_sharding=out)
+        shape = (-1, *a.shape[3:])
+        if layout.even and layout.V == 1:
+            if explicit and spec and spec[1] is not None:
+                out = NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(spec[1], *spec[3:]))
+                return jax.lax.reshape(a, (a.shape[1] * a.shape[2], *a.shape[3:]), out_sharding=out)
             return jnp.reshape(a, shape)
         if explicit:  # gather the stages first: the layers' rows are read across them
-            a = jax.reshard(
-                a, NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec(None, None, *spec[2:]))
-            )
-        return a[stages, rows]
+            out = PartitionSpec(None, None, None, *spec[3:])
+            a = jax.reshard(a, NamedSharding(jax.typeof(a).sharding.mesh, out))
+        return a[rounds, stages, rows]
 
     return jax.tree.map(one, tree)
 
@@ -168,6 +172,7 @@ def pattern_pipeline(
     remat: Any,
     nested: Any,
     unroll: Any,
+    options: Any,
     has_aux: bool,
     with_state: bool,
     batched_state: Any,
@@ -182,23 +187,13 @@ def pattern_pipeline(
     """
     _, applies, pattern = check_layers(init, apply, _WHO)
     k, n = len(applies), plan.n
-    what = ("a pattern of layers" if pattern else "") + (
-        (" with state" if pattern else "layers with state (`with_state=True`)")
-        if with_state
-        else ""
-    )
-    if plan.V > 1:
-        raise ValueError(
-            f"{_WHO}: the 'circular' schedule does not take {what}; only schedule='gpipe' "
-            "does. Use schedule='gpipe' (with more microbatches for a smaller bubble)."
-        )
     if not (isinstance(batched_state, bool) or callable(batched_state)):
         raise TypeError(
             f"{_WHO}: `batched_state` must be a bool or a function of a state leaf's path "
             "(a `jax.tree_util.keystr` string) returning a bool, got "
             f"{type(batched_state).__name__} {batched_state!r}."
         )
-    layout = _layout(n, k, plan.S)
+    layout = _layout(n, k, plan.S, plan.V)
     tables = (jnp.asarray(layout.position), jnp.asarray(layout.row))
 
     def pipelined(*args, **kwargs):
@@ -235,10 +230,10 @@ def pattern_pipeline(
             name=_WHO,
         )  # fmt: skip
         run = jax.shard_map(
-            lambda *a: _device_program(stage, plan, batched, out_spec, *a),
+            lambda *a: _device_program(stage, options, plan, batched, out_spec, *a),
             mesh=mesh,
             in_specs=(
-                PartitionSpec(plan.stage_axis),
+                PartitionSpec(None, plan.stage_axis),
                 state_specs,
                 PartitionSpec(None, plan.stage_axis),
                 PartitionSpec(plan.data_axis),
@@ -320,10 +315,10 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
 
 
 def _state_spec(batched: bool, plan: _Plan) -> PartitionSpec:
-    """A state block ``(S, C_p, [batch,] ...)``: stages, then the batch over the data axis."""
+    """A state block ``(V, S, C_p, [batch,] ...)``: stages, then the batch over the data axis."""
     if batched and plan.data_axis:
-        return PartitionSpec(plan.stage_axis, None, plan.data_axis)
-    return PartitionSpec(plan.stage_axis)
+        return PartitionSpec(None, plan.stage_axis, None, plan.data_axis)
+    return PartitionSpec(None, plan.stage_axis)
 
 
 def _place(inputs: tuple, state_specs: Any, mesh: Any, plan: _Plan) -> tuple:
@@ -333,7 +328,7 @@ def _place(inputs: tuple, state_specs: Any, mesh: Any, plan: _Plan) -> tuple:
         lambda v, spec: _reshard(v, mesh, tuple(spec), plan.manual), state, state_specs
     )
     return (
-        _reshard(blocks, mesh, (plan.stage_axis,), plan.manual),
+        _reshard(blocks, mesh, (None, plan.stage_axis), plan.manual),
         state,
         _reshard(per_layer, mesh, (None, plan.stage_axis), plan.manual),
         _reshard(x, mesh, (plan.data_axis,), plan.manual),
@@ -437,72 +432,103 @@ def _check_state(old: Any, new: Any, p: int) -> None:
 
 
 # --------------------------------------------------------------------------
-# One device's program: the GPipe tick loop, the stage's state carried.
+# One device's program: the tick loop, the stage's state carried.
 
 
-def _device_program(stage, plan, batched, out_spec, blocks, state, per_layer, x, examples, consts):
-    """What one device runs: its stage's L layers over the M + S - 1 ticks."""
-    M, S = plan.M, plan.S
+def _device_program(
+    stage, options, plan, batched, out_spec, blocks, state, per_layer, x, examples, consts
+):
+    """What one device runs: its V chunks of L layers over the M*V + S - 1 ticks."""
+    M, S, V = plan.M, plan.S, plan.V
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
     blocks, state, per_layer, x, examples, consts = _vary(
         (blocks, state, per_layer, x, examples, consts), plan.manual
     )
-    blocks = jax.tree.map(lambda v: v[0], blocks)  # this stage's (C_p, ...) rows
-    per_layer = jax.tree.map(lambda v: v[0], per_layer)  # its (L, ...) layers
-    # Batched state leaves as (C_p, M, b, ...): microbatch m reads and writes [:, m].
+    blocks = jax.tree.map(lambda v: v[:, 0], blocks)  # this stage's (V, C_p, ...) rows
+    # Batched state leaves as (V, C_p, M, b, ...): microbatch m reads and writes [r, :, m].
     state = jax.tree.map(
-        lambda v, b: v[0].reshape(v.shape[1], M, v.shape[2] // M, *v.shape[3:]) if b else v[0],
+        lambda v, b: v[:, 0].reshape(V, v.shape[2], M, -1, *v.shape[4:]) if b else v[:, 0],
         state,
         batched,
     )
     mbs, examples = _split_batch(x, M), _split_batch(examples, M)
 
-    def take(state, m):
+    def chunk(tree, r):  # chunk r's rows: static for one chunk a stage
+        return jax.tree.map(lambda v: v[0], tree) if V == 1 else _take(tree, r)
+
+    def take(state, r, m):
         return jax.tree.map(
             lambda v, b: jax.lax.dynamic_index_in_dim(v, m, 1, keepdims=False) if b else v,
-            state,
+            chunk(state, r),
             batched,
         )
 
-    def put(state, new, m):
-        return jax.tree.map(
-            lambda v, u, b: jax.lax.dynamic_update_index_in_dim(v, u, m, 1) if b else u,
-            state,
-            new,
-            batched,
+    def put(state, new, r, m):
+        def one(v, u, b):
+            if b:
+                u = jax.lax.dynamic_update_index_in_dim(chunk(v, r), u, m, 1)
+            return u[None] if V == 1 else jax.lax.dynamic_update_index_in_dim(v, u, r, 0)
+
+        return jax.tree.map(one, state, new, batched)
+
+    def run_stage(chunks, r, h, st, m):
+        """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
+        layers, rows = chunk(chunks, r)
+        return stage.apply(layers, (h, st), d * M + m, _take(examples, m), consts, rows)
+
+    chunks = (per_layer, blocks)
+    if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
+        run_stage = jax.checkpoint(
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
         )
-
-    def run(h, st, m):
-        return stage.apply(per_layer, (h, st), d * M + m, _take(examples, m), consts, blocks)
-
-    aux_shape = jax.eval_shape(run, _take(mbs, 0), take(state, 0), 0)[1]
-    aux0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
+    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), take(state, 0, 0), 0)[1]
+    aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
 
     def tick(carry, t):
-        """Tick t: stage s runs microbatch t - s (when there is one)."""
-        h, state, aux = carry
-        step = t - s
-        valid = (step >= 0) & (step < M)
-        m = jnp.clip(step, 0, M - 1)
-        st = take(state, m)
-        (out, new), layer_aux = run(_where(s == 0, _take(mbs, m), h), st, m)
-        state = put(state, _where(valid, new, st), m)
+        """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
+        h, parked, state, aux = carry
+        k = t - s
+        valid = (k >= 0) & (k < M * V)
+        kc = jnp.clip(k, 0, M * V - 1)
+        m, r = kc % M, kc // M
+        fresh = _take(mbs, m)
+        if V > 1:
+            # What reached stage 0 left the last stage S - 1 ticks after it entered:
+            # park it until its microbatch's next round comes up.
+            k_in = t - S
+            arrived = (s == 0) & (k_in >= 0) & (k_in < M * V)
+            slot = jnp.clip(k_in, 0, M * V - 1) % M
+            parked = jax.tree.map(
+                lambda b, v: jax.lax.dynamic_update_index_in_dim(
+                    b, jnp.where(arrived, v, _take(b, slot)), slot, 0
+                ),
+                parked,
+                h,
+            )
+            fresh = _where(r == 0, fresh, _take(parked, m))
+        st = take(state, r, m)
+        (out, new), layer_aux = run_stage(chunks, r, _where(s == 0, fresh, h), st, m)
+        state = put(state, _where(valid, new, st), r, m)
         aux = jax.tree.map(
-            lambda acc, a: acc + jnp.where(valid, a, jnp.zeros_like(a)), aux, layer_aux
+            lambda acc, a: jax.lax.dynamic_update_index_in_dim(
+                acc, _take(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
+            ),
+            aux,
+            layer_aux,
         )
-        h = (
-            jax.lax.ppermute(out, plan.stage_axis, [(i, i + 1) for i in range(S - 1)])
-            if S > 1
-            else out
-        )
-        return (h, state, aux), out
+        ring = [(i, (i + 1) % S) for i in range(S if V > 1 else S - 1)]
+        h = jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
+        return (h, parked, state, aux), out
 
-    carry = _vary((_take(mbs, 0), state, aux0), plan.manual)
-    (_, state, aux), ys = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    parked = jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None
+    carry = _vary((_take(mbs, 0), parked, state, aux0), plan.manual)
+    (_, _, state, aux), ys = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    # The last stage finished microbatch m (last round) at tick T - M + m.
     y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
     state = jax.tree.map(
-        lambda v, b: (v.reshape(v.shape[0], -1, *v.shape[3:]) if b else v)[None], state, batched
+        lambda v, b: (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else v)[:, None],
+        state,
+        batched,
     )
-    aux = jax.tree.map(lambda a: a[None], aux)  # (V=1, L, ...)
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan), state

@@ -160,7 +160,9 @@ def _aux_scale(p, x, i, key, mask):
 def _case_aux_and_arguments():
     """Positions with aux of different structures, the layer index, per-layer keys and a
     per-example mask, against a loop over the 4 microbatches (k=3, n=8, S=4, auto axes, no
-    data axis; the stages run their layers as a Python loop, ``unroll=True``)."""
+    data axis): the circular schedule, one layer a chunk (chunk c runs layer c: stage s
+    holds layers s and s + 4, of positions s % 3 and (s + 1) % 3), each stage's chunk run as
+    a Python loop (``unroll=True``)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("stage",))
     inits, applies, n, k, m = (
         [_dense_init, _scale_init, _dense_init],
@@ -170,7 +172,9 @@ def _case_aux_and_arguments():
         4,
     )
     per_layer = _loop_params(inits, n, jax.random.key(0))
-    pp = stackwise.pipeline(inits, applies, n, mesh, microbatches=m, has_aux=True, unroll=True)
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=m, has_aux=True, unroll=True, schedule="circular"
+    )
     x = jax.random.normal(jax.random.key(1), (8, D))
     key = jax.random.key(3)
     mask = (jnp.arange(8) % 3 != 0).astype(jnp.float32)
@@ -222,16 +226,18 @@ def _scale_state_apply(p, state, x):
 
 
 def _case_statistics():
-    """Unbatched state (statistics, counters) in a pattern, k=3, n=8, S=4 (stages at phases
-    0, 2, 1, 0: the state regrouped into padded blocks and back): outputs, state and grads
-    against the stack (one device) run on the 2 microbatches in order."""
+    """Unbatched state (statistics, counters) in a pattern, k=3, n=8, S=4, the circular
+    schedule with 2 chunks of one layer a stage (the state regrouped into padded blocks and
+    back): outputs, state and grads against the stack (one device) run on the 4
+    microbatches in order."""
     mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
     inits = [_stats_init, _scale_state_init, _stats_init]
     applies = [_stats_apply, _scale_state_apply, _stats_apply]
-    n, m = 8, 2
+    n, m = 8, 4
     pp = stackwise.pipeline(
-        inits, applies, n, mesh, microbatches=m, with_state=True, batched_state=False, remat=True
-    )
+        inits, applies, n, mesh, microbatches=m, with_state=True, batched_state=False,
+        remat=True, schedule="circular", repeats=2,
+    )  # fmt: skip
     plain = stackwise.stack(inits, applies, n, with_state=True)
     params, state = jax.jit(pp.init)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (8, D))
@@ -382,7 +388,7 @@ def test_state_pipeline_matches_microbatch_loop(multi_device):
     r = result(multi_device, "statistics")
     assert r["max_err"] < PIPELINE_TOL
     assert r["state_err"] < PIPELINE_TOL
-    assert r["counts"][0] == r["counts"][1] == [2, 2]  # once per microbatch, bubbles left out
+    assert r["counts"][0] == r["counts"][1] == [4, 4]  # once per microbatch, bubbles left out
 
 
 def test_pipelined_decode_gives_the_loops_tokens(multi_device):

@@ -17,7 +17,6 @@ from jax.sharding import AbstractMesh, Mesh
 import stackwise
 
 ONE = Mesh(np.array(jax.devices()[:1]), ("stage",))
-STAGES = AbstractMesh((2,), ("stage",))
 DATA = AbstractMesh((1, 2), ("stage", "data"))
 
 
@@ -103,24 +102,6 @@ def _aux_not_returned():
 
 
 PIPELINE_PATTERNS = [
-    case(
-        "circular schedule of a pattern",
-        lambda: stackwise.pipeline(
-            [None, None], [_apply, _apply], 8, STAGES, microbatches=2, schedule="circular"
-        ),
-        ValueError,
-        "'circular' schedule does not take a pattern of layers",
-        "schedule='gpipe'",
-    ),
-    case(
-        "circular schedule with state",
-        lambda: stackwise.pipeline(
-            None, _apply, 8, STAGES, microbatches=2, schedule="circular", with_state=True
-        ),
-        ValueError,
-        "layers with state",
-        "schedule='gpipe'",
-    ),
     case(
         "batched_state a string",
         lambda: _pattern(batched_state="k"),
