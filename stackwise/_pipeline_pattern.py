@@ -180,7 +180,7 @@ def pattern_pipeline(
     check_batch: Callable,
     check_same_batch: Callable,
 ) -> Stacked:
-    """The pipeline of a pattern and/or of layers with state (GPipe only).
+    """The pipeline of a pattern and/or of layers with state, either schedule.
 
     ``plain`` is the stack (its init is the pipeline's); ``split_args`` and the
     two batch checks are ``stackwise.pipeline``'s own, shared with it.
