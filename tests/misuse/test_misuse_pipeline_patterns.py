@@ -103,6 +103,13 @@ def _aux_not_returned():
 
 PIPELINE_PATTERNS = [
     case(
+        "with_state a string",
+        lambda: stackwise.pipeline(None, _apply, 4, ONE, microbatches=2, with_state="yes"),
+        TypeError,
+        "`with_state`",
+        "True or False",
+    ),
+    case(
         "batched_state a string",
         lambda: _pattern(batched_state="k"),
         TypeError,
