@@ -16,7 +16,7 @@ needs the loss, is in ``_pipeline_1f1b.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from stackwise import _check, _pipeline_1f1b
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
+from stackwise._pipeline_pattern import pattern_pipeline
 from stackwise._pipeline_program import (
     _WHO,
     _device_layout,
@@ -130,8 +131,8 @@ def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _P
 
 
 def pipeline(
-    init: Callable[..., Any] | None,
-    apply: Callable[..., Any],
+    init: Callable[..., Any] | Sequence[Callable[..., Any]] | None,
+    apply: Callable[..., Any] | Sequence[Callable[..., Any]],
     n: int,
     mesh: Mesh | None = None,
     *,
@@ -145,6 +146,8 @@ def pipeline(
     unroll: int | bool = 1,
     has_aux: bool = False,
     loss: Callable[..., Any] | None = None,
+    with_state: bool = False,
+    batched_state: bool | Callable[[str], bool] = True,
 ) -> Stacked:
     """:func:`stackwise.stack` with the layers run as pipeline stages on a mesh axis.
 
@@ -236,11 +239,45 @@ def pipeline(
     whole batch); :func:`stackwise.per_example` arguments are split into
     microbatches with ``x``; every other argument reaches every layer whole.
 
+    Patterns and state, with either schedule. A pattern of k layers
+    (``init`` and ``apply`` as sequences, layer i running ``apply[i % k]``)
+    pipelines with the stack's params, a tuple of k stacked trees; the stage
+    (or chunk) boundaries may cut the pattern anywhere (``n/S`` need not be a
+    multiple of k). Each position's layers are regrouped by chunk into
+    blocks ``(V, S, C_p, ...)`` (padded where chunks hold different counts of
+    a position: a gather at each call; with GPipe, when every stage holds as
+    many layers of each position, as when k divides ``n/S``, it is a reshape
+    and params placed with ``shard_stacked(..., layer_axis=stage_axis)`` stay
+    put), and every layer runs its position's ``apply`` through
+    :func:`jax.lax.switch` on a per-layer table. With ``with_state=True``, ``apply(params, state, x,
+    ...)`` returns ``(out, new_state)`` as the stack's does, the state in the
+    stack's layout; a state leaf with a batch axis (``batched_state``: a KV
+    cache) is split into microbatches with ``x``, one without (statistics) is
+    updated by the microbatches in order, as a loop over them would:
+
+    >>> def counted(key):
+    ...     return init(key), {"calls": jnp.zeros((), jnp.int32)}
+    >>> def counting(params, state, x):
+    ...     return apply(params, x), {"calls": state["calls"] + 1}
+    >>> def stateless(key):
+    ...     return init(key), None
+    >>> def doubling(params, state, x):
+    ...     return 2 * apply(params, x), state
+    >>> pattern = stackwise.pipeline([counted, stateless], [counting, doubling], 3, mesh,
+    ...                              microbatches=3, with_state=True, batched_state=False)
+    >>> params, state = pattern.init(jax.random.key(0))
+    >>> y, state = jax.jit(pattern.apply)(params, state, x)
+    >>> state[0]["calls"].tolist()  # layers 0 and 2, once per microbatch
+    [3, 3]
+
     Args:
       init: as for :func:`stackwise.stack` (``None``: params come from
-        elsewhere). ``Stacked.init`` is the stack's, unplaced.
+        elsewhere; a sequence of k for a pattern). ``Stacked.init`` is the
+        stack's, unplaced.
       apply: ``x = apply(layer_params, x, *args, **kwargs)`` for one layer,
-        as for :func:`stackwise.stack`; with ``has_aux``, ``(x, aux)``.
+        as for :func:`stackwise.stack`; with ``has_aux``, ``(x, aux)``; with
+        ``with_state``, ``(out, layer_state) = apply(layer_params,
+        layer_state, x, ...)``; a sequence of k for a pattern.
       n: the number of layers.
       mesh: a :class:`jax.sharding.Mesh` with ``stage_axis`` (and
         ``data_axis``).
@@ -258,43 +295,61 @@ def pipeline(
       loss: for ``"1f1b"`` (and only for it): ``loss(y, targets)``, one float
         scalar for a microbatch's output ``y`` and its rows of ``targets``
         (``loss(y, targets, loss_params)`` when ``apply`` is given ``loss_params=``).
+      with_state: the layers carry per-layer state, as for
+        :func:`stackwise.stack`.
+      batched_state: which state leaves have a batch axis (after the layer
+        axis, of ``x``'s batch), split into microbatches and over
+        ``data_axis`` with ``x``: ``True`` (all: caches), ``False`` (none:
+        statistics, counters; then no ``data_axis``), or a function of a
+        leaf's path (``jax.tree_util.keystr``, e.g. ``"[0]['k']"``) returning
+        a bool.
 
     Returns:
       A :class:`stackwise.Stacked`.
 
     Raises:
-      TypeError: a pattern of layers, non-int ``n``/``microbatches``/
-        ``repeats``, a non-callable ``apply`` or ``loss``; at call time, for
-        ``"1f1b"``, missing ``targets`` or a ``loss`` that does not return a
-        float scalar.
+      TypeError: non-int ``n``/``microbatches``/``repeats``, a non-callable
+        ``apply`` or ``loss``, a ``batched_state`` neither bool nor function; at
+        call time, a pattern's params or state not a tuple of k trees, a layer
+        that changes its state's shapes, and for ``"1f1b"``, missing ``targets``
+        or a ``loss`` that does not return a float scalar.
       ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
         ``"circular"``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
-        or with ``has_aux``/``repeats``, ``loss`` with another schedule; at
-        call time, a batch (of ``x``, per-example arguments or ``targets``)
-        not divisible by ``M`` (times the data-axis size) or params of
-        neither layout.
+        or with ``has_aux``/``repeats``/a pattern/``with_state``, ``loss``
+        with another schedule; at call time, a batch (of ``x``, per-example
+        arguments or ``targets``) not divisible by ``M`` (times the data-axis
+        size), params of neither layout, state of the wrong depth, a batched
+        state leaf without ``x``'s batch, or unbatched state with a
+        ``data_axis``.
     """
-    if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
-        raise TypeError(
-            f"{_WHO}: pipelining a pattern of layers (sequences of `init`/`apply`) is not "
-            "supported. Pipeline one layer function that dispatches on "
-            "`stackwise.layer_index()` (e.g. with `jax.lax.switch`), or stack the pattern "
-            "without a pipeline."
-        )
-    if not callable(apply):
+    layer_pattern = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
+    if not layer_pattern and not callable(apply):
         raise TypeError(
             f"{_WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
             "`stackwise.stack` and a mesh, e.g. `stackwise.pipeline(init, apply, n, mesh, "
             "microbatches=8)`; pass `init=None` when the params come from elsewhere. Got "
             f"apply={apply!r}, mesh={mesh!r}."
         )
-    plain = stack(init, apply, n, name=_WHO)  # checks n; its init is the pipeline's
+    # Checks n (and the pattern, with_state); its init is the pipeline's.
+    plain = stack(init, apply, n, with_state=with_state, name=_WHO)
     plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats)
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
+    if layer_pattern or with_state:
+        if schedule == "1f1b":
+            raise ValueError(
+                f"{_WHO}: the '1f1b' schedule pipelines one layer function without state; "
+                + ("a pattern of layers" if layer_pattern else "`with_state=True`")
+                + " runs with schedule='gpipe' or 'circular' (jax.grad of the pipeline)."
+            )
+        return pattern_pipeline(
+            plain, init, apply, plan, mesh, remat=remat, nested=nested, unroll=unroll,
+            options=options, has_aux=has_aux, with_state=with_state, batched_state=batched_state,
+            split_args=_split_args, check_batch=_check_batch, check_same_batch=_check_same_batch,
+        )  # fmt: skip
 
     def stage(call: _Call) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""

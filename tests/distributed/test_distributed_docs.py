@@ -45,7 +45,9 @@ def multi_device():
 
 
 def test_one_example_per_framework_and_a_pipeline():
-    assert sorted(_examples()) == ["haiku", "linen", "nnx", "pipeline", "pipeline_1f1b"]
+    assert sorted(_examples()) == [
+        "haiku", "linen", "nnx", "pipeline", "pipeline_1f1b", "pipeline_decode"
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(_examples()))

@@ -444,8 +444,6 @@ def test_error_other_arguments():
         stackwise.pipeline(None, _apply, 8, mesh, microbatches=0)
     with pytest.raises(TypeError, match=r"`remat` must be False, True or a policy"):
         stackwise.pipeline(None, _apply, 8, mesh, microbatches=2, remat="yes")
-    with pytest.raises(TypeError, match=r"pipelining a pattern of layers"):
-        stackwise.pipeline([_init, _init], [_apply, _apply], 8, mesh, microbatches=2)
     with pytest.raises(TypeError, match=r"takes `\(init, apply, n, mesh\)`"):
         stackwise.pipeline(_apply, 8, mesh, microbatches=2)  # the old signature
     pp = stackwise.pipeline(None, _apply, 8, mesh, microbatches=2)

@@ -1,0 +1,437 @@
+"""Pipelines of layer patterns and of layers with state: the same outputs, gradients and
+state as a plain Python loop over the layers, and a pipelined decode gives its tokens.
+
+The cases run once, in a subprocess with 8 simulated CPU devices (this file is its
+script, see ``_CASES``); each records its largest difference to the loop, or the
+traceback if it raised, and the tests below assert on those records.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _hlo import collectives
+from _multidevice import result, run_cases, run_module
+
+import stackwise
+
+# float32 sums reassociated across microbatches, stages and the data axis.
+PIPELINE_TOL = 2e-5
+
+D = 8  # feature width
+
+
+def _dense_init(key):
+    return {"w": jax.random.normal(key, (D, D)) / D**0.5}
+
+
+def _scale_init(key):
+    return {"s": 1.0 + 0.1 * jax.random.normal(key, (D,))}
+
+
+def _tanh(p, x):
+    return x + jnp.tanh(x @ p["w"])
+
+
+def _scale(p, x):
+    return x * p["s"][None, :]
+
+
+def _sin(p, x):
+    return x + 0.5 * jnp.sin(x @ p["w"])
+
+
+def _loop_params(inits, n, key):
+    """The loop's per-layer params: layer i made by ``inits[i % k]`` from the i-th key
+    (compiled: one program costs less than the many small ones of eager init)."""
+
+    def make(key):
+        keys = jax.random.split(key, n)
+        return [inits[i % len(inits)](keys[i]) for i in range(n)]
+
+    return jax.jit(make)(key)
+
+
+def _regroup(per_layer, k):
+    """The loop's params as the stack's pattern layout (position p: layers p, p+k, ...)."""
+    return tuple(stackwise.stack_layers(per_layer[p::k]) for p in range(k))
+
+
+def _diff(a, b):
+    return max(
+        jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)),
+        default=0.0,
+    )
+
+
+def _rel(a, b):
+    """Largest difference per leaf, relative to that leaf's largest value (at least 1):
+    a gradient summed over many terms differs by float32 rounding in proportion to it."""
+    rel = jax.tree.map(
+        lambda u, v: float(jnp.max(jnp.abs(u - v)) / max(float(jnp.max(jnp.abs(v))), 1.0)), a, b
+    )
+    return max(jax.tree.leaves(rel), default=0.0)
+
+
+def _trimmed(spec) -> tuple:
+    """A spec's entries without trailing ``None`` s (the same layout)."""
+    spec = list(spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def _sin_loss(f):
+    """A loss of ``f(params, x)``: its value, output and grads, compiled."""
+
+    def fn(p, v):
+        y = f(p, v)
+        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(y)), y
+
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+
+# --------------------------------------------------------------------------
+# Patterns.
+
+
+def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place=None, **options):
+    """Outputs and grads (params and x) of the pipelined pattern against the loop."""
+    k = len(applies)
+    per_layer = _loop_params(inits, n, jax.random.key(0))
+    params = _regroup(per_layer, k)
+
+    def loop(per_layer, x):
+        for i, p in enumerate(per_layer):
+            x = applies[i % k](p, x)
+        return x
+
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=microbatches, data_axis=data_axis, **options
+    )
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    (_, y), (g, gx) = _sin_loss(pp.apply)(params if place is None else place(params), x)
+    (_, y_ref), (g_ref, gx_ref) = _sin_loss(loop)(per_layer, x)
+    return {
+        "max_err": _rel((y, gx, g), (y_ref, gx_ref, _regroup(g_ref, k))),
+        "init_equals_loop": _diff(jax.jit(pp.init)(jax.random.key(0)), params) == 0.0,
+    }
+
+
+def _case_phases():
+    """k=3, n=8, S=4: two layers a stage, so stages start at phases 0, 2, 1, 0, and position
+    2's block is padded on stages 0 and 3. Explicit (stage=4, data=2), no remat, nested
+    groups."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    return _pattern_case(
+        [_dense_init, _scale_init, _dense_init],
+        [_tanh, _scale, _sin],
+        8,
+        mesh,
+        "data",
+        remat=False,
+        nested=True,
+    )
+
+
+def _case_gemma():
+    """Gemma-3-like 5 : 1 over n=12 and S=2, each stage one whole period: the stack's
+    layout is the stages' own, and the params are placed with their layer axis split over
+    the stages (explicit axes, remat=True)."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+    inits = [_dense_init] * 5 + [_scale_init]
+    applies = [_tanh] * 5 + [_scale]
+    place = lambda p: stackwise.shard_stacked(p, mesh, layer_axis="stage")  # noqa: E731
+    return _pattern_case(inits, applies, 12, mesh, "data", place=place, remat=True)
+
+
+def _aux_layer(p, x, i, key, mask):
+    y = x + jnp.tanh(x @ p["w"]) * jax.random.uniform(key, (x.shape[0], 1)) * mask[:, None]
+    return y, {"i": i, "sq": jnp.sum(y**2)}
+
+
+def _aux_scale(p, x, i, key, mask):
+    del key, mask
+    return x * p["s"][None, :], jnp.sum(x) + i
+
+
+def _case_aux_and_arguments():
+    """Positions with aux of different structures, the layer index, per-layer keys and a
+    per-example mask, against a loop over the 4 microbatches (k=3, n=8, S=4, auto axes, no
+    data axis): the circular schedule, one layer a chunk (chunk c runs layer c: stage s
+    holds layers s and s + 4, of positions s % 3 and (s + 1) % 3), each stage's chunk run as
+    a Python loop (``unroll=True``)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("stage",))
+    inits, applies, n, k, m = (
+        [_dense_init, _scale_init, _dense_init],
+        [_aux_layer, _aux_scale, _aux_layer],
+        8,
+        3,
+        4,
+    )
+    per_layer = _loop_params(inits, n, jax.random.key(0))
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=m, has_aux=True, unroll=True, schedule="circular"
+    )
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    key = jax.random.key(3)
+    mask = (jnp.arange(8) % 3 != 0).astype(jnp.float32)
+    marked = (stackwise.layer_index(), stackwise.per_layer_keys(key), stackwise.per_example(mask))
+    y, aux = jax.jit(pp.apply)(_regroup(per_layer, k), x, *marked)
+
+    @jax.jit
+    def reference(per_layer, x, mask):
+        """The loop over the layers, for each microbatch j in turn."""
+        ys, auxes = [], []
+        for j, (x_j, mask_j) in enumerate(zip(x.reshape(m, -1, D), mask.reshape(m, -1))):
+            layer_aux = []
+            for i, p in enumerate(per_layer):
+                key_ij = jax.random.fold_in(jax.random.split(key, n)[i], j)
+                x_j, a = applies[i % k](p, x_j, jnp.int32(i), key_ij, mask_j)
+                layer_aux.append(a)
+            ys.append(x_j)
+            auxes.append(tuple(stackwise.stack_layers(layer_aux[p::k]) for p in range(k)))
+        return jnp.concatenate(ys), jax.tree.map(lambda *a: sum(a), *auxes)
+
+    y_ref, aux_ref = reference(per_layer, x, mask)
+    return {
+        "max_err": _diff(y, y_ref),
+        "aux_err": _rel(aux, aux_ref),
+        "index_sums": [aux[0]["i"].tolist(), aux[2]["i"].tolist()],
+    }
+
+
+# --------------------------------------------------------------------------
+# State.
+
+
+def _stats_init(key):
+    return _dense_init(key), {"mean": jnp.zeros(D), "count": jnp.zeros((), jnp.int32)}
+
+
+def _stats_apply(p, state, x):
+    """A BatchNorm-like running mean of the layer's input, and a call counter."""
+    mean = 0.9 * state["mean"] + 0.1 * jnp.mean(x, 0)
+    return _tanh(p, x - mean[None, :]), {"mean": mean, "count": state["count"] + 1}
+
+
+def _scale_state_init(key):
+    return _scale_init(key), {"peak": jnp.zeros(D)}
+
+
+def _scale_state_apply(p, state, x):
+    return _scale(p, x), {"peak": jnp.maximum(state["peak"], jnp.max(jnp.abs(x), 0))}
+
+
+def _case_statistics():
+    """Unbatched state (statistics, counters) in a pattern, k=3, n=8, S=4, the circular
+    schedule with 2 chunks of one layer a stage (the state regrouped into padded blocks and
+    back): outputs, state and grads against the stack (one device) run on the 4
+    microbatches in order."""
+    mesh = jax.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    inits = [_stats_init, _scale_state_init, _stats_init]
+    applies = [_stats_apply, _scale_state_apply, _stats_apply]
+    n, m = 8, 4
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=m, with_state=True, batched_state=False,
+        remat=True, schedule="circular", repeats=2,
+    )  # fmt: skip
+    plain = stackwise.stack(inits, applies, n, with_state=True)
+    params, state = jax.jit(pp.init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, D))
+
+    def reference(params, state, x):
+        ys = []
+        for x_j in x.reshape(m, -1, D):
+            y_j, state = plain.apply(params, state, x_j)
+            ys.append(y_j)
+        return jnp.concatenate(ys), state
+
+    def loss(f):
+        def fn(p, v):
+            y, new = f(p, state, v)
+            return jnp.sum(jnp.sin(y)), (y, new)
+
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+    (_, (y, new)), g = loss(pp.apply)(params, x)
+    (_, (y_ref, new_ref)), g_ref = loss(reference)(params, x)
+    return {
+        "max_err": _diff((y, g), (y_ref, g_ref)),
+        "state_err": _diff(new, new_ref),
+        "counts": [new[2]["count"].tolist(), new_ref[2]["count"].tolist()],
+    }
+
+
+HEADS, CONTEXT, WINDOW, VOCAB = 2, 8, 3, 16
+
+
+def _cached(window):
+    """Causal attention over a per-layer KV cache (``window``: a sliding window), written
+    with ``dynamic_update_slice`` at ``pos``: a prefill of t tokens or one decode step."""
+
+    def init(key):
+        k1, k2 = jax.random.split(key)
+        params = {
+            "qkv": jax.random.normal(k1, (D, 3 * D)) / D**0.5,
+            "out": jax.random.normal(k2, (D, D)) / D**0.5,
+        }
+        return params, {
+            "k": jnp.zeros((4, CONTEXT, HEADS, D // HEADS)),
+            "v": jnp.zeros((4, CONTEXT, HEADS, D // HEADS)),
+        }
+
+    def apply(params, cache, x, pos):
+        b, t, _ = x.shape
+        q, k, v = (a.reshape(b, t, HEADS, D // HEADS) for a in jnp.split(x @ params["qkv"], 3, -1))
+        ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k, pos, 1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v, pos, 1)
+        i = pos + jnp.arange(t)[:, None]
+        j = jnp.arange(CONTEXT)[None, :]
+        seen = (j <= i) if window is None else (j <= i) & (i - j < window)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, ck) / (D // HEADS) ** 0.5
+        scores = jnp.where(seen[None, None], scores, -1e30)
+        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), cv).reshape(b, t, D)
+        return x + y @ params["out"], {"k": ck, "v": cv}
+
+    return init, apply
+
+
+def _case_decode():
+    """A pipelined decode, local : global attention, n=8 over (stage=4, data=2), a batch of
+    4 in 2 microbatches: a prefill of 3 tokens and 4 greedy steps give the loop's tokens
+    and cache. Params and cache are placed once on the stages (and the cache's batch on the
+    data axis): with L = 2 a multiple of k = 2, the stack's layout is the stages' own."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    P = jax.sharding.PartitionSpec
+    kinds = [_cached(WINDOW), _cached(None)]
+    inits, applies, n, k = [i for i, _ in kinds], [a for _, a in kinds], 8, 2
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=2, data_axis="data", with_state=True
+    )
+    params, cache = jax.jit(pp.init)(jax.random.key(0))
+    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+    cache = stackwise.shard_stacked(cache, mesh, P("data"), layer_axis="stage")
+    embed = jax.random.normal(jax.random.key(1), (VOCAB, D))
+    embed_on_mesh = jax.device_put(embed, jax.sharding.NamedSharding(mesh, P()))
+    prompt = jax.random.randint(jax.random.key(2), (4, 3), 0, VOCAB)
+    loop_layers = _loop_params(inits, n, jax.random.key(0))
+
+    def loop_step(caches, tokens, pos):
+        h = embed[tokens]
+        new = []
+        for i, (p, c) in enumerate(zip([layer[0] for layer in loop_layers], caches)):
+            h, c = applies[i % k](p, c, h, pos)
+            new.append(c)
+        return jnp.argmax(h[:, -1] @ embed.T, -1), new
+
+    def pp_step(cache, tokens, pos):
+        h, cache = pp.apply(placed, cache, jax.nn.one_hot(tokens, VOCAB) @ embed_on_mesh, pos)
+        return jnp.argmax(h[:, -1] @ embed_on_mesh.T, -1), cache
+
+    def generate(step, cache):
+        token, cache = jax.jit(step)(cache, prompt, jnp.int32(0))
+        # One decode step, compiled once (its program is read below), the cache donated.
+        decode = (
+            jax.jit(step, donate_argnums=0).lower(cache, token[:, None], jnp.int32(3)).compile()
+        )
+        tokens = [token]
+        for pos in range(3, 7):
+            token, cache = decode(cache, token[:, None], jnp.int32(pos))
+            tokens.append(token)
+        return jnp.stack(tokens, 1), cache, decode
+
+    tokens, cache_pp, decode = generate(pp_step, cache)
+    tokens_ref, caches_ref, _ = generate(loop_step, [c for _, c in loop_layers])
+    hlo = decode.as_text()
+    return {
+        "tokens": tokens.tolist(),
+        "tokens_ref": tokens_ref.tolist(),
+        "cache_err": _rel(cache_pp, _regroup(caches_ref, k)),
+        "cache_spec": str(P(*_trimmed(cache_pp[0]["k"].sharding.spec))),
+        "outside_loop": sorted({c[0] for c in collectives(hlo) if c[2] == 0}),
+    }
+
+
+_CASES = {
+    "phases": _case_phases,
+    "gemma": _case_gemma,
+    "aux_and_arguments": _case_aux_and_arguments,
+    "statistics": _case_statistics,
+    "decode": _case_decode,
+}
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    return run_module(__file__)
+
+
+@pytest.mark.parametrize("name", ["phases", "gemma"])
+def test_pattern_pipeline_matches_loop_outputs_and_grads(multi_device, name):
+    r = result(multi_device, name)
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["init_equals_loop"]  # Stacked.init is the stack's: the loop's params, regrouped
+
+
+def test_pattern_pipeline_aux_and_per_layer_arguments(multi_device):
+    r = result(multi_device, "aux_and_arguments")
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["aux_err"] < PIPELINE_TOL
+    # Positions 0 and 2 hold layers 0, 3, 6 and 2, 5; each index summed over 4 microbatches.
+    assert r["index_sums"] == [[0, 12, 24], [8, 20]]
+
+
+def test_state_pipeline_matches_microbatch_loop(multi_device):
+    r = result(multi_device, "statistics")
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["state_err"] < PIPELINE_TOL
+    assert r["counts"][0] == r["counts"][1] == [4, 4]  # once per microbatch, bubbles left out
+
+
+def test_pipelined_decode_gives_the_loops_tokens(multi_device):
+    r = result(multi_device, "decode")
+    assert r["tokens"] == r["tokens_ref"]
+    assert len(r["tokens"]) == 4 and len(r["tokens"][0]) == 5
+    assert r["cache_err"] < PIPELINE_TOL
+    # The cache stays where it was placed: layers on the stages, its batch on the data axis;
+    # a decode step moves no cache or params, only the output (summed over the stages).
+    assert r["cache_spec"] == "P('stage', 'data')"
+    assert r["outside_loop"] == ["all-reduce"], r["outside_loop"]
+
+
+# --------------------------------------------------------------------------
+# One device (this process): one layer with state, the pipeline without a pattern.
+
+
+def test_one_layer_with_state_on_one_device():
+    # A cache with a batch axis and a counter without one (batched_state by path), one
+    # stage, auto axes: the stack's apply on the 2 microbatches in order, exactly.
+    def init(key):
+        return _dense_init(key), {"seen": jnp.zeros((4, D)), "calls": jnp.zeros((), jnp.int32)}
+
+    def apply(p, state, x):
+        seen = state["seen"] + x
+        return _tanh(p, x + 0.1 * seen), {"seen": seen, "calls": state["calls"] + 1}
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+    pp = stackwise.pipeline(init, apply, 3, mesh, microbatches=2, with_state=True,
+                            batched_state=lambda path: "seen" in path)  # fmt: skip
+    plain = stackwise.stack(init, apply, 3, with_state=True)
+    params, state = jax.jit(plain.init)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, D))
+    y, new = jax.jit(pp.apply)(params, state, x)
+    ys, calls, reference = [], state["calls"], jax.jit(plain.apply)
+    for half in (slice(0, 2), slice(2, 4)):
+        y_h, s_h = reference(params, {"seen": state["seen"][:, half], "calls": calls}, x[half])
+        ys.append(y_h)
+        calls = s_h["calls"]
+        assert jnp.allclose(new["seen"][:, half], s_h["seen"], atol=1e-6)
+    assert jnp.allclose(y, jnp.concatenate(ys), atol=1e-6)
+    assert new["calls"].tolist() == calls.tolist() == [2, 2, 2]
+
+
+if __name__ == "__main__":
+    run_cases(_CASES)
