@@ -12,8 +12,12 @@ processes.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,7 @@ import stackwise
 pytestmark = pytest.mark.slow  # 7 processes, each importing JAX and compiling the step
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "multiprocess.py"
 #: float32 sums in another order: across processes (gloo) against one process's devices
 #: (measured: 1.5e-8 on the gradients, one float32 ulp, 2.4e-7, on the loss after the step).
 PROCESSES_TOL = 1e-5
@@ -39,7 +44,7 @@ RUNS = (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("multiprocess", ROOT / "examples/multiprocess.py")
+    spec = importlib.util.spec_from_file_location("multiprocess", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -59,19 +64,39 @@ def _env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(example, tmp_path_factory):
-    """``{processes: [(view, arrays) of each process]}`` of the three runs."""
+    """``{processes: [(view, arrays) of each process]}`` of the three runs, and the launcher's
+    output. The 4-process run is the documented command (``--processes 4``), whose launcher
+    kills its processes at ``--timeout``; the others start from here."""
     out = tmp_path_factory.mktemp("multiprocess")
+    argv = [sys.executable, str(EXAMPLE), "--processes", "4", "--out", str(out / "4")]
+    launcher = subprocess.Popen(  # in a session of its own: killed with its processes
+        [*argv, "--timeout", str(TIMEOUT_S)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     started = {}
     try:
-        for n in RUNS:
-            started[n] = example.Processes(n, out / str(n), _env())
+        started = {n: example.Processes(n, out / str(n), _env()) for n in RUNS if n != 4}
         views = {n: run.wait(TIMEOUT_S) for n, run in started.items()}
+        stdout, stderr = launcher.communicate(timeout=TIMEOUT_S + 60)
     finally:
         for run in started.values():
             run.kill()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    if launcher.returncode:
+        pytest.fail(f"`{' '.join(argv[1:])}` failed:\n{stderr[-5000:]}")
+    views[4] = [json.loads((out / "4" / f"process_{i}.json").read_text()) for i in range(4)]
     return {
-        n: [(v, dict(np.load(out / str(n) / f"process_{v['process']}.npz"))) for v in vs]
-        for n, vs in views.items()
+        "launcher": stdout,
+        **{
+            n: [(v, dict(np.load(out / str(n) / f"process_{v['process']}.npz"))) for v in vs]
+            for n, vs in views.items()
+        },
     }
 
 
@@ -89,6 +114,10 @@ def test_every_process_of_every_run_gets_the_one_process_results(runs):
             assert view["devices"] == [8 // n, 8]
             assert _max_diff(arrays, one) <= PROCESSES_TOL, (n, view["process"])
     assert float(one["loss_after_step"]) < float(one["loss"])  # the step is a descent step
+    # The launcher prints each process's part and the loss.
+    lines = runs["launcher"].splitlines()
+    assert [line.split(":")[0] for line in lines[:4]] == [f"process {i} of 4" for i in range(4)]
+    assert lines[-1].startswith(f"loss {float(one['loss']):.6f}, after one SGD step")
 
 
 def _reference(example, params, tokens):
