@@ -144,18 +144,11 @@ def test_the_step_equals_a_plain_loop_on_one_device(example, runs):
     assert abs(float(loss) - float(one["loss"])) <= LOOP_TOL
     assert abs(float(after) - float(one["loss_after_step"])) <= LOOP_TOL
     # The params born sharded on the mesh are the stack's init on one device.
-    fsdp_init = jax.tree_util.tree_leaves_with_path(fsdp_init)
-    assert (
-        max(
-            float(
-                np.max(
-                    np.abs(np.asarray(v) - one[f"params['fsdp_blocks']{jax.tree_util.keystr(p)}"])
-                )
-            )
-            for p, v in fsdp_init
-        )
-        <= INIT_TOL
-    )
+    born = {
+        f"params['fsdp_blocks']{jax.tree_util.keystr(p)}": np.asarray(v)
+        for p, v in jax.tree_util.tree_leaves_with_path(fsdp_init)
+    }
+    assert _max_diff(born, {k: one[k] for k in born}) <= INIT_TOL
 
 
 def test_the_collectives_cross_processes_and_each_holds_its_part(runs):
