@@ -264,7 +264,7 @@ def run_process(out: pathlib.Path | None) -> dict:
 def collectives(hlo: str) -> dict[str, int]:
     """How many of each collective a compiled program (its text) holds."""
     ops = re.findall(
-        r"= \S+ (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
+        r" (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
         r"(?:-start)?\(",
         hlo,
     )
