@@ -1,0 +1,60 @@
+"""Misuses of the multi-process example's command line (`examples/multiprocess.py`).
+
+Each is refused by argument parsing, before JAX is configured or any process starts: exit
+status 2 and a message naming the flag. The parser runs in-process: `parse_args(argv)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "multiprocess.py"
+ONE = ["--process-id", "0", "--num-processes", "2", "--coordinator", "127.0.0.1:8476"]
+
+#: (argv, what the message must name (the flag), a part of the message).
+CASES = [
+    ([], "--processes", "--process-id, --num-processes, --coordinator is missing"),
+    (["--process-id", "0"], "--num-processes", "--num-processes, --coordinator is missing"),
+    (["--processes", "3"], "--processes", "invalid choice: 3"),
+    (["--processes", "two"], "--processes", "invalid int value: 'two'"),
+    (["--processes", "2", *ONE[:2]], "--process-id", "for running one process of a run"),
+    (["--processes", "2", "--timeout", "0"], "--timeout", "expected a positive number"),
+    (["--processes", "2", "--timeout", "nan"], "--timeout", "expected a positive number"),
+    (["--processes", "2", "--out", "{file}"], "--out", "is a file; give a folder"),
+    ([*ONE[:2], "--num-processes", "3", *ONE[4:]], "--num-processes", "invalid choice: 3"),
+    (["--process-id", "2", *ONE[2:]], "--process-id", "is not one of 0 to 1"),
+    (["--process-id", "-1", *ONE[2:]], "--process-id", "is not one of 0 to 1"),
+    ([*ONE[:4], "--coordinator", "8476"], "--coordinator", "is not HOST:PORT"),
+    ([*ONE[:4], "--coordinator", "localhost:"], "--coordinator", "is not HOST:PORT"),
+    ([*ONE[:4], "--coordinator", "localhost:http"], "--coordinator", "is not HOST:PORT"),
+]
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("multiprocess", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize(("argv", "flag", "message"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_refused(example, tmp_path, capsys, argv, flag, message):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        example.parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and message in err, err
+    assert "Traceback" not in err
+
+
+def test_a_run_of_the_flags_parses(example, tmp_path):
+    args = example.parse_args([*ONE, "--out", str(tmp_path)])
+    assert (args.process_id, args.num_processes, args.coordinator) == (0, 2, "127.0.0.1:8476")
+    assert example.parse_args(["--processes", "4"]).processes == 4
