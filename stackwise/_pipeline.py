@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from stackwise import _check
+from stackwise import _check, _pipeline_fsdp
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
 from stackwise._pipeline_program import (
@@ -68,7 +68,9 @@ def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
     return mesh.shape[axis]
 
 
-def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _Plan:
+def _plan(
+    n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp=None, gather="step"
+) -> _Plan:
     mesh = _check.mesh(mesh, _WHO)
     for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
         if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
@@ -119,7 +121,9 @@ def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _P
             + ", or a mesh whose stage axis divides n."
         )
     explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit)
+    fsdp, gather = _pipeline_fsdp.check(mesh, fsdp, gather, stage_axis, _WHO)
+    D *= _pipeline_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
+    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
 
 
 # --------------------------------------------------------------------------
@@ -137,6 +141,8 @@ def pipeline(
     data_axis: str | None = None,
     schedule: str = "gpipe",
     repeats: int | None = None,
+    fsdp: str | tuple[str, ...] | None = None,
+    fsdp_gather: str = "step",
     remat: bool | Callable[..., Any] = DEFAULT_REMAT,
     nested: bool | int = False,
     unroll: int | bool = 1,
@@ -247,20 +253,26 @@ def pipeline(
             f"apply={apply!r}, mesh={mesh!r}."
         )
     plain = stack(init, apply, n, name=_WHO)  # checks n; its init is the pipeline's
-    plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats)
+    plan = _plan(
+        n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp, fsdp_gather
+    )
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
 
-    def stage(call: _Call) -> Stacked:
+    def stage(call: _Call, dims: Any) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""
         layer = _Layer(apply, has_aux, call)
-        return stack(
+        one = stack(
             None, layer, plan.L, remat=remat, nested=nested, unroll=unroll, has_aux=True, name=_WHO
         )
+        if plan.fsdp and plan.gather == "tick":
+            return _pipeline_fsdp.gathered_per_tick(one, dims, plan, options)
+        return one
 
     def pipelined(params, x, *args, **kwargs):
         params = _device_layout(params, plan)
+        dims = _pipeline_fsdp.dims(params, mesh, plan) if plan.fsdp else None
         _check_batch(x, plan, "x")
         call = _split_args(args, kwargs, n)
         for i, v in enumerate(call.examples):
@@ -269,12 +281,24 @@ def pipeline(
         slices = [_to_chunks(v, plan) for v in call.per_layer]
         inputs = _place((params, slices, x, call.examples, call.consts), mesh, plan)
         layer_spec = PartitionSpec(None, plan.stage_axis)
-        batch_spec = PartitionSpec(plan.data_axis)
+        batch_spec = PartitionSpec(plan.batch)
         out_spec = _out_spec(x, plan)
+        param_spec = layer_spec
+
+        def device(*a, gather=None):
+            return _device_program(stage(call, dims), options, plan, out_spec, *a, gather=gather)
+
+        program = device
+        if plan.fsdp:  # each stage's params split over the FSDP axes too
+            param_spec = _pipeline_fsdp.in_specs(dims, plan)
+            if plan.explicit:
+                inputs = (_pipeline_fsdp.place(params, dims, mesh, plan), *inputs[1:])
+            if plan.gather == "step":
+                program = _pipeline_fsdp.gathered_once(device, dims, plan, options)
         run = jax.shard_map(
-            lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
+            program,
             mesh=mesh,
-            in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
+            in_specs=(param_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
             out_specs=(out_spec, PartitionSpec()),
             axis_names=frozenset(plan.manual),
         )
@@ -381,7 +405,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
     if bad:
         by = f"microbatches={plan.M}"
         if plan.D > 1:
-            by += f" times the {plan.data_axis!r} axis size {plan.D}"
+            by += f" times the {plan.batch!r} axis size {plan.D}"
         raise ValueError(
             f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
             f"{by} = {split}, but these leaves do not:\n"
