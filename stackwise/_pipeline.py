@@ -198,6 +198,24 @@ def pipeline(
     S divides the batch of each data shard; otherwise it is replicated over
     the stages.
 
+    FSDP inside the stages: with ``fsdp=axes`` each stage's params are also
+    split over those mesh axes (data-parallel axes: the batch is split over
+    them too, after ``data_axis`` if that is given), each leaf on the inner
+    dimension its placement splits over them, else by
+    :func:`stackwise.fsdp_specs`' rule (a leaf with no dimension they divide
+    stays replicated over them). Inside the stage a leaf is all-gathered over
+    the FSDP axes, with ``fsdp_gather="step"`` once per call before the tick
+    loop (MaxText's ``pipeline_fsdp_ag_once``), with ``"tick"`` at every
+    tick, only the chunk of layers that tick runs (less memory, more
+    gathers); its gradient comes back reduce-scattered, in the params'
+    layout. The gathered copy is never saved for the backward pass: the
+    backward pass gathers again.
+
+    >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
+    >>> fsdp = stackwise.pipeline(init, apply, 4, mesh, microbatches=2, fsdp="data")
+    >>> bool(jnp.allclose(jax.jit(fsdp.apply)(params, x), layers.apply(params, x), atol=1e-5))
+    True
+
     Arguments of ``apply`` after ``x``: :func:`stackwise.per_layer`,
     :func:`stackwise.per_layer_keys` and :func:`stackwise.layer_index`
     resolve per layer as in :func:`stackwise.stack` (layer i of microbatch j
@@ -220,6 +238,10 @@ def pipeline(
       schedule: ``"gpipe"`` or ``"circular"``.
       repeats: for ``"circular"``: V, the chunks per stage (default ``n // S``:
         one layer per chunk, the smallest bubble).
+      fsdp: a mesh axis, or a tuple of them, to split each stage's params over
+        as well (FSDP; not ``stage_axis``), or ``None``.
+      fsdp_gather: with ``fsdp``: ``"step"`` (gather each stage's params once
+        per call) or ``"tick"`` (gather each tick's chunk at that tick).
       remat, nested, unroll: passed to :func:`stackwise.stack` for each stage.
       has_aux: the layer returns ``(x, aux)``; ``apply`` returns ``(y, aux)``
         with aux stacked along a leading ``n`` axis, each layer's summed over
@@ -232,11 +254,14 @@ def pipeline(
     Raises:
       TypeError: a pattern of layers, non-int ``n``/``microbatches``/
         ``repeats``, a non-callable ``apply``.
-      ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
+      ValueError: a mesh without ``stage_axis``/``data_axis``/``fsdp`` axes,
+        ``stage_axis`` among the ``fsdp`` axes, an unknown ``fsdp_gather`` (or
+        one without ``fsdp``), ``n`` not
         divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
         ``"circular"``, an unknown ``schedule``; at call time, a batch not
         divisible by ``M`` (times the data-axis size) or params of neither
-        layout.
+        layout, or a leaf placed over the ``fsdp`` axes otherwise than
+        ``fsdp`` names them (with other axes, or in another order).
     """
     if isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple)):
         raise TypeError(
@@ -253,9 +278,7 @@ def pipeline(
             f"apply={apply!r}, mesh={mesh!r}."
         )
     plain = stack(init, apply, n, name=_WHO)  # checks n; its init is the pipeline's
-    plan = _plan(
-        n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp, fsdp_gather
-    )
+    plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp, fsdp_gather)
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )

@@ -73,10 +73,9 @@ def check(mesh: Any, fsdp: Any, gather: Any, stage_axis: str, who: str) -> tuple
     return axes, gather
 
 
-def batch_axes(data_axis: str | None, fsdp: tuple) -> tuple:
-    """The mesh axes the batch is split over: ``data_axis``, then the other FSDP axes."""
-    first = (data_axis,) if data_axis else ()
-    return first + tuple(a for a in fsdp if a != data_axis)
+def size(mesh: Any, axes: tuple) -> int:
+    """The number of devices along ``axes`` of ``mesh``."""
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 # --------------------------------------------------------------------------
@@ -110,9 +109,8 @@ def dims(params: Any, mesh: Any, plan: Any) -> Any:
         # Other mesh axes (tensor parallel) keep their dimensions; the manual ones move.
         bases.append(PartitionSpec(*[None if set(_names(e)) & manual else e for e in inner]))
     treedef = jax.tree.structure(params)
-    specs = fsdp_specs(
-        jax.tree.unflatten(treedef, shapes), mesh, plan.fsdp, base=jax.tree.unflatten(treedef, bases)
-    )
+    shapes, bases = jax.tree.unflatten(treedef, shapes), jax.tree.unflatten(treedef, bases)
+    specs = fsdp_specs(shapes, mesh, plan.fsdp, base=bases)
     chosen = []
     for at, spec in zip(placed, jax.tree.leaves(specs, is_leaf=_is_spec)):
         found = [d for d, e in enumerate(spec) if _names(e) == plan.fsdp]
@@ -175,8 +173,12 @@ def gathered_once(program: Callable, dims_tree: Any, plan: Any, options: Options
     def checkpointed(params, *rest):
         # A circular stage slices its chunk out of the gathered stack at each tick:
         # neither is saved (the slice's operand has a gathered stack's shape).
-        stacks = {tuple(jnp.shape(v)) for v in jax.tree.leaves(
-            jax.eval_shape(lambda p: gather(_rows(p), dims_tree, plan), params))}
+        stacks = {
+            tuple(jnp.shape(v))
+            for v in jax.tree.leaves(
+                jax.eval_shape(lambda p: gather(_rows(p), dims_tree, plan), params)
+            )
+        }
 
         keep = _never_gathered(options)
 
@@ -213,7 +215,8 @@ def _never_gathered(options: Options) -> Callable[..., bool]:
         return _unless_gathered(jax.checkpoint_policies.everything_saveable)
     if options.policy is None:
         return _unless_gathered(carries)
-    return _unless_gathered(jax.checkpoint_policies.save_from_both_policies(options.policy, carries))
+    both = jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
+    return _unless_gathered(both)
 
 
 def _unless_gathered(keep: Callable[..., bool]) -> Callable[..., bool]:
@@ -229,7 +232,7 @@ def _unless_gathered(keep: Callable[..., bool]) -> Callable[..., bool]:
 
 # --------------------------------------------------------------------------
 
-_WHO = "stackwise.pipeline"
+_WHO = "stackwise.pipeline"  # as _pipeline_program names it (not imported: a cycle)
 
 
 def _names(entry: Any) -> tuple:
@@ -238,7 +241,3 @@ def _names(entry: Any) -> tuple:
 
 def _is_spec(v: Any) -> bool:
     return v is None or isinstance(v, PartitionSpec)
-
-
-def size(mesh: Any, axes: tuple) -> int:
-    return math.prod(mesh.shape[a] for a in axes)

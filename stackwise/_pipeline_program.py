@@ -177,8 +177,9 @@ def _where(c: Any, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
 
 
-def _device_program(stage, options, plan, out_spec, params, slices, x, examples, consts,
-                    gather=None):
+def _device_program(
+    stage, options, plan, out_spec, params, slices, x, examples, consts, gather=None
+):
     """What one device runs: its ``V`` chunks of ``L`` layers over all ticks (``gather``:
     FSDP's, of the chunks before the tick loop)."""
     V, M, L = plan.V, plan.M, plan.L

@@ -45,7 +45,7 @@ def multi_device():
 
 
 def test_one_example_per_framework_and_a_pipeline():
-    assert sorted(_examples()) == ["haiku", "linen", "nnx", "pipeline"]
+    assert sorted(_examples()) == ["haiku", "linen", "nnx", "pipeline", "pipeline_fsdp"]
 
 
 @pytest.mark.parametrize("name", sorted(_examples()))

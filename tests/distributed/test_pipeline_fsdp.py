@@ -35,9 +35,9 @@ def _apply(params, x):
     return x + jnp.tanh(x @ params["w"] + params["b"][None, :])
 
 
-def _loop(params, x):
+def _loop(params, x, apply=_apply):
     for p in stackwise.unstack_layers(params):
-        x = _apply(p, x)
+        x = apply(p, x)
     return x
 
 
@@ -52,14 +52,15 @@ def _spec(a) -> str:
     return str(P(*spec))
 
 
-def _run(pp, params, placed, x, facts=True):
+def _run(pp, params, placed, x, facts=True, apply=_apply):
     """Largest |difference| of the loss and grads (params and x) against the loop; with
     ``facts``, also the compiled training step's collectives (its forward part gathers
     too), the jaxpr's gathers, and where the params, gradients and outputs are. The
     pipelined step is compiled once."""
     step = lambda f: jax.value_and_grad(_loss(f), argnums=(0, 1))  # noqa: E731
     compiled = jax.jit(step(pp.apply)).lower(placed, x).compile()
-    got, want = compiled(placed, x), jax.jit(step(_loop))(params, x)
+    loop = lambda p, v: _loop(p, v, apply)  # noqa: E731
+    got, want = compiled(placed, x), jax.jit(step(loop))(params, x)
     diff = lambda a, b: float(np.max(np.abs(np.asarray(a).reshape(b.shape) - b)))  # noqa: E731
     out = {"max_err": max(jax.tree.leaves(jax.tree.map(diff, got, want)))}
     if not facts:
@@ -95,15 +96,20 @@ def _case(schedule, gather):
     return _run(pp, params, placed, x)
 
 
-def _case_unplaced_auto():
-    """GPipe, per-tick gathers, auto axes, params not placed (the pipeline shards them by
-    fsdp_specs' rule), the batch split over the FSDP axis without `data_axis`; M=2."""
+def _case_haiku_unplaced_auto():
+    """A Haiku-transformed layer (the adapters' pipeline path: the block's own per-layer
+    apply, tests/distributed/test_pipeline_adapters.py), GPipe, per-tick gathers, auto
+    axes, params not placed (the pipeline shards them by fsdp_specs' rule), the batch
+    split over the FSDP axis without `data_axis`; M=2."""
+    import haiku as hk
+
+    f = hk.without_apply_rng(hk.transform(lambda x: x + jnp.tanh(hk.Linear(D)(x))))
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
-    pp = stackwise.pipeline(None, _apply, 8, mesh, microbatches=2, fsdp="data",
+    pp = stackwise.pipeline(f.init, f.apply, 8, mesh, microbatches=2, fsdp="data",
                             fsdp_gather="tick")
-    params = jax.jit(stackwise.stack(_init, _apply, 8).init)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (8, D))
-    return _run(pp, params, params, x, facts=False)
+    params = jax.jit(pp.init)(jax.random.key(0), x)
+    return _run(pp, params, params, x, facts=False, apply=f.apply)
 
 
 def _case_dp_fsdp_tp():
@@ -156,7 +162,7 @@ _CASES = {
     "gpipe_step": lambda: _case("gpipe", "step"),
     "circular_step": lambda: _case("circular", "step"),
     "circular_tick": lambda: _case("circular", "tick"),
-    "unplaced_auto": _case_unplaced_auto,
+    "haiku_unplaced_auto": _case_haiku_unplaced_auto,
     "dp_fsdp_tp": _case_dp_fsdp_tp,
     "memory": _case_memory,
 }
@@ -168,7 +174,7 @@ def multi_device():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpipe_step", "circular_step", "circular_tick", "unplaced_auto", "dp_fsdp_tp"]
+    "name", ["gpipe_step", "circular_step", "circular_tick", "haiku_unplaced_auto", "dp_fsdp_tp"]
 )
 def test_fsdp_pipeline_matches_one_device(multi_device, name):
     assert result(multi_device, name)["max_err"] < PIPELINE_TOL
