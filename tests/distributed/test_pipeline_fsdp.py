@@ -103,24 +103,29 @@ def _case(schedule, gather):
     return _run(pp, params, placed, x)
 
 
-def _case_haiku_unplaced_auto():
-    """A Haiku-transformed layer (the adapters' pipeline path: the block's own per-layer
-    apply, tests/distributed/test_pipeline_adapters.py), GPipe, per-tick gathers, auto
-    axes, params not placed (the pipeline shards them by fsdp_specs' rule), the batch
-    split over the FSDP axis without `data_axis`; M=2."""
+def _case_haiku_tensor_parallel_auto():
+    """FSDP x PP x TP: a Haiku-transformed layer (the adapters' pipeline path: the block's
+    own per-layer apply, tests/distributed/test_pipeline_adapters.py) on auto axes
+    (stage=2, data=2, model=2), GPipe, per-tick gathers; w placed tensor-parallel only
+    (its output axis over "model"), b not placed: the pipeline splits each over "data"
+    by fsdp_specs' rule (w on its free axis). The batch is split over the FSDP axis
+    without `data_axis`; M=2."""
     import haiku as hk
 
     f = hk.without_apply_rng(hk.transform(lambda x: x + jnp.tanh(hk.Linear(D)(x))))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2),
+                             ("stage", "data", "model"))
     pp = stackwise.pipeline(f.init, f.apply, 8, mesh, microbatches=2, fsdp="data",
                             fsdp_gather="tick")
     x = jax.random.normal(jax.random.key(1), (8, D))
     params = jax.jit(pp.init)(jax.random.key(0), x)
-    return _run(pp, params, params, x, facts=False, apply=f.apply)
+    tp = {"linear": {"w": P(None, "model"), "b": None}}
+    placed = stackwise.shard_stacked(params, mesh, tp, layer_axis="stage")
+    return _run(pp, params, placed, x, facts=False, apply=f.apply)
 
 
-def _case_dp_fsdp_tp():
-    """DP x FSDP x PP x TP, (stage=2, data=2, fsdp=2) explicit, specs from logical names:
+def _case_dp_fsdp_pp():
+    """DP x FSDP x PP, (stage=2, data=2, fsdp=2) explicit, specs from logical names:
     a rule naming the stage axis ("layers") and the FSDP axis ("embed") together. The
     batch is split over data and fsdp; params over stage and fsdp, replicated over data."""
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "fsdp"))
@@ -172,8 +177,8 @@ def _case_circular_step_memory():
 _CASES = {
     "gpipe_step": lambda: _case("gpipe", "step"),
     "circular_tick": lambda: _case("circular", "tick"),
-    "haiku_unplaced_auto": _case_haiku_unplaced_auto,
-    "dp_fsdp_tp": _case_dp_fsdp_tp,
+    "haiku_tensor_parallel_auto": _case_haiku_tensor_parallel_auto,
+    "dp_fsdp_pp": _case_dp_fsdp_pp,
     "circular_step": _case_circular_step_memory,
 }
 
@@ -184,7 +189,8 @@ def multi_device():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpipe_step", "circular_step", "circular_tick", "haiku_unplaced_auto", "dp_fsdp_tp"]
+    "name",
+    ["gpipe_step", "circular_step", "circular_tick", "haiku_tensor_parallel_auto", "dp_fsdp_pp"],
 )
 def test_fsdp_pipeline_matches_one_device(multi_device, name):
     assert result(multi_device, name)["max_err"] < PIPELINE_TOL
@@ -201,8 +207,16 @@ def test_params_and_grads_sharded_over_stages_and_fsdp(multi_device, name):
     assert r["param_bytes"] <= PARAM_BOUND * r["total_bytes"] / 8, r
 
 
+def test_tensor_parallel_kept(multi_device):
+    # w's output axis stays over "model"; FSDP took its free input axis. (On auto axes
+    # the grads come back in the pipeline's layout unless out_shardings asks otherwise.)
+    r = result(multi_device, "haiku_tensor_parallel_auto")
+    assert r["grad_specs"]["linear"] == {"w": "P('stage', 'data', 'model')",
+                                         "b": "P('stage', 'data')"}
+
+
 def test_dp_fsdp_pp_with_logical_rules(multi_device):
-    r = result(multi_device, "dp_fsdp_tp")
+    r = result(multi_device, "dp_fsdp_pp")
     assert r["param_specs"] == {"w": "P('stage', 'fsdp')", "b": "P('stage',)"}
     assert r["grad_specs"] == r["param_specs"]
     assert r["out_spec"] == "P(('data', 'fsdp', 'stage'),)"  # the batch over all three
