@@ -187,6 +187,10 @@ def gathered_once(program: Callable, dims_tree: Any, plan: Any, options: Options
                 return False
             return keep(prim, *avals, **params)
 
+        # With unroll=True the whole device program is saved nothing and runs again in
+        # the backward pass: jax 0.10's remat DCE fails on a checkpoint with a policy
+        # around the Python loop's checkpoints (as for the circular stage's).
+        policy = None if options.unroll is True else policy
         return jax.checkpoint(run, prevent_cse=True, policy=policy)(params, *rest)
 
     return checkpointed
