@@ -97,8 +97,9 @@ def dims(params: Any, mesh: Any, plan: Any) -> Any:
         at = [d for d, e in enumerate(inner) if set(_names(e)) & set(plan.fsdp)]
         if at and _names(inner[at[0]]) != plan.fsdp:
             raise ValueError(
-                f"{_WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)}, whose axis "
-                f"{2 + at[0]} is split over {inner[at[0]]!r}; with `fsdp={entry!r}` a stage's "
+                f"{_WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in the "
+                f"pipeline's (V, n/V, ...) layout), whose inner axis {at[0]} (after the layer "
+                f"axis) is split over {inner[at[0]]!r}; with `fsdp={entry!r}` a stage's "
                 f"params are split over exactly {entry!r}, in that order. Place it with "
                 "`stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "
                 f"{entry!r}), layer_axis={plan.stage_axis!r})`, or pass the `fsdp` axes it "
