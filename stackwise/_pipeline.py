@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from stackwise import _check, _pipeline_1f1b
+from stackwise import _check, _pipeline_1f1b, _pipeline_fsdp
 from stackwise._adapt import check_options
 from stackwise._markers import _PerExample, _PerLayer, _split_markers
 from stackwise._pipeline_pattern import pattern_pipeline
@@ -71,7 +71,9 @@ def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
     return mesh.shape[axis]
 
 
-def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _Plan:
+def _plan(
+    n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp=None, gather="step"
+) -> _Plan:
     mesh = _check.mesh(mesh, _WHO)
     for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
         if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
@@ -123,7 +125,9 @@ def _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats) -> _P
             + ", or a mesh whose stage axis divides n."
         )
     explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit)
+    fsdp, gather = _pipeline_fsdp.check(mesh, fsdp, gather, stage_axis, _WHO)
+    D *= _pipeline_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
+    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
 
 
 # --------------------------------------------------------------------------
@@ -141,6 +145,8 @@ def pipeline(
     data_axis: str | None = None,
     schedule: str = "gpipe",
     repeats: int | None = None,
+    fsdp: str | tuple[str, ...] | None = None,
+    fsdp_gather: str = "step",
     remat: bool | Callable[..., Any] = DEFAULT_REMAT,
     nested: bool | int = False,
     unroll: int | bool = 1,
@@ -231,6 +237,24 @@ def pipeline(
     S divides the batch of each data shard; otherwise it is replicated over
     the stages.
 
+    FSDP inside the stages: with ``fsdp=axes`` each stage's params are also
+    split over those mesh axes (data-parallel axes: the batch is split over
+    them too, after ``data_axis`` if that is given), each leaf on the inner
+    dimension its placement splits over them, else by
+    :func:`stackwise.fsdp_specs`' rule (a leaf with no dimension they divide
+    stays replicated over them). Inside the stage a leaf is all-gathered over
+    the FSDP axes, with ``fsdp_gather="step"`` once per call before the tick
+    loop (MaxText's ``pipeline_fsdp_ag_once``), with ``"tick"`` at every
+    tick, only the chunk of layers that tick runs (less memory, more
+    gathers); its gradient comes back reduce-scattered, in the params'
+    layout. The gathered copy is never saved for the backward pass: the
+    backward pass gathers again.
+
+    >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
+    >>> fsdp = stackwise.pipeline(init, apply, 4, mesh, microbatches=2, fsdp="data")
+    >>> bool(jnp.allclose(jax.jit(fsdp.apply)(params, x), layers.apply(params, x), atol=1e-5))
+    True
+
     Arguments of ``apply`` after ``x``: :func:`stackwise.per_layer`,
     :func:`stackwise.per_layer_keys` and :func:`stackwise.layer_index`
     resolve per layer as in :func:`stackwise.stack` (layer i of microbatch j
@@ -287,6 +311,10 @@ def pipeline(
       schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
       repeats: for ``"circular"``: V, the chunks per stage (default ``n // S``:
         one layer per chunk, the smallest bubble).
+      fsdp: a mesh axis, or a tuple of them, to split each stage's params over
+        as well (FSDP; not ``stage_axis``), or ``None``.
+      fsdp_gather: with ``fsdp``: ``"step"`` (gather each stage's params once
+        per call) or ``"tick"`` (gather each tick's chunk at that tick).
       remat, nested, unroll: passed to :func:`stackwise.stack` for each stage.
       has_aux: the layer returns ``(x, aux)``; ``apply`` returns ``(y, aux)``
         with aux stacked along a leading ``n`` axis, each layer's summed over
@@ -313,15 +341,18 @@ def pipeline(
         call time, a pattern's params or state not a tuple of k trees, a layer
         that changes its state's shapes, and for ``"1f1b"``, missing ``targets``
         or a ``loss`` that does not return a float scalar.
-      ValueError: a mesh without ``stage_axis``/``data_axis``, ``n`` not
-        divisible by ``S * repeats``, ``M < S`` or ``S < 2`` for
-        ``"circular"``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
-        or with ``has_aux``/``repeats``/a pattern/``with_state``, ``loss``
-        with another schedule; at call time, a batch (of ``x``, per-example
-        arguments or ``targets``) not divisible by ``M`` (times the data-axis
-        size), params of neither layout, state of the wrong depth, a batched
-        state leaf without ``x``'s batch, or unbatched state with a
-        ``data_axis``.
+      ValueError: a mesh without ``stage_axis``/``data_axis``/``fsdp`` axes,
+        ``stage_axis`` among the ``fsdp`` axes, an unknown ``fsdp_gather`` (or
+        one without ``fsdp``), ``fsdp`` with ``"1f1b"``, a pattern or
+        ``with_state``, ``n`` not divisible by ``S * repeats``, ``M < S`` or
+        ``S < 2`` for ``"circular"``, an unknown ``schedule``, ``"1f1b"``
+        without ``loss`` or with ``has_aux``/``repeats``/a pattern/
+        ``with_state``, ``loss`` with another schedule; at call time, a batch
+        (of ``x``, per-example arguments or ``targets``) not divisible by ``M``
+        (times the data-axis size), params of neither layout, a leaf placed
+        over the ``fsdp`` axes otherwise than ``fsdp`` names them (with other
+        axes, or in another order), state of the wrong depth, a batched state
+        leaf without ``x``'s batch, or unbatched state with a ``data_axis``.
     """
     layer_pattern = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
     if not layer_pattern and not callable(apply):
@@ -333,11 +364,20 @@ def pipeline(
         )
     # Checks n (and the pattern, with_state); its init is the pipeline's.
     plain = stack(init, apply, n, with_state=with_state, name=_WHO)
-    plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats)
+    plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp, fsdp_gather)
     options = check_options(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
+    if fsdp is not None and (schedule == "1f1b" or layer_pattern or with_state):
+        what = "the '1f1b' schedule" if schedule == "1f1b" else (
+            "a pattern of layers" if layer_pattern else "layers with state (`with_state=True`)"
+        )
+        raise ValueError(
+            f"{_WHO}: `fsdp=` (FSDP inside the stages) is not implemented for {what}; it "
+            "runs with one layer function under schedule='gpipe' or 'circular'. Pass "
+            "`fsdp=None` (the stages' params then stay whole over the data axis)."
+        )
     if layer_pattern or with_state:
         if schedule == "1f1b":
             raise ValueError(
@@ -351,12 +391,15 @@ def pipeline(
             split_args=_split_args, check_batch=_check_batch, check_same_batch=_check_same_batch,
         )  # fmt: skip
 
-    def stage(call: _Call) -> Stacked:
+    def stage(call: _Call, dims: Any) -> Stacked:
         """One stage's L layers: the core's scan and remat, with the call's arguments."""
         layer = _Layer(apply, has_aux, call)
-        return stack(
+        one = stack(
             None, layer, plan.L, remat=remat, nested=nested, unroll=unroll, has_aux=True, name=_WHO
         )
+        if plan.fsdp and plan.gather == "tick":
+            return _pipeline_fsdp.gathered_per_tick(one, dims, plan, options)
+        return one
 
     def pipelined(params, x, *args, **kwargs):
         if loss is not None:
@@ -369,6 +412,7 @@ def pipeline(
             targets, args = args[0], args[1:]
             loss_params = kwargs.pop("loss_params", None)
         params = _device_layout(params, plan)
+        dims = _pipeline_fsdp.dims(params, mesh, plan) if plan.fsdp else None
         _check_batch(x, plan, "x")
         call = _split_args(args, kwargs, n)
         for i, v in enumerate(call.examples):
@@ -377,14 +421,26 @@ def pipeline(
         slices = [_to_chunks(v, plan) for v in call.per_layer]
         inputs = _place((params, slices, x, call.examples, call.consts), mesh, plan)
         layer_spec = PartitionSpec(None, plan.stage_axis)
-        batch_spec = PartitionSpec(plan.data_axis)
+        batch_spec = PartitionSpec(plan.batch)
         out_spec = _out_spec(x, plan)
+        param_spec = layer_spec
+
+        def device(*a, gather=None):
+            return _device_program(stage(call, dims), options, plan, out_spec, *a, gather=gather)
+
+        program = device
+        if plan.fsdp:  # each stage's params split over the FSDP axes too
+            param_spec = _pipeline_fsdp.in_specs(dims, plan)
+            if plan.explicit:
+                inputs = (_pipeline_fsdp.place(params, dims, mesh, plan), *inputs[1:])
+            if plan.gather == "step":
+                program = _pipeline_fsdp.gathered_once(device, dims, plan, options)
 
         def forward(inputs):
             run = jax.shard_map(
-                lambda *a: _device_program(stage(call), options, plan, out_spec, *a),
+                program,
                 mesh=mesh,
-                in_specs=(layer_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
+                in_specs=(param_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
                 out_specs=(out_spec, PartitionSpec()),
                 axis_names=frozenset(plan.manual),
             )
@@ -402,7 +458,7 @@ def pipeline(
         head = _pipeline_1f1b.with_params(loss, loss_params)
         run = lambda i: forward(i)[0]  # noqa: E731
         return _pipeline_1f1b.loss_and_grads(
-            stage(call), plan, mesh, head, run, inputs, targets, loss_params
+            stage(call, dims), plan, mesh, head, run, inputs, targets, loss_params
         )
 
     return Stacked(plain.init, pipelined, n)
@@ -537,7 +593,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
     if bad:
         by = f"microbatches={plan.M}"
         if plan.D > 1:
-            by += f" times the {plan.data_axis!r} axis size {plan.D}"
+            by += f" times the {plan.batch!r} axis size {plan.D}"
         raise ValueError(
             f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
             f"{by} = {split}, but these leaves do not:\n"

@@ -32,6 +32,8 @@ class _Plan(NamedTuple):
     stage_axis: str
     data_axis: str | None
     explicit: bool  # the mesh axes are Explicit: inputs must carry their layout
+    fsdp: tuple[str, ...] = ()  # mesh axes each stage's params are also split over
+    gather: str = "step"  # with fsdp: gather once per call ("step") or per tick ("tick")
 
     @property
     def ticks(self) -> int:
@@ -39,8 +41,20 @@ class _Plan(NamedTuple):
         return self.M * self.V + self.S - 1
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: ``data_axis``, then the FSDP axes."""
+        first = (self.data_axis,) if self.data_axis else ()
+        return first + tuple(a for a in self.fsdp if a != self.data_axis)
+
+    @property
+    def batch(self) -> str | tuple[str, ...] | None:
+        """The batch's ``PartitionSpec`` entry."""
+        axes = self.batch_axes
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    @property
     def manual(self) -> tuple[str, ...]:
-        return (self.stage_axis,) + ((self.data_axis,) if self.data_axis else ())
+        return (self.stage_axis,) + self.batch_axes
 
 
 # --------------------------------------------------------------------------
@@ -102,8 +116,8 @@ def _place(inputs: tuple, mesh: Any, plan: _Plan) -> tuple:
     return (
         _reshard(params, mesh, layers, plan.manual),
         _reshard(slices, mesh, layers, plan.manual),
-        _reshard(x, mesh, (plan.data_axis,), plan.manual),
-        _reshard(examples, mesh, (plan.data_axis,), plan.manual),
+        _reshard(x, mesh, (plan.batch,), plan.manual),
+        _reshard(examples, mesh, (plan.batch,), plan.manual),
         _reshard(consts, mesh, (), plan.manual),
     )
 
@@ -127,8 +141,8 @@ def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
     """The output's batch split: over data and stages when S divides a data shard's batch."""
     rows = {jnp.shape(v)[0] // plan.D for v in jax.tree.leaves(x)}
     if all(r % plan.S == 0 for r in rows):
-        return PartitionSpec(plan.manual[::-1] if plan.data_axis else plan.stage_axis)
-    return PartitionSpec(plan.data_axis)
+        return PartitionSpec((*plan.batch_axes, plan.stage_axis) if plan.batch else plan.stage_axis)
+    return PartitionSpec(plan.batch)
 
 
 # --------------------------------------------------------------------------
@@ -163,11 +177,14 @@ def _where(c: Any, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
 
 
-def _device_program(stage, options, plan, out_spec, params, slices, x, examples, consts):
-    """What one device runs: its ``V`` chunks of ``L`` layers over all ticks."""
+def _device_program(
+    stage, options, plan, out_spec, params, slices, x, examples, consts, gather=None
+):
+    """What one device runs: its ``V`` chunks of ``L`` layers over all ticks (``gather``:
+    FSDP's, of the chunks before the tick loop)."""
     V, M, L = plan.V, plan.M, plan.L
     s = jax.lax.axis_index(plan.stage_axis)
-    d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
+    d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     # Cast the loop-invariant inputs once, so that their gradients are summed
     # over the data axis (and the consts' over the stages) once, outside the loops.
     params, slices, x, examples, consts = _vary((params, slices, x, examples, consts), plan.manual)
@@ -181,6 +198,8 @@ def _device_program(stage, options, plan, out_spec, params, slices, x, examples,
 
     # This device's chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
     chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
+    if gather is not None:
+        chunks = (gather(chunks[0]), chunks[1])
     if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         run_stage = jax.checkpoint(
             run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
@@ -273,7 +292,7 @@ def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
         v = jnp.where(last, v, jnp.zeros_like(v))
         cast = v.dtype == jnp.bool_
         v = v.astype(jnp.int8) if cast else v
-        if out_spec == PartitionSpec(plan.data_axis):
+        if out_spec == PartitionSpec(plan.batch):
             v = jax.lax.psum(v, plan.stage_axis)
         else:
             v = jax.lax.psum_scatter(v, plan.stage_axis, scatter_dimension=0, tiled=True)

@@ -46,7 +46,7 @@ def multi_device():
 
 def test_one_example_per_framework_and_a_pipeline():
     assert sorted(_examples()) == [
-        "haiku", "linen", "nnx", "pipeline", "pipeline_1f1b", "pipeline_decode"
+        "haiku", "linen", "nnx", "pipeline", "pipeline_1f1b", "pipeline_decode", "pipeline_fsdp"
     ]
 
 
