@@ -1,13 +1,20 @@
-"""Pipeline parallelism on params that came from the Haiku and Flax linen adapters.
+"""Pipeline parallelism on params that came from the adapters: Haiku, Flax linen, NNX, Equinox.
 
-A model stacked with ``stackwise.haiku.Stack`` or ``stackwise.flax.Stack``
-keeps its params in the adapter's layout: every leaf has a leading layer axis
-``n`` and the block's own names sit under the Stack's name. Pipelining those
-params needs only (1) the block's per-layer apply and (2) the Stack's params
-renamed to the names that apply expects; both are done here in a few lines
-(``_haiku_layers``, ``_flax_layers``). The pipelined model takes the adapter's
+A model stacked with ``stackwise.haiku.Stack``, ``stackwise.flax.Stack``,
+``stackwise.nnx.Stack`` or ``stackwise.equinox.Stack`` keeps its params in the
+adapter's layout: every leaf has a leading layer axis ``n`` and the block's
+own names sit under the Stack's. Pipelining those params needs only (1) the
+block's per-layer apply and (2) the Stack's params as that apply names them;
+both are done here in a few lines (``_haiku_layers``, ``_flax_layers``,
+``_nnx_layers``, ``_equinox_layers``). The pipelined model takes the adapter's
 params as they are, so outputs and gradients compare leaf for leaf with the
 model's own (unpipelined) apply.
+
+FSDP inside the stages (``fsdp="data"``) runs with every adapter's params: the
+Haiku, NNX and Equinox params placed over stage x data with
+``stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "data"),
+layer_axis="stage")`` keep that layout in their gradients; the linen case's
+boxed params go in unplaced (the pipeline places them).
 
 The multi-device checks run once, in a subprocess with 8 simulated CPU
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``): this file is
@@ -75,12 +82,76 @@ def _flax_layers(block, stack_name):
     return apply, to_layer
 
 
+def _nnx_layers(stack):
+    """``(apply, to_layer)`` for the layers of a ``stackwise.nnx.Stack``, ``stack``.
+
+    ``stack.layers`` is one block whose variables carry the layer axis; its
+    graph (``nnx.split``) is the block's, so ``nnx.merge`` of that graph with
+    one layer's ``nnx.Param`` state is layer i's block. ``to_layer(params)``
+    takes the model's ``nnx.Param`` state (``nnx.split(model, nnx.Param, ...)``)
+    and keeps the Stack's ``layers`` subtree, found by the Stack's attribute
+    path in the model (here ``blocks``). The blocks hold params only.
+    """
+    from flax import nnx
+
+    graphdef, _ = nnx.split(stack.layers)
+
+    def apply(p, x):
+        return nnx.merge(graphdef, p)(x)
+
+    def to_layer(params):
+        return params["blocks"]["layers"]
+
+    return apply, to_layer
+
+
+def _equinox_layers(stack):
+    """``(apply, to_layer)`` for the layers of a ``stackwise.equinox.Stack``, ``stack``.
+
+    The Stack's ``layers`` is one block whose arrays carry the layer axis;
+    ``eqx.partition`` splits off its static part, and ``eqx.combine`` of one
+    layer's arrays with it is layer i's block. ``to_layer(params)`` takes the
+    model's arrays (``eqx.partition(model, eqx.is_array)``, the same pytree
+    with ``None`` for the static leaves) and keeps the Stack's ``layers``.
+    """
+    import equinox as eqx
+
+    _, static = eqx.partition(stack.layers, eqx.is_array)
+
+    def apply(p, x):
+        return eqx.combine(p, static)(x)
+
+    def to_layer(params):
+        return params.blocks.layers
+
+    return apply, to_layer
+
+
+def _fsdp_placed(params, mesh):
+    """``params`` (any pytree of stacked arrays) over ``"stage"`` x ``"data"``: FSDP."""
+    specs = stackwise.fsdp_specs(params, mesh, "data")
+    return stackwise.shard_stacked(params, mesh, specs, layer_axis="stage")
+
+
+def _layout(tree):
+    """Per leaf (by path): its spec (no trailing ``None`` s) and the part one device holds."""
+
+    def one(a):
+        spec = list(a.sharding.spec) if hasattr(a.sharding, "spec") else [type(a.sharding).__name__]
+        while spec and spec[-1] is None:
+            spec.pop()
+        return [str(jax.sharding.PartitionSpec(*spec)), a.addressable_shards[0].data.size / a.size]
+
+    return {jax.tree_util.keystr(k): one(a) for k, a in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 # --------------------------------------------------------------------------
 # The cases, run in the 8-device subprocess.
 
 
 def _compare(model_apply, pipelined_apply, params, x, placed):
-    """Largest relative difference of outputs and of grads w.r.t. the model's params and x.
+    """Largest relative difference of outputs and of grads w.r.t. the model's params and x,
+    and the layout (``_layout``) of the placed params and of their grads.
 
     Per leaf: ``max|a - b| / max(max|b|, 1)``, ``b`` being the model's own.
     """
@@ -103,11 +174,16 @@ def _compare(model_apply, pipelined_apply, params, x, placed):
         (y, g),
         (y_ref, g_ref),
     )
-    return max(jax.tree.leaves(diffs))
+    return {
+        "max_err": max(jax.tree.leaves(diffs)),
+        "param_layout": _layout(placed),
+        "grad_layout": _layout(g[0]),
+    }
 
 
 def _case_haiku_gpipe():
-    """Haiku Stack of an MLP block, GPipe on mesh (stage=4, data=2), params placed on stages."""
+    """Haiku Stack of an MLP block, GPipe on mesh (stage=4, data=2), FSDP over "data":
+    params placed over stages x data."""
     import haiku as hk
 
     import stackwise.haiku
@@ -123,11 +199,11 @@ def _case_haiku_gpipe():
     layer_apply, to_layer = _haiku_layers(Block)
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     pp = stackwise.pipeline(
-        None, layer_apply, N, mesh, microbatches=4, data_axis="data", remat=True
+        None, layer_apply, N, mesh, microbatches=4, data_axis="data", remat=True, fsdp="data"
     )
-    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+    placed = _fsdp_placed(params, mesh)
     return {
-        "max_err": _compare(model.apply, lambda p, v: pp.apply(to_layer(p), v), params, x, placed),
+        **_compare(model.apply, lambda p, v: pp.apply(to_layer(p), v), params, x, placed),
         "stack_names": sorted(params),
         "layer_names": sorted(to_layer(params)),
         "block_names": sorted(hk.transform(lambda x: Block()(x)).init(jax.random.key(0), x)),
@@ -167,7 +243,7 @@ def _case_flax_gpipe():
     mesh = jax.make_mesh((4,), ("stage",))
     pp = stackwise.pipeline(None, layer_apply, N, mesh, microbatches=4)
     return {
-        "max_err": _compare(
+        **_compare(
             lambda p, v: model.apply({"params": p}, v),
             lambda p, v: pp.apply(to_layer(p), v),
             params, x, params,
@@ -178,7 +254,8 @@ def _case_flax_gpipe():
 
 
 def _case_flax_circular_partitioned():
-    """Flax Stack with partitioned params (``layer_axis_name``); circular, (stage=4, data=2)."""
+    """Flax Stack with partitioned params (``layer_axis_name``); circular, (stage=4, data=2),
+    FSDP over "data" per tick; the boxed params unplaced (the pipeline places them)."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -196,10 +273,10 @@ def _case_flax_circular_partitioned():
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     pp = stackwise.pipeline(
         None, layer_apply, N, mesh, microbatches=4, data_axis="data", schedule="circular",
-        repeats=2,
+        repeats=2, fsdp="data", fsdp_gather="tick",
     )
     return {
-        "max_err": _compare(
+        **_compare(
             lambda p, v: model.apply({"params": p}, v),
             lambda p, v: pp.apply(to_layer(p), v),
             boxed, x, boxed,
@@ -208,10 +285,90 @@ def _case_flax_circular_partitioned():
     }
 
 
+def _case_nnx_gpipe_fsdp():
+    """NNX model holding a Stack of a residual block; GPipe on (stage=4, data=2), FSDP over
+    "data" per step, the ``nnx.Param`` state placed over stages x data."""
+    from flax import nnx
+
+    import stackwise.nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.linear(x))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = stackwise.nnx.Stack(Block, n=N, rngs=rngs)
+
+        def __call__(self, x):
+            return self.blocks(x)
+
+    model = Model(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+
+    layer_apply, to_layer = _nnx_layers(model.blocks)
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    pp = stackwise.pipeline(
+        None, layer_apply, N, mesh, microbatches=4, data_axis="data", fsdp="data"
+    )
+    return _compare(
+        lambda p, v: nnx.merge(graphdef, p, rest)(v),
+        lambda p, v: pp.apply(to_layer(p), v),
+        params, x, _fsdp_placed(params, mesh),
+    )
+
+
+def _case_equinox_gpipe_fsdp():
+    """Equinox model holding a Stack of a residual block; GPipe on (stage=4, data=2), FSDP over
+    "data" per tick, the model's arrays placed over stages x data."""
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    class Block(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(D, D, key=key)
+
+        def __call__(self, x):  # a batch: the pipeline splits it into microbatches
+            return x + jnp.tanh(jax.vmap(self.linear)(x))
+
+    class Model(eqx.Module):
+        blocks: stackwise.equinox.Stack
+
+        def __init__(self, key):
+            self.blocks = stackwise.equinox.Stack(Block, n=N, key=key)
+
+        def __call__(self, x):
+            return self.blocks(x)
+
+    params, static = eqx.partition(Model(jax.random.key(0)), eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+
+    layer_apply, to_layer = _equinox_layers(eqx.combine(params, static).blocks)
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    pp = stackwise.pipeline(
+        None, layer_apply, N, mesh, microbatches=4, data_axis="data", fsdp="data",
+        fsdp_gather="tick",
+    )
+    return _compare(
+        lambda p, v: eqx.combine(p, static)(v),
+        lambda p, v: pp.apply(to_layer(p), v),
+        params, x, _fsdp_placed(params, mesh),
+    )
+
+
 _CASES = {
     "haiku_gpipe": _case_haiku_gpipe,
     "flax_gpipe": _case_flax_gpipe,
     "flax_circular_partitioned": _case_flax_circular_partitioned,
+    "nnx_gpipe_fsdp": _case_nnx_gpipe_fsdp,
+    "equinox_gpipe_fsdp": _case_equinox_gpipe_fsdp,
 }
 
 # --------------------------------------------------------------------------
@@ -222,6 +379,7 @@ _CASES = {
 def multi_device():
     pytest.importorskip("haiku")
     pytest.importorskip("flax")
+    pytest.importorskip("equinox")
     return run_module(__file__, timeout=300)
 
 
@@ -232,6 +390,18 @@ def _result(multi_device, name):
 @pytest.mark.parametrize("name", list(_CASES))
 def test_pipeline_of_adapter_params_matches_the_model(multi_device, name):
     assert _result(multi_device, name)["max_err"] < PIPELINE_RTOL
+
+
+@pytest.mark.parametrize("name", ["haiku_gpipe", "nnx_gpipe_fsdp", "equinox_gpipe_fsdp"])
+def test_fsdp_params_and_grads_split_over_stages_and_data(multi_device, name):
+    r = _result(multi_device, name)
+    layout = r["param_layout"]
+    assert len(layout) >= 2, layout
+    for leaf, (spec, part) in layout.items():
+        # the layer axis over "stage", one other axis over "data": 1/8 of it per device
+        assert spec.startswith("P('stage',") and "'data'" in spec, (leaf, spec)
+        assert part == 1 / 8, (leaf, part)
+    assert r["grad_layout"] == layout  # the grads come back in the params' layout
 
 
 def test_haiku_mapping_gives_the_blocks_own_names(multi_device):
