@@ -48,10 +48,13 @@ from stackwise import _check
 from stackwise._adapt import check_depth, check_layers, tree_leaves
 from stackwise._pipeline_program import (
     _WHO,
+    _add_aux,
+    _entering,
     _gather_aux,
     _gather_output,
     _never_sliced,
     _out_spec,
+    _pass_on,
     _Plan,
     _reshard,
     _split_batch,
@@ -439,7 +442,7 @@ def _device_program(
     stage, options, plan, batched, out_spec, blocks, state, per_layer, x, examples, consts
 ):
     """What one device runs: its V chunks of L layers over the M*V + S - 1 ticks."""
-    M, S, V = plan.M, plan.S, plan.V
+    M, V = plan.M, plan.V
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
     blocks, state, per_layer, x, examples, consts = _vary(
@@ -488,38 +491,12 @@ def _device_program(
     def tick(carry, t):
         """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
         h, parked, state, aux = carry
-        k = t - s
-        valid = (k >= 0) & (k < M * V)
-        kc = jnp.clip(k, 0, M * V - 1)
-        m, r = kc % M, kc // M
-        fresh = _take(mbs, m)
-        if V > 1:
-            # What reached stage 0 left the last stage S - 1 ticks after it entered:
-            # park it until its microbatch's next round comes up.
-            k_in = t - S
-            arrived = (s == 0) & (k_in >= 0) & (k_in < M * V)
-            slot = jnp.clip(k_in, 0, M * V - 1) % M
-            parked = jax.tree.map(
-                lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                    b, jnp.where(arrived, v, _take(b, slot)), slot, 0
-                ),
-                parked,
-                h,
-            )
-            fresh = _where(r == 0, fresh, _take(parked, m))
+        valid, m, r, h, parked = _entering(plan, mbs, s, h, parked, t)
         st = take(state, r, m)
-        (out, new), layer_aux = run_stage(chunks, r, _where(s == 0, fresh, h), st, m)
+        (out, new), layer_aux = run_stage(chunks, r, h, st, m)
         state = put(state, _where(valid, new, st), r, m)
-        aux = jax.tree.map(
-            lambda acc, a: jax.lax.dynamic_update_index_in_dim(
-                acc, _take(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
-            ),
-            aux,
-            layer_aux,
-        )
-        ring = [(i, (i + 1) % S) for i in range(S if V > 1 else S - 1)]
-        h = jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
-        return (h, parked, state, aux), out
+        aux = _add_aux(aux, layer_aux, valid, r)
+        return (_pass_on(out, plan), parked, state, aux), out
 
     parked = jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None
     carry = _vary((_take(mbs, 0), parked, state, aux0), plan.manual)

@@ -244,10 +244,10 @@ def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool] | None:
     return save
 
 
-def _tick(plan, run_stage, chunks, mbs, s, carry, t):
-    """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
+def _entering(plan, mbs, s, h, parked, t):
+    """What stage s runs at tick t: step k = t - s, microbatch m = k % M of round
+    r = k // M, whether it is a real step, its input and the parked microbatches."""
     S, V, M = plan.S, plan.V, plan.M
-    h, parked, aux = carry
     k = t - s
     valid = (k >= 0) & (k < M * V)
     kc = jnp.clip(k, 0, M * V - 1)
@@ -261,27 +261,39 @@ def _tick(plan, run_stage, chunks, mbs, s, carry, t):
         slot = jnp.clip(k_in, 0, M * V - 1) % M
         parked = jax.tree.map(
             lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                b,
-                jnp.where(arrived, v, jax.lax.dynamic_index_in_dim(b, slot, keepdims=False)),
-                slot,
-                0,
+                b, jnp.where(arrived, v, _take(b, slot)), slot, 0
             ),
             parked,
             h,
         )
         fresh = _where(r == 0, fresh, _take(parked, m))
-    out, layer_aux = run_stage(chunks, r, _where(s == 0, fresh, h), m)
-    layer_aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), layer_aux)
-    aux = jax.tree.map(
+    return valid, m, r, _where(s == 0, fresh, h), parked
+
+
+def _add_aux(aux, layer_aux, valid, r):
+    """Chunk r's aux of this tick added to its running sum (nothing on a bubble tick)."""
+    return jax.tree.map(
         lambda acc, a: jax.lax.dynamic_update_index_in_dim(
-            acc, jax.lax.dynamic_index_in_dim(acc, r, keepdims=False) + a, r, 0
+            acc, _take(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
         ),
         aux,
         layer_aux,
     )
-    ring = [(i, (i + 1) % S) for i in range(S if V > 1 else S - 1)]
-    h = jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
-    return (h, parked, aux), out
+
+
+def _pass_on(out, plan):
+    """This tick's output to the next stage (round the ring with the circular schedule)."""
+    S = plan.S
+    ring = [(i, (i + 1) % S) for i in range(S if plan.V > 1 else S - 1)]
+    return jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
+
+
+def _tick(plan, run_stage, chunks, mbs, s, carry, t):
+    """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
+    h, parked, aux = carry
+    valid, m, r, h, parked = _entering(plan, mbs, s, h, parked, t)
+    out, layer_aux = run_stage(chunks, r, h, m)
+    return (_pass_on(out, plan), parked, _add_aux(aux, layer_aux, valid, r)), out
 
 
 def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
