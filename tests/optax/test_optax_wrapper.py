@@ -183,7 +183,8 @@ def test_elementwise_optimizers_compile_to_the_same_program(name):
 @pytest.mark.slow
 def test_muon_runs_with_its_own_batch_axes():
     """`layerwise(contrib.muon)` is Muon with the layer axes as its batch axes (its weight
-    dimension numbers shifted past them): the same compiled program, no vmap around it."""
+    dimension numbers shifted past them): the same compiled program, no vmap around it. With
+    `test_equals_the_loop_model[muon]`, this shows `muon_dimensions` exact too."""
     params = _params()
     wrapped = so.layerwise(optax.contrib.muon(1e-2), STACKED)
     own = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=so.muon_dimensions(STACKED))
@@ -368,15 +369,6 @@ def test_weight_decay_on_some_layers_equals_per_layer_multi_transform():
                               lambda loop: _per_layer(loop, decayed, "plain")),
         params, _depth)
     assert _max_diff(history[-1], reference[-1]) < ROUNDING_ATOL
-
-
-@pytest.mark.slow
-def test_muon_with_its_own_batch_axes_equals_the_loop_model():
-    params = _params()
-    dims = so.muon_dimensions(STACKED)
-    wrapped = _train(optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims), params)
-    reference = _train_loop(optax.contrib.muon(1e-2), params, _depth)
-    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
 
 
 def test_layer_indices_read_as_in_the_core():
