@@ -144,7 +144,8 @@ def test_adapter_params_train_like_the_loop(framework):
 
 
 def _pattern_models():
-    """An NNX and an Equinox model whose blocks are a pattern of 2 positions, 3 layers."""
+    """An NNX and an Equinox model whose blocks are a pattern of 2 positions, 3 layers: built
+    abstractly (`stacked_in` reads the structure), with params of ones of their shapes."""
     class NnxModel(nnx.Module):
         def __init__(self, rngs):
             linear = lambda rngs: nnx.Linear(D, D, rngs=rngs)  # noqa: E731
@@ -155,13 +156,17 @@ def _pattern_models():
         blocks: stackwise.equinox.Stack
         head: eqx.nn.Linear
 
-    linear = lambda key: eqx.nn.Linear(D, D, key=key)  # noqa: E731
-    keys = jax.random.split(jax.random.key(0))
-    eqx_model = EqxModel(stackwise.equinox.Stack([linear, linear], n=3, key=keys[0]),
-                         eqx.nn.Linear(D, 2, key=keys[1]))
-    nnx_model = NnxModel(nnx.Rngs(0))
-    return {"nnx": (nnx_model, nnx.state(nnx_model, nnx.Param)),
-            "equinox": (eqx_model, eqx.filter(eqx_model, eqx.is_array))}
+        def __init__(self, key):
+            linear = lambda key: eqx.nn.Linear(D, D, key=key)  # noqa: E731
+            self.blocks = stackwise.equinox.Stack([linear, linear], n=3, key=key)
+            self.head = eqx.nn.Linear(D, 2, key=key)
+
+    ones = lambda tree: jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), tree)  # noqa: E731
+    nnx_model = nnx.eval_shape(lambda: NnxModel(nnx.Rngs(0)))
+    eqx_model = eqx.filter_eval_shape(EqxModel, jax.random.key(0))
+    return {"nnx": (nnx_model, ones(nnx.state(nnx_model, nnx.Param))),
+            "equinox": (eqx_model, ones(eqx.filter(
+                eqx_model, lambda x: isinstance(x, jax.ShapeDtypeStruct))))}
 
 
 def test_stacked_in_gives_a_pattern_stack_its_positions():
