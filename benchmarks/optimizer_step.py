@@ -10,7 +10,7 @@ given) of a residual-MLP stack's params, n layers of ``w1 (D, H)``, ``b1 (H,)``,
 - **loop**: ``tx`` on the loop model's params (a list of n per-layer trees);
 - for Muon, also **own batch axes**: ``contrib.muon`` with ``muon_weight_dimension_numbers``
   naming the layer axis a batch axis (``stackwise.optax.muon_dimensions()``: Muon's own way
-  to be exact on stacked leaves).
+  to be exact on stacked leaves, which ``layerwise`` now takes itself: the same program).
 
 Rounds visit the variants in a new shuffled order; each variant is timed on the second of
 two back-to-back calls, and the ratios are medians of the per-round ratios (so a drift of the
@@ -18,6 +18,9 @@ machine's speed cancels out). Cold compile: ``jax.clear_caches()``, then lower +
 
     python benchmarks/optimizer_step.py --rounds 21 \\
         --markdown benchmarks/results/optimizer_step.md > benchmarks/results/optimizer_step.txt
+    python benchmarks/optimizer_step.py --only lars adamw --rounds 61 \\
+        --markdown benchmarks/results/optimizer_step_lars.md \\
+        > benchmarks/results/optimizer_step_lars.txt
 
 (No CSV in ``benchmarks/results/``: the saved-results tests read every CSV there as a
 ``stackwise-bench`` run; ``--csv`` writes one elsewhere.)

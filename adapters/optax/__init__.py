@@ -4,7 +4,8 @@
 params the loop model's updates: LAMB's trust ratio, Adafactor's factored moments, Muon's
 orthogonalisation and adaptive clipping per layer, global norms over the whole tree, and
 elementwise optimizers unchanged. Per-layer controls: ``freeze=``, ``lr_scale=``
-(:func:`layer_decay`), :func:`layer_mask`. See ``docs/optimizers.md``.
+(:func:`layer_decay`), :func:`layer_mask`, on stacks and on patterns (:func:`pattern`). See
+``docs/optimizers.md``.
 
 >>> import jax.numpy as jnp, optax, stackwise.optax
 >>> params = {"w": jnp.ones((4, 8, 8))}                 # 4 stacked layers
@@ -24,11 +25,13 @@ from stackwise.optax._layerwise import layer_mask as layer_mask
 from stackwise.optax._layerwise import layerwise as layerwise
 from stackwise.optax._layerwise import muon_dimensions as muon_dimensions
 from stackwise.optax._stacked import stacked_in as stacked_in
+from stackwise.optax._which import pattern as pattern
 
 __all__ = [
     "layer_decay",
     "layer_mask",
     "layerwise",
     "muon_dimensions",
+    "pattern",
     "stacked_in",
 ]

@@ -20,8 +20,11 @@ would treat the n layers as one matrix. :func:`layerwise` makes any
   anything else, which runs on the loop model's own tree (each stacked leaf unstacked into its
   n layers, then restacked): exact, at the cost of a program that grows with n.
 
-Which leaves and layers (``stacked=``, ``freeze=``, ``lr_scale=``) are resolved in
-``_which.py``, how each part runs in ``_plan.py``.
+- an ``optax.partition`` (``contrib.muon`` is one) is split into its groups, labelled on one
+  layer's view, and Muon's parts run through Muon's own batch axes (``_own.py``).
+
+Which leaves and layers (``stacked=``, ``freeze=``, ``lr_scale=``, a pattern's positions) are
+resolved in ``_which.py``, how each part runs in ``_plan.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy as np
 
 import optax
 from stackwise import _check
+from stackwise.optax._own import layer_labels, own_batch_axes, partition_parts
 from stackwise.optax._plan import Plan, chain_parts, from_loop, init_vmapped, loop_tree, run_vmapped
 from stackwise.optax._which import (
     Which,
@@ -95,9 +99,18 @@ def _wrap(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
     if tx.update in _LAYER_AWARE:
         return optax.with_extra_args_support(tx)
     parts = chain_parts(tx)
-    if parts is None:
-        return _single(tx, stacked)
-    return _aware(optax.chain(*(_wrap(p, stacked) for p in parts)))
+    if parts is not None:
+        return _aware(optax.chain(*(_wrap(p, stacked) for p in parts)))
+    groups = partition_parts(tx)
+    if groups is not None:
+        transforms, labels, extra_masked = groups
+        return _aware(optax.partition(
+            {k: _wrap(t, stacked) for k, t in transforms.items()},
+            layer_labels(labels, stacked), mask_compatible_extra_args=extra_masked))
+    own = own_batch_axes(tx, stacked)
+    if own is not None:
+        return _aware(optax.with_extra_args_support(own))
+    return _single(tx, stacked)
 
 
 def _check_transform(tx: Any, where: str, arg: str) -> None:
@@ -154,14 +167,16 @@ def layerwise(
         (how many leading layer axes: 2 for a stack of stacks), a tree prefix of the
         params with a bool or int per subtree, or a function of a leaf's path
         (``jax.tree_util.keystr``); see :func:`stackwise.optax.stacked_in` for NNX and
-        Equinox models.
+        Equinox models. A pattern's positions: :func:`stackwise.optax.pattern`, so that
+        ``freeze`` and ``lr_scale`` name the model's layers.
       freeze: layer indices (ints or NumPy integers, negative ones counting from the
-        end of each stacked leaf) whose params do not move: their gradients enter the
-        optimizer as zeros (so a global norm leaves them out, as
+        end of each stacked leaf, or of a pattern) whose params do not move: their
+        gradients enter the optimizer as zeros (so a global norm leaves them out, as
         ``optax.multi_transform`` with ``optax.set_to_zero()`` for them does) and their
         updates are zero, bitwise.
       lr_scale: one factor per layer multiplying its updates (e.g.
-        :func:`layer_decay`), as ``optax.chain(transform, optax.scale(s_i))`` for layer i.
+        :func:`layer_decay`), as ``optax.chain(transform, optax.scale(s_i))`` for layer i
+        (of a pattern: the model's n layers).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. Its state has the structure of
@@ -171,8 +186,9 @@ def layerwise(
     Raises:
       TypeError: ``transform`` is not a gradient transformation, or ``stacked``,
         ``freeze`` or ``lr_scale`` have the wrong type.
-      ValueError: ``stacked`` does not match the params, or ``lr_scale`` does not
-        match a stacked leaf's number of layers.
+      ValueError: ``stacked`` does not match the params, ``lr_scale`` does not
+        match a stacked leaf's number of layers, or ``update`` is given a state that this
+        optimizer's ``init`` did not make (another structure, or other shapes).
       IndexError: ``freeze`` names a layer a stacked leaf does not have.
     """
     _check_transform(transform, _WHERE, "transform")
@@ -186,25 +202,45 @@ def layerwise(
                 f"{_WHERE}: `lr_scale` must be a vector of numbers, one per layer (e.g. "
                 f"`stackwise.optax.layer_decay(0.8, n)`), got {lr_scale!r}."
             )
-    if frozen is None and scales is None:
-        return core
 
     def update_fn(updates, state, params=None, **extra):
-        depths = leaf_depths(stacked, updates, _WHERE)
+        _check_state(core.init, updates if params is None else params, state)
         zero = lambda k, a: jnp.where(k, jnp.zeros_like(a), a)  # noqa: E731
         if frozen is not None:
-            is_frozen = rows(updates, depths, selected(frozen, _WHERE, "freeze"))
+            is_frozen = rows(updates, stacked, _WHERE, selected(frozen, _WHERE, "freeze"))
             updates = map_rows(zero, is_frozen, updates)
         updates, state = core.update(updates, state, params, **extra)
         if scales is not None:
-            factors = rows(updates, depths, lambda name, a, d: layer_values(
-                scales, a, d, name, _WHERE, "lr_scale"))
+            factors = rows(updates, stacked, _WHERE, lambda name, a, d, p: layer_values(
+                scales, a, d, p, name, _WHERE, "lr_scale"))
             updates = map_rows(lambda f, a: (a * f).astype(a.dtype), factors, updates)
         if frozen is not None:
             updates = map_rows(zero, is_frozen, updates)
         return updates, state
 
     return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
+
+
+def _check_state(init: Callable, params: Any, state: Any) -> None:
+    """``state`` has the structure and shapes that ``init`` gives ``params`` (abstractly)."""
+    want = jax.eval_shape(init, params)
+    if jax.tree.structure(state) != jax.tree.structure(want):
+        raise ValueError(
+            f"{_WHERE}: the optimizer state does not have the structure this optimizer's "
+            "state has (the unwrapped optimizer's state, or another optimizer's?); pass the "
+            "state that the same wrapped optimizer's `init` made:\n"
+            f"  state:    {jax.tree.structure(state)}\n"
+            f"  expected: {jax.tree.structure(want)}"
+        )
+    pairs = jax.tree_util.tree_leaves_with_path(want)
+    for (path, w), a in zip(pairs, jax.tree.leaves(state)):
+        if tuple(np.shape(a)) != tuple(w.shape):
+            raise ValueError(
+                f"{_WHERE}: optimizer state leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(np.shape(a))}, expected {tuple(w.shape)} (a per-layer state is "
+                "stacked like its leaf). Make the state with the wrapped optimizer's `init`, "
+                "not the unwrapped one's."
+            )
 
 
 def layer_mask(
@@ -249,8 +285,7 @@ def layer_mask(
     core = layerwise(transform, stacked)
 
     def update_fn(updates, state, params=None, **extra):
-        depths = leaf_depths(stacked, updates, where)
-        is_on = rows(updates, depths, selected(chosen, where, "layers"))
+        is_on = rows(updates, stacked, where, selected(chosen, where, "layers"))
         inside = jax.tree.map(jnp.zeros_like, updates)
         inside = map_rows(lambda k, a, _: jnp.where(k, a, jnp.zeros_like(a)), is_on, updates,
                            inside)
@@ -305,10 +340,9 @@ def muon_dimensions(stacked: Which = True) -> Callable[[Any], Any]:
     >>> tx = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
     >>> state = tx.init(params)
 
-    Pass the result to ``muon`` itself, not to ``layerwise(muon(...))``: ``layerwise`` runs
-    Muon per layer by ``vmap`` and needs no dimension numbers, but on CPU its step was slower
-    (``benchmarks/results/optimizer_step.md``: ``vmap`` over Muon's own size-1 batch adds
-    layout copies to every Newton-Schulz iteration).
+    ``layerwise(optax.contrib.muon(...))`` does this itself (it compiles to the same
+    program), and also for Muon's parts (``scale_by_muon``) in a chain of your own; these
+    dimension numbers are for Muon used without :func:`layerwise`.
 
     Args:
       stacked: which leaves have layer axes first, as for :func:`layerwise`.

@@ -14,12 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import optax
 from stackwise.optax._classify import Program
 
-__all__ = ["Plan", "chain_parts", "from_loop", "init_vmapped", "loop_tree", "run_vmapped"]
+__all__ = ["Plan", "chain_parts", "closure", "from_loop", "init_vmapped", "loop_tree",
+           "run_vmapped", "view"]
 
 _WHERE = "stackwise.optax.layerwise"
 
@@ -42,12 +42,24 @@ def _first(leaf: Any, depth: int) -> Any:
     return leaf[(0,) * depth] if depth else leaf
 
 
+def view(tree: Any, depths: list[int]) -> Any:
+    """One layer's view of a tree: each leaf abstract, its layer axes dropped."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [_view(a, d) for a, d in zip(leaves, depths)])
+
+
+def closure(fn: Any) -> dict[str, Any]:
+    """The variables a function closes over, by name (none for other callables)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    names = fn.__code__.co_freevars if cells else ()
+    return {name: c.cell_contents for name, c in zip(names, cells)}
+
+
 def _origin(fn: Any) -> str:
     """The qualified name of an update function, seen through ``with_extra_args_support``."""
     name = getattr(fn, "__qualname__", "")
-    if name == "with_extra_args_support.<locals>.update" and fn.__closure__:
-        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-        inner = cells.get("tx")
+    if name == "with_extra_args_support.<locals>.update":
+        inner = closure(fn).get("tx")
         if inner is not None:
             return _origin(inner.update)
     return name
@@ -56,15 +68,13 @@ def _origin(fn: Any) -> str:
 def chain_parts(tx: Any) -> list | None:
     """The parts of an ``optax.chain`` (read from its update function's closure), or None."""
     fn = tx.update
-    if getattr(fn, "__qualname__", "") != "chain.<locals>.update_fn" or not fn.__closure__:
+    if getattr(fn, "__qualname__", "") != "chain.<locals>.update_fn":
         return None
-    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    cells = closure(fn)
     init_fns = cells.get("init_fns")
     update_fns = cells.get("update_fns")
     if init_fns is None:
-        init_fns = tx.init.__closure__ and dict(
-            zip(tx.init.__code__.co_freevars, (c.cell_contents for c in tx.init.__closure__))
-        ).get("init_fns")
+        init_fns = closure(tx.init).get("init_fns")
     if init_fns is None or update_fns is None or len(init_fns) != len(update_fns):
         return None
     return [optax.GradientTransformationExtraArgs(i, u) for i, u in zip(init_fns, update_fns)]
@@ -79,11 +89,7 @@ class Plan:
         self.n_leaves = len(leaves)
         self.stacked = frozenset(i for i, d in enumerate(depths) if d)
         template = params if params is not None else updates
-        p_leaves = jax.tree.leaves(template)
-        view = lambda ls: jax.tree.unflatten(  # noqa: E731
-            self.treedef, [_view(a, d) for a, d in zip(ls, depths)]
-        )
-        u_view, p_view = view(leaves), view(p_leaves)
+        u_view, p_view = view(updates, depths), view(template, depths)
         state_view = jax.eval_shape(tx.init, p_view)
         s_leaves, self.state_treedef = jax.tree.flatten(state_view)
         self.state_view = s_leaves
@@ -140,7 +146,6 @@ def run_vmapped(plan: Plan, tx, updates, state, params, extra):
     u_leaves = jax.tree.leaves(updates)
     p_leaves = jax.tree.leaves(params) if params is not None else None
     s_leaves = jax.tree.leaves(state)
-    _check_state(plan, s_leaves, u_leaves)
     owner = plan.owner
     depths = plan.depths
     s_depth = [depths[o] if o is not None else 0 for o in owner]
@@ -217,34 +222,21 @@ def init_vmapped(plan: Plan, tx, params):
 
 
 def _like(state_leaf: Any, param: Any) -> Any:
-    """A stacked state leaf of its param's shape gets its param's sharding (e.g. FSDP)."""
+    """A stacked state leaf of its param's shape gets its param's sharding (e.g. FSDP).
+
+    Only a param placed on purpose (``committed``) passes its placement on: committing the
+    state of an uncommitted param would change the jitted step's argument shardings after
+    its first call, and every jitted function it feeds would compile a second time."""
     if tuple(state_leaf.shape) != tuple(param.shape):
         return state_leaf
     sharding = getattr(jax.typeof(param), "sharding", None)
     spec = getattr(sharding, "spec", None)
     if spec is None or all(e is None for e in spec):
-        if isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer):
+        if (isinstance(param, jax.Array) and not isinstance(param, jax.core.Tracer)
+                and param.committed):
             return jax.device_put(state_leaf, param.sharding)
         return state_leaf
     return jax.sharding.reshard(state_leaf, sharding)
-
-
-def _check_state(plan: Plan, s_leaves: list, u_leaves: list) -> None:
-    if len(s_leaves) != len(plan.state_view):
-        raise ValueError(
-            f"{_WHERE}: the optimizer state has {len(s_leaves)} leaves where this "
-            f"transformation's state has {len(plan.state_view)}; pass the state that the same "
-            "wrapped optimizer's `init` made."
-        )
-    for j, (a, v) in enumerate(zip(s_leaves, plan.state_view)):
-        o = plan.owner[j]
-        want = (tuple(u_leaves[o].shape[: plan.depths[o]]) if o is not None else ()) + v.shape
-        if tuple(np.shape(a)) != want:
-            raise ValueError(
-                f"{_WHERE}: optimizer state leaf {j} has shape {tuple(np.shape(a))}, expected "
-                f"{want} (one layer's state {v.shape}, stacked like its leaf). Make the state "
-                "with the wrapped optimizer's `init`, not the unwrapped one's."
-            )
 
 
 # The loop view.

@@ -32,6 +32,9 @@ def _module_without_stack():
     return nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
 
+PATTERN = ({"w": jnp.ones((3, 2))}, {"v": jnp.ones((2, 2))})  # n=5, k=2: 3 and 2 layers
+
+
 CASES = {
     # name: (call, error type, what the message names)
     "transform is the factory, not called": (
@@ -113,6 +116,26 @@ CASES = {
     "muon_dimensions of a leaf that is not an array": (
         lambda: so.muon_dimensions()({"w": jnp.ones((4, 3, 3)), "name": "w"}), TypeError,
         ["stackwise.optax.muon_dimensions", "leaf ['name']", "not an array"]),
+    "pattern of no positions": (lambda: so.pattern(5, 0), ValueError, ["`k`", "at least 1"]),
+    "pattern of fewer layers than positions": (
+        lambda: so.pattern(1, 2), ValueError, ["`n`", "at least 2"]),
+    "pattern of a float n": (lambda: so.pattern(5.0, 2), TypeError, ["`n`", "5.0"]),
+    "pattern positions of another n": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), so.pattern(6, 2)), PATTERN), ValueError,
+        ["leaf [1]['v']", "2 layers", "position 1", "n=6", "pattern(n, k)"]),
+    "freeze beyond a pattern's layers": (
+        _step(lambda: so.layerwise(optax.adam(1e-3), so.pattern(5, 2), freeze=[5]),
+              lambda: so.layerwise(optax.adam(1e-3), so.pattern(5, 2)), PATTERN), IndexError,
+        ["`freeze`", "layer 5", "leaf [0]['w']", "pattern of 5 layers"]),
+    "lr_scale per row of a pattern position": (
+        _step(lambda: so.layerwise(optax.adam(1e-3), so.pattern(5, 2), lr_scale=[1.0] * 3),
+              lambda: so.layerwise(optax.adam(1e-3), so.pattern(5, 2)), PATTERN), ValueError,
+        ["`lr_scale`", "3 values", "position 0 of a pattern of 5 layers"]),
+    "Muon's part given no dimension numbers for a stacked vector": (
+        _step(lambda: so.layerwise(optax.contrib.scale_by_muon(), True),
+              lambda: so.layerwise(optax.contrib.scale_by_muon(), True),
+              {"b": jnp.ones((4, 3))}), ValueError,
+        ["Muon's leaf ['b']", "(3,)", "`weight_dimension_numbers`", "contrib.muon"]),
     "stacked_in of a params dict": (
         lambda: so.stacked_in(PARAMS), TypeError, ["`model`", "dict", "stacked="]),
     "stacked_in of a module without a Stack": (

@@ -141,3 +141,50 @@ def test_adapter_params_train_like_the_loop(framework):
     reference = _plain_loop(params, lambda path: int(depth_of(path)))
     assert _max_diff(trained, reference) < ROUNDING_ATOL
     assert _max_diff(trained, params) > 100 * ROUNDING_ATOL
+
+
+def _pattern_models():
+    """An NNX and an Equinox model whose blocks are a pattern of 2 positions, 3 layers: built
+    abstractly (`stacked_in` reads the structure), with params of ones of their shapes."""
+    class NnxModel(nnx.Module):
+        def __init__(self, rngs):
+            linear = lambda rngs: nnx.Linear(D, D, rngs=rngs)  # noqa: E731
+            self.blocks = stackwise.nnx.Stack([linear, linear], n=3, rngs=rngs)
+            self.head = nnx.Linear(D, 2, rngs=rngs)
+
+    class EqxModel(eqx.Module):
+        blocks: stackwise.equinox.Stack
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            linear = lambda key: eqx.nn.Linear(D, D, key=key)  # noqa: E731
+            self.blocks = stackwise.equinox.Stack([linear, linear], n=3, key=key)
+            self.head = eqx.nn.Linear(D, 2, key=key)
+
+    ones = lambda tree: jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), tree)  # noqa: E731
+    nnx_model = nnx.eval_shape(lambda: NnxModel(nnx.Rngs(0)))
+    eqx_model = eqx.filter_eval_shape(EqxModel, jax.random.key(0))
+    return {"nnx": (nnx_model, ones(nnx.state(nnx_model, nnx.Param))),
+            "equinox": (eqx_model, ones(eqx.filter(
+                eqx_model, lambda x: isinstance(x, jax.ShapeDtypeStruct))))}
+
+
+def test_stacked_in_gives_a_pattern_stack_its_positions():
+    """`stacked_in` marks a pattern Stack's leaves with their positions, so `freeze=[0, 1]`
+    names the model's layers 0 and 1: row 0 of position 0 and row 0 of position 1 (position 0
+    holds layers 0 and 2, position 1 layer 1)."""
+    positions = so.pattern(3, 2)
+    for framework, (model, params) in _pattern_models().items():
+        stacked = so.stacked_in(model)
+        marks = [stacked(jax.tree_util.keystr(p))
+                 for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        assert {str(m) for m in marks} == {"0", *map(str, positions)}, (framework, marks)
+        tx = so.layerwise(optax.sgd(1.0), stacked, freeze=[0, 1])
+        grads = jax.tree.map(jnp.ones_like, params)
+        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        for u, mark in zip(jax.tree.leaves(updates), marks):
+            if mark in positions:
+                assert u.shape[0] == (2 if mark == positions[0] else 1), (framework, mark)
+                assert not jnp.any(u[0]) and jnp.all(u[1:] != 0), (framework, mark)
+            else:
+                assert mark == 0 and jnp.all(u != 0), (framework, mark)

@@ -113,6 +113,12 @@ def _depth(path):
     return int("blocks" in path)
 
 
+def _2d(tree):
+    """Muon's dimension numbers for matrices, on every leaf (as a tree: optax 0.2.8's
+    `scale_by_muon` maps them over the updates)."""
+    return jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), tree)
+
+
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
@@ -128,9 +134,15 @@ OPTIMIZERS = {
                                                  optax.lamb(1e-2)),
     # Not split, not known: runs on the loop view (exact).
     "apply_if_finite_lamb": lambda: optax.apply_if_finite(optax.lamb(1e-2), 3),
+    # A partition labelled by shape (split: labels of one layer), Muon's own part in it.
+    "partition_scale_by_muon": lambda: optax.partition(
+        {"m": optax.chain(optax.contrib.scale_by_muon(ns_steps=2, weight_dimension_numbers=_2d),
+                          optax.scale(-1e-2)),
+         "a": optax.adam(1e-2)},
+        lambda p: jax.tree.map(lambda x: "m" if x.ndim == 2 else "a", p)),
 }
 SHAPE_AWARE = {"lamb", "lars", "adafactor", "muon", "adaptive_grad_clip", "clip_by_block_rms",
-               "clip_global_then_lamb", "apply_if_finite_lamb"}
+               "clip_global_then_lamb", "apply_if_finite_lamb", "partition_scale_by_muon"}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -166,6 +178,36 @@ def test_elementwise_optimizers_compile_to_the_same_program(name):
         return lowered.as_text(debug_info=False), _program(lowered.compile().as_text())
 
     assert programs(wrapped) == programs(plain)
+
+
+@pytest.mark.slow
+def test_muon_runs_with_its_own_batch_axes():
+    """`layerwise(contrib.muon)` is Muon with the layer axes as its batch axes (its weight
+    dimension numbers shifted past them): the same compiled program, no vmap around it. With
+    `test_equals_the_loop_model[muon]`, this shows `muon_dimensions` exact too."""
+    params = _params()
+    wrapped = so.layerwise(optax.contrib.muon(1e-2), STACKED)
+    own = optax.contrib.muon(1e-2, muon_weight_dimension_numbers=so.muon_dimensions(STACKED))
+    state = wrapped.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(own.init(params))
+
+    def program(tx):
+        lowered = jax.jit(tx.update).lower(_grads(params, 0), state, params)
+        return _program(lowered.compile().as_text())
+
+    assert program(wrapped) == program(own)
+
+
+def test_state_placed_as_the_params_are():
+    """The state of a per-layer part is committed to a device only where its param is: an
+    uncommitted state of committed params (or the reverse) would make a jitted step's second
+    call compile again."""
+    tx = so.layerwise(optax.adafactor(1e-2), STACKED)  # per layer; `b` unfactored
+    params = _params()
+    assert not any(a.committed for a in jax.tree.leaves(tx.init(params)))
+    placed = jax.device_put(params, jax.devices()[0])
+    like_b = [a for a in jax.tree.leaves(tx.init(placed)) if a.shape == (N, D)]
+    assert like_b and all(a.committed for a in like_b)
 
 
 @pytest.mark.slow
@@ -207,6 +249,68 @@ def test_nested_stacks():
     wrapped = _train(so.layerwise(make(), stacked=2), params)
     reference = _train_loop(make(), params, lambda path: 2)
     assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
+
+
+@pytest.mark.slow
+def test_per_layer_controls_on_a_pattern_equal_per_layer_multi_transform():
+    """A pattern of k=2 positions, n=5 layers (3 and 2 rows): layer i is row i // 2 of
+    position i % 2. Freezing, layer-wise decay and a weight-decay mask name the model's
+    layers; the loop model (the layers in order) gets one transformation per layer."""
+    n, k, frozen, decayed, lr = 5, 2, (0, 3), (1, 4), 1e-2
+    dense = lambda key: {"w": jax.random.normal(key, (D, D)) / D**0.5}  # noqa: E731
+    wide = lambda key: {"w": jax.random.normal(key, (D, 2 * D)), "s": jnp.ones(D)}  # noqa: E731
+    layers = stackwise.stack([dense, wide], [lambda p, x: x, lambda p, x: x], n=n)
+    params = {"stack": layers.init(jax.random.key(1)), "head": jnp.ones((D, 3))}
+    scales = so.layer_decay(0.5, n)
+    tx = so.layerwise(
+        optax.chain(optax.clip_by_global_norm(0.5), optax.scale_by_adam(),
+                    so.layer_mask(optax.add_decayed_weights(0.5), decayed,
+                                  {"stack": so.pattern(n, k), "head": False}),
+                    optax.scale(-lr)),
+        {"stack": so.pattern(n, k), "head": False}, freeze=frozen, lr_scale=scales)
+    history = _train(tx, params)
+
+    def per_layer(i, scale=1.0):
+        decay = [optax.add_decayed_weights(0.5)] if i in decayed else []
+        return optax.chain(optax.scale_by_adam(), *decay, optax.scale(-lr * scale))
+
+    def labels(tree, name):
+        return {"layers": [jax.tree.map(lambda _, i=i: "frozen" if i in frozen else name(i),
+                                        layer) for i, layer in enumerate(tree["layers"])],
+                "head": "head"}
+
+    # The frozen layers' gradients are zeros before the global norm, as `freeze` says.
+    reference_tx = optax.chain(
+        optax.multi_transform({"frozen": optax.set_to_zero(), "rest": optax.identity(),
+                               "head": optax.identity()}, lambda t: labels(t, lambda i: "rest")),
+        optax.clip_by_global_norm(0.5),
+        optax.multi_transform({**{f"layer{i}": per_layer(i, float(scales[i])) for i in range(n)},
+                               "frozen": optax.set_to_zero(), "head": per_layer(-1)},
+                              lambda t: labels(t, lambda i: f"layer{i}")))
+
+    @jax.jit
+    def loop_step(loop, state, t):
+        stacked = {"stack": stackwise.stack_layers(loop["layers"], pattern=k),
+                   "head": loop["head"]}
+        grads = _grads(stacked, t)
+        grads = {"layers": stackwise.unstack_layers(grads["stack"], pattern=k),
+                 "head": grads["head"]}
+        updates, state = reference_tx.update(grads, state, loop)
+        return optax.apply_updates(loop, updates), state
+
+    loop = {"layers": stackwise.unstack_layers(params["stack"], pattern=k),
+            "head": params["head"]}
+    state = reference_tx.init(loop)
+    for t in range(STEPS):
+        loop, state = loop_step(loop, state, t)
+    want = {"stack": stackwise.stack_layers(loop["layers"], pattern=k), "head": loop["head"]}
+    assert _max_diff(history[-1], want) < ROUNDING_ATOL
+    for p in range(k):  # layers 0 and 3: row 0 of position 0, row 1 of position 1
+        rows = np.array([i // k for i in frozen if i % k == p])
+        for a, b in zip(jax.tree.leaves(history[-1]["stack"][p]),
+                        jax.tree.leaves(params["stack"][p])):
+            assert jnp.array_equal(a[rows], b[rows])
+            assert not jnp.array_equal(a, b)
 
 
 def test_freezing_layers_0_and_1_of_4():
@@ -265,15 +369,6 @@ def test_weight_decay_on_some_layers_equals_per_layer_multi_transform():
                               lambda loop: _per_layer(loop, decayed, "plain")),
         params, _depth)
     assert _max_diff(history[-1], reference[-1]) < ROUNDING_ATOL
-
-
-@pytest.mark.slow
-def test_muon_with_its_own_batch_axes_equals_the_loop_model():
-    params = _params()
-    dims = so.muon_dimensions(STACKED)
-    wrapped = _train(optax.contrib.muon(1e-2, muon_weight_dimension_numbers=dims), params)
-    reference = _train_loop(optax.contrib.muon(1e-2), params, _depth)
-    assert _max_diff(wrapped[-1], reference[-1]) < ROUNDING_ATOL
 
 
 def test_layer_indices_read_as_in_the_core():
