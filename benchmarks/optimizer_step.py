@@ -132,8 +132,10 @@ def markdown(rows, args, load) -> str:
             f"`python benchmarks/optimizer_step.py {' '.join(sys.argv[1:])}`: {args.rounds} "
             f"rounds; Python {platform.python_version()}, jax {jax.__version__}, optax "
             f"{optax.__version__}, {os.cpu_count()} cores, {jax.default_backend()}; load "
-            f"average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after (the machine is "
-            "shared: loaded, so ratios within one run, not absolute times, are the result).\n\n"
+            f"average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after ("
+            + ("the machine is shared: loaded, so " if load[0] > (os.cpu_count() or 1) else
+               "otherwise idle; ")
+            + "ratios within one run, not absolute times, are the result).\n\n"
             "step ms: median over the rounds; ×unwrapped, ×loop: medians of the per-round "
             "ratios of this variant's step to that one's; compile s: cold.\n\n"
             "| optimizer | variant | step ms | ×unwrapped | ×loop | compile s |\n"
