@@ -213,6 +213,7 @@ def test_pattern_trains_checkpoints_and_samples(tmp_path, env):
     assert loaded["sample"] == result["sample"] and loaded["loop_diff"] <= LOGITS_ATOL
 
 
+@pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
 def test_jax_train_checkpoint_restore(trained):
     check_run(trained["trained"], "jax", 3)
     # Restoring the checkpoint gives back the very same model: the same sample, same logits.
@@ -303,6 +304,7 @@ def test_default_checkpoint_is_in_examples_checkpoints():
     assert lm.parse_args(["--framework", "nnx"]).checkpoint.name == "lm_nnx"
 
 
+@pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -338,6 +340,7 @@ def files_of(folder: pathlib.Path) -> dict:
     return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
 def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
     lm = load_example()
     args = lm.parse_args(["--restore", "--checkpoint", str(trained["ckpt"])])
@@ -346,6 +349,7 @@ def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
     assert (args.pattern, args.window) == ("global", 16)
 
 
+@pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
 def test_a_checkpoint_from_before_patterns_and_optimizers_is_global_adamw(trained, tmp_path):
     lm = load_example()
     meta = lm.read_meta(trained["ckpt"])
