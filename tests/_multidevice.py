@@ -37,7 +37,11 @@ def run_cases(cases: dict[str, Callable[[], dict]]) -> None:
 
 def run_module(path: str, timeout: int = 900) -> dict:
     """Runs the test module at ``path`` as a script on 8 simulated CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    # LLVM's optimisation of the tiny test programs costs more than running them, and no
+    # check reads the generated machine code (the HLO passes are unchanged): as the
+    # example's runs (tests/examples), the workers compile at level 0.
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    env = dict(os.environ, XLA_FLAGS=flags)
     env["JAX_PLATFORMS"] = "cpu"
     # The worker is this test module run as a script: give it the tests' shared helpers.
     helpers = os.path.dirname(os.path.abspath(__file__))
