@@ -63,7 +63,7 @@ from stackwise._pipeline_program import (
     _vary,
     _where,
 )
-from stackwise._stack import Stacked, stack
+from stackwise._stack import Stacked, _apply_args, _check_pair, stack
 
 __all__ = ["pattern_pipeline"]
 
@@ -200,17 +200,7 @@ def pattern_pipeline(
     tables = (jnp.asarray(layout.position), jnp.asarray(layout.row))
 
     def pipelined(*args, **kwargs):
-        if with_state:
-            if len(args) < 3:
-                raise TypeError(
-                    f"{_WHO}: with `with_state=True`, apply is called as "
-                    "`apply(params, state, x, *args, **kwargs)`."
-                )
-            params, state, x, *args = args
-        else:
-            if len(args) < 2:
-                raise TypeError(f"{_WHO}: apply is called as `apply(params, x, *args, **kwargs)`.")
-            (params, x, *args), state = args, None
+        params, state, x, args = _apply_args(args, with_state, _WHO, call="apply")
         params = _positions(params, "params", pattern, layout)
         state = _positions(state, "state", pattern, layout) if with_state else (None,) * k
         check_batch(x, plan, "x")
@@ -386,14 +376,13 @@ class _Dispatch:
                 out = apply(params, h, *args, **kwargs)
             else:
                 old = _take(state[p], row)
-                out = apply(params, old, h, *args, **kwargs)
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        f"{_WHO}: with `with_state=True` a layer returns `(out, layer_state)`, "
-                        f"but position {p} returned {_check.describe(out)}. Return the state "
-                        "with the output, e.g. `return x, state`."
-                    )
-                out, new = out
+                out, new = _check_pair(
+                    apply(params, old, h, *args, **kwargs),
+                    _WHO,
+                    "with `with_state=True` a layer returns `(out, layer_state)`",
+                    "Return the state with the output, e.g. `return x, state`.",
+                    by=f"position {p}",
+                )
                 _check_state(old, new, p)
                 state = list(state)
                 state[p] = jax.tree.map(
@@ -401,13 +390,13 @@ class _Dispatch:
                 )
                 state = tuple(state)
             if self.has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        f"{_WHO}: with `has_aux=True` a layer returns `(x, aux)`, but position "
-                        f"{p} returned {_check.describe(out)}. Return `(x, aux)`, or build the "
-                        "pipeline without `has_aux`."
-                    )
-                h, aux = out
+                h, aux = _check_pair(
+                    out,
+                    _WHO,
+                    "with `has_aux=True` a layer returns `(x, aux)`",
+                    "Return `(x, aux)`, or build the pipeline without `has_aux`.",
+                    by=f"position {p}",
+                )
             else:
                 h, aux = out, None
             return (h, state), aux

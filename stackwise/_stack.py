@@ -78,10 +78,27 @@ class Stacked(NamedTuple):
 # What a layer returns, checked.
 
 
-def _check_pair(out: Any, who: str, what: str, fix: str) -> tuple[Any, Any]:
+def _check_pair(out: Any, who: str, what: str, fix: str, by: str = "it") -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"{who}: {what}, but it returned {_check.describe(out)}. {fix}")
+        raise TypeError(f"{who}: {what}, but {by} returned {_check.describe(out)}. {fix}")
     return out
+
+
+def _apply_args(args: tuple, with_state: bool, who: str, call: str = "Stacked.apply") -> tuple:
+    """``(params, state, x, rest)`` of an apply call (``state`` None without state), or a
+    TypeError giving the call's form."""
+    if with_state:
+        if len(args) < 3:
+            raise TypeError(
+                f"{who}: with `with_state=True`, {call} is called as "
+                "`apply(params, state, x, *args, **kwargs)`."
+            )
+        params, state, x, *rest = args
+        return params, state, x, rest
+    if len(args) < 2:
+        raise TypeError(f"{who}: {call} is called as `apply(params, x, *args, **kwargs)`.")
+    params, x, *rest = args
+    return params, None, x, rest
 
 
 def _check_carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
@@ -327,19 +344,7 @@ def stack(
         return unwrap(tuple(out))
 
     def stacked_apply(*args, **kwargs):
-        if with_state:
-            if len(args) < 3:
-                raise TypeError(
-                    f"{who}: with `with_state=True`, Stacked.apply is called as "
-                    "`apply(params, state, x, *args, **kwargs)`."
-                )
-            params, state, x, *args = args
-        else:
-            if len(args) < 2:
-                raise TypeError(
-                    f"{who}: Stacked.apply is called as `apply(params, x, *args, **kwargs)`."
-                )
-            (params, x, *args), state = args, None
+        params, state, x, args = _apply_args(args, with_state, who)
         if isinstance(x, _PerLayer) or any(
             isinstance(v, _PerLayer)
             for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, _PerLayer))
