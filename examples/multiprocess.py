@@ -280,9 +280,12 @@ class Processes:
 
     Each process's output goes to ``out/process_<i>.log``, its results to
     ``out/process_<i>.{npz,json}``. ``env``: the processes' environment (default: this one's).
+    ``script``: another script to run instead, which takes the same four options (``--out``
+    and one process's three), calls :func:`join` and writes ``out/process_<i>.json``.
     """
 
-    def __init__(self, processes: int, out: pathlib.Path, env: dict | None = None):
+    def __init__(self, processes: int, out: pathlib.Path, env: dict | None = None,
+                 script: str | pathlib.Path | None = None):
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.started, self.children = out, time.monotonic(), []
         with socket.socket() as s:  # a free port for the coordinator (process 0)
@@ -291,7 +294,7 @@ class Processes:
         for i in range(processes):
             argv = [
                 sys.executable,
-                __file__,
+                str(script or __file__),
                 "--process-id",
                 str(i),
                 "--num-processes",
@@ -340,6 +343,19 @@ class Processes:
             json.loads((self.out / f"process_{i}.json").read_text())
             for i in range(len(self.children))
         ]
+
+
+def join(process_id: int, num_processes: int, coordinator: str) -> None:
+    """Makes this process process ``process_id`` of ``num_processes``, owning
+    ``DEVICES / num_processes`` CPU devices; process 0 listens at ``coordinator``."""
+    jax.config.update("jax_num_cpu_devices", DEVICES // num_processes)
+    if num_processes > 1:  # one process alone uses XLA's own collectives between devices
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # A process that fails exits after at most a minute at the shutdown barrier, and the
+        # others then stop too, instead of waiting five minutes for it.
+        jax.distributed.initialize(
+            coordinator, num_processes, process_id, shutdown_timeout_seconds=60
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -419,14 +435,7 @@ def main(argv: list[str] | None = None) -> None:
             f"; results in {out}"
         )
         return
-    jax.config.update("jax_num_cpu_devices", DEVICES // args.num_processes)
-    if args.num_processes > 1:  # one process alone uses XLA's own collectives between devices
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # A process that fails exits after at most a minute at the shutdown barrier, and the
-        # others then stop too, instead of waiting five minutes for it.
-        jax.distributed.initialize(
-            args.coordinator, args.num_processes, args.process_id, shutdown_timeout_seconds=60
-        )
+    join(args.process_id, args.num_processes, args.coordinator)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(run_process(args.out)), flush=True)

@@ -324,7 +324,9 @@ def _build(plan: _Plan, callback) -> jax.Array:
         built[key] = jax.device_put(host, device).block_until_ready()
         del host
         arrays.append(built[key])
-    return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays)
+    # The dtype, for a process none of whose devices holds a shard (several hosts).
+    return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays,
+                                                    dtype=plan.dtype)
 
 
 def load_checkpoint(
@@ -381,7 +383,10 @@ def load_checkpoint(
 
     Returns:
       The target with every array leaf loaded, as a ``jax.Array`` with its
-      sharding; each device's shard is read from the checkpoint alone.
+      sharding; each device's shard is read from the checkpoint alone. On
+      several hosts (JAX processes), every process calls it alike and reads
+      its own devices' shards only: together they hold one global array per
+      leaf (the first device, without shardings, is process 0's).
 
     Raises:
       ValueError: a missing layer or tensor, an extra layer, a shape that

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from stackwise import _check
+from stackwise import _checkpoint_hosts as _hosts
 from stackwise._checkpoint_names import (
     Tensor,
     _check_layout,
@@ -129,8 +130,18 @@ def save_safetensors(
     undone), the others whole. Layers go to files in order, each file at
     most ``max_file_bytes`` (a layer is never split), with a
     ``model.safetensors.index.json`` when there are several; only one file's
-    tensors are on the host at a time. A round trip is bitwise (a leaf loaded
-    with a cast, ``Tensor(..., dtype=)``, is saved in its own dtype).
+    tensors are on the host at a time. The files are staged (``*.tmp``) and
+    renamed into place once all are written. A round trip is bitwise (a leaf
+    loaded with a cast, ``Tensor(..., dtype=)``, is saved in its own dtype).
+
+    On several hosts (JAX processes), every process calls it alike: each
+    tensor is gathered from the processes' devices, one at a time, and
+    process 0 writes the files (``directory`` is process 0's path; host
+    memory on process 0 stays about one file's tensors). Process 0's
+    findings reach every process: a checkpoint in the way raises
+    FileExistsError on each, a write that fails raises its error on process 0
+    and RuntimeError on the others, and no process returns before the files
+    are in place.
 
     >>> import jax.numpy as jnp, numpy as np, stackwise, tempfile, os
     >>> params = {"w": jnp.arange(12.0).reshape(3, 2, 2)}
@@ -147,14 +158,16 @@ def save_safetensors(
 
     Args:
       params: the stacked params (sharded or not), as ``load_checkpoint``
-        returns them.
+        returns them; on several hosts, global ``jax.Array`` s (a NumPy or
+        host-local leaf is process 0's own).
       names: the names tree, as for :func:`load_checkpoint`.
       directory: where to write (created if missing).
       pattern: as for :func:`load_checkpoint`.
       max_file_bytes: the most bytes per file (a bigger layer gets a file
         of its own).
-      overwrite: replace existing checkpoint files in ``directory``;
-        without it, any is an error and nothing is written.
+      overwrite: replace the checkpoint in ``directory`` (its safetensors
+        files and index, all of them); without it, any is an error and
+        nothing is written.
 
     Returns:
       The paths written, the index last.
@@ -165,7 +178,12 @@ def save_safetensors(
       TypeError: an abstract leaf (``jax.ShapeDtypeStruct``: nothing to
         save), or ``pattern``, ``max_file_bytes`` or ``overwrite`` of the
         wrong type.
-      ValueError: as :func:`load_checkpoint` for names that do not fit.
+      ValueError: as :func:`load_checkpoint` for names that do not fit; on
+        several hosts, a leaf on other processes' devices alone (process 0
+        cannot read it).
+      OSError: a write that fails (on several hosts, on process 0).
+      RuntimeError: on several hosts, on the other processes when process
+        0's write failed.
     """
     pattern, max_file_bytes = _check_options(pattern, max_file_bytes, "max_file_bytes",
                                              overwrite, _SAVE)
@@ -177,35 +195,82 @@ def save_safetensors(
         if len(groups) == 1
         else [f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors" for g in range(len(groups))]
     )
-    if os.path.isdir(directory) and not overwrite:
-        there = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors") or f == INDEX)
-        if there:
-            raise FileExistsError(
-                f"{_SAVE}: {directory} already holds a checkpoint ({', '.join(there[:3])}"
-                f"{', ...' if len(there) > 3 else ''}); stackwise never overwrites one unless "
-                "asked: pass overwrite=True, or save to a new directory."
-            )
-    os.makedirs(directory, exist_ok=True)
+    there = _checkpoint_files(directory) if jax.process_index() == 0 else []
+    if _hosts.agree(bool(there) and not overwrite):  # process 0's finding, on every process
+        held = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "") if there else (
+            "as process 0 sees it")
+        raise FileExistsError(
+            f"{_SAVE}: {directory} already holds a checkpoint ({held}); stackwise never "
+            "overwrites one unless asked: pass overwrite=True, or save to a new directory."
+        )
+    writer = _hosts.Writer(_SAVE, directory)
     written, weight_map, total = [], {}, 0
-    for file, group in zip(files, groups):
+    for file, group in zip(files, groups):  # every process, every row, in the same order
         arrays = {}
         for _, name, path, spec, a, j in group:
-            x = np.asarray(jax.device_get(a[j] if j is not None else a))
-            arrays[name] = np.ascontiguousarray(_stored(spec, x, path, _SAVE))
             weight_map[name] = file
-            total += arrays[name].nbytes
-        final = os.path.join(directory, file)
-        safetensors_numpy.save_file(arrays, final + ".tmp", metadata={"format": "np"})
-        os.replace(final + ".tmp", final)
-        written.append(final)
+            x = _hosts.host_row(a, j, writer, path)  # None but on process 0
+            if x is not None:
+                arrays[name] = np.ascontiguousarray(_stored(spec, x, path, _SAVE))
+                total += arrays[name].nbytes
+        written.append(os.path.join(directory, file))
+        writer.run(_stage, safetensors_numpy.save_file, arrays, written[-1] + ".tmp",
+                   metadata={"format": "np"})
         del arrays
     if len(files) > 1:
-        index = os.path.join(directory, INDEX)
-        with open(index + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        os.replace(index + ".tmp", index)
-        written.append(index)
+        written.append(os.path.join(directory, INDEX))
+        writer.run(_stage, _write_json, {"metadata": {"total_size": total},
+                                         "weight_map": weight_map}, written[-1] + ".tmp")
+    writer.settle()  # every file staged, on every process's word, before any goes into place
+    writer.run(_into_place, written, [os.path.join(directory, f) for f in there])
+    writer.settle()  # and in place before any process returns
     return written
+
+
+def _checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files and index in ``directory``, sorted."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(f for f in os.listdir(directory) if f.endswith(".safetensors") or f == INDEX)
+
+
+def _stage(write: Any, value: Any, path: str, **kwargs: Any) -> None:
+    """``write(value, path, **kwargs)``, its folder made first."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write(value, path, **kwargs)
+
+
+def _write_json(value: Any, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+
+
+def _into_place(staged: list[str], old: list[str]) -> None:
+    """Each staged ``<path>.tmp`` renamed to ``<path>`` (the index last), then the old
+    checkpoint's files that the new one does not have removed (a stale index or file would
+    be read with the new ones)."""
+    for path in staged:
+        os.replace(path + ".tmp", path)
+    for path in sorted(set(old) - set(staged)):
+        os.remove(path)
+
+
+def _clear_staging(parent: str, staging: str) -> None:
+    """Makes ``parent``, and clears an earlier, interrupted save's staging folders."""
+    os.makedirs(parent, exist_ok=True)
+    for leftover in os.listdir(parent):
+        if leftover.startswith(os.path.basename(staging)):
+            shutil.rmtree(os.path.join(parent, leftover))
+
+
+def _replace(staging: str, directory: str) -> None:
+    """The whole new checkpoint at ``staging`` into ``directory`` (what was there removed:
+    ``overwrite=True`` was checked)."""
+    if os.path.isdir(directory):
+        shutil.rmtree(directory)
+    elif os.path.exists(directory):
+        os.remove(directory)
+    os.replace(staging, directory)
 
 
 def _loop_tree(rows: list[_Row], values: list[Any], who: str) -> dict:
@@ -252,6 +317,12 @@ def save_orbax(
     devices or the host. The checkpoint is written next to ``directory``
     and renamed into place once whole. A round trip is bitwise.
 
+    On several hosts (JAX processes), every process calls it alike, with
+    the same ``directory`` on a file system they share: orbax writes each
+    process's shards, process 0 merges them and renames the checkpoint into
+    place, and every process returns once it is there. A checkpoint in the
+    way raises FileExistsError on every process.
+
     >>> import jax, jax.numpy as jnp, stackwise, tempfile, os
     >>> import orbax.checkpoint as ocp
     >>> params = {"up": {"kernel": jnp.arange(12.0).reshape(3, 2, 2)}}
@@ -294,7 +365,8 @@ def save_orbax(
         two names of which one's parts are a prefix of the other's.
       ImportError: orbax is missing (``pip install 'stackwise[orbax]'``), or
         too old for partial saves.
-      NotImplementedError: more than one JAX process (a multi-host run).
+      OSError: the final rename fails (on several hosts, on process 0;
+        RuntimeError on the others).
     """
     pattern, max_group_bytes = _check_options(pattern, max_group_bytes, "max_group_bytes",
                                               overwrite, _ORBAX)
@@ -307,40 +379,29 @@ def save_orbax(
             "in orbax-checkpoint 0.12.8, say), which this orbax-checkpoint lacks: "
             "pip install -U orbax-checkpoint"
         ) from None
-    if jax.process_count() > 1:  # every process would stage, rename and clear the folder
-        raise NotImplementedError(
-            f"{_ORBAX} writes from one process; this is process {jax.process_index()} of "
-            f"{jax.process_count()}. Save the stacked params with orbax's CheckpointManager "
-            "(every process writes its shards) and convert on one host."
-        )
     directory = os.path.abspath(os.fspath(directory))
     rows = _rows(params, names, pattern, _ORBAX)
     _loop_tree(rows, rows, _ORBAX)  # every name a leaf of one tree: checked before writing
     groups = _groups(rows, max_group_bytes)
-    if os.path.exists(directory) and not overwrite and (
-        not os.path.isdir(directory) or os.listdir(directory)
-    ):
+    there = jax.process_index() == 0 and os.path.exists(directory) and (
+        not os.path.isdir(directory) or bool(os.listdir(directory)))
+    if _hosts.agree(there and not overwrite):  # process 0's finding, on every process
         raise FileExistsError(
             f"{_ORBAX}: {directory} already exists and is not empty; stackwise never "
             "overwrites a checkpoint unless asked: pass overwrite=True, or save to a new "
             "directory."
         )
     parent, name = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f"{name}.stackwise-tmp")
-    for leftover in os.listdir(parent):  # an earlier save's, interrupted
-        if leftover.startswith(f"{name}.stackwise-tmp"):
-            shutil.rmtree(os.path.join(parent, leftover))
-    for group in groups:
+    writer = _hosts.Writer(_ORBAX, directory)
+    writer.run(_clear_staging, parent, staging)
+    writer.settle()  # no process stages before the leftovers are gone
+    for group in groups:  # on every process: orbax writes each process's shards
         arrays = [_stored(r.spec, r.array[r.row] if r.row is not None else r.array, r.path,
                           _ORBAX) for r in group]
         partial.save(staging, _loop_tree(group, arrays, _ORBAX))
         del arrays
-    partial.finalize(staging)
-    if os.path.exists(directory):  # overwrite=True (checked above): the new one is whole
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        else:
-            os.remove(directory)
-    os.replace(staging, directory)
+    partial.finalize(staging)  # process 0 merges, every process waits for it
+    writer.run(_replace, staging, directory)
+    writer.settle()  # in place before any process returns
     return os.path.join(directory, "state")

@@ -199,7 +199,17 @@ def test_save_round_trip_is_bitwise_and_never_overwrites(plain_files, tmp_path):
     with pytest.raises(FileExistsError, match="overwrite=True"):
         stackwise.save_safetensors(params, names, tmp_path / "out")
     assert {p: pathlib.Path(p).read_bytes() for p in written} == before
-    stackwise.save_safetensors(params, names, tmp_path / "out", overwrite=True)
+    # Asked, the new checkpoint (one file) replaces the old one whole: the old files and
+    # index are gone (a stale index would be read instead of the new file).
+    doubled = jax.tree.map(lambda a: a * 2, params)
+    stackwise.save_safetensors(doubled, names, tmp_path / "out", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert_trees_bitwise(stackwise.load_checkpoint(tmp_path / "out", abstract16, names), doubled)
+    # A file where the folder should be: the error, at once, and the file as it was.
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(FileExistsError, match="file"):
+        stackwise.save_safetensors(params, names, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "not a folder"
 
 
 def test_numpy_integers_and_sequences_read_as_in_the_core(tmp_path):

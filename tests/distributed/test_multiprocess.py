@@ -11,14 +11,13 @@ processes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
 
+import _multiprocess
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +27,8 @@ import stackwise
 
 pytestmark = pytest.mark.slow  # 7 processes, each importing JAX and compiling the step
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "multiprocess.py"
+EXAMPLE = _multiprocess.EXAMPLE
+
 #: float32 sums in another order: across processes (gloo) against one process's devices
 #: (measured: 1.5e-8 on the gradients, one float32 ulp, 2.4e-7, on the loss after the step).
 PROCESSES_TOL = 1e-5
@@ -44,22 +43,11 @@ RUNS = (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("multiprocess", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _multiprocess.example()
 
 
 _NO_BACKEND_OPT = {"xla_backend_optimization_level": 0}
-
-
-def _env(**extra) -> dict:
-    """The processes' environment: this checkout's stackwise, CPU only, the suite's strict
-    numerics; XLA's backend optimisations off (compile time dominates these tiny runs)."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", PYTHONWARNINGS="error")
-    env.update(JAX_NUMPY_RANK_PROMOTION="raise", XLA_FLAGS="--xla_backend_optimization_level=0")
-    return {**env, **extra}
+_env = _multiprocess.env
 
 
 @pytest.fixture(scope="module")

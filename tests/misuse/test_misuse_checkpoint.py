@@ -268,15 +268,6 @@ def test_save_orbax_without_orbax_or_its_partial_saves_says_what_to_install(
     assert "stackwise.save_orbax" in str(info.value) and not (tmp_path / "new").exists()
 
 
-def test_save_orbax_refuses_a_multi_process_run(tmp_path, monkeypatch):
-    pytest.importorskip("orbax.checkpoint")
-    monkeypatch.setattr(jax, "process_count", lambda: 4)  # as on a pod's hosts
-    with pytest.raises(NotImplementedError, match=r"stackwise.save_orbax writes from one "
-                       r"process; this is process 0 of 4\. .*CheckpointManager"):
-        stackwise.save_orbax({"w": jnp.zeros((2, 1))}, {"w": "l.{}.w"}, tmp_path / "new")
-    assert not (tmp_path / "new").exists()
-
-
 def test_an_unreadable_orbax_checkpoint_names_the_folder(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     (tmp_path / "_METADATA").write_text("not json")
