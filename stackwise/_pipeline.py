@@ -369,14 +369,11 @@ def pipeline(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
-    if fsdp is not None and (schedule == "1f1b" or layer_pattern or with_state):
-        what = "the '1f1b' schedule" if schedule == "1f1b" else (
-            "a pattern of layers" if layer_pattern else "layers with state (`with_state=True`)"
-        )
+    if fsdp is not None and schedule == "1f1b":
         raise ValueError(
-            f"{_WHO}: `fsdp=` (FSDP inside the stages) is not implemented for {what}; it "
-            "runs with one layer function under schedule='gpipe' or 'circular'. Pass "
-            "`fsdp=None` (the stages' params then stay whole over the data axis)."
+            f"{_WHO}: `fsdp=` (FSDP inside the stages) is not implemented for the '1f1b' "
+            "schedule; it runs with schedule='gpipe' or 'circular'. Pass `fsdp=None` (the "
+            "stages' params then stay whole over the data axis)."
         )
     if layer_pattern or with_state:
         if schedule == "1f1b":

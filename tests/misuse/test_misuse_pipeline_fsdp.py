@@ -110,20 +110,6 @@ PIPELINE_FSDP = [
         "fsdp=None",
     ),
     case(
-        "fsdp with a pattern of layers",
-        lambda: stackwise.pipeline(None, [_apply, _apply], 2, MESH, microbatches=1, fsdp="data"),
-        ValueError,
-        "`fsdp=`",
-        "a pattern of layers",
-    ),
-    case(
-        "fsdp with layers with state",
-        lambda: _pipeline(fsdp="data", with_state=True),
-        ValueError,
-        "`fsdp=`",
-        "`with_state=True`",
-    ),
-    case(
         "a batch that the microbatches times the fsdp axes do not divide",
         lambda: _pipeline(fsdp="data").apply({"w": jnp.zeros((2, 4, 4))}, jnp.ones((3, 4))),
         ValueError,
