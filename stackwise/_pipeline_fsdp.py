@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise import _check
 from stackwise._adapt import Options
-from stackwise._pipeline_program import _WHO, _kept, _unless_sliced
+from stackwise._pipeline_program import _WHO, _kept, _sliced_shapes, _unless_sliced
 from stackwise._sharding import fsdp_specs
 from stackwise._stack import Stacked
 
@@ -202,16 +202,6 @@ def _rows(params: Any, lead: int = 2) -> Any:
     return jax.tree.map(lambda v: v.reshape(math.prod(v.shape[:lead]), *v.shape[lead:]), params)
 
 
-def _sliced_shapes(gathered: Any, V: int) -> set:
-    """The shapes a stage slices out of its gathered ``(rows, ...)`` stacks: the stacks,
-    a chunk of them (``rows / V``) and one row (``(1, ...)``, a pattern's layer)."""
-    shapes = set()
-    for v in jax.tree.leaves(gathered):
-        rows, rest = v.shape[0], tuple(v.shape[1:])
-        shapes |= {(rows, *rest), (rows // V, *rest), (1, *rest)}
-    return shapes
-
-
 def gathered_per_tick(stage: Stacked, dims_tree: Any, plan: Any, options: Options) -> Stacked:
     """A stage whose apply gathers its chunk first, never keeping the gathered copy."""
 
@@ -223,15 +213,17 @@ def gathered_per_tick(stage: Stacked, dims_tree: Any, plan: Any, options: Option
     return Stacked(None, jax.checkpoint(apply, prevent_cse=False, policy=policy), stage.n)
 
 
-def per_tick_policy(options: Options, stacks: Any, gathered: Any) -> Callable[..., bool] | None:
+def per_tick_policy(
+    options: Options, stacks: Any, gathered: Any, V: int
+) -> Callable[..., bool] | None:
     """The checkpoint policy around a stage that gathers its chunk at each tick (a
     pattern's, ``gathered`` its gathered ``(C_p, ...)`` blocks): what ``remat`` keeps,
-    never the gathered blocks, a row of them, nor a chunk sliced out of ``stacks`` (the
-    device's ``(rows, ...)`` stacks). ``None`` with ``unroll=True``, as for the step's."""
+    never the gathered blocks nor a row of them, nor a chunk sliced out of ``stacks``
+    (the device's ``(rows, ...)`` stacks, V chunks). ``None`` with ``unroll=True``, as
+    for the step's."""
     if options.unroll is True:
         return None
-    shapes = {tuple(jnp.shape(v)) for v in jax.tree.leaves(stacks)}
-    return _never_gathered(options, shapes | _sliced_shapes(gathered, 1))
+    return _never_gathered(options, _sliced_shapes(stacks, V) | _sliced_shapes(gathered, 1))
 
 
 def _never_gathered(options: Options, shapes: set = frozenset()) -> Callable[..., bool]:

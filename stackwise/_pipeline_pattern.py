@@ -523,11 +523,11 @@ def _device_program(
     chunks = (per_layer, blocks)
     if per_tick is not None:  # the gathered chunk, taken and gathered again, never saved
         gathered = jax.eval_shape(lambda c: per_tick(chunk(c, 0)[1]), chunks)
-        policy = _pipeline_fsdp.per_tick_policy(options, chunks if V > 1 else (), gathered)
+        policy = _pipeline_fsdp.per_tick_policy(options, chunks, gathered, V)
         run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
     elif V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         run_stage = jax.checkpoint(
-            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
         )
     aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), take(state, 0, 0), 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)

@@ -202,7 +202,7 @@ def _device_program(
         chunks = (gather(chunks[0]), chunks[1])
     if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         run_stage = jax.checkpoint(
-            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
         )
     aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
@@ -214,18 +214,28 @@ def _device_program(
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
 
 
-def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool] | None:
+def _never_sliced(chunks: Any, options: Options, V: int = 1) -> Callable[..., bool] | None:
     """The checkpoint policy around a circular stage: what the stage's own remat
-    keeps (:func:`_kept`), but never a slice of ``chunks``.
+    keeps (:func:`_kept`), but never a slice of ``chunks``, the device's ``(rows,
+    ...)`` stacks: a tick's chunk, or a row of it (a pattern's layer takes its row).
 
-    A slice's output is a ``dynamic_slice`` of an operand of a chunk stack's
-    shape. With ``unroll=True`` it is ``None`` (keep nothing: the stage's
-    forward pass runs again in the backward pass): jax 0.10's remat DCE fails
-    on a checkpoint with a policy around the Python loop's checkpoints.
+    With ``unroll=True`` it is ``None`` (keep nothing: the stage's forward pass
+    runs again in the backward pass): jax 0.10's remat DCE fails on a checkpoint
+    with a policy around the Python loop's checkpoints.
     """
     if options.unroll is True:
         return None
-    return _unless_sliced(_kept(options), {tuple(jnp.shape(v)) for v in jax.tree.leaves(chunks)})
+    return _unless_sliced(_kept(options), _sliced_shapes(chunks, V))
+
+
+def _sliced_shapes(stacks: Any, V: int) -> set:
+    """The shapes of what a stage slices out of its ``(rows, ...)`` stacks, and of
+    those: the stacks, a chunk of them (``rows / V``) and one row (``(1, ...)``)."""
+    shapes = set()
+    for v in jax.tree.leaves(stacks):
+        rows, rest = v.shape[0], tuple(v.shape[1:])
+        shapes |= {(rows, *rest), (rows // V, *rest), (1, *rest)}
+    return shapes
 
 
 def _kept(options: Options) -> Callable[..., bool]:

@@ -8,7 +8,9 @@ traceback if it raised, and the tests below assert on those records.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
@@ -367,6 +369,34 @@ def _case_fsdp_state():
     }
 
 
+def _case_residuals():
+    """What the backward pass of a k=3 pattern keeps (``jax.ad_checkpoint``'s printout of
+    the saved residuals, traced only), with no remat (everything saveable) and M = 4: per
+    schedule and FSDP gather, the residuals with a row of w's shape (8, 8)."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    inits, applies = [_dense_init, _scale_init, _dense_init], [_tanh, _scale, _sin]
+    params = jax.jit(stackwise.stack(inits, applies, 8).init)(jax.random.key(0))
+    placed = stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "data"))
+    x = jnp.ones((8, D))
+    out = {}
+    for schedule, fsdp, gather in (
+        ("circular", None, "step"),
+        ("circular", "data", "step"),
+        ("circular", "data", "tick"),
+        ("gpipe", "data", "step"),
+    ):
+        pp = stackwise.pipeline(
+            inits, applies, 8, mesh, microbatches=4, data_axis=None if fsdp else "data",
+            fsdp=fsdp, fsdp_gather=gather, schedule=schedule, remat=False,
+        )  # fmt: skip
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            jax.ad_checkpoint.print_saved_residuals(pp.apply, placed, x)
+        types = [line.split(" ")[0] for line in printed.getvalue().splitlines()]
+        out[f"{schedule} {fsdp} {gather}"] = [t for t in types if t.endswith(",8,8]")]
+    return out
+
+
 HEADS, CONTEXT, WINDOW, VOCAB = 2, 8, 3, 16
 
 
@@ -481,6 +511,7 @@ _CASES = {
     "phases": _case_phases,
     "fsdp_phases": _case_fsdp_phases,
     "fsdp_state": _case_fsdp_state,
+    "residuals": _case_residuals,
     "gemma": _case_gemma,
     "aux_and_arguments": _case_aux_and_arguments,
     "statistics": _case_statistics,
@@ -586,6 +617,17 @@ def test_fsdp_state_circular_gathers_per_tick(multi_device):
     assert all(depth == 1 for *_, depth in gathered + scattered), r["program"]
     forward, backward = r["jaxpr_gathers"]
     assert forward == 2 and backward >= forward + 2, r["jaxpr_gathers"]
+
+
+def test_no_row_of_params_saved_per_tick(multi_device):
+    # Without remat everything is saveable, but not the stage's params per tick: a
+    # circular stage's checkpoint kept each layer's row of its block, f32[88,1,8,8] (11
+    # ticks x 8 devices), until its policy refused the rows as well as the chunks. With
+    # FSDP nothing of w's whole shape is kept at all (no gathered copy); without, the
+    # stage's own blocks (2 rows a device), once.
+    r = {k: v for k, v in result(multi_device, "residuals").items() if k != "cpu_s"}
+    assert r.pop("circular None step") == ["f32[16@(stage,data),8,8]"] * 2
+    assert r == {k: [] for k in r} and len(r) == 3, r
 
 
 def test_fsdp_decode_gives_the_loops_tokens(multi_device):
