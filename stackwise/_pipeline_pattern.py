@@ -547,9 +547,18 @@ def _device_program(
     (_, _, state, aux), ys = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
     # The last stage finished microbatch m (last round) at tick T - M + m.
     y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
-    state = jax.tree.map(
-        lambda v, b: (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else v)[:, None],
-        state,
-        batched,
-    )
+
+    def back(v, b):  # the stage's state as its (V, 1, C_p, ...) block
+        return (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else _same(v, plan))[:, None]
+
+    state = jax.tree.map(back, state, batched)
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan), state
+
+
+def _same(v: Any, plan: _Plan) -> Any:
+    """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
+    ``_batched_leaves`` refuses more), marked so: it met the batch in the tick loop."""
+    if not plan.batch_axes:
+        return v
+    reduce = jax.lax.psum if jnp.issubdtype(v.dtype, jnp.inexact) else jax.lax.pmax
+    return reduce(v, plan.batch_axes)

@@ -650,9 +650,11 @@ def test_fsdp_decode_gives_the_loops_tokens(multi_device):
 # One device (this process): one layer with state, the pipeline without a pattern.
 
 
-def test_one_layer_with_state_on_one_device():
+@pytest.mark.parametrize("fsdp", [None, "data"])
+def test_one_layer_with_state_on_one_device(fsdp):
     # A cache with a batch axis and a counter without one (batched_state by path), one
-    # stage, auto axes: the stack's apply on the 2 microbatches in order, exactly.
+    # stage, auto axes: the stack's apply on the 2 microbatches in order, exactly; with
+    # FSDP over a "data" axis of size 1 too (the counter is not split over it).
     def init(key):
         return _dense_init(key), {"seen": jnp.zeros((4, D)), "calls": jnp.zeros((), jnp.int32)}
 
@@ -660,9 +662,9 @@ def test_one_layer_with_state_on_one_device():
         seen = state["seen"] + x
         return _tanh(p, x + 0.1 * seen), {"seen": seen, "calls": state["calls"] + 1}
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
     pp = stackwise.pipeline(init, apply, 3, mesh, microbatches=2, with_state=True,
-                            batched_state=lambda path: "seen" in path)  # fmt: skip
+                            batched_state=lambda path: "seen" in path, fsdp=fsdp)  # fmt: skip
     plain = stackwise.stack(init, apply, 3, with_state=True)
     params, state = jax.jit(plain.init)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (4, D))
