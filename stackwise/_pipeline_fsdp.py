@@ -16,6 +16,10 @@ Where the gather runs (``fsdp_gather=``):
 - ``"tick"``: at every tick, only the chunk of layers that tick runs, inside a
   checkpoint that keeps what ``remat`` keeps but never the gathered chunk.
 
+A pattern's pipeline (``_pipeline_pattern.py``) uses the same pieces with its
+per-position blocks ``(V, S, C_p, ...)`` (``lead``: the dimensions before a
+leaf's inner ones), gathering the blocks per step or each tick's chunk of them.
+
 Which dimension of a leaf is split: the one its placement already splits over
 the FSDP axes, else :func:`stackwise.fsdp_specs`' rule (the largest inner axis
 the FSDP axes divide that no other mesh axis splits); a leaf with no such axis

@@ -23,11 +23,18 @@ layout whatever its stage's phase in the pattern:
   scan and remat) of a layer that takes its row and runs its position's
   ``apply`` with :func:`jax.lax.switch`. Chunk boundaries may cut the
   pattern anywhere.
+* **FSDP** (``fsdp=``, ``_pipeline_fsdp.py``). A position's leaf keeps the
+  inner split over the FSDP axes that the stacked params have (or that
+  :func:`stackwise.fsdp_specs`' rule gives it) in its blocks; a device
+  gathers its stage's blocks before the tick loop, or each tick's chunk of
+  them at that tick, and a layer takes its row of the gathered block.
+  Neither is kept for the backward pass.
 * **State.** A stage's state is carried through the tick loop. A leaf with
   a batch axis (``batched_state``: a KV cache) is split into microbatches
-  with ``x``, and microbatch m reads and writes its own rows; a leaf without
-  one (statistics, counters) is threaded through the microbatches in order,
-  as a loop over the M microbatches would. Bubble ticks write nothing.
+  with ``x`` (and over the batch's mesh axes), and microbatch m reads and
+  writes its own rows; a leaf without one (statistics, counters) is
+  threaded through the microbatches in order, as a loop over the M
+  microbatches would. Bubble ticks write nothing.
 
 The tick loop follows ``_pipeline_program._tick`` (the same schedules, the
 same parking of microbatches between rounds) with one addition: the chunk's
