@@ -9,7 +9,6 @@ traceback if it raised, and the tests below assert on those records.
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 
 import jax
@@ -114,13 +113,19 @@ def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place
     per_layer = _loop_params(inits, n, jax.random.key(0))
     params = _regroup(per_layer, k)
     placed = params if place is None else place(params)
+
+    def loop(per_layer, x):
+        for i, p in enumerate(per_layer):
+            x = applies[i % k](p, x)
+        return x
+
     pp = stackwise.pipeline(
         inits, applies, n, mesh, microbatches=microbatches, data_axis=data_axis, **options
     )
     x = jax.random.normal(jax.random.key(1), (8, D))
     step = _sin_loss(pp.apply).lower(placed, x).compile()
     (_, y), (g, gx) = step(placed, x)
-    (_, y_ref), (g_ref, gx_ref) = _loop_reference(tuple(applies), n)(per_layer, x)
+    (_, y_ref), (g_ref, gx_ref) = _sin_loss(loop)(per_layer, x)
     out = {
         "max_err": _rel((y, gx, g), (y_ref, gx_ref, _regroup(g_ref, k))),
         "init_equals_loop": _diff(jax.jit(pp.init)(jax.random.key(0)), params) == 0.0,
@@ -137,19 +142,6 @@ def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place
     return out
 
 
-@functools.cache
-def _loop_reference(applies: tuple, n: int):
-    """The loop's loss, output and grads, compiled once per pattern."""
-    k = len(applies)
-
-    def loop(per_layer, x):
-        for i, p in enumerate(per_layer):
-            x = applies[i % k](p, x)
-        return x
-
-    return _sin_loss(loop)
-
-
 def _spec_of(a) -> str:
     """A placed array's spec without trailing ``None`` s."""
     return str(jax.sharding.PartitionSpec(*_trimmed(a.sharding.spec)))
@@ -158,30 +150,23 @@ def _spec_of(a) -> str:
 def _case_phases():
     """k=3, n=8, S=4: two layers a stage, so stages start at phases 0, 2, 1, 0, and position
     2's block is padded on stages 0 and 3. Explicit (stage=4, data=2), no remat, nested
-    groups."""
+    groups; FSDP over "data" inside the stages, gathered once per step (the batch is split
+    over "data", the data and FSDP axis), the params placed split over "data" by
+    fsdp_specs (their layer axes, of 3, 3 and 2 layers, are not split over the 4 stages)."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    place = lambda p: stackwise.shard_stacked(  # noqa: E731
+        p, mesh, stackwise.fsdp_specs(p, mesh, "data")
+    )
     return _pattern_case(
         [_dense_init, _scale_init, _dense_init],
         [_tanh, _scale, _sin],
         8,
         mesh,
         "data",
+        place=place,
+        fsdp="data",
         remat=False,
         nested=True,
-    )
-
-
-def _case_fsdp_phases():
-    """The phases case with FSDP over "data" inside the stages, gathered once per step; the
-    params placed split over "data" by fsdp_specs (their layer axes, of 3, 3 and 2 layers,
-    are not split over the 4 stages)."""
-    mesh = jax.make_mesh((4, 2), ("stage", "data"))
-    inits = [_dense_init, _scale_init, _dense_init]
-    place = lambda p: stackwise.shard_stacked(  # noqa: E731
-        p, mesh, stackwise.fsdp_specs(p, mesh, "data")
-    )
-    return _pattern_case(
-        inits, [_tanh, _scale, _sin], 8, mesh, place=place, fsdp="data", remat=False, nested=True
     )
 
 
@@ -436,8 +421,9 @@ def _case_decode():
     4 in 2 microbatches: a prefill of 3 tokens and 4 greedy steps give the loop's tokens
     and cache. Params and cache are placed once on the stages (and the cache's batch on the
     data axis): with L = 2 a multiple of k = 2, the stack's layout is the stages' own. The
-    same decode with FSDP inside the stages (over "data", gathered once a step), its params
-    placed split over the stages and "data": 1/8 of them on each device."""
+    same decode steps, from the same prefill, with FSDP inside the stages (over "data",
+    gathered once a step), its params placed split over the stages and "data": 1/8 of them
+    on each device."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     P = jax.sharding.PartitionSpec
     kinds = [_cached(WINDOW), _cached(None)]
@@ -472,8 +458,11 @@ def _case_decode():
 
         return step
 
-    def generate(step, cache):
-        token, cache = jax.jit(step)(cache, prompt, jnp.int32(0))
+    def generate(step, cache, prefilled=None):
+        """The prefill's token and cache (given, or computed and kept), then 4 steps."""
+        if prefilled is None:
+            prefilled = jax.jit(step)(cache, prompt, jnp.int32(0))
+        token, cache = prefilled[0], jax.tree.map(jnp.copy, prefilled[1])
         # One decode step, compiled once (its program is read below), the cache donated.
         decode = (
             jax.jit(step, donate_argnums=0).lower(cache, token[:, None], jnp.int32(3)).compile()
@@ -482,13 +471,13 @@ def _case_decode():
         for pos in range(3, 7):
             token, cache = decode(cache, token[:, None], jnp.int32(pos))
             tokens.append(token)
-        return jnp.stack(tokens, 1), cache, decode
+        return jnp.stack(tokens, 1), cache, decode, prefilled
 
-    tokens, cache_out, decode = generate(pp_step(pp, placed), cache_pp)
-    tokens_ref, caches_ref, _ = generate(loop_step, [c for _, c in loop_layers])
+    tokens, cache_out, decode, prefilled = generate(pp_step(pp, placed), cache_pp)
+    tokens_ref, caches_ref, *_ = generate(loop_step, [c for _, c in loop_layers])
+    # FSDP's decode steps, from the same prefill.
     fsdp = pp_step(pipelined(fsdp="data"), fsdp_placed)
-    cache_pp = stackwise.shard_stacked(cache, mesh, P("data"), layer_axis="stage")
-    tokens_fsdp, cache_fsdp, decode_fsdp = generate(fsdp, cache_pp)
+    tokens_fsdp, cache_fsdp, decode_fsdp, _ = generate(fsdp, None, prefilled)
     hlo = decode.as_text()
     return {
         "tokens": tokens.tolist(),
@@ -509,7 +498,6 @@ def _case_decode():
 
 _CASES = {
     "phases": _case_phases,
-    "fsdp_phases": _case_fsdp_phases,
     "fsdp_state": _case_fsdp_state,
     "residuals": _case_residuals,
     "gemma": _case_gemma,
@@ -576,7 +564,7 @@ def _elements(kind: str) -> int:
 
 
 def test_fsdp_pattern_at_uneven_phases_gathers_once_per_step(multi_device):
-    r = result(multi_device, "fsdp_phases")
+    r = result(multi_device, "phases")
     assert r["max_err"] < PIPELINE_TOL
     # Each position's params split over "data" as placed, their gradients reduce-scattered
     # back to that layout.
@@ -650,11 +638,10 @@ def test_fsdp_decode_gives_the_loops_tokens(multi_device):
 # One device (this process): one layer with state, the pipeline without a pattern.
 
 
-@pytest.mark.parametrize("fsdp", [None, "data"])
-def test_one_layer_with_state_on_one_device(fsdp):
+def test_one_layer_with_state_on_one_device():
     # A cache with a batch axis and a counter without one (batched_state by path), one
-    # stage, auto axes: the stack's apply on the 2 microbatches in order, exactly; with
-    # FSDP over a "data" axis of size 1 too (the counter is not split over it).
+    # stage, auto axes, FSDP over a "data" axis of size 1 (the counter is not split over
+    # it): the stack's apply on the 2 microbatches in order, exactly.
     def init(key):
         return _dense_init(key), {"seen": jnp.zeros((4, D)), "calls": jnp.zeros((), jnp.int32)}
 
@@ -664,7 +651,7 @@ def test_one_layer_with_state_on_one_device(fsdp):
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
     pp = stackwise.pipeline(init, apply, 3, mesh, microbatches=2, with_state=True,
-                            batched_state=lambda path: "seen" in path, fsdp=fsdp)  # fmt: skip
+                            batched_state=lambda path: "seen" in path, fsdp="data")  # fmt: skip
     plain = stackwise.stack(init, apply, 3, with_state=True)
     params, state = jax.jit(plain.init)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (4, D))
