@@ -248,7 +248,11 @@ def pipeline(
     tick, only the chunk of layers that tick runs (less memory, more
     gathers); its gradient comes back reduce-scattered, in the params'
     layout. The gathered copy is never saved for the backward pass: the
-    backward pass gathers again.
+    backward pass gathers again. With a pattern (or ``with_state``) each
+    position's stacked params are split so, their blocks keeping the split
+    (params placed with ``shard_stacked(params, mesh, fsdp_specs(params, mesh,
+    axes), ...)`` are never gathered whole); the state is not split over the
+    FSDP axes (a batched leaf's batch is, with ``x``'s).
 
     >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
     >>> fsdp = stackwise.pipeline(init, apply, 4, mesh, microbatches=2, fsdp="data")
@@ -343,8 +347,8 @@ def pipeline(
         or a ``loss`` that does not return a float scalar.
       ValueError: a mesh without ``stage_axis``/``data_axis``/``fsdp`` axes,
         ``stage_axis`` among the ``fsdp`` axes, an unknown ``fsdp_gather`` (or
-        one without ``fsdp``), ``fsdp`` with ``"1f1b"``, a pattern or
-        ``with_state``, ``n`` not divisible by ``S * repeats``, ``M < S`` or
+        one without ``fsdp``), ``fsdp`` with ``"1f1b"``, ``n`` not divisible
+        by ``S * repeats``, ``M < S`` or
         ``S < 2`` for ``"circular"``, an unknown ``schedule``, ``"1f1b"``
         without ``loss`` or with ``has_aux``/``repeats``/a pattern/
         ``with_state``, ``loss`` with another schedule; at call time, a batch
@@ -352,7 +356,8 @@ def pipeline(
         (times the data-axis size), params of neither layout, a leaf placed
         over the ``fsdp`` axes otherwise than ``fsdp`` names them (with other
         axes, or in another order), state of the wrong depth, a batched state
-        leaf without ``x``'s batch, or unbatched state with a ``data_axis``.
+        leaf without ``x``'s batch, or unbatched state with the batch split
+        (over a ``data_axis`` or ``fsdp`` axes of more than one device).
     """
     layer_pattern = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
     if not layer_pattern and not callable(apply):
@@ -369,14 +374,11 @@ def pipeline(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
-    if fsdp is not None and (schedule == "1f1b" or layer_pattern or with_state):
-        what = "the '1f1b' schedule" if schedule == "1f1b" else (
-            "a pattern of layers" if layer_pattern else "layers with state (`with_state=True`)"
-        )
+    if fsdp is not None and schedule == "1f1b":
         raise ValueError(
-            f"{_WHO}: `fsdp=` (FSDP inside the stages) is not implemented for {what}; it "
-            "runs with one layer function under schedule='gpipe' or 'circular'. Pass "
-            "`fsdp=None` (the stages' params then stay whole over the data axis)."
+            f"{_WHO}: `fsdp=` (FSDP inside the stages) is not implemented for the '1f1b' "
+            "schedule; it runs with schedule='gpipe' or 'circular'. Pass `fsdp=None` (the "
+            "stages' params then stay whole over the data axis)."
         )
     if layer_pattern or with_state:
         if schedule == "1f1b":

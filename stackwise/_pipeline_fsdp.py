@@ -16,6 +16,10 @@ Where the gather runs (``fsdp_gather=``):
 - ``"tick"``: at every tick, only the chunk of layers that tick runs, inside a
   checkpoint that keeps what ``remat`` keeps but never the gathered chunk.
 
+A pattern's pipeline (``_pipeline_pattern.py``) uses the same pieces with its
+per-position blocks ``(V, S, C_p, ...)`` (``lead``: the dimensions before a
+leaf's inner ones), gathering the blocks per step or each tick's chunk of them.
+
 Which dimension of a leaf is split: the one its placement already splits over
 the FSDP axes, else :func:`stackwise.fsdp_specs`' rule (the largest inner axis
 the FSDP axes divide that no other mesh axis splits); a leaf with no such axis
@@ -35,8 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise import _check
 from stackwise._adapt import Options
+from stackwise._pipeline_program import _WHO, _kept, _sliced_shapes, _unless_sliced
 from stackwise._sharding import fsdp_specs
-from stackwise._stack import CARRY_NAME, Stacked
+from stackwise._stack import Stacked
 
 GATHERS = ("step", "tick")
 
@@ -82,9 +87,11 @@ def size(mesh: Any, axes: tuple) -> int:
 # Where each leaf is split: the dimension, and the specs shard_map takes.
 
 
-def dims(params: Any, mesh: Any, plan: Any) -> Any:
-    """For params in the device layout ``(V, n/V, ...)``: each leaf's inner dimension
-    split over the FSDP axes (None: it stays replicated over them)."""
+def dims(params: Any, mesh: Any, plan: Any, lead: int = 2) -> Any:
+    """Each leaf's inner dimension split over the FSDP axes (None: it stays replicated
+    over them), for params whose leaves have ``lead`` dimensions before the inner ones:
+    2 in the device layout ``(V, n/V, ...)``, 1 for stacked ``(n, ...)`` leaves (a
+    pattern position's)."""
     entry = plan.fsdp[0] if len(plan.fsdp) == 1 else plan.fsdp
     manual = set(plan.manual)
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)]
@@ -93,12 +100,12 @@ def dims(params: Any, mesh: Any, plan: Any) -> Any:
     for path, leaf in zip(paths, leaves):
         name = jax.tree_util.keystr(path) or "<root>"
         spec = tuple(getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", ()) or ())
-        inner = list(spec[2:]) + [None] * (jnp.ndim(leaf) - 2 - len(spec[2:]))
+        inner = _inner(spec, jnp.ndim(leaf), lead)
         at = [d for d, e in enumerate(inner) if set(_names(e)) & set(plan.fsdp)]
         if at and _names(inner[at[0]]) != plan.fsdp:
             raise ValueError(
-                f"{_WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in the "
-                f"pipeline's (V, n/V, ...) layout), whose inner axis {at[0]} (after the layer "
+                f"{_WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in "
+                f"{_LAYOUTS[lead]} layout), whose inner axis {at[0]} (after the layer "
                 f"axis) is split over {inner[at[0]]!r}; with `fsdp={entry!r}` a stage's "
                 f"params are split over exactly {entry!r}, in that order. Place it with "
                 "`stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "
@@ -106,7 +113,7 @@ def dims(params: Any, mesh: Any, plan: Any) -> Any:
                 "is split over."
             )
         placed.append(at[0] if at else None)
-        shapes.append(jax.ShapeDtypeStruct((1, *jnp.shape(leaf)[2:]), jnp.result_type(leaf)))
+        shapes.append(jax.ShapeDtypeStruct((1, *jnp.shape(leaf)[lead:]), jnp.result_type(leaf)))
         # Other mesh axes (tensor parallel) keep their dimensions; the manual ones move.
         bases.append(PartitionSpec(*[None if set(_names(e)) & manual else e for e in inner]))
     treedef = jax.tree.structure(params)
@@ -119,29 +126,31 @@ def dims(params: Any, mesh: Any, plan: Any) -> Any:
     return jax.tree.unflatten(treedef, chosen)
 
 
-def in_specs(dims_tree: Any, plan: Any) -> Any:
-    """The params' ``shard_map`` specs: layers over the stages, dimension d over FSDP."""
+def in_specs(dims_tree: Any, plan: Any, lead: int = 2) -> Any:
+    """The params' ``shard_map`` specs: for leaves ``(V, S-split, ...)`` with ``lead``
+    dimensions before the inner ones (3 for a pattern's ``(V, S, C_p, ...)`` blocks),
+    the second over the stages and inner dimension d over the FSDP axes."""
     entry = plan.fsdp[0] if len(plan.fsdp) == 1 else plan.fsdp
 
     def one(d):
         inner = [] if d is None else [None] * d + [entry]
-        return PartitionSpec(None, plan.stage_axis, *inner)
+        return PartitionSpec(None, plan.stage_axis, *[None] * (lead - 2), *inner)
 
     return jax.tree.map(one, dims_tree, is_leaf=lambda d: d is None)
 
 
-def place(params: Any, dims_tree: Any, mesh: Any, plan: Any) -> Any:
+def place(params: Any, dims_tree: Any, mesh: Any, plan: Any, lead: int = 2) -> Any:
     """With explicit mesh axes: params to their ``in_specs``, other axes kept."""
     manual = set(plan.manual)
     entry = plan.fsdp[0] if len(plan.fsdp) == 1 else plan.fsdp
 
     def one(v, d):
-        spec = tuple(jax.typeof(v).sharding.spec)
-        inner = list(spec[2:]) + [None] * (jnp.ndim(v) - 2 - len(spec[2:]))
+        inner = _inner(tuple(jax.typeof(v).sharding.spec), jnp.ndim(v), lead)
         inner = [None if set(_names(e)) & manual else e for e in inner]
         if d is not None:
             inner[d] = entry
-        return jax.reshard(v, NamedSharding(mesh, PartitionSpec(None, plan.stage_axis, *inner)))
+        spec = PartitionSpec(None, plan.stage_axis, *[None] * (lead - 2), *inner)
+        return jax.reshard(v, NamedSharding(mesh, spec))
 
     return jax.tree.map(one, params, dims_tree, is_leaf=lambda d: d is None)
 
@@ -150,44 +159,38 @@ def place(params: Any, dims_tree: Any, mesh: Any, plan: Any) -> Any:
 # The gathers, inside the device program.
 
 
-def gather(chunks: Any, dims_tree: Any, plan: Any) -> Any:
-    """``(rows, ...)`` leaves all-gathered over the FSDP axes on their split dimension."""
+def gather(chunks: Any, dims_tree: Any, plan: Any, lead: int = 1) -> Any:
+    """Leaves with ``lead`` dimensions before the inner ones (``(rows, ...)``) all-gathered
+    over the FSDP axes on their split dimension."""
 
     def one(v, d):
         if d is None:
             return v
-        whole = jax.lax.all_gather(v, plan.fsdp, axis=1 + d, tiled=True)
+        whole = jax.lax.all_gather(v, plan.fsdp, axis=lead + d, tiled=True)
         return checkpoint_name(whole, _GATHERED_NAME)
 
     return jax.tree.map(one, chunks, dims_tree, is_leaf=lambda d: d is None)
 
 
-def gathered_once(program: Callable, dims_tree: Any, plan: Any, options: Options) -> Callable:
-    """``program(*inputs, gather=...)`` run under a checkpoint that saves all but the
-    gathered params: the backward pass gathers them again, once. ``prevent_cse`` keeps
-    the compiler from merging that gather with the forward pass's (which would keep the
+def gathered_once(
+    program: Callable, dims_tree: Any, plan: Any, options: Options, lead: int = 2
+) -> Callable:
+    """``program(params, *rest, gather=...)`` run under a checkpoint that saves all but
+    the gathered params: the backward pass gathers them again, once. ``params`` are a
+    device's part of its stage's params, their leaves with ``lead`` dimensions before the
+    inner ones (``(V, 1, ...)``; a pattern's blocks ``(V, 1, C_p, ...)``), which
+    ``gather`` gets as ``(rows, ...)`` stacks. ``prevent_cse`` keeps the compiler from
+    merging the backward pass's gather with the forward pass's (which would keep the
     gathered copy alive from one to the other)."""
 
     def run(*inputs):
         return program(*inputs, gather=lambda chunks: gather(chunks, dims_tree, plan))
 
     def checkpointed(params, *rest):
-        # A circular stage slices its chunk out of the gathered stack at each tick:
-        # neither is saved (the slice's operand has a gathered stack's shape).
-        stacks = {
-            tuple(jnp.shape(v))
-            for v in jax.tree.leaves(
-                jax.eval_shape(lambda p: gather(_rows(p), dims_tree, plan), params)
-            )
-        }
-
-        keep = _never_gathered(options)
-
-        def policy(prim, *avals, **params):
-            if prim.name == "dynamic_slice" and tuple(avals[0].shape) in stacks:
-                return False
-            return keep(prim, *avals, **params)
-
+        # A circular stage slices its chunk out of the gathered stack at each tick, a
+        # pattern's layer its row out of the chunk: none is saved.
+        gathered = jax.eval_shape(lambda p: gather(_rows(p, lead), dims_tree, plan), params)
+        policy = _never_gathered(options, _sliced_shapes(gathered, plan.V))
         # With unroll=True the whole device program is saved nothing and runs again in
         # the backward pass: jax 0.10's remat DCE fails on a checkpoint with a policy
         # around the Python loop's checkpoints (as for the circular stage's).
@@ -197,9 +200,10 @@ def gathered_once(program: Callable, dims_tree: Any, plan: Any, options: Options
     return checkpointed
 
 
-def _rows(params: Any) -> Any:
-    """``(V, L, ...)`` leaves as the ``(V*L, ...)`` stack a device runs."""
-    return jax.tree.map(lambda v: v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]), params)
+def _rows(params: Any, lead: int = 2) -> Any:
+    """Leaves with ``lead`` leading dimensions (``(V, L, ...)``) as the ``(rows, ...)``
+    stack a device runs."""
+    return jax.tree.map(lambda v: v.reshape(math.prod(v.shape[:lead]), *v.shape[lead:]), params)
 
 
 def gathered_per_tick(stage: Stacked, dims_tree: Any, plan: Any, options: Options) -> Stacked:
@@ -213,15 +217,23 @@ def gathered_per_tick(stage: Stacked, dims_tree: Any, plan: Any, options: Option
     return Stacked(None, jax.checkpoint(apply, prevent_cse=False, policy=policy), stage.n)
 
 
-def _never_gathered(options: Options) -> Callable[..., bool]:
-    """What the stage's ``remat`` keeps (and the carries), but never a gathered chunk."""
-    carries = jax.checkpoint_policies.save_only_these_names(CARRY_NAME)
-    if not options.remat:
-        return _unless_gathered(jax.checkpoint_policies.everything_saveable)
-    if options.policy is None:
-        return _unless_gathered(carries)
-    both = jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
-    return _unless_gathered(both)
+def per_tick_policy(
+    options: Options, stacks: Any, gathered: Any, V: int
+) -> Callable[..., bool] | None:
+    """The checkpoint policy around a stage that gathers its chunk at each tick (a
+    pattern's, ``gathered`` its gathered ``(C_p, ...)`` blocks): what ``remat`` keeps,
+    never the gathered blocks nor a row of them, nor a chunk sliced out of ``stacks``
+    (the device's ``(rows, ...)`` stacks, V chunks). ``None`` with ``unroll=True``, as
+    for the step's."""
+    if options.unroll is True:
+        return None
+    return _never_gathered(options, _sliced_shapes(stacks, V) | _sliced_shapes(gathered, 1))
+
+
+def _never_gathered(options: Options, shapes: set = frozenset()) -> Callable[..., bool]:
+    """What the stage's ``remat`` keeps (and the carries), but never a gathered chunk,
+    nor a slice of an operand of one of ``shapes`` (what is sliced out of it)."""
+    return _unless_gathered(_unless_sliced(_kept(options), shapes))
 
 
 def _unless_gathered(keep: Callable[..., bool]) -> Callable[..., bool]:
@@ -237,7 +249,12 @@ def _unless_gathered(keep: Callable[..., bool]) -> Callable[..., bool]:
 
 # --------------------------------------------------------------------------
 
-_WHO = "stackwise.pipeline"  # as _pipeline_program names it (not imported: a cycle)
+_LAYOUTS = {1: "the stacked (layers, ...)", 2: "the pipeline's (V, n/V, ...)"}
+
+
+def _inner(spec: tuple, ndim: int, lead: int) -> list:
+    """The entries of a leaf's spec after its ``lead`` dimensions, one per dimension."""
+    return list(spec[lead:]) + [None] * (ndim - lead - len(spec[lead:]))
 
 
 def _names(entry: Any) -> tuple:

@@ -23,11 +23,18 @@ layout whatever its stage's phase in the pattern:
   scan and remat) of a layer that takes its row and runs its position's
   ``apply`` with :func:`jax.lax.switch`. Chunk boundaries may cut the
   pattern anywhere.
+* **FSDP** (``fsdp=``, ``_pipeline_fsdp.py``). A position's leaf keeps the
+  inner split over the FSDP axes that the stacked params have (or that
+  :func:`stackwise.fsdp_specs`' rule gives it) in its blocks; a device
+  gathers its stage's blocks before the tick loop, or each tick's chunk of
+  them at that tick, and a layer takes its row of the gathered block.
+  Neither is kept for the backward pass.
 * **State.** A stage's state is carried through the tick loop. A leaf with
   a batch axis (``batched_state``: a KV cache) is split into microbatches
-  with ``x``, and microbatch m reads and writes its own rows; a leaf without
-  one (statistics, counters) is threaded through the microbatches in order,
-  as a loop over the M microbatches would. Bubble ticks write nothing.
+  with ``x`` (and over the batch's mesh axes), and microbatch m reads and
+  writes its own rows; a leaf without one (statistics, counters) is
+  threaded through the microbatches in order, as a loop over the M
+  microbatches would. Bubble ticks write nothing.
 
 The tick loop follows ``_pipeline_program._tick`` (the same schedules, the
 same parking of microbatches between rounds) with one addition: the chunk's
@@ -44,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stackwise import _check
+from stackwise import _check, _pipeline_fsdp
 from stackwise._adapt import check_depth, check_layers, tree_leaves
 from stackwise._pipeline_program import (
     _WHO,
@@ -209,28 +216,41 @@ def pattern_pipeline(
         for i, v in enumerate(call.examples):
             check_batch(v, plan, f"stackwise.per_example argument {i}")
             check_same_batch(v, x, f"stackwise.per_example argument {i}")
+        dims = _fsdp_dims(params, mesh, plan, pattern)
         blocks = tuple(_to_blocks(params[p], layout, p, plan.explicit) for p in range(k))
         state_blocks = tuple(_to_blocks(state[p], layout, p, plan.explicit) for p in range(k))
         per_layer = _to_chunks((tables, call.per_layer), plan)
         state_specs = jax.tree.map(lambda b: _state_spec(b, plan), batched)
         inputs = (blocks, state_blocks, per_layer, x, call.examples, call.consts)
         if plan.explicit:
-            inputs = _place(inputs, state_specs, mesh, plan)
+            inputs = _place(inputs, state_specs, dims, mesh, plan)
         out_spec = _out_spec(x, plan)
         dispatch = _Dispatch(applies, has_aux, with_state, call, plan.manual)
         stage = stack(
             None, dispatch, plan.L, remat=remat, nested=nested, unroll=unroll, has_aux=True,
             name=_WHO,
         )  # fmt: skip
+        per_tick = None
+        if plan.fsdp and plan.gather == "tick":
+            per_tick = lambda rows: _pipeline_fsdp.gather(rows, dims, plan)  # noqa: E731
+
+        def program(*inputs, gather=None):
+            return _device_program(
+                stage, options, plan, batched, out_spec, *inputs, gather=gather, per_tick=per_tick
+            )
+
+        if plan.fsdp and plan.gather == "step":
+            program = _pipeline_fsdp.gathered_once(program, dims, plan, options, lead=3)
+        layers = PartitionSpec(None, plan.stage_axis)
         run = jax.shard_map(
-            lambda *a: _device_program(stage, options, plan, batched, out_spec, *a),
+            program,
             mesh=mesh,
             in_specs=(
-                PartitionSpec(None, plan.stage_axis),
+                _pipeline_fsdp.in_specs(dims, plan, lead=3) if plan.fsdp else layers,
                 state_specs,
-                PartitionSpec(None, plan.stage_axis),
-                PartitionSpec(plan.data_axis),
-                PartitionSpec(plan.data_axis),
+                layers,
+                PartitionSpec(plan.batch),
+                PartitionSpec(plan.batch),
                 PartitionSpec(),
             ),
             out_specs=(out_spec, PartitionSpec(), state_specs),
@@ -244,6 +264,16 @@ def pattern_pipeline(
         return (out, unwrap(new_state)) if with_state else out
 
     return Stacked(plain.init, pipelined, n)
+
+
+def _fsdp_dims(params: tuple, mesh: Any, plan: _Plan, pattern: bool) -> tuple | None:
+    """With ``fsdp``: per position, each leaf's inner dimension split over the FSDP axes,
+    read from the stacked params as the user placed them (leaf paths as the user's)."""
+    if not plan.fsdp:
+        return None
+    if pattern:
+        return _pipeline_fsdp.dims(params, mesh, plan, lead=1)
+    return (_pipeline_fsdp.dims(params[0], mesh, plan, lead=1),)
 
 
 def _positions(tree: Any, what: str, pattern: bool, layout: _Layout) -> tuple:
@@ -296,11 +326,15 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
             "by every example, such as statistics."
         )
     if plan.D > 1 and not all(flags) and flags:
+        args = ["data_axis"] * bool(plan.data_axis) + ["fsdp"] * bool(plan.fsdp)
+        axes = ", ".join(repr(a) for a in plan.batch_axes)
         raise ValueError(
             f"{_WHO} apply: state leaves without a batch axis (`batched_state` says so) "
-            f"cannot be split over the data axis {plan.data_axis!r} of size {plan.D}: each "
-            "data shard would update them differently. Use `data_axis=None`, or give such "
-            "state a batch axis."
+            f"cannot be split over the batch's mesh axes {axes} (of "
+            + " and ".join(f"`{a}`" for a in args)
+            + f") of size {plan.D}: each data shard would update them differently. Use "
+            + " and ".join(f"`{a}=None`" for a in args)
+            + ", or give such state a batch axis."
         )
     tree = state if pattern else state[0]
     flags = jax.tree.unflatten(jax.tree.structure(tree), flags)
@@ -308,24 +342,30 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
 
 
 def _state_spec(batched: bool, plan: _Plan) -> PartitionSpec:
-    """A state block ``(V, S, C_p, [batch,] ...)``: stages, then the batch over the data axis."""
-    if batched and plan.data_axis:
-        return PartitionSpec(None, plan.stage_axis, None, plan.data_axis)
+    """A state block ``(V, S, C_p, [batch,] ...)``: stages, then the batch over the batch
+    axes (``data_axis`` and the FSDP axes)."""
+    if batched and plan.batch:
+        return PartitionSpec(None, plan.stage_axis, None, plan.batch)
     return PartitionSpec(None, plan.stage_axis)
 
 
-def _place(inputs: tuple, state_specs: Any, mesh: Any, plan: _Plan) -> tuple:
-    """With explicit mesh axes, moves each input to the layout ``shard_map`` takes."""
+def _place(inputs: tuple, state_specs: Any, dims: Any, mesh: Any, plan: _Plan) -> tuple:
+    """With explicit mesh axes, moves each input to the layout ``shard_map`` takes (with
+    ``fsdp``, the blocks keep their inner split over the FSDP axes: nothing is gathered)."""
     blocks, state, per_layer, x, examples, consts = inputs
     state = jax.tree.map(
         lambda v, spec: _reshard(v, mesh, tuple(spec), plan.manual), state, state_specs
     )
+    if plan.fsdp:
+        blocks = _pipeline_fsdp.place(blocks, dims, mesh, plan, lead=3)
+    else:
+        blocks = _reshard(blocks, mesh, (None, plan.stage_axis), plan.manual)
     return (
-        _reshard(blocks, mesh, (None, plan.stage_axis), plan.manual),
+        blocks,
         state,
         _reshard(per_layer, mesh, (None, plan.stage_axis), plan.manual),
-        _reshard(x, mesh, (plan.data_axis,), plan.manual),
-        _reshard(examples, mesh, (plan.data_axis,), plan.manual),
+        _reshard(x, mesh, (plan.batch,), plan.manual),
+        _reshard(examples, mesh, (plan.batch,), plan.manual),
         _reshard(consts, mesh, (), plan.manual),
     )
 
@@ -428,16 +468,24 @@ def _check_state(old: Any, new: Any, p: int) -> None:
 
 
 def _device_program(
-    stage, options, plan, batched, out_spec, blocks, state, per_layer, x, examples, consts
-):
-    """What one device runs: its V chunks of L layers over the M*V + S - 1 ticks."""
+    stage, options, plan, batched, out_spec, blocks, state, per_layer, x, examples, consts,
+    gather=None, per_tick=None,
+):  # fmt: skip
+    """What one device runs: its V chunks of L layers over the M*V + S - 1 ticks. With
+    FSDP, ``gather`` gathers the stage's blocks before the tick loop, or ``per_tick``
+    each tick's chunk of them."""
     M, V = plan.M, plan.V
     s = jax.lax.axis_index(plan.stage_axis)
-    d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
+    d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     blocks, state, per_layer, x, examples, consts = _vary(
         (blocks, state, per_layer, x, examples, consts), plan.manual
     )
-    blocks = jax.tree.map(lambda v: v[:, 0], blocks)  # this stage's (V, C_p, ...) rows
+    # This stage's blocks as (V*C_p, ...) rows and its tables as (V*L, ...): chunk r at
+    # rows r*C_p:(r+1)*C_p (r*L:(r+1)*L).
+    blocks = jax.tree.map(lambda v: v.reshape(-1, *v.shape[3:]), blocks)
+    per_layer = jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), per_layer)
+    if gather is not None:
+        blocks = gather(blocks)
     # Batched state leaves as (V, C_p, M, b, ...): microbatch m reads and writes [r, :, m].
     state = jax.tree.map(
         lambda v, b: v[:, 0].reshape(V, v.shape[2], M, -1, *v.shape[4:]) if b else v[:, 0],
@@ -446,20 +494,28 @@ def _device_program(
     )
     mbs, examples = _split_batch(x, M), _split_batch(examples, M)
 
-    def chunk(tree, r):  # chunk r's rows: static for one chunk a stage
-        return jax.tree.map(lambda v: v[0], tree) if V == 1 else _take(tree, r)
+    def chunk(tree, r):  # chunk r's rows: all of them for one chunk a stage
+        if V == 1:
+            return tree
+        return jax.tree.map(
+            lambda v: jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V),
+            tree,
+        )
+
+    def state_of(state, r):
+        return jax.tree.map(lambda v: v[0], state) if V == 1 else _take(state, r)
 
     def take(state, r, m):
         return jax.tree.map(
             lambda v, b: jax.lax.dynamic_index_in_dim(v, m, 1, keepdims=False) if b else v,
-            chunk(state, r),
+            state_of(state, r),
             batched,
         )
 
     def put(state, new, r, m):
         def one(v, u, b):
             if b:
-                u = jax.lax.dynamic_update_index_in_dim(chunk(v, r), u, m, 1)
+                u = jax.lax.dynamic_update_index_in_dim(state_of(v, r), u, m, 1)
             return u[None] if V == 1 else jax.lax.dynamic_update_index_in_dim(v, u, r, 0)
 
         return jax.tree.map(one, state, new, batched)
@@ -467,12 +523,18 @@ def _device_program(
     def run_stage(chunks, r, h, st, m):
         """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
         layers, rows = chunk(chunks, r)
+        if per_tick is not None:
+            rows = per_tick(rows)
         return stage.apply(layers, (h, st), d * M + m, _take(examples, m), consts, rows)
 
     chunks = (per_layer, blocks)
-    if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
+    if per_tick is not None:  # the gathered chunk, taken and gathered again, never saved
+        gathered = jax.eval_shape(lambda c: per_tick(chunk(c, 0)[1]), chunks)
+        policy = _pipeline_fsdp.per_tick_policy(options, chunks, gathered, V)
+        run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
+    elif V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         run_stage = jax.checkpoint(
-            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
         )
     aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), take(state, 0, 0), 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
@@ -492,9 +554,18 @@ def _device_program(
     (_, _, state, aux), ys = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
     # The last stage finished microbatch m (last round) at tick T - M + m.
     y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
-    state = jax.tree.map(
-        lambda v, b: (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else v)[:, None],
-        state,
-        batched,
-    )
+
+    def back(v, b):  # the stage's state as its (V, 1, C_p, ...) block
+        return (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else _same(v, plan))[:, None]
+
+    state = jax.tree.map(back, state, batched)
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan), state
+
+
+def _same(v: Any, plan: _Plan) -> Any:
+    """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
+    ``_batched_leaves`` refuses more), marked so: it met the batch in the tick loop."""
+    if not plan.batch_axes:
+        return v
+    reduce = jax.lax.psum if jnp.issubdtype(v.dtype, jnp.inexact) else jax.lax.pmax
+    return reduce(v, plan.batch_axes)

@@ -202,7 +202,7 @@ def _device_program(
         chunks = (gather(chunks[0]), chunks[1])
     if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         run_stage = jax.checkpoint(
-            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options)
+            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
         )
     aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
@@ -214,30 +214,51 @@ def _device_program(
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
 
 
-def _never_sliced(chunks: Any, options: Options) -> Callable[..., bool] | None:
+def _never_sliced(chunks: Any, options: Options, V: int = 1) -> Callable[..., bool] | None:
     """The checkpoint policy around a circular stage: what the stage's own remat
-    keeps (and the carry entering each layer), but never a slice of ``chunks``.
+    keeps (:func:`_kept`), but never a slice of ``chunks``, the device's ``(rows,
+    ...)`` stacks: a tick's chunk, or a row of it (a pattern's layer takes its row).
 
-    A slice's output is a ``dynamic_slice`` of an operand of a chunk stack's
-    shape; everything else is left to ``remat``: all of it with ``remat=False``,
-    the carries with ``remat=True``, the policy's choice and the carries with a
-    policy. With ``unroll=True`` it is ``None`` (keep nothing: the stage's
-    forward pass runs again in the backward pass): jax 0.10's remat DCE fails
-    on a checkpoint with a policy around the Python loop's checkpoints.
+    With ``unroll=True`` it is ``None`` (keep nothing: the stage's forward pass
+    runs again in the backward pass): jax 0.10's remat DCE fails on a checkpoint
+    with a policy around the Python loop's checkpoints.
     """
     if options.unroll is True:
         return None
-    shapes = {tuple(jnp.shape(v)) for v in jax.tree.leaves(chunks)}
+    return _unless_sliced(_kept(options), _sliced_shapes(chunks, V))
+
+
+def _sliced_shapes(stacks: Any, V: int) -> set:
+    """The shapes of what a stage slices out of its ``(rows, ...)`` stacks, and of
+    those: the stacks, a chunk of them (``rows / V``) and one row (``(1, ...)``)."""
+    shapes = set()
+    for v in jax.tree.leaves(stacks):
+        rows, rest = v.shape[0], tuple(v.shape[1:])
+        shapes |= {(rows, *rest), (rows // V, *rest), (1, *rest)}
+    return shapes
+
+
+def _kept(options: Options) -> Callable[..., bool]:
+    """What a stage's ``remat`` keeps, and the carry entering each layer: all of it with
+    ``remat=False``, the carries with ``remat=True``, the policy's choice and the
+    carries with a policy."""
     carries = jax.checkpoint_policies.save_only_these_names(CARRY_NAME)
     if not options.remat:
-        keep = jax.checkpoint_policies.everything_saveable
-    elif options.policy is None:
-        keep = carries
-    else:
-        keep = jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
+        return jax.checkpoint_policies.everything_saveable
+    if options.policy is None:
+        return carries
+    return jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
+
+
+# The primitives that take a part of an array: a row of a block, a chunk of a stack.
+_SLICES = ("dynamic_slice", "slice", "squeeze")
+
+
+def _unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool]:
+    """``keep``, except that a slice of an operand of one of ``shapes`` is never saved."""
 
     def save(prim, *avals, **params):
-        if prim.name == "dynamic_slice" and tuple(avals[0].shape) in shapes:
+        if prim.name in _SLICES and tuple(avals[0].shape) in shapes:
             return False
         return keep(prim, *avals, **params)
 

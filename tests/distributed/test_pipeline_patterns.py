@@ -8,6 +8,9 @@ traceback if it raised, and the tests below assert on those records.
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,14 +86,19 @@ def _trimmed(spec) -> tuple:
     return tuple(spec)
 
 
-def _sin_loss(f):
-    """A loss of ``f(params, x)``: its value, output and grads, compiled."""
+def _sin_loss_of(f):
+    """A loss of ``f(params, x)``, and the output."""
 
     def fn(p, v):
         y = f(p, v)
         return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(y)), y
 
-    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+    return fn
+
+
+def _sin_loss(f):
+    """A loss of ``f(params, x)``: its value, output and grads, compiled."""
+    return jax.jit(jax.value_and_grad(_sin_loss_of(f), argnums=(0, 1), has_aux=True))
 
 
 # --------------------------------------------------------------------------
@@ -98,10 +106,13 @@ def _sin_loss(f):
 
 
 def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place=None, **options):
-    """Outputs and grads (params and x) of the pipelined pattern against the loop."""
+    """Outputs and grads (params and x) of the pipelined pattern against the loop; with
+    ``fsdp=``, also where the params and grads are, and the training step's collectives
+    (compiled) and all-gathers (its jaxpr, and the forward pass's)."""
     k = len(applies)
     per_layer = _loop_params(inits, n, jax.random.key(0))
     params = _regroup(per_layer, k)
+    placed = params if place is None else place(params)
 
     def loop(per_layer, x):
         for i, p in enumerate(per_layer):
@@ -112,25 +123,48 @@ def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place
         inits, applies, n, mesh, microbatches=microbatches, data_axis=data_axis, **options
     )
     x = jax.random.normal(jax.random.key(1), (8, D))
-    (_, y), (g, gx) = _sin_loss(pp.apply)(params if place is None else place(params), x)
+    step = _sin_loss(pp.apply).lower(placed, x).compile()
+    (_, y), (g, gx) = step(placed, x)
     (_, y_ref), (g_ref, gx_ref) = _sin_loss(loop)(per_layer, x)
-    return {
+    out = {
         "max_err": _rel((y, gx, g), (y_ref, gx_ref, _regroup(g_ref, k))),
         "init_equals_loop": _diff(jax.jit(pp.init)(jax.random.key(0)), params) == 0.0,
     }
+    if options.get("fsdp"):
+        gathers = lambda f: str(jax.make_jaxpr(f)(placed, x)).count("= all_gather[")  # noqa: E731
+        backward = jax.grad(_sin_loss_of(pp.apply), has_aux=True)
+        out.update(
+            param_specs=jax.tree.map(_spec_of, placed),
+            grad_specs=jax.tree.map(_spec_of, g),
+            program=collectives(step.as_text()),
+            jaxpr_gathers=[gathers(pp.apply), gathers(backward)],
+        )
+    return out
+
+
+def _spec_of(a) -> str:
+    """A placed array's spec without trailing ``None`` s."""
+    return str(jax.sharding.PartitionSpec(*_trimmed(a.sharding.spec)))
 
 
 def _case_phases():
     """k=3, n=8, S=4: two layers a stage, so stages start at phases 0, 2, 1, 0, and position
     2's block is padded on stages 0 and 3. Explicit (stage=4, data=2), no remat, nested
-    groups."""
+    groups; FSDP over "data" inside the stages, gathered once per step (the batch is split
+    over "data", the data and FSDP axis), the params placed split over "data" by
+    fsdp_specs (their layer axes, of 3, 3 and 2 layers, are not split over the 4 stages)."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    place = lambda p: stackwise.shard_stacked(  # noqa: E731
+        p, mesh, stackwise.fsdp_specs(p, mesh, "data")
+    )
     return _pattern_case(
         [_dense_init, _scale_init, _dense_init],
         [_tanh, _scale, _sin],
         8,
         mesh,
         "data",
+        place=place,
+        fsdp="data",
         remat=False,
         nested=True,
     )
@@ -265,6 +299,89 @@ def _case_statistics():
     }
 
 
+def _seen_init(key):
+    return _dense_init(key), {"seen": jnp.zeros((8, D))}  # one row per example, as a cache
+
+
+def _seen_apply(p, state, x):
+    seen = state["seen"] + x
+    return _tanh(p, x + 0.1 * seen), {"seen": seen}
+
+
+def _stateless_init(key):
+    return _scale_init(key), None
+
+
+def _stateless_apply(p, state, x):
+    return _scale(p, x), state
+
+
+def _case_fsdp_state():
+    """FSDP over "data" gathered at every tick, a pattern of a layer with batched state (a
+    cache-like sum of its inputs) and one without state, the circular schedule (2 chunks of
+    one layer a stage), auto axes (stage=4, data=2), remat: outputs, the new state and the
+    grads (params and x, of a loss that reads the new state too) against the stack on the
+    whole batch; the training step's collectives and all-gathers."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
+    inits, applies, n = [_seen_init, _stateless_init], [_seen_apply, _stateless_apply], 8
+    pp = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=4, with_state=True, fsdp="data",
+        fsdp_gather="tick", schedule="circular", repeats=2, remat=True,
+    )  # fmt: skip
+    plain = stackwise.stack(inits, applies, n, with_state=True)
+    params, state = jax.jit(plain.init)(jax.random.key(0))
+    state = jax.tree.map(lambda a: a + 0.5, state)
+    x = jax.random.normal(jax.random.key(1), (8, D))
+
+    def loss_of(f):
+        def fn(p, v):
+            y, new = f(p, state, v)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.sin(new[0]["seen"])), (y, new)
+
+        return fn
+
+    loss = lambda f: jax.jit(jax.value_and_grad(loss_of(f), (0, 1), has_aux=True))  # noqa: E731
+    step = loss(pp.apply).lower(params, x).compile()
+    (_, (y, new)), g = step(params, x)
+    (_, (y_ref, new_ref)), g_ref = loss(plain.apply)(params, x)
+    gathers = lambda f: str(jax.make_jaxpr(f)(params, x)).count("= all_gather[")  # noqa: E731
+    forward = lambda p, v: pp.apply(p, state, v)  # noqa: E731
+    return {
+        "max_err": _rel((y, g), (y_ref, g_ref)),
+        "state_err": _rel(new, new_ref),
+        "program": collectives(step.as_text()),
+        "jaxpr_gathers": [gathers(forward), gathers(jax.grad(loss_of(pp.apply), has_aux=True))],
+    }
+
+
+def _case_residuals():
+    """What the backward pass of a k=3 pattern keeps (``jax.ad_checkpoint``'s printout of
+    the saved residuals, traced only), with no remat (everything saveable) and M = 4: per
+    schedule and FSDP gather, the residuals with a row of w's shape (8, 8)."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    inits, applies = [_dense_init, _scale_init, _dense_init], [_tanh, _scale, _sin]
+    params = jax.jit(stackwise.stack(inits, applies, 8).init)(jax.random.key(0))
+    placed = stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "data"))
+    x = jnp.ones((8, D))
+    out = {}
+    for schedule, fsdp, gather in (
+        ("circular", None, "step"),
+        ("circular", "data", "step"),
+        ("circular", "data", "tick"),
+        ("gpipe", "data", "step"),
+    ):
+        pp = stackwise.pipeline(
+            inits, applies, 8, mesh, microbatches=4, data_axis=None if fsdp else "data",
+            fsdp=fsdp, fsdp_gather=gather, schedule=schedule, remat=False,
+        )  # fmt: skip
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            jax.ad_checkpoint.print_saved_residuals(pp.apply, placed, x)
+        types = [line.split(" ")[0] for line in printed.getvalue().splitlines()]
+        out[f"{schedule} {fsdp} {gather}"] = [t for t in types if t.endswith(",8,8]")]
+    return out
+
+
 HEADS, CONTEXT, WINDOW, VOCAB = 2, 8, 3, 16
 
 
@@ -303,17 +420,24 @@ def _case_decode():
     """A pipelined decode, local : global attention, n=8 over (stage=4, data=2), a batch of
     4 in 2 microbatches: a prefill of 3 tokens and 4 greedy steps give the loop's tokens
     and cache. Params and cache are placed once on the stages (and the cache's batch on the
-    data axis): with L = 2 a multiple of k = 2, the stack's layout is the stages' own."""
+    data axis): with L = 2 a multiple of k = 2, the stack's layout is the stages' own. The
+    same decode steps, from the same prefill, with FSDP inside the stages (over "data",
+    gathered once a step), its params placed split over the stages and "data": 1/8 of them
+    on each device."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     P = jax.sharding.PartitionSpec
     kinds = [_cached(WINDOW), _cached(None)]
     inits, applies, n, k = [i for i, _ in kinds], [a for _, a in kinds], 8, 2
-    pp = stackwise.pipeline(
-        inits, applies, n, mesh, microbatches=2, data_axis="data", with_state=True
+    pipelined = lambda **fsdp: stackwise.pipeline(  # noqa: E731
+        inits, applies, n, mesh, microbatches=2, data_axis="data", with_state=True, **fsdp
     )
+    pp = pipelined()
     params, cache = jax.jit(pp.init)(jax.random.key(0))
     placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
-    cache = stackwise.shard_stacked(cache, mesh, P("data"), layer_axis="stage")
+    fsdp_placed = stackwise.shard_stacked(
+        params, mesh, stackwise.fsdp_specs(params, mesh, "data"), layer_axis="stage"
+    )
+    cache_pp = stackwise.shard_stacked(cache, mesh, P("data"), layer_axis="stage")
     embed = jax.random.normal(jax.random.key(1), (VOCAB, D))
     embed_on_mesh = jax.device_put(embed, jax.sharding.NamedSharding(mesh, P()))
     prompt = jax.random.randint(jax.random.key(2), (4, 3), 0, VOCAB)
@@ -327,12 +451,18 @@ def _case_decode():
             new.append(c)
         return jnp.argmax(h[:, -1] @ embed.T, -1), new
 
-    def pp_step(cache, tokens, pos):
-        h, cache = pp.apply(placed, cache, jax.nn.one_hot(tokens, VOCAB) @ embed_on_mesh, pos)
-        return jnp.argmax(h[:, -1] @ embed_on_mesh.T, -1), cache
+    def pp_step(pp, params):
+        def step(cache, tokens, pos):
+            h, cache = pp.apply(params, cache, jax.nn.one_hot(tokens, VOCAB) @ embed_on_mesh, pos)
+            return jnp.argmax(h[:, -1] @ embed_on_mesh.T, -1), cache
 
-    def generate(step, cache):
-        token, cache = jax.jit(step)(cache, prompt, jnp.int32(0))
+        return step
+
+    def generate(step, cache, prefilled=None):
+        """The prefill's token and cache (given, or computed and kept), then 4 steps."""
+        if prefilled is None:
+            prefilled = jax.jit(step)(cache, prompt, jnp.int32(0))
+        token, cache = prefilled[0], jax.tree.map(jnp.copy, prefilled[1])
         # One decode step, compiled once (its program is read below), the cache donated.
         decode = (
             jax.jit(step, donate_argnums=0).lower(cache, token[:, None], jnp.int32(3)).compile()
@@ -341,22 +471,35 @@ def _case_decode():
         for pos in range(3, 7):
             token, cache = decode(cache, token[:, None], jnp.int32(pos))
             tokens.append(token)
-        return jnp.stack(tokens, 1), cache, decode
+        return jnp.stack(tokens, 1), cache, decode, prefilled
 
-    tokens, cache_pp, decode = generate(pp_step, cache)
-    tokens_ref, caches_ref, _ = generate(loop_step, [c for _, c in loop_layers])
+    tokens, cache_out, decode, prefilled = generate(pp_step(pp, placed), cache_pp)
+    tokens_ref, caches_ref, *_ = generate(loop_step, [c for _, c in loop_layers])
+    # FSDP's decode steps, from the same prefill.
+    fsdp = pp_step(pipelined(fsdp="data"), fsdp_placed)
+    tokens_fsdp, cache_fsdp, decode_fsdp, _ = generate(fsdp, None, prefilled)
     hlo = decode.as_text()
     return {
         "tokens": tokens.tolist(),
         "tokens_ref": tokens_ref.tolist(),
-        "cache_err": _rel(cache_pp, _regroup(caches_ref, k)),
-        "cache_spec": str(P(*_trimmed(cache_pp[0]["k"].sharding.spec))),
+        "cache_err": _rel(cache_out, _regroup(caches_ref, k)),
+        "cache_spec": str(P(*_trimmed(cache_out[0]["k"].sharding.spec))),
         "outside_loop": sorted({c[0] for c in collectives(hlo) if c[2] == 0}),
+        "tokens_fsdp": tokens_fsdp.tolist(),
+        "cache_err_fsdp": _rel(cache_fsdp, _regroup(caches_ref, k)),
+        "param_specs_fsdp": jax.tree.map(_spec_of, fsdp_placed),
+        "param_bytes_fsdp": sum(
+            a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(fsdp_placed)
+        ),
+        "total_bytes": sum(a.nbytes for a in jax.tree.leaves(fsdp_placed)),
+        "program_fsdp": collectives(decode_fsdp.as_text()),
     }
 
 
 _CASES = {
     "phases": _case_phases,
+    "fsdp_state": _case_fsdp_state,
+    "residuals": _case_residuals,
     "gemma": _case_gemma,
     "aux_and_arguments": _case_aux_and_arguments,
     "statistics": _case_statistics,
@@ -403,12 +546,103 @@ def test_pipelined_decode_gives_the_loops_tokens(multi_device):
 
 
 # --------------------------------------------------------------------------
+# FSDP inside the stages: patterns and state.
+
+
+def _fsdp_collectives(program, shapes):
+    """The all-gathers and reduce-scatters of ``shapes`` (``"f32[1,8,8]"``, ...)."""
+    return [
+        (op, kind.split("{")[0], depth)
+        for op, kind, depth in program
+        if op in ("all-gather", "reduce-scatter") and kind.split("{")[0] in shapes
+    ]
+
+
+def _elements(kind: str) -> int:
+    """The number of elements of an HLO array type such as ``f32[1,4,8]{2,1,0}``."""
+    return int(np.prod([int(d) for d in kind.split("[")[1].split("]")[0].split(",") if d]))
+
+
+def test_fsdp_pattern_at_uneven_phases_gathers_once_per_step(multi_device):
+    r = result(multi_device, "phases")
+    assert r["max_err"] < PIPELINE_TOL
+    # Each position's params split over "data" as placed, their gradients reduce-scattered
+    # back to that layout.
+    expected = [{"w": "P(None, 'data')"}, {"s": "P(None, 'data')"}, {"w": "P(None, 'data')"}]
+    assert r["param_specs"] == r["grad_specs"] == expected
+    # One row of each position a stage, gathered whole before the tick loop (the backward
+    # pass's gather may be merged with it by the CPU compiler), the grads of the three
+    # leaves reduce-scattered after it: nothing gathers or scatters params in the loop.
+    gathered = _fsdp_collectives(r["program"], ("f32[1,8,8]", "f32[1,8]"))
+    leaves = ["f32[1,8,8]", "f32[1,8,8]", "f32[1,8]"]
+    found = sorted(c[1] for c in gathered if c[0] == "all-gather")
+    assert found in (leaves, sorted(leaves * 2)), r["program"]
+    scattered = _fsdp_collectives(r["program"], ("f32[1,4,8]", "f32[1,4]"))
+    assert sorted(c[1] for c in scattered if c[0] == "reduce-scatter") == [
+        "f32[1,4,8]", "f32[1,4,8]", "f32[1,4]"
+    ], r["program"]  # fmt: skip
+    assert all(depth == 0 for *_, depth in gathered + scattered), r["program"]
+    # No gather assembles a position's whole params (3 layers of w: 192 floats): the
+    # regrouping into stage blocks (here in the backward pass) keeps the FSDP split.
+    largest = max(_elements(kind) for op, kind, _ in r["program"] if op == "all-gather")
+    assert largest <= 4 * 8 * 8 // 2, r["program"]
+    # The jaxpr gathers every leaf again for the backward pass: no gathered copy is saved.
+    forward, backward = r["jaxpr_gathers"]
+    assert forward == 3 and backward == 2 * forward, r["jaxpr_gathers"]
+
+
+def test_fsdp_state_circular_gathers_per_tick(multi_device):
+    r = result(multi_device, "fsdp_state")
+    assert r["max_err"] < PIPELINE_TOL
+    assert r["state_err"] < PIPELINE_TOL
+    # Each tick gathers its chunk (one layer: w or s) in the tick loop, forward and backward
+    # (again there, not kept), and reduce-scatters its grads.
+    gathered = _fsdp_collectives(r["program"], ("f32[1,8,8]", "f32[1,8]"))
+    gathered = [c for c in gathered if c[0] == "all-gather"]
+    assert sorted(c[1] for c in gathered) == ["f32[1,8,8]"] * 2 + ["f32[1,8]"] * 2, gathered
+    scattered = _fsdp_collectives(r["program"], ("f32[1,4,8]", "f32[1,4]"))
+    assert sorted(c[1] for c in scattered) == ["f32[1,4,8]", "f32[1,4]"], scattered
+    assert all(depth == 1 for *_, depth in gathered + scattered), r["program"]
+    forward, backward = r["jaxpr_gathers"]
+    assert forward == 2 and backward >= forward + 2, r["jaxpr_gathers"]
+
+
+def test_no_row_of_params_saved_per_tick(multi_device):
+    # Without remat everything is saveable, but not the stage's params per tick: a
+    # circular stage's checkpoint kept each layer's row of its block, f32[88,1,8,8] (11
+    # ticks x 8 devices), until its policy refused the rows as well as the chunks. With
+    # FSDP nothing of w's whole shape is kept at all (no gathered copy); without, the
+    # stage's own blocks (2 rows a device), once.
+    r = {k: v for k, v in result(multi_device, "residuals").items() if k != "cpu_s"}
+    assert r.pop("circular None step") == ["f32[16@(stage,data),8,8]"] * 2
+    assert r == {k: [] for k in r} and len(r) == 3, r
+
+
+def test_fsdp_decode_gives_the_loops_tokens(multi_device):
+    r = result(multi_device, "decode")
+    assert r["tokens_fsdp"] == r["tokens_ref"]
+    assert r["cache_err_fsdp"] < PIPELINE_TOL
+    # Params split over the stages and FSDP: 1/8 on each device.
+    split = {"qkv": "P('stage', None, 'data')", "out": "P('stage', 'data')"}
+    assert r["param_specs_fsdp"] == [split, split]
+    assert r["param_bytes_fsdp"] * 8 == r["total_bytes"], r
+    # A decode step gathers each leaf of its stage once, before the tick loop, and moves
+    # nothing else but the output (summed over the stages).
+    outside = sorted(c[:2] for c in r["program_fsdp"] if c[2] == 0)
+    gathers = sorted(kind.split("{")[0] for op, kind in outside if op == "all-gather")
+    assert gathers == ["f32[1,8,24]", "f32[1,8,24]", "f32[1,8,8]", "f32[1,8,8]"], outside
+    assert {op for op, _ in outside} == {"all-gather", "all-reduce"}, outside
+    assert all(c[0] != "all-gather" for c in r["program_fsdp"] if c[2] > 0), r["program_fsdp"]
+
+
+# --------------------------------------------------------------------------
 # One device (this process): one layer with state, the pipeline without a pattern.
 
 
 def test_one_layer_with_state_on_one_device():
     # A cache with a batch axis and a counter without one (batched_state by path), one
-    # stage, auto axes: the stack's apply on the 2 microbatches in order, exactly.
+    # stage, auto axes, FSDP over a "data" axis of size 1 (the counter is not split over
+    # it): the stack's apply on the 2 microbatches in order, exactly.
     def init(key):
         return _dense_init(key), {"seen": jnp.zeros((4, D)), "calls": jnp.zeros((), jnp.int32)}
 
@@ -416,9 +650,9 @@ def test_one_layer_with_state_on_one_device():
         seen = state["seen"] + x
         return _tanh(p, x + 0.1 * seen), {"seen": seen, "calls": state["calls"] + 1}
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("stage",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
     pp = stackwise.pipeline(init, apply, 3, mesh, microbatches=2, with_state=True,
-                            batched_state=lambda path: "seen" in path)  # fmt: skip
+                            batched_state=lambda path: "seen" in path, fsdp="data")  # fmt: skip
     plain = stackwise.stack(init, apply, 3, with_state=True)
     params, state = jax.jit(plain.init)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (4, D))

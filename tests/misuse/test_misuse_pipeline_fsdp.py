@@ -29,14 +29,16 @@ def _pipeline(mesh=MESH, **options):
     return stackwise.pipeline(None, _apply, 2, mesh, microbatches=1, **options)
 
 
-def _placed_over(spec, fsdp):
+def _placed_over(spec, fsdp, k=None):
     """A 1-device explicit mesh (stage, data, model: size 1 each), params placed with
     ``spec`` per layer, then applied with ``fsdp`` (traced only: the check is at trace
-    time)."""
+    time); with ``k``, a pattern of k layers (params: a tuple of k stacked trees)."""
     mesh = jax.make_mesh((1, 1, 1), ("stage", "data", "model"))
-    params = stackwise.shard_stacked({"w": jnp.zeros((2, 4, 4))}, mesh, {"w": spec},
-                                     layer_axis="stage")
-    pp = stackwise.pipeline(None, _apply, 2, mesh, microbatches=1, fsdp=fsdp)
+    params = {"w": jnp.zeros((2, 4, 4))} if k is None else ({"w": jnp.zeros((1, 4, 4))},) * k
+    specs = {"w": spec} if k is None else ({"w": spec},) * k
+    params = stackwise.shard_stacked(params, mesh, specs, layer_axis="stage")
+    apply = _apply if k is None else [_apply] * k
+    pp = stackwise.pipeline(None, apply, 2, mesh, microbatches=1, fsdp=fsdp)
     return jax.eval_shape(pp.apply, params, jnp.ones((2, 4)))
 
 
@@ -95,6 +97,14 @@ PIPELINE_FSDP = [
         "stackwise.fsdp_specs",
     ),
     case(
+        "a pattern's leaf split over the fsdp axis and another axis at once",
+        lambda: _placed_over(P(("data", "model")), "data", k=2),
+        ValueError,
+        "leaf [0]['w']",
+        "the stacked (layers, ...) layout",
+        "stackwise.fsdp_specs",
+    ),
+    case(
         "a leaf split over the fsdp axes in the other order",
         lambda: _placed_over(P(("model", "data")), ("data", "model")),
         ValueError,
@@ -108,20 +118,6 @@ PIPELINE_FSDP = [
         "`fsdp=`",
         "the '1f1b' schedule",
         "fsdp=None",
-    ),
-    case(
-        "fsdp with a pattern of layers",
-        lambda: stackwise.pipeline(None, [_apply, _apply], 2, MESH, microbatches=1, fsdp="data"),
-        ValueError,
-        "`fsdp=`",
-        "a pattern of layers",
-    ),
-    case(
-        "fsdp with layers with state",
-        lambda: _pipeline(fsdp="data", with_state=True),
-        ValueError,
-        "`fsdp=`",
-        "`with_state=True`",
     ),
     case(
         "a batch that the microbatches times the fsdp axes do not divide",
@@ -138,8 +134,9 @@ def test_pipeline_fsdp_misuse(call, error, words):
     assert_refused(call, error, words)
 
 
-def test_a_leaf_placed_as_fsdp_says_is_taken():
+@pytest.mark.parametrize("k", [None, 2])
+def test_a_leaf_placed_as_fsdp_says_is_taken(k):
     # The same 1-device mesh and a placement over the one fsdp axis: no error, and the
-    # output is split over the batch axes (the fsdp axis, then the stages).
-    y = _placed_over(P("data"), "data")
+    # output is split over the batch axes (the fsdp axis, then the stages); a pattern too.
+    y = _placed_over(P("data"), "data", k)
     assert y.shape == (2, 4) and y.sharding.spec[0] == ("data", "stage")

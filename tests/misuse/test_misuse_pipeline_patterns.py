@@ -61,6 +61,11 @@ def _unbatched_state_over_data():
     _call(pp, *_made(pp))
 
 
+def _unbatched_state_over_fsdp():
+    pp = _pattern(DATA, fsdp="data", batched_state=False)
+    _call(pp, *_made(pp))
+
+
 def _batched_state_not_a_bool():
     pp = _pattern(batched_state=lambda path: "k" in path and 1)
     _call(pp, *_made(pp))
@@ -145,8 +150,15 @@ PIPELINE_PATTERNS = [
         "state without a batch axis split over the data axis",
         _unbatched_state_over_data,
         ValueError,
-        "data axis 'data' of size 2",
-        "data_axis=None",
+        "mesh axes 'data' (of `data_axis`) of size 2",
+        "`data_axis=None`",
+    ),
+    case(
+        "state without a batch axis split over the fsdp axis",
+        _unbatched_state_over_fsdp,
+        ValueError,
+        "mesh axes 'data' (of `fsdp`) of size 2",
+        "`fsdp=None`",
     ),
     case(
         "params of a pattern not a tuple",
