@@ -314,7 +314,7 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
     # A transposed slice is read into a staging buffer first, then transposed into the shard:
     # a transposed copy straight from the file walks the stored tensor by whole rows (4 KiB
     # apart for a 1024-wide float32 weight), of which the caches hold only a few; the staging
-    # buffer's rows are spaced to spread over them (three times the speed).
+    # buffer's rows are spaced to spread over them (up to four times NumPy's strided copy).
     staged = perm is not None and len(perm) > 1 and spec.reshape is None
 
     def fill(j: int, part: range) -> None:  # layer j into the shards in `part`
@@ -335,7 +335,8 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
                 row[...] = one(plan.sources[j], indices[k][1:])
 
     # The reads of our safetensors reader and NumPy's copies let go of the GIL: the shards
-    # are filled by up to `_THREADS` threads at once (a reader of your own, by this one).
+    # are filled by up to `_THREADS` threads at once (a Checkpoint of your own is read from
+    # one thread).
     threads = min(_THREADS, os.cpu_count() or 1, len(outs)) if ckpt._threads_ok else 1
     parts = [range(t, len(outs), threads) for t in range(threads)]
     staging = {part.start: {} for part in parts}  # each thread's staging buffers
