@@ -5,25 +5,38 @@ Writes a synthetic Llama-like safetensors checkpoint (Hugging Face names, torch'
 layout, several files and an index) to a temporary folder, then runs each path in a fresh
 subprocess of its own, so that each peak RSS is its own:
 
-- ``sequential``: read every file's bytes in order, in 64 MiB chunks (the disk's / page
-  cache's throughput; nothing kept);
-- ``sequential_device_put``: the same, each chunk put on a device (round robin) and kept:
-  reading plus jax's host-to-device copy, which every path that ends in jax arrays pays;
+- ``sequential``: read each file whole into memory (``f.read()``), kept to the end: plain
+  sequential reading of the same files, into as much new memory as the loaded model holds
+  (the target's baseline);
+- ``sequential_chunks``: read every file's bytes in order, in 64 MiB chunks, nothing kept
+  (the page cache's copy rate; the memory is reused chunk after chunk);
+- ``sequential_device_put``: the chunks, each put on a device (round robin) and kept: reading
+  plus a host-to-device copy (jax copies a host buffer that is not 64-byte aligned, as a
+  ``bytes`` is; the loader's shards are aligned, and the CPU devices take them as they are);
 - ``stream``: ``stackwise.load_checkpoint`` into FSDP shardings over 8 devices, each torch
   ``(out, in)`` weight transposed into JAX's ``(in, out)`` (``Tensor(..., transpose=(1, 0))``);
+- ``stream_one_thread``: the same, the shards filled by one thread (the loader uses two);
 - ``stream_torch_layout``: the same into leaves of torch's layout (no transposes, as an
   Equinox model has them): the loader's own cost;
 - ``naive``: read every tensor whole, ``np.stack`` each leaf's layers, ``jax.device_put``
   with the same shardings (what a converter script does).
 
+Why the baseline keeps what it reads: the loaded model is new memory of the checkpoint's size,
+and memory a process touches for the first time costs the kernel (and on a VM its host) far
+more than the copy from the page cache: on the 2-vCPU VM these results come from, 0.5 to 3
+CPU seconds a GiB (the VM hands freed memory back to its host, which backs it again on the
+next touch), against about 0.15 s a GiB for the copy. Reading into reused 64 MiB chunks never
+pays it, so against ``sequential_chunks`` any path that keeps the model measures mostly that
+cost; both ratios are reported.
+
 Reports, as ratios of one run of the script: peak RSS over the checkpoint's size (and the
 bytes of two layers), and stream's throughput over sequential reading. With ``--repeats R``
 the paths run R times in turn and each path's fastest run is reported (on a shared, loaded
 machine the fastest is the least disturbed), with every run's seconds, and the ratios of CPU
-seconds too (user + system: the work, hardly changed by other processes). The checkpoint is
-deleted at the end. The files are read from the page cache once written (sequential first,
-so each path reads warm files): the throughput ratio is of the loader's work, not of the
-disk.
+seconds too (user + system, every thread: the work, hardly changed by other processes). The
+checkpoint is deleted at the end. The files are read from the page cache once written
+(sequential first, so each path reads warm files): the throughput ratio is of the loader's
+work, not of the disk.
 
     python benchmarks/checkpoint_load.py --gib 2 --repeats 3 \
         > benchmarks/results/checkpoint_load.json
@@ -122,7 +135,13 @@ def _cpu_seconds() -> float:
 def run_path(path: str, folder: str, layers: int) -> dict:
     start, cpu = time.perf_counter(), _cpu_seconds()
     baseline = _peak_rss()
-    if path.startswith("sequential"):
+    if path == "sequential":  # each file read whole into memory, kept
+        files = []
+        for file in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, file), "rb") as fh:
+                files.append(fh.read())
+        total = sum(len(data) for data in files)
+    elif path.startswith("sequential"):
         put = path == "sequential_device_put"
         if put:
             import jax
@@ -145,6 +164,10 @@ def run_path(path: str, folder: str, layers: int) -> dict:
 
         import stackwise
 
+        if path == "stream_one_thread":
+            from stackwise import _checkpoint
+
+            _checkpoint._THREADS = 1
         target, names, shardings = _model(layers, transpose=path != "stream_torch_layout")
         jax.block_until_ready(jax.device_put(np.zeros(8), shardings["norm"]))  # devices up
         baseline = _peak_rss()
@@ -195,8 +218,8 @@ def main() -> None:
                    JAX_PLATFORMS="cpu")
         runs, seconds = {}, {}
         for _ in range(args.repeats):  # the paths in turn, so that the machine's load
-            for path in ("sequential", "sequential_device_put", "stream",  # drifts alike
-                         "stream_torch_layout", "naive"):
+            for path in ("sequential", "sequential_chunks", "sequential_device_put",  # drifts
+                         "stream", "stream_one_thread", "stream_torch_layout", "naive"):  # alike
                 out = subprocess.run(
                     [sys.executable, __file__, "--path", path, "--folder", folder,
                      "--layers", str(layers)], env=env, capture_output=True, text=True,
@@ -221,30 +244,21 @@ def main() -> None:
         / LAYER_BYTES,
         "naive_peak_over_size": runs["naive"]["peak_over_baseline"] / size,
         "stream_total_peak_over_size": runs["stream"]["peak_rss"] / size,
-        "stream_over_sequential_throughput": runs["sequential"]["seconds"]
-        / runs["stream"]["seconds"],
-        "stream_torch_layout_over_sequential_throughput": runs["sequential"]["seconds"]
-        / runs["stream_torch_layout"]["seconds"],
-        "naive_over_sequential_throughput": runs["sequential"]["seconds"]
-        / runs["naive"]["seconds"],
-        "stream_over_sequential_device_put_throughput": runs["sequential_device_put"]["seconds"]
-        / runs["stream"]["seconds"],
-        "stream_torch_layout_over_sequential_device_put_throughput":
-        runs["sequential_device_put"]["seconds"] / runs["stream_torch_layout"]["seconds"],
-        # The same ratios of CPU seconds (the work each path does, whatever else shares the
-        # cores): on a loaded machine, the wall-time ratios' least disturbed estimate.
-        "stream_over_sequential_cpu": runs["sequential"]["cpu_seconds"]
-        / runs["stream"]["cpu_seconds"],
-        "stream_torch_layout_over_sequential_cpu": runs["sequential"]["cpu_seconds"]
-        / runs["stream_torch_layout"]["cpu_seconds"],
-        "naive_over_sequential_cpu": runs["sequential"]["cpu_seconds"]
-        / runs["naive"]["cpu_seconds"],
+        # Throughput over each baseline's: ratios of wall seconds, and of CPU seconds (the
+        # work each path does, whatever else shares the cores: on a loaded machine, the
+        # wall-time ratios' least disturbed estimate).
+        "throughput": {
+            f"{path}_over_{base}": {
+                "wall": runs[base]["seconds"] / runs[path]["seconds"],
+                "cpu": runs[base]["cpu_seconds"] / runs[path]["cpu_seconds"]}
+            for path in ("stream", "stream_one_thread", "stream_torch_layout", "naive")
+            for base in ("sequential", "sequential_chunks", "sequential_device_put")},
     }
     report["targets"] = {
         "stream peak <= size + 2 layers": report["stream_peak_minus_size_in_layers"] <= 2,
         "naive peak >= 2 x size": report["naive_peak_over_size"] >= 2,
-        "stream throughput >= 0.8 x sequential": report["stream_over_sequential_throughput"]
-        >= 0.8,
+        "stream throughput >= 0.8 x sequential":
+        report["throughput"]["stream_over_sequential"]["wall"] >= 0.8,
     }
     print(json.dumps(report, indent=2))
 

@@ -6,14 +6,21 @@ fills a stacked leaf (row j = layer j; with ``pattern=k`` position p's row j
 = layer ``p + j*k``); a name without ``{}`` fills a leaf whole (embeddings,
 a final norm, or a checkpoint that is already stacked). Every check runs
 before a byte is read, so nothing is ever partly loaded, and each device's
-shard is built from the slices it needs only, one device at a time, each
-layer's slice copied straight into it: host memory beyond the final arrays
-stays about one device's shard of one leaf.
+shard is built from the slices it needs only, layer by layer, each layer's
+slice copied straight into it (a transposed one through a small staging
+buffer). On CPU devices a leaf's shards are filled together and become the
+device arrays without a copy; on others they go one device at a time. Host
+memory beyond the final arrays stays about one layer's tensor (CPU) or one
+device's shard of one leaf.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import difflib
+import functools
+import mmap
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +43,7 @@ from stackwise._checkpoint_read import Checkpoint, open_checkpoint
 __all__ = ["load_checkpoint"]
 
 _LOAD = "stackwise.load_checkpoint"
+_THREADS = 2  # threads filling a leaf's shards (see _fill)
 
 
 class _Plan(NamedTuple):
@@ -273,60 +281,121 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
 # Loading.
 
 
-def _reader(ckpt: Checkpoint, plan: _Plan):
-    """``callback(index) -> the shard``, reading each layer's slice straight into it."""
+def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarray]:
+    """The host arrays of the shards at ``indices``, filled together, layer by layer: each
+    shard's slice of a layer's tensor read straight into its row, then the tensor's pages let
+    go of (mapped once for all the shards)."""
     spec = plan.spec
     perm = tuple(spec.transpose) if spec.transpose is not None else None
+
+    def source(index: tuple) -> tuple:  # the stored tensor's slice that `index` transposes
+        inverse = [slice(None)] * len(perm)
+        for d, a in enumerate(perm):
+            inverse[a] = index[d]
+        return tuple(inverse)
 
     def one(name: str, index: tuple) -> np.ndarray:  # a view or a copy; the caller copies
         if spec.reshape is not None:
             x = ckpt.view(name, ())
             return (x.transpose(perm) if perm else x).reshape(spec.reshape)[index]
         if perm:
-            inverse = [slice(None)] * len(perm)
-            for d, a in enumerate(perm):
-                inverse[a] = index[d]
-            return ckpt.view(name, tuple(inverse)).transpose(perm)
+            return ckpt.view(name, source(index)).transpose(perm)
         return ckpt.view(name, index)
 
-    def callback(index: tuple) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(plan.shape) - len(index))
-        if plan.sources is None:
-            out = np.array(one(spec.name, index), dtype=plan.dtype)  # the cast, if asked
-            ckpt.release(spec.name)
-            return out
-        rows = range(*index[0].indices(plan.shape[0]))
-        inner = tuple(len(range(*s.indices(d))) for s, d in zip(index[1:], plan.shape[1:]))
-        out = np.empty((len(rows), *inner), plan.dtype)
-        direct = perm is None and spec.reshape is None  # and any cast: read_into falls back
-        for r, j in enumerate(rows):  # one layer's slice at a time, copied (and cast) once
-            if direct:
-                ckpt.read_into(plan.sources[j], index[1:], out[r])
+    outs = [_host(tuple(len(range(*s.indices(n))) for s, n in zip(index, plan.shape)),
+                  plan.dtype) for index in indices]
+    if plan.sources is None:
+        for out, index in zip(outs, indices):
+            out[...] = one(spec.name, index)  # and the cast, if asked
+        ckpt.release(spec.name)
+        return outs
+    rows = [range(*index[0].indices(plan.shape[0])) for index in indices]
+    direct = perm is None and spec.reshape is None  # (and cast, if asked)
+    # A transposed slice is read into a staging buffer first, then transposed into the shard:
+    # a transposed copy straight from the file walks the stored tensor by whole rows (4 KiB
+    # apart for a 1024-wide float32 weight), of which the caches hold only a few; the staging
+    # buffer's rows are spaced to spread over them (up to four times NumPy's strided copy).
+    staged = perm is not None and len(perm) > 1 and spec.reshape is None
+
+    def fill(j: int, part: range) -> None:  # layer j into the shards in `part`
+        stages = staging[part.start]
+        for k in part:
+            if j not in rows[k]:
                 continue
-            out[r] = one(plan.sources[j], index[1:])
-            ckpt.release(plan.sources[j])
-        return out
+            row = outs[k][rows[k].index(j)]
+            if staged and row.size:
+                shape = tuple(np.array(row.shape)[np.argsort(perm)])
+                if shape not in stages:
+                    stages[shape] = _staging(shape, ckpt.tensors[plan.sources[j]].dtype)
+                ckpt.read_into(plan.sources[j], source(indices[k][1:]), stages[shape])
+                row[...] = stages[shape].transpose(perm)  # and the cast, if asked
+            elif direct:
+                ckpt.read_into(plan.sources[j], indices[k][1:], row)
+            else:
+                row[...] = one(plan.sources[j], indices[k][1:])
 
-    return callback
+    # The reads of our safetensors reader and NumPy's copies let go of the GIL: the shards
+    # are filled by up to `_THREADS` threads at once (a Checkpoint of your own is read from
+    # one thread).
+    threads = min(_THREADS, os.cpu_count() or 1, len(outs)) if ckpt._threads_ok else 1
+    parts = [range(t, len(outs), threads) for t in range(threads)]
+    staging = {part.start: {} for part in parts}  # each thread's staging buffers
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for j in sorted(set().union(*rows)):
+            list(pool.map(functools.partial(fill, j), parts))
+            ckpt.release(plan.sources[j])  # once every shard has its slice of layer j
+    return outs
 
 
-def _build(plan: _Plan, callback) -> jax.Array:
-    """The leaf, one device's shard at a time (``jax.make_array_from_callback`` would hold
-    every device's host copy of the leaf at once); a shard that several devices hold is read
-    once."""
-    arrays, built = [], {}
-    for device, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
-        key = tuple(s.indices(d) for s, d in zip(index, plan.shape))
-        if key in built:
-            arrays.append(jax.device_put(built[key], device))
-            continue
-        host = callback(index)
-        built[key] = jax.device_put(host, device).block_until_ready()
-        del host
-        arrays.append(built[key])
+def _host(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)`` in pages of its own (``mmap``): aligned, so jax's CPU client
+    makes it the device's buffer as it is, without copying it; and in the system's page size
+    (NumPy asks for huge pages, which a VM that hands freed memory back to its host backs
+    twice as slowly)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not nbytes:
+        return np.empty(shape, dtype)
+    memory = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(memory, dtype).reshape(shape)
+
+
+def _staging(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An ``np.empty(shape, dtype)`` whose rows are an odd number of cache lines apart."""
+    itemsize = np.dtype(dtype).itemsize
+    lines = -(-shape[-1] * itemsize // 64) | 1
+    return np.empty((*shape[:-1], lines * 64 // itemsize), dtype)[..., : shape[-1]]
+
+
+def _zero_copy(devices: Any) -> bool:
+    """Whether jax makes an aligned host array these devices' buffer as it is (its CPU client
+    does; tests/checkpoint/test_checkpoint_sharded.py checks it)."""
+    return all(device.platform == "cpu" for device in devices)
+
+
+def _build(ckpt: Checkpoint, plan: _Plan) -> jax.Array:
+    """The leaf from its distinct shards (one that several devices hold is read once). On CPU
+    devices the shards are filled together (:func:`_fill`): their host arrays become the
+    device arrays as they are, so they add nothing to the final arrays. On other devices they
+    are filled one at a time and copied over, so that the host holds one device's shard of one
+    leaf (``jax.make_array_from_callback`` would hold every device's host copy at once)."""
+    devices = plan.sharding.addressable_devices_indices_map(plan.shape)
+    shards: dict[tuple, tuple] = {}  # the shard's extent -> (its index, its devices)
+    for device, index in devices.items():
+        index = tuple(index) + (slice(None),) * (len(plan.shape) - len(index))
+        key = tuple(s.indices(n) for s, n in zip(index, plan.shape))
+        shards.setdefault(key, (index, []))[1].append(device)
+    together = _zero_copy(devices)
+    groups = [list(shards.values())] if together else [[shard] for shard in shards.values()]
+    arrays = {}
+    for group in groups:
+        hosts = _fill(ckpt, plan, [index for index, _ in group])
+        for (_, held), host in zip(group, hosts):
+            first = arrays[held[0]] = jax.device_put(host, held[0]).block_until_ready()
+            arrays.update({device: jax.device_put(first, device) for device in held[1:]})
+        del hosts
     # The dtype, for a process none of whose devices holds a shard (several hosts).
-    return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays,
-                                                    dtype=plan.dtype)
+    return jax.make_array_from_single_device_arrays(
+        plan.shape, plan.sharding, [arrays[device] for device in devices], dtype=plan.dtype)
 
 
 def load_checkpoint(
@@ -403,7 +472,7 @@ def load_checkpoint(
     out = [
         leaf
         if plan is None
-        else _build(plan, _reader(ckpt, plan))
+        else _build(ckpt, plan)
         for leaf, plan in zip(leaves, plans)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)

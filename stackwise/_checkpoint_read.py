@@ -85,6 +85,7 @@ class Checkpoint:
         self._files, self._reader = dict(files), reader
         self._release = release or (lambda name: None)
         self._into = into or (lambda name, index, out: False)
+        self._threads_ok = False  # True: its reads may run in several threads at once
 
     def file_of(self, name: str) -> str:
         """The file (or checkpoint) that holds tensor ``name``."""
@@ -102,10 +103,10 @@ class Checkpoint:
         return self._reader(name, tuple(index))
 
     def read_into(self, name: str, index: tuple, out: np.ndarray) -> None:
-        """``out[...] = tensor[index]``, read straight into ``out`` where the format allows."""
+        """``out[...] = tensor[index]``, read straight into ``out`` where the format allows
+        (call :meth:`release` when done with ``name``)."""
         if not self._into(name, tuple(index), out):
             out[...] = self.view(name, index)
-            self.release(name)
 
     def release(self, name: str) -> None:
         """Lets go of the pages that views of ``name`` mapped (they stay in the page cache)."""
@@ -151,15 +152,20 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         tensors[name] = jax.ShapeDtypeStruct(tuple(entry["shape"]), dtype)
         views[name] = (start + begin, start + end, dtype, tuple(entry["shape"]))
 
+    def mapped(name):
+        begin, _, dtype, shape = views[name]
+        return np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)
+
     def into(name, index, out):
-        """Reads a slice that is one run of bytes straight into ``out``; False if it is not."""
+        """Reads a slice straight into ``out``: one run of bytes into a contiguous ``out`` of
+        the tensor's dtype with ``preadv``, else copied (and cast) from the map."""
         begin, _, dtype, shape = views[name]
         run = _contiguous(shape, index)
-        if run is None or out.dtype != dtype or not out.flags.c_contiguous:
-            return False
-        first, out_shape = run
-        if tuple(out.shape) != out_shape:
-            return False
+        if (run is None or out.dtype != dtype or not out.flags.c_contiguous
+                or tuple(out.shape) != run[1]):
+            out[...] = mapped(name)[index]
+            return True
+        first = run[0]
         buffer, offset = memoryview(out.reshape(-1).view(np.uint8)), begin + first * dtype.itemsize
         while buffer.nbytes:
             got = os.preadv(fd, [buffer], offset)
@@ -172,8 +178,7 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         begin, _, dtype, shape = views[name]
         run = _contiguous(shape, index)
         if run is None:  # a strided slice: from the map, page by page
-            view = np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)
-            return view[index]
+            return mapped(name)[index]
         out = np.empty(run[1], dtype)  # one run of bytes: read straight into the array
         into(name, index, out)
         return out
@@ -221,8 +226,10 @@ def _safetensors(paths: Sequence[str], where: str, who: str) -> Checkpoint:
                 )
         tensors.update(t), files.update(f), readers.update(dict.fromkeys(t, r))
         releases.update(dict.fromkeys(t, release)), intos.update(dict.fromkeys(t, into))
-    return Checkpoint("safetensors", where, tensors, files, lambda n, i: readers[n](n, i),
+    ckpt = Checkpoint("safetensors", where, tensors, files, lambda n, i: readers[n](n, i),
                       lambda n: releases[n](n), lambda n, i, out: intos[n](n, i, out))
+    ckpt._threads_ok = True  # preadv and copies from the map, which let go of the GIL
+    return ckpt
 
 
 def _index(path: str, who: str) -> Checkpoint:

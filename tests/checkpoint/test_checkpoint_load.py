@@ -150,6 +150,18 @@ def test_transforms_split_heads_and_cast_on_request(tmp_path):
     written = stackwise.save_safetensors(got, {"q": spec}, tmp_path / "back")
     back = stackwise.open_checkpoint(written[0])
     np.testing.assert_array_equal(back.read("l.2.q"), want[2].reshape(e, heads * d).T)
+    # A transpose alone goes through a staging buffer, cast on the way out of it; in 3-D too.
+    r = np.arange(3 * 2 * 3 * 5, dtype=np.float32).reshape(3, 2, 3, 5)
+    save_file({f"l.{i}.r": r[i].astype(jnp.bfloat16) for i in range(3)}, tmp_path / "r.safetensors")
+    target = {"q": jax.ShapeDtypeStruct((3, e, heads * d), jnp.float32),
+              "r": jax.ShapeDtypeStruct((3, 5, 2, 3), jnp.bfloat16)}
+    names = {"q": stackwise.Tensor("l.{}.q", transpose=(1, 0), dtype=jnp.float32),
+             "r": stackwise.Tensor("l.{}.r", transpose=(2, 0, 1))}
+    got = stackwise.load_checkpoint([tmp_path / "m.safetensors", tmp_path / "r.safetensors"],
+                                    target, names)
+    np.testing.assert_array_equal(got["q"], q.astype(jnp.bfloat16).astype(np.float32)
+                                  .transpose(0, 2, 1))
+    np.testing.assert_array_equal(got["r"], r.astype(jnp.bfloat16).transpose(0, 3, 1, 2))
 
 
 def test_npz_orbax_and_dict_sources_load_the_same(plain_files, tmp_path):

@@ -1,9 +1,11 @@
 """Checkpoints on 8 simulated devices: a per-layer safetensors (and a loop-layout orbax)
-checkpoint loaded into FSDP and tensor-parallel shardings equals the unsharded load, and each
-device's callback reads only its own shard's bytes (counted); orbax's CheckpointManager
-restores stacked params and optimizer state onto another mesh than they were saved from;
-sharded params saved as per-layer safetensors and as a loop-layout orbax checkpoint
-(stackwise.save_orbax), bitwise; a mesh that does not divide a leaf is refused, naming it.
+checkpoint loaded into FSDP and tensor-parallel shardings equals the unsharded load, each
+device's shard read from its own bytes only (counted), whether a leaf's shards are filled
+together (CPU) or one at a time (as on accelerators), and taken by the device as the host
+array filled, without a copy; orbax's CheckpointManager restores stacked params and
+optimizer state onto another mesh than they were saved from; sharded params saved as
+per-layer safetensors and as a loop-layout orbax checkpoint (stackwise.save_orbax), bitwise; a
+mesh that does not divide a leaf is refused, naming it.
 
 Runs in a subprocess with 8 simulated CPU devices (see ``_CASES``).
 """
@@ -62,7 +64,9 @@ class _Counted:
         self.ckpt = stackwise.Checkpoint(ckpt.kind, ckpt.where, ckpt.tensors, {}, read)
 
 
-def _shardings_case(mesh_shape, axes, base):
+def _shardings_case(mesh_shape, axes, base, together=True):
+    from stackwise import _checkpoint
+
     jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
     mesh = jax.make_mesh(mesh_shape, axes)
     specs = stackwise.fsdp_specs(target["blocks"], mesh, "data", base=base(P))
@@ -70,7 +74,22 @@ def _shardings_case(mesh_shape, axes, base):
                  "embed": NamedSharding(mesh, P(None, "data"))}
     unsharded = stackwise.load_checkpoint(folder, target, names)
     counted = _Counted(stackwise, folder)
-    sharded = stackwise.load_checkpoint(counted.ckpt, target, names, shardings=shardings)
+    # The host arrays the loader fills (to find them in the devices' buffers), and with
+    # together=False the shards built one at a time, as on accelerators.
+    made, host, zero_copy = [], _checkpoint._host, _checkpoint._zero_copy
+    _checkpoint._host = lambda shape, dtype: made.append(host(shape, dtype)) or made[-1]
+    if not together:
+        _checkpoint._zero_copy = lambda devices: False
+    try:
+        sharded = stackwise.load_checkpoint(counted.ckpt, target, names, shardings=shardings)
+    finally:
+        _checkpoint._host, _checkpoint._zero_copy = host, zero_copy
+    # Each distinct shard is on one of its devices as the host array filled, not a copy.
+    filled, aliased = {a.ctypes.data for a in made}, {}
+    for i, a in enumerate(jax.tree.leaves(sharded)):
+        for s in a.addressable_shards:
+            key = (i, str(s.index))
+            aliased[key] = aliased.get(key, False) or s.data.unsafe_buffer_pointer() in filled
     equal = all(bool((np.asarray(a) == np.asarray(b)).all())
                 for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(unsharded)))
     # Bytes read = the bytes of the distinct shards built (a replica is read once).
@@ -83,11 +102,15 @@ def _shardings_case(mesh_shape, axes, base):
                  for p, a in jax.tree_util.tree_leaves_with_path(sharded)}
     return {"equal": equal, "read": read_bytes, "shards": shard_bytes, "whole": whole,
             "largest_up_read": max(b for n, b in counted.reads if "up_proj" in n),
-            "specs": specs_out}
+            "specs": specs_out, "aliased": list(aliased.values())}
 
 
 def _case_fsdp():
     return _shardings_case((8,), ("data",), lambda P: None)
+
+
+def _case_fsdp_one_shard_at_a_time():
+    return _shardings_case((8,), ("data",), lambda P: None, together=False)
 
 
 def _case_tensor_parallel():
@@ -186,6 +209,7 @@ def _case_save_sharded():
 
 _CASES = {
     "fsdp": _case_fsdp,
+    "fsdp_one_shard_at_a_time": _case_fsdp_one_shard_at_a_time,
     "tensor_parallel": _case_tensor_parallel,
     "mesh_does_not_divide": _case_mesh_does_not_divide,
     "orbax": _case_orbax_loop_layout_and_manager,
@@ -200,7 +224,7 @@ def multi_device():
     return run_module(__file__)
 
 
-@pytest.mark.parametrize("case", ["fsdp", "tensor_parallel"])
+@pytest.mark.parametrize("case", ["fsdp", "tensor_parallel", "fsdp_one_shard_at_a_time"])
 def test_each_device_reads_only_its_shard(multi_device, case):
     r = result(multi_device, case)
     assert r["equal"]
@@ -208,6 +232,14 @@ def test_each_device_reads_only_its_shard(multi_device, case):
     assert r["read"] == r["whole"]  # each byte of the checkpoint read once
     # One read per layer and device, of that device's slice of the layer alone.
     assert r["largest_up_read"] == E * F * 4 // 8
+
+
+@pytest.mark.parametrize("case", ["fsdp", "tensor_parallel", "fsdp_one_shard_at_a_time"])
+def test_cpu_devices_take_the_filled_host_arrays_without_a_copy(multi_device, case):
+    # What keeps a CPU load's host memory at the final arrays while a leaf's shards are
+    # filled together: jax's CPU client takes each aligned host array as the device buffer.
+    aliased = result(multi_device, case)["aliased"]
+    assert aliased and all(aliased)
 
 
 def test_fsdp_and_tensor_parallel_specs(multi_device):
