@@ -162,6 +162,18 @@ def gather(chunks: Any, dims_tree: Any, plan: Any) -> Any:
     return jax.tree.map(one, chunks, dims_tree, is_leaf=lambda d: d is None)
 
 
+def scatter(grads: Any, dims_tree: Any, plan: Any) -> Any:
+    """The transpose of :func:`gather`: ``(rows, ...)`` gradients of gathered leaves summed
+    over the FSDP axes (``psum_scatter``), each device keeping its shard."""
+
+    def one(g, d):
+        if d is None:
+            return g
+        return jax.lax.psum_scatter(g, plan.fsdp, scatter_dimension=1 + d, tiled=True)
+
+    return jax.tree.map(one, grads, dims_tree, is_leaf=lambda d: d is None)
+
+
 def gathered_once(program: Callable, dims_tree: Any, plan: Any, options: Options) -> Callable:
     """``program(*inputs, gather=...)`` run under a checkpoint that saves all but the
     gathered params: the backward pass gathers them again, once. ``prevent_cse`` keeps

@@ -102,14 +102,6 @@ PIPELINE_FSDP = [
         "in that order",
     ),
     case(
-        "fsdp with the 1f1b schedule",
-        lambda: _pipeline(fsdp="data", schedule="1f1b", loss=lambda y, t: jnp.mean(y)),
-        ValueError,
-        "`fsdp=`",
-        "the '1f1b' schedule",
-        "fsdp=None",
-    ),
-    case(
         "fsdp with a pattern of layers",
         lambda: stackwise.pipeline(None, [_apply, _apply], 2, MESH, microbatches=1, fsdp="data"),
         ValueError,
