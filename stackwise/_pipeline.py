@@ -231,18 +231,22 @@ def pipeline(
       backward recomputes the stage's forward from its input (the stage's
       ``remat`` applies inside it), kept in a ring of ``min(M, 2S - 1)``
       inputs: activation memory is bounded by S, not M. ``T = M + 2S - 2``
-      ticks of one forward and one backward each (all stages in lockstep,
-      idle slots computed and masked): a bubble of (2S-2)/(M+2S-2). Without
-      differentiation the GPipe forward and the loss run. Not with
-      ``has_aux``. Interleaved, with ``repeats=V`` (chunks as for
-      ``"circular"``, the same two params layouts; needs ``S >= 2`` and M a
-      multiple of S): microbatches go round the ring V times in groups of
-      S (Megatron's order), stage s running forward step ``t - s`` and
-      backward step ``t - (V*S - 1) - (S - 1 - s)``, step ``g*S*V + r*S +
-      i`` being microbatch ``g*S + i`` on chunk r (the backward's rounds
-      counting down); the ring holds ``min(M*V, 2*V*S - 1)`` chunk inputs;
-      ``T = M*V + V*S + S - 2`` ticks of ``n/(S*V)`` layers, a bubble of
-      (V*S+S-2)/(M*V+V*S+S-2).
+      ticks (all stages in lockstep, idle slots computed and masked): the
+      first ``S - 1`` run forwards only (no stage has a backward yet), the
+      last ``S - 1`` backwards only, the others one forward and one
+      backward each; the time of ``M + S - 1`` forward-and-backward ticks,
+      a bubble of (S-1)/(M+S-1), as GPipe's. Without differentiation the
+      GPipe forward and the loss run. Not with ``has_aux``. Interleaved,
+      with ``repeats=V`` (chunks as for ``"circular"``, the same two params
+      layouts; needs ``S >= 2`` and M a multiple of S): microbatches go
+      round the ring V times in groups of S (Megatron's order), stage s
+      running forward step ``t - s`` and backward step ``t - (V*S - 1) -
+      (S - 1 - s)``, step ``g*S*V + r*S + i`` being microbatch ``g*S + i``
+      on chunk r (the backward's rounds counting down); the ring holds
+      ``min(M*V, 2*V*S - 1)`` chunk inputs; ``T = M*V + V*S + S - 2`` ticks
+      of ``n/(S*V)`` layers, ``V*S - 1`` of them forward-only and as many
+      backward-only: the time of ``M*V + S - 1`` full ticks, a bubble of
+      (S-1)/(M*V+S-1), as the circular schedule's.
 
     Where things are: the params' layer axis is split over ``stage_axis``;
     with ``data_axis`` the batch is also split over that mesh axis and the

@@ -11,8 +11,10 @@ them by the incoming cotangent); without differentiation the primal runs, the
 plain GPipe (circular, for V > 1) forward and the loss.
 
 The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
-unless interleaved, ``repeats=V``); all stages in lockstep, one ``lax.scan`` over
-``T = M*V + V*S + S - 2`` ticks (``M + 2S - 2`` for V = 1). A stage's steps are numbered
+unless interleaved, ``repeats=V``); all stages in lockstep over ``T = M*V + V*S + S - 2``
+ticks (``M + 2S - 2`` for V = 1), in three ``lax.scan`` s (:func:`phases`): the first
+``V*S - 1`` ticks run forwards only, the last ``V*S - 1`` backwards only, the ones between
+both. A stage's steps are numbered
 ``k = g*S*V + r*S + i`` (Megatron's interleaved order: microbatches in groups of S, each
 group going round the ring V times): step k is microbatch ``g*S + i`` on the stage's chunk
 r. At tick t the stage runs the forward of step ``t - s`` and the backward of step
@@ -37,6 +39,7 @@ reduce-scatters the backward chunk's gradient into a sharded accumulator at that
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +64,16 @@ def ticks(plan: _Plan) -> int:
     """T = M*V + V*S + S - 2 (M + 2S - 2 for V = 1): the last backward step, M*V - 1,
     runs on stage 0 at tick (M*V - 1) + (V*S - 1) + (S - 1)."""
     return plan.M * plan.V + plan.V * plan.S + plan.S - 2
+
+
+def phases(plan: _Plan) -> list[tuple[int, int, bool, bool]]:
+    """The tick loops, ``(first tick, stop, forward, backward)``: before tick V*S - 1 no
+    stage has a backward step, from tick M*V + S - 1 on none has a forward step. The two
+    outer phases (V*S - 1 ticks each) run only what they need, so the schedule costs
+    M*V + S - 1 ticks of a forward and a backward."""
+    fill, drain = plan.V * plan.S - 1, plan.M * plan.V + plan.S - 1
+    loops = [(0, fill, True, False), (fill, drain, True, True), (drain, ticks(plan), False, True)]
+    return [loop for loop in loops if loop[1] > loop[0]]
 
 
 def _inexact(v: Any) -> bool:
@@ -228,58 +241,67 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
             c = chunks
         return fsdp.gather(c) if per_tick else c
 
-    def tick(carry, t):
+    def tick(carry, t, forward=True, backward=True):
+        """Tick t; a phase of ticks where no stage has a backward (forward) step to run
+        leaves it out (``backward=False``, ``forward=False``)."""
         h, g, ring, acc, total = carry
         acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
-        # Forward: step t - s; stage 0 takes round 0 from x, the next rounds from the
-        # last stage (which ran them one tick ago).
-        kf = t - s
-        on_f, mf, rf = _step(plan, kf)
-        h_in = _where((s == 0) & (rf == 0), _take(mbs, mf), h)
-        ring = jax.tree.unflatten(
-            jax.tree.structure(ring),
-            _write(jax.tree.leaves(ring), kf % K, jax.tree.leaves(h_in), on_f),
-        )
-        c_f = chunk(rf)
-        y = run_stage(mf)((c_f, h_in, _take(examples, mf), consts))
-        # The loss, on the last stage's last round: its value and cotangents for y, targets,
-        # loss_params.
-        value, pull_loss = _vjp(lambda a: loss(*a), (y, _take(targets, mf), loss_params))
-        dy, dt, dlp = _regroup(
-            pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)]),
-            (y, _take(targets, mf), loss_params),
-        )
-        now = on_f & last & (rf == V - 1)
-        total = total + jnp.where(now, value[0], 0).astype(total.dtype)
-        acc_tg = _write(acc_tg, mf, dt, now)
-        acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
-        # Backward: step t - delay - (S - 1 - s), its rounds counted down from V - 1,
-        # recomputed from its input in the ring (at its forward step's slot).
-        on_b, mb, down = _step(plan, t - delay - (S - 1 - s))
-        rb = V - 1 - down
-        slot = ((mb // S) * S * V + rb * S + mb % S) % K
-        primals = (c_f if V == 1 else chunk(rb), _take(ring, slot), _take(examples, mb), consts)
-        # The last stage's last round starts from the loss, every other step from the
-        # cotangent the next chunk sent.
-        ct = [jnp.where(last & (rb == V - 1), a, b) for a, b in zip(dy, g)]
-        _, pull = _vjp(run_stage(mb), primals)
-        dchunk, dh, dex, dconsts = _regroup(pull(ct), primals)
-        if per_tick:
-            dchunk = fsdp.scatter(dchunk)  # the gathered chunk's gradient, to its shards
-        acc = (
-            _add(acc_chunks, rb * L if V > 1 else None, dchunk, on_b),
-            _write(acc_x, mb, dh, on_b & (s == 0) & (rb == 0)),  # x's: the first chunk's input's
-            _add(acc_ex, mb, [v[None] for v in dex], on_b),
-            [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
-            acc_tg,
-            acc_lp,
-        )
+        if forward:
+            # Step t - s; stage 0 takes round 0 from x, the next rounds from the last stage
+            # (which ran them one tick ago).
+            kf = t - s
+            on_f, mf, rf = _step(plan, kf)
+            h_in = _where((s == 0) & (rf == 0), _take(mbs, mf), h)
+            ring = jax.tree.unflatten(
+                jax.tree.structure(ring),
+                _write(jax.tree.leaves(ring), kf % K, jax.tree.leaves(h_in), on_f),
+            )
+            c_f = chunk(rf)
+            h = run_stage(mf)((c_f, h_in, _take(examples, mf), consts))
+        if forward and backward:
+            # The loss, on the last stage's last round (never in the other phases): its value
+            # and cotangents for y, targets, loss_params.
+            value, pull_loss = _vjp(lambda a: loss(*a), (h, _take(targets, mf), loss_params))
+            dy, dt, dlp = _regroup(
+                pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)]),
+                (h, _take(targets, mf), loss_params),
+            )
+            now = on_f & last & (rf == V - 1)
+            total = total + jnp.where(now, value[0], 0).astype(total.dtype)
+            acc_tg = _write(acc_tg, mf, dt, now)
+            acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
+        if backward:
+            # Step t - delay - (S - 1 - s), its rounds counted down from V - 1, recomputed
+            # from its input in the ring (at its forward step's slot).
+            on_b, mb, down = _step(plan, t - delay - (S - 1 - s))
+            rb = V - 1 - down
+            slot = ((mb // S) * S * V + rb * S + mb % S) % K
+            c_b = c_f if forward and V == 1 else chunk(rb)
+            primals = (c_b, _take(ring, slot), _take(examples, mb), consts)
+            # The last stage's last round starts from the loss, every other step from the
+            # cotangent the next chunk sent.
+            if forward:
+                g = [jnp.where(last & (rb == V - 1), a, b) for a, b in zip(dy, g)]
+            _, pull = _vjp(run_stage(mb), primals)
+            dchunk, g, dex, dconsts = _regroup(pull(g), primals)
+            if per_tick:
+                dchunk = fsdp.scatter(dchunk)  # the gathered chunk's gradient, to its shards
+            acc = (
+                _add(acc_chunks, rb * L if V > 1 else None, dchunk, on_b),
+                _write(acc_x, mb, g, on_b & (s == 0) & (rb == 0)),  # x's: the first chunk's
+                _add(acc_ex, mb, [v[None] for v in dex], on_b),
+                [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
+                acc_tg,
+                acc_lp,
+            )
         # Activations go one stage on, cotangents one stage back (round the ring, V > 1).
         if S > 1:
             links = range(S if V > 1 else S - 1)
-            y = jax.lax.ppermute(y, plan.stage_axis, [(i, (i + 1) % S) for i in links])
-            dh = jax.lax.ppermute(dh, plan.stage_axis, [((i + 1) % S, i) for i in links])
-        return (y, dh, ring, acc, total), None
+            if forward:
+                h = jax.lax.ppermute(h, plan.stage_axis, [(i, (i + 1) % S) for i in links])
+            if backward:
+                g = jax.lax.ppermute(g, plan.stage_axis, [((i + 1) % S, i) for i in links])
+        return (h, g, ring, acc, total), None
 
     zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
     h0 = _take(mbs, 0)
@@ -292,7 +314,10 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
     acc0 = tuple(zeros(v) for v in (chunks, mbs, examples, consts, targets, loss_params))
     carry = (h0, zeros(h0), ring0, acc0, jnp.zeros((), out.dtype))
     carry = _vary(carry, plan.manual)
-    (_, _, _, acc, total), _ = jax.lax.scan(tick, carry, jnp.arange(ticks(plan)))
+    for first, stop, forward, backward in phases(plan):
+        phase = functools.partial(tick, forward=forward, backward=backward)
+        carry, _ = jax.lax.scan(phase, carry, jnp.arange(first, stop))
+    _, _, _, acc, total = carry
     acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
     sum_over = lambda vs, axes: [jax.lax.psum(v, axes) if axes else v for v in vs]  # noqa: E731
     unsplit = lambda vs: [v.reshape(-1, *v.shape[2:]) for v in vs]  # noqa: E731
