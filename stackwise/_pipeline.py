@@ -108,7 +108,8 @@ def _plan(
         if S < 2:
             raise ValueError(
                 f"{_WHO}: {what} needs at least 2 stages, but mesh axis {stage_axis!r} has "
-                f"size {S}. Use schedule='gpipe'" + (" or repeats=1." if V > 1 else ".")
+                f"size {S}. "
+                + ("Use repeats=1." if schedule == "1f1b" else "Use schedule='gpipe'.")
             )
         if schedule == "circular" and M < S:
             raise ValueError(

@@ -214,8 +214,10 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
     """One device's 1F1B schedule: the summed loss and every float input's gradient."""
     S, V, M, L = plan.S, plan.V, plan.M, plan.L
     K = min(M * V, 2 * V * S - 1)  # ring slots: a stage input lives at most 2VS - 2 ticks
-    delay = V * S - 1  # the last stage runs a microbatch's last forward and first backward
-    # in the same tick: backward step k runs delay ticks after forward step k on stage S - 1
+    # Forward step k runs on stage s at tick k + s, backward step k at k + delay + S - 1 - s:
+    # the least delay with which the last stage runs a microbatch's last forward, its loss
+    # and its first backward step in one tick.
+    delay = V * S - 1
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     last = s == S - 1

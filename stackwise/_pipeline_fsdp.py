@@ -16,6 +16,9 @@ Where the gather runs (``fsdp_gather=``):
 - ``"tick"``: at every tick, only the chunk of layers that tick runs, inside a
   checkpoint that keeps what ``remat`` keeps but never the gathered chunk.
 
+The 1F1B schedule (``_pipeline_1f1b.py``) is its own backward pass, which JAX does
+not differentiate: it calls :func:`gather` and its transpose :func:`scatter` itself.
+
 Which dimension of a leaf is split: the one its placement already splits over
 the FSDP axes, else :func:`stackwise.fsdp_specs`' rule (the largest inner axis
 the FSDP axes divide that no other mesh axis splits); a leaf with no such axis
