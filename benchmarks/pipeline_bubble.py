@@ -3,7 +3,8 @@
 Usage: ``python benchmarks/pipeline_bubble.py [--stages 4] [--rounds 9] [--markdown out.md]``
 (sets ``XLA_FLAGS=--xla_force_host_platform_device_count=S`` itself); the 1F1B
 training step and GPipe's: ``--gpipe --circular --gpipe-step 1 2 4 8 16 --1f1b 1 2 4
-8 16 --memory 4 8 16 32``.
+8 16 --memory 4 8 16 32``; interleaved 1F1B (``--repeats`` chunks per stage, M a
+multiple of S): ``--1f1b-interleaved 4 8 16``.
 
 Method. ``stackwise.pipeline`` is SPMD: every stage runs every tick, and a
 stage with no microbatch (the fill and drain "bubble") computes on a
@@ -25,10 +26,18 @@ M is a paired ratio too, against ``(M*V+S-1) / (V*(M+S-1))`` (ticks of
 
 The training steps (``value_and_grad`` of a mean squared error) are fitted the
 same way. GPipe's step runs a forward and a backward loop of ``M + S - 1`` ticks
-each: a bubble of ``(S-1)/(M+S-1)``. 1F1B runs one loop of ``T = M + 2S - 2``
-ticks in which every stage runs one forward and one backward (masked when it has
-no microbatch for them), M of them useful: a bubble of ``(2S-2)/(M+2S-2)``.
-``--memory`` reads both steps' compiled temp memory at fixed rows per
+each: a bubble of ``(S-1)/(M+S-1)``. 1F1B runs ``M + 2S - 2`` ticks in three
+loops: ``S - 1`` in which every stage runs a forward (masked when it has no
+microbatch), ``M - S + 1`` of a forward and a backward, ``S - 1`` of a backward:
+the time of ``T = M + S - 1`` ticks of a forward and a backward (the fit's T),
+M of them useful: a bubble of ``(S-1)/(M+S-1)``. Interleaved 1F1B
+(``schedule="1f1b", repeats=V``) runs ``M*V + V*S + S - 2`` ticks of ``1/V``
+the layers in loops of ``V*S - 1``, ``M*V + S - V*S`` and ``V*S - 1``: the time
+of ``T = M*V + S - 1`` full ticks, M*V of them useful, a bubble of
+``(S-1)/(M*V+S-1)``; against 1F1B at the same M its step takes
+``(M*V+S-1) / (V*(M+S-1))`` as long (ticks of ``1/V`` the layers each). The
+loops' trip counts are checked against these.
+``--memory`` reads the steps' compiled temp memory at fixed rows per
 microbatch, so that the batch grows with M.
 
 On simulated CPU devices the S "devices" share the machine's cores, so a
@@ -92,10 +101,15 @@ def main() -> None:
                         help="M of GPipe training steps (value_and_grad) to time")
     parser.add_argument("--1f1b", dest="one_f_one_b", type=int, nargs="*", default=[],
                         help="M of 1F1B training steps (value_and_grad) to time")
+    parser.add_argument("--1f1b-interleaved", dest="interleaved", type=int, nargs="*",
+                        default=[], help="M of interleaved 1F1B training steps (repeats=V, "
+                                         "M a multiple of S) to time")
     parser.add_argument("--memory", type=int, nargs="*", default=[],
                         help="M at which to read the training steps' compiled temp memory "
-                             "(GPipe and 1F1B, remat=True, --microbatch rows each)")
-    parser.add_argument("--repeats", type=int, default=2, help="V of the circular schedule")
+                             "(GPipe, 1F1B and, for M a multiple of S, interleaved 1F1B; "
+                             "remat=True, --microbatch rows each)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="V of the circular and interleaved 1F1B schedules")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--calls", type=int, default=3,
                         help="back-to-back timed calls per variant per round (the fastest counts)")
@@ -138,22 +152,27 @@ def main() -> None:
             pp = stackwise.pipeline(None, apply, n, mesh, microbatches=M, schedule=schedule,
                                     repeats=repeats)
             return jax.jit(pp.apply), repeats or 1
-        if schedule == "1f1b":
+        if schedule in ("1f1b", "1f1b-interleaved"):
+            repeats = V if schedule == "1f1b-interleaved" else 1
             pp = stackwise.pipeline(None, apply, n, mesh, microbatches=M, schedule="1f1b",
-                                    loss=mse, remat=remat)
-            return jax.jit(jax.value_and_grad(pp.apply)), 1
+                                    loss=mse, remat=remat, repeats=repeats)
+            return jax.jit(jax.value_and_grad(pp.apply)), repeats
         pp = stackwise.pipeline(None, apply, n, mesh, microbatches=M, remat=remat)
         return jax.jit(jax.value_and_grad(lambda p, x, t: mse(pp.apply(p, x), t))), 1
 
     def ticks(schedule, M, v):
-        """The schedule's ticks T and the loops that run them (GPipe's step: forward, backward)."""
-        if schedule == "1f1b":
-            return M + 2 * S - 2, 1
-        return M * v + S - 1, 2 if schedule == "gpipe-step" else 1
+        """The schedule's ticks T (1F1B: the time of its loops in ticks of a forward and a
+        backward) and the trip counts of the loops that run them."""
+        T = M * v + S - 1
+        if schedule in ("1f1b", "1f1b-interleaved"):
+            fill = v * S - 1  # forwards only, then backwards only
+            return T, [t for t in (fill, T - fill, fill) if t]
+        return T, [T, T] if schedule == "gpipe-step" else [T]
 
     params = jax.jit(stackwise.stack(init, apply, n).init)(jax.random.key(0))
     series = [("gpipe", args.gpipe), ("circular", args.circular),
-              ("gpipe-step", args.gpipe_step), ("1f1b", args.one_f_one_b)]
+              ("gpipe-step", args.gpipe_step), ("1f1b", args.one_f_one_b),
+              ("1f1b-interleaved", args.interleaved)]
     series = [(schedule, Ms) for schedule, Ms in series if Ms]
     variants = {}  # (schedule, M) -> (compiled, inputs, ticks, useful ticks)
     for schedule, Ms in series:
@@ -166,9 +185,8 @@ def main() -> None:
             compiled = fn.lower(*inputs).compile()
             trips = _tick_loop_trips(compiled.as_text())
             T, loops = ticks(schedule, M, v)
-            if trips != [T] * loops:
-                raise SystemExit(f"{schedule} M={M}: tick loop trips {trips}, expected "
-                                 f"{[T] * loops}")
+            if sorted(trips) != sorted(loops):
+                raise SystemExit(f"{schedule} M={M}: tick loop trips {trips}, expected {loops}")
             jax.block_until_ready(compiled(*inputs))  # warm up
             variants[schedule, M] = (compiled, inputs, T, M * v)
 
@@ -192,9 +210,9 @@ def main() -> None:
         f"S={S} stages x {args.layers_per_stage} layers (n={n}), width {d}, {args.microbatch} "
         f"rows per microbatch, {S} simulated {jax.devices()[0].platform} devices, "
         f"{args.rounds} rounds of the fastest of {args.calls} calls ({args.clock} clock); "
-        f"circular V={V}; "
-        "gpipe and circular: the forward pass; gpipe-step and 1f1b: a training step "
-        "(value_and_grad of the mean squared error, remat=False)",
+        f"circular and 1f1b-interleaved V={V}; "
+        "gpipe and circular: the forward pass; gpipe-step, 1f1b and 1f1b-interleaved: a "
+        "training step (value_and_grad of the mean squared error, remat=False)",
         "",
         "| schedule | M | ticks (program) | r(M) median [min, max] | bubble measured | "
         "bubble theory |",
@@ -222,10 +240,12 @@ def main() -> None:
     for a, b, theory, what in (
         ("circular", "gpipe", lambda M: (M * V + S - 1) / (V * (M + S - 1)),
          "(M*V+S-1) / (V*(M+S-1)) (ticks of 1/V the layers each)"),
-        ("1f1b", "gpipe-step", lambda M: (M + 2 * S - 2) / (M + S - 1),
-         "the ratio of ticks, (M+2S-2) / (M+S-1), the step ratio if a 1F1B tick cost a "
-         "GPipe forward tick plus a backward tick; it costs more, as its backward "
-         "recomputes the stage's forward from the stage's input (2F+B against F+B)"),
+        ("1f1b", "gpipe-step", lambda M: 1.0,
+         "1, the ratio of ticks (M+S-1 of a forward and a backward each), the step ratio if a "
+         "1F1B tick cost a GPipe forward tick plus a backward tick; it costs more, as its "
+         "backward recomputes the stage's forward from the stage's input (2F+B against F+B)"),
+        ("1f1b-interleaved", "1f1b", lambda M: (M * V + S - 1) / (V * (M + S - 1)),
+         "(M*V+S-1) / (V*(M+S-1)) (ticks of 1/V the layers each)"),
     ):
         both = sorted(set(dict(series).get(a, [])) & set(dict(series).get(b, [])))
         if both:
@@ -243,16 +263,20 @@ def main() -> None:
             "| schedule | " + " | ".join(f"M={M}" for M in args.memory) + " | last / first |",
             "|---|" + "---|" * (len(args.memory) + 1),
         ]
-        placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
-        for schedule in ("gpipe-step", "1f1b"):
+        for schedule in ("gpipe-step", "1f1b", "1f1b-interleaved"):
             mib = []
             for M in args.memory:
-                fn, _ = step(schedule, M, remat=True)
+                if schedule == "1f1b-interleaved" and M % S:
+                    mib.append(float("nan"))  # interleaved 1F1B needs M a multiple of S
+                    continue
+                fn, v = step(schedule, M, remat=True)
+                placed = stackwise.shard_stacked(params, mesh, layer_axis="stage", repeats=v)
                 x = jnp.zeros((M * args.microbatch, d))
                 mem = fn.lower(placed, x, x).compile().memory_analysis()
                 mib.append(mem.temp_size_in_bytes / 2**20)
+            real = [m for m in mib if m == m]  # not nan
             lines.append(f"| {schedule} | " + " | ".join(f"{m:.2f}" for m in mib)
-                         + f" | {mib[-1] / mib[0]:.2f} |")
+                         + f" | {real[-1] / real[0]:.2f} |")
         lines.append("")
     text = "\n".join(lines)
     print(text)

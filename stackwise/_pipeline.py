@@ -94,26 +94,35 @@ def _plan(
         D = _mesh_axis(mesh, data_axis, "data_axis")
     if schedule not in _SCHEDULES:
         raise ValueError(f"{_WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
-    if schedule != "circular":
-        if repeats not in (None, 1):
-            raise ValueError(
-                f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'`; the "
-                f"{schedule!r} schedule runs each stage's layers once per microbatch"
-                + (" (interleaved 1F1B is not implemented)." if schedule == "1f1b" else ".")
-            )
+    if schedule == "gpipe" and repeats not in (None, 1):
+        raise ValueError(
+            f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'` (or '1f1b', "
+            "interleaved); the 'gpipe' schedule runs each stage's layers once per microbatch."
+        )
+    if schedule == "gpipe" or (schedule == "1f1b" and repeats is None):
         V = 1
     else:
+        V = n // S if repeats is None else _int_arg(repeats, "repeats", "")
+    if V > 1 or schedule == "circular":
+        what = f"the {schedule!r} schedule" + (f" with repeats={V}" if schedule == "1f1b" else "")
         if S < 2:
             raise ValueError(
-                f"{_WHO}: the 'circular' schedule needs at least 2 stages, but mesh axis "
-                f"{stage_axis!r} has size {S}. Use schedule='gpipe'."
+                f"{_WHO}: {what} needs at least 2 stages, but mesh axis {stage_axis!r} has "
+                f"size {S}. "
+                + ("Use repeats=1." if schedule == "1f1b" else "Use schedule='gpipe'.")
             )
-        V = n // S if repeats is None else _int_arg(repeats, "repeats", "")
-        if M < S:
+        if schedule == "circular" and M < S:
             raise ValueError(
                 f"{_WHO}: the 'circular' schedule needs at least as many microbatches as "
                 f"stages, got microbatches={M} for {S} stages on mesh axis {stage_axis!r}. "
                 f"Use microbatches >= {S}, or schedule='gpipe'."
+            )
+        if schedule == "1f1b" and M % S:
+            fits = " or ".join(str(k) for k in (M - M % S, M - M % S + S) if k)
+            raise ValueError(
+                f"{_WHO}: {what} (interleaved 1F1B) runs the microbatches in groups of S={S} "
+                f"(the stages on mesh axis {stage_axis!r}), so `microbatches` must be a "
+                f"multiple of {S}, got microbatches={M}. Use microbatches={fits}, or repeats=1."
             )
     if V < 1 or n % (S * V):
         per = f"S={S} stages" if V == 1 else f"S*repeats={S}*{V}={S * V} chunks"
@@ -223,10 +232,22 @@ def pipeline(
       backward recomputes the stage's forward from its input (the stage's
       ``remat`` applies inside it), kept in a ring of ``min(M, 2S - 1)``
       inputs: activation memory is bounded by S, not M. ``T = M + 2S - 2``
-      ticks of one forward and one backward each (all stages in lockstep,
-      idle slots computed and masked): a bubble of (2S-2)/(M+2S-2). Without
-      differentiation the GPipe forward and the loss run. Not with
-      ``repeats > 1`` (no interleaved 1F1B) or ``has_aux``.
+      ticks (all stages in lockstep, idle slots computed and masked): the
+      first ``S - 1`` run forwards only (no stage has a backward yet), the
+      last ``S - 1`` backwards only, the others one forward and one
+      backward each; the time of ``M + S - 1`` forward-and-backward ticks,
+      a bubble of (S-1)/(M+S-1), as GPipe's. Without differentiation the
+      GPipe forward and the loss run. Not with ``has_aux``. Interleaved,
+      with ``repeats=V`` (chunks as for ``"circular"``, the same two params
+      layouts; needs ``S >= 2`` and M a multiple of S): microbatches go
+      round the ring V times in groups of S (Megatron's order), stage s
+      running forward step ``t - s`` and backward step ``t - (V*S - 1) -
+      (S - 1 - s)``, step ``g*S*V + r*S + i`` being microbatch ``g*S + i``
+      on chunk r (the backward's rounds counting down); the ring holds
+      ``min(M*V, 2*V*S - 1)`` chunk inputs; ``T = M*V + V*S + S - 2`` ticks
+      of ``n/(S*V)`` layers, ``V*S - 1`` of them forward-only and as many
+      backward-only: the time of ``M*V + S - 1`` full ticks, a bubble of
+      (S-1)/(M*V+S-1), as the circular schedule's.
 
     Where things are: the params' layer axis is split over ``stage_axis``;
     with ``data_axis`` the batch is also split over that mesh axis and the
@@ -252,7 +273,12 @@ def pipeline(
     position's stacked params are split so, their blocks keeping the split
     (params placed with ``shard_stacked(params, mesh, fsdp_specs(params, mesh,
     axes), ...)`` are never gathered whole); the state is not split over the
-    FSDP axes (a batched leaf's batch is, with ``x``'s).
+    FSDP axes (a batched leaf's batch is, with ``x``'s). With ``"1f1b"`` the
+    schedule is the backward pass: ``"step"`` gathers once before the tick
+    loops and reduce-scatters the summed gradients once after them;
+    ``"tick"`` gathers the forward's and the backward's chunk at each tick
+    (one gather when ``V = 1``) and reduce-scatters that tick's chunk
+    gradient.
 
     >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
     >>> fsdp = stackwise.pipeline(init, apply, 4, mesh, microbatches=2, fsdp="data")
@@ -313,8 +339,9 @@ def pipeline(
       stage_axis: the mesh axis the stages are laid out on.
       data_axis: a mesh axis to split the batch over as well, or ``None``.
       schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
-      repeats: for ``"circular"``: V, the chunks per stage (default ``n // S``:
-        one layer per chunk, the smallest bubble).
+      repeats: V, the chunks per stage: for ``"circular"`` (default ``n // S``:
+        one layer per chunk, the smallest bubble) and ``"1f1b"`` (interleaved;
+        default 1).
       fsdp: a mesh axis, or a tuple of them, to split each stage's params over
         as well (FSDP; not ``stage_axis``), or ``None``.
       fsdp_gather: with ``fsdp``: ``"step"`` (gather each stage's params once
@@ -347,11 +374,12 @@ def pipeline(
         or a ``loss`` that does not return a float scalar.
       ValueError: a mesh without ``stage_axis``/``data_axis``/``fsdp`` axes,
         ``stage_axis`` among the ``fsdp`` axes, an unknown ``fsdp_gather`` (or
-        one without ``fsdp``), ``fsdp`` with ``"1f1b"``, ``n`` not divisible
-        by ``S * repeats``, ``M < S`` or
-        ``S < 2`` for ``"circular"``, an unknown ``schedule``, ``"1f1b"``
-        without ``loss`` or with ``has_aux``/``repeats``/a pattern/
-        ``with_state``, ``loss`` with another schedule; at call time, a batch
+        one without ``fsdp``), ``n`` not divisible by ``S * repeats``,
+        ``repeats`` with ``"gpipe"``, ``M < S`` or ``S < 2`` for
+        ``"circular"``, ``S < 2`` or M not a multiple of S for ``"1f1b"`` with
+        ``repeats > 1``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
+        or with ``has_aux``/a pattern/``with_state``, ``loss`` with another
+        schedule; at call time, a batch
         (of ``x``, per-example arguments or ``targets``) not divisible by ``M``
         (times the data-axis size), params of neither layout, a leaf placed
         over the ``fsdp`` axes otherwise than ``fsdp`` names them (with other
@@ -374,12 +402,6 @@ def pipeline(
         _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
-    if fsdp is not None and schedule == "1f1b":
-        raise ValueError(
-            f"{_WHO}: `fsdp=` (FSDP inside the stages) is not implemented for the '1f1b' "
-            "schedule; it runs with schedule='gpipe' or 'circular'. Pass `fsdp=None` (the "
-            "stages' params then stay whole over the data axis)."
-        )
     if layer_pattern or with_state:
         if schedule == "1f1b":
             raise ValueError(
@@ -393,13 +415,14 @@ def pipeline(
             split_args=_split_args, check_batch=_check_batch, check_same_batch=_check_same_batch,
         )  # fmt: skip
 
-    def stage(call: _Call, dims: Any) -> Stacked:
-        """One stage's L layers: the core's scan and remat, with the call's arguments."""
+    def stage(call: _Call, dims: Any, gathers: bool = True) -> Stacked:
+        """One stage's L layers: the core's scan and remat, with the call's arguments
+        (gathering its chunk per tick with ``fsdp_gather="tick"``, if ``gathers``)."""
         layer = _Layer(apply, has_aux, call)
         one = stack(
             None, layer, plan.L, remat=remat, nested=nested, unroll=unroll, has_aux=True, name=_WHO
         )
-        if plan.fsdp and plan.gather == "tick":
+        if plan.fsdp and plan.gather == "tick" and gathers:
             return _pipeline_fsdp.gathered_per_tick(one, dims, plan, options)
         return one
 
@@ -459,9 +482,11 @@ def pipeline(
             loss_params = _reshard(loss_params, mesh, (), plan.manual)
         head = _pipeline_1f1b.with_params(loss, loss_params)
         run = lambda i: forward(i)[0]  # noqa: E731
+        # The 1F1B program gathers (and reduce-scatters) the FSDP params itself.
         return _pipeline_1f1b.loss_and_grads(
-            stage(call, dims), plan, mesh, head, run, inputs, targets, loss_params
-        )
+            stage(call, dims, gathers=False), plan, mesh, head, run, inputs, targets,
+            loss_params, dims,
+        )  # fmt: skip
 
     return Stacked(plain.init, pipelined, n)
 
@@ -495,7 +520,7 @@ def _check_loss_option(schedule: str, loss: Any, has_aux: bool) -> None:
 
 def _place_targets(targets: Any, mesh: Any, plan: _Plan) -> Any:
     """With explicit mesh axes, the targets split over the batch like ``x``."""
-    return _reshard(targets, mesh, (plan.data_axis,), plan.manual) if plan.explicit else targets
+    return _reshard(targets, mesh, (plan.batch,), plan.manual) if plan.explicit else targets
 
 
 # --------------------------------------------------------------------------

@@ -8,23 +8,38 @@ the loss is part of the schedule: :func:`loss_and_grads` is a
 of ``loss(y_m, targets_m[, loss_params])`` over the microbatches. Its forward rule runs the whole
 schedule and returns the gradients as the residual (the backward rule only scales
 them by the incoming cotangent); without differentiation the primal runs, the
-plain GPipe forward and the loss.
+plain GPipe (circular, for V > 1) forward and the loss.
 
-The schedule, on stage s of S (all stages in lockstep, one ``lax.scan`` over
-``T = M + 2S - 2`` ticks): at tick t the stage runs the forward of microbatch
-``t - s`` and the backward of microbatch ``t - (2S - 2 - s)`` (each masked
-outside ``[0, M)``). The forward's input is kept in a ring of
-``K = min(M, 2S - 1)`` slots (at most ``2(S - 1 - s) + 1`` are in flight on stage
-s); the backward is :func:`jax.vjp` of the stage's forward, recomputed from that
-input. The last stage runs a microbatch's forward, its loss and its backward in
-the same tick; cotangents go back one stage per tick with ``ppermute``. Params'
-gradients (and the loss params') are accumulated in the scan's carry, so nothing
-the scan keeps grows with M except the gradients of the per-example inputs (x,
+The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
+unless interleaved, ``repeats=V``); all stages in lockstep over ``T = M*V + V*S + S - 2``
+ticks (``M + 2S - 2`` for V = 1), in three ``lax.scan`` s (:func:`phases`): the first
+``V*S - 1`` ticks run forwards only, the last ``V*S - 1`` backwards only, the ones between
+both. A stage's steps are numbered
+``k = g*S*V + r*S + i`` (Megatron's interleaved order: microbatches in groups of S, each
+group going round the ring V times): step k is microbatch ``g*S + i`` on the stage's chunk
+r. At tick t the stage runs the forward of step ``t - s`` and the backward of step
+``t - (V*S - 1) - (S - 1 - s)``, whose rounds count down from V - 1 (each masked outside
+``[0, M*V)``). So the last stage runs a microbatch's last forward, its loss and the first
+step of its backward in the same tick; activations go one stage on per tick and
+cotangents one stage back (``ppermute``, round the ring for V > 1), and what leaves one
+end of the ring reaches the other end exactly when the next (previous) round needs it:
+nothing waits. The forward's input is kept in a ring of ``K = min(M*V, 2*V*S - 1)``
+slots, by forward step (an input lives at most ``2VS - 2`` ticks); the backward is
+:func:`jax.vjp` of the stage's chunk, recomputed from that input. Params' gradients (and
+the loss params') are accumulated in the scan's carry, each chunk's into its rows, so
+nothing the scan keeps grows with M except the gradients of the per-example inputs (x,
 per-example arguments, float targets), which are as large as those inputs.
+
+With FSDP (``fsdp=``) nothing here is differentiated by JAX, so the gathers are explicit:
+``fsdp_gather="step"`` all-gathers the stage's params once before the loop and
+reduce-scatters their summed gradients once after it; ``"tick"`` gathers each tick's
+forward chunk and backward chunk (one gather for V = 1, where both are the whole stage) and
+reduce-scatters the backward chunk's gradient into a sharded accumulator at that tick.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +48,32 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from stackwise._pipeline_program import _WHO, _Plan, _reshard, _split_batch, _take, _vary
+from stackwise import _pipeline_fsdp
+from stackwise._pipeline_program import (
+    _WHO,
+    _Plan,
+    _reshard,
+    _split_batch,
+    _take,
+    _vary,
+    _where,
+)
 
 
 def ticks(plan: _Plan) -> int:
-    """T = M + 2S - 2: the last microbatch's backward leaves stage 0 at tick M + 2S - 3."""
-    return plan.M + 2 * plan.S - 2
+    """T = M*V + V*S + S - 2 (M + 2S - 2 for V = 1): the last backward step, M*V - 1,
+    runs on stage 0 at tick (M*V - 1) + (V*S - 1) + (S - 1)."""
+    return plan.M * plan.V + plan.V * plan.S + plan.S - 2
+
+
+def phases(plan: _Plan) -> list[tuple[int, int, bool, bool]]:
+    """The tick loops, ``(first tick, stop, forward, backward)``: before tick V*S - 1 no
+    stage has a backward step, from tick M*V + S - 1 on none has a forward step. The two
+    outer phases (V*S - 1 ticks each) run only what they need, so the schedule costs
+    M*V + S - 1 ticks of a forward and a backward."""
+    fill, drain = plan.V * plan.S - 1, plan.M * plan.V + plan.S - 1
+    loops = [(0, fill, True, False), (fill, drain, True, True), (drain, ticks(plan), False, True)]
+    return [loop for loop in loops if loop[1] > loop[0]]
 
 
 def _inexact(v: Any) -> bool:
@@ -106,19 +141,21 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any,
         )
 
 
-def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_params):
+def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_params, dims=None):
     """The mean microbatch loss, differentiable: its forward rule runs the 1F1B schedule.
 
     ``inputs`` are the pipeline's placed ``(params, slices, x, examples, consts)``,
     ``loss`` takes ``(y, targets, loss_params)`` (see :func:`with_params`);
-    ``forward(inputs)`` is the GPipe program's output ``y`` (the primal, run when
-    nothing differentiates).
+    ``forward(inputs)`` is the GPipe (or circular) program's output ``y`` (the primal,
+    run when nothing differentiates); ``dims``, with FSDP, each param leaf's dimension
+    split over the FSDP axes (``stage`` then runs on gathered params).
     """
     diff = (*inputs, targets, loss_params)
     leaves, treedef = jax.tree.flatten(diff)
     avals = [(jnp.shape(v), _inexact(v)) for v in leaves]
-    layer, batch = PartitionSpec(None, plan.stage_axis), PartitionSpec(plan.data_axis)
-    specs = (layer, layer, batch, batch, PartitionSpec(), batch, PartitionSpec())
+    layer, batch = PartitionSpec(None, plan.stage_axis), PartitionSpec(plan.batch)
+    params = _pipeline_fsdp.in_specs(dims, plan) if plan.fsdp else layer
+    specs = (params, layer, batch, batch, PartitionSpec(), batch, PartitionSpec())
 
     def grads_tree(floats):
         """The float gradients back in ``diff``'s tree, ``None`` at the other leaves."""
@@ -129,7 +166,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_param
         *ins, tg, lp = diff
         y = forward(tuple(ins))
         if plan.explicit:  # y split like the targets, for the vmap below
-            y = _reshard(y, mesh, (plan.data_axis,), plan.manual)
+            y = _reshard(y, mesh, (plan.batch,), plan.manual)
 
         def split(tree):
             return jax.tree.map(lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), tree)
@@ -138,7 +175,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_param
 
     def schedule(diff):
         run = jax.shard_map(
-            lambda *a: _device_program(stage, plan, loss, grads_tree, *a),
+            lambda *a: _device_program(stage, plan, loss, grads_tree, dims, *a),
             mesh=mesh,
             in_specs=specs,
             out_specs=(PartitionSpec(), specs),
@@ -162,98 +199,136 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_param
     return value(diff)
 
 
-def _device_program(stage, plan, loss, grads_tree, *inputs):
+def _step(plan: _Plan, k: Any) -> tuple:
+    """Step k of a stage, forward or backward: ``k = g*S*V + r*S + i`` is microbatch
+    ``m = g*S + i`` in round r. Returns ``(valid, m, r)``, clipped to a real step where
+    k is none."""
+    S, V, M = plan.S, plan.V, plan.M
+    valid = (k >= 0) & (k < M * V)
+    k = jnp.clip(k, 0, M * V - 1)
+    g, rest = k // (S * V), k % (S * V)
+    return valid, g * S + rest % S, rest // S
+
+
+def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
     """One device's 1F1B schedule: the summed loss and every float input's gradient."""
-    S, M, L = plan.S, plan.M, plan.L
-    K = min(M, 2 * S - 1)  # ring slots: stage s has at most 2(S - 1 - s) + 1 in flight
+    S, V, M, L = plan.S, plan.V, plan.M, plan.L
+    K = min(M * V, 2 * V * S - 1)  # ring slots: a stage input lives at most 2VS - 2 ticks
+    # Forward step k runs on stage s at tick k + s, backward step k at k + delay + S - 1 - s:
+    # the least delay with which the last stage runs a microbatch's last forward, its loss
+    # and its first backward step in one tick.
+    delay = V * S - 1
     s = jax.lax.axis_index(plan.stage_axis)
-    d = jax.lax.axis_index(plan.data_axis) if plan.data_axis else 0
+    d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     last = s == S - 1
     params, slices, x, examples, consts, targets, loss_params = _vary(inputs, plan.manual)
     mbs, examples, targets = (_split_batch(v, M) for v in (x, examples, targets))
-    chunks = jax.tree.map(lambda v: v.reshape(L, *v.shape[2:]), (params, slices))
+    # This device's V chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
+    chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
+    fsdp = _Fsdp(plan, dims, params, slices)
+    per_tick = plan.fsdp and plan.gather == "tick"
+    if plan.fsdp and not per_tick:
+        chunks = fsdp.gather(chunks)  # the whole stage, once
     scale = 1.0 / (M * plan.D)  # the loss is the mean over all M*D microbatches
 
     def run_stage(m):
         """This stage on microbatch m, a function of what has gradients."""
         return lambda a: stage.apply(a[0], a[1], d * M + m, a[2], a[3])[0]
 
-    def write(bufs, i, values, on):
-        """``buf[i] = value`` where ``on``, for each buffer and value."""
-        return [
-            jax.lax.dynamic_update_index_in_dim(
-                b, jnp.where(on, v, jax.lax.dynamic_index_in_dim(b, i, keepdims=False)), i, 0
-            )
-            for b, v in zip(bufs, values)
-        ]
+    def chunk(r):
+        """Chunk r of this stage's layers (gathered, with FSDP per tick)."""
+        if V > 1:
+            c = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * L, L), chunks)
+        else:
+            c = chunks
+        return fsdp.gather(c) if per_tick else c
 
-    def tick(carry, t):
+    def tick(carry, t, forward=True, backward=True):
+        """Tick t; a phase of ticks where no stage has a backward (forward) step to run
+        leaves it out (``backward=False``, ``forward=False``)."""
         h, g, ring, acc, total = carry
         acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
-        # Forward: microbatch t - s enters this stage (stage 0 takes it from x).
-        kf = t - s
-        on_f = (kf >= 0) & (kf < M)
-        mf = jnp.clip(kf, 0, M - 1)
-        h_in = jax.tree.map(lambda a, b: jnp.where(s == 0, a, b), _take(mbs, mf), h)
-        ring = jax.tree.unflatten(
-            jax.tree.structure(ring),
-            write(jax.tree.leaves(ring), mf % K, jax.tree.leaves(h_in), on_f),
-        )
-        y = run_stage(mf)((chunks, h_in, _take(examples, mf), consts))
-        # The loss, on the last stage: its value and cotangents for y, targets, loss_params.
-        value, pull_loss = _vjp(lambda a: loss(*a), (y, _take(targets, mf), loss_params))
-        dy, dt, dlp = _regroup(
-            pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)]),
-            (y, _take(targets, mf), loss_params),
-        )
-        now = on_f & last
-        total = total + jnp.where(now, value[0], 0).astype(total.dtype)
-        acc_tg = write(acc_tg, mf, dt, now)
-        acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
-        # Backward: microbatch t - (2S - 2 - s), recomputed from its input in the ring.
-        kb = t - (2 * S - 2 - s)
-        on_b = (kb >= 0) & (kb < M)
-        mb = jnp.clip(kb, 0, M - 1)
-        ex_b = _take(examples, mb)
-        primals = (chunks, _take(ring, mb % K), ex_b, consts)
-        ct = [jnp.where(last, a, b) for a, b in zip(dy, g)]
-        _, pull = _vjp(run_stage(mb), primals)
-        dchunks, dh, dex, dconsts = _regroup(pull(ct), primals)
-        acc = (
-            [jnp.where(on_b, a + b, a) for a, b in zip(acc_chunks, dchunks)],
-            write(acc_x, mb, dh, on_b & (s == 0)),  # x's gradient: stage 0's input's
-            write(acc_ex, mb, dex, on_b),
-            [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
-            acc_tg,
-            acc_lp,
-        )
-        # Activations go one stage on, cotangents one stage back.
+        if forward:
+            # Step t - s; stage 0 takes round 0 from x, the next rounds from the last stage
+            # (which ran them one tick ago).
+            kf = t - s
+            on_f, mf, rf = _step(plan, kf)
+            h_in = _where((s == 0) & (rf == 0), _take(mbs, mf), h)
+            ring = jax.tree.unflatten(
+                jax.tree.structure(ring),
+                _write(jax.tree.leaves(ring), kf % K, jax.tree.leaves(h_in), on_f),
+            )
+            c_f = chunk(rf)
+            h = run_stage(mf)((c_f, h_in, _take(examples, mf), consts))
+        if forward and backward:
+            # The loss, on the last stage's last round (never in the other phases): its value
+            # and cotangents for y, targets, loss_params.
+            value, pull_loss = _vjp(lambda a: loss(*a), (h, _take(targets, mf), loss_params))
+            dy, dt, dlp = _regroup(
+                pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)]),
+                (h, _take(targets, mf), loss_params),
+            )
+            now = on_f & last & (rf == V - 1)
+            total = total + jnp.where(now, value[0], 0).astype(total.dtype)
+            acc_tg = _write(acc_tg, mf, dt, now)
+            acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
+        if backward:
+            # Step t - delay - (S - 1 - s), its rounds counted down from V - 1, recomputed
+            # from its input in the ring (at its forward step's slot).
+            on_b, mb, down = _step(plan, t - delay - (S - 1 - s))
+            rb = V - 1 - down
+            slot = ((mb // S) * S * V + rb * S + mb % S) % K
+            c_b = c_f if forward and V == 1 else chunk(rb)
+            primals = (c_b, _take(ring, slot), _take(examples, mb), consts)
+            # The last stage's last round starts from the loss, every other step from the
+            # cotangent the next chunk sent.
+            if forward:
+                g = [jnp.where(last & (rb == V - 1), a, b) for a, b in zip(dy, g)]
+            _, pull = _vjp(run_stage(mb), primals)
+            dchunk, g, dex, dconsts = _regroup(pull(g), primals)
+            if per_tick:
+                dchunk = fsdp.scatter(dchunk)  # the gathered chunk's gradient, to its shards
+            acc = (
+                _add(acc_chunks, rb * L if V > 1 else None, dchunk, on_b),
+                _write(acc_x, mb, g, on_b & (s == 0) & (rb == 0)),  # x's: the first chunk's
+                _add(acc_ex, mb, [v[None] for v in dex], on_b),
+                [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
+                acc_tg,
+                acc_lp,
+            )
+        # Activations go one stage on, cotangents one stage back (round the ring, V > 1).
         if S > 1:
-            y = jax.lax.ppermute(y, plan.stage_axis, [(i, i + 1) for i in range(S - 1)])
-            dh = jax.lax.ppermute(dh, plan.stage_axis, [(i, i - 1) for i in range(1, S)])
-        return (y, dh, ring, acc, total), None
+            links = range(S if V > 1 else S - 1)
+            if forward:
+                h = jax.lax.ppermute(h, plan.stage_axis, [(i, (i + 1) % S) for i in links])
+            if backward:
+                g = jax.lax.ppermute(g, plan.stage_axis, [((i + 1) % S, i) for i in links])
+        return (h, g, ring, acc, total), None
 
     zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
     h0 = _take(mbs, 0)
     out = jax.eval_shape(
         lambda: loss(
-            run_stage(0)((chunks, h0, _take(examples, 0), consts)), _take(targets, 0), loss_params
+            run_stage(0)((chunk(0), h0, _take(examples, 0), consts)), _take(targets, 0), loss_params
         )
     )
     ring0 = jax.tree.map(lambda v: jnp.zeros((K, *v.shape), v.dtype), h0)
     acc0 = tuple(zeros(v) for v in (chunks, mbs, examples, consts, targets, loss_params))
     carry = (h0, zeros(h0), ring0, acc0, jnp.zeros((), out.dtype))
     carry = _vary(carry, plan.manual)
-    (_, _, _, acc, total), _ = jax.lax.scan(tick, carry, jnp.arange(ticks(plan)))
+    for first, stop, forward, backward in phases(plan):
+        phase = functools.partial(tick, forward=forward, backward=backward)
+        carry, _ = jax.lax.scan(phase, carry, jnp.arange(first, stop))
+    _, _, _, acc, total = carry
     acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
-    data = (plan.data_axis,) if plan.data_axis else ()
     sum_over = lambda vs, axes: [jax.lax.psum(v, axes) if axes else v for v in vs]  # noqa: E731
     unsplit = lambda vs: [v.reshape(-1, *v.shape[2:]) for v in vs]  # noqa: E731
-    # Params and slices: (L, ...) back to this device's (1, L, ...), summed over the data
-    # shards; per-example gradients summed over the stages (each adds its layers' part).
+    # Params and slices: (V*L, ...) back to this device's (V, L, ...), summed over the data
+    # shards (reduce-scattered over the FSDP axes); per-example gradients summed over the
+    # stages (each adds its layers' part).
     stage_axis = plan.stage_axis
     grads = (
-        [v[None] for v in sum_over(acc_chunks, data)]
+        [v.reshape(V, L, *v.shape[1:]) for v in fsdp.reduce(acc_chunks, scattered=per_tick)]
         + unsplit(sum_over(acc_x, stage_axis))
         + unsplit(sum_over(acc_ex, stage_axis))
         + sum_over(acc_consts, plan.manual)
@@ -262,6 +337,67 @@ def _device_program(stage, plan, loss, grads_tree, *inputs):
     )
     total = jax.lax.psum(total, plan.manual) * jnp.asarray(scale, total.dtype)
     return total, grads_tree(grads)
+
+
+def _write(bufs: list, i: Any, values: list, on: Any) -> list:
+    """``buf[i] = value`` where ``on``, for each buffer and value."""
+    return [
+        jax.lax.dynamic_update_index_in_dim(
+            b, jnp.where(on, v, jax.lax.dynamic_index_in_dim(b, i, keepdims=False)), i, 0
+        )
+        for b, v in zip(bufs, values)
+    ]
+
+
+def _add(bufs: list, at: Any, values: list, on: Any) -> list:
+    """``buf[at:at + len(value)] += value`` where ``on`` (``at=None``: the whole buffer)."""
+    out = []
+    for b, v in zip(bufs, values):
+        if at is None:
+            out.append(jnp.where(on, b + v, b))
+            continue
+        old = jax.lax.dynamic_slice_in_dim(b, at, v.shape[0])
+        out.append(jax.lax.dynamic_update_slice_in_dim(b, jnp.where(on, old + v, old), at, 0))
+    return out
+
+
+class _Fsdp:
+    """FSDP inside the 1F1B program: the stage's params gathered over the FSDP axes, and
+    their gradients (a flat list of ``(params, slices)``' float leaves) reduce-scattered.
+    Nothing here is differentiated by JAX: the schedule is the explicit backward pass."""
+
+    def __init__(self, plan: _Plan, dims: Any, params: Any, slices: Any):
+        self.plan, self.dims = plan, dims
+        every = (
+            jax.tree.leaves(dims, is_leaf=lambda v: v is None)
+            if plan.fsdp
+            else [None] * len(jax.tree.leaves(params))
+        )
+        # Each float leaf's split dimension (None: not split; the slices never are).
+        floats = [d for v, d in zip(jax.tree.leaves(params), every) if _inexact(v)]
+        self.flat = floats + [None] * len(_floats(slices))
+
+    def gather(self, chunk: tuple) -> tuple:
+        """``(params, slices)`` with the params all-gathered over the FSDP axes."""
+        params, slices = chunk
+        return _pipeline_fsdp.gather(params, self.dims, self.plan), slices
+
+    def scatter(self, grads: list) -> list:
+        """A gathered chunk's gradients summed over the FSDP axes, each device its shard."""
+        return _pipeline_fsdp.scatter(grads, self.flat, self.plan)
+
+    def reduce(self, grads: list, scattered: bool) -> list:
+        """The accumulated gradients summed over the batch axes: reduce-scattered over the
+        FSDP axes (unless ``scattered`` already), all-reduced over the others."""
+        plan = self.plan
+        if plan.fsdp and not scattered:
+            grads = self.scatter(grads)
+        others = tuple(a for a in plan.batch_axes if a not in plan.fsdp)
+        out = []
+        for v, d in zip(grads, self.flat):
+            axes = plan.batch_axes if d is None else others
+            out.append(jax.lax.psum(v, axes) if axes else v)
+        return out
 
 
 def _regroup(flat: list, trees: tuple) -> list[list]:

@@ -20,6 +20,9 @@ A pattern's pipeline (``_pipeline_pattern.py``) uses the same pieces with its
 per-position blocks ``(V, S, C_p, ...)`` (``lead``: the dimensions before a
 leaf's inner ones), gathering the blocks per step or each tick's chunk of them.
 
+The 1F1B schedule (``_pipeline_1f1b.py``) is its own backward pass, which JAX does
+not differentiate: it calls :func:`gather` and its transpose :func:`scatter` itself.
+
 Which dimension of a leaf is split: the one its placement already splits over
 the FSDP axes, else :func:`stackwise.fsdp_specs`' rule (the largest inner axis
 the FSDP axes divide that no other mesh axis splits); a leaf with no such axis
@@ -170,6 +173,18 @@ def gather(chunks: Any, dims_tree: Any, plan: Any, lead: int = 1) -> Any:
         return checkpoint_name(whole, _GATHERED_NAME)
 
     return jax.tree.map(one, chunks, dims_tree, is_leaf=lambda d: d is None)
+
+
+def scatter(grads: Any, dims_tree: Any, plan: Any, lead: int = 1) -> Any:
+    """The transpose of :func:`gather`: ``(rows, ...)`` gradients of gathered leaves summed
+    over the FSDP axes (``psum_scatter``), each device keeping its shard."""
+
+    def one(g, d):
+        if d is None:
+            return g
+        return jax.lax.psum_scatter(g, plan.fsdp, scatter_dimension=lead + d, tiled=True)
+
+    return jax.tree.map(one, grads, dims_tree, is_leaf=lambda d: d is None)
 
 
 def gathered_once(

@@ -20,6 +20,8 @@ import stackwise
 PIPELINE_TOL = 2e-5
 # Temp memory of the 1F1B step at M=16 against M=4, same microbatch size: flat in M.
 FLAT_IN_M = 1.2
+# Interleaved 1F1B's temp growth from M=4 to 16 against its ring's 7 more slots.
+RING_MARGIN = 1.1
 # GPipe's, which keeps every microbatch's activations until the backward pass, grows.
 GROWS_IN_M = 1.5
 
@@ -49,18 +51,22 @@ def _diff(a, b) -> float:
 # The cases, run in the 8-device subprocess.
 
 
-def _case_equals_gpipe(remat):
+def _case_equals_gpipe(remat, repeats=1):
     """(stage=4, data=2), explicit, params placed on the stages: the 1F1B loss and grads
-    (params, x, a float const) against GPipe's. Without remat, M=4, also against a loop,
-    the undifferentiated value and the compiled program; with a remat policy and nested
-    remat, M=8: more microbatches than the ring's 2S - 1 = 7 slots, so that it wraps."""
+    (params, x, a float const) against GPipe's (circular, with ``repeats``). Without remat,
+    M=4, also against a loop, the undifferentiated value and the compiled program; with a
+    remat policy and nested remat, M=8: more microbatches than the ring's 2S - 1 = 7 slots,
+    so that it wraps. Interleaved (``repeats=2``): the params in the circular layout
+    ``(V, n/V, ...)``."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     n, m = 8, 8 if remat else 4
     kw = dict(microbatches=m, data_axis="data", remat=remat, nested=bool(remat))
-    f1 = stackwise.pipeline(_init, _apply, n, mesh, schedule="1f1b", loss=_mse, **kw)
-    gp = stackwise.pipeline(_init, _apply, n, mesh, **kw)
+    f1 = stackwise.pipeline(_init, _apply, n, mesh, schedule="1f1b", loss=_mse,
+                            repeats=repeats, **kw)
+    gp = stackwise.pipeline(_init, _apply, n, mesh, repeats=repeats,
+                            schedule="circular" if repeats > 1 else "gpipe", **kw)
     params = jax.jit(f1.init)(jax.random.key(0))
-    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage", repeats=repeats)
     x = jax.random.normal(jax.random.key(1), (32, D))
     t = jax.random.normal(jax.random.key(2), (32, D))
     scale = jnp.float32(0.7)
@@ -78,11 +84,13 @@ def _case_equals_gpipe(remat):
     out = {"gpipe_err": max(abs(float(v1 - v2)), _diff(g1, g2))}
     if not remat:
         v3, g3 = grad(loop, params)(params, x, t, scale)
+        out["grad_spec"] = str(g1[0]["w"].sharding.spec)
+        g1 = (jax.tree.map(lambda a: np.asarray(a).reshape(n, *a.shape[2:]), g1[0])
+              if repeats > 1 else g1[0], *g1[1:])  # the loop's layout
         hlo = step.as_text()
         out.update({
             "loop_err": max(abs(float(v1 - v3)), _diff(g1, g3)),
             "value_err": abs(float(jax.jit(f1.apply)(placed, x, t, scale) - v3)),
-            "grad_spec": str(g1[0]["w"].sharding.spec),
             "tick_trips": loop_trip_counts(hlo, "collective-permute"),
             "backward": collectives(hlo),
         })
@@ -104,20 +112,22 @@ def _xent(y, labels, head):
     return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1)) + 0.0 * jnp.sum(count)
 
 
-def _case_arguments():
-    """Auto mesh (stage=4, data=2), remat, 8 microbatches: a pytree carry with an int leaf,
-    int targets, an output head (loss_params), per-example / per-layer keys / layer index /
-    per-layer gains, against a loop over the D*M microbatches; grads of params, x, the mask,
-    the gains and the head."""
+def _case_arguments(repeats=1):
+    """Auto mesh (stage=4, data=2), remat, M=4 per data shard: a pytree carry with an int
+    leaf, int targets, an output head (loss_params), per-example / per-layer keys / layer
+    index / per-layer gains, against a loop over the D*M microbatches; grads of params, x,
+    the mask, the gains and the head. Interleaved (``repeats=2``, params in the ``(n, ...)``
+    layout): M=8, more forward steps (M*V = 16) than the ring's 2VS - 1 = 15 slots."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
-    n, m, data = 4, 4, 2
-    pp = stackwise.pipeline(_init, _arguments_apply, n, mesh, microbatches=m,
+    n, m, data = 4 * repeats, 4 * repeats, 2
+    pp = stackwise.pipeline(_init, _arguments_apply, n, mesh, microbatches=m, repeats=repeats,
                             data_axis="data", schedule="1f1b", loss=_xent, remat=True)
     params = pp.init(jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (16, D))
-    counts = jnp.zeros((16,), jnp.int32)
-    labels = jax.random.randint(jax.random.key(3), (16,), 0, D)
-    mask = (jnp.arange(16) % 3 != 0).astype(jnp.float32)
+    rows = 2 * m * data
+    x = jax.random.normal(jax.random.key(1), (rows, D))
+    counts = jnp.zeros((rows,), jnp.int32)
+    labels = jax.random.randint(jax.random.key(3), (rows,), 0, D)
+    mask = (jnp.arange(rows) % 3 != 0).astype(jnp.float32)
     key = jax.random.key(5)
     gains = jnp.linspace(0.5, 1.5, n)
     head = jax.random.normal(jax.random.key(4), (D, D))
@@ -147,7 +157,8 @@ def _case_arguments():
 
 
 def _case_memory():
-    """Temp memory of the params' gradient at M = 4 and 16 with 32 rows per microbatch."""
+    """Temp memory of the params' gradient at M = 4 and 16 with 32 rows per microbatch;
+    interleaved 1F1B (V=2) too, compiled only, its params in the circular layout."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     width, n, rows = 128, 8, 32
 
@@ -158,10 +169,10 @@ def _case_memory():
         return x + jnp.tanh(x @ p["w"])
 
     params = jax.eval_shape(stackwise.stack(init, apply, n).init, jax.random.key(0))
-    params = stackwise.shard_stacked(
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params), mesh, layer_axis="stage"
-    )
-    out = {}
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+    params = stackwise.shard_stacked(zeros, mesh, layer_axis="stage")
+    circular = stackwise.shard_stacked(zeros, mesh, layer_axis="stage", repeats=2)
+    out = {"slot_mib": rows * width * 4 / 2**20}  # one stage input in the ring
     for m in (4, 16):
         x = jnp.zeros((2 * m * rows, width))
         kw = dict(microbatches=m, data_axis="data", remat=True)
@@ -171,13 +182,18 @@ def _case_memory():
         for name, f in (("1f1b", f1.apply), ("gpipe", gpipe_loss)):
             compiled = jax.jit(jax.grad(f)).lower(params, x, x).compile()
             out[f"{name}_M{m}"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        f2 = stackwise.pipeline(None, apply, n, mesh, schedule="1f1b", loss=_mse, repeats=2, **kw)
+        compiled = jax.jit(jax.grad(f2.apply)).lower(circular, x, x).compile()
+        out[f"interleaved_M{m}"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
     return out
 
 
 _CASES = {
     "equals_gpipe": lambda: _case_equals_gpipe(False),
     "equals_gpipe_remat": lambda: _case_equals_gpipe(jax.checkpoint_policies.nothing_saveable),
+    "interleaved": lambda: _case_equals_gpipe(False, repeats=2),
     "arguments": _case_arguments,
+    "interleaved_arguments": lambda: _case_arguments(repeats=2),
     "memory": _case_memory,
 }
 
@@ -187,33 +203,43 @@ def multi_device():
     return run_module(__file__)
 
 
-@pytest.mark.parametrize("name", ["equals_gpipe", "equals_gpipe_remat"])
+@pytest.mark.parametrize("name", ["equals_gpipe", "equals_gpipe_remat", "interleaved"])
 def test_1f1b_equals_gpipe(multi_device, name):
+    # interleaved: against the circular schedule with the same repeats=2.
     assert result(multi_device, name)["gpipe_err"] < PIPELINE_TOL
 
 
-def test_1f1b_equals_the_loop(multi_device):
-    r = result(multi_device, "equals_gpipe")
+@pytest.mark.parametrize("name, spec", [("equals_gpipe", "P('stage', None, None)"),
+                                        ("interleaved", "P(None, 'stage', None, None)")])
+def test_1f1b_equals_the_loop(multi_device, name, spec):
+    r = result(multi_device, name)
     assert r["loop_err"] < PIPELINE_TOL
     assert r["value_err"] < PIPELINE_TOL  # without differentiation: GPipe's forward
-    assert r["grad_spec"] == "P('stage', None, None)"  # the params' layout
+    assert r["grad_spec"] == spec  # the params' layout (interleaved: the circular one)
 
 
-def test_1f1b_arguments_match_the_loop(multi_device):
-    assert result(multi_device, "arguments")["max_err"] < PIPELINE_TOL
+@pytest.mark.parametrize("name", ["arguments", "interleaved_arguments"])
+def test_1f1b_arguments_match_the_loop(multi_device, name):
+    assert result(multi_device, name)["max_err"] < PIPELINE_TOL
 
 
-def test_1f1b_runs_its_ticks_and_reduces_grads_once(multi_device):
-    r = result(multi_device, "equals_gpipe")
-    # One scan over M + 2S - 2 ticks: forwards and backwards together, no second loop.
-    assert r["tick_trips"] == [4 + 2 * 4 - 2]
-    reduces = [c for c in r["backward"] if c[0] == "all-reduce"]
+@pytest.mark.parametrize("name, loops", [("equals_gpipe", [3, 4, 3]), ("interleaved", [7, 4, 7])])
+def test_1f1b_runs_its_ticks_and_reduces_grads_once(multi_device, name, loops):
+    # T = M*V + V*S + S - 2 ticks (M + 2S - 2 for V = 1) in three loops: V*S - 1 ticks of
+    # forwards only (no stage has a backward yet), M*V + S - V*S of forwards and backwards
+    # together, V*S - 1 of backwards only. S=4, M=4: V=1 [3, 4, 3], V=2 [7, 4, 7].
+    assert sorted(result(multi_device, name)["tick_trips"]) == sorted(loops)
+    reduces = [c for c in result(multi_device, name)["backward"] if c[0] == "all-reduce"]
     assert reduces and all(depth == 0 for _, _, depth in reduces), reduces
 
 
 def test_1f1b_memory_is_flat_in_microbatches_where_gpipe_grows(multi_device):
     r = result(multi_device, "memory")
     assert r["1f1b_M16"] <= FLAT_IN_M * r["1f1b_M4"], r
+    # Interleaved (V=2): the ring holds min(M*V, 2VS - 1) stage inputs, 8 at M = S and 15
+    # from M = 8 on: from M = 4 to 16 temp grows by those 7 slots, nothing per microbatch.
+    grown = r["interleaved_M16"] - r["interleaved_M4"]
+    assert grown <= RING_MARGIN * 7 * r["slot_mib"], r
     assert r["gpipe_M16"] >= GROWS_IN_M * r["gpipe_M4"], r
 
 

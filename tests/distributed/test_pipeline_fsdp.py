@@ -55,13 +55,13 @@ def _spec(a) -> str:
     return str(P(*spec))
 
 
-def _run(pp, params, placed, x, facts=True, apply=_apply):
+def _run(pp, params, placed, x, facts=True, apply=_apply, loss_of=_loss):
     """Largest |difference| of the loss and grads (params and x) against the loop; with
     ``facts``, also the compiled training step's collectives (its forward part gathers
-    too), the jaxpr's gathers, and where the params, gradients and outputs are. The
-    pipelined step is compiled once."""
-    step = lambda f: jax.value_and_grad(_loss(f), argnums=(0, 1))  # noqa: E731
-    compiled = jax.jit(step(pp.apply)).lower(placed, x).compile()
+    too), the jaxpr's gathers (unless 1F1B's ``loss_of``), and where the params, gradients
+    and outputs are. The pipelined step is compiled once."""
+    step = lambda f, of=_loss: jax.value_and_grad(of(f), argnums=(0, 1))  # noqa: E731
+    compiled = jax.jit(step(pp.apply, loss_of)).lower(placed, x).compile()
     loop = lambda p, v: _loop(p, v, apply)  # noqa: E731
     got, want = compiled(placed, x), jax.jit(step(loop))(params, x)
     diff = lambda a, b: float(np.max(np.abs(np.asarray(a).reshape(b.shape) - b)))  # noqa: E731
@@ -71,18 +71,20 @@ def _run(pp, params, placed, x, facts=True, apply=_apply):
         "param_specs": jax.tree.map(_spec, placed),
         "grad_specs": jax.tree.map(_spec, got[1][0]),
     }
-    if out["param_specs"] != jax.tree.map(lambda _: "SingleDeviceSharding", placed):
+    placed_out = out["param_specs"] != jax.tree.map(lambda _: "SingleDeviceSharding", placed)
+    if placed_out and loss_of is _loss:  # (1F1B's apply returns the loss)
         out["out_spec"] = _spec(jax.eval_shape(pp.apply, placed, x))
     if not facts:
         return out
-    gathers = lambda f: str(jax.make_jaxpr(f)(placed, x)).count("= all_gather[")  # noqa: E731
-    return {
-        **out,
+    out.update({
         "program": collectives(compiled.as_text()),
-        "jaxpr_gathers": [gathers(pp.apply), gathers(step(pp.apply))],
         "param_bytes": sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(placed)),
         "total_bytes": sum(a.nbytes for a in jax.tree.leaves(placed)),
-    }
+    })
+    if loss_of is _loss:
+        gathers = lambda f: str(jax.make_jaxpr(f)(placed, x)).count("= all_gather[")  # noqa: E731
+        out["jaxpr_gathers"] = [gathers(pp.apply), gathers(step(pp.apply))]
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -101,6 +103,53 @@ def _case(schedule, gather):
                                      layer_axis="stage", repeats=repeats or 1)
     x = jax.random.normal(jax.random.key(1), (16, D))
     return _run(pp, params, placed, x)
+
+
+def _sin_sum(y, targets):
+    """``_loss``'s objective for one microbatch, for the 1F1B schedule."""
+    del targets
+    return jnp.sum(jnp.sin(y))
+
+
+def _case_1f1b(gather, repeats):
+    """1F1B with FSDP over "data" inside 4 stages, explicit (stage=4, data=2), remat, M=4,
+    ``repeats`` chunks per stage (2: params in the circular layout): the mean of
+    ``_sin_sum`` over the M*D = 8 microbatches, times 8, is ``_loss``."""
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    pp = stackwise.pipeline(None, _apply, 8, mesh, microbatches=4, data_axis="data",
+                            schedule="1f1b", loss=_sin_sum, repeats=repeats, fsdp="data",
+                            fsdp_gather=gather, remat=True)
+    params = jax.jit(stackwise.stack(_init, _apply, 8).init)(jax.random.key(0))
+    placed = stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "data"),
+                                     layer_axis="stage", repeats=repeats)
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    return _run(pp, params, placed, x, loss_of=lambda f: lambda p, v: 8 * f(p, v, None))
+
+
+def _gated_init(key):
+    return {**_init(key), "g": jnp.linspace(0.5, 1.5, 3)}
+
+
+def _gated(params, x):
+    """``_apply`` times a gate from a leaf of 3 entries, which 2-way FSDP does not split."""
+    return x + jnp.mean(params["g"]) * jnp.tanh(x @ params["w"] + params["b"][None, :])
+
+
+def _case_1f1b_dp_fsdp_auto():
+    """DP x FSDP x interleaved 1F1B on auto axes (stage=2, data=2, fsdp=2), per-tick
+    gathers, V=2, M=2, params placed over stage and fsdp (replicated over data) but for
+    a leaf FSDP cannot split (its gradient all-reduced over data and fsdp)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2),
+                             ("stage", "data", "fsdp"))
+    pp = stackwise.pipeline(None, _gated, 8, mesh, microbatches=2, data_axis="data",
+                            schedule="1f1b", loss=_sin_sum, repeats=2, fsdp="fsdp",
+                            fsdp_gather="tick")
+    params = jax.jit(stackwise.stack(_gated_init, _gated, 8).init)(jax.random.key(0))
+    placed = stackwise.shard_stacked(params, mesh, stackwise.fsdp_specs(params, mesh, "fsdp"),
+                                     layer_axis="stage")
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    return _run(pp, params, placed, x, facts=False, apply=_gated,
+                loss_of=lambda f: lambda p, v: 8 * f(p, v, None))
 
 
 def _case_haiku_tensor_parallel_auto():
@@ -182,6 +231,11 @@ _CASES = {
     "haiku_tensor_parallel_auto": _case_haiku_tensor_parallel_auto,
     "dp_fsdp_pp": _case_dp_fsdp_pp,
     "circular_step": _case_circular_step_memory,
+    "1f1b_step": lambda: _case_1f1b("step", 1),
+    "1f1b_tick": lambda: _case_1f1b("tick", 1),
+    "1f1b_step_v2": lambda: _case_1f1b("step", 2),
+    "1f1b_tick_v2": lambda: _case_1f1b("tick", 2),
+    "1f1b_dp_fsdp_auto": _case_1f1b_dp_fsdp_auto,
 }
 
 
@@ -192,16 +246,20 @@ def multi_device():
 
 @pytest.mark.parametrize(
     "name",
-    ["gpipe_step", "circular_step", "circular_tick", "haiku_tensor_parallel_auto", "dp_fsdp_pp"],
+    ["gpipe_step", "circular_step", "circular_tick", "haiku_tensor_parallel_auto", "dp_fsdp_pp",
+     "1f1b_step", "1f1b_tick", "1f1b_step_v2", "1f1b_tick_v2", "1f1b_dp_fsdp_auto"],
 )
 def test_fsdp_pipeline_matches_one_device(multi_device, name):
     assert result(multi_device, name)["max_err"] < PIPELINE_TOL
 
 
-@pytest.mark.parametrize("name", ["gpipe_step", "circular_tick"])
+@pytest.mark.parametrize(
+    "name", ["gpipe_step", "circular_tick", "1f1b_step", "1f1b_tick", "1f1b_step_v2",
+             "1f1b_tick_v2"]
+)
 def test_params_and_grads_sharded_over_stages_and_fsdp(multi_device, name):
     r = result(multi_device, name)
-    lead = "'stage', " if name.startswith("gpipe") else "None, 'stage', "
+    lead = "None, 'stage', " if name.startswith("circular") or name.endswith("v2") else "'stage', "
     expected = {"w": f"P({lead}'data')", "b": f"P({lead}'data')"}
     assert r["param_specs"] == expected
     assert r["grad_specs"] == expected  # reduce-scattered back to the params' layout
@@ -256,6 +314,38 @@ def test_gather_per_tick(multi_device):
     gathers = [c for c in found if c[0] == "all-gather"]
     assert len(gathers) == 4, found  # w and b, in the forward and the backward tick loops
     assert len([c for c in found if c[0] == "reduce-scatter"]) == 2, found
+
+
+@pytest.mark.parametrize("name", ["1f1b_step", "1f1b_step_v2"])
+def test_1f1b_gathers_once_per_step(multi_device, name):
+    # 1F1B, fsdp_gather="step": the schedule is the explicit backward pass, so the stage's
+    # leaves (2 rows: 2 layers, or 2 chunks of 1) are gathered once, before the tick loop,
+    # and their accumulated gradients reduce-scattered once, after it.
+    found = _fsdp_collectives(result(multi_device, name), 2)
+    assert sorted((c[0], c[1].split("{")[0], c[2]) for c in found) == [
+        ("all-gather", "f32[2,16,16]", 0), ("all-gather", "f32[2,16]", 0),
+        ("reduce-scatter", "f32[2,8,16]", 0), ("reduce-scatter", "f32[2,8]", 0)], found
+
+
+def test_1f1b_gathers_per_tick(multi_device):
+    # 1F1B, fsdp_gather="tick", V=2: each tick gathers the chunk its forward runs and the
+    # chunk its backward runs, and reduce-scatters the backward chunk's gradient, inside
+    # the tick loops (w and b each): in the forward-only loop 2 gathers, in the full one 4
+    # gathers and 2 reduce-scatters, in the backward-only one 2 and 2.
+    found = _fsdp_collectives(result(multi_device, "1f1b_tick_v2"), 1)
+    assert all(c[2] == 1 for c in found), found
+    assert len([c for c in found if c[0] == "all-gather"]) == 8, found
+    assert len([c for c in found if c[0] == "reduce-scatter"]) == 4, found
+
+
+def test_1f1b_gathers_per_tick_one_chunk(multi_device):
+    # V=1: a tick's forward and backward run the same chunk, the whole stage: one gather
+    # per leaf and loop (which the compiler may hoist out of the loops and share), and the
+    # reduce-scatters inside the loops that run backwards (2 loops x w and b).
+    found = _fsdp_collectives(result(multi_device, "1f1b_tick"), 2)
+    scatters = [c for c in found if c[0] == "reduce-scatter"]
+    assert len(scatters) == 4 and all(c[2] == 1 for c in scatters), found
+    assert 2 <= len([c for c in found if c[0] == "all-gather"]) <= 6, found
 
 
 @pytest.mark.parametrize("name, leaves", [("gpipe_step", 2), ("circular_step", 1),

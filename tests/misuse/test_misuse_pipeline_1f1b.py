@@ -1,6 +1,7 @@
 """The misuse catalogue of the 1F1B pipeline schedule (``schedule="1f1b", loss=``).
 
-Checked before any device computes: a one-device mesh and abstract evaluation will do.
+Checked before any device computes: a one-device (or abstract) mesh and abstract evaluation
+will do.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _misuse import assert_refused, case
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 import stackwise
 
@@ -83,11 +84,27 @@ MISUSES = [
         "schedule='gpipe'",
     ),
     case(
-        "1f1b with repeats (interleaved 1F1B)",
+        "interleaved 1f1b (repeats) on one stage",
         lambda: _1f1b(loss=_mse, repeats=2),
         ValueError,
-        "`repeats=2`",
-        "interleaved 1F1B is not implemented",
+        "'1f1b' schedule with repeats=2",
+        "at least 2 stages",
+        "repeats=1",
+    ),
+    case(
+        "interleaved 1f1b with microbatches not a multiple of the stages",
+        lambda: stackwise.pipeline(None, _apply, 8, AbstractMesh((2,), ("stage",)),
+                                   microbatches=3, schedule="1f1b", loss=_mse, repeats=2),
+        ValueError,
+        "groups of S=2",
+        "multiple of 2, got microbatches=3",
+        "microbatches=2 or 4",
+    ),
+    case(
+        "interleaved 1f1b with repeats not an int",
+        lambda: _1f1b(loss=_mse, repeats=2.0),
+        TypeError,
+        "`repeats` must be a positive Python int",
     ),
     case(
         "1f1b apply without targets",

@@ -112,14 +112,6 @@ PIPELINE_FSDP = [
         "in that order",
     ),
     case(
-        "fsdp with the 1f1b schedule",
-        lambda: _pipeline(fsdp="data", schedule="1f1b", loss=lambda y, t: jnp.mean(y)),
-        ValueError,
-        "`fsdp=`",
-        "the '1f1b' schedule",
-        "fsdp=None",
-    ),
-    case(
         "a batch that the microbatches times the fsdp axes do not divide",
         lambda: _pipeline(fsdp="data").apply({"w": jnp.zeros((2, 4, 4))}, jnp.ones((3, 4))),
         ValueError,
