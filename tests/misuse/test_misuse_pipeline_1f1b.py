@@ -100,8 +100,10 @@ MISUSES = [
         "1f1b with state, apply without targets",
         lambda: jax.eval_shape(
             _1f1b(loss=_mse, with_state=True, batched_state=False).apply,
-            PARAMS, {"calls": jnp.zeros((2,))}, jnp.ones((4, 3)),
-        ),  # fmt: skip
+            PARAMS,
+            {"calls": jnp.zeros((2,))},
+            jnp.ones((4, 3)),
+        ),
         TypeError,
         "`targets`",
         "apply(params, state, x, targets, *args)",
