@@ -29,12 +29,14 @@ from stackwise._markers import _PerExample, _PerLayer, _split_markers
 from stackwise._pipeline_pattern import pattern_pipeline
 from stackwise._pipeline_program import (
     _WHO,
+    _check_batch,
+    _check_same_batch,
     _device_layout,
     _device_program,
     _out_spec,
     _place,
     _Plan,
-    _reshard,
+    _StageState,
     _to_chunks,
 )
 from stackwise._stack import DEFAULT_REMAT, Stacked, stack
@@ -293,7 +295,7 @@ def pipeline(
     whole batch); :func:`stackwise.per_example` arguments are split into
     microbatches with ``x``; every other argument reaches every layer whole.
 
-    Patterns and state, with either schedule. A pattern of k layers
+    Patterns and state, with any schedule. A pattern of k layers
     (``init`` and ``apply`` as sequences, layer i running ``apply[i % k]``)
     pipelines with the stack's params, a tuple of k stacked trees; the stage
     (or chunk) boundaries may cut the pattern anywhere (``n/S`` need not be a
@@ -323,6 +325,31 @@ def pipeline(
     >>> y, state = jax.jit(pattern.apply)(params, state, x)
     >>> state[0]["calls"].tolist()  # layers 0 and 2, once per microbatch
     [3, 3]
+
+    With ``"1f1b"``, a pattern's ``apply(params, x, targets, ...)`` returns the
+    mean loss, its gradients in the params' layout (a tuple of k stacked trees);
+    with state, ``apply(params, state, x, targets, ...)`` returns ``(loss,
+    new_state)``, the new state the one the GPipe schedule returns (an unbatched
+    leaf updated by the microbatches in order: each chunk runs its forwards in
+    microbatch order). The state is not differentiated: its cotangent is zero (a
+    float state leaf's gradient is zeros), and no gradient flows through it from
+    one microbatch to the next either, as if each microbatch read
+    ``jax.lax.stop_gradient(state)`` (``jax.grad`` of the GPipe schedule does
+    differentiate through an unbatched state that feeds the outputs, such as a
+    running statistic used in the forward; a cache's rows, or statistics only
+    read, give both the same gradients). Under :func:`jax.grad`, pass
+    ``has_aux=True`` to get the new state back. Each ring slot keeps, with the
+    stage input, the state that microbatch's forward read (a batched leaf's rows
+    of it, an unbatched leaf's whole chunk), for the backward's recomputation:
+
+    >>> trained = stackwise.pipeline([counted, stateless], [counting, doubling], 3, mesh,
+    ...                              microbatches=3, with_state=True, batched_state=False,
+    ...                              schedule="1f1b", loss=mse)
+    >>> params, state = trained.init(jax.random.key(0))
+    >>> step = jax.value_and_grad(trained.apply, has_aux=True)
+    >>> (loss, state), grads = jax.jit(step)(params, state, x, targets)
+    >>> state[0]["calls"].tolist(), len(grads)
+    ([3, 3], 2)
 
     Args:
       init: as for :func:`stackwise.stack` (``None``: params come from
@@ -355,7 +382,8 @@ def pipeline(
         scalar for a microbatch's output ``y`` and its rows of ``targets``
         (``loss(y, targets, loss_params)`` when ``apply`` is given ``loss_params=``).
       with_state: the layers carry per-layer state, as for
-        :func:`stackwise.stack`.
+        :func:`stackwise.stack` (with ``"1f1b"``, ``apply`` returns ``(loss,
+        new_state)``, the state not differentiated).
       batched_state: which state leaves have a batch axis (after the layer
         axis, of ``x``'s batch), split into microbatches and over
         ``data_axis`` with ``x``: ``True`` (all: caches), ``False`` (none:
@@ -378,7 +406,7 @@ def pipeline(
         ``repeats`` with ``"gpipe"``, ``M < S`` or ``S < 2`` for
         ``"circular"``, ``S < 2`` or M not a multiple of S for ``"1f1b"`` with
         ``repeats > 1``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
-        or with ``has_aux``/a pattern/``with_state``, ``loss`` with another
+        or with ``has_aux``, ``loss`` with another
         schedule; at call time, a batch
         (of ``x``, per-example arguments or ``targets``) not divisible by ``M``
         (times the data-axis size), params of neither layout, a leaf placed
@@ -403,16 +431,10 @@ def pipeline(
     )
     _check_loss_option(schedule, loss, has_aux)
     if layer_pattern or with_state:
-        if schedule == "1f1b":
-            raise ValueError(
-                f"{_WHO}: the '1f1b' schedule pipelines one layer function without state; "
-                + ("a pattern of layers" if layer_pattern else "`with_state=True`")
-                + " runs with schedule='gpipe' or 'circular' (jax.grad of the pipeline)."
-            )
         return pattern_pipeline(
             plain, init, apply, plan, mesh, remat=remat, nested=nested, unroll=unroll,
             options=options, has_aux=has_aux, with_state=with_state, batched_state=batched_state,
-            split_args=_split_args, check_batch=_check_batch, check_same_batch=_check_same_batch,
+            loss=loss, split_args=_split_args,
         )  # fmt: skip
 
     def stage(call: _Call, dims: Any, gathers: bool = True) -> Stacked:
@@ -428,14 +450,9 @@ def pipeline(
 
     def pipelined(params, x, *args, **kwargs):
         if loss is not None:
-            if not args:
-                raise TypeError(
-                    f"{_WHO} apply: with schedule='1f1b' the call is `apply(params, x, "
-                    "targets, *args)`: `targets` (the per-example values `loss(y, targets)` "
-                    "takes, or None) is missing."
-                )
-            targets, args = args[0], args[1:]
-            loss_params = kwargs.pop("loss_params", None)
+            targets, loss_params, args, kwargs = _pipeline_1f1b.targets_of(
+                args, kwargs, "apply(params, x, targets, *args)"
+            )
         params = _device_layout(params, plan)
         dims = _pipeline_fsdp.dims(params, mesh, plan) if plan.fsdp else None
         _check_batch(x, plan, "x")
@@ -474,19 +491,18 @@ def pipeline(
         if loss is None:
             y, aux = forward(inputs)
             return (y, aux) if has_aux else y
-        _check_batch(targets, plan, "targets")
-        _check_same_batch(targets, x, "targets")
-        _pipeline_1f1b.check_loss(loss, x, targets, loss_params, plan)
-        targets = _place_targets(targets, mesh, plan)
-        if plan.explicit:
-            loss_params = _reshard(loss_params, mesh, (), plan.manual)
-        head = _pipeline_1f1b.with_params(loss, loss_params)
-        run = lambda i: forward(i)[0]  # noqa: E731
         # The 1F1B program gathers (and reduce-scatters) the FSDP params itself.
-        return _pipeline_1f1b.loss_and_grads(
-            stage(call, dims, gathers=False), plan, mesh, head, run, inputs, targets,
-            loss_params, dims,
+        one = stage(call, dims, gathers=False)
+
+        def run_chunk(chunk, h, state, j, examples, consts):
+            return one.apply(chunk, h, j, examples, consts)[0], state
+
+        on_stage = _pipeline_1f1b.Stage(run_chunk, param_spec, 2, dims, _StageState((), plan))
+        value, _ = _pipeline_1f1b.loss_and_grads(
+            on_stage, plan, mesh, loss, lambda i, state: (forward(i)[0], state), inputs, (),
+            targets, loss_params,
         )  # fmt: skip
+        return value
 
     return Stacked(plain.init, pipelined, n)
 
@@ -516,11 +532,6 @@ def _check_loss_option(schedule: str, loss: Any, has_aux: bool) -> None:
             "loss only. Add the aux term to the carry (a pytree `x`) and to `loss`, or use "
             "schedule='gpipe' with has_aux=True."
         )
-
-
-def _place_targets(targets: Any, mesh: Any, plan: _Plan) -> Any:
-    """With explicit mesh axes, the targets split over the batch like ``x``."""
-    return _reshard(targets, mesh, (plan.batch,), plan.manual) if plan.explicit else targets
 
 
 # --------------------------------------------------------------------------
@@ -589,41 +600,3 @@ def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
         )
 
     return _Call(per_layer, kinds, examples, consts, build)
-
-
-def _check_same_batch(tree: Any, x: Any, what: str) -> None:
-    """A per-example value has x's batch: a smaller one that divides the microbatches would
-    be split and broadcast, where ``Stacked.apply`` gives every layer the whole value."""
-    batch = jnp.shape(jax.tree.leaves(x)[0])[0]
-    bad = [
-        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
-        for p, v in jax.tree_util.tree_leaves_with_path(tree)
-        if jnp.shape(v)[0] != batch
-    ]
-    if bad:
-        raise ValueError(
-            f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
-            f"batch is {batch}, but these leaves do not:\n"
-            + "\n".join(bad)
-            + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
-            "or pass it unmarked if every example shares it."
-        )
-
-
-def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
-    split = plan.M * plan.D
-    bad = [
-        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
-        for p, v in jax.tree_util.tree_leaves_with_path(tree)
-        if jnp.ndim(v) == 0 or jnp.shape(v)[0] % split
-    ]
-    if bad:
-        by = f"microbatches={plan.M}"
-        if plan.D > 1:
-            by += f" times the {plan.batch!r} axis size {plan.D}"
-        raise ValueError(
-            f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
-            f"{by} = {split}, but these leaves do not:\n"
-            + "\n".join(bad)
-            + f"\nUse a batch size that is a multiple of {split}, or another `microbatches`."
-        )

@@ -5,10 +5,17 @@ all M forwards, so every microbatch's activations live until then (GPipe). 1F1B
 starts a microbatch's backward as soon as its forward leaves the last stage, so
 the loss is part of the schedule: :func:`loss_and_grads` is a
 :func:`jax.custom_vjp` function of the pipeline's inputs whose value is the mean
-of ``loss(y_m, targets_m[, loss_params])`` over the microbatches. Its forward rule runs the whole
-schedule and returns the gradients as the residual (the backward rule only scales
-them by the incoming cotangent); without differentiation the primal runs, the
-plain GPipe (circular, for V > 1) forward and the loss.
+of ``loss(y_m, targets_m[, loss_params])`` over the microbatches (and, with state, of
+the new state). Its forward rule runs the whole schedule and returns the gradients as
+the residual (the backward rule only scales them by the incoming cotangent); without
+differentiation the primal runs, the plain GPipe (circular, for V > 1) forward and the
+loss.
+
+What a stage runs comes from the pipeline that builds it, as a :class:`Stage`: "run
+chunk r of this stage on microbatch m", its params' layout and FSDP split, and how its
+state is carried (``_pipeline.py`` for one layer function, without state;
+``_pipeline_pattern.py`` for a pattern or layers with state, its position blocks and
+dispatch). The schedule below is the same for both.
 
 The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
 unless interleaved, ``repeats=V``); all stages in lockstep over ``T = M*V + V*S + S - 2``
@@ -24,8 +31,12 @@ step of its backward in the same tick; activations go one stage on per tick and
 cotangents one stage back (``ppermute``, round the ring for V > 1), and what leaves one
 end of the ring reaches the other end exactly when the next (previous) round needs it:
 nothing waits. The forward's input is kept in a ring of ``K = min(M*V, 2*V*S - 1)``
-slots, by forward step (an input lives at most ``2VS - 2`` ticks); the backward is
-:func:`jax.vjp` of the stage's chunk, recomputed from that input. Params' gradients (and
+slots, by forward step (an input lives at most ``2VS - 2`` ticks), with the state that
+forward read (a batched leaf's rows of the microbatch, an unbatched leaf's whole chunk);
+the backward is :func:`jax.vjp` of the stage's chunk, recomputed from that input and
+that state, which is not differentiated (no gradient flows through the state, from one
+microbatch to the next either). The forwards write the new state as the GPipe schedule's
+tick loop does: each chunk runs its forwards in microbatch order. Params' gradients (and
 the loss params') are accumulated in the scan's carry, each chunk's into its rows, so
 nothing the scan keeps grows with M except the gradients of the per-example inputs (x,
 per-example arguments, float targets), which are as large as those inputs.
@@ -41,7 +52,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +62,12 @@ from jax.sharding import PartitionSpec
 from stackwise import _pipeline_fsdp
 from stackwise._pipeline_program import (
     _WHO,
+    _check_batch,
+    _check_same_batch,
     _Plan,
     _reshard,
     _split_batch,
+    _StageState,
     _take,
     _vary,
     _where,
@@ -99,6 +113,43 @@ def _vjp(f: Callable[[Any], Any], tree: Any) -> tuple[Any, Callable[[list], list
     return out, lambda ct: list(pull(ct))
 
 
+class Stage(NamedTuple):
+    """A pipeline's stage as the 1F1B program runs it, from the pipeline that builds it
+    (``_pipeline.py`` for one layer function, ``_pipeline_pattern.py`` for a pattern or
+    layers with state). On a device the stage's V chunks are ``(params, per_layer)``
+    stacks of ``V*R`` rows (R: a leaf's rows in one chunk), chunk r at rows ``r*R`` to
+    ``(r+1)*R - 1``.
+
+    * ``run(chunk, h, state, j, examples, consts) -> (h, state)``: one chunk (its ``(params,
+      per_layer)`` rows, the params gathered with FSDP) on microbatch j (its index over the
+      whole batch) with its state; ``examples`` are the microbatch's rows.
+    * ``params``: the params' ``shard_map`` spec; ``lead``: a param leaf's dimensions before
+      its inner ones (2 in the ``(V, n/V, ...)`` layout, 3 in a pattern's ``(V, S, C_p,
+      ...)`` blocks); ``dims``: with FSDP, each param leaf's inner dimension split over
+      the FSDP axes (else ``None``).
+    * ``state``: how the tick loop carries the stage's state (``_StageState``).
+    """
+
+    run: Callable[..., tuple]
+    params: Any
+    lead: int
+    dims: Any
+    state: _StageState
+
+
+def targets_of(args: tuple, kwargs: dict, call: str) -> tuple:
+    """``(targets, loss_params, args, kwargs)`` of ``apply(..., x, targets, *args,
+    loss_params=..., **kwargs)``; ``call`` is that signature, for the error."""
+    if not args:
+        raise TypeError(
+            f"{_WHO} apply: with schedule='1f1b' the call is `{call}`: `targets` (the "
+            "per-example values `loss(y, targets)` takes, or None) is missing."
+        )
+    kwargs = dict(kwargs)
+    loss_params = kwargs.pop("loss_params", None)
+    return args[0], loss_params, tuple(args[1:]), kwargs
+
+
 def with_params(loss: Callable[..., Any], loss_params: Any) -> Callable[..., Any]:
     """``loss`` as a function of ``(y, targets, loss_params)``, called with the user's arity."""
     if loss_params is None:
@@ -141,62 +192,79 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any,
         )
 
 
-def loss_and_grads(stage, plan, mesh, loss, forward, inputs, targets, loss_params, dims=None):
-    """The mean microbatch loss, differentiable: its forward rule runs the 1F1B schedule.
+def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, loss_params):
+    """The mean microbatch loss and the new state, differentiable: the forward rule runs
+    the 1F1B schedule.
 
-    ``inputs`` are the pipeline's placed ``(params, slices, x, examples, consts)``,
-    ``loss`` takes ``(y, targets, loss_params)`` (see :func:`with_params`);
-    ``forward(inputs)`` is the GPipe (or circular) program's output ``y`` (the primal,
-    run when nothing differentiates); ``dims``, with FSDP, each param leaf's dimension
-    split over the FSDP axes (``stage`` then runs on gathered params).
+    ``stage`` is a :class:`Stage`; ``inputs`` the pipeline's placed ``(params, per_layer,
+    x, examples, consts)`` (``params`` with ``stage.params``' spec, ``per_layer`` the
+    per-layer values ``(V, n/V, ...)``), ``state`` its placed state blocks (``()``
+    without state); ``loss`` the user's, ``targets`` and ``loss_params`` as ``apply``
+    got them; ``forward(inputs, state)`` is the GPipe (or circular) program's ``(y,
+    new_state)`` (the primal, run when nothing differentiates). The state is not
+    differentiated: its cotangent is zero.
     """
+    x = inputs[2]
+    _check_batch(targets, plan, "targets")
+    _check_same_batch(targets, x, "targets")
+    check_loss(loss, x, targets, loss_params, plan)
+    if plan.explicit:  # the targets split over the batch like x; the loss params whole
+        targets = _reshard(targets, mesh, (plan.batch,), plan.manual)
+        loss_params = _reshard(loss_params, mesh, (), plan.manual)
+    loss = with_params(loss, loss_params)
     diff = (*inputs, targets, loss_params)
     leaves, treedef = jax.tree.flatten(diff)
     avals = [(jnp.shape(v), _inexact(v)) for v in leaves]
     layer, batch = PartitionSpec(None, plan.stage_axis), PartitionSpec(plan.batch)
-    params = _pipeline_fsdp.in_specs(dims, plan) if plan.fsdp else layer
-    specs = (params, layer, batch, batch, PartitionSpec(), batch, PartitionSpec())
+    specs = (stage.params, layer, batch, batch, PartitionSpec(), batch, PartitionSpec())
 
     def grads_tree(floats):
         """The float gradients back in ``diff``'s tree, ``None`` at the other leaves."""
         it = iter(floats)
         return jax.tree.unflatten(treedef, [next(it) if f else None for _, f in avals])
 
-    def primal(diff):
+    def primal(diff, state):
         *ins, tg, lp = diff
-        y = forward(tuple(ins))
+        y, new_state = forward(tuple(ins), state)
         if plan.explicit:  # y split like the targets, for the vmap below
             y = _reshard(y, mesh, (plan.batch,), plan.manual)
 
         def split(tree):
             return jax.tree.map(lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), tree)
 
-        return jnp.mean(jax.vmap(loss, in_axes=(0, 0, None))(split(y), split(tg), lp))
+        return jnp.mean(jax.vmap(loss, in_axes=(0, 0, None))(split(y), split(tg), lp)), new_state
 
-    def schedule(diff):
+    def schedule(diff, state):
         run = jax.shard_map(
-            lambda *a: _device_program(stage, plan, loss, grads_tree, dims, *a),
+            lambda diff, state: _device_program(stage, plan, loss, grads_tree, diff, state),
             mesh=mesh,
-            in_specs=specs,
-            out_specs=(PartitionSpec(), specs),
+            in_specs=(specs, stage.state.specs),
+            out_specs=((PartitionSpec(), stage.state.specs), specs),
             axis_names=frozenset(plan.manual),
         )
-        return run(*diff)
+        return run(diff, state)
 
     @jax.custom_vjp
-    def value(diff):
-        return primal(diff)
+    def value(diff, state):
+        return primal(diff, state)
 
     def bwd(grads, g):
+        g = g[0]  # the new state's cotangent is dropped: the state is not differentiated
         it = iter(jax.tree.leaves(grads))
         out = [
             (g * next(it)).astype(jnp.result_type(v)) if f else np.zeros(shape, jax.dtypes.float0)
             for v, (shape, f) in zip(leaves, avals)
         ]
-        return (jax.tree.unflatten(treedef, out),)
+        return jax.tree.unflatten(treedef, out), jax.tree.map(_zero_cotangent, state)
 
     value.defvjp(schedule, bwd)
-    return value(diff)
+    return value(diff, state)
+
+
+def _zero_cotangent(v: Any) -> Any:
+    if _inexact(v):
+        return jnp.zeros(jnp.shape(v), jnp.result_type(v))
+    return np.zeros(jnp.shape(v), jax.dtypes.float0)
 
 
 def _step(plan: _Plan, k: Any) -> tuple:
@@ -210,9 +278,10 @@ def _step(plan: _Plan, k: Any) -> tuple:
     return valid, g * S + rest % S, rest // S
 
 
-def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
-    """One device's 1F1B schedule: the summed loss and every float input's gradient."""
-    S, V, M, L = plan.S, plan.V, plan.M, plan.L
+def _device_program(stage, plan, loss, grads_tree, inputs, state):
+    """One device's 1F1B schedule: the summed loss, the new state and every float input's
+    gradient."""
+    S, V, M = plan.S, plan.V, plan.M
     K = min(M * V, 2 * V * S - 1)  # ring slots: a stage input lives at most 2VS - 2 ticks
     # Forward step k runs on stage s at tick k + s, backward step k at k + delay + S - 1 - s:
     # the least delay with which the last stage runs a microbatch's last forward, its loss
@@ -221,45 +290,54 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     last = s == S - 1
-    params, slices, x, examples, consts, targets, loss_params = _vary(inputs, plan.manual)
+    inputs, state = _vary((inputs, state), plan.manual)
+    params, per_layer, x, examples, consts, targets, loss_params = inputs
     mbs, examples, targets = (_split_batch(v, M) for v in (x, examples, targets))
-    # This device's V chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
-    chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
-    fsdp = _Fsdp(plan, dims, params, slices)
+    state = stage.state.enter(state)
+    # This device's V chunks as (V*R, ...) stacks, chunk r at rows r*R:(r+1)*R.
+    stacks = (
+        jax.tree.map(lambda v: v.reshape(-1, *v.shape[stage.lead :]), params),
+        jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), per_layer),
+    )
+    fsdp = _Fsdp(plan, stage.dims, stacks)
     per_tick = plan.fsdp and plan.gather == "tick"
     if plan.fsdp and not per_tick:
-        chunks = fsdp.gather(chunks)  # the whole stage, once
+        stacks = fsdp.gather(stacks)  # the whole stage, once
     scale = 1.0 / (M * plan.D)  # the loss is the mean over all M*D microbatches
 
-    def run_stage(m):
-        """This stage on microbatch m, a function of what has gradients."""
-        return lambda a: stage.apply(a[0], a[1], d * M + m, a[2], a[3])[0]
+    def run(m, st):
+        """This stage's chunk on microbatch m from state ``st``, a function of ``(chunk,
+        h, examples, consts)``: ``(h, new state)``."""
+        return lambda a: stage.run(a[0], a[1], st, d * M + m, a[2], a[3])
 
     def chunk(r):
-        """Chunk r of this stage's layers (gathered, with FSDP per tick)."""
-        if V > 1:
-            c = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * L, L), chunks)
-        else:
-            c = chunks
+        """Chunk r of this stage (gathered, with FSDP per tick)."""
+
+        def rows(v):  # chunk r's R of the V*R rows
+            return jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V)
+
+        c = jax.tree.map(rows, stacks) if V > 1 else stacks
         return fsdp.gather(c) if per_tick else c
 
     def tick(carry, t, forward=True, backward=True):
         """Tick t; a phase of ticks where no stage has a backward (forward) step to run
         leaves it out (``backward=False``, ``forward=False``)."""
-        h, g, ring, acc, total = carry
-        acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
+        h, g, state, ring, acc, total = carry
+        acc_stacks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
         if forward:
             # Step t - s; stage 0 takes round 0 from x, the next rounds from the last stage
-            # (which ran them one tick ago).
+            # (which ran them one tick ago). The ring keeps its input and the state it read.
             kf = t - s
             on_f, mf, rf = _step(plan, kf)
             h_in = _where((s == 0) & (rf == 0), _take(mbs, mf), h)
+            st_in = stage.state.take(state, rf, mf)
             ring = jax.tree.unflatten(
                 jax.tree.structure(ring),
-                _write(jax.tree.leaves(ring), kf % K, jax.tree.leaves(h_in), on_f),
+                _write(jax.tree.leaves(ring), kf % K, jax.tree.leaves((h_in, st_in)), on_f),
             )
             c_f = chunk(rf)
-            h = run_stage(mf)((c_f, h_in, _take(examples, mf), consts))
+            h, st = run(mf, st_in)((c_f, h_in, _take(examples, mf), consts))
+            state = stage.state.put(state, _where(on_f, st, st_in), rf, mf)
         if forward and backward:
             # The loss, on the last stage's last round (never in the other phases): its value
             # and cotangents for y, targets, loss_params.
@@ -274,22 +352,23 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
             acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
         if backward:
             # Step t - delay - (S - 1 - s), its rounds counted down from V - 1, recomputed
-            # from its input in the ring (at its forward step's slot).
+            # from its input and state in the ring (at its forward step's slot).
             on_b, mb, down = _step(plan, t - delay - (S - 1 - s))
             rb = V - 1 - down
             slot = ((mb // S) * S * V + rb * S + mb % S) % K
             c_b = c_f if forward and V == 1 else chunk(rb)
-            primals = (c_b, _take(ring, slot), _take(examples, mb), consts)
+            h_b, st_b = _take(ring, slot)
+            primals = (c_b, h_b, _take(examples, mb), consts)
             # The last stage's last round starts from the loss, every other step from the
             # cotangent the next chunk sent.
             if forward:
                 g = [jnp.where(last & (rb == V - 1), a, b) for a, b in zip(dy, g)]
-            _, pull = _vjp(run_stage(mb), primals)
+            _, pull = _vjp(lambda a: run(mb, st_b)(a)[0], primals)
             dchunk, g, dex, dconsts = _regroup(pull(g), primals)
             if per_tick:
                 dchunk = fsdp.scatter(dchunk)  # the gathered chunk's gradient, to its shards
             acc = (
-                _add(acc_chunks, rb * L if V > 1 else None, dchunk, on_b),
+                _add(acc_stacks, rb if V > 1 else None, dchunk, on_b),
                 _write(acc_x, mb, g, on_b & (s == 0) & (rb == 0)),  # x's: the first chunk's
                 _add(acc_ex, mb, [v[None] for v in dex], on_b),
                 [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
@@ -303,32 +382,35 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
                 h = jax.lax.ppermute(h, plan.stage_axis, [(i, (i + 1) % S) for i in links])
             if backward:
                 g = jax.lax.ppermute(g, plan.stage_axis, [((i + 1) % S, i) for i in links])
-        return (h, g, ring, acc, total), None
+        return (h, g, state, ring, acc, total), None
 
     zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
-    h0 = _take(mbs, 0)
+    h0, st0 = _take(mbs, 0), stage.state.take(state, 0, 0)
     out = jax.eval_shape(
         lambda: loss(
-            run_stage(0)((chunk(0), h0, _take(examples, 0), consts)), _take(targets, 0), loss_params
+            run(0, st0)((chunk(0), h0, _take(examples, 0), consts))[0],
+            _take(targets, 0),
+            loss_params,
         )
     )
-    ring0 = jax.tree.map(lambda v: jnp.zeros((K, *v.shape), v.dtype), h0)
-    acc0 = tuple(zeros(v) for v in (chunks, mbs, examples, consts, targets, loss_params))
-    carry = (h0, zeros(h0), ring0, acc0, jnp.zeros((), out.dtype))
+    ring0 = jax.tree.map(lambda v: jnp.zeros((K, *v.shape), v.dtype), (h0, st0))
+    acc0 = tuple(zeros(v) for v in (stacks, mbs, examples, consts, targets, loss_params))
+    carry = (h0, zeros(h0), state, ring0, acc0, jnp.zeros((), out.dtype))
     carry = _vary(carry, plan.manual)
     for first, stop, forward, backward in phases(plan):
         phase = functools.partial(tick, forward=forward, backward=backward)
         carry, _ = jax.lax.scan(phase, carry, jnp.arange(first, stop))
-    _, _, _, acc, total = carry
-    acc_chunks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
+    _, _, state, _, acc, total = carry
+    acc_stacks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
     sum_over = lambda vs, axes: [jax.lax.psum(v, axes) if axes else v for v in vs]  # noqa: E731
     unsplit = lambda vs: [v.reshape(-1, *v.shape[2:]) for v in vs]  # noqa: E731
-    # Params and slices: (V*L, ...) back to this device's (V, L, ...), summed over the data
-    # shards (reduce-scattered over the FSDP axes); per-example gradients summed over the
-    # stages (each adds its layers' part).
+    # Params and per-layer values: (V*R, ...) back to this device's layout, summed over the
+    # data shards (reduce-scattered over the FSDP axes); per-example gradients summed over
+    # the stages (each adds its layers' part).
+    local = _floats((params, per_layer))
     stage_axis = plan.stage_axis
     grads = (
-        [v.reshape(V, L, *v.shape[1:]) for v in fsdp.reduce(acc_chunks, scattered=per_tick)]
+        [g.reshape(v.shape) for g, v in zip(fsdp.reduce(acc_stacks, per_tick), local)]
         + unsplit(sum_over(acc_x, stage_axis))
         + unsplit(sum_over(acc_ex, stage_axis))
         + sum_over(acc_consts, plan.manual)
@@ -336,7 +418,7 @@ def _device_program(stage, plan, loss, grads_tree, dims, *inputs):
         + sum_over(acc_lp, plan.manual)
     )
     total = jax.lax.psum(total, plan.manual) * jnp.asarray(scale, total.dtype)
-    return total, grads_tree(grads)
+    return (total, stage.state.leave(state)), grads_tree(grads)
 
 
 def _write(bufs: list, i: Any, values: list, on: Any) -> list:
@@ -349,13 +431,15 @@ def _write(bufs: list, i: Any, values: list, on: Any) -> list:
     ]
 
 
-def _add(bufs: list, at: Any, values: list, on: Any) -> list:
-    """``buf[at:at + len(value)] += value`` where ``on`` (``at=None``: the whole buffer)."""
+def _add(bufs: list, i: Any, values: list, on: Any) -> list:
+    """``buf[i*k:(i+1)*k] += value`` (block i of ``k = len(value)`` rows) where ``on``
+    (``i=None``: the whole buffer)."""
     out = []
     for b, v in zip(bufs, values):
-        if at is None:
+        if i is None:
             out.append(jnp.where(on, b + v, b))
             continue
+        at = i * v.shape[0]
         old = jax.lax.dynamic_slice_in_dim(b, at, v.shape[0])
         out.append(jax.lax.dynamic_update_slice_in_dim(b, jnp.where(on, old + v, old), at, 0))
     return out
@@ -363,27 +447,28 @@ def _add(bufs: list, at: Any, values: list, on: Any) -> list:
 
 class _Fsdp:
     """FSDP inside the 1F1B program: the stage's params gathered over the FSDP axes, and
-    their gradients (a flat list of ``(params, slices)``' float leaves) reduce-scattered.
-    Nothing here is differentiated by JAX: the schedule is the explicit backward pass."""
+    their gradients (a flat list of the stacks' float leaves) reduce-scattered. Nothing
+    here is differentiated by JAX: the schedule is the explicit backward pass."""
 
-    def __init__(self, plan: _Plan, dims: Any, params: Any, slices: Any):
+    def __init__(self, plan: _Plan, dims: Any, stacks: tuple):
         self.plan, self.dims = plan, dims
+        params, per_layer = stacks
         every = (
             jax.tree.leaves(dims, is_leaf=lambda v: v is None)
             if plan.fsdp
             else [None] * len(jax.tree.leaves(params))
         )
-        # Each float leaf's split dimension (None: not split; the slices never are).
+        # Each float leaf's split dimension (None: not split; the per-layer values never are).
         floats = [d for v, d in zip(jax.tree.leaves(params), every) if _inexact(v)]
-        self.flat = floats + [None] * len(_floats(slices))
+        self.flat = floats + [None] * len(_floats(per_layer))
 
-    def gather(self, chunk: tuple) -> tuple:
-        """``(params, slices)`` with the params all-gathered over the FSDP axes."""
-        params, slices = chunk
-        return _pipeline_fsdp.gather(params, self.dims, self.plan), slices
+    def gather(self, stacks: tuple) -> tuple:
+        """``(params, per_layer)`` rows with the params all-gathered."""
+        params, per_layer = stacks
+        return _pipeline_fsdp.gather(params, self.dims, self.plan), per_layer
 
     def scatter(self, grads: list) -> list:
-        """A gathered chunk's gradients summed over the FSDP axes, each device its shard."""
+        """Gathered rows' gradients summed over the FSDP axes, each device its shard."""
         return _pipeline_fsdp.scatter(grads, self.flat, self.plan)
 
     def reduce(self, grads: list, scattered: bool) -> list:

@@ -38,7 +38,11 @@ layout whatever its stage's phase in the pattern:
 
 The tick loop follows ``_pipeline_program._tick`` (the same schedules, the
 same parking of microbatches between rounds) with one addition: the chunk's
-state, read before the stage runs and written after it.
+state (``_pipeline_program._StageState``), read before the stage runs and
+written after it. With ``schedule="1f1b"`` the 1F1B program
+(``_pipeline_1f1b.py``) runs the same stage (its chunk's blocks and table rows
+on one microbatch, the state carried the same way) in its own tick loops; the
+tick loop here is its primal, run when nothing differentiates.
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stackwise import _check, _pipeline_fsdp
+from stackwise import _check, _pipeline_1f1b, _pipeline_fsdp
 from stackwise._adapt import check_depth, check_layers, tree_leaves
 from stackwise._pipeline_program import (
     _WHO,
     _add_aux,
+    _check_batch,
+    _check_same_batch,
     _entering,
     _gather_aux,
     _gather_output,
@@ -65,6 +71,7 @@ from stackwise._pipeline_program import (
     _Plan,
     _reshard,
     _split_batch,
+    _StageState,
     _take,
     _to_chunks,
     _vary,
@@ -186,14 +193,14 @@ def pattern_pipeline(
     has_aux: bool,
     with_state: bool,
     batched_state: Any,
+    loss: Callable[..., Any] | None,
     split_args: Callable,
-    check_batch: Callable,
-    check_same_batch: Callable,
 ) -> Stacked:
-    """The pipeline of a pattern and/or of layers with state, either schedule.
+    """The pipeline of a pattern and/or of layers with state, any schedule (``loss``: the
+    1F1B schedule's).
 
-    ``plain`` is the stack (its init is the pipeline's); ``split_args`` and the
-    two batch checks are ``stackwise.pipeline``'s own, shared with it.
+    ``plain`` is the stack (its init is the pipeline's); ``split_args`` is
+    ``stackwise.pipeline``'s own, shared with it.
     """
     _, applies, pattern = check_layers(init, apply, _WHO)
     k, n = len(applies), plan.n
@@ -205,25 +212,27 @@ def pattern_pipeline(
         )
     layout = _layout(n, k, plan.S, plan.V)
     tables = (jnp.asarray(layout.position), jnp.asarray(layout.row))
+    signature = "apply(params, " + "state, " * with_state + "x, targets, *args)"
 
     def pipelined(*args, **kwargs):
         params, state, x, args = _apply_args(args, with_state, _WHO, call="apply")
+        if loss is not None:
+            targets, loss_params, args, kwargs = _pipeline_1f1b.targets_of(args, kwargs, signature)
         params = _positions(params, "params", pattern, layout)
         state = _positions(state, "state", pattern, layout) if with_state else (None,) * k
-        check_batch(x, plan, "x")
-        batched = _batched_leaves(state, batched_state, x, plan, pattern)
+        _check_batch(x, plan, "x")
+        state_of = _StageState(_batched_leaves(state, batched_state, x, plan, pattern), plan)
         call = split_args(tuple(args), kwargs, n)
         for i, v in enumerate(call.examples):
-            check_batch(v, plan, f"stackwise.per_example argument {i}")
-            check_same_batch(v, x, f"stackwise.per_example argument {i}")
+            _check_batch(v, plan, f"stackwise.per_example argument {i}")
+            _check_same_batch(v, x, f"stackwise.per_example argument {i}")
         dims = _fsdp_dims(params, mesh, plan, pattern)
         blocks = tuple(_to_blocks(params[p], layout, p, plan.explicit) for p in range(k))
         state_blocks = tuple(_to_blocks(state[p], layout, p, plan.explicit) for p in range(k))
         per_layer = _to_chunks((tables, call.per_layer), plan)
-        state_specs = jax.tree.map(lambda b: _state_spec(b, plan), batched)
         inputs = (blocks, state_blocks, per_layer, x, call.examples, call.consts)
         if plan.explicit:
-            inputs = _place(inputs, state_specs, dims, mesh, plan)
+            inputs = _place(inputs, state_of.specs, dims, mesh, plan)
         out_spec = _out_spec(x, plan)
         dispatch = _Dispatch(applies, has_aux, with_state, call, plan.manual)
         stage = stack(
@@ -236,32 +245,56 @@ def pattern_pipeline(
 
         def program(*inputs, gather=None):
             return _device_program(
-                stage, options, plan, batched, out_spec, *inputs, gather=gather, per_tick=per_tick
+                stage, options, plan, state_of, out_spec, *inputs, gather=gather, per_tick=per_tick
             )
 
         if plan.fsdp and plan.gather == "step":
             program = _pipeline_fsdp.gathered_once(program, dims, plan, options, lead=3)
         layers = PartitionSpec(None, plan.stage_axis)
+        block_specs = _pipeline_fsdp.in_specs(dims, plan, lead=3) if plan.fsdp else layers
         run = jax.shard_map(
             program,
             mesh=mesh,
             in_specs=(
-                _pipeline_fsdp.in_specs(dims, plan, lead=3) if plan.fsdp else layers,
-                state_specs,
+                block_specs,
+                state_of.specs,
                 layers,
                 PartitionSpec(plan.batch),
                 PartitionSpec(plan.batch),
                 PartitionSpec(),
             ),
-            out_specs=(out_spec, PartitionSpec(), state_specs),
+            out_specs=(out_spec, PartitionSpec(), state_of.specs),
             axis_names=frozenset(plan.manual),
         )
-        y, aux, new_state = run(*inputs)
-        new_state = tuple(_from_blocks(new_state[p], layout, p, plan.explicit) for p in range(k))
-        aux = tuple(jax.tree.map(lambda a, p=p: a[p::k], aux[p]) for p in range(k))
+
         unwrap = (lambda t: t) if pattern else (lambda t: t[0])
+
+        def unblocked(new_state):  # the new state in the stack's layout
+            return unwrap(
+                tuple(_from_blocks(new_state[p], layout, p, plan.explicit) for p in range(k))
+            )
+
+        if loss is not None:
+            blocks, state_blocks, *rest = inputs
+
+            def run_chunk(chunk, h, state, j, examples, consts):
+                """A chunk's ``(blocks, per_layer)`` rows on one microbatch."""
+                blocks, per_layer = chunk
+                return stage.apply(per_layer, (h, state), j, examples, consts, blocks)[0]
+
+            def forward(inputs, state):  # the primal: GPipe's output and new state
+                y, _, new_state = run(inputs[0], state, *inputs[1:])
+                return y, new_state
+
+            value, new_state = _pipeline_1f1b.loss_and_grads(
+                _pipeline_1f1b.Stage(run_chunk, block_specs, 3, dims, state_of),
+                plan, mesh, loss, forward, (blocks, *rest), state_blocks, targets, loss_params,
+            )  # fmt: skip
+            return (value, unblocked(new_state)) if with_state else value
+        y, aux, new_state = run(*inputs)
+        aux = tuple(jax.tree.map(lambda a, p=p: a[p::k], aux[p]) for p in range(k))
         out = (y, unwrap(aux)) if has_aux else y
-        return (out, unwrap(new_state)) if with_state else out
+        return (out, unblocked(new_state)) if with_state else out
 
     return Stacked(plain.init, pipelined, n)
 
@@ -339,14 +372,6 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
     tree = state if pattern else state[0]
     flags = jax.tree.unflatten(jax.tree.structure(tree), flags)
     return flags if pattern else (flags,)
-
-
-def _state_spec(batched: bool, plan: _Plan) -> PartitionSpec:
-    """A state block ``(V, S, C_p, [batch,] ...)``: stages, then the batch over the batch
-    axes (``data_axis`` and the FSDP axes)."""
-    if batched and plan.batch:
-        return PartitionSpec(None, plan.stage_axis, None, plan.batch)
-    return PartitionSpec(None, plan.stage_axis)
 
 
 def _place(inputs: tuple, state_specs: Any, dims: Any, mesh: Any, plan: _Plan) -> tuple:
@@ -468,12 +493,13 @@ def _check_state(old: Any, new: Any, p: int) -> None:
 
 
 def _device_program(
-    stage, options, plan, batched, out_spec, blocks, state, per_layer, x, examples, consts,
+    stage, options, plan, state_of, out_spec, blocks, state, per_layer, x, examples, consts,
     gather=None, per_tick=None,
 ):  # fmt: skip
-    """What one device runs: its V chunks of L layers over the M*V + S - 1 ticks. With
-    FSDP, ``gather`` gathers the stage's blocks before the tick loop, or ``per_tick``
-    each tick's chunk of them."""
+    """What one device runs: its V chunks of L layers over the M*V + S - 1 ticks, the
+    state carried as ``state_of`` (a :class:`_StageState`) says. With FSDP, ``gather``
+    gathers the stage's blocks before the tick loop, or ``per_tick`` each tick's chunk of
+    them."""
     M, V = plan.M, plan.V
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
@@ -486,12 +512,7 @@ def _device_program(
     per_layer = jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), per_layer)
     if gather is not None:
         blocks = gather(blocks)
-    # Batched state leaves as (V, C_p, M, b, ...): microbatch m reads and writes [r, :, m].
-    state = jax.tree.map(
-        lambda v, b: v[:, 0].reshape(V, v.shape[2], M, -1, *v.shape[4:]) if b else v[:, 0],
-        state,
-        batched,
-    )
+    state = state_of.enter(state)
     mbs, examples = _split_batch(x, M), _split_batch(examples, M)
 
     def chunk(tree, r):  # chunk r's rows: all of them for one chunk a stage
@@ -501,24 +522,6 @@ def _device_program(
             lambda v: jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V),
             tree,
         )
-
-    def state_of(state, r):
-        return jax.tree.map(lambda v: v[0], state) if V == 1 else _take(state, r)
-
-    def take(state, r, m):
-        return jax.tree.map(
-            lambda v, b: jax.lax.dynamic_index_in_dim(v, m, 1, keepdims=False) if b else v,
-            state_of(state, r),
-            batched,
-        )
-
-    def put(state, new, r, m):
-        def one(v, u, b):
-            if b:
-                u = jax.lax.dynamic_update_index_in_dim(state_of(v, r), u, m, 1)
-            return u[None] if V == 1 else jax.lax.dynamic_update_index_in_dim(v, u, r, 0)
-
-        return jax.tree.map(one, state, new, batched)
 
     def run_stage(chunks, r, h, st, m):
         """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
@@ -536,16 +539,17 @@ def _device_program(
         run_stage = jax.checkpoint(
             run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
         )
-    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), take(state, 0, 0), 0)[1]
+    st0 = state_of.take(state, 0, 0)
+    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), st0, 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
 
     def tick(carry, t):
         """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
         h, parked, state, aux = carry
         valid, m, r, h, parked = _entering(plan, mbs, s, h, parked, t)
-        st = take(state, r, m)
+        st = state_of.take(state, r, m)
         (out, new), layer_aux = run_stage(chunks, r, h, st, m)
-        state = put(state, _where(valid, new, st), r, m)
+        state = state_of.put(state, _where(valid, new, st), r, m)
         aux = _add_aux(aux, layer_aux, valid, r)
         return (_pass_on(out, plan), parked, state, aux), out
 
@@ -554,18 +558,4 @@ def _device_program(
     (_, _, state, aux), ys = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
     # The last stage finished microbatch m (last round) at tick T - M + m.
     y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
-
-    def back(v, b):  # the stage's state as its (V, 1, C_p, ...) block
-        return (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else _same(v, plan))[:, None]
-
-    state = jax.tree.map(back, state, batched)
-    return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan), state
-
-
-def _same(v: Any, plan: _Plan) -> Any:
-    """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
-    ``_batched_leaves`` refuses more), marked so: it met the batch in the tick loop."""
-    if not plan.batch_axes:
-        return v
-    reduce = jax.lax.psum if jnp.issubdtype(v.dtype, jnp.inexact) else jax.lax.pmax
-    return reduce(v, plan.batch_axes)
+    return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan), state_of.leave(state)

@@ -58,6 +58,48 @@ class _Plan(NamedTuple):
 
 
 # --------------------------------------------------------------------------
+# The call's batch, checked.
+
+
+def _check_same_batch(tree: Any, x: Any, what: str) -> None:
+    """A per-example value has x's batch: a smaller one that divides the microbatches would
+    be split and broadcast, where ``Stacked.apply`` gives every layer the whole value."""
+    batch = jnp.shape(jax.tree.leaves(x)[0])[0]
+    bad = [
+        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
+        for p, v in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.shape(v)[0] != batch
+    ]
+    if bad:
+        raise ValueError(
+            f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
+            f"batch is {batch}, but these leaves do not:\n"
+            + "\n".join(bad)
+            + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
+            "or pass it unmarked if every example shares it."
+        )
+
+
+def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
+    split = plan.M * plan.D
+    bad = [
+        f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
+        for p, v in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.ndim(v) == 0 or jnp.shape(v)[0] % split
+    ]
+    if bad:
+        by = f"microbatches={plan.M}"
+        if plan.D > 1:
+            by += f" times the {plan.batch!r} axis size {plan.D}"
+        raise ValueError(
+            f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
+            f"{by} = {split}, but these leaves do not:\n"
+            + "\n".join(bad)
+            + f"\nUse a batch size that is a multiple of {split}, or another `microbatches`."
+        )
+
+
+# --------------------------------------------------------------------------
 # Layouts: the params as (V, n/V, ...), chunk c = r*S + s at [r, s*L:(s+1)*L].
 
 
@@ -212,6 +254,79 @@ def _device_program(
     # The last stage finished microbatch m (last round) at tick T - M + m.
     y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
     return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
+
+
+class _StageState:
+    """A stage's state in a tick loop (GPipe's or 1F1B's), from this device's ``(V, 1,
+    C_p, ...)`` blocks of a pattern's state (``_pipeline_pattern.py``). A leaf with a batch
+    axis (``batched``) runs as ``(V, C_p, M, b, ...)``: microbatch m of chunk r reads and
+    writes ``[r, :, m]``; one without, as ``(V, C_p, ...)``: chunk r's ``[r]``, which the
+    microbatches update in turn. Layers without state: ``batched=()``, nothing to carry."""
+
+    def __init__(self, batched: Any, plan: _Plan):
+        self.batched, self.plan = batched, plan
+
+    @property
+    def specs(self) -> Any:
+        """The blocks' ``shard_map`` specs: the stages, then a batched leaf's batch over the
+        batch axes (``data_axis`` and the FSDP axes)."""
+        plan = self.plan
+
+        def one(batched):
+            if batched and plan.batch:
+                return PartitionSpec(None, plan.stage_axis, None, plan.batch)
+            return PartitionSpec(None, plan.stage_axis)
+
+        return jax.tree.map(one, self.batched)
+
+    def enter(self, blocks: Any) -> Any:
+        """The device's blocks as the tick loop carries them."""
+        V, M = self.plan.V, self.plan.M
+        return jax.tree.map(
+            lambda v, b: v[:, 0].reshape(V, v.shape[2], M, -1, *v.shape[4:]) if b else v[:, 0],
+            blocks,
+            self.batched,
+        )
+
+    def _chunk(self, state: Any, r: Any) -> Any:
+        return jax.tree.map(lambda v: v[0], state) if self.plan.V == 1 else _take(state, r)
+
+    def take(self, state: Any, r: Any, m: Any) -> Any:
+        """What chunk r reads on microbatch m: its rows of a batched leaf, an unbatched one."""
+        return jax.tree.map(
+            lambda v, b: jax.lax.dynamic_index_in_dim(v, m, 1, keepdims=False) if b else v,
+            self._chunk(state, r),
+            self.batched,
+        )
+
+    def put(self, state: Any, new: Any, r: Any, m: Any) -> Any:
+        """``state`` with chunk r's microbatch m's part written (:meth:`take`'s inverse)."""
+
+        def one(v, u, b):
+            if b:
+                u = jax.lax.dynamic_update_index_in_dim(self._chunk(v, r), u, m, 1)
+            return u[None] if self.plan.V == 1 else jax.lax.dynamic_update_index_in_dim(v, u, r, 0)
+
+        return jax.tree.map(one, state, new, self.batched)
+
+    def leave(self, state: Any) -> Any:
+        """The carried state back as the device's ``(V, 1, C_p, ...)`` blocks."""
+        V, plan = self.plan.V, self.plan
+
+        def one(v, b):
+            return (v.reshape(V, v.shape[1], -1, *v.shape[4:]) if b else _same(v, plan))[:, None]
+
+        return jax.tree.map(one, state, self.batched)
+
+
+def _same(v: Any, plan: _Plan) -> Any:
+    """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
+    ``_pipeline_pattern._batched_leaves`` refuses more), marked so: it met the batch in the
+    tick loop."""
+    if not plan.batch_axes:
+        return v
+    reduce = jax.lax.psum if jnp.issubdtype(v.dtype, jnp.inexact) else jax.lax.pmax
+    return reduce(v, plan.batch_axes)
 
 
 def _never_sliced(chunks: Any, options: Options, V: int = 1) -> Callable[..., bool] | None:

@@ -156,9 +156,24 @@ def _case_arguments(repeats=1):
     return {"max_err": max(abs(float(v - v_ref)), _diff(g, g_ref))}
 
 
+def _rel(a, b) -> float:
+    """The largest difference per leaf, relative to that leaf's largest value (at least 1)."""
+    return max(
+        jax.tree.leaves(
+            jax.tree.map(
+                lambda u, v: float(np.max(np.abs(np.asarray(u) - v)) / max(np.max(np.abs(v)), 1)),
+                a,
+                b,
+            )
+        )
+    )
+
+
 def _case_memory():
     """Temp memory of the params' gradient at M = 4 and 16 with 32 rows per microbatch;
-    interleaved 1F1B (V=2) too, compiled only, its params in the circular layout."""
+    interleaved 1F1B (V=2) too, compiled only, its params in the circular layout; and 1F1B
+    of a pattern with state (statistics, without a batch axis: ``data_axis=None``), whose
+    step at M = 4 also runs, against the stack run on the microbatches in order."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     width, n, rows = 128, 8, 32
 
@@ -185,6 +200,55 @@ def _case_memory():
         f2 = stackwise.pipeline(None, apply, n, mesh, schedule="1f1b", loss=_mse, repeats=2, **kw)
         compiled = jax.jit(jax.grad(f2.apply)).lower(circular, x, x).compile()
         out[f"interleaved_M{m}"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    out.update(_pattern_state_memory(mesh, width, n, rows, init, apply))
+    return out
+
+
+def _pattern_state_memory(mesh, width, n, rows, init, apply):
+    """1F1B of a pattern with state: temp memory of the params' gradient at M = 4 and 16,
+    and the M = 4 step's loss, grads and state against the stack on the microbatches in
+    order (the state, a running mean of each layer's input, feeds its output: 1F1B's
+    gradient does not flow through it from one microbatch to the next)."""
+
+    def stats_init(key):
+        return init(key), {"mean": jnp.zeros(width)}
+
+    def stats(p, state, x):  # a running mean of the layer's input
+        mean = 0.9 * state["mean"] + 0.1 * jnp.mean(x, 0)
+        return apply(p, x - mean[None, :]), {"mean": mean}
+
+    def stateless(p, state, x):
+        return apply(p, x), state
+
+    inits, applies = [stats_init, lambda key: (init(key), None)], [stats, stateless]
+    plain = stackwise.stack(inits, applies, n, with_state=True)
+    params, state = jax.jit(plain.init)(jax.random.key(0))
+    state = jax.tree.map(lambda a: a + 0.1, state)
+    placed = stackwise.shard_stacked(params, mesh, layer_axis="stage")
+    out, steps = {}, {}
+    for m in (4, 16):
+        pp = stackwise.pipeline(inits, applies, n, mesh, microbatches=m, with_state=True,
+                                batched_state=False, schedule="1f1b", loss=_mse, remat=True)
+        loss = lambda p, x, t, pp=pp: pp.apply(p, state, x, t)  # noqa: E731
+        x = jnp.zeros((m * rows, width))
+        steps[m] = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(
+            placed, x, x).compile()
+        out[f"pattern_state_M{m}"] = steps[m].memory_analysis().temp_size_in_bytes / 2**20
+
+    def reference(p, x, t):
+        """The stack on the 4 microbatches in turn, no gradient through the state."""
+        st, losses = state, []
+        for x_j, t_j in zip(x.reshape(4, rows, width), t.reshape(4, rows, width)):
+            y_j, st = plain.apply(p, jax.lax.stop_gradient(st), x_j)
+            losses.append(_mse(y_j, t_j))
+        return jnp.mean(jnp.stack(losses)), st
+
+    x = jax.random.normal(jax.random.key(1), (4 * rows, width))
+    t = jax.random.normal(jax.random.key(2), (4 * rows, width))
+    (loss, new), grads = steps[4](placed, x, t)
+    grad = jax.jit(jax.value_and_grad(reference, has_aux=True))
+    (loss_ref, new_ref), grads_ref = grad(params, x, t)
+    out["pattern_state_err"] = _rel((loss, grads, new), (loss_ref, grads_ref, new_ref))
     return out
 
 
@@ -241,6 +305,9 @@ def test_1f1b_memory_is_flat_in_microbatches_where_gpipe_grows(multi_device):
     grown = r["interleaved_M16"] - r["interleaved_M4"]
     assert grown <= RING_MARGIN * 7 * r["slot_mib"], r
     assert r["gpipe_M16"] >= GROWS_IN_M * r["gpipe_M4"], r
+    # A pattern with state: its ring keeps each input's state too, K slots, not M.
+    assert r["pattern_state_M16"] <= FLAT_IN_M * r["pattern_state_M4"], r
+    assert r["pattern_state_err"] < PIPELINE_TOL  # the stack on the microbatches in order
 
 
 if __name__ == "__main__":

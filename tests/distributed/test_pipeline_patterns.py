@@ -105,10 +105,22 @@ def _sin_loss(f):
 # Patterns.
 
 
-def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place=None, **options):
+def _head_mse(y, t, head):
+    """A 1F1B loss with ``loss_params``: an output head, then the mean squared error."""
+    return jnp.mean((y @ head - t) ** 2)
+
+
+def _pattern_case(
+    inits, applies, n, mesh, data_axis=None, microbatches=2, place=None, one_f_one_b=False,
+    **options,
+):  # fmt: skip
     """Outputs and grads (params and x) of the pipelined pattern against the loop; with
     ``fsdp=``, also where the params and grads are, and the training step's collectives
-    (compiled) and all-gathers (its jaxpr, and the forward pass's)."""
+    (compiled) and all-gathers (its jaxpr, and the forward pass's). With ``one_f_one_b``,
+    the same pipeline with ``schedule="1f1b"``, a head's loss and each stage's layers a
+    Python loop (``unroll=True``): its loss and grads (params, x, head) against the loop's,
+    its loss against GPipe's output's, its value without differentiation, and where its
+    grads are."""
     k = len(applies)
     per_layer = _loop_params(inits, n, jax.random.key(0))
     params = _regroup(per_layer, k)
@@ -130,6 +142,26 @@ def _pattern_case(inits, applies, n, mesh, data_axis=None, microbatches=2, place
         "max_err": _rel((y, gx, g), (y_ref, gx_ref, _regroup(g_ref, k))),
         "init_equals_loop": _diff(jax.jit(pp.init)(jax.random.key(0)), params) == 0.0,
     }
+    if one_f_one_b:
+        f1 = stackwise.pipeline(
+            inits, applies, n, mesh, microbatches=microbatches, data_axis=data_axis,
+            schedule="1f1b", loss=_head_mse, unroll=True, **options,
+        )  # fmt: skip
+        t = jax.random.normal(jax.random.key(2), (8, D))
+        head = jax.random.normal(jax.random.key(3), (D, D)) / D**0.5
+        grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))  # noqa: E731
+        loss = lambda p, v, h: f1.apply(p, v, t, loss_params=h)  # noqa: E731
+        v1, (g1, gx1, gh1) = grad(loss)(placed, x, head)
+        v_ref, (g_ref, gx_ref, gh_ref) = grad(lambda p, v, h: _head_mse(loop(p, v), t, h))(
+            per_layer, x, head
+        )
+        gpipe = np.mean((np.asarray(y) @ np.asarray(head) - np.asarray(t)) ** 2)
+        out.update({
+            "1f1b_err": _rel((v1, gx1, gh1, g1), (v_ref, gx_ref, gh_ref, _regroup(g_ref, k))),
+            "1f1b_gpipe_err": abs(float(v1) - float(gpipe)),
+            "1f1b_value_err": abs(float(jax.jit(loss)(placed, x, head) - v_ref)),
+            "1f1b_grad_specs": jax.tree.map(_spec_of, g1),
+        })  # fmt: skip
     if options.get("fsdp"):
         gathers = lambda f: str(jax.make_jaxpr(f)(placed, x)).count("= all_gather[")  # noqa: E731
         backward = jax.grad(_sin_loss_of(pp.apply), has_aux=True)
@@ -152,7 +184,8 @@ def _case_phases():
     2's block is padded on stages 0 and 3. Explicit (stage=4, data=2), no remat, nested
     groups; FSDP over "data" inside the stages, gathered once per step (the batch is split
     over "data", the data and FSDP axis), the params placed split over "data" by
-    fsdp_specs (their layer axes, of 3, 3 and 2 layers, are not split over the 4 stages)."""
+    fsdp_specs (their layer axes, of 3, 3 and 2 layers, are not split over the 4 stages).
+    The same with the 1F1B schedule, a head's loss and unroll=True."""
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     place = lambda p: stackwise.shard_stacked(  # noqa: E731
         p, mesh, stackwise.fsdp_specs(p, mesh, "data")
@@ -164,6 +197,7 @@ def _case_phases():
         mesh,
         "data",
         place=place,
+        one_f_one_b=True,
         fsdp="data",
         remat=False,
         nested=True,
@@ -321,7 +355,9 @@ def _case_fsdp_state():
     cache-like sum of its inputs) and one without state, the circular schedule (2 chunks of
     one layer a stage), auto axes (stage=4, data=2), remat: outputs, the new state and the
     grads (params and x, of a loss that reads the new state too) against the stack on the
-    whole batch; the training step's collectives and all-gathers."""
+    whole batch; the training step's collectives and all-gathers. The same with the
+    interleaved 1F1B schedule and a head's loss: its loss, grads (params, x, the head; the
+    float state's: zeros) and new state against the stack's and the circular schedule's."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
     inits, applies, n = [_seen_init, _stateless_init], [_seen_apply, _stateless_apply], 8
     pp = stackwise.pipeline(
@@ -346,11 +382,33 @@ def _case_fsdp_state():
     (_, (y_ref, new_ref)), g_ref = loss(plain.apply)(params, x)
     gathers = lambda f: str(jax.make_jaxpr(f)(params, x)).count("= all_gather[")  # noqa: E731
     forward = lambda p, v: pp.apply(p, state, v)  # noqa: E731
+    f1 = stackwise.pipeline(
+        inits, applies, n, mesh, microbatches=4, with_state=True, fsdp="data",
+        fsdp_gather="tick", schedule="1f1b", loss=_head_mse, repeats=2, remat=True,
+    )  # fmt: skip
+    t = jax.random.normal(jax.random.key(2), (8, D))
+    head = jax.random.normal(jax.random.key(3), (D, D)) / D**0.5
+
+    def plain_loss(p, v, h, s):
+        y, new = plain.apply(p, s, v)
+        return _head_mse(y, t, h), new
+
+    loss_1f1b = lambda p, v, h, s: f1.apply(p, s, v, t, loss_params=h)  # noqa: E731
+    grad = lambda f: jax.jit(jax.value_and_grad(f, (0, 1, 2, 3), has_aux=True))  # noqa: E731
+    (v1, new1), (*g1, g_state) = grad(loss_1f1b)(params, x, head, state)
+    (v_ref, new_ref1), (*g_ref1, _) = grad(plain_loss)(params, x, head, state)
+    value, new0 = jax.jit(loss_1f1b)(params, x, head, state)  # GPipe's forward, and the loss
     return {
         "max_err": _rel((y, g), (y_ref, g_ref)),
         "state_err": _rel(new, new_ref),
         "program": collectives(step.as_text()),
         "jaxpr_gathers": [gathers(forward), gathers(jax.grad(loss_of(pp.apply), has_aux=True))],
+        "1f1b_err": _rel((v1, g1), (v_ref, g_ref1)),
+        "1f1b_state_err": max(_rel(new1, new_ref1), _rel(new1, new)),
+        "1f1b_value_err": max(
+            abs(float(value) - float(_head_mse(y, t, head))), _rel(new0, new), _rel(new0, new1)
+        ),
+        "1f1b_state_grad": _diff(g_state, jax.tree.map(jnp.zeros_like, state)),
     }
 
 
@@ -532,6 +590,24 @@ def test_state_pipeline_matches_microbatch_loop(multi_device):
     assert r["max_err"] < PIPELINE_TOL
     assert r["state_err"] < PIPELINE_TOL
     assert r["counts"][0] == r["counts"][1] == [4, 4]  # once per microbatch, bubbles left out
+
+
+def test_1f1b_pattern_at_uneven_phases_matches_loop_and_gpipe(multi_device):
+    # k=3 over 4 stages of 2 layers, explicit axes, FSDP gathered once a step, nested, unroll.
+    r = result(multi_device, "phases")
+    assert r["1f1b_err"] < PIPELINE_TOL  # loss and grads (params, x, the head): the loop's
+    assert r["1f1b_gpipe_err"] < PIPELINE_TOL  # the loss of GPipe's output
+    assert r["1f1b_value_err"] < PIPELINE_TOL  # without differentiation
+    assert r["1f1b_grad_specs"] == r["param_specs"]  # grads in the params' (FSDP) layout
+
+
+def test_1f1b_interleaved_pattern_with_state_and_fsdp_per_tick(multi_device):
+    # repeats=2, a cache-like batched state, FSDP gathered per tick, auto axes, remat.
+    r = result(multi_device, "fsdp_state")
+    assert r["1f1b_err"] < PIPELINE_TOL  # loss and grads (params, x, the head): the stack's
+    assert r["1f1b_state_err"] < PIPELINE_TOL  # the new state: the stack's and the circular's
+    assert r["1f1b_value_err"] < PIPELINE_TOL  # without differentiation: GPipe's and the loss
+    assert r["1f1b_state_grad"] == 0.0  # the state is not differentiated
 
 
 def test_pipelined_decode_gives_the_loops_tokens(multi_device):

@@ -37,23 +37,6 @@ def _call(pp, *args, **kwargs):
 
 MISUSES = [
     case(
-        "1f1b of a pattern of layers",
-        lambda: stackwise.pipeline(
-            None, [_apply, _apply], 2, MESH, microbatches=2, schedule="1f1b", loss=_mse
-        ),
-        ValueError,
-        "'1f1b' schedule",
-        "a pattern of layers",
-        "schedule='gpipe'",
-    ),
-    case(
-        "1f1b of layers with state",
-        lambda: _1f1b(loss=_mse, with_state=True),
-        ValueError,
-        "'1f1b' schedule",
-        "`with_state=True`",
-    ),
-    case(
         "1f1b without loss",
         lambda: _1f1b(),
         ValueError,
@@ -112,6 +95,18 @@ MISUSES = [
         TypeError,
         "`targets`",
         "apply(params, x, targets, *args)",
+    ),
+    case(
+        "1f1b with state, apply without targets",
+        lambda: jax.eval_shape(
+            _1f1b(loss=_mse, with_state=True, batched_state=False).apply,
+            PARAMS,
+            {"calls": jnp.zeros((2,))},
+            jnp.ones((4, 3)),
+        ),
+        TypeError,
+        "`targets`",
+        "apply(params, state, x, targets, *args)",
     ),
     case(
         "1f1b targets of another batch",
