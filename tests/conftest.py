@@ -7,8 +7,19 @@ parametrized test whose every case is cheap and matters on its own (the doctests
 module) is marked ``@pytest.mark.every_case`` and runs whole in the fast tier.
 """
 
-import jax
-import pytest
+import os
+
+# XLA's LLVM optimisation of the tests' tiny programs costs more than running them (the suite is
+# dominated by compiling), and no test reads the generated machine code: the tests compile at
+# XLA's backend optimisation level 0, as the 8-device workers and the example's runs do. The HLO
+# passes, and so the programs the tests read (their collectives, loops, buffer sizes), are the
+# same. Set before JAX starts its CPU backend, which reads XLA_FLAGS once.
+os.environ["XLA_FLAGS"] = " ".join(
+    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
+)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Implicit rank promotion hides shape bugs in layer code; make it an error.
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -10,6 +10,8 @@ the traceback if it raised; the tests below assert on those records.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,7 @@ def _apply(params, x, scale=1.0):
     return x + scale * jnp.tanh(x @ params["w"] + params["b"][None, :])
 
 
+@functools.cache  # one function per layer: its jitted loss (below) compiles once
 def _loop(apply):
     """The reference: a Python loop over per-layer slices of the params."""
 
@@ -48,6 +51,21 @@ def _loop(apply):
     return run
 
 
+def _loss(f, args):
+    """``jit(value_and_grad)`` of a loss of ``f(params, x, *args)`` and its output."""
+
+    def fn(p, v):
+        y = f(p, v, *args)
+        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(y)), y
+
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+
+# The reference loop's loss, one per (loop, args): the cases that compare with the same loop
+# (the 13 option combinations, the two circular layouts) compile it once.
+_reference_loss = functools.cache(_loss)
+
+
 def _max_err(pipelined, reference, params, x, *args, placed=None):
     """Largest |difference| of outputs and of grads w.r.t. params and x.
 
@@ -55,15 +73,8 @@ def _max_err(pipelined, reference, params, x, *args, placed=None):
     layout: the grads come back in the params' layout and are compared as ``(n, ...)``).
     """
 
-    def loss(f):
-        def fn(p, v):
-            y = f(p, v, *args)
-            return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(y)), y
-
-        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
-
-    (_, y), g = loss(pipelined)(params if placed is None else placed, x)
-    (_, y_ref), g_ref = loss(reference)(params, x)
+    (_, y), g = _loss(pipelined, args)(params if placed is None else placed, x)
+    (_, y_ref), g_ref = _reference_loss(reference, args)(params, x)
     diff = lambda a, b: float(np.max(np.abs(np.asarray(a).reshape(b.shape) - b)))  # noqa: E731
     diffs = jax.tree.map(diff, (y, g), (y_ref, g_ref))
     return max(jax.tree.leaves(diffs))
