@@ -25,11 +25,11 @@ def example() -> ModuleType:
 
 def env(**extra) -> dict:
     """The processes' environment: this checkout's stackwise and the tests' helpers, CPU only,
-    the suite's strict numerics; XLA's backend optimisations off (compile time dominates
-    these tiny runs)."""
+    the suite's strict numerics and XLA_FLAGS (tests/conftest.py: XLA's backend optimisations
+    off; compile time dominates these tiny runs)."""
     path = os.pathsep.join(
         filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
     )
     environ = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", PYTHONWARNINGS="error")
-    environ.update(JAX_NUMPY_RANK_PROMOTION="raise", XLA_FLAGS="--xla_backend_optimization_level=0")
+    environ.update(JAX_NUMPY_RANK_PROMOTION="raise")
     return {**environ, **extra}
