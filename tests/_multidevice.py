@@ -35,13 +35,12 @@ def run_cases(cases: dict[str, Callable[[], dict]]) -> None:
     print(json.dumps(results))
 
 
-def run_module(path: str, timeout: int = 900) -> dict:
-    """Runs the test module at ``path`` as a script on 8 simulated CPU devices."""
-    # LLVM's optimisation of the tiny test programs costs more than running them, and no
-    # check reads the generated machine code (the HLO passes are unchanged): as the
-    # example's runs (tests/examples), the workers compile at level 0.
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env = dict(os.environ, XLA_FLAGS=flags)
+def run_module(path: str, timeout: int = 900, xla_flags: str = "") -> dict:
+    """Runs the test module at ``path`` as a script on 8 simulated CPU devices, with the
+    session's XLA_FLAGS (tests/conftest.py) and then ``xla_flags`` (the last of a flag wins)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    flags = f"{flags} {xla_flags}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip())
     env["JAX_PLATFORMS"] = "cpu"
     # The worker is this test module run as a script: give it the tests' shared helpers.
     helpers = os.path.dirname(os.path.abspath(__file__))

@@ -11,12 +11,19 @@ import os
 
 # XLA's LLVM optimisation of the tests' tiny programs costs more than running them (the suite is
 # dominated by compiling), and no test reads the generated machine code: the tests compile at
-# XLA's backend optimisation level 0, as the 8-device workers and the example's runs do. The HLO
-# passes, and so the programs the tests read (their collectives, loops, buffer sizes), are the
-# same. Set before JAX starts its CPU backend, which reads XLA_FLAGS once.
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
-)
+# XLA's backend optimisation level 0 (the HLO passes, and so the programs the tests read, their
+# collectives, loops and buffer sizes, are the same), and with XLA:CPU's older code generator for
+# fusions: its newer one ("fusion emitters") takes about twice as long to compile these programs
+# (tests/core/test_stack.py: 33-38 s in XLA's compiles with it, 21 s without). Without it, XLA
+# leaves a lone elementwise op unwrapped instead of making it a one-op fusion; the collectives,
+# loops and other fusions are the same, a few temp buffer sizes differ (7 of the 121 programs
+# that the tests compile with `.compile()`, by up to 14%), and
+# float32 results may differ in the last bits (tests/distributed/test_pipeline_fsdp.py, whose
+# tolerance is that tight, keeps the newer one). Set before JAX starts its CPU backend, which
+# reads XLA_FLAGS once; the subprocesses that the tests start (the 8-device workers, the
+# example's, the bench's and the multi-process runs) inherit them.
+FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *FLAGS]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -6,7 +6,6 @@ No timing assertions: the smoke run checks that every variant runs and that the 
 
 import csv
 import importlib.metadata
-import os
 import pathlib
 import subprocess
 import sys
@@ -64,13 +63,13 @@ def test_help_says_where_the_outputs_go(capsys):
 @pytest.mark.slow
 def test_quick_run_writes_csv_plot_and_table(tmp_path):
     csv_path, png_path = tmp_path / "bench.csv", tmp_path / "bench.png"
-    # (--quick compiles its programs at XLA's backend optimisation level 0; the flag does the
-    # same for the eager ops that build the models, e.g. Equinox's vmapped inits)
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    # (--quick compiles its programs at XLA's backend optimisation level 0; the suite's
+    # XLA_FLAGS, which the run inherits (tests/conftest.py), do the same for the eager ops that
+    # build the models, e.g. Equinox's vmapped inits)
     out = subprocess.run(
         [sys.executable, "-m", "stackwise.bench", "--quick", "--blocks", "mlp",
          "--csv", str(csv_path), "--plot", str(png_path), "--no-progress"],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stackwise nested" in out.stdout

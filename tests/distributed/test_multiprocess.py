@@ -46,7 +46,6 @@ def example():
     return _multiprocess.example()
 
 
-_NO_BACKEND_OPT = {"xla_backend_optimization_level": 0}
 _env = _multiprocess.env
 
 
@@ -124,8 +123,8 @@ def test_the_step_equals_a_plain_loop_on_one_device(example, runs):
     tree = jax.tree_util.tree_structure(shapes)
     params = jax.tree_util.tree_unflatten(tree, [jnp.asarray(one[f"params{p}"]) for p in paths])
     tokens = jnp.asarray(example.batch_rows(range(example.BATCH)))
-    # One program, compiled as the runs are (XLA's backend optimisations off).
-    reference = jax.jit(_reference, static_argnums=0, compiler_options=_NO_BACKEND_OPT)
+    # One program, compiled as the runs are (_multiprocess.AS_THE_RUNS).
+    reference = jax.jit(_reference, static_argnums=0, compiler_options=_multiprocess.AS_THE_RUNS)
     loss, grads, after, fsdp_init = reference(example, params, tokens)
     grads = dict(zip((f"grads{p}" for p in paths), map(np.asarray, jax.tree.leaves(grads))))
     assert _max_diff(grads, {k: one[k] for k in grads}) <= LOOP_TOL

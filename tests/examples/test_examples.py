@@ -39,13 +39,13 @@ FRAMEWORKS_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    """The example runs' environment. They share a compilation cache: most of their programs
-    are the same tiny model's, and compiling dominates them."""
+    """The example runs' environment (with the suite's XLA_FLAGS, tests/conftest.py). They share
+    a compilation cache: most of their programs are the same tiny model's, and compiling
+    dominates them."""
     return dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         JAX_NUMPY_RANK_PROMOTION="raise",
-        XLA_FLAGS="--xla_backend_optimization_level=0",
         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
