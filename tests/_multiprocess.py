@@ -10,6 +10,8 @@ import os
 import pathlib
 from types import ModuleType
 
+from _multidevice import DEFAULT_FUSIONS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multiprocess.py"
 
@@ -27,7 +29,8 @@ def example() -> ModuleType:
 #: theirs do: the init of test_multiprocess.py's reference is within 1e-7 of the runs' with
 #: XLA:CPU's default code generator for fusions, 1.2e-7 with the older one that the suite uses
 #: (tests/conftest.py).
-AS_THE_RUNS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": True}
+AS_THE_RUNS = {"xla_backend_optimization_level": 0} | (
+    {"xla_cpu_use_fusion_emitters": True} if DEFAULT_FUSIONS else {})
 
 
 def env(**extra) -> dict:
@@ -39,6 +42,6 @@ def env(**extra) -> dict:
         filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
     )
     environ = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", PYTHONWARNINGS="error")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=true"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {DEFAULT_FUSIONS}"
     environ.update(JAX_NUMPY_RANK_PROMOTION="raise", XLA_FLAGS=flags.strip())
     return {**environ, **extra}

@@ -8,6 +8,8 @@ module) is marked ``@pytest.mark.every_case`` and runs whole in the fast tier.
 """
 
 import os
+import subprocess
+import sys
 
 # XLA's LLVM optimisation of the tests' tiny programs costs more than running them (the suite is
 # dominated by compiling), and no test reads the generated machine code: the tests compile at
@@ -23,6 +25,22 @@ import os
 # reads XLA_FLAGS once; the subprocesses that the tests start (the 8-device workers, the
 # example's, the bench's and the multi-process runs) inherit them.
 FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes ``flag`` (it aborts the process on one it does not know,
+    and a newer XLA may drop the older code generator's flag): asked once per session, in a
+    subprocess; the answer goes to the xdist workers through the environment."""
+    key = "STACKWISE_TESTS_XLA_KNOWS"
+    if key not in os.environ:
+        env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                               capture_output=True)
+        os.environ[key] = "1" if probe.returncode == 0 else "0"
+    return os.environ[key] == "1"
+
+
+FLAGS = [flag for flag in FLAGS if "fusion_emitters" not in flag or _xla_knows(flag)]
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *FLAGS]))
 
 import jax  # noqa: E402

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _hlo import collectives
-from _multidevice import result, run_cases, run_module
+from _multidevice import DEFAULT_FUSIONS, result, run_cases, run_module
 from jax.sharding import PartitionSpec as P
 
 import stackwise
@@ -244,7 +244,7 @@ def multi_device():
     # XLA:CPU's default code generator for fusions, which the suite turns off (tests/conftest.py):
     # the circular_step case's error against one device is 1.9e-5 with it, 2.1e-5 without it
     # (float32 rounding of another order of ops), against PIPELINE_TOL = 2e-5.
-    return run_module(__file__, xla_flags="--xla_cpu_use_fusion_emitters=true")
+    return run_module(__file__, xla_flags=DEFAULT_FUSIONS)
 
 
 @pytest.mark.parametrize(
