@@ -162,11 +162,12 @@ def main() -> None:
 
     def ticks(schedule, M, v):
         """The schedule's ticks T (1F1B: the time of its loops in ticks of a forward and a
-        backward) and the trip counts of the loops that run them."""
+        backward) and the trip counts of the loops that run them (a loop of one trip is
+        inlined by XLA: not counted)."""
         T = M * v + S - 1
         if schedule in ("1f1b", "1f1b-interleaved"):
             fill = v * S - 1  # forwards only, then backwards only
-            return T, [t for t in (fill, T - fill, fill) if t]
+            return T, [t for t in (fill, T - fill, fill) if t > 1]
         return T, [T, T] if schedule == "gpipe-step" else [T]
 
     params = jax.jit(stackwise.stack(init, apply, n).init)(jax.random.key(0))
