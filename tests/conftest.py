@@ -22,9 +22,9 @@ import sys
 # that the tests compile with `.compile()`, by up to 14%), and
 # float32 results may differ in the last bits (the 8-device worker of
 # tests/distributed/test_pipeline_fsdp.py and the multi-process runs, whose tolerances are that
-# tight, keep the newer one: _multidevice.DEFAULT_FUSIONS). Set before JAX starts its CPU backend, which
-# reads XLA_FLAGS once; the subprocesses that the tests start (the 8-device workers, the
-# example's, the bench's and the multi-process runs) inherit them.
+# tight, keep the newer one: _multidevice.DEFAULT_FUSIONS). Set before JAX starts its CPU
+# backend, which reads XLA_FLAGS once; the subprocesses that the tests start (the 8-device
+# workers, the example's, the bench's and the multi-process runs) inherit them.
 FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
 
 
