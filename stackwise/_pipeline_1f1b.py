@@ -214,14 +214,14 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
     loss = with_params(loss, loss_params)
     diff = (*inputs, targets, loss_params)
     leaves, treedef = jax.tree.flatten(diff)
-    avals = [(jnp.shape(v), _inexact(v)) for v in leaves]
+    is_float = [_inexact(v) for v in leaves]
     layer, batch = PartitionSpec(None, plan.stage_axis), PartitionSpec(plan.batch)
     specs = (stage.params, layer, batch, batch, PartitionSpec(), batch, PartitionSpec())
 
     def grads_tree(floats):
         """The float gradients back in ``diff``'s tree, ``None`` at the other leaves."""
         it = iter(floats)
-        return jax.tree.unflatten(treedef, [next(it) if f else None for _, f in avals])
+        return jax.tree.unflatten(treedef, [next(it) if f else None for f in is_float])
 
     def primal(diff, state):
         *ins, tg, lp = diff
@@ -252,8 +252,8 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
         g = g[0]  # the new state's cotangent is dropped: the state is not differentiated
         it = iter(jax.tree.leaves(grads))
         out = [
-            (g * next(it)).astype(jnp.result_type(v)) if f else np.zeros(shape, jax.dtypes.float0)
-            for v, (shape, f) in zip(leaves, avals)
+            (g * next(it)).astype(jnp.result_type(v)) if f else _zero_cotangent(v)
+            for v, f in zip(leaves, is_float)
         ]
         return jax.tree.unflatten(treedef, out), jax.tree.map(_zero_cotangent, state)
 
@@ -262,6 +262,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
 
 
 def _zero_cotangent(v: Any) -> Any:
+    """A zero cotangent for ``v``: zeros of its dtype, ``float0`` for a leaf without one."""
     if _inexact(v):
         return jnp.zeros(jnp.shape(v), jnp.result_type(v))
     return np.zeros(jnp.shape(v), jax.dtypes.float0)
