@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
-import functools
 import mmap
 import os
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +44,8 @@ __all__ = ["load_checkpoint"]
 
 _LOAD = "stackwise.load_checkpoint"
 _THREADS = 2  # threads filling a leaf's shards (see _fill)
+_AHEAD = 2  # layers a filling thread may run ahead of the slowest
+_PARALLEL_BYTES = 1 << 20  # a layer's tensor below this is filled by one thread
 
 
 class _Plan(NamedTuple):
@@ -304,21 +306,23 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
 
     outs = [_host(tuple(len(range(*s.indices(n))) for s, n in zip(index, plan.shape)),
                   plan.dtype) for index in indices]
+    direct = perm is None and spec.reshape is None  # (and cast, if asked)
     if plan.sources is None:
         for out, index in zip(outs, indices):
-            out[...] = one(spec.name, index)  # and the cast, if asked
+            if direct:
+                ckpt.read_into(spec.name, index, out)
+            else:
+                out[...] = one(spec.name, index)  # and the cast, if asked
         ckpt.release(spec.name)
         return outs
     rows = [range(*index[0].indices(plan.shape[0])) for index in indices]
-    direct = perm is None and spec.reshape is None  # (and cast, if asked)
     # A transposed slice is read into a staging buffer first, then transposed into the shard:
     # a transposed copy straight from the file walks the stored tensor by whole rows (4 KiB
     # apart for a 1024-wide float32 weight), of which the caches hold only a few; the staging
     # buffer's rows are spaced to spread over them (up to four times NumPy's strided copy).
     staged = perm is not None and len(perm) > 1 and spec.reshape is None
 
-    def fill(j: int, part: range) -> None:  # layer j into the shards in `part`
-        stages = staging[part.start]
+    def fill(j: int, part: range, stages: dict) -> None:  # layer j into the shards in `part`
         for k in part:
             if j not in rows[k]:
                 continue
@@ -335,15 +339,45 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
                 row[...] = one(plan.sources[j], indices[k][1:])
 
     # The reads of our safetensors reader and NumPy's copies let go of the GIL: the shards
-    # are filled by up to `_THREADS` threads at once (a Checkpoint of your own is read from
-    # one thread).
-    threads = min(_THREADS, os.cpu_count() or 1, len(outs)) if ckpt._threads_ok else 1
+    # of a leaf with layers of `_PARALLEL_BYTES` or more are filled by up to `_THREADS`
+    # threads at once (a Checkpoint of your own is read from one thread), each thread going
+    # through the layers on its own (a barrier at each layer cost 15% of the load): the last
+    # to be done with a layer lets go of its pages, and none runs more than `_AHEAD` layers
+    # ahead of the slowest, which bounds the pages mapped.
+    layers = sorted(set().union(*rows))
+    big = plan.dtype.itemsize * int(np.prod(plan.shape[1:])) >= _PARALLEL_BYTES
+    threads = min(_THREADS, os.cpu_count() or 1, len(outs)) if ckpt._threads_ok and big else 1
     parts = [range(t, len(outs), threads) for t in range(threads)]
-    staging = {part.start: {} for part in parts}  # each thread's staging buffers
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for j in sorted(set().union(*rows)):
-            list(pool.map(functools.partial(fill, j), parts))
-            ckpt.release(plan.sources[j])  # once every shard has its slice of layer j
+    left = dict.fromkeys(layers, threads)  # how many threads are yet to fill each layer
+    done, failed = [0], []  # layers every thread has filled; whether a thread raised
+    turn = threading.Condition()
+
+    def run(part: range) -> None:
+        stages: dict = {}  # this thread's staging buffers, by shape
+        try:
+            for n, j in enumerate(layers):
+                with turn:
+                    turn.wait_for(lambda n=n: n < done[0] + _AHEAD or failed)
+                if failed:
+                    return  # another thread's error is raised
+                fill(j, part, stages)
+                with turn:
+                    left[j] -= 1
+                    if not left[j]:
+                        ckpt.release(plan.sources[j])  # every shard has its slice of layer j
+                        done[0] += 1
+                        turn.notify_all()
+        except BaseException:
+            with turn:
+                failed.append(True)
+                turn.notify_all()
+            raise
+
+    if threads == 1:
+        run(parts[0])
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, parts))
     return outs
 
 

@@ -153,7 +153,9 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         views[name] = (start + begin, start + end, dtype, tuple(entry["shape"]))
 
     def mapped(name):
-        begin, _, dtype, shape = views[name]
+        begin, end, dtype, shape = views[name]
+        if os.fstat(fd).st_size < end:  # a mapped page past the end would kill the process
+            raise ValueError(f"{who}: {path} ends inside tensor {name!r} (truncated?).")
         return np.frombuffer(memmap, dtype, int(np.prod(shape)), begin).reshape(shape)
 
     def into(name, index, out):

@@ -13,6 +13,7 @@ Runs in a subprocess with 8 simulated CPU devices (see ``_CASES``).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -207,6 +208,109 @@ def _case_save_sharded():
             "orbax_back_bitwise": again_same}
 
 
+def _case_threads():
+    """The shards filled by two threads, each going through the layers on its own (what
+    large leaves get; `_PARALLEL_BYTES = 0` gives it to these small ones): the same arrays,
+    every layer's pages let go of once and after its last read, no thread more than
+    `_AHEAD` layers ahead of the slowest; and a read that fails in one thread raises,
+    without leaving the other waiting."""
+    import threading
+    import time
+
+    from safetensors.numpy import save_file
+
+    from stackwise import _checkpoint
+
+    jax, jnp, NamedSharding, P, stackwise, _, _, _, _ = _setup()
+    layers = 12
+    rng = np.random.default_rng(1)
+    arrays = {f"l.{i}.w": rng.normal(size=(F, E)).astype(np.float32) for i in range(layers)}
+    arrays |= {f"l.{i}.b": rng.normal(size=E).astype(np.float32) for i in range(layers)}
+    path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    save_file(arrays, path)
+    target = {"w": jax.ShapeDtypeStruct((layers, E, F), jnp.float32),
+              "b": jax.ShapeDtypeStruct((layers, E), jnp.float32)}
+    names = {"w": stackwise.Tensor("l.{}.w", transpose=(1, 0)), "b": "l.{}.b"}
+    mesh = jax.make_mesh((8,), ("data",))
+    shardings = stackwise.stacked_shardings(mesh, stackwise.fsdp_specs(target, mesh, "data"))
+    want = stackwise.load_checkpoint(path, target, names)
+
+    ckpt = stackwise.open_checkpoint(path)
+    events, lock = [], threading.Lock()
+    into, release = ckpt._into, ckpt._release
+
+    def counted_into(name, index, out):
+        with lock:
+            events.append(("read", name, threading.get_ident()))
+        return into(name, index, out)
+
+    def counted_release(name):
+        with lock:
+            events.append(("release", name, threading.get_ident()))
+        release(name)
+
+    ckpt._into, ckpt._release = counted_into, counted_release
+    parallel = _checkpoint._PARALLEL_BYTES
+    _checkpoint._PARALLEL_BYTES = 0
+    try:
+        got = stackwise.load_checkpoint(ckpt, target, names, shardings=shardings)
+        equal = all(bool((np.asarray(got[k]) == np.asarray(want[k])).all()) for k in target)
+        # The schedule, per leaf: reads of layer n only once layers n - _AHEAD and before
+        # were let go of, and each layer let go of once, after its last read.
+        order_ok, threads = True, []  # the threads that read each leaf
+        for prefix in ("l.{}.w", "l.{}.b"):
+            mine = [e for e in events if e[1] in {prefix.format(i) for i in range(layers)}]
+            released, readers = [], set()
+            for kind, name, thread in mine:
+                n = int(name.split(".")[1])
+                if kind == "release":
+                    released.append(n)
+                    continue
+                readers.add(thread)
+                order_ok &= n not in released and len(released) >= n - _checkpoint._AHEAD + 1
+            order_ok &= sorted(released) == list(range(layers))
+            threads.append(len(readers))
+        # One thread's read fails (the first read of layer 3): the load raises that error
+        # and returns, the other thread not left waiting for layer 3 to be let go of.
+        # Then the file is cut short after opening: the reads from its map (a shard's
+        # columns of "w") raise, naming it, rather than fault (SIGBUS).
+        outcome, failed = {}, []
+
+        def fail_once(name, index, out):
+            with lock:
+                first = name == "l.3.w" and not failed
+                failed.extend([name] if first else [])
+            if first:  # once the other thread has run ahead and waits for layer 3
+                time.sleep(0.5)
+                raise ValueError("injected read error")
+            return into(name, index, out)
+
+        def load(key, checkpoint, leaves):
+            try:
+                stackwise.load_checkpoint(checkpoint, {k: target[k] for k in leaves},
+                                          {k: names[k] for k in leaves},
+                                          shardings={k: shardings[k] for k in leaves})
+                outcome[key] = ""
+            except ValueError as e:
+                outcome[key] = str(e)
+
+        ckpt._into, ckpt._release = fail_once, release
+        cut = stackwise.open_checkpoint(path)
+        workers = [threading.Thread(target=load, args=("one", ckpt, "bw"), daemon=True)]
+        workers[0].start()
+        workers[0].join(timeout=120)
+        with open(path, "r+b") as fh:
+            fh.truncate(os.path.getsize(path) // 2)
+        workers.append(threading.Thread(target=load, args=("cut", cut, "w"), daemon=True))
+        workers[1].start()
+        workers[1].join(timeout=120)
+    finally:
+        _checkpoint._PARALLEL_BYTES = parallel
+    return {"equal": equal, "order_ok": bool(order_ok), "threads": threads,
+            "returned": [not w.is_alive() for w in workers],
+            "one": outcome.get("one"), "cut": outcome.get("cut")}
+
+
 _CASES = {
     "fsdp": _case_fsdp,
     "fsdp_one_shard_at_a_time": _case_fsdp_one_shard_at_a_time,
@@ -214,6 +318,7 @@ _CASES = {
     "mesh_does_not_divide": _case_mesh_does_not_divide,
     "orbax": _case_orbax_loop_layout_and_manager,
     "save_sharded": _case_save_sharded,
+    "threads": _case_threads,
 }
 
 
@@ -267,6 +372,16 @@ def test_save_from_sharded_params_is_bitwise(multi_device):
     r = result(multi_device, "save_sharded")
     assert r["bitwise"] and r["files"] > 2
     assert r["orbax_bitwise"] and r["orbax_back_bitwise"]
+
+
+
+def test_two_threads_fill_layer_by_layer_and_an_error_in_one_returns(multi_device):
+    r = result(multi_device, "threads")
+    assert r["equal"] and r["threads"] == [2, 2]  # each leaf
+    assert r["order_ok"]  # no read after its layer's release, none too far ahead
+    assert r["returned"] == [True, True]  # not left waiting for a layer that never came
+    assert r["one"] == "injected read error"
+    assert re.search(r"model.safetensors ends inside tensor 'l\.\d+\.w'", r["cut"])
 
 
 if __name__ == "__main__":
