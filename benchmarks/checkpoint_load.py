@@ -34,11 +34,14 @@ bytes of two layers), and stream's throughput over sequential reading. With ``--
 the paths run R times in turn and each path's fastest run is reported (on a shared, loaded
 machine the fastest is the least disturbed), with every run's seconds, and the ratios of CPU
 seconds too (user + system, every thread: the work, hardly changed by other processes). The
-checkpoint is deleted at the end. The files are read from the page cache once written
-(sequential first, so each path reads warm files): the throughput ratio is of the loader's
-work, not of the disk.
+checkpoint is deleted at the end. Each run starts after ``--settle`` seconds of rest (5 by
+default): on the VM these results come from, a run started right after another freed GiBs
+often pays up to twice as much for its first touches of new memory (2 GiB: the loader's runs
+took 1.8-3.1 s back to back, 1.36-1.38 s after 6 s of rest). The files are read from the page
+cache once written (sequential first, so each path reads warm files): the throughput ratio
+is of the loader's work, not of the disk.
 
-    python benchmarks/checkpoint_load.py --gib 2 --repeats 3 \
+    python benchmarks/checkpoint_load.py --gib 2 --repeats 3 --settle 5 \
         > benchmarks/results/checkpoint_load.json
 """
 
@@ -204,6 +207,8 @@ def main() -> None:
     parser.add_argument("--folder", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each path, in turn; each path's fastest is reported")
+    parser.add_argument("--settle", type=float, default=5.0,
+                        help="seconds of rest before each run (see the module's docstring)")
     parser.add_argument("--path", help=argparse.SUPPRESS)  # a subprocess's one path
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -220,6 +225,7 @@ def main() -> None:
         for _ in range(args.repeats):  # the paths in turn, so that the machine's load
             for path in ("sequential", "sequential_chunks", "sequential_device_put",  # drifts
                          "stream", "stream_one_thread", "stream_torch_layout", "naive"):  # alike
+                time.sleep(args.settle)
                 out = subprocess.run(
                     [sys.executable, __file__, "--path", path, "--folder", folder,
                      "--layers", str(layers)], env=env, capture_output=True, text=True,
