@@ -34,12 +34,13 @@ bytes of two layers), and stream's throughput over sequential reading. With ``--
 the paths run R times in turn and each path's fastest run is reported (on a shared, loaded
 machine the fastest is the least disturbed), with every run's seconds, and the ratios of CPU
 seconds too (user + system, every thread: the work, hardly changed by other processes). The
-checkpoint is deleted at the end. Each run starts after ``--settle`` seconds of rest (5 by
-default): on the VM these results come from, a run started right after another freed GiBs
-often pays up to twice as much for its first touches of new memory (2 GiB: the loader's runs
-took 1.8-3.1 s back to back, 1.36-1.38 s after 6 s of rest). The files are read from the page
-cache once written (sequential first, so each path reads warm files): the throughput ratio
-is of the loader's work, not of the disk.
+checkpoint is deleted at the end. With ``--settle S`` each run starts after S seconds of
+rest (default 0: back to back). On the VM these results come from, what ran just before moves
+a run's time by up to 2x either way (2 GiB, the loader's runs back to back: 1.29-3.06 s; after
+6 s of rest: 1.24-1.49 s; our guess: memory another process has just freed is still backed by
+the VM's host, or already handed back to it); a rest before every run gives each path the same
+start. The files are read from the page cache once written (sequential first, so each path
+reads warm files): the throughput ratio is of the loader's work, not of the disk.
 
     python benchmarks/checkpoint_load.py --gib 2 --repeats 3 --settle 5 \
         > benchmarks/results/checkpoint_load.json
@@ -207,7 +208,7 @@ def main() -> None:
     parser.add_argument("--folder", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each path, in turn; each path's fastest is reported")
-    parser.add_argument("--settle", type=float, default=5.0,
+    parser.add_argument("--settle", type=float, default=0.0,
                         help="seconds of rest before each run (see the module's docstring)")
     parser.add_argument("--path", help=argparse.SUPPRESS)  # a subprocess's one path
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
