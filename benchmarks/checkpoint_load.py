@@ -201,18 +201,44 @@ def run_path(path: str, folder: str, layers: int) -> dict:
             "baseline_rss": baseline, "peak_over_baseline": peak - baseline}
 
 
-def main() -> None:
+def _number(kind: type, least: float, strict: bool):
+    """An argparse type: a number of ``kind``, above ``least`` (``strict``) or at least it."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value > least if strict else value >= least):  # also refuses nan
+            bound = f"above {least}" if strict else f"{least} or more"
+            raise argparse.ArgumentTypeError(f"expected {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size (GiB)")
-    parser.add_argument("--per-file", type=int, default=8, help="layers per file")
+    parser.add_argument("--gib", type=_number(float, 0, True), default=2.0,
+                        help="checkpoint size (GiB)")
+    parser.add_argument("--per-file", type=_number(int, 1, False), default=8,
+                        help="layers per file")
     parser.add_argument("--folder", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=_number(int, 1, False), default=1,
                         help="runs of each path, in turn; each path's fastest is reported")
-    parser.add_argument("--settle", type=float, default=0.0,
+    parser.add_argument("--settle", type=_number(float, 0, False), default=0.0,
                         help="seconds of rest before each run (see the module's docstring)")
     parser.add_argument("--path", help=argparse.SUPPRESS)  # a subprocess's one path
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.folder is not None and not os.path.isdir(args.folder):
+        parser.error(f"--folder {args.folder}: not a folder; give an existing folder to write "
+                     "the checkpoint's temporary folder in")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.path:
         print(json.dumps(run_path(args.path, args.folder, args.layers)))
         return

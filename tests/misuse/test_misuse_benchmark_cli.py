@@ -1,0 +1,55 @@
+"""Misuses of the checkpoint benchmark's command line (`benchmarks/checkpoint_load.py`).
+
+Each is refused by argument parsing, before a checkpoint is written: exit status 2 and a
+message naming the flag. The parser runs in-process: `parse_args(argv)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_load.py"
+
+#: (argv, what the message must name (the flag), a part of the message).
+CASES = [
+    (["--gib", "0"], "--gib", "expected above 0, got '0'"),
+    (["--gib", "nan"], "--gib", "expected above 0, got 'nan'"),
+    (["--gib", "two"], "--gib", "expected a number, got 'two'"),
+    (["--per-file", "0"], "--per-file", "expected 1 or more, got '0'"),
+    (["--per-file", "1.5"], "--per-file", "expected a number, got '1.5'"),
+    (["--repeats", "0"], "--repeats", "expected 1 or more, got '0'"),
+    (["--settle", "-1"], "--settle", "expected 0 or more, got '-1'"),
+    (["--settle", "nan"], "--settle", "expected 0 or more, got 'nan'"),
+    (["--folder", "{file}"], "--folder", "not a folder; give an existing folder"),
+]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("checkpoint_load", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize(("argv", "flag", "message"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_refused(script, tmp_path, capsys, argv, flag, message):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        script.parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and message in err, err
+    assert "Traceback" not in err
+
+
+def test_a_run_of_the_flags_parses(script, tmp_path):
+    args = script.parse_args(["--gib", "0.5", "--per-file", "4", "--repeats", "3",
+                              "--settle", "5", "--folder", str(tmp_path)])
+    assert (args.gib, args.per_file, args.repeats, args.settle) == (0.5, 4, 3, 5.0)
+    assert args.folder == str(tmp_path)
