@@ -279,7 +279,8 @@ def _case_threads():
         def fail_once(name, index, out):
             with lock:
                 first = name == "l.3.w" and not failed
-                failed.extend([name] if first else [])
+                if first:
+                    failed.append(name)
             if first:  # once the other thread has run ahead and waits for layer 3
                 time.sleep(0.5)
                 raise ValueError("injected read error")
@@ -372,7 +373,6 @@ def test_save_from_sharded_params_is_bitwise(multi_device):
     r = result(multi_device, "save_sharded")
     assert r["bitwise"] and r["files"] > 2
     assert r["orbax_bitwise"] and r["orbax_back_bitwise"]
-
 
 
 def test_two_threads_fill_layer_by_layer_and_an_error_in_one_returns(multi_device):
