@@ -5,7 +5,9 @@ together (CPU) or one at a time (as on accelerators), and taken by the device as
 array filled, without a copy; orbax's CheckpointManager restores stacked params and
 optimizer state onto another mesh than they were saved from; sharded params saved as
 per-layer safetensors and as a loop-layout orbax checkpoint (stackwise.save_orbax), bitwise; a
-mesh that does not divide a leaf is refused, naming it.
+mesh that does not divide a leaf is refused, naming it; the two threads that fill a leaf's
+shards go through its layers in step, and an error in one (or a file cut short under the
+map) is raised without leaving the other waiting.
 
 Runs in a subprocess with 8 simulated CPU devices (see ``_CASES``).
 """
