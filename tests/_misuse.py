@@ -15,3 +15,14 @@ def assert_refused(call, error, words):
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} not in the message:\n{message}"
+
+
+def assert_cli_refused(parse, argv, flag, message, capsys):
+    """``parse(argv)`` exits with status 2, printing no traceback and a message that names
+    ``flag`` (or the file at fault) and holds ``message``."""
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and message in err, err
+    assert "Traceback" not in err

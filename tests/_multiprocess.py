@@ -5,12 +5,12 @@ them."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import pathlib
 from types import ModuleType
 
 from _multidevice import DEFAULT_FUSIONS
+from _scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "multiprocess.py"
@@ -19,10 +19,7 @@ EXAMPLE = ROOT / "examples" / "multiprocess.py"
 @functools.cache
 def example() -> ModuleType:
     """``examples/multiprocess.py``, imported (it is not in a package)."""
-    spec = importlib.util.spec_from_file_location("multiprocess", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 #: The compiler options of the runs, for a program in the tests' process that must compile as

@@ -1,11 +1,11 @@
 """benchmarks/targets.py: the project's pass/fail targets, read from a stackwise-bench CSV."""
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from _scripts import load_script
 
 from stackwise.bench import Result, read_csv
 
@@ -14,10 +14,7 @@ BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def targets():
-    spec = importlib.util.spec_from_file_location("targets", BENCHMARKS / "targets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCHMARKS / "targets.py")
 
 
 def test_verdicts(targets):

@@ -8,7 +8,6 @@ traceback. The command runs in-process: `cli(argv)`, whose argparse errors exit.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -16,6 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _scripts import load_script
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 #: A tiny model (the same as tests/examples' smoke runs) with a context of 16.
@@ -123,10 +123,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def lm():
-    spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLES / "transformer_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
-    return module
+    return load_script(EXAMPLES / "transformer_lm.py")  # (it puts examples/ on sys.path)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,11 @@ status 2 and a message naming the flag. The parser runs in-process: `parse_args(
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+from _misuse import assert_cli_refused
+from _scripts import load_script
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "multiprocess.py"
 ONE = ["--process-id", "0", "--num-processes", "2", "--coordinator", "127.0.0.1:8476"]
@@ -35,10 +36,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("multiprocess", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 @pytest.mark.every_case
@@ -46,12 +44,7 @@ def example():
 def test_refused(example, tmp_path, capsys, argv, flag, message):
     (tmp_path / "file").write_text("")
     argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
-    with pytest.raises(SystemExit) as info:
-        example.parse_args(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert flag in err and message in err, err
-    assert "Traceback" not in err
+    assert_cli_refused(example.parse_args, argv, flag, message, capsys)
 
 
 def test_a_run_of_the_flags_parses(example, tmp_path):

@@ -7,7 +7,6 @@ change of its update where the gradient is near zero, which would drown what is 
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _scripts import load_script
 
 pytestmark = pytest.mark.slow  # compiles the LM's step and Muon's orthogonalisation
 
@@ -29,10 +29,8 @@ LOOP_ATOL = 1e-6
 def example():
     """The example module, and one tiny LM with its jitted gradient function, shared by the
     optimizers (one compile of the gradients)."""
-    spec = importlib.util.spec_from_file_location("transformer_lm_optax",
-                                                  EXAMPLES / "transformer_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
+    module = load_script(EXAMPLES / "transformer_lm.py", "transformer_lm_optax")
+    # (it puts examples/ on sys.path, for lm_models)
     lm_models = sys.modules["lm_models"]
     lm = lm_models.build(FRAMEWORK, lm_models.Config(vocab=11, layers=2, d_model=16, heads=2,
                                                      seq_len=8))
