@@ -169,9 +169,9 @@ def run_path(path: str, folder: str, layers: int) -> dict:
         import stackwise
 
         if path == "stream_one_thread":
-            from stackwise import _checkpoint
+            from stackwise._checkpoint import load
 
-            _checkpoint._THREADS = 1
+            load._THREADS = 1
         target, names, shardings = _model(layers, transpose=path != "stream_torch_layout")
         jax.block_until_ready(jax.device_put(np.zeros(8), shardings["norm"]))  # devices up
         baseline = _peak_rss()

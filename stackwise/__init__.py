@@ -1,30 +1,30 @@
 """stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
 
-from stackwise._checkpoint import load_checkpoint as load_checkpoint
-from stackwise._checkpoint_inspect import CheckpointLayout as CheckpointLayout
-from stackwise._checkpoint_inspect import inspect_checkpoint as inspect_checkpoint
-from stackwise._checkpoint_names import Tensor as Tensor
-from stackwise._checkpoint_read import Checkpoint as Checkpoint
-from stackwise._checkpoint_read import open_checkpoint as open_checkpoint
-from stackwise._checkpoint_save import save_orbax as save_orbax
-from stackwise._checkpoint_save import save_safetensors as save_safetensors
-from stackwise._layout import slice_layers as slice_layers
-from stackwise._layout import stack_layers as stack_layers
-from stackwise._layout import stacked_shardings as stacked_shardings
-from stackwise._layout import stacked_spec as stacked_spec
-from stackwise._layout import unstack_layers as unstack_layers
-from stackwise._logical import logical_specs as logical_specs
-from stackwise._markers import layer_index as layer_index
-from stackwise._markers import per_example as per_example
-from stackwise._markers import per_layer as per_layer
-from stackwise._markers import per_layer_keys as per_layer_keys
-from stackwise._pipeline import pipeline as pipeline
-from stackwise._sharding import fsdp_specs as fsdp_specs
-from stackwise._sharding import shard_stacked as shard_stacked
-from stackwise._stack import CARRY_NAME as CARRY_NAME
-from stackwise._stack import DEFAULT_REMAT as DEFAULT_REMAT
-from stackwise._stack import Stacked as Stacked
-from stackwise._stack import stack as stack
+from stackwise._checkpoint.inspect import CheckpointLayout as CheckpointLayout
+from stackwise._checkpoint.inspect import inspect_checkpoint as inspect_checkpoint
+from stackwise._checkpoint.load import load_checkpoint as load_checkpoint
+from stackwise._checkpoint.names import Tensor as Tensor
+from stackwise._checkpoint.read import Checkpoint as Checkpoint
+from stackwise._checkpoint.read import open_checkpoint as open_checkpoint
+from stackwise._checkpoint.save import save_orbax as save_orbax
+from stackwise._checkpoint.save import save_safetensors as save_safetensors
+from stackwise._core.layout import slice_layers as slice_layers
+from stackwise._core.layout import stack_layers as stack_layers
+from stackwise._core.layout import unstack_layers as unstack_layers
+from stackwise._core.markers import layer_index as layer_index
+from stackwise._core.markers import per_example as per_example
+from stackwise._core.markers import per_layer as per_layer
+from stackwise._core.markers import per_layer_keys as per_layer_keys
+from stackwise._core.stack import CARRY_NAME as CARRY_NAME
+from stackwise._core.stack import DEFAULT_REMAT as DEFAULT_REMAT
+from stackwise._core.stack import Stacked as Stacked
+from stackwise._core.stack import stack as stack
+from stackwise._pipeline.api import pipeline as pipeline
+from stackwise._sharding.fsdp import fsdp_specs as fsdp_specs
+from stackwise._sharding.fsdp import shard_stacked as shard_stacked
+from stackwise._sharding.logical import logical_specs as logical_specs
+from stackwise._sharding.specs import stacked_shardings as stacked_shardings
+from stackwise._sharding.specs import stacked_spec as stacked_spec
 
 #: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
 #: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no
@@ -48,71 +48,40 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY_SUBMODULES})
 
 
-def _source_tree() -> str | None:
-    """The checkout's root when stackwise is imported from a source checkout, else None.
+class _NotInstalled:
+    """The last entry of ``sys.meta_path``: asked only after every other finder found nothing,
+    and only for ``stackwise.<submodule>``, it turns Python's bare "No module named" into
+    the fix. That happens where ``stackwise/`` is imported from a source checkout that is not
+    installed: the adapters (``adapters/<framework>/``) and the benchmark (``bench/``) become
+    ``stackwise.<name>`` only through an install. It finds nothing and reads no file."""
 
-    The adapters (`stackwise.haiku`, `.flax`, `.nnx`, ...) live in `adapters/<framework>/` of
-    the source tree and the benchmark `stackwise.bench` in `bench/`; they are installed as
-    `stackwise/<name>/`. Imported from a checkout (e.g. with the repository root as the working
-    directory), stackwise finds them where they are, so that the source tree and an installed
-    package offer the same modules. A checkout is recognised by a pyproject.toml naming this
-    project next to `stackwise/`, not by an `adapters/` or `bench/` folder alone: a project that
-    vendors `stackwise/` next to folders of its own must not get them as `stackwise.<name>`.
-    """
-    import os
-    import re
-
-    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    try:
-        with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
-            pyproject = f.read()
-    except OSError:  # installed: the folder holding `stackwise/` has no pyproject.toml
+    @staticmethod
+    def find_spec(fullname: str, path=None, target=None):
+        del path, target  # (it finds nothing)
+        package, _, name = fullname.partition(".")
+        if package == __name__ and name in _LAZY_SUBMODULES:
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: stackwise was imported from {__path__[0]}, "
+                "a source checkout that is not installed, so its adapters and benchmark are not "
+                "on the path. Install it from the checkout's root: `pip install -e .` (or "
+                f"`pip install -e '.[{_EXTRAS.get(name, 'all')}]'`).",
+                name=fullname,
+            )
         return None
-    return root if re.search(r"""(?m)^name\s*=\s*["']stackwise["']""", pyproject) else None
 
 
-class _SourcePackages:
-    """A meta path finder for the checkout's packages that are not in a folder of `__path__`:
-    ``stackwise.bench`` from `bench/` (a folder added to `__path__` would make every one of its
-    siblings a `stackwise.<name>` too). Installed, setuptools' package-dir puts them in place."""
-
-    def __init__(self, folders: dict[str, str]):
-        self.folders = folders
-
-    def find_spec(self, fullname: str, path=None, target=None):
-        del path, target  # (the folder is known)
-        folder = self.folders.get(fullname)
-        if folder is None:
-            return None
-        import importlib.util
-        import os
-
-        init = os.path.join(folder, "__init__.py")
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[folder]
-        )
+_EXTRAS = {"nnx": "flax", "bench": "all"}
 
 
-def _find_source_packages(root: str) -> None:
-    import os
+def _install_last_resort() -> None:
     import sys
 
-    if os.path.isdir(os.path.join(root, "adapters")):
-        __path__.append(os.path.join(root, "adapters"))  # noqa: F821 (a package's own __path__)
-    bench = os.path.join(root, "bench")
-    if os.path.isfile(os.path.join(bench, "__init__.py")):
-        # First on sys.meta_path: before an editable install's finder, which maps
-        # `stackwise.<name>` into the folder it was installed from, perhaps another checkout.
-        ours = [f for f in sys.meta_path if type(f).__name__ == "_SourcePackages"]
-        for finder in ours:  # (a reload of stackwise)
-            sys.meta_path.remove(finder)
-        sys.meta_path.insert(0, _SourcePackages({f"{__name__}.bench": bench}))
+    if not any(isinstance(f, type) and f.__name__ == "_NotInstalled" for f in sys.meta_path):
+        sys.meta_path.append(_NotInstalled)
 
 
-_root = _source_tree()
-if _root is not None:
-    _find_source_packages(_root)
-del _find_source_packages, _root, _source_tree
+_install_last_resort()
+del _install_last_resort
 
 __version__ = "0.1.0"
 

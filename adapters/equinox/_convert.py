@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from stackwise import _adapt, _check
+from stackwise import _kit
 from stackwise.equinox import _state
 
 __all__ = ["layer_of", "stack_blocks"]
@@ -32,7 +32,7 @@ __all__ = ["layer_of", "stack_blocks"]
 
 def is_array(x: Any) -> bool:
     """An array leaf of a block: ``eqx.is_array``, or abstract (``eqx.filter_eval_shape``)."""
-    return eqx.is_array(x) or _check.is_abstract(x)
+    return eqx.is_array(x) or _kit.is_abstract(x)
 
 
 def arrays(block: Any) -> Any:
@@ -42,7 +42,7 @@ def arrays(block: Any) -> Any:
 
 def layer_of(stacked: Any, j: int) -> Any:
     """The block at index ``j`` of the stacked block: every array sliced, the rest shared."""
-    return jax.tree.map(lambda a: _check.take(a, j) if is_array(a) else a, stacked)
+    return jax.tree.map(lambda a: _kit.take(a, j) if is_array(a) else a, stacked)
 
 
 # --------------------------------------------------------------------------
@@ -50,14 +50,14 @@ def layer_of(stacked: Any, j: int) -> Any:
 
 
 def _expand(a: Any, b: Any, path: str) -> Any:
-    """Equinox's own nodes for :func:`stackwise._adapt.first_difference`: a module's
+    """Equinox's own nodes for :func:`stackwise._kit.contract.first_difference`: a module's
     static fields, which must be equal, and then its other fields."""
     if not (isinstance(a, eqx.Module) and dataclasses.is_dataclass(a)):
         return None
     static = [f for f in dataclasses.fields(a) if f.metadata.get("static", False)]
     for f in static:
         va, vb = getattr(a, f.name, None), getattr(b, f.name, None)
-        same = _adapt.same_value(va, vb)
+        same = _kit.same_value(va, vb)
         if not same:
             why = "" if same is False else ", which `==` cannot compare (arrays inside?)"
             return f"{path}.{f.name}", f"{va!r} vs {vb!r} (a static field{why})"
@@ -75,7 +75,7 @@ def _first_difference(a: Any, b: Any, arrays: bool = True) -> tuple | None:
     the static fields names the cause (``out_features``) rather than its effect
     (``weight``).
     """
-    return _adapt.first_difference(a, b, _expand, arrays=arrays)
+    return _kit.first_difference(a, b, _expand, arrays=arrays)
 
 
 def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any:
@@ -107,9 +107,9 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
 
     def stack(path, *leaves):
         for i, leaf in zip(numbers, leaves):
-            _check.exact_dtype(leaf, who, f"`{jax.tree_util.keystr(path)}` of block {i}")
-        if all(_check.is_abstract(leaf) for leaf in leaves):  # eqx.filter_eval_shape
-            return _check.stack(leaves)
+            _kit.exact_dtype(leaf, who, f"`{jax.tree_util.keystr(path)}` of block {i}")
+        if all(_kit.is_abstract(leaf) for leaf in leaves):  # eqx.filter_eval_shape
+            return _kit.stack_abstract(leaves)
         return jnp.stack(leaves)
 
     stacked = jax.tree_util.tree_map_with_path(stack, *arrays)

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import stackwise
-from stackwise import _adapt, _check
-from stackwise._markers import is_per_layer
+from stackwise import _kit
+from stackwise._core.markers import is_per_layer
 from stackwise.equinox import _convert, _state
 
 __all__ = ["Stack", "layer_index"]
@@ -52,7 +52,7 @@ def layer_index() -> jax.Array:
     Raises:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
-    return _adapt.current_layer_index("equinox")
+    return _kit.current_layer_index("equinox")
 
 
 # --------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def _make(factory: Callable, key: jax.Array, who: str) -> Any:
             else type(block).__name__
         )
         raise TypeError(
-            f"{who}: `block` ({_adapt.block_name(factory)}) must return an eqx.Module, but "
+            f"{who}: `block` ({_kit.block_name(factory)}) must return an eqx.Module, but "
             f"it returned {got}. Pass a function that builds one block from a key, e.g. "
             "`lambda key: Block(512, key=key)`."
         )
@@ -134,7 +134,7 @@ def _make(factory: Callable, key: jax.Array, who: str) -> Any:
 
 
 def _check_key(key: Any, who: str) -> None:
-    _check.prng_key(key, who)
+    _kit.prng_key(key, who)
 
 
 def _unused(*args: Any) -> None:
@@ -336,13 +336,13 @@ class Stack(eqx.nn.StatefulLayer):
         with_state: bool = False,
         key: jax.Array | None,
     ):
-        who = _adapt.stack_name("equinox", block, n)
-        options = _adapt.stack_options(who, n, locals())
+        who = _kit.stack_name("equinox", block, n)
+        options = _kit.stack_options(who, n, locals())
         self.n = n
         for name, value in options.items():  # static fields of the module
             setattr(self, name, value)
-        self.with_state = _adapt.check_bool(with_state, "with_state", who)
-        if isinstance(block, _adapt.Prebuilt):
+        self.with_state = _kit.check_bool(with_state, "with_state", who)
+        if isinstance(block, _kit.Prebuilt):
             self.layers = block.layers
             return
         factories, pattern = _factories(block, who)
@@ -357,7 +357,7 @@ class Stack(eqx.nn.StatefulLayer):
 
     def _who(self) -> str:
         blocks, pattern = self._blocks()
-        return _adapt.stack_name("equinox", list(blocks) if pattern else blocks[0], self.n)
+        return _kit.stack_name("equinox", list(blocks) if pattern else blocks[0], self.n)
 
     def is_stateful(self) -> bool:
         """Whether the stack is called ``x, state = stack(x, state, ...)``.
@@ -389,7 +389,7 @@ class Stack(eqx.nn.StatefulLayer):
             self.n,
             with_state=True,
             name=who,  # the core names the block in its errors (carry, returns)
-            **{name: getattr(self, name) for name in _adapt.OPTION_NAMES},
+            **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
         extras = {"index": stackwise.layer_index(), "key": None}
         if is_per_layer(key):  # the user's own marker: resolved (and named) as given
@@ -397,7 +397,7 @@ class Stack(eqx.nn.StatefulLayer):
         elif key is not None:
             _check_key(key, who)
             extras["key"] = stackwise.per_layer_keys(key)
-        call = _adapt.CallArgs(args, kwargs)
+        call = _kit.CallArgs(args, kwargs)
         out, new = layers.apply(params if pattern else params[0], states, x, extras, call)
         return (out, _state.updated(state, new, pattern)) if stateful else out
 
@@ -414,7 +414,7 @@ class Stack(eqx.nn.StatefulLayer):
                 (where + jax.tree_util.keystr(path), leaf)
                 for path, leaf in jax.tree_util.tree_leaves_with_path(sub)
             ]
-            _adapt.check_depth(leaves, count, who, "block's arrays", fix)
+            _kit.check_depth(leaves, count, who, "block's arrays", fix)
 
     # ----------------------------------------------------------------------
     # Conversion to and from a list of per-layer blocks.
@@ -430,7 +430,7 @@ class Stack(eqx.nn.StatefulLayer):
         (3, 2)
         """
         who = self._who()
-        i = _check.layer_index(i, self.n, who, "i")
+        i = _kit.layer_number(i, self.n, who, "i")
         blocks, pattern = self._blocks()
         counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
         self._check_depth(tuple(_convert.arrays(b) for b in blocks), pattern, counts, who)
@@ -510,17 +510,17 @@ class Stack(eqx.nn.StatefulLayer):
             state lives in an ``eqx.nn.State`` but no ``states``.
         """
         who = "stackwise.equinox.Stack.from_layers"
-        _adapt.check_built_options(options, (*_adapt.OPTION_NAMES, "with_state"), who)
-        blocks = _adapt.check_built(blocks, pattern, eqx.Module, "an eqx.Module", who)
+        _kit.check_built_options(options, (*_kit.OPTION_NAMES, "with_state"), who)
+        blocks = _kit.check_built(blocks, pattern, eqx.Module, "an eqx.Module", who)
         states = _state.check_states(blocks, states, who)
         stacked = [
             _convert.stack_blocks(blocks[p::pattern], who, range(p, len(blocks), pattern))
             for p in range(pattern)
         ]
         stacked = _state.distinct_markers(stacked)
-        name = _adapt.block_name(blocks[:pattern] if pattern > 1 else blocks[0])
+        name = _kit.block_name(blocks[:pattern] if pattern > 1 else blocks[0])
         layers = tuple(stacked) if pattern > 1 else stacked[0]
-        stack = cls(_adapt.Prebuilt(layers, name), len(blocks), key=None, **options)
+        stack = cls(_kit.Prebuilt(layers, name), len(blocks), key=None, **options)
         if states is None:
             return stack
         return stack, _state.stack_states(blocks, states, stacked, who)
@@ -536,7 +536,7 @@ def _layer_apply(static: Any, takes_state: bool, eqx_state: bool, who: str) -> C
     def apply(params, state, x, extras, call):
         block = eqx.combine(params, static)
         kwargs = call.kwargs if extras["key"] is None else {**call.kwargs, "key": extras["key"]}
-        with _adapt.at_layer(extras["index"]):
+        with _kit.at_layer(extras["index"]):
             if not takes_state:
                 return block(x, *call.args, **kwargs), state
             out = block(x, state, *call.args, **kwargs)

@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from stackwise import _adapt, _check
+from stackwise import _kit
 
 __all__ = [
     "check_returned",
@@ -159,7 +159,7 @@ def _substate(state: eqx.nn.State, block: Any, count: int, p: int, pattern: bool
         for m, v in zip(markers, values)
         for path, leaf in jax.tree_util.tree_leaves_with_path(v)
     ]
-    _adapt.check_depth(
+    _kit.check_depth(
         leaves,
         count,
         who,
@@ -243,8 +243,8 @@ def stack_states(blocks: list, states: list, stacked: Sequence[Any], who: str) -
         keys += [x.marker for x in state_indices(block)]
         for entry in zip(*per_block):
             for i, value in zip(numbers, entry):
-                for name, leaf in _check.named_leaves(value):
-                    _check.exact_dtype(leaf, who, f"{name} of `states[{i}]`")
+                for name, leaf in _kit.named_leaves(value):
+                    _kit.exact_dtype(leaf, who, f"{name} of `states[{i}]`")
             values.append(jax.tree.map(lambda *a: jnp.stack(a), *entry))
     return eqx.nn.State.tree_unflatten(tuple(keys), tuple(values))
 

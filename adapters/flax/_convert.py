@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import in_filter
 
-from stackwise import _check, _convert
+from stackwise import _kit
 from stackwise.flax import _boxes
 
 __all__ = ["from_loop", "from_scan", "get", "put", "show", "to_loop", "to_scan", "variables_dict"]
@@ -62,7 +62,7 @@ def _paths(path: Any, who: str) -> list[tuple[str, ...]]:
         if not path:
             raise TypeError(f"{who}: a pattern's `path` lists its k positions; got [].")
         paths = [_parts(p, who) for p in path]
-        _convert.check_distinct(["/".join(p) for p in paths], who)
+        _kit.check_distinct(["/".join(p) for p in paths], who)
         return paths
     return [_parts(path, who)]
 
@@ -71,7 +71,7 @@ def _parent(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
     """Where a loop's layers are named: next to the Stack (the positions' common parent)."""
     if len(paths) == 1:
         return paths[0][:-1]
-    return _convert.common_prefix(paths)[:-1]
+    return _kit.common_prefix(paths)[:-1]
 
 
 def show(col: str, path: tuple) -> str:
@@ -204,8 +204,8 @@ def from_loop(
     variables = variables_dict(variables, who)
     paths = _paths(path, who)
     parent = _parent(paths)
-    n = _convert.check_n(n, who)
-    name_of = _convert.layer_names(names, who, example="'layers_{}'")
+    n = _kit.check_n(n, who)
+    name_of = _kit.layer_names(names, who, example="'layers_{}'")
 
     def exists(i: int) -> bool:
         try:
@@ -218,9 +218,9 @@ def from_loop(
     fixed = len(names) if isinstance(names, (list, tuple)) else None
     label = lambda i: repr("/".join(_layer_path(name_of, parent, i, who)))  # noqa: E731
     k = len(paths)
-    n = _convert.find_depth(exists, label, n, bound, who, fixed=fixed, pattern=k)
+    n = _kit.find_depth(exists, label, n, bound, who, fixed=fixed, pattern=k)
     layer_paths = [_layer_path(name_of, parent, i, who) for i in range(n)]
-    _convert.check_distinct(["/".join(p) for p in layer_paths], who)
+    _kit.check_distinct(["/".join(p) for p in layer_paths], who)
     p_layer = _boxes.partition(layer_axis_name)
     out = {}
     for col, tree in variables.items():
@@ -240,7 +240,7 @@ def from_loop(
             own = [_pop(tree, layer_paths[i]) for i in present]
             lab = lambda j, q=q: f"layer {q + j * k} ({label(q + j * k)})"  # noqa: E731
             _boxes.check_same_boxes(own, col, lab, who)
-            values = _convert.stack_exact(
+            values = _kit.stack_exact(
                 [_boxes.unbox(layer) for layer in own],
                 who,
                 label=lab,
@@ -293,7 +293,7 @@ def to_loop(
     variables = variables_dict(variables, who)
     paths = _paths(path, who)
     parent = _parent(paths)
-    name_of = _convert.layer_names(names, who, example="'layers_{}'")
+    name_of = _kit.layer_names(names, who, example="'layers_{}'")
     if all(get(t, p) is None for t in variables.values() for p in paths):
         where = " or ".join(repr("/".join(p)) for p in paths)
         have = {col: sorted(t) for col, t in variables.items()}
@@ -301,7 +301,7 @@ def to_loop(
     p_layer = _boxes.partition(layer_axis_name)
     k = len(paths)
     # A pattern's Stack: nothing else may stay there.
-    stack = _convert.common_prefix(paths) if k > 1 else ()
+    stack = _kit.common_prefix(paths) if k > 1 else ()
     out, positions = {}, {}  # collection -> position -> its layers
     for col, tree in variables.items():
         out[col] = tree
@@ -319,8 +319,8 @@ def to_loop(
                     f"`layer_axis_name={axes[0] if axes else None!r}`."
                 )
             values = _boxes.unbox(stacked)
-            depth = _convert.depth_of(values, who, f"variables at {show(col, where)}")
-            layers = _convert.unstack_exact(values, depth)
+            depth = _kit.depth_of(values, who, f"variables at {show(col, where)}")
+            layers = _kit.unstack_exact(values, depth)
             positions.setdefault(col, {})[q] = [
                 _boxes.rebox(stacked, v, lambda b: b.remove_axis(0, p_layer)) for v in layers
             ]
@@ -340,11 +340,11 @@ def to_loop(
                     f"collection holds {depths[q]} there; every collection of a block has "
                     "one layer axis."
                 )
-    span = _convert.pattern_depths(depths, k, who)
-    _convert.check_names_count(names, span, who, "the stacked variables hold")
+    span = _kit.pattern_depths(depths, k, who)
+    _kit.check_names_count(names, span, who, "the stacked variables hold")
     indices = sorted({q + j * k for q, d in depths.items() for j in range(d)})
     layer_paths = {i: _layer_path(name_of, parent, i, who) for i in indices}
-    _convert.check_distinct(["/".join(p) for p in layer_paths.values()], who)
+    _kit.check_distinct(["/".join(p) for p in layer_paths.values()], who)
     for col, held in positions.items():
         for q, layers in held.items():
             for j, layer in enumerate(layers):
@@ -406,7 +406,7 @@ def _move(
                     f"shape {jnp.shape(_boxes.value(b))}, without the layer axis {src}."
                 )
             if not _boxes.is_box(b):
-                return _check.moveaxis(b, src, dst)
+                return _kit.moveaxis(b, src, dst)
             names = getattr(b, "names", None)
             expected = p_src[nn.PARTITION_NAME]
             if names is not None and (len(names) <= src or names[src] != expected):
@@ -416,7 +416,7 @@ def _move(
                     f"is partitioned as {tuple(names)}, whose axis {src} should be named "
                     f"{expected!r}; pass the name it was given as {fix}."
                 )
-            moved = b.replace_boxed(_check.moveaxis(_boxes.value(b), src, dst))
+            moved = b.replace_boxed(_kit.moveaxis(_boxes.value(b), src, dst))
             return moved.remove_axis(src, p_src).add_axis(dst, p_dst)
 
         moved = jax.tree_util.tree_map_with_path(move, sub, is_leaf=_boxes.is_box)

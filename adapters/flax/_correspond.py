@@ -4,7 +4,7 @@
 ``nn.intercept_methods``, records each variable's module and the order of the
 modules' first calls (:class:`_Model`; a pattern Stack's positions with
 :class:`_Pattern`), and moves the k-th variable of the source to the k-th of
-the target with :mod:`stackwise._correspond`, layer by layer inside a Stack.
+the target with :mod:`stackwise._kit.matching`, layer by layer inside a Stack.
 The conversions by name (``from_loop``, ``from_scan``, ...) are in
 ``_convert.py``.
 """
@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from stackwise import _correspond
+from stackwise import _kit
 from stackwise.flax import _boxes
 from stackwise.flax._blocks import fresh_block, position_names
 from stackwise.flax._convert import get, put, show, variables_dict
@@ -101,7 +101,7 @@ class _Pattern:
 
 
 class _Model:
-    """A model's variables as :class:`stackwise._correspond.Leaf` s, in creation order.
+    """A model's variables as :class:`stackwise._kit.matching.Leaf` s, in creation order.
 
     ``init`` is traced (``jax.eval_shape``: shapes only) under
     ``nn.intercept_methods``, which sees every module's first call in order,
@@ -182,7 +182,7 @@ class _Model:
         self.paths: dict[str, list[tuple]] = {}  # per collection, in the leaves' order
         self.leaves = {col: self._leaves(col, modules) for col in self.shapes}
 
-    def _leaves(self, col: str, modules: dict) -> list[_correspond.Leaf]:
+    def _leaves(self, col: str, modules: dict) -> list[_kit.Leaf]:
         ranked = []
         for path, struct in jax.tree_util.tree_leaves_with_path(
             self.shapes[col], is_leaf=_boxes.is_box
@@ -205,7 +205,7 @@ class _Model:
             extra = None if names is None else ("partitioned", tuple(names))
             name = show(col, keys)
             key = "/".join(keys[len(owner) :])
-            leaf = _correspond.Leaf(
+            leaf = _kit.Leaf(
                 name, cls or "", key, shape, value.dtype, depth, group, extra, scope, p, k
             )
             ranked.append(((rank, keys[len(owner) :]), keys, leaf))
@@ -228,7 +228,7 @@ class _Model:
             f"the variables given are not those of the {self.side} model (its init with "
             "the arguments given)"
         )
-        _correspond.check_given(
+        _kit.check_given(
             by_name(self.shapes), by_name(variables), self.who, what, dtype=jnp.result_type
         )
 
@@ -323,7 +323,7 @@ def convert(
     hint = "Models whose modules differ convert by name with `from_loop` / `to_loop`."
     out: dict[str, Any] = {}
     for col in tgt.shapes:
-        sources = _correspond.correspond(src.leaves[col], tgt.leaves[col], f"{who} ({col})", hint)
+        sources = _kit.correspond(src.leaves[col], tgt.leaves[col], f"{who} ({col})", hint)
         values = [_boxes.value(get(variables[col], keys)) for keys in src.paths[col]]
         tree: dict = {}
         templates = dict(
@@ -331,7 +331,7 @@ def convert(
             for p, s in jax.tree_util.tree_leaves_with_path(tgt.shapes[col], is_leaf=_boxes.is_box)
         )
         for keys, value in zip(
-            tgt.paths[col], _correspond.assemble(tgt.leaves[col], sources, values)
+            tgt.paths[col], _kit.assemble(tgt.leaves[col], sources, values)
         ):
             template = templates[keys]
             if boxed and _boxes.is_box(template):

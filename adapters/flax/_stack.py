@@ -17,7 +17,7 @@ import numpy as np
 from flax.core import meta
 
 import stackwise
-from stackwise import _adapt
+from stackwise import _kit
 from stackwise.flax._blocks import fresh_block, position_names
 from stackwise.flax._boxes import unbox, wrong_layer_axis
 
@@ -50,7 +50,7 @@ def layer_index() -> jax.Array:
     Raises:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
-    return _adapt.current_layer_index("flax")
+    return _kit.current_layer_index("flax")
 
 
 # --------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def _check_depth(variables: dict, n: int, who: str) -> None:
         for col, tree in variables.items()
         for path, leaf in jax.tree_util.tree_leaves_with_path(unbox(tree))
     ]
-    _adapt.check_depth(
+    _kit.check_depth(
         leaves,
         n,
         who,
@@ -223,23 +223,23 @@ class Stack(nn.Module):
     layer_axis_name: str | None = None
 
     def __post_init__(self) -> None:
-        who = _adapt.stack_name("flax", self.block, self.n)
+        who = _kit.stack_name("flax", self.block, self.n)
         blocks = self.block if isinstance(self.block, (list, tuple)) else [self.block]
         if not blocks:
             raise ValueError(f"{who}: a pattern needs at least one block; got an empty list.")
         for block in blocks:
             _check_block(block, who)
         self._options(who)  # checked now, not at the first call
-        _adapt.check_layer_axis_name(self.layer_axis_name, who)
+        _kit.check_layer_axis_name(self.layer_axis_name, who)
         super().__post_init__()
 
     def _options(self, who: str) -> dict[str, Any]:
-        return _adapt.stack_options(who, self.n, vars(self))
+        return _kit.stack_options(who, self.n, vars(self))
 
     @nn.compact
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the n layers: ``block(x, *args, **kwargs)`` each, in order."""
-        who = _adapt.stack_name("flax", self.block, self.n)
+        who = _kit.stack_name("flax", self.block, self.n)
         pattern = isinstance(self.block, (list, tuple))
         blocks = list(self.block) if pattern else [self.block]
         k = len(blocks)
@@ -275,7 +275,7 @@ class Stack(nn.Module):
                 params = unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
                 layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
-                with _adapt.at_layer(extras["index"]):
+                with _kit.at_layer(extras["index"]):
                     if initializing:
                         out, new = block.init_with_output(rngs, x, *args, **kwargs, mutable=mutable)
                     elif mutable is False:
@@ -313,7 +313,7 @@ class Stack(nn.Module):
             params, state = params[0], state[0]
         else:
             params, state = tuple(params), tuple(state)
-        call = _adapt.CallArgs(args, kwargs)
+        call = _kit.CallArgs(args, kwargs)
         out, new = layers.apply(params, state, x, extras, call)
         for name, position in zip(names, new if pattern else [new]):
             for col, tree in position.items():

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from stackwise import _convert
+from stackwise import _kit
 
 __all__ = ["check_tree", "from_layer_stack", "from_loop", "to_layer_stack", "to_loop"]
 
@@ -86,7 +86,7 @@ def _paths(path: Any, who: str) -> list[str]:
             "or, for a pattern of k blocks, a list of the k positions' names (e.g. "
             f"['stack/local', 'stack/local_1', 'stack/global']), got {path!r}."
         )
-    _convert.check_distinct(list(paths), who)
+    _kit.check_distinct(list(paths), who)
     return list(paths)
 
 
@@ -183,8 +183,8 @@ def from_loop(
     who = "stackwise.haiku.from_loop"
     check_tree(tree, who)
     paths = _paths(path, who)
-    n = _convert.check_n(n, who)
-    name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
+    n = _kit.check_n(n, who)
+    name_of = _kit.layer_names(names, who, plain=_haiku_name, example="'block'")
 
     def exists(i: int) -> bool:
         try:
@@ -196,9 +196,9 @@ def from_loop(
     fixed = len(names) if isinstance(names, (list, tuple)) else None
     k = len(paths)
     label = lambda i: repr(name_of(i))  # noqa: E731
-    n = _convert.find_depth(exists, label, n, len(tree), who, fixed=fixed, pattern=k)
+    n = _kit.find_depth(exists, label, n, len(tree), who, fixed=fixed, pattern=k)
     loop_names = [name_of(i) for i in range(n)]
-    _convert.check_distinct(loop_names, who)
+    _kit.check_distinct(loop_names, who)
     per_layer, outside = [], dict(tree)
     for name in loop_names:
         inside, outside = _split(outside, name)
@@ -207,7 +207,7 @@ def from_loop(
     for p, prefix in enumerate(paths):
         if p >= n or not per_layer[p]:
             continue  # a kind of block with nothing in this tree (e.g. no state)
-        stacked = _convert.stack_exact(
+        stacked = _kit.stack_exact(
             per_layer[p::k],
             who,
             label=lambda j, p=p: f"layer {p + j * k} ({loop_names[p + j * k]!r})",
@@ -256,10 +256,10 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
         if not inside:
             continue  # with a pattern: a kind of block with nothing in this tree
         flat = _flat(inside)
-        depth = _convert.depth_of(
+        depth = _kit.depth_of(
             flat, who, f"modules under {prefix!r}", leaf_name=_leaf_name(prefix)
         )
-        positions[p] = _convert.unstack_exact(flat, depth)
+        positions[p] = _kit.unstack_exact(flat, depth)
     if not positions:
         where = " or ".join(repr(prefix) for prefix in paths)
         raise ValueError(
@@ -267,12 +267,12 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
         )
     if k > 1:
         _check_none_left(outside, paths, who)
-    span = _convert.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
-    name_of = _convert.layer_names(names, who, plain=_haiku_name, example="'block'")
-    _convert.check_names_count(names, span, who, "the stacked leaves hold")
+    span = _kit.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
+    name_of = _kit.layer_names(names, who, plain=_haiku_name, example="'block'")
+    _kit.check_names_count(names, span, who, "the stacked leaves hold")
     layers = sorted((p + j * k, p, j) for p, v in positions.items() for j in range(len(v)))
     loop_names = [name_of(i) for i, _, _ in layers]
-    _convert.check_distinct(loop_names, who)
+    _kit.check_distinct(loop_names, who)
     # Layers' modules never clash: each is its layer's name plus "" or "/...", and
     # check_distinct refused a name equal to another or lying inside it.
     new: dict[str, dict[str, Any]] = {}
@@ -283,7 +283,7 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
 
 def _check_none_left(outside: Tree, paths: list[str], who: str) -> None:
     """A pattern's positions are modules of one Stack: nothing else may stay under it."""
-    stack = "/".join(_convert.common_prefix([p.split("/") for p in paths]))
+    stack = "/".join(_kit.common_prefix([p.split("/") for p in paths]))
     left = sorted(key for key in outside if stack and _inside(key, stack))
     if left:
         raise ValueError(

@@ -4,7 +4,7 @@
 ``hk.get_parameter`` / ``hk.get_state`` / ``hk.set_state`` in the order Haiku
 creates them and the modules around each (:class:`_Model`), and moves the
 k-th leaf of the source to the k-th of the target with
-:mod:`stackwise._correspond`, layer by layer inside a Stack or
+:mod:`stackwise._kit.matching`, layer by layer inside a Stack or
 ``hk.layer_stack``. The conversions by name (``from_loop``,
 ``from_layer_stack``, ...) are in ``_convert.py``.
 """
@@ -18,7 +18,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from stackwise import _correspond
+from stackwise import _kit
 from stackwise.haiku._convert import check_tree
 from stackwise.haiku._stack import Stack
 
@@ -48,7 +48,7 @@ def _lifting(module: Any) -> bool:
 
 
 class _Model:
-    """A model's params and state as :class:`stackwise._correspond.Leaf` s, in creation order.
+    """A model's params and state as :class:`stackwise._kit.matching.Leaf` s, in creation order.
 
     Both are recorded while ``init`` is traced (``jax.eval_shape``, nothing is
     computed) under an ``hk.custom_creator`` and an ``hk.custom_setter``, which
@@ -152,7 +152,7 @@ class _Model:
             rank[name] = ((first[prefix], p, order[name]), p, len(names))
         return rank
 
-    def _leaves(self, kind: str, created: dict) -> list[_correspond.Leaf]:
+    def _leaves(self, kind: str, created: dict) -> list[_kit.Leaf]:
         rank = self._rank(created)
         leaves = []
         for module, bundle in self.shapes[kind].items():
@@ -180,7 +180,7 @@ class _Model:
                         "`to_loop`."
                     )
                 place, p, k = rank[name]
-                leaf = _correspond.Leaf(
+                leaf = _kit.Leaf(
                     name, owner, key, shape, dtype, depth, prefix or None, None, scope, p, k
                 )
                 leaves.append((place, leaf))
@@ -194,7 +194,7 @@ class _Model:
             f"the {kind} given are not those of the {self.side} model (its init with the "
             "arguments given)"
         )
-        _correspond.check_given(
+        _kit.check_given(
             dict(sorted(want.items())),
             dict(sorted(have.items())),
             self.who,
@@ -298,13 +298,13 @@ def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> A
             "Models whose modules differ in order convert by name with "
             "`stackwise.haiku.from_loop` / `to_loop`."
         )
-        sources = _correspond.correspond(
+        sources = _kit.correspond(
             src.leaves[kind], tgt.leaves[kind], f"{who} ({kind})", hint
         )
         values = [_value(sub, leaf.name) for leaf in src.leaves[kind]]
         out: dict[str, dict[str, Any]] = {}
         for leaf, value in zip(
-            tgt.leaves[kind], _correspond.assemble(tgt.leaves[kind], sources, values)
+            tgt.leaves[kind], _kit.assemble(tgt.leaves[kind], sources, values)
         ):
             module, key = leaf.name.rsplit("/", 1)
             out.setdefault(module, {})[key] = value

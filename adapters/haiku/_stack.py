@@ -17,7 +17,7 @@ import haiku as hk
 import jax
 
 import stackwise
-from stackwise import _adapt, _check
+from stackwise import _kit
 
 __all__ = ["Stack", "layer_index"]
 
@@ -43,7 +43,7 @@ def layer_index() -> jax.Array:
     Raises:
       RuntimeError: when called outside a block run by :class:`Stack`.
     """
-    return _adapt.current_layer_index("haiku")
+    return _kit.current_layer_index("haiku")
 
 
 # --------------------------------------------------------------------------
@@ -251,8 +251,8 @@ class Stack(hk.Module):
         name: str | None = None,
     ):
         super().__init__(name=name)
-        who = _adapt.stack_name("haiku", block, n)
-        options = _adapt.stack_options(who, n, locals())
+        who = _kit.stack_name("haiku", block, n)
+        options = _kit.stack_options(who, n, locals())
         self._layers = _Layers(block, n, who, **options)
 
     @property
@@ -291,7 +291,7 @@ class Stack(hk.Module):
           stacked along a leading ``n`` axis (a tuple per position for a pattern).
         """
         layers, prefix = self._layers, f"{self.module_name}/"
-        call = _adapt.CallArgs(args, kwargs)
+        call = _kit.CallArgs(args, kwargs)
         init_key = hk.maybe_next_rng_key() if hk.running_init() else None
         rng = hk.maybe_next_rng_key()
         extras = {
@@ -401,7 +401,7 @@ class _Layers:
             if self.has_aux and not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(
                     f"{self.who}: with `has_aux=True` the block returns `(x, aux)`, but it "
-                    f"returned {_check.describe(out)}. Return `x, aux` from the block's "
+                    f"returned {_kit.describe(out)}. Return `x, aux` from the block's "
                     "`__call__` (aux may "
                     "be `()`), or build the Stack without `has_aux`."
                 )
@@ -411,7 +411,7 @@ class _Layers:
 
     def _apply(self, p: int) -> Callable:
         def apply(params, state, x, extras, call):
-            with _adapt.at_layer(extras["index"]):
+            with _kit.at_layer(extras["index"]):
                 return self.transformed[p].apply(params, state, extras["rng"], x, call)
 
         return apply
@@ -419,7 +419,7 @@ class _Layers:
     def _init_then_apply(self, p: int) -> Callable:
         def init_then_apply(_, x, extras, call):
             transformed = self.transformed[p]
-            with _adapt.at_layer(extras["index"]):
+            with _kit.at_layer(extras["index"]):
                 params, initial = transformed.init(extras["init_key"], x, call)
                 out, state = transformed.apply(params, initial, extras["rng"], x, call)
             x, aux = out if self.has_aux else (out, None)
@@ -452,7 +452,7 @@ class _Layers:
                     for module, bundle in tree.items()
                     for name, value in bundle.items()
                 ]
-                _adapt.check_depth(leaves, self.counts[p], self.who, what, fix)
+                _kit.check_depth(leaves, self.counts[p], self.who, what, fix)
         if not self.pattern:
             params, state = params[0], state[0]
         out, state = self.forward.apply(params, state, x, extras, call)

@@ -11,7 +11,7 @@ from typing import Any
 
 from flax import nnx
 
-from stackwise import _adapt
+from stackwise import _kit
 
 __all__ = ["first_difference"]
 
@@ -21,7 +21,7 @@ def _attributes(module: Any) -> dict[str, Any]:
 
 
 def _expand(a: Any, b: Any, path: str) -> Any:
-    """NNX's own nodes for :func:`stackwise._adapt.first_difference`: a variable's value,
+    """NNX's own nodes for :func:`stackwise._kit.contract.first_difference`: a variable's value,
     a module's (or rng stream's) attributes."""
     if isinstance(a, nnx.Variable):
         return [("", a.get_value(), b.get_value())]
@@ -39,4 +39,4 @@ def first_difference(a: Any, b: Any, arrays: bool = True) -> tuple | None:
     With ``arrays=False`` variables are not compared: a first pass over the other
     attributes names the cause (``out_features``) rather than its effect (``kernel``).
     """
-    return _adapt.first_difference(a, b, _expand, arrays=arrays)
+    return _kit.first_difference(a, b, _expand, arrays=arrays)

@@ -32,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from stackwise import _check, _convert
+from stackwise import _kit
 
 __all__ = [
     "BLOCK",
@@ -100,12 +100,12 @@ def _positions(path: Any, who: str) -> tuple[list[tuple], tuple, bool]:
             "['layers/layers/0', ..., 'layers/layers/{k-1}']); got []."
         )
     positions = [_parts(p, who) for p in path]
-    _convert.check_distinct([show(p) for p in positions], who, sep=None)
+    _kit.check_distinct([show(p) for p in positions], who, sep=None)
     for i, a in enumerate(positions):
         for j, b in enumerate(positions):
             if i != j and b[: len(a)] == a:
                 raise ValueError(f"{who}: position {j} ({show(b)}) lies inside position {i}.")
-    return positions, _convert.common_prefix(positions)[:-1], True
+    return positions, _kit.common_prefix(positions)[:-1], True
 
 
 def show(path: tuple) -> str:
@@ -208,7 +208,7 @@ def _stack(
                     f"{_meta(layer[rest])} but {label(0)} has {_meta(first[rest])}; the "
                     "stacked variable keeps one, so the layers must agree."
                 )
-    values = _convert.stack_exact(
+    values = _kit.stack_exact(
         [{show(r): raw_value(v) for r, v in layer.items()} for layer in layers],
         who,
         label=label,
@@ -224,7 +224,7 @@ def _stack(
 def _names(names: Any, stack: tuple, who: str) -> Callable[[int], tuple]:
     if names is None:
         return lambda i: stack + (i,)
-    name_of = _convert.layer_names(names, who, example="'layers/{}' or 'layer_{}'")
+    name_of = _kit.layer_names(names, who, example="'layers/{}' or 'layer_{}'")
     return lambda i: _parts(name_of(i), who, "names")
 
 
@@ -298,7 +298,7 @@ def from_loop(
     flat, is_state = flatten(tree, who)
     positions, stack, _ = _positions(path, who)
     k = len(positions)
-    n = _convert.check_n(n, who)
+    n = _kit.check_n(n, who)
     name_of = _names(names, stack, who)
 
     def exists(i: int) -> bool:
@@ -309,9 +309,9 @@ def from_loop(
 
     fixed = len(names) if isinstance(names, (list, tuple)) else None
     label = lambda i: repr(show(name_of(i)))  # noqa: E731
-    n = _convert.find_depth(exists, label, n, len(flat), who, fixed=fixed, pattern=k)
+    n = _kit.find_depth(exists, label, n, len(flat), who, fixed=fixed, pattern=k)
     prefixes = [name_of(i) for i in range(n)]
-    _convert.check_distinct([p for p in prefixes], who, sep=None)
+    _kit.check_distinct([p for p in prefixes], who, sep=None)
     for i, a in enumerate(prefixes):
         for j, b in enumerate(prefixes):
             if i != j and b[: len(a)] == a:
@@ -379,8 +379,8 @@ def to_loop(
             _check_not_a_pattern(inside, where, who)
         _check_layer_axis(inside, where, layer_axis_name, who)
         raw = {show(r): raw_value(v) for r, v in inside.items()}
-        depth = _convert.depth_of(raw, who, f"Stack block at {show(where)}")
-        held[q] = (inside, _convert.unstack_exact(raw, depth))
+        depth = _kit.depth_of(raw, who, f"Stack block at {show(where)}")
+        held[q] = (inside, _kit.unstack_exact(raw, depth))
     if not held:
         tops = sorted({show(p[:2]) for p in flat}, key=str)[:12]
         if not listed:
@@ -402,12 +402,12 @@ def to_loop(
                 f"pattern's positions {[show(p) for p in positions]}; they would be left "
                 "behind, stacked. Check `path` (each position's path, in the pattern's order)."
             )
-    span = _convert.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
+    span = _kit.pattern_depths({q: len(v[1]) for q, v in held.items()}, k, who)
     name_of = _names(names, stack, who)
-    _convert.check_names_count(names, span, who, "the Stack holds")
+    _kit.check_names_count(names, span, who, "the Stack holds")
     indices = sorted(q + j * k for q, (_, layers) in held.items() for j in range(len(layers)))
     prefixes = {i: name_of(i) for i in indices}
-    _convert.check_distinct(list(prefixes.values()), who, sep=None)
+    _kit.check_distinct(list(prefixes.values()), who, sep=None)
     for q, (inside, layers) in held.items():
         for j, layer_values in enumerate(layers):
             layer = {r: _with(v, layer_values[show(r)], lambda s: s[1:]) for r, v in inside.items()}
@@ -491,7 +491,7 @@ def _move(tree, path, variable_axes, to_stack, scan_axis_name, layer_axis_name, 
                 )
             del spec[src]
             spec.insert(dst, layer_axis_name if to_stack else scan_axis_name)
-        new = _check.moveaxis(value, src, dst) if src != dst else value
+        new = _kit.moveaxis(value, src, dst) if src != dst else value
         moved[r] = _with(v, new, lambda s, spec=spec: tuple(spec))
     _put_all(rest, dst_prefix, moved, who)
     return unflatten(rest, is_state)

@@ -3,7 +3,7 @@
 :func:`convert` walks both models' state in NNX's order (by attribute name,
 lists by index), records each variable's module and the Stacks around it
 (:class:`_Model`), and moves the k-th leaf of the source to the k-th of the
-target with :mod:`stackwise._correspond`, a Stack's block layer by layer;
+target with :mod:`stackwise._kit.matching`, a Stack's block layer by layer;
 names are local in NNX, so paired leaves must also share their path within
 the layer (:func:`_check_names`). The conversions by name (``from_loop``,
 ``from_scan``, ...) are in ``_convert.py``.
@@ -15,7 +15,7 @@ from typing import Any
 
 from flax import nnx
 
-from stackwise import _correspond
+from stackwise import _kit
 from stackwise.nnx._convert import BLOCK, flatten, raw_value, show, unflatten
 from stackwise.nnx._stack import Stack
 
@@ -23,7 +23,7 @@ __all__ = ["convert"]
 
 
 class _Model:
-    """A model's state as :class:`stackwise._correspond.Leaf` s, in NNX's graph order.
+    """A model's state as :class:`stackwise._kit.matching.Leaf` s, in NNX's graph order.
 
     NNX orders a module's state by attribute name (lists by index), the order
     of ``nnx.state`` and ``nnx.to_flat_state``. A :class:`Stack`'s block is a
@@ -66,7 +66,7 @@ class _Model:
             owner = owners.get(path[:-1], "")
             self.groups.append(None if group is None else root)
             self.leaves.append(
-                _correspond.Leaf(
+                _kit.Leaf(
                     show(path),
                     owner,
                     str(path[-1]),
@@ -83,7 +83,7 @@ class _Model:
 
     def check(self, flat: dict) -> None:
         """Raises unless ``flat`` is this model's state: its variables, shapes and dtypes."""
-        _correspond.check_given(
+        _kit.check_given(
             {show(p): raw_value(self.flat[p]) for p in self.paths},
             {show(p): raw_value(v) for p, v in flat.items()},
             self.who,
@@ -202,10 +202,10 @@ def convert(tree: Any, source: Any, target: Any) -> Any:
     src, tgt = _Model(source, "source", who), _Model(target, "target", who)
     src.check(flat)
     hint = "Models whose state differs in names convert by name with `from_loop` / `to_loop`."
-    sources = _correspond.correspond(src.leaves, tgt.leaves, who, hint)
+    sources = _kit.correspond(src.leaves, tgt.leaves, who, hint)
     _check_names(src, tgt, sources, who)
     values = [raw_value(flat[p]) for p in src.paths]
     out = {}
-    for path, value in zip(tgt.paths, _correspond.assemble(tgt.leaves, sources, values)):
+    for path, value in zip(tgt.paths, _kit.assemble(tgt.leaves, sources, values)):
         out[path] = tgt.flat[path].copy(value) if is_state else value
     return unflatten(out, is_state)

@@ -16,7 +16,7 @@ from flax import errors as flax_errors
 from flax import nnx
 
 import stackwise
-from stackwise import _adapt, _check
+from stackwise import _kit
 from stackwise.nnx import _compare, _view
 
 __all__ = ["Stack", "layer_index"]
@@ -47,7 +47,7 @@ def layer_index() -> jax.Array:
     Raises:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
-    return _adapt.current_layer_index("nnx")
+    return _kit.current_layer_index("nnx")
 
 
 # --------------------------------------------------------------------------
@@ -271,13 +271,13 @@ class Stack(nnx.Module):
         fsdp: str | tuple[str, ...] | None = None,
         layer_axis_name: str | None = None,
     ):
-        who = _adapt.stack_name("nnx", make_block, n)
-        options = _adapt.stack_options(who, n, locals())
+        who = _kit.stack_name("nnx", make_block, n)
+        options = _kit.stack_options(who, n, locals())
         self.n = n
         for name, value in options.items():  # static attributes of the module
             setattr(self, name, value)
-        self.layer_axis_name = _adapt.check_layer_axis_name(layer_axis_name, who)
-        if isinstance(make_block, _adapt.Prebuilt):
+        self.layer_axis_name = _kit.check_layer_axis_name(layer_axis_name, who)
+        if isinstance(make_block, _kit.Prebuilt):
             self.pattern = isinstance(make_block.layers, (list, tuple))
             self.layers = nnx.List(make_block.layers) if self.pattern else make_block.layers
             return
@@ -390,7 +390,7 @@ class Stack(nnx.Module):
 
     def _who(self) -> str:
         blocks = self._blocks()
-        return _adapt.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
+        return _kit.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
 
     def _check_layers(self) -> None:
         """Every variable of the stacked block(s) has the layer axis of its pattern
@@ -412,7 +412,7 @@ class Stack(nnx.Module):
                 _remove_layer_axis((p, s))
                 block = nnx.merge(graphdef, p, s)
                 args, kwargs = _join_rngs_args(call.args, call.kwargs)
-                with _adapt.at_layer(extras["index"]):
+                with _kit.at_layer(extras["index"]):
                     out = block(x, *args, **kwargs)
                 _, _, new_rest = nnx.split(block, nnx.Param, ...)
                 _add_layer_axis(new_rest, self.layer_axis_name)
@@ -427,7 +427,7 @@ class Stack(nnx.Module):
             self.n,
             with_state=True,
             name=who,  # the core names the block in its errors (carry, returns)
-            **{name: getattr(self, name) for name in _adapt.OPTION_NAMES},
+            **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
         args, kwargs = _split_rngs_args(args, kwargs)
         params = tuple(params for _, params, _ in split)
@@ -435,7 +435,7 @@ class Stack(nnx.Module):
         if not self.pattern:
             params, rest = params[0], rest[0]
         extras = {"index": stackwise.layer_index()}
-        out, new_rest = layers.apply(params, rest, x, extras, _adapt.CallArgs(args, kwargs))
+        out, new_rest = layers.apply(params, rest, x, extras, _kit.CallArgs(args, kwargs))
         for block, new in zip(blocks, new_rest if self.pattern else [new_rest]):
             nnx.update(block, new)
         return out
@@ -447,7 +447,7 @@ class Stack(nnx.Module):
             for path, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_var)
             for _, a in jax.tree_util.tree_leaves_with_path(v)
         ]
-        _adapt.check_depth(
+        _kit.check_depth(
             leaves,
             n,
             who,
@@ -485,7 +485,7 @@ class Stack(nnx.Module):
         for p, block in enumerate(stacked):
             graphdef, state = nnx.split(block)
             for j, i in enumerate(range(p, self.n, k)):
-                layer = jax.tree.map(lambda a, j=j: _check.take(a, j), state)
+                layer = jax.tree.map(lambda a, j=j: _kit.take(a, j), state)
                 _remove_layer_axis(layer)
                 blocks[i] = nnx.merge(graphdef, layer)
         return blocks
@@ -528,15 +528,15 @@ class Stack(nnx.Module):
           ValueError: no blocks, or fewer blocks than the pattern's length.
         """
         who = "stackwise.nnx.Stack.from_layers"
-        _adapt.check_built_options(options, _adapt.OPTION_NAMES, who)
-        _adapt.check_layer_axis_name(layer_axis_name, who)
-        blocks = _adapt.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
+        _kit.check_built_options(options, _kit.OPTION_NAMES, who)
+        _kit.check_layer_axis_name(layer_axis_name, who)
+        blocks = _kit.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
         stacked = [
             _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
             for p in range(pattern)
         ]
         return cls(
-            _adapt.Prebuilt(stacked if pattern > 1 else stacked[0], "from_layers"),
+            _kit.Prebuilt(stacked if pattern > 1 else stacked[0], "from_layers"),
             len(blocks),
             rngs=None,
             layer_axis_name=layer_axis_name,
@@ -577,9 +577,9 @@ def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) 
         states.append(state)
     for i, state in zip(indices, states):
         for path, a in jax.tree_util.tree_leaves_with_path(state):
-            _check.exact_dtype(a, who, f"{_path(path)} of block {i}")
+            _kit.exact_dtype(a, who, f"{_path(path)} of block {i}")
     stacked = jax.tree.map(
-        lambda *a: _check.stack(a) if _check.is_abstract(a[0]) else jnp.stack(a), *states
+        lambda *a: _kit.stack_abstract(a) if _kit.is_abstract(a[0]) else jnp.stack(a), *states
     )
     _add_layer_axis(stacked, layer_axis_name)
     return nnx.merge(graphdef, _shard_eagerly(stacked))

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from stackwise import _check
+from stackwise import _kit
 
 __all__ = ["iter_layers", "layer", "num_layers"]
 
@@ -28,7 +28,7 @@ def num_layers(stack: Any) -> int:
 
 
 def _slice(i: int) -> Any:
-    return lambda a: _check.take(a, i)
+    return lambda a: _kit.take(a, i)
 
 
 def _without_layer_axis(state: Any) -> None:
@@ -71,7 +71,7 @@ def layer(stack: Any, i: int) -> nnx.Module:
       IndexError: ``i`` out of range.
       ValueError: a variable with another number of layers than ``n`` (named).
     """
-    i = _check.layer_index(i, stack.n, "stackwise.nnx.Stack", "i")
+    i = _kit.layer_number(i, stack.n, "stackwise.nnx.Stack", "i")
     stack._check_layers()
     blocks = stack._blocks()  # one stacked block per pattern position
     k = len(blocks)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import optax
-from stackwise import _check
+from stackwise import _kit
 from stackwise.optax._own import layer_labels, own_batch_axes, partition_parts
 from stackwise.optax._plan import Plan, chain_parts, from_loop, init_vmapped, loop_tree, run_vmapped
 from stackwise.optax._which import (
@@ -314,7 +314,7 @@ def layer_decay(decay: float, n: int) -> np.ndarray:
       ValueError: ``n`` is below 1, or ``decay`` is not in (0, 1].
     """
     where = "stackwise.optax.layer_decay"
-    n = _check.integer(n, where, "n", minimum=1)
+    n = _kit.integer(n, where, "n", minimum=1)
     if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay <= 1:
         raise ValueError(
             f"{where}: `decay` must be a number in (0, 1] (e.g. 0.8), got {decay!r}."
@@ -357,7 +357,7 @@ def muon_dimensions(stacked: Which = True) -> Callable[[Any], Any]:
     def dimensions(params):  # abstract params (`jax.eval_shape`) too: shapes suffice
         depths = leaf_depths(stacked, params, where)
         leaves, treedef = jax.tree.flatten(params)
-        ndims = [len(_check.leaf_shape(a, where, "")) for a in leaves]  # checked by _depths
+        ndims = [len(_kit.leaf_shape(a, where, "")) for a in leaves]  # checked by _depths
         out = [dims_type(reduction_axis=(d,), output_axis=(d + 1,)) if k - d == 2 else None
                for k, d in zip(ndims, depths)]
         return jax.tree.unflatten(treedef, out)

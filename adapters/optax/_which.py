@@ -1,6 +1,6 @@
 """Which leaves of a tree are stacked (``stacked=``), and which layers of them (``freeze=``,
 ``layer_mask``'s ``layers``, ``lr_scale=``): resolved per flat leaf, checked with the shared
-checks of :mod:`stackwise._check` so that a misuse reads as it does in the core."""
+checks of :mod:`stackwise._core.checks` so that a misuse reads as it does in the core."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stackwise import _check
+from stackwise import _kit
 
 __all__ = ["Position", "Which", "layer_set", "leaf_depths", "layer_values", "map_rows",
            "pattern", "rows", "selected"]
@@ -67,18 +67,18 @@ def pattern(n: int, k: int) -> tuple[Position, ...]:
       ValueError: ``k`` is below 1, or ``n`` below ``k``.
     """
     where = "stackwise.optax.pattern"
-    k = _check.integer(k, where, "k", minimum=1)
-    n = _check.integer(n, where, "n", minimum=k)
+    k = _kit.integer(k, where, "k", minimum=1)
+    n = _kit.integer(n, where, "n", minimum=k)
     return tuple(Position(p, k, n) for p in range(k))
 
 
 def _depth_of(value: Any, name: str, where: str) -> int:
     """A leaf's number of leading layer axes: a bool (True: one) or an int >= 0, an int as
-    :func:`stackwise._check.integer` takes one (NumPy integers too); named by the leaf."""
+    :func:`stackwise._core.checks.integer` takes one (NumPy integers too); named by the leaf."""
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     try:
-        return _check.integer(value, where, "stacked", minimum=0)
+        return _kit.integer(value, where, "stacked", minimum=0)
     except (TypeError, ValueError):
         pass
     raise TypeError(
@@ -117,7 +117,7 @@ def _resolve(stacked: Which, tree: Any, where: str) -> tuple[list[int], list[Pos
     positions = [v if isinstance(v, Position) else None for v in values]
     depths = [1 if p else _depth_of(v, n, where) for v, p, n in zip(values, positions, names)]
     for (_, leaf), name, d, p in zip(pairs, names, depths, positions):
-        shape = _check.leaf_shape(leaf, where, name)  # arrays, abstract leaves, numbers
+        shape = _kit.leaf_shape(leaf, where, name)  # arrays, abstract leaves, numbers
         if len(shape) < d:
             raise ValueError(
                 f"{where}: leaf {name} has shape {shape}, but `stacked` says it "
@@ -155,7 +155,7 @@ def layer_values(values: Any, leaf: Any, depth: int, position: Position | None, 
 
 
 def layer_set(layers: Any, where: str, arg: str) -> tuple[int, ...]:
-    """Layer indices (one, or a collection), each an int as :func:`stackwise._check.integer`
+    """Layer indices (one, or a collection), each an int as :func:`stackwise._core.checks.integer`
     takes one; negative ones count from the end, per leaf (:func:`selected`)."""
     if isinstance(layers, int | np.integer) and not isinstance(layers, bool):
         layers = (layers,)
@@ -166,7 +166,7 @@ def layer_set(layers: Any, where: str, arg: str) -> tuple[int, ...]:
             f"{where}: `{arg}` must be a collection of layer indices, e.g. `{arg}=range(2)`, "
             f"got {layers!r}."
         ) from None
-    return tuple(_check.integer(i, where, f"{arg}[{k}]") for k, i in enumerate(out))
+    return tuple(_kit.integer(i, where, f"{arg}[{k}]") for k, i in enumerate(out))
 
 
 def rows(tree: Any, stacked: Which, where: str, fn) -> list:
@@ -187,13 +187,13 @@ def map_rows(fn, rows: list, *trees) -> Any:
 
 def selected(layers: tuple[int, ...], where: str, arg: str):
     """``fn(name, leaf, depth, position)`` for :func:`rows`: True on ``layers`` of the leaf,
-    each checked by :func:`stackwise._check.layer_index` against the leaf's own number of
+    each checked by :func:`stackwise._core.checks.layer_number` against the leaf's own number of
     layers (a pattern's: the model's n)."""
 
     def mask(name, leaf, depth, position):
         n = math.prod(leaf.shape[:depth]) if position is None else position.n
         try:
-            chosen = [_check.layer_index(i, n, where, arg) for i in layers]
+            chosen = [_kit.layer_number(i, n, where, arg) for i in layers]
         except IndexError as error:
             held = (f"has {n} layers" if position is None
                     else f"is in a pattern of {n} layers")

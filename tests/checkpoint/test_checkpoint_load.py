@@ -226,7 +226,8 @@ def test_save_round_trip_is_bitwise_and_never_overwrites(plain_files, tmp_path):
 
 def test_numpy_integers_and_sequences_read_as_in_the_core(tmp_path):
     """`Tensor`'s position, transpose and shapes and `save_safetensors`' pattern and
-    max_file_bytes take NumPy integers and any sequence, as `stackwise._check.integer` does."""
+    max_file_bytes take NumPy integers and any sequence, as `stackwise._core.checks.integer`
+    does."""
     params = {"a": jnp.arange(12.0).reshape(2, 3, 2), "b": jnp.arange(8.0).reshape(2, 4)}
     names = {"a": stackwise.Tensor("l.{}.a", position=np.int64(0), transpose=np.array([1, 0])),
              "b": stackwise.Tensor("l.{}.b", position=np.int32(1), reshape=[4],

@@ -68,7 +68,7 @@ class _Counted:
 
 
 def _shardings_case(mesh_shape, axes, base, together=True):
-    from stackwise import _checkpoint
+    from stackwise._checkpoint import load
 
     jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
     mesh = jax.make_mesh(mesh_shape, axes)
@@ -79,14 +79,14 @@ def _shardings_case(mesh_shape, axes, base, together=True):
     counted = _Counted(stackwise, folder)
     # The host arrays the loader fills (to find them in the devices' buffers), and with
     # together=False the shards built one at a time, as on accelerators.
-    made, host, zero_copy = [], _checkpoint._host, _checkpoint._zero_copy
-    _checkpoint._host = lambda shape, dtype: made.append(host(shape, dtype)) or made[-1]
+    made, host, zero_copy = [], load._host, load._zero_copy
+    load._host = lambda shape, dtype: made.append(host(shape, dtype)) or made[-1]
     if not together:
-        _checkpoint._zero_copy = lambda devices: False
+        load._zero_copy = lambda devices: False
     try:
         sharded = stackwise.load_checkpoint(counted.ckpt, target, names, shardings=shardings)
     finally:
-        _checkpoint._host, _checkpoint._zero_copy = host, zero_copy
+        load._host, load._zero_copy = host, zero_copy
     # Each distinct shard is on one of its devices as the host array filled, not a copy.
     filled, aliased = {a.ctypes.data for a in made}, {}
     for i, a in enumerate(jax.tree.leaves(sharded)):
@@ -221,7 +221,7 @@ def _case_threads():
 
     from safetensors.numpy import save_file
 
-    from stackwise import _checkpoint
+    from stackwise._checkpoint import load
 
     jax, jnp, NamedSharding, P, stackwise, _, _, _, _ = _setup()
     layers = 12
@@ -252,8 +252,8 @@ def _case_threads():
         release(name)
 
     ckpt._into, ckpt._release = counted_into, counted_release
-    parallel = _checkpoint._PARALLEL_BYTES
-    _checkpoint._PARALLEL_BYTES = 0
+    parallel = load._PARALLEL_BYTES
+    load._PARALLEL_BYTES = 0
     try:
         got = stackwise.load_checkpoint(ckpt, target, names, shardings=shardings)
         equal = all(bool((np.asarray(got[k]) == np.asarray(want[k])).all()) for k in target)
@@ -269,7 +269,7 @@ def _case_threads():
                     released.append(n)
                     continue
                 readers.add(thread)
-                order_ok &= n not in released and len(released) >= n - _checkpoint._AHEAD + 1
+                order_ok &= n not in released and len(released) >= n - load._AHEAD + 1
             order_ok &= sorted(released) == list(range(layers))
             threads.append(len(readers))
         # One thread's read fails (the first read of layer 3): the load raises that error
@@ -308,7 +308,7 @@ def _case_threads():
         workers[1].start()
         workers[1].join(timeout=120)
     finally:
-        _checkpoint._PARALLEL_BYTES = parallel
+        load._PARALLEL_BYTES = parallel
     return {"equal": equal, "order_ok": bool(order_ok), "threads": threads,
             "returned": [not w.is_alive() for w in workers],
             "one": outcome.get("one"), "cut": outcome.get("cut")}

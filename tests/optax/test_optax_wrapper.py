@@ -372,7 +372,7 @@ def test_weight_decay_on_some_layers_equals_per_layer_multi_transform():
 
 
 def test_layer_indices_read_as_in_the_core():
-    """`freeze=` / `layers=` take what `stackwise._check.layer_index` takes: NumPy integers,
+    """`freeze=` / `layers=` take what `stackwise._core.checks.layer_number` takes: NumPy integers,
     and negative indices counting from the end, per leaf (bitwise the same updates)."""
     params = {"w": jnp.arange(1.0, 25.0).reshape(N, 2, 3), "e": jnp.ones(3)}
     stacked = {"w": np.True_, "e": False}

@@ -6,17 +6,18 @@ import importlib
 import pytest
 
 MODULES = [
-    "stackwise._stack",
-    "stackwise._markers",
-    "stackwise._layout",
-    "stackwise._logical",
-    "stackwise._pipeline",
-    "stackwise._sharding",
-    "stackwise._checkpoint",
-    "stackwise._checkpoint_inspect",
-    "stackwise._checkpoint_names",
-    "stackwise._checkpoint_read",
-    "stackwise._checkpoint_save",
+    "stackwise._core.stack",
+    "stackwise._core.markers",
+    "stackwise._core.layout",
+    "stackwise._sharding.specs",
+    "stackwise._sharding.logical",
+    "stackwise._pipeline.api",
+    "stackwise._sharding.fsdp",
+    "stackwise._checkpoint.load",
+    "stackwise._checkpoint.inspect",
+    "stackwise._checkpoint.names",
+    "stackwise._checkpoint.read",
+    "stackwise._checkpoint.save",
     "stackwise.bench",
     # The two slowest (10-11 s each) run in the full suite only; the fast tier keeps
     # the core's and the other adapters' doctests within its 3 minutes.

@@ -80,8 +80,9 @@ def test_a_missing_framework_gets_the_install_hint(monkeypatch):
     }
 
 
-def test_the_source_tree_offers_the_installed_modules_and_no_others():
-    # From a checkout: the adapters from adapters/, the benchmark from bench/ ...
+def test_the_editable_install_offers_the_installed_modules_and_no_others():
+    # Installed editable (as the tests run): the adapters from adapters/, the benchmark from
+    # bench/ ...
     assert pathlib.Path(stackwise.__file__) == ROOT / "stackwise" / "__init__.py"
     bench = importlib.util.find_spec("stackwise.bench")
     assert pathlib.Path(bench.origin) == ROOT / "bench" / "__init__.py"
@@ -96,6 +97,34 @@ def test_the_source_tree_offers_the_installed_modules_and_no_others():
     assert {"tests", "examples", "benchmarks", "docs"} <= set(strays)
     for name in [*strays, "adapters", "stackwise", "bench.bench"]:
         assert importlib.util.find_spec(f"stackwise.{name}") is None, name
+
+
+def test_a_checkout_that_is_not_installed_says_pip_install_e():
+    """`stackwise/` imported from a checkout with no install of it: the core works, and an
+    adapter or the benchmark, imported or used as an attribute, raises ImportError saying
+    `pip install -e .` (no finder maps the checkout's folders into the package)."""
+    code = (
+        "import sys, stackwise\n"
+        "print(stackwise.stack.__module__)\n"
+        "for name in ('haiku', 'nnx', 'bench'):\n"
+        "    for how in ('import', 'attribute'):\n"
+        "        try:\n"
+        "            if how == 'import': __import__('stackwise.' + name)\n"
+        "            else: getattr(stackwise, name)\n"
+        "        except ImportError as e: print(name, how, type(e).__name__, e)\n"
+    )
+    # -S: no site, so no .pth file and no editable install's finder; jax from PYTHONPATH.
+    sites = [p for p in sys.path if p.endswith("site-packages")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sites]))
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT, env=env).stdout.splitlines()
+    assert out[0] == "stackwise._core.stack"
+    assert len(out) == 7, out
+    for line in out[1:]:
+        name = line.split()[0]
+        assert f"ModuleNotFoundError No module named 'stackwise.{name}'" in line, line
+        assert "a source checkout that is not installed" in line and "`pip install -e .`" in line
+    assert "pip install -e '.[flax]'" in out[3]
 
 
 def test_no_top_level_adapters_or_bench_package():

@@ -23,7 +23,7 @@ layout whatever its stage's phase in the pattern:
   scan and remat) of a layer that takes its row and runs its position's
   ``apply`` with :func:`jax.lax.switch`. Chunk boundaries may cut the
   pattern anywhere.
-* **FSDP** (``fsdp=``, ``_pipeline_fsdp.py``). A position's leaf keeps the
+* **FSDP** (``fsdp=``, ``stage_fsdp.py``). A position's leaf keeps the
   inner split over the FSDP axes that the stacked params have (or that
   :func:`stackwise.fsdp_specs`' rule gives it) in its blocks; a device
   gathers its stage's blocks before the tick loop, or each tick's chunk of
@@ -36,11 +36,11 @@ layout whatever its stage's phase in the pattern:
   threaded through the microbatches in order, as a loop over the M
   microbatches would. Bubble ticks write nothing.
 
-The tick loop follows ``_pipeline_program._tick`` (the same schedules, the
+The tick loop follows ``program._tick`` (the same schedules, the
 same parking of microbatches between rounds) with one addition: the chunk's
-state (``_pipeline_program._StageState``), read before the stage runs and
+state (``program._StageState``), read before the stage runs and
 written after it. With ``schedule="1f1b"`` the 1F1B program
-(``_pipeline_1f1b.py``) runs the same stage (its chunk's blocks and table rows
+(``schedule_1f1b.py``) runs the same stage (its chunk's blocks and table rows
 on one microbatch, the state carried the same way) in its own tick loops; the
 tick loop here is its primal, run when nothing differentiates.
 """
@@ -55,9 +55,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stackwise import _check, _pipeline_1f1b, _pipeline_fsdp
-from stackwise._adapt import check_depth, check_layers, tree_leaves
-from stackwise._pipeline_program import (
+from stackwise._core import trees
+from stackwise._core.checks import check_depth
+from stackwise._core.options import check_layers
+from stackwise._core.stack import Stacked, _apply_args, _check_pair, stack
+from stackwise._pipeline import schedule_1f1b, stage_fsdp
+from stackwise._pipeline.program import (
     _WHO,
     _add_aux,
     _check_batch,
@@ -77,7 +80,6 @@ from stackwise._pipeline_program import (
     _vary,
     _where,
 )
-from stackwise._stack import Stacked, _apply_args, _check_pair, stack
 
 __all__ = ["pattern_pipeline"]
 
@@ -217,7 +219,7 @@ def pattern_pipeline(
     def pipelined(*args, **kwargs):
         params, state, x, args = _apply_args(args, with_state, _WHO, call="apply")
         if loss is not None:
-            targets, loss_params, args, kwargs = _pipeline_1f1b.targets_of(args, kwargs, signature)
+            targets, loss_params, args, kwargs = schedule_1f1b.targets_of(args, kwargs, signature)
         params = _positions(params, "params", pattern, layout)
         state = _positions(state, "state", pattern, layout) if with_state else (None,) * k
         _check_batch(x, plan, "x")
@@ -241,7 +243,7 @@ def pattern_pipeline(
         )  # fmt: skip
         per_tick = None
         if plan.fsdp and plan.gather == "tick":
-            per_tick = lambda rows: _pipeline_fsdp.gather(rows, dims, plan)  # noqa: E731
+            per_tick = lambda rows: stage_fsdp.gather(rows, dims, plan)  # noqa: E731
 
         def program(*inputs, gather=None):
             return _device_program(
@@ -249,9 +251,9 @@ def pattern_pipeline(
             )
 
         if plan.fsdp and plan.gather == "step":
-            program = _pipeline_fsdp.gathered_once(program, dims, plan, options, lead=3)
+            program = stage_fsdp.gathered_once(program, dims, plan, options, lead=3)
         layers = PartitionSpec(None, plan.stage_axis)
-        block_specs = _pipeline_fsdp.in_specs(dims, plan, lead=3) if plan.fsdp else layers
+        block_specs = stage_fsdp.in_specs(dims, plan, lead=3) if plan.fsdp else layers
         run = jax.shard_map(
             program,
             mesh=mesh,
@@ -286,8 +288,8 @@ def pattern_pipeline(
                 y, _, new_state = run(inputs[0], state, *inputs[1:])
                 return y, new_state
 
-            value, new_state = _pipeline_1f1b.loss_and_grads(
-                _pipeline_1f1b.Stage(run_chunk, block_specs, 3, dims, state_of),
+            value, new_state = schedule_1f1b.loss_and_grads(
+                schedule_1f1b.Stage(run_chunk, block_specs, 3, dims, state_of),
                 plan, mesh, loss, forward, (blocks, *rest), state_blocks, targets, loss_params,
             )  # fmt: skip
             return (value, unblocked(new_state)) if with_state else value
@@ -305,8 +307,8 @@ def _fsdp_dims(params: tuple, mesh: Any, plan: _Plan, pattern: bool) -> tuple | 
     if not plan.fsdp:
         return None
     if pattern:
-        return _pipeline_fsdp.dims(params, mesh, plan, lead=1)
-    return (_pipeline_fsdp.dims(params[0], mesh, plan, lead=1),)
+        return stage_fsdp.dims(params, mesh, plan, lead=1)
+    return (stage_fsdp.dims(params[0], mesh, plan, lead=1),)
 
 
 def _positions(tree: Any, what: str, pattern: bool, layout: _Layout) -> tuple:
@@ -319,7 +321,7 @@ def _positions(tree: Any, what: str, pattern: bool, layout: _Layout) -> tuple:
             raise TypeError(
                 f"{_WHO} apply: with a pattern of {k} layers, the {what} are a tuple of {k} "
                 f"stacked trees (position p holds layers p, p+{k}, ...), as `Stacked.init` "
-                f"returns them; got {_check.describe(tree)}."
+                f"returns them; got {trees.describe(tree)}."
             )
         tree = tuple(tree)
     else:
@@ -327,7 +329,7 @@ def _positions(tree: Any, what: str, pattern: bool, layout: _Layout) -> tuple:
     fix = f"Stacked {what} come from `Stacked.init` (or `stackwise.stack_layers`)."
     for p, sub in enumerate(tree):
         where = f"{_WHO} apply" + (f", pattern position {p}" if pattern else "")
-        check_depth(tree_leaves(sub), layout.counts[p], where, what, fix)
+        check_depth(trees.named_leaves(sub), layout.counts[p], where, what, fix)
     return tree
 
 
@@ -382,7 +384,7 @@ def _place(inputs: tuple, state_specs: Any, dims: Any, mesh: Any, plan: _Plan) -
         lambda v, spec: _reshard(v, mesh, tuple(spec), plan.manual), state, state_specs
     )
     if plan.fsdp:
-        blocks = _pipeline_fsdp.place(blocks, dims, mesh, plan, lead=3)
+        blocks = stage_fsdp.place(blocks, dims, mesh, plan, lead=3)
     else:
         blocks = _reshard(blocks, mesh, (None, plan.stage_axis), plan.manual)
     return (
@@ -533,7 +535,7 @@ def _device_program(
     chunks = (per_layer, blocks)
     if per_tick is not None:  # the gathered chunk, taken and gathered again, never saved
         gathered = jax.eval_shape(lambda c: per_tick(chunk(c, 0)[1]), chunks)
-        policy = _pipeline_fsdp.per_tick_policy(options, chunks, gathered, V)
+        policy = stage_fsdp.per_tick_policy(options, chunks, gathered, V)
         run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
     elif V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         run_stage = jax.checkpoint(

@@ -1,7 +1,7 @@
 """The names of a checkpoint's tensors, as the conversions name layers: ``{}`` for the layer
 index, one :class:`Tensor` per leaf, nested by the target's keys. Shared by loading
-(:mod:`stackwise._checkpoint`), saving (:mod:`stackwise._checkpoint_save`) and inspecting
-(:mod:`stackwise._checkpoint_inspect`)."""
+(:mod:`stackwise._checkpoint.load`), saving (:mod:`stackwise._checkpoint.save`) and inspecting
+(:mod:`stackwise._checkpoint.inspect`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from stackwise import _check
+from stackwise._core import checks
 
 __all__ = ["Tensor"]
 
@@ -53,7 +53,7 @@ class Tensor:
     stored_shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        # The shared checks of `stackwise._check`: ints (NumPy ones too, never a bool), each
+        # The shared checks of `stackwise._core.checks`: ints (NumPy ones too, never a bool), each
         # shape and permutation a tuple of them, the dtype a dtype; named by the Tensor.
         who = f"stackwise.Tensor({self.name!r})"
         for arg in ("transpose", "reshape", "stored_shape"):
@@ -69,11 +69,11 @@ class Tensor:
                     f"{who}: `{arg}` must be a tuple of ints (e.g. `{arg}=(1, 0)`), got "
                     f"{type(value).__name__} {value!r}."
                 )
-            ints = tuple(_check.integer(v, who, f"{arg}[{i}]") for i, v in enumerate(items))
+            ints = tuple(checks.integer(v, who, f"{arg}[{i}]") for i, v in enumerate(items))
             object.__setattr__(self, arg, ints)
         if self.position is not None:
             object.__setattr__(
-                self, "position", _check.integer(self.position, who, "position", minimum=0)
+                self, "position", checks.integer(self.position, who, "position", minimum=0)
             )
         if self.dtype is not None:
             try:

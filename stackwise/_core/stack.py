@@ -14,20 +14,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from stackwise import _check, _inplace
-from stackwise._adapt import (
-    Options,
-    check_bool,
-    check_depth,
-    check_layers,
-    check_options,
-    tree_leaves,
-)
-from stackwise._markers import _PerLayer, _split_markers
-from stackwise._markers import layer_index as layer_index
-from stackwise._markers import per_layer as per_layer
-from stackwise._markers import per_layer_keys as per_layer_keys
-from stackwise._sharding import check_fsdp_axes, gather
+from stackwise._core import checks, inplace, trees
+from stackwise._core.checks import check_depth
+from stackwise._core.gather import check_fsdp_axes, gather
+from stackwise._core.markers import _PerLayer, _split_markers
+from stackwise._core.markers import layer_index as layer_index
+from stackwise._core.markers import per_layer as per_layer
+from stackwise._core.markers import per_layer_keys as per_layer_keys
+from stackwise._core.options import Options, check_bool, check_layers, check_options
 
 __all__ = [
     "CARRY_NAME",
@@ -80,7 +74,7 @@ class Stacked(NamedTuple):
 
 def _check_pair(out: Any, who: str, what: str, fix: str, by: str = "it") -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"{who}: {what}, but {by} returned {_check.describe(out)}. {fix}")
+        raise TypeError(f"{who}: {what}, but {by} returned {trees.describe(out)}. {fix}")
     return out
 
 
@@ -137,7 +131,7 @@ def _check_carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
 
 def _check_not_split_over_layers(params: Any, who: str) -> None:
     """Params placed with the layer axis sharded cannot be scanned layer by layer."""
-    for name, leaf in tree_leaves(params):
+    for name, leaf in trees.named_leaves(params):
         spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
         if spec and spec[0] is not None:
             raise ValueError(
@@ -321,7 +315,7 @@ def stack(
                 "apply, n)`), so it makes no params: give `Stacked.apply` params from "
                 "elsewhere, e.g. `stackwise.stack_layers([...])` of per-layer params."
             )
-        keys = jax.random.split(_check.prng_key(key, f"{who}: Stacked.init"), n)
+        keys = jax.random.split(checks.prng_key(key, f"{who}: Stacked.init"), n)
         xs, rebuild = _split_markers(args, kwargs, n, f"{who}: Stacked.init")
         out = []
         for p, init_p in enumerate(inits):
@@ -416,7 +410,7 @@ class _Run:
         )
         for p, sub in enumerate(tree):
             where = f"{self.who}: Stacked.apply" + (f", pattern position {p}" if pattern else "")
-            check_depth(tree_leaves(sub), self.counts[p], where, what, fix)
+            check_depth(trees.named_leaves(sub), self.counts[p], where, what, fix)
         return tree
 
     def __call__(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
@@ -460,7 +454,7 @@ class _Run:
             if self.with_state:
                 rec = self.records[p]
                 new_state.append(
-                    _inplace.apply_updates(state[p], rec["treedef"], rec["updates"], per_layer)
+                    inplace.apply_updates(state[p], rec["treedef"], rec["updates"], per_layer)
                 )
         return x, tuple(new_state), tuple(aux)
 
@@ -485,7 +479,7 @@ class _Run:
                         "Return the state with the output, e.g. `return x, state`.",
                     )
 
-                out, treedef, updates, per_layer = _inplace.call(with_state, (params, x), state)
+                out, treedef, updates, per_layer = inplace.call(with_state, (params, x), state)
                 record.update(treedef=treedef, updates=updates)
             else:
                 out, per_layer = apply(params, x, *a, **kw), None

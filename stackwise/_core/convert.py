@@ -1,6 +1,6 @@
 """What every conversion by name shares: exact stacking, a loop's layers, depths.
 
-Framework-free (jax and numpy only). The layout tools (:mod:`stackwise._layout`)
+Framework-free (jax and numpy only). The layout tools (:mod:`stackwise._core.layout`)
 and each adapter's ``_convert.py`` build on these, so that every conversion
 follows one rule and the same failure reads the same everywhere: a conversion
 moves every leaf exactly (bitwise, dtype kept) or raises a ValueError/TypeError
@@ -16,7 +16,7 @@ Two parts:
   :func:`check_distinct`, :func:`check_names_count`, :func:`common_prefix`.
 
 Matching two whole models leaf by leaf, in the order the framework creates
-their variables (each adapter's ``convert``), is :mod:`stackwise._correspond`.
+their variables (each adapter's ``convert``), is :mod:`stackwise._kit.matching`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stackwise import _check
+from stackwise._core import checks, trees
 
 __all__ = [
     "check_distinct",
@@ -37,7 +37,6 @@ __all__ = [
     "check_pattern",
     "common_prefix",
     "depth_of",
-    "describe",
     "dtype_name",
     "dtype_of",
     "find_depth",
@@ -54,7 +53,7 @@ __all__ = [
 # Exact stacking.
 
 
-dtype_of = _check.leaf_dtype  # a leaf's own dtype, never canonicalised by jax
+dtype_of = checks.leaf_dtype  # a leaf's own dtype, never canonicalised by jax
 
 
 def _shape(a: Any) -> tuple[int, ...]:
@@ -66,7 +65,7 @@ def dtype_name(dtype: Any) -> str:
     return getattr(dtype, "name", None) or str(dtype)
 
 
-def describe(a: Any) -> str:
+def array_text(a: Any) -> str:
     """``float32[4, 8]``: a leaf's dtype and shape, for messages."""
     return f"{dtype_name(dtype_of(a))}{list(_shape(a))}"
 
@@ -94,8 +93,8 @@ def stack_arrays(column: Sequence[Any]) -> Any:
     """
     if all(isinstance(a, (np.ndarray, np.generic)) for a in column):
         return np.stack(column)
-    if all(_check.is_abstract(a) for a in column):  # a restore target: shapes only
-        return _check.stack(column)
+    if all(trees.is_abstract(a) for a in column):  # a restore target: shapes only
+        return trees.stack_abstract(column)
     if all(isinstance(a, (bool, int, float, complex)) for a in column):
         return np.stack([np.asarray(a) for a in column])
     return jnp.stack(column)
@@ -179,10 +178,10 @@ def stack_exact(
 def unstack_exact(stacked: Any, n: int) -> list[Any]:
     """``[layer_0, ..., layer_{n-1}]``: each leaf's slice ``[i]`` (exact; abstract leaves
     give abstract slices)."""
-    return [jax.tree.map(lambda a, i=i: _check.take(a, i), stacked) for i in range(n)]
+    return [jax.tree.map(lambda a, i=i: trees.take(a, i), stacked) for i in range(n)]
 
 
-depth_of = _check.depth  # the common depth of every leaf, or a ValueError listing them
+depth_of = checks.depth  # the common depth of every leaf, or a ValueError listing them
 
 
 # --------------------------------------------------------------------------

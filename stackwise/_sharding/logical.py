@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from stackwise import _check
+from stackwise._core import checks
 
 __all__ = ["logical_specs"]
 
@@ -157,7 +157,7 @@ def logical_specs(
       ValueError: a name used twice in one leaf, or (with ``mesh``) a rule
         naming an axis the mesh lacks.
     """
-    mesh = _check.mesh(mesh, _WHO, optional=True)
+    mesh = checks.mesh(mesh, _WHO, optional=True)
     checked = _check_rules(rules, mesh)
     return jax.tree_util.tree_map_with_path(
         lambda path, v: _one(v, checked, jax.tree_util.keystr(path) or "<root>"),

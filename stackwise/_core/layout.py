@@ -7,11 +7,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from stackwise import _check, _convert
+from stackwise._core import checks, convert, trees
 
-__all__ = ["slice_layers", "stack_layers", "stacked_shardings", "stacked_spec", "unstack_layers"]
+__all__ = ["slice_layers", "stack_layers", "unstack_layers"]
 
 
 _UNSTACK = "stackwise.unstack_layers"
@@ -47,10 +46,10 @@ def unstack_layers(stacked: Any, *, pattern: int | None = None) -> list[Any]:
         positions whose depths no n gives.
       TypeError: ``pattern`` not a positive int, or not k trees with it.
     """
-    k = _convert.check_pattern(pattern, _UNSTACK)
+    k = convert.check_pattern(pattern, _UNSTACK)
     fix = "Stacked params come from `Stacked.init` or `stackwise.stack_layers`."
     if k is None:
-        return _convert.unstack_exact(stacked, _convert.depth_of(stacked, _UNSTACK, "tree", fix))
+        return convert.unstack_exact(stacked, convert.depth_of(stacked, _UNSTACK, "tree", fix))
     if not isinstance(stacked, (tuple, list)) or len(stacked) != k:
         got = (
             f"{len(stacked)} trees"
@@ -62,13 +61,13 @@ def unstack_layers(stacked: Any, *, pattern: int | None = None) -> list[Any]:
             f"holding layers p, p+{k}, ...), as `Stacked.init` returns them; got {got}."
         )
     positions = [
-        _convert.unstack_exact(
+        convert.unstack_exact(
             tree,
-            _convert.depth_of(tree, _UNSTACK, f"tree of pattern position {p}", fix),
+            convert.depth_of(tree, _UNSTACK, f"tree of pattern position {p}", fix),
         )
         for p, tree in enumerate(stacked)
     ]
-    n = _convert.pattern_depth([len(layers) for layers in positions], _UNSTACK)
+    n = convert.pattern_depth([len(layers) for layers in positions], _UNSTACK)
     return [positions[i % k][i // k] for i in range(n)]
 
 
@@ -106,16 +105,16 @@ def stack_layers(layers: Sequence[Any], *, pattern: int | None = None) -> Any:
       TypeError: a leaf whose dtype differs between layers, a bad ``pattern``,
         or ``layers`` that is not a list (a dict's keys would be taken as layers).
     """
-    k = _convert.check_pattern(pattern, _STACK)
+    k = convert.check_pattern(pattern, _STACK)
     layers = _layer_list(layers, _STACK)
     if k is None:
-        return _convert.stack_exact(layers, _STACK)
+        return convert.stack_exact(layers, _STACK)
     if len(layers) < k:
         raise ValueError(
             f"{_STACK}: a pattern of {k} layers needs at least {k} layers, got {len(layers)}."
         )
     return tuple(
-        _convert.stack_exact(layers[p::k], _STACK, label=lambda j, p=p: f"layer {p + j * k}")
+        convert.stack_exact(layers[p::k], _STACK, label=lambda j, p=p: f"layer {p + j * k}")
         for p in range(k)
     )
 
@@ -182,19 +181,19 @@ def slice_layers(
       ValueError: an empty or out-of-range slice, or leaves of different depths.
     """
     who = "stackwise.slice_layers"
-    k = _convert.check_pattern(pattern, who)
-    start = _check.integer(start, who, "start")
-    stop = None if stop is None else _check.integer(stop, who, "stop")
+    k = convert.check_pattern(pattern, who)
+    start = checks.integer(start, who, "start")
+    stop = None if stop is None else checks.integer(stop, who, "stop")
     if k is None:
         _refuse_a_pattern(stacked, who)
-        n = _convert.depth_of(stacked, who, "tree")
+        n = convert.depth_of(stacked, who, "tree")
     else:
         positions = _positions(stacked, k, who)
         depths = [
-            _convert.depth_of(t, who, f"tree of pattern position {p}")
+            convert.depth_of(t, who, f"tree of pattern position {p}")
             for p, t in enumerate(positions)
         ]
-        n = _convert.pattern_depth(depths, who)
+        n = convert.pattern_depth(depths, who)
     lo = start + n if start < 0 else start
     hi = n if stop is None else stop + n if stop < 0 else stop
     if not 0 <= lo < hi <= n:
@@ -203,13 +202,13 @@ def slice_layers(
             f"got start={start}, stop={stop}: an empty or out-of-range slice."
         )
     if k is None:
-        return jax.tree.map(lambda a: _check.take_range(a, lo, hi), stacked)
+        return jax.tree.map(lambda a: trees.take_range(a, lo, hi), stacked)
     out = []
     for q in range(min(k, hi - lo)):  # the result's position q: layers lo+q, lo+q+k, ...
         first = lo + q
         p, j = first % k, first // k
         stop_j = len(range(p, hi, k))
-        out.append(jax.tree.map(lambda a, j=j, s=stop_j: _check.take_range(a, j, s), positions[p]))
+        out.append(jax.tree.map(lambda a, j=j, s=stop_j: trees.take_range(a, j, s), positions[p]))
     return tuple(out)
 
 
@@ -244,64 +243,3 @@ def _refuse_a_pattern(stacked: Any, who: str) -> None:
     )
 
 
-def stacked_spec(spec: PartitionSpec | None, layer_axis: str | None = None) -> PartitionSpec:
-    """The ``PartitionSpec`` of a stacked leaf from the spec of one layer's leaf.
-
-    The layer axis is prepended (``None``: replicated across layers; a mesh
-    axis name: layers split over it); the inner axes keep their specs.
-
-    >>> from jax.sharding import PartitionSpec as P
-    >>> import stackwise
-    >>> stackwise.stacked_spec(P("data", None))
-    P(None, 'data', None)
-    >>> stackwise.stacked_spec(P(None, "model"), layer_axis="stage")
-    P('stage', None, 'model')
-
-    Args:
-      spec: one layer's leaf's ``PartitionSpec``, or None (replicated).
-      layer_axis: None, a mesh axis name or a tuple of names for the layer axis.
-
-    Raises:
-      TypeError: ``spec`` is not a ``PartitionSpec`` or None (a bare string
-        such as ``"data"`` would otherwise be read letter by letter), or a bad
-        ``layer_axis``.
-    """
-    who = "stackwise.stacked_spec"
-    spec = _check.partition_spec(spec, who, "spec")
-    layer_axis = _check.axis_entry(layer_axis, who, "layer_axis")
-    return PartitionSpec(layer_axis, *(spec or ()))
-
-
-def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> Any:
-    """``NamedSharding`` s for stacked params from a tree of per-layer specs.
-
-    ``specs`` mirrors one layer's params with a ``PartitionSpec`` (or
-    ``None`` for replicated) per leaf. Use the result as ``out_shardings`` of
-    a jitted ``Stacked.init`` or with :func:`jax.device_put`.
-
-    >>> import jax, numpy as np, stackwise
-    >>> from jax.sharding import Mesh, PartitionSpec as P
-    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    >>> s = stackwise.stacked_shardings(mesh, {"w": P("data", None)})
-    >>> s["w"].spec
-    P(None, 'data', None)
-
-    Raises:
-      TypeError: ``mesh`` not a mesh, a spec that is not a ``PartitionSpec`` or None
-        (its path is named), or a bad ``layer_axis``.
-      ValueError: an axis name the mesh does not have.
-    """
-    who = "stackwise.stacked_shardings"
-    mesh = _check.mesh(mesh, who)
-    layer_axis = _check.axis_entry(layer_axis, who, "layer_axis", mesh=mesh)
-    is_spec = lambda s: s is None or isinstance(s, PartitionSpec)  # noqa: E731
-    if isinstance(specs, str):
-        _check.partition_spec(specs, who, "specs")
-
-    def sharding(path, s):
-        name = jax.tree_util.keystr(path) or "<root>"
-        s = _check.partition_spec(s, who, "specs", leaf=name)
-        _check.spec_on_mesh(s, mesh, who, f"the spec of leaf {name},")
-        return NamedSharding(mesh, stacked_spec(s, layer_axis))
-
-    return jax.tree_util.tree_map_with_path(sharding, specs, is_leaf=is_spec)

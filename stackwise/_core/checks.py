@@ -24,7 +24,7 @@ Integers and layer indices:
 
 - :func:`integer`: a Python or NumPy integer, never a bool, optionally with a minimum.
 - :func:`prng_key`: one PRNG key (typed or raw), not a seed or a batch of keys.
-- :func:`layer_index`: ``i`` with ``-n <= i < n`` (int or NumPy integer), as ``0 <= i < n``.
+- :func:`layer_number`: ``i`` with ``-n <= i < n`` (int or NumPy integer), as ``0 <= i < n``.
 
 Params trees, concrete or abstract:
 
@@ -51,7 +51,7 @@ Dtypes:
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -59,30 +59,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from stackwise._core import trees
+
 __all__ = [
     "axis_entry",
     "axis_names",
     "check_depth",
     "depth",
-    "describe",
     "exact_dtype",
     "integer",
-    "is_abstract",
-    "layer_index",
+    "layer_number",
     "leaf_dtype",
     "leaf_shape",
     "mesh",
     "mesh_lacks",
-    "moveaxis",
-    "named_leaves",
     "partition_spec",
     "prng_key",
     "same_array_kind",
     "spec_names",
     "spec_on_mesh",
-    "stack",
-    "take",
-    "take_range",
 ]
 
 _MESH_EXAMPLE = "`jax.make_mesh((8,), ('data',))` (or `jax.sharding.AbstractMesh((8,), ('data',))`)"
@@ -234,7 +229,7 @@ def integer(value: Any, who: str, arg: str, *, minimum: int | None = None) -> in
     return value
 
 
-def layer_index(i: Any, n: int, who: str, arg: str = "index") -> int:
+def layer_number(i: Any, n: int, who: str, arg: str = "index") -> int:
     """Layer ``i`` of ``n`` (``-n <= i < n``, negative counting from the end) as ``0..n-1``.
 
     An int or a NumPy integer (or a 0-d integer array); a bool, a float or a slice is
@@ -275,11 +270,6 @@ def prng_key(key: Any, who: str, arg: str = "key") -> Any:
 # Leaves: concrete arrays, NumPy values, abstract shapes.
 
 
-def is_abstract(leaf: Any) -> bool:
-    """Whether ``leaf`` is a ``jax.ShapeDtypeStruct`` (shapes and dtypes, no values)."""
-    return isinstance(leaf, jax.ShapeDtypeStruct)
-
-
 def leaf_shape(leaf: Any, who: str, name: str) -> tuple[int, ...]:
     """A leaf's shape: arrays, abstract leaves, NumPy values, Python numbers (``()``)."""
     shape = getattr(leaf, "shape", None)
@@ -299,59 +289,12 @@ def leaf_dtype(leaf: Any) -> Any:
     return np.asarray(leaf).dtype if dtype is None else dtype
 
 
-def take(leaf: Any, i: int) -> Any:
-    """Layer ``i`` of a stacked leaf; an abstract leaf gives an abstract slice."""
-    if is_abstract(leaf):
-        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-    return leaf[i]
-
-
-def take_range(leaf: Any, start: int, stop: int, step: int = 1) -> Any:
-    """Layers ``start:stop:step`` of a stacked leaf; abstract leaves give abstract ones."""
-    if is_abstract(leaf):
-        count = len(range(start, stop, step))
-        return jax.ShapeDtypeStruct((count, *leaf.shape[1:]), leaf.dtype)
-    return leaf[start:stop:step]
-
-
-def stack(column: Sequence[Any]) -> Any:
-    """Abstract leaves of one shape and dtype stacked along a new axis 0 (abstract)."""
-    first = column[0]
-    return jax.ShapeDtypeStruct((len(column), *first.shape), first.dtype)
-
-
-def moveaxis(leaf: Any, source: int, destination: int) -> Any:
-    """``jnp.moveaxis`` of a leaf; an abstract leaf gives the abstract result."""
-    if not is_abstract(leaf):
-        return jnp.moveaxis(leaf, source, destination)
-    axes = list(range(len(leaf.shape)))
-    axes.insert(destination % len(axes), axes.pop(source % len(axes)))
-    return jax.ShapeDtypeStruct(tuple(leaf.shape[a] for a in axes), leaf.dtype)
-
-
-def describe(value: Any) -> str:
-    """What a function returned, for messages: ``one array float32[2, 8]``, ``a tuple of 3``."""
-    if isinstance(value, tuple):
-        return f"a tuple of {len(value)}"
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"one array {getattr(value.dtype, 'name', value.dtype)}{list(value.shape)}"
-    return type(value).__name__
-
-
-def named_leaves(tree: Any, **kwargs: Any) -> list[tuple[str, Any]]:
-    """``(keystr path, leaf)`` pairs (``<root>`` for a lone leaf)."""
-    return [
-        (jax.tree_util.keystr(path) or "<root>", leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree, **kwargs)
-    ]
-
-
 def depth(tree: Any, who: str, what: str, fix: str = "", leaf_name=lambda path: path) -> int:
     """The common length of every leaf's leading axis; ValueError listing the leaves if none.
 
     ``leaf_name`` turns a ``keystr`` path into the framework's leaf name in messages.
     """
-    leaves = [(leaf_name(name), leaf) for name, leaf in named_leaves(tree)]
+    leaves = [(leaf_name(name), leaf) for name, leaf in trees.named_leaves(tree)]
     if not leaves:
         raise ValueError(f"{who}: the {what} has no array leaves.")
     shapes = [leaf_shape(leaf, who, name) for name, leaf in leaves]

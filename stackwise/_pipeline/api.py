@@ -11,7 +11,7 @@ The module reads top-down: :func:`pipeline` checks its arguments into a
 :class:`_Plan`; :func:`_split_args` sorts the call's arguments; :func:`_place`
 moves the inputs to their layout on the mesh; :func:`_device_program` is one
 device's program and :func:`_tick` one step of it. The 1F1B schedule, which
-needs the loss, is in ``_pipeline_1f1b.py``.
+needs the loss, is in ``schedule_1f1b.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from stackwise import _check, _pipeline_1f1b, _pipeline_fsdp
-from stackwise._adapt import check_options
-from stackwise._markers import _PerExample, _PerLayer, _split_markers
-from stackwise._pipeline_pattern import pattern_pipeline
-from stackwise._pipeline_program import (
+from stackwise._core import checks
+from stackwise._core.markers import _PerExample, _PerLayer, _split_markers
+from stackwise._core.options import check_options
+from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
+from stackwise._pipeline import schedule_1f1b, stage_fsdp
+from stackwise._pipeline.pattern import pattern_pipeline
+from stackwise._pipeline.program import (
     _WHO,
     _check_batch,
     _check_same_batch,
@@ -39,7 +41,6 @@ from stackwise._pipeline_program import (
     _StageState,
     _to_chunks,
 )
-from stackwise._stack import DEFAULT_REMAT, Stacked, stack
 
 __all__ = ["pipeline"]
 
@@ -52,7 +53,7 @@ _SCHEDULES = ("gpipe", "circular", "1f1b")
 
 def _int_arg(value: Any, name: str, fix: str) -> int:
     try:
-        value = _check.integer(value, _WHO, name)
+        value = checks.integer(value, _WHO, name)
     except TypeError:
         value = None
     if value is None or value < 1:
@@ -76,7 +77,7 @@ def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
 def _plan(
     n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp=None, gather="step"
 ) -> _Plan:
-    mesh = _check.mesh(mesh, _WHO)
+    mesh = checks.mesh(mesh, _WHO)
     for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
         if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
             raise TypeError(
@@ -136,8 +137,8 @@ def _plan(
             + ", or a mesh whose stage axis divides n."
         )
     explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-    fsdp, gather = _pipeline_fsdp.check(mesh, fsdp, gather, stage_axis, _WHO)
-    D *= _pipeline_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
+    fsdp, gather = stage_fsdp.check(mesh, fsdp, gather, stage_axis, _WHO)
+    D *= stage_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
     return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
 
 
@@ -445,16 +446,16 @@ def pipeline(
             None, layer, plan.L, remat=remat, nested=nested, unroll=unroll, has_aux=True, name=_WHO
         )
         if plan.fsdp and plan.gather == "tick" and gathers:
-            return _pipeline_fsdp.gathered_per_tick(one, dims, plan, options)
+            return stage_fsdp.gathered_per_tick(one, dims, plan, options)
         return one
 
     def pipelined(params, x, *args, **kwargs):
         if loss is not None:
-            targets, loss_params, args, kwargs = _pipeline_1f1b.targets_of(
+            targets, loss_params, args, kwargs = schedule_1f1b.targets_of(
                 args, kwargs, "apply(params, x, targets, *args)"
             )
         params = _device_layout(params, plan)
-        dims = _pipeline_fsdp.dims(params, mesh, plan) if plan.fsdp else None
+        dims = stage_fsdp.dims(params, mesh, plan) if plan.fsdp else None
         _check_batch(x, plan, "x")
         call = _split_args(args, kwargs, n)
         for i, v in enumerate(call.examples):
@@ -472,11 +473,11 @@ def pipeline(
 
         program = device
         if plan.fsdp:  # each stage's params split over the FSDP axes too
-            param_spec = _pipeline_fsdp.in_specs(dims, plan)
+            param_spec = stage_fsdp.in_specs(dims, plan)
             if plan.explicit:
-                inputs = (_pipeline_fsdp.place(params, dims, mesh, plan), *inputs[1:])
+                inputs = (stage_fsdp.place(params, dims, mesh, plan), *inputs[1:])
             if plan.gather == "step":
-                program = _pipeline_fsdp.gathered_once(device, dims, plan, options)
+                program = stage_fsdp.gathered_once(device, dims, plan, options)
 
         def forward(inputs):
             run = jax.shard_map(
@@ -497,8 +498,8 @@ def pipeline(
         def run_chunk(chunk, h, state, j, examples, consts):
             return one.apply(chunk, h, j, examples, consts)[0], state
 
-        on_stage = _pipeline_1f1b.Stage(run_chunk, param_spec, 2, dims, _StageState((), plan))
-        value, _ = _pipeline_1f1b.loss_and_grads(
+        on_stage = schedule_1f1b.Stage(run_chunk, param_spec, 2, dims, _StageState((), plan))
+        value, _ = schedule_1f1b.loss_and_grads(
             on_stage, plan, mesh, loss, lambda i, state: (forward(i)[0], state), inputs, (),
             targets, loss_params,
         )  # fmt: skip

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import DropVar, Literal
 
 __all__ = ["Update", "apply_updates", "call"]
 
@@ -49,6 +48,8 @@ def _evaluate(jaxpr: Any, consts: list, args: list, origin: dict) -> list:
     that are a state leaf with ``writes`` (a tuple of ``(update, starts)``)
     applied; the value is kept in the entry so its id stays unique.
     """
+    from jax.extend.core import DropVar, Literal  # (here: jax.extend loads Pallas, ~0.3 s)
+
     env: dict = {}
     read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
     env.update(zip(jaxpr.constvars, consts))

@@ -14,9 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from stackwise import _check
-from stackwise import _checkpoint_hosts as _hosts
-from stackwise._checkpoint_names import (
+from stackwise._checkpoint import hosts
+from stackwise._checkpoint.names import (
     Tensor,
     _check_layout,
     _check_template,
@@ -24,7 +23,8 @@ from stackwise._checkpoint_names import (
     _key,
     _lookup,
 )
-from stackwise._checkpoint_read import INDEX, need
+from stackwise._checkpoint.read import INDEX, need
+from stackwise._core import checks, trees
 
 __all__ = ["save_orbax", "save_safetensors"]
 
@@ -60,8 +60,8 @@ def _stored(plan_spec: Tensor, x: Any, path: str, who: str) -> Any:
 
 def _check_options(pattern: Any, max_bytes: Any, bytes_arg: str, overwrite: Any,
                    who: str) -> tuple[int | None, int]:
-    pattern = None if pattern is None else _check.integer(pattern, who, "pattern", minimum=1)
-    max_bytes = _check.integer(max_bytes, who, bytes_arg, minimum=1)
+    pattern = None if pattern is None else checks.integer(pattern, who, "pattern", minimum=1)
+    max_bytes = checks.integer(max_bytes, who, bytes_arg, minimum=1)
     if not isinstance(overwrite, (bool, np.bool_)):
         raise TypeError(f"{who}: `overwrite` must be True or False, got {overwrite!r}.")
     return pattern, max_bytes
@@ -73,7 +73,7 @@ def _rows(params: Any, names: Any, pattern: int | None, who: str) -> list[_Row]:
     flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
             for p, a in jax.tree_util.tree_leaves_with_path(params) if _is_array(a)]
     for path, keys, a in flat:
-        if _check.is_abstract(a):
+        if trees.is_abstract(a):
             raise TypeError(
                 f"{who}: leaf {path} is abstract ({a}, as `jax.eval_shape` gives): it has "
                 "no values to save. Pass the params themselves (e.g. as `load_checkpoint` "
@@ -81,7 +81,7 @@ def _rows(params: Any, names: Any, pattern: int | None, who: str) -> list[_Row]:
             )
         spec = _lookup(names, [_key(k) for k in keys], path, who)
         _check_template(spec, path, who)
-        _check_layout(spec, _check.leaf_shape(a, who, path), pattern, path, who)
+        _check_layout(spec, checks.leaf_shape(a, who, path), pattern, path, who)
         if spec.per_layer:
             p, step = spec.position or 0, pattern or 1
             for j in range(a.shape[0]):
@@ -196,20 +196,20 @@ def save_safetensors(
         else [f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors" for g in range(len(groups))]
     )
     there = _checkpoint_files(directory) if jax.process_index() == 0 else []
-    if _hosts.agree(bool(there) and not overwrite):  # process 0's finding, on every process
+    if hosts.agree(bool(there) and not overwrite):  # process 0's finding, on every process
         held = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "") if there else (
             "as process 0 sees it")
         raise FileExistsError(
             f"{_SAVE}: {directory} already holds a checkpoint ({held}); stackwise never "
             "overwrites one unless asked: pass overwrite=True, or save to a new directory."
         )
-    writer = _hosts.Writer(_SAVE, directory)
+    writer = hosts.Writer(_SAVE, directory)
     written, weight_map, total = [], {}, 0
     for file, group in zip(files, groups):  # every process, every row, in the same order
         arrays = {}
         for _, name, path, spec, a, j in group:
             weight_map[name] = file
-            x = _hosts.host_row(a, j, writer, path)  # None but on process 0
+            x = hosts.host_row(a, j, writer, path)  # None but on process 0
             if x is not None:
                 arrays[name] = np.ascontiguousarray(_stored(spec, x, path, _SAVE))
                 total += arrays[name].nbytes
@@ -385,7 +385,7 @@ def save_orbax(
     groups = _groups(rows, max_group_bytes)
     there = jax.process_index() == 0 and os.path.exists(directory) and (
         not os.path.isdir(directory) or bool(os.listdir(directory)))
-    if _hosts.agree(there and not overwrite):  # process 0's finding, on every process
+    if hosts.agree(there and not overwrite):  # process 0's finding, on every process
         raise FileExistsError(
             f"{_ORBAX}: {directory} already exists and is not empty; stackwise never "
             "overwrites a checkpoint unless asked: pass overwrite=True, or save to a new "
@@ -393,7 +393,7 @@ def save_orbax(
         )
     parent, name = os.path.split(directory)
     staging = os.path.join(parent, f"{name}.stackwise-tmp")
-    writer = _hosts.Writer(_ORBAX, directory)
+    writer = hosts.Writer(_ORBAX, directory)
     writer.run(_clear_staging, parent, staging)
     writer.settle()  # no process stages before the leftovers are gone
     for group in groups:  # on every process: orbax writes each process's shards

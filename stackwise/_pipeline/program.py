@@ -1,6 +1,6 @@
 """What a pipeline runs on each device: the params' layouts and the tick loop.
 
-:func:`stackwise.pipeline` (``_pipeline.py``) checks the schedule and sorts the
+:func:`stackwise.pipeline` (``api.py``) checks the schedule and sorts the
 call's arguments; this module lays the params out per device and runs one
 device's program: its chunks of layers over all ticks of the schedule.
 """
@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stackwise._adapt import Options, check_depth, tree_leaves
-from stackwise._stack import CARRY_NAME
+from stackwise._core import trees
+from stackwise._core.checks import check_depth
+from stackwise._core.options import Options
+from stackwise._core.stack import CARRY_NAME
 
 _WHO = "stackwise.pipeline"
 
@@ -105,7 +107,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
 
 def _device_layout(params: Any, plan: _Plan) -> Any:
     """Params in the layout the devices run: ``(V, n/V, ...)``, from either layout."""
-    leaves = tree_leaves(params)
+    leaves = trees.named_leaves(params)
     if (
         plan.V > 1
         and leaves
@@ -258,7 +260,7 @@ def _device_program(
 
 class _StageState:
     """A stage's state in a tick loop (GPipe's or 1F1B's), from this device's ``(V, 1,
-    C_p, ...)`` blocks of a pattern's state (``_pipeline_pattern.py``). A leaf with a batch
+    C_p, ...)`` blocks of a pattern's state (``pattern.py``). A leaf with a batch
     axis (``batched``) runs as ``(V, C_p, M, b, ...)``: microbatch m of chunk r reads and
     writes ``[r, :, m]``; one without, as ``(V, C_p, ...)``: chunk r's ``[r]``, which the
     microbatches update in turn. Layers without state: ``batched=()``, nothing to carry."""
@@ -321,7 +323,7 @@ class _StageState:
 
 def _same(v: Any, plan: _Plan) -> Any:
     """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
-    ``_pipeline_pattern._batched_leaves`` refuses more), marked so: it met the batch in the
+    ``pattern._batched_leaves`` refuses more), marked so: it met the batch in the
     tick loop."""
     if not plan.batch_axes:
         return v

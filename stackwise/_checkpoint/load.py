@@ -27,8 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
-from stackwise import _check
-from stackwise._checkpoint_names import (
+from stackwise._checkpoint.names import (
     Tensor,
     _check_layout,
     _check_template,
@@ -38,7 +37,8 @@ from stackwise._checkpoint_names import (
     _lookup,
     _name_leaves,
 )
-from stackwise._checkpoint_read import Checkpoint, open_checkpoint
+from stackwise._checkpoint.read import Checkpoint, open_checkpoint
+from stackwise._core import checks
 
 __all__ = ["load_checkpoint"]
 
@@ -85,7 +85,7 @@ def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkp
 
 def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
     _check_template(spec, path, who)
-    _check.exact_dtype(leaf, who, f"leaf {path}")
+    checks.exact_dtype(leaf, who, f"leaf {path}")
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     _check_layout(spec, shape, k, path, who)
     if spec.per_layer:
@@ -226,7 +226,7 @@ def _shardings_by_path(shardings: Any, target: Any) -> dict[str, Any]:
 
 def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
     if pattern is not None:
-        pattern = _check.integer(pattern, who, "pattern", minimum=1)
+        pattern = checks.integer(pattern, who, "pattern", minimum=1)
     by_path = _shardings_by_path(shardings, target)
     default = shardings if isinstance(shardings, Sharding) else None
     plans, used, seen = [], set(), {}

@@ -16,11 +16,11 @@ Where the gather runs (``fsdp_gather=``):
 - ``"tick"``: at every tick, only the chunk of layers that tick runs, inside a
   checkpoint that keeps what ``remat`` keeps but never the gathered chunk.
 
-A pattern's pipeline (``_pipeline_pattern.py``) uses the same pieces with its
+A pattern's pipeline (``pattern.py``) uses the same pieces with its
 per-position blocks ``(V, S, C_p, ...)`` (``lead``: the dimensions before a
 leaf's inner ones), gathering the blocks per step or each tick's chunk of them.
 
-The 1F1B schedule (``_pipeline_1f1b.py``) is its own backward pass, which JAX does
+The 1F1B schedule (``schedule_1f1b.py``) is its own backward pass, which JAX does
 not differentiate: it calls :func:`gather` and its transpose :func:`scatter` itself.
 
 Which dimension of a leaf is split: the one its placement already splits over
@@ -40,11 +40,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stackwise import _check
-from stackwise._adapt import Options
-from stackwise._pipeline_program import _WHO, _kept, _sliced_shapes, _unless_sliced
-from stackwise._sharding import fsdp_specs
-from stackwise._stack import Stacked
+from stackwise._core import checks
+from stackwise._core.options import Options
+from stackwise._core.stack import Stacked
+from stackwise._pipeline.program import _WHO, _kept, _sliced_shapes, _unless_sliced
+from stackwise._sharding.fsdp import fsdp_specs
 
 GATHERS = ("step", "tick")
 
@@ -58,7 +58,7 @@ _GATHERED_NAME = "stackwise_pipeline_gathered"
 
 def check(mesh: Any, fsdp: Any, gather: Any, stage_axis: str, who: str) -> tuple:
     """``(fsdp axes or (), gather)``: the FSDP axes are the mesh's, and not the stages'."""
-    axes = _check.axis_names(fsdp, who, "fsdp", mesh=mesh, optional=True) or ()
+    axes = checks.axis_names(fsdp, who, "fsdp", mesh=mesh, optional=True) or ()
     if stage_axis in axes:
         raise ValueError(
             f"{who}: `fsdp={fsdp!r}` names the stage axis {stage_axis!r}; the layers are "

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from stackwise._checkpoint_read import open_checkpoint
+from stackwise._checkpoint.read import open_checkpoint
 
 __all__ = ["CheckpointLayout", "inspect_checkpoint"]
 

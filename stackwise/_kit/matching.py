@@ -8,7 +8,7 @@ models' leaves one to one, a stack's leaves layer by layer, and
 before that, :func:`check_given` checks that the values given are the
 source model's.
 
-Like every conversion (:mod:`stackwise._convert`), it moves every leaf
+Like every conversion (:mod:`stackwise._core.convert`), it moves every leaf
 exactly or raises a ValueError naming where the two models differ.
 """
 
@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from stackwise import _check
-from stackwise._convert import describe, dtype_name, dtype_of, pattern_depths, stack_arrays
+from stackwise._core import trees
+from stackwise._core.convert import array_text, dtype_name, dtype_of, pattern_depths, stack_arrays
 
 __all__ = ["Leaf", "assemble", "check_given", "correspond"]
 
@@ -238,7 +238,7 @@ def assemble(
     out = []
     for leaf, slots in zip(target, sources):
         column = [
-            values[s.leaf] if s.layer is None else _check.take(values[s.leaf], s.layer)
+            values[s.leaf] if s.layer is None else trees.take(values[s.leaf], s.layer)
             for s in slots
         ]
         out.append(stack_arrays(column) if leaf.depth else column[0])
@@ -262,7 +262,7 @@ def check_given(
       what: what the values are not, e.g. ``the state given is not the
         source model's``.
       dtype: the dtype a given value is checked by: its own
-        (:func:`stackwise._convert.dtype_of`, the default) or, as Haiku and
+        (:func:`stackwise._core.convert.dtype_of`, the default) or, as Haiku and
         linen check it, ``jnp.result_type`` (a NumPy float64 then checks as
         float32 when jax runs without x64).
 
@@ -273,7 +273,7 @@ def check_given(
     bad = [f"  missing: {name}" for name in want if name not in have]
     bad += [f"  not in the model: {name}" for name in have if name not in want]
     bad += [
-        f"  {name}: {describe(have[name])}, the model has {describe(want[name])}"
+        f"  {name}: {array_text(have[name])}, the model has {array_text(want[name])}"
         for name in want
         if name in have
         and (

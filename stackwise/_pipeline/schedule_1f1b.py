@@ -13,8 +13,8 @@ loss.
 
 What a stage runs comes from the pipeline that builds it, as a :class:`Stage`: "run
 chunk r of this stage on microbatch m", its params' layout and FSDP split, and how its
-state is carried (``_pipeline.py`` for one layer function, without state;
-``_pipeline_pattern.py`` for a pattern or layers with state, its position blocks and
+state is carried (``api.py`` for one layer function, without state;
+``pattern.py`` for a pattern or layers with state, its position blocks and
 dispatch). The schedule below is the same for both.
 
 The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
@@ -59,8 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from stackwise import _pipeline_fsdp
-from stackwise._pipeline_program import (
+from stackwise._pipeline import stage_fsdp
+from stackwise._pipeline.program import (
     _WHO,
     _check_batch,
     _check_same_batch,
@@ -115,7 +115,7 @@ def _vjp(f: Callable[[Any], Any], tree: Any) -> tuple[Any, Callable[[list], list
 
 class Stage(NamedTuple):
     """A pipeline's stage as the 1F1B program runs it, from the pipeline that builds it
-    (``_pipeline.py`` for one layer function, ``_pipeline_pattern.py`` for a pattern or
+    (``api.py`` for one layer function, ``pattern.py`` for a pattern or
     layers with state). On a device the stage's V chunks are ``(params, per_layer)``
     stacks of ``V*R`` rows (R: a leaf's rows in one chunk), chunk r at rows ``r*R`` to
     ``(r+1)*R - 1``.
@@ -466,11 +466,11 @@ class _Fsdp:
     def gather(self, stacks: tuple) -> tuple:
         """``(params, per_layer)`` rows with the params all-gathered."""
         params, per_layer = stacks
-        return _pipeline_fsdp.gather(params, self.dims, self.plan), per_layer
+        return stage_fsdp.gather(params, self.dims, self.plan), per_layer
 
     def scatter(self, grads: list) -> list:
         """Gathered rows' gradients summed over the FSDP axes, each device its shard."""
-        return _pipeline_fsdp.scatter(grads, self.flat, self.plan)
+        return stage_fsdp.scatter(grads, self.flat, self.plan)
 
     def reduce(self, grads: list, scattered: bool) -> list:
         """The accumulated gradients summed over the batch axes: reduce-scattered over the

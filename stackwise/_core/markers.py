@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from stackwise import _check
-from stackwise._adapt import CallArgs, check_depth, tree_leaves
+from stackwise._core import checks, trees
+from stackwise._core.checks import check_depth
 
 __all__ = ["layer_index", "per_example", "per_layer", "per_layer_keys"]
 
@@ -49,7 +49,7 @@ class _PerLayer:
         if self.kind == "keys":
             return jax.random.split(self.value, n)
         check_depth(
-            tree_leaves(self.value),
+            trees.named_leaves(self.value),
             n,
             where,
             "stackwise.per_layer(...) value",
@@ -90,7 +90,7 @@ def per_layer_keys(key: jax.Array) -> Any:
     Raises:
       TypeError: ``key`` is not a PRNG key (e.g. an int seed).
     """
-    return _PerLayer("keys", _check.prng_key(key, "stackwise.per_layer_keys"))
+    return _PerLayer("keys", checks.prng_key(key, "stackwise.per_layer_keys"))
 
 
 def layer_index() -> Any:
@@ -194,7 +194,7 @@ def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
 def _describe_arg(path) -> str:
     """``(args, kwargs)`` path -> ``" argument *args[0]"`` / ``" argument **kwargs['s']"``.
 
-    Under an adapter's :class:`stackwise._adapt.CallArgs`, the user's own
+    Under an adapter's :class:`stackwise._core.markers.CallArgs`, the user's own
     arguments are named, not the adapter's call of ``Stacked.apply``.
     """
     path = tuple(path)
@@ -208,3 +208,33 @@ def _describe_arg(path) -> str:
     if top.idx == 0:
         return f" argument *args[{first.idx}]{inner}"
     return f" argument **kwargs[{first.key!r}]{inner}"
+
+
+# --------------------------------------------------------------------------
+# The user's arguments of a Stack call, as one argument of `Stacked.apply`.
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class CallArgs:
+    """A Stack call's ``(*args, **kwargs)``, passed on to ``Stacked.apply`` whole.
+
+    Adapters call ``layers.apply(params, state, x, extras, CallArgs(args,
+    kwargs))``; per-layer markers inside resolve as usual, and the core's
+    messages name them as the user wrote them (``argument *args[0]``).
+    """
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = tuple(args), dict(kwargs)
+
+    ARGS = jax.tree_util.GetAttrKey("_stackwise_call_args")
+    KWARGS = jax.tree_util.GetAttrKey("_stackwise_call_kwargs")
+
+    def tree_flatten_with_keys(self):
+        return ((self.ARGS, self.args), (self.KWARGS, self.kwargs)), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from stackwise import _check
-from stackwise._layout import stacked_spec
+from stackwise._core import checks, trees
+from stackwise._core.gather import entry_axes
+from stackwise._sharding.specs import stacked_spec
 
 __all__ = ["fsdp_specs", "shard_stacked"]
 
@@ -34,20 +35,16 @@ class _LeafError(ValueError):
     """A ValueError about one leaf, raised through ``jax.tree.map`` unchanged."""
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-
-
 def _axis_size(mesh: Mesh | AbstractMesh, names: Any) -> int:
-    return math.prod(mesh.shape[a] for a in _names(names))
+    return math.prod(mesh.shape[a] for a in entry_axes(names))
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
-    return {a for entry in spec for a in _names(entry)}
+    return {a for entry in spec for a in entry_axes(entry)}
 
 
 def _check_axis(mesh: Mesh | AbstractMesh, axis: str, where: str, arg: str) -> None:
-    _check.axis_names(axis, where, arg, mesh=mesh)
+    checks.axis_names(axis, where, arg, mesh=mesh)
 
 
 def _map_specs(specs: Any, params: Any, fn, where: str, arg: str = "specs") -> Any:
@@ -58,7 +55,7 @@ def _map_specs(specs: Any, params: Any, fn, where: str, arg: str = "specs") -> A
         e is None or isinstance(e, str) for e in specs
     )
     if isinstance(specs, str) or (written_as_entries and not isinstance(params, (tuple, list))):
-        _check.partition_spec(specs, where, arg)  # a spec written as a str or a tuple
+        checks.partition_spec(specs, where, arg)  # a spec written as a str or a tuple
     try:
         jax.tree.map(lambda s, sub: None, specs, params, is_leaf=_is_spec)
     except ValueError:
@@ -72,7 +69,7 @@ def _map_specs(specs: Any, params: Any, fn, where: str, arg: str = "specs") -> A
         ) from None
 
     def subtree(p, s, sub):
-        s = _check.partition_spec(s, where, arg, leaf=f"{arg}{jax.tree_util.keystr(p)}")
+        s = checks.partition_spec(s, where, arg, leaf=f"{arg}{jax.tree_util.keystr(p)}")
         return jax.tree_util.tree_map_with_path(lambda q, a: fn(p + q, s, a), sub)
 
     return jax.tree_util.tree_map_with_path(subtree, specs, params, is_leaf=_is_spec)
@@ -80,7 +77,7 @@ def _map_specs(specs: Any, params: Any, fn, where: str, arg: str = "specs") -> A
 
 def _shape(leaf: Any, name: str, stacked: bool, where: str) -> tuple[int, ...]:
     """A leaf's shape (arrays, abstract leaves, NumPy values); a stacked leaf needs one axis."""
-    shape = _check.leaf_shape(leaf, where, name)
+    shape = checks.leaf_shape(leaf, where, name)
     if stacked and not shape:
         raise _LeafError(
             f"{where}: leaf {name} is {type(leaf).__name__} {leaf!r} with no axes, so it has "
@@ -187,9 +184,9 @@ def fsdp_specs(
         ``base`` / ``stacked`` do not match the params.
     """
     where = "stackwise.fsdp_specs"
-    mesh = _check.mesh(mesh, where)
-    axes = _check.axis_names(axis, where, "axis", mesh=mesh)
-    min_size = _check.integer(min_size, where, "min_size", minimum=0)
+    mesh = checks.mesh(mesh, where)
+    axes = checks.axis_names(axis, where, "axis", mesh=mesh)
+    min_size = checks.integer(min_size, where, "min_size", minimum=0)
     entry = axes[0] if len(axes) == 1 else axes
     size = _axis_size(mesh, axes)
     flags = _stacked_leaves(stacked, params, where)
@@ -201,11 +198,11 @@ def fsdp_specs(
         if not is_stacked:
             return spec or PartitionSpec()
         shape = shape[1:]
-        _check.spec_on_mesh(spec, mesh, where, f"the base spec of leaf {name},")
+        checks.spec_on_mesh(spec, mesh, where, f"the base spec of leaf {name},")
         if len(spec or ()) > len(shape):
             raise _LeafError(
                 f"{where}: leaf {name} has {len(shape)} axes per layer (shape "
-                f"{_check.leaf_shape(leaf, where, name)}, layer axis first) but its base "
+                f"{checks.leaf_shape(leaf, where, name)}, layer axis first) but its base "
                 f"spec {spec} names {len(spec)}. The base specs "
                 "are per layer: leave out the layer axis, one entry per inner axis at most."
             )
@@ -290,15 +287,15 @@ def shard_stacked(
         no axes, or ``specs`` / ``stacked`` trees that do not match ``params``.
     """
     where = "stackwise.shard_stacked"
-    mesh = _check.mesh(mesh, where)
+    mesh = checks.mesh(mesh, where)
     if isinstance(mesh, AbstractMesh):
         raise TypeError(
             f"{where}: `mesh` must be a `jax.sharding.Mesh` of devices to place the params "
             "on, got an AbstractMesh; build one with `jax.make_mesh(...)` (an AbstractMesh "
             "suffices for `stackwise.fsdp_specs` and `stackwise.logical_specs`)."
         )
-    layer_axis = _check.axis_entry(layer_axis, where, "layer_axis", mesh=mesh)
-    repeats = _check.integer(repeats, where, "repeats", minimum=1)
+    layer_axis = checks.axis_entry(layer_axis, where, "layer_axis", mesh=mesh)
+    repeats = checks.integer(repeats, where, "repeats", minimum=1)
     if repeats > 1 and layer_axis is None:
         raise ValueError(
             f"{where}: `repeats={repeats}` lays the layers out for a circular pipeline over "
@@ -323,9 +320,9 @@ def shard_stacked(
             full = stacked_spec(spec, layer_axis)
         _check_leaf(mesh, name, shape, full, flags[jax.tree_util.keystr(path)], layer_axis)
         sharding = NamedSharding(mesh, full)
-        if _check.is_abstract(leaf):  # a restore target: the shape, placed
+        if trees.is_abstract(leaf):  # a restore target: the shape, placed
             return _Placed(jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding), None)
-        if shape != _check.leaf_shape(leaf, where, name):
+        if shape != checks.leaf_shape(leaf, where, name):
             leaf = _reshape(leaf, shape, sharding)
         return _Placed(leaf, sharding)
 
@@ -333,7 +330,7 @@ def shard_stacked(
     is_pair = lambda v: isinstance(v, _Placed)  # noqa: E731
     leaves = jax.tree.map(lambda v: v.leaf, pairs, is_leaf=is_pair)
     shardings = jax.tree.map(lambda v: v.sharding, pairs, is_leaf=is_pair)
-    if not any(_check.is_abstract(a) for a in jax.tree.leaves(leaves)):
+    if not any(trees.is_abstract(a) for a in jax.tree.leaves(leaves)):
         return jax.device_put(leaves, shardings)
     return jax.tree.map(
         lambda v: v.leaf if v.sharding is None else jax.device_put(v.leaf, v.sharding),
@@ -376,7 +373,7 @@ def _check_leaf(
         )
     seen: set[str] = set()
     for dim, entry in enumerate(full):
-        for a in _names(entry):
+        for a in entry_axes(entry):
             if a in seen:
                 raise _LeafError(
                     f"{where}: leaf {name}'s spec {full} uses mesh axis {a!r} twice; a mesh "
@@ -395,48 +392,3 @@ def _check_leaf(
             )
 
 
-def check_fsdp_axes(params: Any, axes: tuple[str, ...], who: str) -> None:
-    """``fsdp=axes`` on a mesh without them would gather nothing: FSDP silently off.
-
-    The meshes are the one set by ``jax.set_mesh`` and those the params are placed on;
-    off every mesh (one device) ``fsdp`` changes nothing but the remat, by design.
-    """
-    meshes = [jax.sharding.get_abstract_mesh()]
-    for _, leaf in _check.named_leaves(params):
-        meshes.append(getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None))
-    for mesh in meshes:
-        if mesh is None or getattr(mesh, "empty", True):
-            continue
-        missing = _check.mesh_lacks(mesh, axes)
-        if missing:
-            raise ValueError(
-                f"{who}: `fsdp={axes if len(axes) > 1 else axes[0]!r}` names mesh axis "
-                f"{missing[0]!r}, but the mesh in use (`jax.set_mesh`, or the params' own) has "
-                "axes "
-                f"{dict(mesh.shape)}: nothing would be gathered and FSDP would be off. Name "
-                "the mesh axis the params are sharded over (e.g. `fsdp='data'`), or build "
-                f"the mesh with a {missing[0]!r} axis."
-            )
-
-
-def gather(params: Any, axes: str | tuple[str, ...]) -> Any:
-    """``params`` resharded without the mesh ``axes`` (an all-gather over them).
-
-    Explicit mesh axes only: a leaf whose type carries no sharding over
-    ``axes`` (replicated, ``Auto`` axes, outside a mesh) is returned as it is;
-    other axes of the leaf (e.g. a tensor-parallel ``"model"``) keep their
-    sharding. Used by ``stackwise.stack(..., fsdp=axes)`` on each layer's
-    params inside the loop.
-    """
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-    def one(leaf):
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        spec = tuple(getattr(sharding, "spec", ()) or ())
-        if not any(set(_names(e)) & set(axes) for e in spec):
-            return leaf
-        kept = [tuple(a for a in _names(e) if a not in axes) or None for e in spec]
-        kept = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in kept]
-        return jax.reshard(leaf, NamedSharding(sharding.mesh, PartitionSpec(*kept)))
-
-    return jax.tree.map(one, params)

@@ -1,0 +1,74 @@
+"""Sharding specs of stacked params: a per-layer spec with the layer axis put first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from stackwise._core import checks
+
+
+def stacked_spec(spec: PartitionSpec | None, layer_axis: str | None = None) -> PartitionSpec:
+    """The ``PartitionSpec`` of a stacked leaf from the spec of one layer's leaf.
+
+    The layer axis is prepended (``None``: replicated across layers; a mesh
+    axis name: layers split over it); the inner axes keep their specs.
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import stackwise
+    >>> stackwise.stacked_spec(P("data", None))
+    P(None, 'data', None)
+    >>> stackwise.stacked_spec(P(None, "model"), layer_axis="stage")
+    P('stage', None, 'model')
+
+    Args:
+      spec: one layer's leaf's ``PartitionSpec``, or None (replicated).
+      layer_axis: None, a mesh axis name or a tuple of names for the layer axis.
+
+    Raises:
+      TypeError: ``spec`` is not a ``PartitionSpec`` or None (a bare string
+        such as ``"data"`` would otherwise be read letter by letter), or a bad
+        ``layer_axis``.
+    """
+    who = "stackwise.stacked_spec"
+    spec = checks.partition_spec(spec, who, "spec")
+    layer_axis = checks.axis_entry(layer_axis, who, "layer_axis")
+    return PartitionSpec(layer_axis, *(spec or ()))
+
+
+def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> Any:
+    """``NamedSharding`` s for stacked params from a tree of per-layer specs.
+
+    ``specs`` mirrors one layer's params with a ``PartitionSpec`` (or
+    ``None`` for replicated) per leaf. Use the result as ``out_shardings`` of
+    a jitted ``Stacked.init`` or with :func:`jax.device_put`.
+
+    >>> import jax, numpy as np, stackwise
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> s = stackwise.stacked_shardings(mesh, {"w": P("data", None)})
+    >>> s["w"].spec
+    P(None, 'data', None)
+
+    Raises:
+      TypeError: ``mesh`` not a mesh, a spec that is not a ``PartitionSpec`` or None
+        (its path is named), or a bad ``layer_axis``.
+      ValueError: an axis name the mesh does not have.
+    """
+    who = "stackwise.stacked_shardings"
+    mesh = checks.mesh(mesh, who)
+    layer_axis = checks.axis_entry(layer_axis, who, "layer_axis", mesh=mesh)
+    is_spec = lambda s: s is None or isinstance(s, PartitionSpec)  # noqa: E731
+    if isinstance(specs, str):
+        checks.partition_spec(specs, who, "specs")
+
+    def sharding(path, s):
+        name = jax.tree_util.keystr(path) or "<root>"
+        s = checks.partition_spec(s, who, "specs", leaf=name)
+        checks.spec_on_mesh(s, mesh, who, f"the spec of leaf {name},")
+        return NamedSharding(mesh, stacked_spec(s, layer_axis))
+
+    return jax.tree_util.tree_map_with_path(sharding, specs, is_leaf=is_spec)
+
