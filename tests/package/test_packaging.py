@@ -21,7 +21,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import zipfile
 
@@ -171,8 +170,7 @@ def test_installed_package_imports_from_anywhere(built):
     import hook would find the adapters anyway; the dependencies come from the environment's
     site-packages, on PYTHONPATH after the install.
     """
-    paths = sysconfig.get_paths()
-    site_packages = dict.fromkeys([paths["purelib"], paths["platlib"]])
+    site_packages = [p for p in sys.path if p.endswith("site-packages")]
     modules = ["stackwise", *(f"stackwise.{name}" for name in adapter_names()), "stackwise.bench"]
     modules.append("stackwise.bench.workloads")
     code = (
