@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 import stackwise
 from stackwise import _kit
-from stackwise._core.markers import is_per_layer
 from stackwise.equinox import _convert, _state
 
 __all__ = ["Stack", "layer_index"]
@@ -392,7 +391,7 @@ class Stack(eqx.nn.StatefulLayer):
             **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
         extras = {"index": stackwise.layer_index(), "key": None}
-        if is_per_layer(key):  # the user's own marker: resolved (and named) as given
+        if _kit.is_per_layer(key):  # the user's own marker: resolved (and named) as given
             kwargs = {**kwargs, "key": key}
         elif key is not None:
             _check_key(key, who)

@@ -9,7 +9,7 @@ The running layer and messages:
   :func:`at_layer`, :func:`current_layer_index`, :func:`block_name`, :func:`stack_name`.
 A Stack's options and call:
   :data:`OPTION_NAMES`, :func:`stack_options`, :func:`check_bool`,
-  :func:`check_layer_axis_name`, :class:`CallArgs`.
+  :func:`check_layer_axis_name`, :class:`CallArgs`, :func:`is_per_layer`.
 ``Stack.from_layers``:
   :class:`Prebuilt`, :func:`check_built`, :func:`check_built_options`,
   :func:`first_difference`, :func:`same_value`.
@@ -41,6 +41,7 @@ from stackwise._core.convert import pattern_depths as pattern_depths
 from stackwise._core.convert import stack_exact as stack_exact
 from stackwise._core.convert import unstack_exact as unstack_exact
 from stackwise._core.markers import CallArgs as CallArgs
+from stackwise._core.markers import is_per_layer as is_per_layer
 from stackwise._core.options import OPTION_NAMES as OPTION_NAMES
 from stackwise._core.options import check_bool as check_bool
 from stackwise._core.options import check_layer_axis_name as check_layer_axis_name
