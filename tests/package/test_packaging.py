@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 
 import pytest
@@ -139,7 +140,10 @@ def test_wheel_contents(built):
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     extras = set(re.findall(r"(?m)^Provides-Extra: (\S+)$", metadata))
     assert {"haiku", "flax", "equinox", "all", "test"} <= extras
-    assert re.search(r'(?m)^Requires-Dist: equinox>=0\.11; extra == "equinox"$', metadata)
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (equinox,) = declared["optional-dependencies"]["equinox"]
+    assert f'Requires-Dist: {equinox}; extra == "equinox"' in metadata.splitlines()
+    assert f"Requires-Python: {declared['requires-python']}" in metadata.splitlines()
 
 
 def test_sdist_contents(built):
