@@ -56,6 +56,19 @@ def test_pages_run_elsewhere_hold_only_what_those_tests_run(page):
     assert found and all(block.startswith(RUN_ELSEWHERE[page]) for block in found), page
 
 
+def test_section_references_name_existing_headings():
+    # `page.md`, "Heading" in the README or a docs page: that page has that heading.
+    root = DOCS.parent
+    pages = [root / "README.md", *sorted(DOCS.glob("*.md"))]
+    references = [ref for page in pages
+                  for ref in re.findall(r"`([\w/.-]+\.md)`, \"([^\"]+)\"",
+                                        " ".join(page.read_text().split()))]
+    assert references, "no page names a section any more: drop this test"
+    for page, heading in references:
+        headings = re.findall(r"(?m)^#+ (.+)$", (root / page).read_text())
+        assert heading in headings, f"{page} has no heading {heading!r}: {headings}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)])
 def test_page_runs(page):
