@@ -950,14 +950,13 @@ def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int
 
 def announce(args: argparse.Namespace, first: int) -> str:
     """What a training run will do and about how long it takes, before it starts."""
-    left = args.steps - first
-    line = f"training {left} steps ({first + 1} to {args.steps}; --steps N to change)"
-    sizes = ("layers", "d_model", "heads", "seq_len", "batch", "pattern")
-    if all(getattr(args, f) == RUN_DEFAULTS[f] for f in sizes) and not args.remat:
-        seconds = DEFAULT_RUN_S * left / RUN_DEFAULTS["steps"]
-        return (f"{line}: about {duration(seconds)} on 2 idle CPU cores, more on a busy "
-                "machine; the estimate from this machine's steps follows the compile")
-    return f"{line}: the estimate from this machine's steps follows the compile"
+    line = f"training {args.steps - first} steps ({first + 1} to {args.steps}; --steps N to change)"
+    then = "the estimate from this machine's steps follows the compile"
+    fields = ("steps", "layers", "d_model", "heads", "seq_len", "batch", "pattern")
+    if first == 0 and not args.remat and all(getattr(args, f) == RUN_DEFAULTS[f] for f in fields):
+        return (f"{line}: {DEFAULT_RUN_S} s from start to sample on 2 idle CPU cores, more on a "
+                f"busy machine; {then}")
+    return f"{line}: {then}"
 
 
 def parse_pattern(args: argparse.Namespace) -> tuple[str, ...]:

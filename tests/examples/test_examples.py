@@ -613,12 +613,13 @@ def test_the_run_is_announced_with_its_length_before_it_starts():
     lm = load_example()
     args = lm.parse_args([])
     lm.settle_args(args, None, ())
-    line = lm.announce(args, 0)
-    assert line.startswith("training 1600 steps (1 to 1600; --steps N to change): about ")
-    assert lm.duration(lm.DEFAULT_RUN_S) in line
-    args.layers = 8  # other sizes: no figure to scale, the estimate comes from the steps
-    assert lm.announce(args, 400).endswith(
-        "training 1200 steps (401 to 1600; --steps N to change): the estimate from this "
+    assert lm.announce(args, 0) == (
+        f"training 1600 steps (1 to 1600; --steps N to change): {lm.DEFAULT_RUN_S} s from start "
+        "to sample on 2 idle CPU cores, more on a busy machine; the estimate from this "
+        "machine's steps follows the compile")
+    args.steps = 200  # another run: no measured figure, the estimate comes from the steps
+    assert lm.announce(args, 50) == (
+        "training 150 steps (51 to 200; --steps N to change): the estimate from this "
         "machine's steps follows the compile")
 
 
