@@ -29,8 +29,11 @@ FRAMEWORKS = tuple(m for m in HEAVY if m not in ("jax", "jaxlib")) + ("matplotli
 COMMANDS = [
     ["examples/transformer_lm.py"],
     ["examples/multiprocess.py"],
-    *[[f"benchmarks/{p.name}"] for p in sorted((ROOT / "benchmarks").glob("*.py"))
-      if p.name != "core.py"],
+    *[
+        [f"benchmarks/{p.name}"]
+        for p in sorted((ROOT / "benchmarks").glob("*.py"))
+        if p.name != "core.py"
+    ],
 ]
 BENCH = [["-m", "stackwise.bench"], ["benchmarks/core.py"]]
 
@@ -38,8 +41,13 @@ BENCH = [["-m", "stackwise.bench"], ["benchmarks/core.py"]]
 def imported(command: list[str], *argv: str) -> tuple[int, str, set[str]]:
     """Runs ``python -X importtime COMMAND ARGV`` in the repository: its exit status, its
     output, and the top-level names of the modules it imported."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", *command, *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *command, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     names = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", proc.stderr, re.M)
     assert names, proc.stderr[-2000:]  # (-X importtime lists what it imported)
     return proc.returncode, proc.stdout + proc.stderr, {n.split(".")[0] for n in names}

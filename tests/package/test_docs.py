@@ -38,8 +38,9 @@ def test_every_fence_opens_at_the_start_of_a_line():
         text = page.read_text()
         assert not re.search(r"^[ \t]+```", text, re.M), f"{page.name}: an indented block"
         infos = re.findall(r"^```(\S*(?: fragment)?)\n", text, re.M)
-        assert all(not i.startswith("python") or i in ("python", "python fragment")
-                   for i in infos), (page.name, infos)
+        assert all(
+            not i.startswith("python") or i in ("python", "python fragment") for i in infos
+        ), (page.name, infos)
 
 
 def test_fragments_say_so():
@@ -47,7 +48,8 @@ def test_fragments_say_so():
         for fragment in blocks(page.name, "python fragment"):
             first = fragment.splitlines()[0]
             assert first.startswith("#") and re.search(r"fragment|not run", first, re.I), (
-                f"{page.name}: a fragment whose first line does not say so: {first!r}")
+                f"{page.name}: a fragment whose first line does not say so: {first!r}"
+            )
 
 
 @pytest.mark.parametrize("page", sorted(RUN_ELSEWHERE))
@@ -60,9 +62,11 @@ def test_section_references_name_existing_headings():
     # `page.md`, "Heading" in the README or a docs page: that page has that heading.
     root = DOCS.parent
     pages = [root / "README.md", *sorted(DOCS.glob("*.md"))]
-    references = [ref for page in pages
-                  for ref in re.findall(r"`([\w/.-]+\.md)`, \"([^\"]+)\"",
-                                        " ".join(page.read_text().split()))]
+    references = [
+        ref
+        for page in pages
+        for ref in re.findall(r"`([\w/.-]+\.md)`, \"([^\"]+)\"", " ".join(page.read_text().split()))
+    ]
     assert references, "no page names a section any more: drop this test"
     for page, heading in references:
         headings = re.findall(r"(?m)^#+ (.+)$", (root / page).read_text())

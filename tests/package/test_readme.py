@@ -90,8 +90,9 @@ def test_ci_runs_the_readme_test_command():
     # .ci/run's own grep finds exactly one command: the README's second.
     ci = (ROOT / ".ci" / "run").read_text()
     pattern = re.search(r"grep -x '([^']+)' README.md", ci).group(1)
-    found = subprocess.run(["grep", "-x", pattern, str(README)], capture_output=True,
-                           text=True).stdout.splitlines()
+    found = subprocess.run(
+        ["grep", "-x", pattern, str(README)], capture_output=True, text=True
+    ).stdout.splitlines()
     assert found == [setup_commands()[1]]
 
 
