@@ -356,7 +356,7 @@ def collectives(hlo: str) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------
-# The command line: one process, or a launcher of N on this machine.
+# The launcher of N processes on this machine, and what each process runs.
 
 
 class Processes:
