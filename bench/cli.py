@@ -40,8 +40,9 @@ say which; what was measured is still written), 2 for a bad command line.
 
 examples:
   stackwise-bench --quick                 smoke run: the mlp and pattern blocks, every variant,
-                                          tiny sizes, fast compiles (seconds)
-  stackwise-bench --quick --blocks transformer,decode   the framework rows, tiny (a minute)
+                                          tiny sizes, fast compiles (about 44 compiles: a
+                                          minute or two, more on a busy machine)
+  stackwise-bench --quick --blocks transformer,decode   the framework rows, tiny (minutes)
   stackwise-bench --blocks mlp            the core comparison at n=8,24,48,96
   stackwise-bench --variants haiku        every Haiku row (transformer, decode, prefill)
   stackwise-bench --blocks transformer --transformer-n 48 --compile-repeats 7 --rounds 21
@@ -95,10 +96,10 @@ def parser() -> argparse.ArgumentParser:
     )
     what = p.add_argument_group("what to run")
     what.add_argument("--quick", action="store_true",
-                      help="smoke run, seconds: the mlp and pattern blocks (others with "
-                      "--blocks), every variant, tiny sizes, n=2,4 (pattern n=3,5; transformer, "
-                      "decode, prefill n=2), 2 rounds, fast warm compiles; the numbers mean "
-                      "little")
+                      help="smoke run, a minute or two (it compiles, so longer on a busy "
+                      "machine): the mlp and pattern blocks (others with --blocks), every "
+                      "variant, tiny sizes, n=2,4 (pattern n=3,5; transformer, decode, prefill "
+                      "n=2), 2 rounds, fast warm compiles; the numbers mean little")
     what.add_argument("--blocks", type=_names, default=None, metavar="B[,B]",
                       help=f"blocks to run: {', '.join(workloads.BLOCKS)} (default: all)")
     defaults = BenchConfig()

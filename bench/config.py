@@ -68,9 +68,9 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
-        """A smoke run in seconds: the ``mlp`` and ``pattern`` blocks (every variant, the
-        Equinox rows included; pass ``blocks`` for others), tiny sizes, two depths each, two
-        rounds, no warm-up, fast, warm compiles (:attr:`smoke`).
+        """A smoke run (compile-bound: a minute or two): the ``mlp`` and ``pattern`` blocks
+        (every variant, the Equinox rows included; pass ``blocks`` for others), tiny sizes, two
+        depths each, two rounds, no warm-up, fast, warm compiles (:attr:`smoke`).
 
         The numbers mean little (the first compile of each framework pays its one-time
         costs, the code is less optimised); it checks that everything runs and writes its

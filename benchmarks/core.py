@@ -13,9 +13,9 @@ import sys
 
 import targets  # benchmarks/targets.py, next to this script
 
-from stackwise.bench import main
-
 if __name__ == "__main__":
+    from stackwise.bench import main  # (its --help imports JAX, with `import stackwise`)
+
     results = pathlib.Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
     csv = str(results / "mlp.csv")

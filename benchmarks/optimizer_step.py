@@ -37,12 +37,37 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import optax
 
-import stackwise
-import stackwise.optax
+def positive(text: str) -> int:
+    """An argparse type: an integer of 1 or more."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=positive, default=48, help="layers (default 48)")
+    p.add_argument("--d", type=positive, default=128, help="model width D (default 128)")
+    p.add_argument("--hidden", type=positive, default=256, help="hidden width H (default 256)")
+    p.add_argument("--rounds", type=positive, default=15, help="timed rounds (default 15)")
+    p.add_argument("--only", nargs="*", default=(), help="optimizers whose name contains one")
+    p.add_argument("--markdown", help="write the table here")
+    p.add_argument("--csv", help="write the rows here")
+    return p.parse_args(argv)
+
+
+# The command line above needs only the standard library: run as a script, --help and argument
+# errors answer before JAX and optax are imported.
+if __name__ == "__main__":
+    parse_args()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import stackwise  # noqa: E402
+import stackwise.optax  # noqa: E402
 
 OPTIMIZERS = {
     "adamw (elementwise)": lambda: optax.adamw(1e-3, weight_decay=0.1),
@@ -147,15 +172,7 @@ def markdown(rows, args, load) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n", type=int, default=48, help="layers (default 48)")
-    p.add_argument("--d", type=int, default=128, help="model width D (default 128)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden width H (default 256)")
-    p.add_argument("--rounds", type=int, default=15, help="timed rounds (default 15)")
-    p.add_argument("--only", nargs="*", default=(), help="optimizers whose name contains one")
-    p.add_argument("--markdown", help="write the table here")
-    p.add_argument("--csv", help="write the rows here")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     load = os.getloadavg()
     rows = measure(args.n, args.d, args.hidden, args.rounds, args.only)
     text = markdown(rows, args, load)

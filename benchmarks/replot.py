@@ -8,16 +8,19 @@ Use it when the figure's drawing changes, not its data.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import pathlib
-
-from stackwise.bench import read_csv, write_plot
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 FIGURES = ("mlp", "decode", "pattern")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)  # (no options: --help, and a refusal of any other argument)
+    from stackwise.bench import read_csv, write_plot  # (imports JAX: after the command line)
+
     for name in FIGURES:
         path = RESULTS / f"{name}.csv"
         with path.open(newline="") as f:

@@ -19,10 +19,10 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from stackwise.bench import Result, paired_interval, read_csv
-from stackwise.bench.report import print_table
+if TYPE_CHECKING:  # (stackwise.bench imports JAX: after the command line is parsed)
+    from stackwise.bench import Result
 
 #: (adapter, its framework's tool, its framework's Python loop) in the transformer block.
 FRAMEWORKS = (
@@ -143,6 +143,8 @@ def targets(results: Sequence[Result], target_n: int = 48) -> list[Target]:
 
 
 def _interval(row: Result, ref: Result, timing: str, limit: float | None):
+    from stackwise.bench import paired_interval
+
     median, low, high = paired_interval(row, ref, timing)
     return median, limit, low, high
 
@@ -154,7 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the depth to check (default 48; else the deepest measured)")
     p.add_argument("--markdown", default="", metavar="PATH",
                    help="also write the table as Markdown")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # (--help and argument errors: before JAX is imported)
+    from stackwise.bench import read_csv
+    from stackwise.bench.report import print_table
+
     found = targets(read_csv(args.csv), args.n)
     if not found:
         print(f"{args.csv}: no rows that a target compares (see FRAMEWORKS and targets()).")

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import re
 import socket
@@ -47,13 +48,96 @@ import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+# --------------------------------------------------------------------------
+# The command line: one process, or a launcher of N on this machine.
 
-import stackwise
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--processes",
+        type=int,
+        choices=(1, 2, 4, 8),
+        help="start this many processes here, 8 / N CPU devices each",
+    )
+    p.add_argument("--process-id", type=int, help="run one process: its index, 0 to N - 1")
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        choices=(1, 2, 4, 8),
+        help="run one process: N, the number of them",
+    )
+    p.add_argument("--coordinator", help="run one process: HOST:PORT where process 0 listens")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        help="a folder for each process's results (--processes: a new temporary one)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="--processes: seconds before every process is killed (default 300)",
+    )
+    args = p.parse_args(argv)
+    one = {
+        "--process-id": args.process_id,
+        "--num-processes": args.num_processes,
+        "--coordinator": args.coordinator,
+    }
+    if args.processes is not None:
+        if given := [k for k, v in one.items() if v is not None]:
+            p.error(
+                f"--processes starts every process itself; {', '.join(given)} is for "
+                "running one process of a run: leave it out, or leave out --processes"
+            )
+    elif missing := [k for k, v in one.items() if v is None]:
+        p.error(
+            f"give --processes N (N processes here), or --process-id, --num-processes and "
+            f"--coordinator (one process of N); {', '.join(missing)} is missing"
+        )
+    else:
+        if not 0 <= args.process_id < args.num_processes:
+            p.error(
+                f"--process-id {args.process_id} is not one of 0 to "
+                f"{args.num_processes - 1} (--num-processes {args.num_processes})"
+            )
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            p.error(f"--coordinator {args.coordinator!r} is not HOST:PORT, e.g. 127.0.0.1:8476")
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout:g}: expected a positive number of seconds")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {str(args.out)!r} is a file; give a folder (it is made if missing)")
+    if args.out is not None and (folder := unwritable_parent(args.out)):
+        p.error(f"--out {str(args.out)!r}: cannot make it ({str(folder)!r} is not a writable "
+                "folder); give a folder in one you can write")
+    return args
+
+
+def unwritable_parent(path: pathlib.Path) -> pathlib.Path | None:
+    """The closest existing folder above ``path`` if it is not a writable folder (a regular
+    file, say), else None: the missing folders below it are made."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return folder
+
+
+# The command line above needs only the standard library: run as a script, --help and argument
+# errors answer before JAX is imported (seconds, not a minute on a busy machine).
+if __name__ == "__main__":
+    parse_args()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import stackwise  # noqa: E402
 
 DEVICES = 8  # the global mesh: (data=2, stage=2, model=2)
 MESH_SHAPE, MESH_AXES = (2, 2, 2), ("data", "stage", "model")
@@ -272,7 +356,7 @@ def collectives(hlo: str) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------
-# The command line: one process, or a launcher of N on this machine.
+# The launcher of N processes on this machine, and what each process runs.
 
 
 class Processes:
@@ -334,7 +418,8 @@ class Processes:
                 + (self.out / f"process_{i}.log").read_text()[-3000:]
                 for i in failed
             )
-            what = f"still running {timeout:g} s after the start, killed" if late else "failed"
+            what = (f"still running {timeout:g} s after the start, killed (a longer --timeout "
+                    "gives them more time)") if late else "failed"
             raise RuntimeError(
                 f"{len(self.children)} processes (coordinator {self.coordinator}): processes "
                 f"{failed} {what}. Their logs:\n{logs}"
@@ -358,71 +443,17 @@ def join(process_id: int, num_processes: int, coordinator: str) -> None:
         )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--processes",
-        type=int,
-        choices=(1, 2, 4, 8),
-        help="start this many processes here, 8 / N CPU devices each",
-    )
-    p.add_argument("--process-id", type=int, help="run one process: its index, 0 to N - 1")
-    p.add_argument(
-        "--num-processes",
-        type=int,
-        choices=(1, 2, 4, 8),
-        help="run one process: N, the number of them",
-    )
-    p.add_argument("--coordinator", help="run one process: HOST:PORT where process 0 listens")
-    p.add_argument(
-        "--out",
-        type=pathlib.Path,
-        help="a folder for each process's results (--processes: a new temporary one)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        help="--processes: seconds before every process is killed (default 300)",
-    )
-    args = p.parse_args(argv)
-    one = {
-        "--process-id": args.process_id,
-        "--num-processes": args.num_processes,
-        "--coordinator": args.coordinator,
-    }
-    if args.processes is not None:
-        if given := [k for k, v in one.items() if v is not None]:
-            p.error(
-                f"--processes starts every process itself; {', '.join(given)} is for "
-                "running one process of a run: leave it out, or leave out --processes"
-            )
-    elif missing := [k for k, v in one.items() if v is None]:
-        p.error(
-            f"give --processes N (N processes here), or --process-id, --num-processes and "
-            f"--coordinator (one process of N); {', '.join(missing)} is missing"
-        )
-    else:
-        if not 0 <= args.process_id < args.num_processes:
-            p.error(
-                f"--process-id {args.process_id} is not one of 0 to "
-                f"{args.num_processes - 1} (--num-processes {args.num_processes})"
-            )
-        host, _, port = args.coordinator.rpartition(":")
-        if not host or not port.isdigit():
-            p.error(f"--coordinator {args.coordinator!r} is not HOST:PORT, e.g. 127.0.0.1:8476")
-    if not args.timeout > 0:
-        p.error(f"--timeout {args.timeout:g}: expected a positive number of seconds")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        p.error(f"--out {str(args.out)!r} is a file; give a folder (it is made if missing)")
-    return args
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (1: a process failed or ran out of time,
+    the message says which and shows its log)."""
     args = parse_args(argv)
     if args.processes is not None:  # the launcher
         out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="stackwise_multiprocess_"))
-        views = Processes(args.processes, out).wait(args.timeout)
+        try:
+            views = Processes(args.processes, out).wait(args.timeout)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         for v in views:
             print(
                 f"process {v['process']} of {v['processes']}: {v['devices'][0]} of "
@@ -434,12 +465,13 @@ def main(argv: list[str] | None = None) -> None:
             f"loss {views[0]['loss']:.6f}, after one SGD step {views[0]['loss_after_step']:.6f}"
             f"; results in {out}"
         )
-        return
+        return 0
     join(args.process_id, args.num_processes, args.coordinator)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     print(json.dumps(run_process(args.out)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

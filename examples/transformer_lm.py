@@ -1,6 +1,7 @@
 """Train a character-level transformer whose blocks are one stackwise stack, then sample.
 
     python examples/transformer_lm.py                      # pure JAX: 111 s on 2 idle CPU cores
+    python examples/transformer_lm.py --steps 200          # a first sample sooner
     python examples/transformer_lm.py --framework flax     # or haiku, nnx, equinox: the same
     python examples/transformer_lm.py --pattern local,local,global --window 16  # local attention
     python examples/transformer_lm.py --resume             # continue an interrupted run
@@ -60,18 +61,6 @@ import sys
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-import orbax.checkpoint as ocp
-from tqdm.auto import tqdm
-
-import stackwise.optax
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lm_models  # noqa: E402  (the five model definitions, next to this file)
-
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_TEXT = HERE / "data" / "shakespeare.txt"
 CHECKPOINTS = HERE / "checkpoints"
@@ -94,6 +83,8 @@ RUN_DEFAULTS = {  # the best for a 2-minute budget on 2 CPU cores: docs/example-
     "optimizer": "adamw",
     "seed": 0,
 }
+#: Seconds the default run takes on 2 idle CPU cores (the docstring's figure, the README's).
+DEFAULT_RUN_S = 111
 #: The run fields that fix the model (and so which params a checkpoint has).
 MODEL_FIELDS = ("framework", "layers", "d_model", "heads", "seq_len", "pattern", "window")
 #: What checkpoints saved before --pattern and --optimizer existed hold for these fields.
@@ -104,6 +95,12 @@ VAL_TOKENS = 8192
 LOGITS_ATOL = 1e-3
 #: The largest --seed (the run uses the keys of seed, seed + 1 and seed + 3).
 MAX_SEED = 2**32 - 4
+#: --framework's choices: lm_models.FRAMEWORKS (named here: the command line imports no JAX).
+FRAMEWORKS = ("jax", "haiku", "flax", "nnx", "equinox")
+#: --optimizer's choices: the keys of OPTIMIZERS.
+OPTIMIZER_NAMES = ("adamw", "lamb", "adafactor", "muon")
+#: The file an --export writes next to the safetensors: the run, step and vocabulary.
+EXPORT_META = "transformer_lm.json"
 
 
 class UsageError(Exception):
@@ -127,7 +124,7 @@ def positive(value: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     d = RUN_DEFAULTS
-    p.add_argument("--framework", choices=lm_models.FRAMEWORKS, help=f"(default: {d['framework']})")
+    p.add_argument("--framework", choices=FRAMEWORKS, help=f"(default: {d['framework']})")
     p.add_argument("--steps", type=positive, help=f"training steps (default: {d['steps']})")
     p.add_argument("--layers", type=positive, help=f"transformer blocks (default: {d['layers']})")
     p.add_argument("--d-model", type=positive, help=f"(default: {d['d_model']})")
@@ -148,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help=f"peak learning rate (default: {d['lr']})")
     p.add_argument(
         "--optimizer",
-        choices=list(OPTIMIZERS),
+        choices=OPTIMIZER_NAMES,
         help=f"optax optimizer, per layer of the stack (default: {d['optimizer']})",
     )
     p.add_argument("--seed", type=int, help=f"(default: {d['seed']})")
@@ -203,6 +200,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def unwritable_parent(path: pathlib.Path) -> pathlib.Path | None:
+    """The closest existing folder above ``path`` if it is not a writable folder (a regular
+    file, say), else None: the saves create the missing folders below it."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return folder
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses, before any work, the flags no run can use: ``p.error`` (one line naming the
     flag, exit status 2). What needs the text (its length, the prompt's characters) is checked
@@ -237,18 +245,44 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         what = "a file" if not args.export.is_dir() else "a folder that is not empty"
         p.error(f"--export {args.export}: {what}; give a new or empty folder (an export never "
                 "replaces files)")
+    if args.export is not None and (folder := unwritable_parent(args.export)):
+        p.error(f"--export {args.export}: cannot write there ({folder} is not a writable "
+                "folder); give a new folder in one you can write")
     if args.export is not None and args.load_safetensors is not None:
         p.error("--export: not allowed with --load-safetensors (it would save the same params)")
     if args.load_safetensors is not None and not (args.load_safetensors / EXPORT_META).is_file():
         p.error(f"--load-safetensors {args.load_safetensors}: no {EXPORT_META} there; give a "
                 "folder that --export DIR wrote")
     if not (args.restore or args.load_safetensors):  # training writes it
-        folder = args.checkpoint.parent
-        while not folder.exists():  # (save_checkpoint creates the missing folders)
-            folder = folder.parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        if folder := unwritable_parent(args.checkpoint):
             p.error(f"--checkpoint {args.checkpoint}: cannot write there ({folder} is not a "
                     "writable folder); pass --checkpoint PATH in a folder you can write")
+
+
+def holds_files(path: pathlib.Path) -> bool:
+    """Whether ``path`` exists and is not an empty folder (an empty one holds no checkpoint)."""
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+# --------------------------------------------------------------------------
+# The command line above needs only the standard library: run as a script, --help and argument
+# errors answer before JAX, optax and orbax are imported (seconds, not a minute on a busy
+# machine). main() parses again, as a test's call does.
+
+if __name__ == "__main__":
+    parse_args()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import stackwise.optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lm_models  # noqa: E402  (the five model definitions, next to this file)
 
 
 def check_text(args: argparse.Namespace, chars: str, data: np.ndarray) -> None:
@@ -351,10 +385,11 @@ def differences(saved: dict, run: dict, fields) -> list[str]:
     return out
 
 
-def settle_args(args: argparse.Namespace, saved: dict | None, fields, where=None) -> None:
+def settle_args(args: argparse.Namespace, saved: dict | None, fields, where=None,
+                other="--checkpoint PATH") -> None:
     """Fills the run flags not given: from the checkpoint's run ``saved`` (in ``where``,
     by default ``--checkpoint``) for ``fields``, else the defaults. Raises CheckpointError
-    naming the given flags that disagree with it."""
+    naming the given flags that disagree with it, and ``other``, the flag to read another."""
     run = saved["run"] if saved else {}
     clashes = []
     for field in fields:
@@ -373,7 +408,7 @@ def settle_args(args: argparse.Namespace, saved: dict | None, fields, where=None
         raise CheckpointError(
             f"{where or args.checkpoint} holds another run than the flags ask for "
             f"({'; '.join(lines)}): "
-            "leave these flags out to use the checkpoint's, or pass --checkpoint PATH."
+            f"leave these flags out to use the checkpoint's, or pass {other}."
         )
     for field, default in RUN_DEFAULTS.items():
         if getattr(args, field) is None:
@@ -412,11 +447,6 @@ def clear_checkpoint(path: pathlib.Path) -> None:
     with checkpoint_manager(path) as manager:
         for step in manager.all_steps():
             manager.delete(step)
-
-
-def holds_files(path: pathlib.Path) -> bool:
-    """Whether ``path`` exists and is not an empty folder (an empty one holds no checkpoint)."""
-    return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
 #: What orbax and tensorstore raise reading a damaged step (truncated, empty, not JSON).
@@ -541,8 +571,6 @@ def _check_leaf(where: pathlib.Path, name: str, saved, leaf) -> None:
         )
 
 
-#: The file an --export writes next to the safetensors: the run, step and vocabulary.
-EXPORT_META = "transformer_lm.json"
 #: The model's modules under Hugging Face-style names (a Llama's, where it has the tensor;
 #: "{}" is the layer), the same in every framework: each framework's leaves are named by their
 #: module (the last key that is one of these) and their kind (a weight or a bias).
@@ -771,28 +799,29 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
     log_every = max(1, args.steps // 8)
     save_every = args.save_every or log_every
     tokens_per_step = args.batch * args.seq_len
-    bar = tqdm(
-        range(start + 1, args.steps + 1),
-        initial=start,
-        total=args.steps,
-        disable=args.quiet,
-        unit="step",
-        dynamic_ncols=True,
-    )
-    write = bar.write if not args.quiet else log
+    write = tqdm.write if not args.quiet else log
     with StopOnCtrlC() as ctrl_c:
+        # Compiling is its own phase, before the progress bar: the bar's estimate then comes
+        # from the steps' times alone.
+        write(f"compiling the train step ({scanned(args)}); once, before step {start + 1}...")
         t0 = time.perf_counter()
         step = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, key).compile()
+        val_loss = float(evaluate(params))  # (compiles the validation too)
         compile_s = time.perf_counter() - t0
-        write(f"compiled the train step ({scanned(args)}) in {compile_s:.1f} s")
-        val_loss = float(evaluate(params))
+        write(f"compiled in {compile_s:.1f} s")
         record = {"compile_s": compile_s, "val_loss": [(start, val_loss)], "losses": []}
         write(f"step {start:5d}  val {describe_loss(val_loss)}")
+        bar = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps,
+                   disable=args.quiet, unit="step", dynamic_ncols=True)
+        write = bar.write if not args.quiet else log
+        estimate = Estimate(start, args.steps)
         t0 = time.perf_counter()
         i = start
         for i in bar:
             key, k = jax.random.split(key)
             params, opt_state, loss = step(params, opt_state, k)
+            if (line := estimate.after(i, loss)) is not None:
+                write(line)
             if i % 10 == 0 or i == args.steps:
                 record["losses"].append((i, float(loss)))
                 tok_s = (i - start) * tokens_per_step / (time.perf_counter() - t0)
@@ -813,6 +842,38 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
         f"trained steps {start + 1}-{i} in {train_s:.1f} s ({record['tokens_per_s']:,.0f} tokens/s)"
     )
     return {"params": params, "opt_state": opt_state, "rng": key}, record
+
+
+class Estimate:
+    """The time a run has left, from the times of its steps alone (not the compile): one line
+    after the first ``WINDOW`` steps timed, which start after the first step."""
+
+    WINDOW = 10
+
+    def __init__(self, start: int, steps: int):
+        self.steps, self.first, self.t0 = steps, start + 1, None
+
+    def after(self, i: int, loss) -> str | None:
+        """Called after step ``i`` with its (asynchronous) loss: the line to print, or None."""
+        if i == self.first and self.steps - i > 2 * self.WINDOW:
+            jax.block_until_ready(loss)
+            self.t0 = time.perf_counter()
+        elif self.t0 is not None and i == self.first + self.WINDOW:
+            jax.block_until_ready(loss)
+            per_step = (time.perf_counter() - self.t0) / self.WINDOW
+            left = per_step * (self.steps - i)
+            return (f"{per_step * 1e3:.0f} ms a step: about {duration(left)} for the "
+                    f"{self.steps - i} steps left, plus validations and saves")
+        return None
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3.5 h``."""
+    if seconds < 100:
+        return f"{seconds:.0f} s"
+    if seconds < 6000:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def check_finite(val_loss: float, step: int, args: argparse.Namespace) -> None:
@@ -887,6 +948,17 @@ def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int
 # --------------------------------------------------------------------------
 
 
+def announce(args: argparse.Namespace, first: int) -> str:
+    """What a training run will do and about how long it takes, before it starts."""
+    line = f"training {args.steps - first} steps ({first + 1} to {args.steps}; --steps N to change)"
+    then = "the estimate from this machine's steps follows the compile"
+    fields = ("steps", "layers", "d_model", "heads", "seq_len", "batch", "pattern")
+    if first == 0 and not args.remat and all(getattr(args, f) == RUN_DEFAULTS[f] for f in fields):
+        return (f"{line}: {DEFAULT_RUN_S} s from start to sample on 2 idle CPU cores, more on a "
+                f"busy machine; {then}")
+    return f"{line}: {then}"
+
+
 def parse_pattern(args: argparse.Namespace) -> tuple[str, ...]:
     """``--pattern`` as a tuple of kinds, checked with ``--window`` and ``--layers``."""
     pattern = tuple(args.pattern.split(","))
@@ -935,7 +1007,10 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             "--restore saves there), or pass --checkpoint PATH of one you trained."
         )
     sampling_only = args.restore or args.load_safetensors is not None
-    if sampling_only or args.resume:
+    if args.load_safetensors is not None:  # one export for every --framework (hf_names)
+        fields = [f for f in MODEL_FIELDS if f != "framework" or f not in args.given]
+        settle_args(args, saved, fields, path, "--load-safetensors DIR of another export")
+    elif sampling_only or args.resume:
         settle_args(args, saved, MODEL_FIELDS if sampling_only else RUN_DEFAULTS, path)
     else:
         settle_args(args, None, ())
@@ -1038,6 +1113,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             save_checkpoint(path, state, {**meta, "chars": chars, "remat": args.remat}, args.keep)
 
         if first < args.steps:
+            log(announce(args, first))
             every = args.save_every or max(1, args.steps // 8)
             log(f"saving to {path} every {every} steps and on Ctrl-C (keeping {args.keep})")
             state, record = train(lm, state, first, train_data, val, args, save, log)

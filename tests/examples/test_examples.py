@@ -179,16 +179,17 @@ def trained(tmp_path_factory, env) -> dict:
     tmp = tmp_path_factory.mktemp("trained")
     ckpt, export = tmp / "lm", tmp / "hf"
     common = f"--steps 3 {TINY} --checkpoint {ckpt}"
-    trained, restored, resumed, again, loaded = run_example(
+    trained, restored, resumed, again, loaded, other = run_example(
         env,
         f"{common} --save-every 2 --keep 2",
         f"{common} --restore --export {export}",
         f"{common} --resume",
         common,
         f"--load-safetensors {export} --sample-len 12 --quiet",
+        f"--load-safetensors {export} --framework equinox --sample-len 12 --quiet",
     )
     return {"ckpt": ckpt, "trained": trained, "restored": restored, "resumed": resumed,
-            "again": again, "export": export, "loaded": loaded}
+            "again": again, "export": export, "loaded": loaded, "other": other}
 
 
 @pytest.mark.slow
@@ -242,6 +243,11 @@ def test_jax_train_checkpoint_restore(trained):
     loaded = trained["loaded"]
     assert loaded["sample"] == trained["trained"]["sample"] and "losses" not in loaded
     assert loaded["loop_diff"] <= LOGITS_ATOL and loaded["cache_diff"] <= LOGITS_ATOL
+    # Another framework's model reads the same export (one set of names for all five): the
+    # Equinox model, which keeps torch's layout, samples what the pure-JAX model sampled.
+    other = trained["other"]
+    assert other["framework"] == "equinox" and other["sample"] == trained["trained"]["sample"]
+    assert other["loop_diff"] <= LOGITS_ATOL and other["cache_diff"] <= LOGITS_ATOL
 
 
 @pytest.mark.slow
@@ -590,3 +596,38 @@ def test_local_blocks_see_only_their_window(reports):
     np.testing.assert_array_equal(np.asarray(seen), (j <= t) & (t - j < window))
     # The model uses it: the same params with global blocks only give other logits.
     assert reports["pattern"]["all_global_diff"] > 100 * FRAMEWORKS_ATOL
+
+
+def test_the_command_line_offers_what_the_example_has():
+    # The command line names its choices without importing JAX; they are the models' and
+    # the optimizers' own, and the run time it announces is the docstring's figure.
+    lm = load_example()
+    import lm_models
+
+    assert lm.FRAMEWORKS == lm_models.FRAMEWORKS
+    assert lm.OPTIMIZER_NAMES == tuple(lm.OPTIMIZERS)
+    assert f"{lm.DEFAULT_RUN_S} s on 2 idle CPU cores" in " ".join(lm.__doc__.split())
+
+
+def test_the_run_is_announced_with_its_length_before_it_starts():
+    lm = load_example()
+    args = lm.parse_args([])
+    lm.settle_args(args, None, ())
+    assert lm.announce(args, 0) == (
+        f"training 1600 steps (1 to 1600; --steps N to change): {lm.DEFAULT_RUN_S} s from start "
+        "to sample on 2 idle CPU cores, more on a busy machine; the estimate from this "
+        "machine's steps follows the compile")
+    args.steps = 200  # another run: no measured figure, the estimate comes from the steps
+    assert lm.announce(args, 50) == (
+        "training 150 steps (51 to 200; --steps N to change): the estimate from this "
+        "machine's steps follows the compile")
+
+
+def test_the_estimate_comes_from_the_steps_after_the_first():
+    lm = load_example()
+    estimate = lm.Estimate(start=4, steps=100)  # the first step, 5, starts the clock
+    lines = [estimate.after(i, jnp.zeros(())) for i in range(5, 100)]
+    assert [i for i, line in zip(range(5, 100), lines) if line] == [5 + lm.Estimate.WINDOW]
+    assert re.fullmatch(r"\d+ ms a step: about \d+ s for the 85 steps left, plus validations "
+                        r"and saves", lines[lm.Estimate.WINDOW])
+    assert not any(lm.Estimate(0, 20).after(i, 0.0) for i in range(1, 21))  # too short

@@ -46,3 +46,15 @@ def test_a_run_of_the_flags_parses(script, tmp_path):
                               "--settle", "5", "--folder", str(tmp_path)])
     assert (args.gib, args.per_file, args.repeats, args.settle) == (0.5, 4, 3, 5.0)
     assert args.folder == str(tmp_path)
+
+
+OPTIMIZER_STEP = SCRIPT.parent / "optimizer_step.py"
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("flag", ["--n", "--d", "--hidden", "--rounds"])
+@pytest.mark.parametrize("value", ["0", "-3", "2.5"])
+def test_optimizer_step_sizes_are_positive_integers(tmp_path, capsys, flag, value):
+    script = load_script(OPTIMIZER_STEP)  # (imports JAX and optax; the parser runs first)
+    assert_cli_refused(script.parse_args, [flag, value], flag,
+                       f"expected a positive integer, got {value!r}", capsys)

@@ -101,16 +101,22 @@ CASES = [
     # Per-layer safetensors: --export into a new folder, --load-safetensors from an export.
     (["--export", "{tmp}/junk"], "--export", "a folder that is not empty"),
     (["--export", "{tmp}/tiny.txt"], "--export", "a file; give a new or empty folder"),
+    (["--export", "{tmp}/tiny.txt/out"], "--export {tmp}/tiny.txt/out",
+     "cannot write there ({tmp}/tiny.txt is not a writable folder)"),
     (["--export", "{tmp}/out", "--load-safetensors", "{tmp}/export"], "--export",
      "not allowed with --load-safetensors"),
     (["--load-safetensors", "{tmp}/junk"], "--load-safetensors",
      "no transformer_lm.json there; give a folder that --export DIR wrote"),
-    (["--load-safetensors", "{tmp}/export", "--framework", "nnx"], "{tmp}/export",
-     "(it was saved by the jax model: pass --framework jax"),
+    # Any --framework reads any framework's export (one set of names): here the nnx model
+    # reads the jax model's export, and finds the tensor it lacks.
+    (["--load-safetensors", "{tmp}/export", "--framework", "nnx"], "--load-safetensors",
+     "for leaf ['blocks']['layers']['down']['bias'] is not in"),
     (["--load-safetensors", "{tmp}/export", "--resume"], "--load-safetensors",
      "not allowed with argument --load-safetensors"),
     (["--load-safetensors", "{tmp}/export", "--layers", "3"], "--layers",
-     "another run than the flags ask for (--layers: 2 in the checkpoint vs 3 here)"),
+     "another run than the flags ask for (--layers: 2 in the checkpoint vs 3 here): leave "
+     "these flags out to use the checkpoint's, or pass --load-safetensors DIR of another "
+     "export."),
     (["--load-safetensors", "{tmp}/export"], "--load-safetensors {tmp}/export",
      "layer 0's tensor 'model.layers.0.mlp.down_proj.weight' for leaf ['blocks']['down'] is "
      "not in"),
@@ -208,7 +214,7 @@ def test_misuse_is_refused_naming_the_flag(lm, files, no_work, capsys, argv, nam
         argv += ["--checkpoint", str(files / "none")]
     before = snapshot(files)
     error = refused(lm, [*TINY, *argv], capsys)
-    assert names.format(tmp=files) in error and message in error, error
+    assert names.format(tmp=files) in error and message.format(tmp=files) in error, error
     assert snapshot(files) == before  # nothing written, nothing replaced
 
 

@@ -25,6 +25,8 @@ CASES = [
     (["--processes", "2", "--timeout", "0"], "--timeout", "expected a positive number"),
     (["--processes", "2", "--timeout", "nan"], "--timeout", "expected a positive number"),
     (["--processes", "2", "--out", "{file}"], "--out", "is a file; give a folder"),
+    (["--processes", "2", "--out", "{file}/results"], "--out", "is not a writable folder"),
+    ([*ONE, "--out", "{file}/results"], "--out", "is not a writable folder"),
     ([*ONE[:2], "--num-processes", "3", *ONE[4:]], "--num-processes", "invalid choice: 3"),
     (["--process-id", "2", *ONE[2:]], "--process-id", "is not one of 0 to 1"),
     (["--process-id", "-1", *ONE[2:]], "--process-id", "is not one of 0 to 1"),
@@ -51,3 +53,11 @@ def test_a_run_of_the_flags_parses(example, tmp_path):
     args = example.parse_args([*ONE, "--out", str(tmp_path)])
     assert (args.process_id, args.num_processes, args.coordinator) == (0, 2, "127.0.0.1:8476")
     assert example.parse_args(["--processes", "4"]).processes == 4
+
+
+def test_processes_out_of_time_are_an_error_not_a_traceback(example, tmp_path, capsys):
+    # --timeout 1 (a few milliseconds here): the processes are killed before they can finish.
+    code = example.main(["--processes", "2", "--timeout", "0.001", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("error: 2 processes") and "a longer --timeout gives them" in err, err

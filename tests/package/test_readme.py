@@ -1,9 +1,10 @@
-"""The README's examples run as written: each ```python block is a whole program (a fresh
-namespace, so every name it uses is imported in it), with the shapes its comments state.
-Its references to a section of another page name a heading that page has."""
+"""The README: its first screen says what stackwise is and why; its examples run as written
+(each ```python block is a whole program, in a fresh namespace, with the shapes its comments
+state); its two commands use separate environments, and CI finds its test command."""
 
 import pathlib
 import re
+import subprocess
 
 import jax.numpy as jnp
 import pytest
@@ -12,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 #: What each block must leave behind, in the README's order: the framework of each.
-EXPECTED = ["jax", "haiku", "flax", "nnx", "equinox", "optax"]
+EXPECTED = ["jax", "haiku", "flax", "nnx", "equinox"]
 FRAMEWORKS = EXPECTED[1:5]
 
 
@@ -26,7 +27,6 @@ def test_the_blocks_are_the_ones_these_tests_check():
     assert len(BLOCKS) == len(EXPECTED)
     for block, framework in zip(BLOCKS[1:5], FRAMEWORKS):
         assert f"stackwise.{framework}.Stack" in block and block.startswith("import ")
-    assert "stackwise.optax.layerwise" in BLOCKS[5] and BLOCKS[5].startswith("import ")
 
 
 def test_readme_example_runs():
@@ -51,32 +51,6 @@ def test_readme_framework_example_runs(framework):
     assert bool(jnp.isfinite(namespace["y"]).all())
 
 
-def test_readme_optimizer_example_runs():
-    pytest.importorskip("optax")
-    import optax
-
-    namespace = run_block(EXPECTED.index("optax"))
-    params, grads = namespace["params"], namespace["grads"]
-    # Each layer of blocks/w gets the update LAMB gives that layer alone, as in the loop.
-    for i in range(4):
-        layer = {"w": params["blocks"]["w"][i]}
-        tx = optax.lamb(1e-3)
-        want, _ = tx.update({"w": grads["blocks"]["w"][i]}, tx.init(layer), layer)
-        assert jnp.allclose(namespace["updates"]["blocks"]["w"][i], want["w"], atol=1e-7)
-    plain, _ = optax.lamb(1e-3).update(grads, optax.lamb(1e-3).init(params), params)
-    assert not jnp.allclose(plain["blocks"]["w"], namespace["updates"]["blocks"]["w"])
-
-
-def test_section_references_name_existing_headings():
-    # `page.md`, "Heading": the page has that heading (at any level).
-    text = " ".join(README.read_text().split())
-    references = re.findall(r"`([\w/.-]+\.md)`, \"([^\"]+)\"", text)
-    assert references, "the README names no section any more: drop this test"
-    for page, heading in references:
-        headings = re.findall(r"(?m)^#+ (.+)$", (ROOT / page).read_text())
-        assert heading in headings, f"{page} has no heading {heading!r}: {headings}"
-
-
 def test_the_example_run_time_is_one_figure_everywhere():
     # The README, the example's --help (its docstring) and the tuning page: the same seconds.
     pattern = r"(\d+) s on 2 idle CPU cores"
@@ -84,3 +58,46 @@ def test_the_example_run_time_is_one_figure_everywhere():
     figures = {page.name: re.findall(pattern, " ".join(page.read_text().split())) for page in pages}
     assert all(len(found) == 1 for found in figures.values()), figures
     assert len({found[0] for found in figures.values()}) == 1, figures
+
+
+def test_the_first_screen_says_what_and_why():
+    # The first screen (before the example): what it is, and the tools it is compared with.
+    first = README.read_text().split("## In code")[0]
+    assert len(first.splitlines()) <= 40
+    assert "runs one layer `n` times in JAX as a single `lax.scan`" in " ".join(first.split())
+    for tool in ("hk.layer_stack", "nn.scan", "nnx.scan", "hand-written `lax.scan`"):
+        assert tool in first, tool
+    # Its figures name their machine and the command that measured them.
+    assert "Intel Xeon" in first and "stackwise-bench --blocks decode" in first
+
+
+def setup_commands() -> list[str]:
+    setup = README.read_text().split("## Set up")[1].split("\n## ")[0]
+    return re.findall(r"```bash\n(.*?)\n```", setup, re.S)
+
+
+def test_the_two_commands_use_separate_environments():
+    example, tests = setup_commands()
+    assert example.startswith("python3 -m venv .venv-example && . .venv-example/bin/activate")
+    assert example.endswith("python examples/transformer_lm.py")
+    assert tests.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+    # The first command's description says how long it runs and how to shorten it.
+    setup = README.read_text().split("## Set up")[1].split("```bash")[0]
+    assert "--steps" in setup and "1,600 steps" in setup
+
+
+def test_ci_runs_the_readme_test_command():
+    # .ci/run's own grep finds exactly one command: the README's second.
+    ci = (ROOT / ".ci" / "run").read_text()
+    pattern = re.search(r"grep -x '([^']+)' README.md", ci).group(1)
+    found = subprocess.run(
+        ["grep", "-x", pattern, str(README)], capture_output=True, text=True
+    ).stdout.splitlines()
+    assert found == [setup_commands()[1]]
+
+
+def test_the_links_to_the_docs_resolve():
+    links = re.findall(r"\]\(([^)#]+\.md)\)", README.read_text())
+    assert "docs/contributing.md" in links and "docs/features.md" in links
+    for link in links:
+        assert (ROOT / link).is_file(), link
