@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
+import math
 import mmap
 import os
 import threading
@@ -46,6 +47,7 @@ _LOAD = "stackwise.load_checkpoint"
 _THREADS = 2  # threads filling a leaf's shards (see _fill)
 _AHEAD = 2  # layers a filling thread may run ahead of the slowest
 _PARALLEL_BYTES = 1 << 20  # a layer's tensor below this is filled by one thread
+_PIECE_BYTES = 1 << 20  # a layer's slice is filled in pieces of about this size (_pieces)
 
 
 class _Plan(NamedTuple):
@@ -285,23 +287,17 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
 
 def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarray]:
     """The host arrays of the shards at ``indices``, filled together, layer by layer: each
-    shard's slice of a layer's tensor read straight into its row, then the tensor's pages let
-    go of (mapped once for all the shards)."""
+    shard's slice of a layer's tensor read straight into its row (in pieces, see
+    :func:`_pieces`), then the tensor's pages let go of (mapped once for all the shards)."""
     spec = plan.spec
     perm = tuple(spec.transpose) if spec.transpose is not None else None
-
-    def source(index: tuple) -> tuple:  # the stored tensor's slice that `index` transposes
-        inverse = [slice(None)] * len(perm)
-        for d, a in enumerate(perm):
-            inverse[a] = index[d]
-        return tuple(inverse)
 
     def one(name: str, index: tuple) -> np.ndarray:  # a view or a copy; the caller copies
         if spec.reshape is not None:
             x = ckpt.view(name, ())
             return (x.transpose(perm) if perm else x).reshape(spec.reshape)[index]
         if perm:
-            return ckpt.view(name, source(index)).transpose(perm)
+            return ckpt.view(name, _source(perm, index)).transpose(perm)
         return ckpt.view(name, index)
 
     outs = [_host(tuple(len(range(*s.indices(n))) for s, n in zip(index, plan.shape)),
@@ -321,38 +317,45 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
     # apart for a 1024-wide float32 weight), of which the caches hold only a few; the staging
     # buffer's rows are spaced to spread over them (up to four times NumPy's strided copy).
     staged = perm is not None and len(perm) > 1 and spec.reshape is None
+    # The axis of a row along which it is filled in pieces: the stored tensor's first (whole
+    # stored rows). Only from our safetensors reader, which reads any slice alone (the
+    # readers of .npz files and of a dict of arrays read the whole tensor each time).
+    axis = (perm.index(0) if staged else 0 if direct else None) if ckpt._threads_ok else None
 
-    def fill(j: int, part: range, stages: dict) -> None:  # layer j into the shards in `part`
-        for k in part:
-            if j not in rows[k]:
-                continue
-            row = outs[k][rows[k].index(j)]
+    def fill(j: int, t: int, threads: int, stages: dict) -> None:  # thread t's part of layer j
+        for row, index in _pieces(outs, rows, indices, j, axis, threads)[t::threads]:
             if staged and row.size:
-                shape = tuple(np.array(row.shape)[np.argsort(perm)])
+                shape = tuple(row.shape[a] for a in np.argsort(perm))  # as stored
                 if shape not in stages:
                     stages[shape] = _staging(shape, ckpt.tensors[plan.sources[j]].dtype)
-                ckpt.read_into(plan.sources[j], source(indices[k][1:]), stages[shape])
+                ckpt.read_into(plan.sources[j], _source(perm, index), stages[shape])
                 row[...] = stages[shape].transpose(perm)  # and the cast, if asked
             elif direct:
-                ckpt.read_into(plan.sources[j], indices[k][1:], row)
+                ckpt.read_into(plan.sources[j], index, row)
             else:
-                row[...] = one(plan.sources[j], indices[k][1:])
+                row[...] = one(plan.sources[j], index)
 
-    # The reads of our safetensors reader and NumPy's copies let go of the GIL: the shards
-    # of a leaf with layers of `_PARALLEL_BYTES` or more are filled by up to `_THREADS`
-    # threads at once (a Checkpoint of your own is read from one thread), each thread going
-    # through the layers on its own (a barrier at each layer cost 15% of the load): the last
-    # to be done with a layer lets go of its pages, and none runs more than `_AHEAD` layers
-    # ahead of the slowest, which bounds the pages mapped.
-    layers = sorted(set().union(*rows))
+    _layer_by_layer(ckpt, plan, sorted(set().union(*rows)), fill)
+    return outs
+
+
+def _layer_by_layer(ckpt: Checkpoint, plan: _Plan, layers: list[int], fill: Any) -> None:
+    """Runs ``fill(j, t, threads, stages)`` for every layer j, by each thread t.
+
+    The reads of our safetensors reader and NumPy's copies let go of the GIL: a leaf with
+    layers of ``_PARALLEL_BYTES`` or more is filled by ``_THREADS`` threads at once (a
+    Checkpoint of your own is read from one thread), each taking every other piece of each
+    layer (:func:`_pieces`), whatever the shards, and going through the layers on its own (a
+    barrier at each layer cost 15% of the load): the last to be done with a layer lets go of
+    its pages, and none runs more than ``_AHEAD`` layers ahead of the slowest, which bounds
+    the pages mapped."""
     big = plan.dtype.itemsize * int(np.prod(plan.shape[1:])) >= _PARALLEL_BYTES
-    threads = min(_THREADS, os.cpu_count() or 1, len(outs)) if ckpt._threads_ok and big else 1
-    parts = [range(t, len(outs), threads) for t in range(threads)]
+    threads = min(_THREADS, os.cpu_count() or 1) if ckpt._threads_ok and big else 1
     left = dict.fromkeys(layers, threads)  # how many threads are yet to fill each layer
     done, failed = [0], []  # layers every thread has filled; whether a thread raised
     turn = threading.Condition()
 
-    def run(part: range) -> None:
+    def run(t: int) -> None:
         stages: dict = {}  # this thread's staging buffers, by shape
         try:
             for n, j in enumerate(layers):
@@ -360,7 +363,7 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
                     turn.wait_for(lambda n=n: n < done[0] + _AHEAD or failed)
                 if failed:
                     return  # another thread's error is raised
-                fill(j, part, stages)
+                fill(j, t, threads, stages)
                 with turn:
                     left[j] -= 1
                     if not left[j]:
@@ -374,11 +377,44 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
             raise
 
     if threads == 1:
-        run(parts[0])
+        run(0)
     else:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, parts))
-    return outs
+            list(pool.map(run, range(threads)))
+
+
+def _source(perm: tuple, index: tuple) -> tuple:
+    """The stored tensor's slice that ``index`` (of the leaf's per-layer axes) transposes."""
+    inverse = [slice(None)] * len(perm)
+    for d, a in enumerate(perm):
+        inverse[a] = index[d]
+    return tuple(inverse)
+
+
+def _pieces(outs: list, rows: list, indices: list, j: int, axis: int | None,
+            threads: int) -> list[tuple[np.ndarray, tuple]]:
+    """Layer j's ``(part of a shard's row, its index)`` to fill: each shard's row of layer j,
+    split along the row's ``axis`` (the stored tensor's first: whole stored rows, read in one
+    run) into pieces of about ``_PIECE_BYTES``, or whole where ``axis`` is None. A transposed
+    piece fits the caches, and its staging buffer with it (a whole 11 MiB layer staged, then
+    transposed, cost 1.6x the CPU time of 1 MiB pieces); and every thread gets a share, even
+    where one shard holds the layer (one device, or the layer axis over pipeline stages)."""
+    holders = [k for k, r in enumerate(rows) if j in r]
+    least = threads // math.gcd(len(holders), threads) if holders else 1
+    pieces = []
+    for k in holders:
+        row, index = outs[k][rows[k].index(j)], indices[k][1:]
+        if axis is None or not row.ndim or not row.size:
+            pieces.append((row, index))
+            continue
+        start, count = index[axis].start or 0, row.shape[axis]  # a shard's slices: step 1
+        n = min(count, max(least, -(-row.nbytes // _PIECE_BYTES)))
+        for p in range(n):
+            a, b = count * p // n, count * (p + 1) // n
+            at = (slice(None),) * axis + (slice(a, b),)
+            piece = index[:axis] + (slice(start + a, start + b),) + index[axis + 1:]
+            pieces.append((row[at], piece))
+    return pieces
 
 
 def _host(shape: tuple, dtype: np.dtype) -> np.ndarray:
