@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Sharding, SingleDeviceSharding
 
 from stackwise._checkpoint.names import (
     Tensor,
@@ -38,6 +38,7 @@ from stackwise._checkpoint.names import (
     _lookup,
     _name_leaves,
 )
+from stackwise._checkpoint.placements import check_sharding, placements
 from stackwise._checkpoint.read import Checkpoint, open_checkpoint
 from stackwise._core import checks
 
@@ -161,7 +162,7 @@ def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
             f"{who}: leaf {path} is {dtype.name}, but its Tensor casts tensor {first!r} to "
             f"{np.dtype(spec.dtype).name}; pass dtype=jnp.{dtype.name}."
         )
-    _check_sharding(sharding, shape, path, who)
+    check_sharding(sharding, shape, path, who)
     return _Plan(path, spec, shape, dtype, sources, stored, sharding)
 
 
@@ -189,57 +190,18 @@ def _closest(name: str, ckpt: Checkpoint) -> str:
     return f"; the closest name there is {close[0]!r}" if close else ""
 
 
-def _check_sharding(sharding: Any, shape: tuple, path: str, who: str) -> None:
-    if not isinstance(sharding, Sharding):
-        raise TypeError(
-            f"{who}: the sharding for leaf {path} is {type(sharding).__name__}, not a "
-            "jax.sharding.Sharding; build them with stackwise.stacked_shardings or "
-            "NamedSharding(mesh, spec)."
-        )
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec)
-        if len(spec) > len(shape):
-            raise ValueError(
-                f"{who}: leaf {path} has shape {shape} but its sharding's spec "
-                f"{sharding.spec} names {len(spec)} axes. Stacked leaves' specs include the "
-                "layer axis: build them with stackwise.stacked_shardings(mesh, specs)."
-            )
-        for d, entry in enumerate(spec):
-            axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-            size = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-            if shape[d] % size:
-                raise ValueError(
-                    f"{who}: leaf {path} has shape {shape}; axis {d} (length {shape[d]}) "
-                    f"cannot be split over mesh axes {entry!r} of size {size} (spec "
-                    f"{sharding.spec}). Shard another axis (stackwise.fsdp_specs picks one "
-                    "that divides) or leave this one unsharded."
-                )
-
-
-def _shardings_by_path(shardings: Any, target: Any) -> dict[str, Any]:
-    if shardings is None or isinstance(shardings, Sharding):
-        return {}
-    is_leaf = lambda s: s is None or isinstance(s, Sharding)  # noqa: E731
-    return {
-        jax.tree_util.keystr(p): s
-        for p, s in jax.tree_util.tree_leaves_with_path(shardings, is_leaf=is_leaf)
-    }
-
-
 def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
     if pattern is not None:
         pattern = checks.integer(pattern, who, "pattern", minimum=1)
-    by_path = _shardings_by_path(shardings, target)
-    default = shardings if isinstance(shardings, Sharding) else None
+    given = placements(shardings, target, who)
     plans, used, seen = [], set(), {}
-    for keys, leaf in jax.tree_util.tree_leaves_with_path(target):
+    for (keys, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(target), given):
         if not _is_array(leaf):
             plans.append(None)  # functions, static numbers: kept as they are
             continue
         path = jax.tree_util.keystr(keys) or "<root>"
         spec = _lookup(names, [_key(k) for k in keys], path, who)
         used.add("/".join(_key(k) for k in keys if _key(k) != "value"))
-        sharding = by_path.get(jax.tree_util.keystr(keys)) or default
         if sharding is None:
             sharding = getattr(leaf, "sharding", None)
             if not isinstance(sharding, Sharding):
@@ -514,8 +476,11 @@ def load_checkpoint(
         a :class:`Tensor` per array leaf; ``{}`` marks a per-layer tensor
         and fills a stacked leaf (its leading axis) row by row.
       shardings: None (each leaf's own ``.sharding`` if it has one, else
-        the first device), one ``Sharding`` for all, or a tree of them like
-        the target (``stackwise.stacked_shardings``, ``fsdp_specs``).
+        the first device), one ``Sharding`` for every leaf, or a tree that
+        mirrors the target, of ``Sharding`` s or None (that leaf's default),
+        one for a whole subtree allowed (``stackwise.stacked_shardings``,
+        ``fsdp_specs``). A ``PartitionSpec`` or a ``Mesh`` alone, a leaf the
+        tree misses or a key it has that the target lacks is refused.
       pattern: k for a pattern Stack: the per-layer names then say their
         position (``Tensor(name, position=p)``), whose row j is layer
         ``p + j*k``.
@@ -531,10 +496,12 @@ def load_checkpoint(
       ValueError: a missing layer or tensor, an extra layer, a shape that
         differs, a template that matches nothing or a tensor that would
         fill two leaves, names for leaves the target lacks, a mesh that does
-        not divide a leaf, or a truncated or corrupt file. Every check runs
-        before anything is read.
-      TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, or
-        a bad transform or sharding.
+        not divide a leaf, a ``shardings`` tree that misses a leaf or has
+        a key the target lacks, or a truncated or corrupt file. Every check
+        runs before anything is read.
+      TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, a
+        bad transform, or ``shardings`` that are not Shardings (a
+        ``PartitionSpec`` or a ``Mesh``: ``NamedSharding(mesh, spec)``).
     """
     ckpt = open_checkpoint(source)
     plans = _plans(ckpt, target, names, shardings, pattern, _LOAD)
