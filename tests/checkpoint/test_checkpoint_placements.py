@@ -2,7 +2,8 @@
 for every leaf is every leaf's; a tree of them mirrors the target (one for a subtree is every
 leaf's below it; None is the leaf's own sharding, else the first device); and a leaf's layers
 are filled in pieces by two threads, bitwise the plain loop's stack of the stored tensors,
-transposed and cast, whatever the shapes, permutation and piece size (hypothesis). The
+transposed and cast, whatever the shapes, permutation and piece size (hypothesis), and on
+one CPU device the filled host array is the device's buffer, not a copy. The
 sharded layouts (FSDP, tensor parallel, the layer axis over stages) are in
 test_checkpoint_sharded.py, on 8 devices."""
 
@@ -126,6 +127,24 @@ def test_pieces_split_one_shards_layer_for_both_threads():
         assert len(load._pieces(outs, rows, indices, 1, None, 2)) == 1  # not split
         scalars = [np.empty((2,), np.float32)]
         assert len(load._pieces(scalars, rows, [(slice(0, 2),)], 0, 0, 2)) == 1
+
+
+def test_one_device_takes_the_filled_host_array_without_a_copy(tmp_path, monkeypatch):
+    """The default placement (no shardings): the leaf's host array, filled in pieces by two
+    threads, is the device's buffer as it is (the host holds the model once)."""
+    from safetensors.numpy import save_file
+
+    save_file({f"l.{i}.w": np.full((64, 32), i, np.float32) for i in range(3)},
+              tmp_path / "model.safetensors")
+    made, host = [], load._host
+    monkeypatch.setattr(load, "_host", lambda shape, dtype: made.append(host(shape, dtype))
+                        or made[-1])
+    monkeypatch.setattr(load, "_PIECE_BYTES", 1024)
+    monkeypatch.setattr(load, "_PARALLEL_BYTES", 0)
+    w = stackwise.load_checkpoint(tmp_path, {"w": jax.ShapeDtypeStruct((3, 32, 64), jnp.float32)},
+                                  {"w": stackwise.Tensor("l.{}.w", transpose=(1, 0))})["w"]
+    assert np.array_equal(np.asarray(w), np.stack([np.full((32, 64), i) for i in range(3)]))
+    assert w.addressable_shards[0].data.unsafe_buffer_pointer() == made[0].ctypes.data
 
 
 @pytest.fixture(scope="module")
