@@ -48,7 +48,7 @@ from stackwise._core import checks
 __all__ = ["load_checkpoint"]
 
 _LOAD = "stackwise.load_checkpoint"
-_THREADS = 2  # threads filling a leaf's shards (see _fill)
+_THREADS = 2  # threads filling a leaf, sharing each layer (see _layer_by_layer)
 _AHEAD = 2  # layers a filling thread may run ahead of the slowest
 _PARALLEL_BYTES = 1 << 20  # a layer's tensor below this is filled by one thread
 _PIECE_BYTES = 1 << 20  # a layer's slice is filled in pieces of about this size (_pieces)
