@@ -1,9 +1,10 @@
-"""Loading a multi-GiB per-layer checkpoint into a stacked, FSDP-sharded model on 8 simulated
-CPU devices: peak host RSS and throughput, streamed against the naive path.
+"""Loading a multi-GiB per-layer checkpoint into a stacked model, onto one device and in
+three sharded layouts over simulated CPU devices: peak host RSS and throughput, streamed against
+sequential reading and against the naive script.
 
 Writes a synthetic Llama-like safetensors checkpoint (Hugging Face names, torch's (out, in)
-layout, several files and an index) to a temporary folder, then runs each path in a fresh
-subprocess of its own, so that each peak RSS is its own:
+layout, several files and an index; a depth that is a multiple of 4) to a temporary folder,
+then runs each path in a fresh subprocess of its own, so that each peak RSS is its own:
 
 - ``sequential``: read each file whole into memory (``f.read()``), kept to the end: plain
   sequential reading of the same files, into as much new memory as the loaded model holds
@@ -13,13 +14,16 @@ subprocess of its own, so that each peak RSS is its own:
 - ``sequential_device_put``: the chunks, each put on a device (round robin) and kept: reading
   plus a host-to-device copy (jax copies a host buffer that is not 64-byte aligned, as a
   ``bytes`` is; the loader's shards are aligned, and the CPU devices take them as they are);
-- ``stream``: ``stackwise.load_checkpoint`` into FSDP shardings over 8 devices, each torch
-  ``(out, in)`` weight transposed into JAX's ``(in, out)`` (``Tensor(..., transpose=(1, 0))``);
-- ``stream_one_thread``: the same, the shards filled by one thread (the loader uses two);
-- ``stream_torch_layout``: the same into leaves of torch's layout (no transposes, as an
-  Equinox model has them): the loader's own cost;
-- ``naive``: read every tensor whole, ``np.stack`` each leaf's layers, ``jax.device_put``
-  with the same shardings (what a converter script does).
+- ``stream/<layout>``: ``stackwise.load_checkpoint``, each torch ``(out, in)`` weight
+  transposed into JAX's ``(in, out)`` (``Tensor(..., transpose=(1, 0))``), in each layout of
+  :func:`_model`: ``one_device`` (no ``shardings``: the default), ``fsdp`` (over 8),
+  ``tensor_parallel`` (every leaf's last axis over 8), ``stages`` (the layer axis over 4);
+- ``stream_one_thread``: FSDP, the shards filled by one thread (the loader uses two);
+- ``stream_torch_layout``: FSDP into leaves of torch's layout (no transposes, as an Equinox
+  model has them): the loader's own cost;
+- ``naive/one_device``, ``naive/fsdp``: what a converter script does: every file read whole
+  (``safetensors.numpy.load_file``), ``np.stack`` of each leaf's transposed layers,
+  ``jax.device_put`` (with the FSDP shardings, or onto the first device).
 
 Why the baseline keeps what it reads: the loaded model is new memory of the checkpoint's size,
 and memory a process touches for the first time costs the kernel (and on a VM its host) far
@@ -29,21 +33,21 @@ next touch), against about 0.15 s a GiB for the copy. Reading into reused 64 MiB
 pays it, so against ``sequential_chunks`` any path that keeps the model measures mostly that
 cost; both ratios are reported.
 
-Reports, as ratios of one run of the script: peak RSS over the checkpoint's size (and the
-bytes of two layers), and stream's throughput over sequential reading. With ``--repeats R``
-the paths run R times in turn and each path's fastest run is reported (on a shared, loaded
-machine the fastest is the least disturbed), with every run's seconds, and the ratios of CPU
-seconds too (user + system, every thread: the work, hardly changed by other processes). The
-checkpoint is deleted at the end. With ``--settle S`` each run starts after S seconds of
-rest (default 0: back to back). On the VM these results come from, what ran just before moves
-a run's time by up to 2x either way (2 GiB, the loader's runs back to back: 1.29-3.06 s; after
-6 s of rest: 1.24-1.49 s; our guess: memory another process has just freed is still backed by
-the VM's host, or already handed back to it); a rest before every run gives each path the same
-start. The files are read from the page cache once written (sequential first, so each path
-reads warm files): the throughput ratio is of the loader's work, not of the disk.
+Reports, as ratios within one run of the script (``loads``): each load's peak RSS over the
+checkpoint's size (and beyond it, in layers), and its throughput over sequential reading. With
+``--repeats R`` the paths run R times in turn and each path's fastest run is reported (on a
+shared, loaded machine the fastest is the least disturbed), with every run's seconds, and the
+ratios of CPU seconds too (user + system, every thread: the work, hardly changed by other
+processes). The checkpoint is deleted at the end. With ``--settle S`` each run starts after S
+seconds of rest (default 0: back to back). On the VM these results come from, what ran just
+before moves a run's time by up to 2x either way (2 GiB, the loader's runs back to back:
+1.29-3.06 s; after 6 s of rest: 1.24-1.49 s; our guess: memory another process has just freed
+is still backed by the VM's host, or already handed back to it); a rest before every run gives
+each path the same start. The files are read from the page cache once written (sequential
+first, so each path reads warm files): the throughput ratio is of the loader's work, not of the
+disk.
 
-    python benchmarks/checkpoint_load.py --gib 2 --repeats 3 --settle 5 \
-        > benchmarks/results/checkpoint_load.json
+    python benchmarks/checkpoint_load.py --gib 0.5 > benchmarks/results/checkpoint_load.json
 """
 
 from __future__ import annotations
@@ -96,9 +100,20 @@ def write(folder: str, layers: int, per_file: int) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
 
 
-def _model(layers: int, transpose: bool = True):
+LAYOUTS = ("one_device", "fsdp", "tensor_parallel", "stages")
+STAGES = 4  # the layer axis's split in the "stages" layout (the depth is a multiple of it)
+
+
+def _model(layers: int, transpose: bool = True, layout: str = "fsdp"):
+    """The target, names and shardings of one layout: ``one_device`` (no shardings: the
+    default, every leaf on the first device), ``fsdp`` (every stacked leaf split over 8
+    devices by ``stackwise.fsdp_specs``, the embedding by rows), ``tensor_parallel`` (every
+    leaf's last axis over 8 devices: the torch weight's stored rows) or ``stages`` (the layer
+    axis over 4 devices, the embedding by rows, as pipeline stages hold their layers)."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import stackwise
 
@@ -111,10 +126,17 @@ def _model(layers: int, transpose: bool = True):
     names = {"blocks": {name: stackwise.Tensor(f"model.layers.{{}}.{name}", transpose=perm)
                         for name in LINEAR} | {n: f"model.layers.{{}}.{n}" for n in NORMS},
              "embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    if layout == "one_device":
+        return target, names, None
+    if layout == "stages":
+        mesh = jax.make_mesh((STAGES,), ("stage",), devices=jax.devices()[:STAGES])
+        return target, names, {"blocks": NamedSharding(mesh, P("stage")),
+                               "embed": NamedSharding(mesh, P("stage")),
+                               "norm": NamedSharding(mesh, P())}
     mesh = jax.make_mesh((8,), ("data",))
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+    if layout == "tensor_parallel":
+        return target, names, jax.tree.map(
+            lambda a: NamedSharding(mesh, P(*[None] * (a.ndim - 1), "data")), target)
     shardings = {"blocks": stackwise.stacked_shardings(
         mesh, stackwise.fsdp_specs(target["blocks"], mesh, "data")),
         "embed": NamedSharding(mesh, P("data")), "norm": NamedSharding(mesh, P())}
@@ -134,6 +156,26 @@ def _cpu_seconds() -> float:
     unlike the wall time, hardly changed by other processes sharing the cores."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _naive(folder: str, layers: int, names: dict, shardings):
+    """What a converter script does: every file read whole (``load_file``), each leaf's
+    layers transposed and ``np.stack`` ed, the tree put on the devices (``jax.device_put``;
+    without shardings, on the first device)."""
+    import jax
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            tensors |= load_file(os.path.join(folder, file))
+    host = {"blocks": {}, "embed": tensors["model.embed_tokens.weight"],
+            "norm": tensors["model.norm.weight"]}
+    for name, spec in names["blocks"].items():
+        template = getattr(spec, "name", spec)
+        rows = [tensors[template.format(i)] for i in range(layers)]
+        host["blocks"][name] = np.stack([r.T if r.ndim == 2 else r for r in rows])
+    return jax.device_put(host, shardings if shardings is not None else jax.devices()[0])
 
 
 def run_path(path: str, folder: str, layers: int) -> dict:
@@ -172,26 +214,16 @@ def run_path(path: str, folder: str, layers: int) -> dict:
             from stackwise._checkpoint import load
 
             load._THREADS = 1
-        target, names, shardings = _model(layers, transpose=path != "stream_torch_layout")
-        jax.block_until_ready(jax.device_put(np.zeros(8), shardings["norm"]))  # devices up
+        layout = path.split("/")[1] if "/" in path else "fsdp"
+        target, names, shardings = _model(layers, transpose=path != "stream_torch_layout",
+                                          layout=layout)
+        jax.block_until_ready(jax.device_put(np.zeros(8), jax.devices()[-1]))  # devices up
         baseline = _peak_rss()
         start, cpu = time.perf_counter(), _cpu_seconds()  # the load alone, not jax's start-up
         if path.startswith("stream"):
             params = stackwise.load_checkpoint(folder, target, names, shardings=shardings)
         else:
-            from safetensors import safe_open
-
-            index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
-            handles = {f: safe_open(os.path.join(folder, f), "numpy")
-                       for f in set(index["weight_map"].values())}
-            get = lambda n: handles[index["weight_map"][n]].get_tensor(n)  # noqa: E731
-            host = {"blocks": {}, "embed": get("model.embed_tokens.weight"),
-                    "norm": get("model.norm.weight")}
-            for name, spec in names["blocks"].items():
-                template = getattr(spec, "name", spec)
-                rows = [get(template.format(i)) for i in range(layers)]
-                host["blocks"][name] = np.stack([r.T if r.ndim == 2 else r for r in rows])
-            params = jax.device_put(host, shardings)
+            params = _naive(folder, layers, names, shardings)
         jax.block_until_ready(params)
         total = sum(a.nbytes for a in jax.tree.leaves(params))
     seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
@@ -242,16 +274,15 @@ def main() -> None:
     if args.path:
         print(json.dumps(run_path(args.path, args.folder, args.layers)))
         return
-    layers = max(2, round(args.gib * 2**30 / LAYER_BYTES))
+    layers = STAGES * max(1, round(args.gib * 2**30 / LAYER_BYTES / STAGES))
     folder = tempfile.mkdtemp(dir=args.folder)
     try:
         size = write(folder, layers, args.per_file)
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                    JAX_PLATFORMS="cpu")
         runs, seconds = {}, {}
-        for _ in range(args.repeats):  # the paths in turn, so that the machine's load
-            for path in ("sequential", "sequential_chunks", "sequential_device_put",  # drifts
-                         "stream", "stream_one_thread", "stream_torch_layout", "naive"):  # alike
+        for _ in range(args.repeats):  # the paths in turn, so that the machine's load drifts
+            for path in PATHS:  # alike for all
                 time.sleep(args.settle)
                 out = subprocess.run(
                     [sys.executable, __file__, "--path", path, "--folder", folder,
@@ -265,35 +296,48 @@ def main() -> None:
             run["all_seconds"] = seconds[path]
     finally:
         shutil.rmtree(folder)
-    gib = 2**30
-    report = {
-        "checkpoint_gib": size / gib, "layers": layers, "repeats": args.repeats,
-        "layer_mib": LAYER_BYTES / 2**20,
-        "files": -(-layers // args.per_file),
-        "runs": runs,
-        # Host memory the load added to the process (jax's runtime before it excluded).
-        "stream_peak_over_size": runs["stream"]["peak_over_baseline"] / size,
-        "stream_peak_minus_size_in_layers": (runs["stream"]["peak_over_baseline"] - size)
-        / LAYER_BYTES,
-        "naive_peak_over_size": runs["naive"]["peak_over_baseline"] / size,
-        "stream_total_peak_over_size": runs["stream"]["peak_rss"] / size,
-        # Throughput over each baseline's: ratios of wall seconds, and of CPU seconds (the
-        # work each path does, whatever else shares the cores: on a loaded machine, the
-        # wall-time ratios' least disturbed estimate).
-        "throughput": {
-            f"{path}_over_{base}": {
-                "wall": runs[base]["seconds"] / runs[path]["seconds"],
-                "cpu": runs[base]["cpu_seconds"] / runs[path]["cpu_seconds"]}
-            for path in ("stream", "stream_one_thread", "stream_torch_layout", "naive")
-            for base in ("sequential", "sequential_chunks", "sequential_device_put")},
+    print(json.dumps(report(runs, size, layers, args), indent=2))
+
+
+PATHS = ("sequential", "sequential_chunks", "sequential_device_put",
+         *(f"stream/{layout}" for layout in LAYOUTS), "stream_one_thread",
+         "stream_torch_layout", "naive/one_device", "naive/fsdp")
+
+
+def report(runs: dict, size: int, layers: int, args: argparse.Namespace) -> dict:
+    """Each load's ratios: throughput over sequential reading (wall and CPU seconds: the CPU
+    seconds are the work each path does, whatever else shares the cores, on a loaded machine
+    the wall ratios' least disturbed estimate) and host memory added over the checkpoint's
+    size (jax's runtime before the load excluded)."""
+    base = runs["sequential"]
+    loads = {}
+    for path, run in runs.items():
+        if not path.startswith(("stream", "naive")):
+            continue
+        loads[path] = {
+            "seconds": run["seconds"], "cpu_seconds": run["cpu_seconds"],
+            "over_sequential": {"wall": base["seconds"] / run["seconds"],
+                                "cpu": base["cpu_seconds"] / run["cpu_seconds"]},
+            "over_sequential_chunks": runs["sequential_chunks"]["seconds"] / run["seconds"],
+            "over_sequential_device_put":
+                runs["sequential_device_put"]["seconds"] / run["seconds"],
+            "peak_over_size": run["peak_over_baseline"] / size,
+            "peak_minus_size_in_layers": (run["peak_over_baseline"] - size) / LAYER_BYTES,
+        }
+    out = {
+        "checkpoint_gib": size / 2**30, "layers": layers, "repeats": args.repeats,
+        "settle": args.settle, "layer_mib": LAYER_BYTES / 2**20,
+        "files": -(-layers // args.per_file), "loads": loads, "runs": runs,
     }
-    report["targets"] = {
-        "stream peak <= size + 2 layers": report["stream_peak_minus_size_in_layers"] <= 2,
-        "naive peak >= 2 x size": report["naive_peak_over_size"] >= 2,
-        "stream throughput >= 0.8 x sequential":
-        report["throughput"]["stream_over_sequential"]["wall"] >= 0.8,
+    out["targets"] = {
+        **{f"{layout} throughput >= 0.8 x sequential":
+           loads[f"stream/{layout}"]["over_sequential"]["wall"] >= 0.8 for layout in LAYOUTS},
+        **{f"{layout} peak <= size + 2 layers":
+           loads[f"stream/{layout}"]["peak_minus_size_in_layers"] <= 2 for layout in LAYOUTS},
+        "stream/one_device faster than naive/one_device":
+            runs["stream/one_device"]["seconds"] < runs["naive/one_device"]["seconds"],
     }
-    print(json.dumps(report, indent=2))
+    return out
 
 
 if __name__ == "__main__":

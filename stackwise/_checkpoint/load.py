@@ -8,8 +8,11 @@ a final norm, or a checkpoint that is already stacked). Every check runs
 before a byte is read, so nothing is ever partly loaded, and each device's
 shard is built from the slices it needs only, layer by layer, each layer's
 slice copied straight into it (a transposed one through a small staging
-buffer). On CPU devices a leaf's shards are filled together and become the
-device arrays without a copy; on others they go one device at a time. Host
+buffer), in pieces of about 1 MiB that two threads share, whatever the
+layout (one device, FSDP, tensor parallel, the layer axis over stages). On
+CPU devices a leaf's shards are filled together and become the device
+arrays without a copy; on others they go one device at a time. Which
+placements ``shardings`` may give is read in :mod:`.placements`. Host
 memory beyond the final arrays stays about one layer's tensor (CPU) or one
 device's shard of one leaf.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
+import math
 import mmap
 import os
 import threading
@@ -25,7 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jax.sharding import Sharding, SingleDeviceSharding
 
 from stackwise._checkpoint.names import (
     Tensor,
@@ -37,15 +41,18 @@ from stackwise._checkpoint.names import (
     _lookup,
     _name_leaves,
 )
+from stackwise._checkpoint.placements import check_sharding, placements
 from stackwise._checkpoint.read import Checkpoint, open_checkpoint
 from stackwise._core import checks
 
 __all__ = ["load_checkpoint"]
 
 _LOAD = "stackwise.load_checkpoint"
-_THREADS = 2  # threads filling a leaf's shards (see _fill)
+_THREADS = 2  # threads filling a leaf, sharing each layer (see _layer_by_layer)
 _AHEAD = 2  # layers a filling thread may run ahead of the slowest
 _PARALLEL_BYTES = 1 << 20  # a layer's tensor below this is filled by one thread
+_PIECE_BYTES = 1 << 20  # a layer's slice is filled in pieces of about this size (_pieces)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # see _host
 
 
 class _Plan(NamedTuple):
@@ -159,7 +166,7 @@ def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
             f"{who}: leaf {path} is {dtype.name}, but its Tensor casts tensor {first!r} to "
             f"{np.dtype(spec.dtype).name}; pass dtype=jnp.{dtype.name}."
         )
-    _check_sharding(sharding, shape, path, who)
+    check_sharding(sharding, shape, path, who)
     return _Plan(path, spec, shape, dtype, sources, stored, sharding)
 
 
@@ -187,57 +194,18 @@ def _closest(name: str, ckpt: Checkpoint) -> str:
     return f"; the closest name there is {close[0]!r}" if close else ""
 
 
-def _check_sharding(sharding: Any, shape: tuple, path: str, who: str) -> None:
-    if not isinstance(sharding, Sharding):
-        raise TypeError(
-            f"{who}: the sharding for leaf {path} is {type(sharding).__name__}, not a "
-            "jax.sharding.Sharding; build them with stackwise.stacked_shardings or "
-            "NamedSharding(mesh, spec)."
-        )
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec)
-        if len(spec) > len(shape):
-            raise ValueError(
-                f"{who}: leaf {path} has shape {shape} but its sharding's spec "
-                f"{sharding.spec} names {len(spec)} axes. Stacked leaves' specs include the "
-                "layer axis: build them with stackwise.stacked_shardings(mesh, specs)."
-            )
-        for d, entry in enumerate(spec):
-            axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-            size = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-            if shape[d] % size:
-                raise ValueError(
-                    f"{who}: leaf {path} has shape {shape}; axis {d} (length {shape[d]}) "
-                    f"cannot be split over mesh axes {entry!r} of size {size} (spec "
-                    f"{sharding.spec}). Shard another axis (stackwise.fsdp_specs picks one "
-                    "that divides) or leave this one unsharded."
-                )
-
-
-def _shardings_by_path(shardings: Any, target: Any) -> dict[str, Any]:
-    if shardings is None or isinstance(shardings, Sharding):
-        return {}
-    is_leaf = lambda s: s is None or isinstance(s, Sharding)  # noqa: E731
-    return {
-        jax.tree_util.keystr(p): s
-        for p, s in jax.tree_util.tree_leaves_with_path(shardings, is_leaf=is_leaf)
-    }
-
-
 def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
     if pattern is not None:
         pattern = checks.integer(pattern, who, "pattern", minimum=1)
-    by_path = _shardings_by_path(shardings, target)
-    default = shardings if isinstance(shardings, Sharding) else None
+    given = placements(shardings, target, who)
     plans, used, seen = [], set(), {}
-    for keys, leaf in jax.tree_util.tree_leaves_with_path(target):
+    for (keys, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(target), given):
         if not _is_array(leaf):
             plans.append(None)  # functions, static numbers: kept as they are
             continue
         path = jax.tree_util.keystr(keys) or "<root>"
         spec = _lookup(names, [_key(k) for k in keys], path, who)
         used.add("/".join(_key(k) for k in keys if _key(k) != "value"))
-        sharding = by_path.get(jax.tree_util.keystr(keys)) or default
         if sharding is None:
             sharding = getattr(leaf, "sharding", None)
             if not isinstance(sharding, Sharding):
@@ -285,23 +253,17 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
 
 def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarray]:
     """The host arrays of the shards at ``indices``, filled together, layer by layer: each
-    shard's slice of a layer's tensor read straight into its row, then the tensor's pages let
-    go of (mapped once for all the shards)."""
+    shard's slice of a layer's tensor read straight into its row (in pieces, see
+    :func:`_pieces`), then the tensor's pages let go of (mapped once for all the shards)."""
     spec = plan.spec
     perm = tuple(spec.transpose) if spec.transpose is not None else None
-
-    def source(index: tuple) -> tuple:  # the stored tensor's slice that `index` transposes
-        inverse = [slice(None)] * len(perm)
-        for d, a in enumerate(perm):
-            inverse[a] = index[d]
-        return tuple(inverse)
 
     def one(name: str, index: tuple) -> np.ndarray:  # a view or a copy; the caller copies
         if spec.reshape is not None:
             x = ckpt.view(name, ())
             return (x.transpose(perm) if perm else x).reshape(spec.reshape)[index]
         if perm:
-            return ckpt.view(name, source(index)).transpose(perm)
+            return ckpt.view(name, _source(perm, index)).transpose(perm)
         return ckpt.view(name, index)
 
     outs = [_host(tuple(len(range(*s.indices(n))) for s, n in zip(index, plan.shape)),
@@ -321,38 +283,45 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
     # apart for a 1024-wide float32 weight), of which the caches hold only a few; the staging
     # buffer's rows are spaced to spread over them (up to four times NumPy's strided copy).
     staged = perm is not None and len(perm) > 1 and spec.reshape is None
+    # The axis of a row along which it is filled in pieces: the stored tensor's first (whole
+    # stored rows). Only from our safetensors reader, which reads any slice alone (the
+    # readers of .npz files and of a dict of arrays read the whole tensor each time).
+    axis = (perm.index(0) if staged else 0 if direct else None) if ckpt._threads_ok else None
 
-    def fill(j: int, part: range, stages: dict) -> None:  # layer j into the shards in `part`
-        for k in part:
-            if j not in rows[k]:
-                continue
-            row = outs[k][rows[k].index(j)]
+    def fill(j: int, t: int, threads: int, stages: dict) -> None:  # thread t's part of layer j
+        for row, index in _pieces(outs, rows, indices, j, axis, threads)[t::threads]:
             if staged and row.size:
-                shape = tuple(np.array(row.shape)[np.argsort(perm)])
+                shape = tuple(row.shape[a] for a in np.argsort(perm))  # as stored
                 if shape not in stages:
                     stages[shape] = _staging(shape, ckpt.tensors[plan.sources[j]].dtype)
-                ckpt.read_into(plan.sources[j], source(indices[k][1:]), stages[shape])
+                ckpt.read_into(plan.sources[j], _source(perm, index), stages[shape])
                 row[...] = stages[shape].transpose(perm)  # and the cast, if asked
             elif direct:
-                ckpt.read_into(plan.sources[j], indices[k][1:], row)
+                ckpt.read_into(plan.sources[j], index, row)
             else:
-                row[...] = one(plan.sources[j], indices[k][1:])
+                row[...] = one(plan.sources[j], index)
 
-    # The reads of our safetensors reader and NumPy's copies let go of the GIL: the shards
-    # of a leaf with layers of `_PARALLEL_BYTES` or more are filled by up to `_THREADS`
-    # threads at once (a Checkpoint of your own is read from one thread), each thread going
-    # through the layers on its own (a barrier at each layer cost 15% of the load): the last
-    # to be done with a layer lets go of its pages, and none runs more than `_AHEAD` layers
-    # ahead of the slowest, which bounds the pages mapped.
-    layers = sorted(set().union(*rows))
+    _layer_by_layer(ckpt, plan, sorted(set().union(*rows)), fill)
+    return outs
+
+
+def _layer_by_layer(ckpt: Checkpoint, plan: _Plan, layers: list[int], fill: Any) -> None:
+    """Runs ``fill(j, t, threads, stages)`` for every layer j, by each thread t.
+
+    The reads of our safetensors reader and NumPy's copies let go of the GIL: a leaf with
+    layers of ``_PARALLEL_BYTES`` or more is filled by ``_THREADS`` threads at once (a
+    Checkpoint of your own is read from one thread), each taking every other piece of each
+    layer (:func:`_pieces`), whatever the shards, and going through the layers on its own (a
+    barrier at each layer cost 15% of the load): the last to be done with a layer lets go of
+    its pages, and none runs more than ``_AHEAD`` layers ahead of the slowest, which bounds
+    the pages mapped."""
     big = plan.dtype.itemsize * int(np.prod(plan.shape[1:])) >= _PARALLEL_BYTES
-    threads = min(_THREADS, os.cpu_count() or 1, len(outs)) if ckpt._threads_ok and big else 1
-    parts = [range(t, len(outs), threads) for t in range(threads)]
+    threads = min(_THREADS, os.cpu_count() or 1) if ckpt._threads_ok and big else 1
     left = dict.fromkeys(layers, threads)  # how many threads are yet to fill each layer
     done, failed = [0], []  # layers every thread has filled; whether a thread raised
     turn = threading.Condition()
 
-    def run(part: range) -> None:
+    def run(t: int) -> None:
         stages: dict = {}  # this thread's staging buffers, by shape
         try:
             for n, j in enumerate(layers):
@@ -360,7 +329,7 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
                     turn.wait_for(lambda n=n: n < done[0] + _AHEAD or failed)
                 if failed:
                     return  # another thread's error is raised
-                fill(j, part, stages)
+                fill(j, t, threads, stages)
                 with turn:
                     left[j] -= 1
                     if not left[j]:
@@ -374,22 +343,59 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
             raise
 
     if threads == 1:
-        run(parts[0])
+        run(0)
     else:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, parts))
-    return outs
+            list(pool.map(run, range(threads)))
+
+
+def _source(perm: tuple, index: tuple) -> tuple:
+    """The stored tensor's slice that ``index`` (of the leaf's per-layer axes) transposes."""
+    inverse = [slice(None)] * len(perm)
+    for d, a in enumerate(perm):
+        inverse[a] = index[d]
+    return tuple(inverse)
+
+
+def _pieces(outs: list, rows: list, indices: list, j: int, axis: int | None,
+            threads: int) -> list[tuple[np.ndarray, tuple]]:
+    """Layer j's ``(part of a shard's row, its index)`` to fill: each shard's row of layer j,
+    split along the row's ``axis`` (the stored tensor's first: whole stored rows, read in one
+    run) into pieces of about ``_PIECE_BYTES``, or whole where ``axis`` is None. A transposed
+    piece fits the caches, and its staging buffer with it (a whole 11 MiB layer staged, then
+    transposed, cost 1.6x the CPU time of 1 MiB pieces); and every thread gets a share, even
+    where one shard holds the layer (one device, or the layer axis over pipeline stages)."""
+    holders = [k for k, r in enumerate(rows) if j in r]
+    least = threads // math.gcd(len(holders), threads) if holders else 1
+    pieces = []
+    for k in holders:
+        row, index = outs[k][rows[k].index(j)], indices[k][1:]
+        if axis is None or not row.ndim or not row.size:
+            pieces.append((row, index))
+            continue
+        start, count = index[axis].start or 0, row.shape[axis]  # a shard's slices: step 1
+        n = min(count, max(least, -(-row.nbytes // _PIECE_BYTES)))
+        for p in range(n):
+            a, b = count * p // n, count * (p + 1) // n
+            at = (slice(None),) * axis + (slice(a, b),)
+            piece = index[:axis] + (slice(start + a, start + b),) + index[axis + 1:]
+            pieces.append((row[at], piece))
+    return pieces
 
 
 def _host(shape: tuple, dtype: np.dtype) -> np.ndarray:
     """``np.empty(shape, dtype)`` in pages of its own (``mmap``): aligned, so jax's CPU client
-    makes it the device's buffer as it is, without copying it; and in the system's page size
+    makes it the device's buffer as it is, without copying it; in the system's page size
     (NumPy asks for huge pages, which a VM that hands freed memory back to its host backs
-    twice as slowly)."""
+    twice as slowly); and populated at once (``MAP_POPULATE``, where the system has it): one
+    call backs every page, where a fault at each page's first write cost about twice the CPU
+    time (0.55 against 0.28 CPU seconds a GiB on the VM of benchmarks/results; the loads
+    onto one device and FSDP over 8 took 15% less CPU and wall time, alternated in one
+    process)."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if not nbytes:
         return np.empty(shape, dtype)
-    memory = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
     return np.frombuffer(memory, dtype).reshape(shape)
 
 
@@ -478,8 +484,11 @@ def load_checkpoint(
         a :class:`Tensor` per array leaf; ``{}`` marks a per-layer tensor
         and fills a stacked leaf (its leading axis) row by row.
       shardings: None (each leaf's own ``.sharding`` if it has one, else
-        the first device), one ``Sharding`` for all, or a tree of them like
-        the target (``stackwise.stacked_shardings``, ``fsdp_specs``).
+        the first device), one ``Sharding`` for every leaf, or a tree that
+        mirrors the target, of ``Sharding`` s or None (that leaf's default),
+        one for a whole subtree allowed (``stackwise.stacked_shardings``,
+        ``fsdp_specs``). A ``PartitionSpec`` or a ``Mesh`` alone, a leaf the
+        tree misses or a key it has that the target lacks is refused.
       pattern: k for a pattern Stack: the per-layer names then say their
         position (``Tensor(name, position=p)``), whose row j is layer
         ``p + j*k``.
@@ -495,10 +504,12 @@ def load_checkpoint(
       ValueError: a missing layer or tensor, an extra layer, a shape that
         differs, a template that matches nothing or a tensor that would
         fill two leaves, names for leaves the target lacks, a mesh that does
-        not divide a leaf, or a truncated or corrupt file. Every check runs
-        before anything is read.
-      TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, or
-        a bad transform or sharding.
+        not divide a leaf, a ``shardings`` tree that misses a leaf or has
+        a key the target lacks, or a truncated or corrupt file. Every check
+        runs before anything is read.
+      TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, a
+        bad transform, or ``shardings`` that are not Shardings (a
+        ``PartitionSpec`` or a ``Mesh``: ``NamedSharding(mesh, spec)``).
     """
     ckpt = open_checkpoint(source)
     plans = _plans(ckpt, target, names, shardings, pattern, _LOAD)

@@ -314,6 +314,36 @@ def _case_threads():
             "one": outcome.get("one"), "cut": outcome.get("cut")}
 
 
+def _case_layouts_in_pieces():
+    """Each layer filled in pieces of 64 bytes by two threads (what large layers get), into
+    FSDP over 8, tensor parallel over the leaves' last axis, and the layer axis over 4
+    stages (one shard holds each layer, split for both threads): bitwise the unsharded load."""
+    from stackwise._checkpoint import load
+
+    jax, jnp, NamedSharding, P, stackwise, folder, arrays, target, names = _setup()
+    want = stackwise.load_checkpoint(folder, target, names)
+    fsdp = jax.make_mesh((8,), ("data",))
+    grid = jax.make_mesh((4, 2), ("stage", "model"))
+    layouts = {
+        "fsdp": stackwise.stacked_shardings(fsdp, stackwise.fsdp_specs(target, fsdp, "data")),
+        "tensor_parallel": jax.tree.map(
+            lambda a: NamedSharding(grid, P(*[None] * (a.ndim - 1), "model")), target),
+        "stages": {"blocks": NamedSharding(grid, P("stage")), "embed": None},
+    }
+    saved = load._PIECE_BYTES, load._PARALLEL_BYTES, load._THREADS
+    load._PIECE_BYTES, load._PARALLEL_BYTES, load._THREADS = 64, 0, 2
+    try:
+        out = {}
+        for name, shardings in layouts.items():
+            got = stackwise.load_checkpoint(folder, target, names, shardings=shardings)
+            out[name] = all(bool((np.asarray(a) == np.asarray(b)).all())
+                            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            out[name + "_specs"] = str(got["blocks"]["up"].sharding.spec)
+    finally:
+        load._PIECE_BYTES, load._PARALLEL_BYTES, load._THREADS = saved
+    return out
+
+
 _CASES = {
     "fsdp": _case_fsdp,
     "fsdp_one_shard_at_a_time": _case_fsdp_one_shard_at_a_time,
@@ -322,6 +352,7 @@ _CASES = {
     "orbax": _case_orbax_loop_layout_and_manager,
     "save_sharded": _case_save_sharded,
     "threads": _case_threads,
+    "layouts_in_pieces": _case_layouts_in_pieces,
 }
 
 
@@ -384,6 +415,13 @@ def test_two_threads_fill_layer_by_layer_and_an_error_in_one_returns(multi_devic
     assert r["returned"] == [True, True]  # not left waiting for a layer that never came
     assert r["one"] == "injected read error"
     assert re.search(r"model.safetensors ends inside tensor 'l\.\d+\.w'", r["cut"])
+
+
+def test_layouts_filled_in_pieces_equal_the_unsharded_load(multi_device):
+    r = result(multi_device, "layouts_in_pieces")
+    assert r["fsdp"] and r["tensor_parallel"] and r["stages"]
+    assert r["stages_specs"] == "P('stage',)"
+    assert r["tensor_parallel_specs"] == "P(None, None, 'model')"
 
 
 if __name__ == "__main__":
