@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "CALL_PRIMITIVES",
     "MIRRORS",
+    "SLICE_PRIMITIVES",
     "TIES",
     "UpstreamChanged",
     "check",
@@ -76,7 +78,7 @@ def _expect(tie: str, ok: bool, detail: str) -> None:
 #: ``jax.jit`` binds "jit", older releases "pjit"; ``closed_call``, ``core_call``). If one
 #: is renamed, its body is bound whole: an update inside it is not found, and that state
 #: leaf leaves the layer whole (slower, the same result).
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
 
 
 def eval_jaxpr(
@@ -88,7 +90,7 @@ def eval_jaxpr(
 ) -> list:
     """Evaluates ``jaxpr`` on ``args`` as :func:`jax.core.eval_jaxpr` does, equation by equation.
 
-    A call equation (:data:`_CALLS`) whose inputs ``inline`` accepts has its body evaluated
+    A call equation (:data:`CALL_PRIMITIVES`) whose inputs ``inline`` accepts has its body evaluated
     here, recursively; every other equation is bound, then ``observe(primitive name, inputs,
     outputs)`` sees it.
 
@@ -125,7 +127,7 @@ def eval_jaxpr(
 
 def _call_body(eqn: Any) -> tuple | None:
     """A call equation's body as ``(jaxpr, consts)``; ``None`` for any other equation."""
-    if eqn.primitive.name not in _CALLS:
+    if eqn.primitive.name not in CALL_PRIMITIVES:
         return None
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if hasattr(inner, "consts"):
@@ -211,18 +213,18 @@ def unless_all_gathered(keep: Callable, name: str) -> Callable[..., bool]:
 #: The primitives that take a part of an array (jax 0.10.2): ``lax.dynamic_slice_in_dim``
 #: and ``lax.dynamic_index_in_dim`` bind ``dynamic_slice`` (then ``squeeze``), ``v[i]`` and
 #: ``v[a:b]`` bind ``slice`` (then ``squeeze``), each with the sliced array as operand 0.
-_SLICES = ("dynamic_slice", "slice", "squeeze")
+SLICE_PRIMITIVES = ("dynamic_slice", "slice", "squeeze")
 
 
 def unless_sliced(keep: Callable, shapes: set) -> Callable[..., bool]:
     """``keep``, except that a slice of an operand of one of ``shapes`` is never saved.
 
-    Relies on the slices of :data:`_SLICES` (jax 0.10.2). If a slice binds another
+    Relies on the slices of :data:`SLICE_PRIMITIVES` (jax 0.10.2). If a slice binds another
     primitive, a chunk of the params would be saved at every tick; the probe then makes
     this a policy that saves nothing.
     """
     return _refusing(
-        keep, (SLICES,), lambda p, a, k: p.name in _SLICES and tuple(a[0].shape) in shapes
+        keep, (SLICES,), lambda p, a, k: p.name in SLICE_PRIMITIVES and tuple(a[0].shape) in shapes
     )
 
 
@@ -245,6 +247,9 @@ def _asked(fn: Callable, *args: Any, around: Callable = lambda f: f) -> list:
 
     jax.make_jaxpr(jax.grad(loss))(*args)
     return asked
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _mesh() -> Any:
@@ -292,8 +297,8 @@ def _probe_slices() -> None:
         on_stack = {n for n, shapes, _ in asked if shapes[:1] == ((4, 3),)}
         _expect(
             SLICES,
-            bool(on_stack) and on_stack <= set(_SLICES),
-            f"{what} of a (4, 3) stack binds {sorted(on_stack)}, not only {list(_SLICES)}",
+            bool(on_stack) and on_stack <= set(SLICE_PRIMITIVES),
+            f"{what} of a (4, 3) stack binds {sorted(on_stack)}, not only {list(SLICE_PRIMITIVES)}",
         )
 
 
@@ -401,9 +406,10 @@ TIES: dict[str, Callable[[], None]] = {
 
 def check(tie: str) -> None:
     """Runs ``tie``'s probe; raises :class:`UpstreamChanged` naming the tie if it fails."""
-    # The probes only trace, on shapes (the first use is often inside a trace), with the
-    # calls staged as calls even under `jax.disable_jit`.
-    with jax.disable_jit(False):
+    # The probes only trace, on shapes (the first use is often inside a trace), on their
+    # own mesh (the first use is often under the user's), with the calls staged as calls
+    # even under `jax.disable_jit`.
+    with jax.disable_jit(False), jax.sharding.use_abstract_mesh(_NO_MESH):
         try:
             TIES[tie]()
         except UpstreamChanged:
