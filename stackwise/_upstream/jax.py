@@ -90,9 +90,9 @@ def eval_jaxpr(
 ) -> list:
     """Evaluates ``jaxpr`` on ``args`` as :func:`jax.core.eval_jaxpr` does, equation by equation.
 
-    A call equation (:data:`CALL_PRIMITIVES`) whose inputs ``inline`` accepts has its body evaluated
-    here, recursively; every other equation is bound, then ``observe(primitive name, inputs,
-    outputs)`` sees it.
+    A call equation (:data:`CALL_PRIMITIVES`) whose inputs ``inline`` accepts has its body
+    evaluated here, recursively; every other equation is bound, then ``observe(primitive
+    name, inputs, outputs)`` sees it.
 
     Mirrors jax 0.10.2's ``jax._src.core.eval_jaxpr``: ``Literal.val``, ``DropVar`` outputs,
     ``eqn.ctx.manager`` around ``primitive.bind(*ins, **primitive.get_bind_params(params))``,
@@ -247,9 +247,6 @@ def _asked(fn: Callable, *args: Any, around: Callable = lambda f: f) -> list:
 
     jax.make_jaxpr(jax.grad(loss))(*args)
     return asked
-
-
-_NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def _mesh() -> Any:
@@ -409,7 +406,8 @@ def check(tie: str) -> None:
     # The probes only trace, on shapes (the first use is often inside a trace), on their
     # own mesh (the first use is often under the user's), with the calls staged as calls
     # even under `jax.disable_jit`.
-    with jax.disable_jit(False), jax.sharding.use_abstract_mesh(_NO_MESH):
+    no_mesh = jax.sharding.AbstractMesh((), ())
+    with jax.disable_jit(False), jax.sharding.use_abstract_mesh(no_mesh):
         try:
             TIES[tie]()
         except UpstreamChanged:
