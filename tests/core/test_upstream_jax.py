@@ -62,6 +62,11 @@ def test_a_tie_that_no_longer_holds_is_named_and_warned_once(monkeypatch, probed
     assert not jax_ties.holds(jax_ties.RESHARD)  # probed once (a second warning would raise)
     keep = jax_ties.unless_resharded(everything, "x")
     assert not keep(jax.lax.sin_p, jax.core.ShapedArray((2,), jnp.float32))
+    # A probe that finds the tie changed says how, unwrapped.
+    found = lambda: jax_ties._expect(jax_ties.NAME, False, "`name` took no `name` param")  # noqa: E731
+    monkeypatch.setitem(jax_ties.TIES, jax_ties.NAME, found)
+    with pytest.raises(jax_ties.UpstreamChanged, match=r"no longer holds: `name` took no `name`"):
+        jax_ties.check(jax_ties.NAME)
 
 
 def test_the_probes_hold_inside_a_trace_under_a_mesh_and_without_jit():
@@ -280,11 +285,11 @@ def test_unless_all_gathered_saves_all_but_the_gather_and_nothing_if_broken(monk
     lines = saved_on_device()
     assert any("output of cos" in line for line in lines), lines
     assert not any("all_gather" in line or "output of name" in line for line in lines), lines
-    grad = jax.grad(on_device(checkpointed()))(v)
+    grad = jax.jit(jax.grad(on_device(checkpointed())))(v)
     broken(monkeypatch, jax_ties.ALL_GATHER)
     assert saved_on_device() == ["f32[3] from the argument v"]  # nothing computed is saved
-    assert_trees_close(jax.grad(on_device(checkpointed()))(v), grad)
-    assert_trees_close(grad, jax.grad(on_device(gathered))(v))
+    assert_trees_close(jax.jit(jax.grad(on_device(checkpointed())))(v), grad)
+    assert_trees_close(grad, jax.jit(jax.grad(on_device(gathered)))(v))
 
 
 def fsdp_layer(p, x):
