@@ -1,6 +1,7 @@
 """The core: one layer stacked ``n`` times and run as one scan (jax and numpy only).
 
-Lowest layer of the package; it imports nothing else of stackwise.
+Lowest layer of the package but :mod:`stackwise._upstream` (the ties to JAX internals,
+which :mod:`.inplace` and the remat policies call); it imports nothing else of stackwise.
 
 - :mod:`.stack`: :func:`stackwise.stack` and :class:`Stacked` (scan, remat, state, unroll).
 - :mod:`.options`: the stack's options, validated once (also by the pipeline and adapters).

@@ -20,12 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Update", "apply_updates", "call"]
+from stackwise._upstream import jax as jax_ties
 
-# Call-like primitives whose body is evaluated inline when state flows into
-# them, so that an update written inside `jax.jit`-wrapped helpers (e.g.
-# `lax.dynamic_update_index_in_dim`) is found.
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
+__all__ = ["Update", "apply_updates", "call"]
 
 
 class Update(NamedTuple):
@@ -42,40 +39,34 @@ class Update(NamedTuple):
 
 
 def _evaluate(jaxpr: Any, consts: list, args: list, origin: dict) -> list:
-    """Binds the jaxpr's equations on ``args``, tracking updated state leaves.
+    """Evaluates the jaxpr on ``args``, tracking updated state leaves.
+
+    :func:`stackwise._upstream.jax.eval_jaxpr` evaluates a call inline when state flows
+    into it, so that an update written inside `jax.jit`-wrapped helpers (e.g.
+    ``lax.dynamic_update_index_in_dim``) is found.
 
     ``origin`` maps ``id(value)`` to ``(value, source_leaf, writes)`` for values
     that are a state leaf with ``writes`` (a tuple of ``(update, starts)``)
     applied; the value is kept in the entry so its id stays unique.
     """
-    from jax.extend.core import DropVar, Literal  # (here: jax.extend loads Pallas, ~0.3 s)
 
-    env: dict = {}
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name in _CALLS and any(id(a) in origin for a in ins):
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if hasattr(inner, "consts"):
-                outs = _evaluate(inner.jaxpr, inner.consts, ins, origin)
-            else:
-                outs = _evaluate(inner, [], ins, origin)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            if name == "dynamic_update_slice" and id(ins[0]) in origin:
-                _, source, writes = origin[id(ins[0])]
-                starts = jnp.stack([jnp.asarray(i, jnp.int32) for i in ins[2:]])
-                origin[id(outs[0])] = (outs[0], source, (*writes, (ins[1], starts)))
-        for v, out in zip(eqn.outvars, outs):
-            if not isinstance(v, DropVar):
-                env[v] = out
-    return [read(v) for v in jaxpr.outvars]
+    def tracked(ins: list) -> bool:
+        return any(id(a) in origin for a in ins)
+
+    def observe(name: str, ins: list, outs: list) -> None:
+        parts = jax_ties.update_slice_parts(name, ins)
+        if parts is not None and id(parts.operand) in origin:
+            _, source, writes = origin[id(parts.operand)]
+            starts = jnp.stack([jnp.asarray(i, jnp.int32) for i in parts.starts])
+            origin[id(outs[0])] = (outs[0], source, (*writes, (parts.update, starts)))
+
+    return jax_ties.eval_jaxpr(jaxpr, consts, args, tracked, observe)
+
+
+def _ties_hold() -> bool:
+    """Whether the evaluation loop and ``dynamic_update_slice``'s operands are as
+    :mod:`stackwise._upstream.jax` expects (probed once)."""
+    return jax_ties.holds(jax_ties.EVAL_LOOP) and jax_ties.holds(jax_ties.UPDATE_SLICE)
 
 
 def call(fn: Callable[..., Any], args: tuple, state: Any) -> tuple[Any, Any, list, list]:
@@ -86,6 +77,10 @@ def call(fn: Callable[..., Any], args: tuple, state: Any) -> tuple[Any, Any, lis
     (static); ``per_layer`` the arrays that leave the layer: each "new" leaf
     whole, and for each "write" leaf its ``(update, starts)`` pairs.
     """
+    if not _ties_hold():  # every leaf leaves the layer whole: slower, the same values
+        out, new_state = fn(*args, state)
+        leaves = jax.tree.leaves(new_state)
+        return out, jax.tree.structure(new_state), [Update("new")] * len(leaves), leaves
     state_leaves = jax.tree.leaves(state)
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args, state)
     flat_args = jax.tree.leaves((args, state))

@@ -22,6 +22,7 @@ from stackwise._core.markers import layer_index as layer_index
 from stackwise._core.markers import per_layer as per_layer
 from stackwise._core.markers import per_layer_keys as per_layer_keys
 from stackwise._core.options import Options, check_bool, check_layers, check_options
+from stackwise._upstream import jax as jax_ties
 
 __all__ = [
     "CARRY_NAME",
@@ -584,11 +585,7 @@ def _never_gathered(policy: Callable | None) -> Callable:
     ``reshard`` outputs makes the backward pass gather again from the slice
     (an input of the checkpoint, kept anyway). A ``reshard`` the layer itself
     applies to an activation is then redone in the backward pass as well.
+    (Matched by primitive name: :func:`stackwise._upstream.jax.unless_resharded`.)
     """
-
-    def save(prim, *args, **params):
-        if prim.name == "reshard" or (prim.name == "name" and params["name"] == _GATHERED_NAME):
-            return False
-        return policy(prim, *args, **params) if policy is not None else False
-
-    return save
+    keep = policy if policy is not None else jax.checkpoint_policies.nothing_saveable
+    return jax_ties.unless_resharded(keep, _GATHERED_NAME)

@@ -18,6 +18,7 @@ from stackwise._core import trees
 from stackwise._core.checks import check_depth
 from stackwise._core.options import Options
 from stackwise._core.stack import CARRY_NAME
+from stackwise._upstream import jax as jax_ties
 
 _WHO = "stackwise.pipeline"
 
@@ -367,19 +368,11 @@ def _kept(options: Options) -> Callable[..., bool]:
     return jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
 
 
-# The primitives that take a part of an array: a row of a block, a chunk of a stack.
-_SLICES = ("dynamic_slice", "slice", "squeeze")
-
-
 def _unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool]:
-    """``keep``, except that a slice of an operand of one of ``shapes`` is never saved."""
-
-    def save(prim, *avals, **params):
-        if prim.name in _SLICES and tuple(avals[0].shape) in shapes:
-            return False
-        return keep(prim, *avals, **params)
-
-    return save
+    """``keep``, except that a slice of an operand of one of ``shapes`` is never saved
+    (a row of a block, a chunk of a stack; matched by primitive name:
+    :func:`stackwise._upstream.jax.unless_sliced`)."""
+    return jax_ties.unless_sliced(keep, shapes)
 
 
 def _entering(plan, mbs, s, h, parked, t):

@@ -45,6 +45,7 @@ from stackwise._core.options import Options
 from stackwise._core.stack import Stacked
 from stackwise._pipeline.program import _WHO, _kept, _sliced_shapes, _unless_sliced
 from stackwise._sharding.fsdp import fsdp_specs
+from stackwise._upstream import jax as jax_ties
 
 GATHERS = ("step", "tick")
 
@@ -252,14 +253,9 @@ def _never_gathered(options: Options, shapes: set = frozenset()) -> Callable[...
 
 
 def _unless_gathered(keep: Callable[..., bool]) -> Callable[..., bool]:
-    """``keep``, except that an all-gather's output (the gathered params) is never saved."""
-
-    def save(prim, *avals, **params):
-        if prim.name == "all_gather" or (prim.name == "name" and params["name"] == _GATHERED_NAME):
-            return False
-        return keep(prim, *avals, **params)
-
-    return save
+    """``keep``, except that an all-gather's output (the gathered params) is never saved
+    (matched by primitive name: :func:`stackwise._upstream.jax.unless_all_gathered`)."""
+    return jax_ties.unless_all_gathered(keep, _GATHERED_NAME)
 
 
 # --------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def test_import_stackwise_imports_no_framework_then_each_submodule_on_first_use(
         "import json, sys, stackwise\n"
         f"heavy = {HEAVY!r}\n"
         "def loaded(): return sorted({m.split('.')[0] for m in sys.modules} & set(heavy))\n"
-        "out = {'after import': loaded()}\n"
+        "out = {'after import': loaded(), 'jax.extend': 'jax.extend' in sys.modules}\n"
         f"for name in {list(LAZY)!r}:\n"
         "    module = getattr(stackwise, name)\n"
         "    public = any(hasattr(module, a) for a in ('Stack', 'main', 'layerwise'))\n"
@@ -44,6 +44,8 @@ def test_import_stackwise_imports_no_framework_then_each_submodule_on_first_use(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     out = json.loads(out.stdout)
     assert out.pop("after import") == [], "import stackwise imported a framework"
+    # jax.extend (which loads Pallas) too: stackwise/_upstream/jax.py imports it on first use.
+    assert out.pop("jax.extend") is False, "import stackwise imported jax.extend"
     assert list(out) == list(LAZY)
     for name, (module, registered, public, loaded) in out.items():
         assert (module, registered, public) == (f"stackwise.{name}", True, True), name

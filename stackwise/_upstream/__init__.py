@@ -1,0 +1,13 @@
+"""Every tie to a library's internals, one module per library, dated and guarded.
+
+Lowest layer of the package, below :mod:`stackwise._core`; it imports nothing of stackwise.
+
+- :mod:`.jax`: what stackwise relies on in JAX beyond its public API: the jaxpr evaluation
+  loop that finds a layer's in-place state updates, and the primitive names the remat
+  policies match (``reshard``, ``all_gather``, ``name``, the slices).
+
+Each tie is a function that names the version it mirrors, what it relies on and what breaks
+if upstream changes. Each has a probe that the fast tier runs (``tests/core/test_upstream_*``)
+and that the code runs once, on first use: when a tie no longer holds, a warning names it and
+the code takes an exact path instead (slower, or saving less, never a different result).
+"""

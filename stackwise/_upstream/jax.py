@@ -1,0 +1,427 @@
+"""stackwise's ties to JAX internals, each read from jax 0.10.2 and guarded.
+
+stackwise relies on JAX beyond its public API in two places:
+
+- :func:`eval_jaxpr` copies JAX's jaxpr evaluation loop, so that a stacked layer's state
+  updates written with ``lax.dynamic_update_slice`` are found (:mod:`stackwise._core.inplace`;
+  every Haiku and linen ``Stack`` runs through it). :func:`update_slice_parts` reads such an
+  update's operands.
+- :func:`unless_resharded`, :func:`unless_all_gathered` and :func:`unless_sliced` build remat
+  policies that match primitives by name: the gathered params (``reshard``, ``all_gather``,
+  the ``name`` of :func:`jax.ad_checkpoint.checkpoint_name`) and the slices a pipeline stage
+  takes of its stacks (``dynamic_slice``, ``slice``, ``squeeze``) are never saved.
+
+Each tie has a probe (:data:`TIES`). :func:`check` runs one and raises
+:class:`UpstreamChanged` naming the tie (the fast tier does, in
+``tests/core/test_upstream_jax.py``); :func:`holds` runs it once, at first use, and when it
+fails warns and makes the code take an exact path: the layer's state returned whole
+(slower), or a policy that saves nothing (more recomputation). Never a different result.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "CALL_PRIMITIVES",
+    "MIRRORS",
+    "SLICE_PRIMITIVES",
+    "TIES",
+    "UpstreamChanged",
+    "check",
+    "eval_jaxpr",
+    "holds",
+    "unless_all_gathered",
+    "unless_resharded",
+    "unless_sliced",
+    "update_slice_parts",
+]
+
+#: The jax release every tie below was read from and checked against.
+MIRRORS = "0.10.2"
+
+EVAL_LOOP = "the jaxpr evaluation loop"
+UPDATE_SLICE = "dynamic_update_slice's operands"
+RESHARD = "jax.reshard's primitive"
+ALL_GATHER = "lax.all_gather's primitive"
+NAME = "checkpoint_name's primitive"
+SLICES = "the slicing primitives"
+
+
+class UpstreamChanged(RuntimeError):
+    """A tie to JAX internals no longer holds (raised by :func:`check`)."""
+
+    def __init__(self, tie: str, detail: str):
+        super().__init__(
+            f"JAX changed under stackwise: the tie to {tie} (stackwise/_upstream/jax.py, "
+            f"written against jax {MIRRORS}; jax {jax.__version__} is installed) no longer "
+            f"holds: {detail}. stackwise takes its exact slower path instead; update the tie."
+        )
+        self.tie = tie
+
+
+def _expect(tie: str, ok: bool, detail: str) -> None:
+    if not ok:
+        raise UpstreamChanged(tie, detail)
+
+
+# --------------------------------------------------------------------------
+# The evaluation loop (jax 0.10.2: jax/_src/core.py, eval_jaxpr).
+
+#: Call-like primitives whose body :func:`eval_jaxpr` may evaluate inline (jax 0.10.2:
+#: ``jax.jit`` binds "jit", older releases "pjit"; ``closed_call``, ``core_call``). If one
+#: is renamed, its body is bound whole: an update inside it is not found, and that state
+#: leaf leaves the layer whole (slower, the same result).
+CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
+
+
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: list,
+    args: list,
+    inline: Callable[[list], bool],
+    observe: Callable[[str, list, list], None],
+) -> list:
+    """Evaluates ``jaxpr`` on ``args`` as :func:`jax.core.eval_jaxpr` does, equation by equation.
+
+    A call equation (:data:`CALL_PRIMITIVES`) whose inputs ``inline`` accepts has its body
+    evaluated here, recursively; every other equation is bound, then ``observe(primitive
+    name, inputs, outputs)`` sees it.
+
+    Mirrors jax 0.10.2's ``jax._src.core.eval_jaxpr``: ``Literal.val``, ``DropVar`` outputs,
+    ``eqn.ctx.manager`` around ``primitive.bind(*ins, **primitive.get_bind_params(params))``,
+    ``multiple_results``; a call's body is its ``jaxpr`` (a ClosedJaxpr) or ``call_jaxpr``
+    (a Jaxpr) param. It leaves out what changes no value: source-info propagation (the
+    layer's op names in the HLO) and dropping dead values early. If upstream's loop gains a
+    step, this copy could compute something else: the probe compares the two on jaxprs with
+    nested calls, literals and multiple results.
+    """
+    from jax.extend.core import DropVar, Literal  # (here: jax.extend loads Pallas, ~0.3 s)
+
+    env: dict = {}
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        body = _call_body(eqn)
+        if body is not None and inline(ins):
+            outs = eval_jaxpr(body[0], body[1], ins, inline, observe)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            observe(eqn.primitive.name, ins, outs)
+        for v, out in zip(eqn.outvars, outs):
+            if not isinstance(v, DropVar):
+                env[v] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _call_body(eqn: Any) -> tuple | None:
+    """A call equation's body as ``(jaxpr, consts)``; ``None`` for any other equation."""
+    if eqn.primitive.name not in CALL_PRIMITIVES:
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if hasattr(inner, "consts"):
+        return inner.jaxpr, inner.consts
+    return inner, []
+
+
+class UpdateSlice(NamedTuple):
+    """A ``dynamic_update_slice``'s operands: ``operand`` with ``update`` written at ``starts``."""
+
+    operand: Any
+    update: Any
+    starts: list
+
+
+def update_slice_parts(name: str, ins: list) -> UpdateSlice | None:
+    """A bound equation's operands if it is a ``dynamic_update_slice``, else ``None``.
+
+    Mirrors jax 0.10.2's ``dynamic_update_slice_p``: operands ``(operand, update,
+    *start_indices)``, one scalar start per dimension. A renamed primitive finds no
+    update (the leaf leaves the layer whole: slower); reordered operands would record a
+    wrong update, which the probe catches.
+    """
+    if name != "dynamic_update_slice":
+        return None
+    return UpdateSlice(ins[0], ins[1], list(ins[2:]))
+
+
+# --------------------------------------------------------------------------
+# Remat policies that match primitives by name (jax 0.10.2: jax/_src/ad_checkpoint.py calls
+# a policy as `policy(prim, *in_avals, **params)` for each equation it may save).
+
+
+def _nothing(*_, **__) -> bool:
+    return False
+
+
+def _refusing(keep: Callable, ties: tuple, refuse: Callable) -> Callable[..., bool]:
+    """``keep``, except what ``refuse(prim, avals, params)`` says; if a tie is broken,
+    a policy that saves nothing (the backward pass recomputes all: exact, slower)."""
+    if not all(holds(t) for t in ties):
+        return _nothing
+
+    def save(prim, *avals, **params):
+        if refuse(prim, avals, params):
+            return False
+        return keep(prim, *avals, **params)
+
+    return save
+
+
+def _named(prim: Any, params: dict, name: str) -> bool:
+    # jax 0.10.2: checkpoint_name(x, name) binds `name_p` ("name") with param `name`. If it
+    # changes, a value tagged gathered could be saved (memory, not values).
+    return prim.name == "name" and params.get("name") == name
+
+
+def unless_resharded(keep: Callable, name: str) -> Callable[..., bool]:
+    """``keep``, except that a ``reshard``'s output and a value named ``name`` are never saved.
+
+    Relies on :func:`jax.reshard` binding a primitive named ``"reshard"`` (jax 0.10.2). If
+    it is renamed, the stack's gathered params would be saved for the backward pass (the
+    memory FSDP is there to save); the probe then makes this a policy that saves nothing.
+    """
+    return _refusing(
+        keep, (RESHARD, NAME), lambda p, a, k: p.name == "reshard" or _named(p, k, name)
+    )
+
+
+def unless_all_gathered(keep: Callable, name: str) -> Callable[..., bool]:
+    """``keep``, except that an ``all_gather``'s output and a value named ``name`` are never
+    saved.
+
+    Relies on :func:`jax.lax.all_gather` binding a primitive named ``"all_gather"`` (jax
+    0.10.2). If it is renamed, a pipeline stage's gathered params would be saved; the probe
+    then makes this a policy that saves nothing.
+    """
+    return _refusing(
+        keep, (ALL_GATHER, NAME), lambda p, a, k: p.name == "all_gather" or _named(p, k, name)
+    )
+
+
+#: The primitives that take a part of an array (jax 0.10.2): ``lax.dynamic_slice_in_dim``
+#: and ``lax.dynamic_index_in_dim`` bind ``dynamic_slice`` (then ``squeeze``), ``v[i]`` and
+#: ``v[a:b]`` bind ``slice`` (then ``squeeze``), each with the sliced array as operand 0.
+SLICE_PRIMITIVES = ("dynamic_slice", "slice", "squeeze")
+
+
+def unless_sliced(keep: Callable, shapes: set) -> Callable[..., bool]:
+    """``keep``, except that a slice of an operand of one of ``shapes`` is never saved.
+
+    Relies on the slices of :data:`SLICE_PRIMITIVES` (jax 0.10.2). If a slice binds another
+    primitive, a chunk of the params would be saved at every tick; the probe then makes
+    this a policy that saves nothing.
+    """
+    return _refusing(
+        keep, (SLICES,), lambda p, a, k: p.name in SLICE_PRIMITIVES and tuple(a[0].shape) in shapes
+    )
+
+
+# --------------------------------------------------------------------------
+# The probes: each checks its tie directly, on small jaxprs.
+
+
+def _asked(fn: Callable, *args: Any, around: Callable = lambda f: f) -> list:
+    """``(primitive name, operand shapes, params)`` for each equation a remat policy is
+    asked about when ``jax.grad`` runs through ``around(jax.checkpoint(fn))`` (traced
+    only)."""
+    asked = []
+
+    def record(prim, *avals, **params):
+        asked.append((prim.name, tuple(tuple(a.shape) for a in avals), params))
+        return False
+
+    def loss(*a):
+        return jnp.sum(around(jax.checkpoint(fn, policy=record))(*a))
+
+    jax.make_jaxpr(jax.grad(loss))(*args)
+    return asked
+
+
+def _mesh() -> Any:
+    return jax.sharding.AbstractMesh((1,), ("probe",))
+
+
+def _probe_reshard() -> None:
+    spec = jax.sharding.NamedSharding(_mesh(), jax.sharding.PartitionSpec())
+    asked = _asked(lambda v: jnp.sin(jax.reshard(v, spec)), _shape(2, 3))
+    names = [n for n, _, _ in asked]
+    _expect(RESHARD, "reshard" in names, f"a checkpointed jax.reshard showed {names}")
+
+
+def _probe_all_gather() -> None:
+    P = jax.sharding.PartitionSpec
+
+    def fn(v):
+        return jnp.sin(jax.lax.all_gather(v, "probe", axis=0, tiled=True))
+
+    def around(f):  # the checkpoint inside the device program, as a pipeline's is
+        return jax.shard_map(f, mesh=_mesh(), in_specs=P("probe"), out_specs=P(), check_vma=False)
+
+    names = [n for n, _, _ in _asked(fn, _shape(2, 3), around=around)]
+    _expect(ALL_GATHER, "all_gather" in names, f"a checkpointed lax.all_gather showed {names}")
+
+
+def _probe_name() -> None:
+    from jax.ad_checkpoint import checkpoint_name
+
+    asked = _asked(lambda v: jnp.sin(checkpoint_name(v, "probe")), _shape(2, 3))
+    found = [(n, k) for n, _, k in asked if n == "name"]
+    _expect(NAME, found == [("name", {"name": "probe"})], f"checkpoint_name showed {asked}")
+
+
+def _probe_slices() -> None:
+    takes = {
+        "lax.dynamic_slice_in_dim": lambda v, i: jax.lax.dynamic_slice_in_dim(v, i, 2),
+        "lax.dynamic_index_in_dim": lambda v, i: jax.lax.dynamic_index_in_dim(v, i, 0, False),
+        "v[0]": lambda v, i: v[0],
+        "v[1:3]": lambda v, i: v[1:3],
+    }
+    for what, take in takes.items():
+        fn = lambda v, i, take=take: jnp.sin(take(v, i))  # noqa: E731
+        asked = _asked(fn, _shape(4, 3), _shape(dtype=jnp.int32))
+        on_stack = {n for n, shapes, _ in asked if shapes[:1] == ((4, 3),)}
+        _expect(
+            SLICES,
+            bool(on_stack) and on_stack <= set(SLICE_PRIMITIVES),
+            f"{what} of a (4, 3) stack binds {sorted(on_stack)}, not only {list(SLICE_PRIMITIVES)}",
+        )
+
+
+def _probe_fn(cache: Any, new: Any, i: Any) -> tuple:
+    """A function with the kinds of equation :func:`eval_jaxpr` meets: nested calls (a
+    ``jit`` in a ``jit``, and ``called``, which :func:`_probe_jaxpr` makes a
+    ``closed_call``), literals, a multiple-results primitive."""
+
+    @jax.jit
+    def write(c, u, i):
+        return jax.lax.dynamic_update_index_in_dim(c, u * 2.0, i, 0)  # itself a jit
+
+    @jax.jit
+    def called(c):
+        return jnp.cumsum(c, axis=1) + 1.0
+
+    keys, values = jax.lax.sort((new, new * -1.0), num_keys=1)
+    out = write(cache, keys + values, i)
+    return called(out), jnp.where(i > 0, out, 0.0), keys
+
+
+def _probe_jaxpr(args: tuple) -> Any:
+    """:func:`_probe_fn`'s jaxpr, its call of ``called`` made a ``closed_call`` (what
+    jax 0.10.2 emits where it hoists or drops a custom rule)."""
+    from jax.extend.core import primitives
+
+    closed = jax.make_jaxpr(_probe_fn)(*args)
+    eqns = [
+        e.replace(primitive=primitives.closed_call_p, params={"call_jaxpr": e.params["jaxpr"]})
+        if e.params.get("name") == "called"
+        else e
+        for e in closed.jaxpr.eqns
+    ]
+    return closed.replace(jaxpr=closed.jaxpr.replace(eqns=eqns))
+
+
+def _probe_eval_loop() -> None:
+    """Traced only: binding every equation stages the program ``jax.core.eval_jaxpr``
+    stages; evaluating the calls inline stages the program traced without ``jit``."""
+    args = (_shape(4, 3), _shape(3), _shape(dtype=jnp.int32))
+    closed = _probe_jaxpr(args)
+    calls = {e.primitive.name for e in closed.jaxpr.eqns if _call_body(e) is not None}
+    _expect(EVAL_LOOP, calls == {"closed_call", "jit"}, f"the probe's calls are {calls}")
+
+    def ours(inline):
+        return lambda *a: eval_jaxpr(closed.jaxpr, closed.consts, list(a), inline, _ignore)
+
+    def upstream(*a):
+        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)
+
+    got, want = jax.make_jaxpr(ours(_never))(*args), jax.make_jaxpr(upstream)(*args)
+    _expect(EVAL_LOOP, str(got) == str(want), f"it staged\n{got}\nnot, as jax does,\n{want}")
+    got = jax.make_jaxpr(ours(_always))(*args)
+    with jax.disable_jit():
+        want = jax.make_jaxpr(_probe_fn)(*args)
+    _expect(EVAL_LOOP, str(got) == str(want), f"inline, it staged\n{got}\nnot\n{want}")
+
+
+def _probe_update_slice() -> None:
+    """Traced only: the operands it reads are the update's operand, update and starts."""
+    args = (_shape(4, 5), _shape(2, 3))
+    closed = jax.make_jaxpr(lambda c, u: jax.lax.dynamic_update_slice(c, u, (1, 2)))(*args)
+    found = []
+
+    def run(*a):
+        def observe(name, ins, outs):
+            parts = update_slice_parts(name, ins)
+            if parts is not None:
+                starts = [int(s) for s in parts.starts]  # literals: concrete
+                found.append((parts.operand is a[0], parts.update is a[1], starts))
+
+        return eval_jaxpr(closed.jaxpr, closed.consts, list(a), _always, observe)
+
+    jax.make_jaxpr(run)(*args)
+    want = [(True, True, [1, 2])]  # (the operand?, the update?, the starts)
+    _expect(UPDATE_SLICE, found == want, f"its operands read as {found}, not {want}")
+
+
+def _shape(*shape: int, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _never(_) -> bool:
+    return False
+
+
+def _always(_) -> bool:
+    return True
+
+
+def _ignore(*_) -> None:
+    pass
+
+
+#: Every tie, with its probe.
+TIES: dict[str, Callable[[], None]] = {
+    EVAL_LOOP: _probe_eval_loop,
+    UPDATE_SLICE: _probe_update_slice,
+    RESHARD: _probe_reshard,
+    ALL_GATHER: _probe_all_gather,
+    NAME: _probe_name,
+    SLICES: _probe_slices,
+}
+
+
+def check(tie: str) -> None:
+    """Runs ``tie``'s probe; raises :class:`UpstreamChanged` naming the tie if it fails."""
+    # The probes only trace, on shapes (the first use is often inside a trace), on their
+    # own mesh (the first use is often under the user's), with the calls staged as calls
+    # even under `jax.disable_jit`.
+    no_mesh = jax.sharding.AbstractMesh((), ())
+    with jax.disable_jit(False), jax.sharding.use_abstract_mesh(no_mesh):
+        try:
+            TIES[tie]()
+        except UpstreamChanged:
+            raise
+        except Exception as e:
+            raise UpstreamChanged(tie, f"its probe raised {type(e).__name__}: {e}") from e
+
+
+@functools.cache
+def holds(tie: str) -> bool:
+    """Whether ``tie`` holds with the installed jax (its probe, run once); warns if not."""
+    try:
+        check(tie)
+    except UpstreamChanged as e:
+        warnings.warn(str(e), RuntimeWarning, stacklevel=2)
+        return False
+    return True
