@@ -40,22 +40,60 @@ The measuring machinery on a toy program (run the command for real numbers):
 192
 """
 
-from stackwise.bench.barriers import BarrierBytes as BarrierBytes
-from stackwise.bench.barriers import optimization_barrier_bytes as optimization_barrier_bytes
-from stackwise.bench.cli import main as main
-from stackwise.bench.config import BenchConfig as BenchConfig
-from stackwise.bench.config import Result as Result
-from stackwise.bench.measure import run_benchmark as run_benchmark
-from stackwise.bench.plot import write_plot as write_plot
-from stackwise.bench.programs import instructions_unlike as instructions_unlike
-from stackwise.bench.programs import program_fingerprint as program_fingerprint
-from stackwise.bench.programs import program_instructions as program_instructions
-from stackwise.bench.report import print_report as print_report
-from stackwise.bench.report import read_csv as read_csv
-from stackwise.bench.report import write_csv as write_csv
-from stackwise.bench.report import write_markdown as write_markdown
-from stackwise.bench.stats import paired_interval as paired_interval
-from stackwise.bench.stats import paired_ratio as paired_ratio
+from typing import TYPE_CHECKING
+
+#: Each public name and its module, imported on first use (PEP 562): the command line answers
+#: ``--help`` and refuses a bad flag before JAX is imported.
+_PUBLIC = {
+    "BarrierBytes": "stackwise.bench.barriers",
+    "optimization_barrier_bytes": "stackwise.bench.barriers",
+    "main": "stackwise.bench.cli",
+    "BenchConfig": "stackwise.bench.config",
+    "Result": "stackwise.bench.config",
+    "run_benchmark": "stackwise.bench.measure",
+    "write_plot": "stackwise.bench.plot",
+    "instructions_unlike": "stackwise.bench.programs",
+    "program_fingerprint": "stackwise.bench.programs",
+    "program_instructions": "stackwise.bench.programs",
+    "print_report": "stackwise.bench.report",
+    "read_csv": "stackwise.bench.report",
+    "write_csv": "stackwise.bench.report",
+    "write_markdown": "stackwise.bench.report",
+    "paired_interval": "stackwise.bench.stats",
+    "paired_ratio": "stackwise.bench.stats",
+}
+
+if TYPE_CHECKING:
+    from stackwise.bench.barriers import BarrierBytes as BarrierBytes
+    from stackwise.bench.barriers import optimization_barrier_bytes as optimization_barrier_bytes
+    from stackwise.bench.cli import main as main
+    from stackwise.bench.config import BenchConfig as BenchConfig
+    from stackwise.bench.config import Result as Result
+    from stackwise.bench.measure import run_benchmark as run_benchmark
+    from stackwise.bench.plot import write_plot as write_plot
+    from stackwise.bench.programs import instructions_unlike as instructions_unlike
+    from stackwise.bench.programs import program_fingerprint as program_fingerprint
+    from stackwise.bench.programs import program_instructions as program_instructions
+    from stackwise.bench.report import print_report as print_report
+    from stackwise.bench.report import read_csv as read_csv
+    from stackwise.bench.report import write_csv as write_csv
+    from stackwise.bench.report import write_markdown as write_markdown
+    from stackwise.bench.stats import paired_interval as paired_interval
+    from stackwise.bench.stats import paired_ratio as paired_ratio
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
 
 __all__ = [
     "BarrierBytes",

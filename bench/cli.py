@@ -11,13 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
 from stackwise.bench import workloads
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.measure import FAILED, run_benchmark
-from stackwise.bench.plot import write_plot
-from stackwise.bench.report import machine, print_report, write_csv, write_markdown
 
 __all__ = ["main", "parser"]
 
@@ -153,6 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check(p, args)
     cfg = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
     _check_blocks(p, args, cfg)
+    import jax  # (after the command line is read: --help and its errors need no JAX)
+
+    from stackwise.bench.measure import FAILED, run_benchmark
+    from stackwise.bench.plot import write_plot
+    from stackwise.bench.report import machine, print_report, write_csv, write_markdown
+
     log = functools.partial(print, file=sys.stderr)
     log(f"stackwise-bench: jax {jax.__version__} on {machine()}")
     start = time.perf_counter()

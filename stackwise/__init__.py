@@ -1,30 +1,64 @@
 """stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
 
-from stackwise._checkpoint.inspect import CheckpointLayout as CheckpointLayout
-from stackwise._checkpoint.inspect import inspect_checkpoint as inspect_checkpoint
-from stackwise._checkpoint.load import load_checkpoint as load_checkpoint
-from stackwise._checkpoint.names import Tensor as Tensor
-from stackwise._checkpoint.read import Checkpoint as Checkpoint
-from stackwise._checkpoint.read import open_checkpoint as open_checkpoint
-from stackwise._checkpoint.save import save_orbax as save_orbax
-from stackwise._checkpoint.save import save_safetensors as save_safetensors
-from stackwise._core.layout import slice_layers as slice_layers
-from stackwise._core.layout import stack_layers as stack_layers
-from stackwise._core.layout import unstack_layers as unstack_layers
-from stackwise._core.markers import layer_index as layer_index
-from stackwise._core.markers import per_example as per_example
-from stackwise._core.markers import per_layer as per_layer
-from stackwise._core.markers import per_layer_keys as per_layer_keys
-from stackwise._core.stack import CARRY_NAME as CARRY_NAME
-from stackwise._core.stack import DEFAULT_REMAT as DEFAULT_REMAT
-from stackwise._core.stack import Stacked as Stacked
-from stackwise._core.stack import stack as stack
-from stackwise._pipeline.api import pipeline as pipeline
-from stackwise._sharding.fsdp import fsdp_specs as fsdp_specs
-from stackwise._sharding.fsdp import shard_stacked as shard_stacked
-from stackwise._sharding.logical import logical_specs as logical_specs
-from stackwise._sharding.specs import stacked_shardings as stacked_shardings
-from stackwise._sharding.specs import stacked_spec as stacked_spec
+from typing import TYPE_CHECKING
+
+#: Each public name and the private module it lives in. A name loads its module on first use
+#: (PEP 562), so ``import stackwise`` imports neither JAX nor a framework, and a command line
+#: of ``stackwise.bench`` answers ``--help`` at once; ``stackwise.stack`` then costs JAX's import.
+_PUBLIC = {
+    "CARRY_NAME": "stackwise._core.stack",
+    "Checkpoint": "stackwise._checkpoint.read",
+    "CheckpointLayout": "stackwise._checkpoint.inspect",
+    "DEFAULT_REMAT": "stackwise._core.stack",
+    "fsdp_specs": "stackwise._sharding.fsdp",
+    "inspect_checkpoint": "stackwise._checkpoint.inspect",
+    "layer_index": "stackwise._core.markers",
+    "load_checkpoint": "stackwise._checkpoint.load",
+    "logical_specs": "stackwise._sharding.logical",
+    "open_checkpoint": "stackwise._checkpoint.read",
+    "per_example": "stackwise._core.markers",
+    "per_layer": "stackwise._core.markers",
+    "per_layer_keys": "stackwise._core.markers",
+    "pipeline": "stackwise._pipeline.api",
+    "save_orbax": "stackwise._checkpoint.save",
+    "save_safetensors": "stackwise._checkpoint.save",
+    "shard_stacked": "stackwise._sharding.fsdp",
+    "slice_layers": "stackwise._core.layout",
+    "stack": "stackwise._core.stack",
+    "stack_layers": "stackwise._core.layout",
+    "Stacked": "stackwise._core.stack",
+    "stacked_shardings": "stackwise._sharding.specs",
+    "stacked_spec": "stackwise._sharding.specs",
+    "Tensor": "stackwise._checkpoint.names",
+    "unstack_layers": "stackwise._core.layout",
+}
+
+if TYPE_CHECKING:  # (what type checkers and IDEs read)
+    from stackwise._checkpoint.inspect import CheckpointLayout as CheckpointLayout
+    from stackwise._checkpoint.inspect import inspect_checkpoint as inspect_checkpoint
+    from stackwise._checkpoint.load import load_checkpoint as load_checkpoint
+    from stackwise._checkpoint.names import Tensor as Tensor
+    from stackwise._checkpoint.read import Checkpoint as Checkpoint
+    from stackwise._checkpoint.read import open_checkpoint as open_checkpoint
+    from stackwise._checkpoint.save import save_orbax as save_orbax
+    from stackwise._checkpoint.save import save_safetensors as save_safetensors
+    from stackwise._core.layout import slice_layers as slice_layers
+    from stackwise._core.layout import stack_layers as stack_layers
+    from stackwise._core.layout import unstack_layers as unstack_layers
+    from stackwise._core.markers import layer_index as layer_index
+    from stackwise._core.markers import per_example as per_example
+    from stackwise._core.markers import per_layer as per_layer
+    from stackwise._core.markers import per_layer_keys as per_layer_keys
+    from stackwise._core.stack import CARRY_NAME as CARRY_NAME
+    from stackwise._core.stack import DEFAULT_REMAT as DEFAULT_REMAT
+    from stackwise._core.stack import Stacked as Stacked
+    from stackwise._core.stack import stack as stack
+    from stackwise._pipeline.api import pipeline as pipeline
+    from stackwise._sharding.fsdp import fsdp_specs as fsdp_specs
+    from stackwise._sharding.fsdp import shard_stacked as shard_stacked
+    from stackwise._sharding.logical import logical_specs as logical_specs
+    from stackwise._sharding.specs import stacked_shardings as stacked_shardings
+    from stackwise._sharding.specs import stacked_spec as stacked_spec
 
 #: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
 #: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no
@@ -33,19 +67,24 @@ _LAZY_SUBMODULES = ("haiku", "flax", "nnx", "equinox", "optax", "bench")
 
 
 def __getattr__(name: str):
-    """``stackwise.<submodule>``: imports one of :data:`_LAZY_SUBMODULES` on first use.
+    """A public name (:data:`_PUBLIC`) or ``stackwise.<submodule>`` (one of
+    :data:`_LAZY_SUBMODULES`), imported on first use.
 
     A missing framework raises the submodule's ImportError, which says what to install.
     """
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # (asked once)
+        return value
+    if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")  # (sets the attribute too)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    return sorted({*globals(), *_PUBLIC, *_LAZY_SUBMODULES})
 
 
 class _NotInstalled:

@@ -25,10 +25,22 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from stackwise.bench.config import BenchConfig
-from stackwise.bench.workloads.common import LOOP, REMATS, SCAN, Build, Case, framework_cases
+
+if TYPE_CHECKING:
+    from stackwise.bench.workloads.common import Case
+
+#: ``common``'s names, re-exported on first use (``common`` imports JAX; the command line's
+#: parser reads this registry without it).
+_COMMON = ("LOOP", "REMATS", "SCAN", "Build", "Case", "framework_cases")
+
+
+def __getattr__(name: str):
+    if name in _COMMON:
+        return getattr(importlib.import_module(f"{__name__}.common"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BLOCKS",

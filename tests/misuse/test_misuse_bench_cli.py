@@ -11,7 +11,7 @@ import os
 import pytest
 
 import stackwise.bench
-from stackwise.bench import BenchConfig, Result, cli, run_benchmark
+from stackwise.bench import BenchConfig, Result, cli, measure, run_benchmark
 
 #: (argv, the flag the message must name, a part of the message); "{tmp}" is a fresh folder.
 CASES = [
@@ -102,7 +102,7 @@ def test_a_variant_that_failed_makes_the_exit_status_1_and_the_rest_is_written(
 ):
     measured = Result("mlp", 2, "jax", "stackwise", "off", compile_s=0.1, step_s=0.01)
     note = "mlp/stackwise remat n=2: failed, skipped (RuntimeError: out of memory)"
-    monkeypatch.setattr(cli, "run_benchmark", lambda cfg, **_: ([measured], [note]))
+    monkeypatch.setattr(measure, "run_benchmark", lambda cfg, **_: ([measured], [note]))
     csv = tmp_path / "b.csv"
     code = stackwise.bench.main(["--quick", "--csv", str(csv), "--plot", "", "--no-progress"])
     assert code == 1 and csv.is_file()
