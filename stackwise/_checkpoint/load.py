@@ -30,12 +30,14 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from stackwise._checkpoint.names import (
     Tensor,
     _check_layout,
+    _check_not_key,
     _check_template,
     _is_array,
     _key,
     _layers_of,
     _lookup,
     _name_leaves,
+    _reshaped,
 )
 from stackwise._checkpoint.read import Checkpoint, open_checkpoint
 from stackwise._core import checks
@@ -74,17 +76,19 @@ def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkp
             )
         shape = tuple(shape[a] for a in perm)
     if spec.reshape is not None:
-        if int(np.prod(spec.reshape)) != int(np.prod(shape)):
+        reshaped = _reshaped(spec.reshape, int(np.prod(shape)))
+        if reshaped is None:
             raise ValueError(
                 f"{who}: leaf {path}: tensor {name!r} in {_where(ckpt, name)} has shape "
                 f"{shape} (after the transpose), which cannot be reshaped to {spec.reshape}."
             )
-        shape = tuple(spec.reshape)
+        shape = reshaped
     return shape
 
 
 def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
     _check_template(spec, path, who)
+    _check_not_key(leaf, path, who)
     checks.exact_dtype(leaf, who, f"leaf {path}")
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     _check_layout(spec, shape, k, path, who)
