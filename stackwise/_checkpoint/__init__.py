@@ -7,5 +7,6 @@ Above the core and sharding.
 - :mod:`.load`: :func:`stackwise.load_checkpoint` (each device reads its own shard).
 - :mod:`.save`: ``save_safetensors`` / ``save_orbax``.
 - :mod:`.inspect`: :func:`stackwise.inspect_checkpoint`.
+- :mod:`.staging`: a save claimed, staged and moved into place, all or nothing.
 - :mod:`.hosts`: several JAX processes writing one checkpoint.
 """

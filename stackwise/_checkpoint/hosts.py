@@ -59,6 +59,11 @@ class Writer:
                 raise
             self.failure = e
 
+    def always(self, action: Callable[..., Any], *args: Any) -> None:
+        """``action(*args)`` on process 0, even after a failure (to clean up after it)."""
+        if jax.process_index() == 0:
+            action(*args)
+
     def settle(self) -> None:
         """With several processes, a barrier, after which every process raises if process 0
         failed (process 0 its own error)."""
