@@ -47,7 +47,8 @@ def _templates(names: Sequence[str]) -> dict[str, dict[int, str]]:
     options: dict[str, dict[int, str]] = {}
     for (before, after), numbers in runs.items():
         padded = {len(d) for d in numbers if len(d) > 1 and d.startswith("0")}
-        template = before + ("{:0%dd}" % max(padded) if padded else "{}") + after
+        spec = f"{{:0{max(padded)}d}}" if padded else "{}"
+        template = before + spec + after
         options[template] = {int(d): n for d, n in numbers.items()
                              if template.format(int(d)) == n}  # written as it writes them
     # The layer index is the number run that varies most: widest templates first, each
