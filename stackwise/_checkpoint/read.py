@@ -320,6 +320,7 @@ def _npz(path: str, who: str) -> Checkpoint:
     """An ``.npz`` file: its members' headers now, each member read whole when asked."""
     broken = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
     try:
+        zipfile.ZipFile(path).close()  # (NumPy would leave its file open on a broken zip)
         npz = np.load(path)
         tensors = {}
         for name in npz.files:  # the headers only; NumPy reads a member whole when asked

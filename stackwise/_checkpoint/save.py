@@ -300,7 +300,8 @@ def _held(directory: str) -> list[str]:
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
 
-def _in_the_way(directory: str, overwrite: bool, who: str, held: Any) -> list[str]:
+def _in_the_way(directory: str, overwrite: bool, who: str, held: Any,
+                holds: str = "already holds a checkpoint") -> list[str]:
     """``held(directory)``, what a save would replace there (on process 0; [] on the
     others), once process 0 has found that it may: a file at ``directory``, or anything
     ``held``, is a FileExistsError on every process without ``overwrite``."""
@@ -316,7 +317,7 @@ def _in_the_way(directory: str, overwrite: bool, who: str, held: Any) -> list[st
         shown = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "") if there else (
             "as process 0 sees it")
         raise FileExistsError(
-            f"{who}: {directory} already holds a checkpoint ({shown}); stackwise never "
+            f"{who}: {directory} {holds} ({shown}); stackwise never "
             "overwrites one unless asked: pass overwrite=True, or save to a new directory."
         )
     return there
@@ -458,7 +459,7 @@ def save_orbax(
     try:
         writer.run(stage.take)  # process 0 claims the folder and stages next to it
         writer.settle()  # no process writes before the staging folder is there
-        _in_the_way(directory, overwrite, _ORBAX, _held)
+        _in_the_way(directory, overwrite, _ORBAX, _held, "already exists and is not empty")
         for group in groups:  # on every process: orbax writes each process's shards
             arrays = [_stored(r.spec, r.array[r.row] if r.row is not None else r.array)
                       for r in group]
