@@ -317,21 +317,22 @@ def _key(k: Any) -> str:
 
 
 def _npz(path: str, who: str) -> Checkpoint:
-    """An ``.npz`` file: its members' headers now, each member read whole when asked."""
+    """An ``.npz`` file: its members' headers now, each member read whole when asked (the
+    file opened for each read)."""
     broken = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
     try:
         zipfile.ZipFile(path).close()  # (NumPy would leave its file open on a broken zip)
-        npz = np.load(path)
         tensors = {}
-        for name in npz.files:  # the headers only; NumPy reads a member whole when asked
-            with npz.zip.open(name + ".npy") as member:
-                header = (
-                    np.lib.format.read_array_header_1_0
-                    if np.lib.format.read_magic(member) == (1, 0)
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = header(member)
-            tensors[name] = jax.ShapeDtypeStruct(shape, dtype)
+        with np.load(path) as npz:
+            for name in npz.files:  # the headers only; NumPy reads a member whole when asked
+                with npz.zip.open(name + ".npy") as member:
+                    header = (
+                        np.lib.format.read_array_header_1_0
+                        if np.lib.format.read_magic(member) == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = header(member)
+                tensors[name] = jax.ShapeDtypeStruct(shape, dtype)
     except broken as e:
         raise ValueError(
             f"{who}: {path} is not a readable .npz file (empty, truncated or corrupt?): "
@@ -340,7 +341,8 @@ def _npz(path: str, who: str) -> Checkpoint:
 
     def read(name, index):
         try:
-            return np.asarray(npz[name][index])
+            with np.load(path) as npz:  # opened per read: no file is held open between
+                return np.asarray(npz[name][index])
         except broken as e:
             raise ValueError(
                 f"{who}: tensor {name!r} in {path} cannot be read (truncated or corrupt?): "
