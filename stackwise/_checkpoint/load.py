@@ -330,7 +330,7 @@ def _fill(ckpt: Checkpoint, plan: _Plan, indices: list[tuple]) -> list[np.ndarra
         for k in part:
             if j not in rows[k]:
                 continue
-            row = outs[k][rows[k].index(j)]
+            row = outs[k][rows[k].index(j), ...]  # a view, also of a 0-d row (a scalar)
             if staged and row.size:
                 shape = tuple(np.array(row.shape)[np.argsort(perm)])
                 if shape not in stages:

@@ -267,7 +267,8 @@ def save_safetensors(
                 weight_map[name] = file
                 x = hosts.host_row(a, j, writer, path)  # None but on process 0
                 if x is not None:
-                    arrays[name] = np.ascontiguousarray(_stored(spec, x))
+                    x = _stored(spec, x)  # (np.ascontiguousarray makes a scalar 1-D)
+                    arrays[name] = np.require(x, requirements="C").reshape(x.shape)
                     total += arrays[name].nbytes
             writer.run(_stage, safetensors_numpy.save_file, arrays,
                        os.path.join(stage.new, file), metadata={"format": "pt"})

@@ -361,3 +361,19 @@ def test_a_reshape_with_one_inferred_axis_both_ways(tmp_path):
     stored = stackwise.open_checkpoint(tmp_path).read("l.1.q")
     np.testing.assert_array_equal(stored, np.asarray(params["q"][1]).reshape(e, -1).T)
     assert_trees_bitwise(stackwise.load_checkpoint(tmp_path, params, names), params)
+
+
+def test_per_layer_scalars_round_trip(tmp_path):
+    """Found by the oracle (test_checkpoint_oracle.py): a per-layer scalar (a gate, a
+    scale) was saved with shape (1,) (np.ascontiguousarray makes a 0-d array 1-D), and a
+    per-layer scalar tensor loaded as zeros (its row was a copy, not a view)."""
+    params = {"gate": jnp.array([1.5, -2.0, 3.25]), "scale": jnp.array(0.5)}
+    names = {"gate": "l.{}.gate", "scale": "scale"}
+    stackwise.save_safetensors(params, names, tmp_path)
+    ckpt = stackwise.open_checkpoint(tmp_path)
+    assert {n: s.shape for n, s in ckpt.tensors.items()} == {
+        "l.0.gate": (), "l.1.gate": (), "l.2.gate": (), "scale": ()}
+    assert_trees_bitwise(stackwise.load_checkpoint(tmp_path, params, names), params)
+    arrays = {f"l.{i}.gate": np.float32(i + 0.5) for i in range(3)}
+    got = stackwise.load_checkpoint(arrays, {"gate": params["gate"]}, {"gate": "l.{}.gate"})
+    np.testing.assert_array_equal(got["gate"], [0.5, 1.5, 2.5])
