@@ -153,7 +153,7 @@ def test_save_then_load_is_bitwise_or_a_named_error(case):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_save_then_load_is_bitwise_or_a_named_error_longer(case):
     _check(case)
