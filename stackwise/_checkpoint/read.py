@@ -244,8 +244,6 @@ def _index(path: str, who: str) -> Checkpoint:
             weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
         if not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
-    except FileNotFoundError:
-        raise ValueError(f"{who}: the index {path} does not exist.") from None
     except (ValueError, KeyError, TypeError, AttributeError):  # not UTF-8, not JSON, ...
         raise ValueError(
             f"{who}: {path} is not a safetensors index (a JSON object with a "

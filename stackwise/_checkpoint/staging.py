@@ -56,7 +56,9 @@ def _alive(pid: int) -> bool:
 
 
 def _holder(claim: dict) -> str:
-    return (f"pid {claim.get('pid')} on host {claim.get('host')!r}, "
+    if "pid" not in claim:
+        return "a writer whose claim file cannot be read"
+    return (f"pid {claim['pid']} on host {claim.get('host')!r}, "
             f"{claim.get('who', 'a writer')}, since {claim.get('since')}")
 
 
@@ -135,8 +137,8 @@ class Stage:
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
-            return {"who": "a writer of unreadable claim"}
-        return claim if isinstance(claim, dict) else {"who": "a writer of unreadable claim"}
+            return {}  # a claim that cannot be read: never taken for stale
+        return claim if isinstance(claim, dict) else {}
 
     @staticmethod
     def _stale(claim: dict) -> bool:

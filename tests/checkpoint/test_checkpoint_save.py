@@ -377,3 +377,68 @@ def test_per_layer_scalars_round_trip(tmp_path):
     arrays = {f"l.{i}.gate": np.float32(i + 0.5) for i in range(3)}
     got = stackwise.load_checkpoint(arrays, {"gate": params["gate"]}, {"gate": "l.{}.gate"})
     np.testing.assert_array_equal(got["gate"], [0.5, 1.5, 2.5])
+
+
+# --------------------------------------------------------------------------
+# The claim's corner cases, one by one.
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("content", [b"\xff\xfe not json", b"[1, 2]"])
+def test_an_unreadable_claim_is_never_taken_for_stale(tmp_path, content):
+    (tmp_path / "out.stackwise-lock").write_bytes(content)
+    with pytest.raises(FileExistsError, match="a writer whose claim file cannot be read"):
+        stackwise.save_safetensors(_params(), NAMES, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["out.stackwise-lock"]
+
+
+def test_a_claim_that_keeps_changing_hands_is_given_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging.Stage, "_link", lambda self: False)  # never ours, yet
+    with pytest.raises(FileExistsError, match="other writers keep claiming"):  # never there
+        stackwise.save_safetensors(_params(), NAMES, tmp_path / "out")
+    assert os.listdir(tmp_path) == []
+
+
+def test_taking_over_a_stale_claim_leaves_a_fresh_one_alone(tmp_path, monkeypatch):
+    stage = staging.Stage(str(tmp_path / "out"), "test")
+    stale = {"host": socket.gethostname(), "pid": -1}
+    stage._take_over(stale)  # gone already: nothing to do
+    fresh = {"host": socket.gethostname(), "pid": os.getpid(), "who": "another save"}
+    lock = tmp_path / "out.stackwise-lock"
+    lock.write_text(json.dumps(fresh))  # claimed afresh after `stale` was read
+    stage._take_over(stale)
+    assert json.loads(lock.read_text()) == fresh and os.listdir(tmp_path) == [lock.name]
+    # ... and if a third writer claimed while it was aside, the third keeps the claim.
+    real = staging.Stage._read
+
+    def third_claims(path):
+        got = real(path)
+        if path.endswith(".stale"):
+            lock.write_text(json.dumps({"who": "third"}))
+        return got
+
+    monkeypatch.setattr(staging.Stage, "_read", staticmethod(third_claims))
+    stage._take_over(stale)
+    assert json.loads(lock.read_text()) == {"who": "third"}
+    assert os.listdir(tmp_path) == [lock.name]
+
+
+def test_another_users_process_is_alive(monkeypatch):
+    def denied(pid, signal):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(staging.os, "kill", denied)
+    assert staging._alive(1)
+
+
+def test_a_failed_save_removes_the_folders_it_made(tmp_path, monkeypatch):
+    _fail_at(monkeypatch, save, "_stage", 1)
+    with pytest.raises(OSError, match="injected"):
+        stackwise.save_safetensors(_params(), NAMES, tmp_path / "a" / "b" / "out")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()  # one that another program put a file into meanwhile is kept
+    _fail_at(monkeypatch, save, "_stage", 1,
+             before=lambda *args: (tmp_path / "a" / "theirs").write_text("kept"))
+    with pytest.raises(OSError, match="injected"):
+        stackwise.save_safetensors(_params(), NAMES, tmp_path / "a" / "b" / "out")
+    assert _snapshot(tmp_path) == {"a/": None, "a/theirs": b"kept"}

@@ -47,6 +47,8 @@ def files(tmp_path_factory):
     (root / "other").mkdir()
     (root / "bad.json").write_text("[1, 2]")
     (root / "garbage.json").write_bytes(bytes(range(256)) * 4)
+    (root / "numbers.json").write_text(json.dumps({"weight_map": {"w": 1}}))
+    (root / "list.json").write_text(json.dumps({"weight_map": ["a.safetensors"]}))
     (root / "model.bin").write_bytes(b"a torch pickle, say")
     (root / "empty.npz").write_bytes(b"")
     np.savez(root / "whole.npz", w=np.zeros((3, 4, 2), np.float32))
@@ -177,6 +179,15 @@ CASES = {
     "an index of binary garbage": (
         lambda root: stackwise.open_checkpoint(root / "garbage.json"), ValueError,
         ["garbage.json", "not a safetensors index", "'weight_map'", "download finished"]),
+    "an index whose files are not names": (
+        lambda root: stackwise.open_checkpoint(root / "numbers.json"), ValueError,
+        ["numbers.json", "not a safetensors index", "'weight_map' of tensor names to files"]),
+    "an index whose weight_map is a list": (
+        lambda root: stackwise.open_checkpoint(root / "list.json"), ValueError,
+        ["list.json", "not a safetensors index"]),
+    "a path in a folder that does not exist": (
+        lambda root: stackwise.open_checkpoint(root / "nowhere" / "model.safetensors"),
+        ValueError, ["model.safetensors does not exist", "nor does its folder", "nowhere"]),
     "an empty .npz": (
         _load("empty.npz"), ValueError,
         ["empty.npz", "not a readable .npz", "empty, truncated", "Write it again"]),
