@@ -87,6 +87,11 @@ class Stage:
         while path and not os.path.exists(path):
             missing.append(path)
             path = os.path.dirname(path)
+        if not os.path.isdir(path):
+            raise FileExistsError(
+                f"{self.who}: cannot make the folder {self.directory}: {path} is a file, not "
+                "a folder. Save under a folder."
+            )
         os.makedirs(self.parent, exist_ok=True)
         self.made = missing
         for _ in range(3):  # a stale claim taken over, then ours

@@ -245,6 +245,10 @@ CASES = {
         lambda root: stackwise.save_safetensors({"w": jnp.zeros((3, 4, 2))}, W,
                                                 root / "bad.json"),
         FileExistsError, ["bad.json is a file, not a folder", "overwrite=True"]),
+    "saving under a path that is a file": (
+        lambda root: stackwise.save_safetensors({"w": jnp.zeros((3, 4, 2))}, W,
+                                                root / "bad.json" / "sub" / "out"),
+        FileExistsError, ["cannot make the folder", "bad.json is a file, not a folder"]),
     "saving orbax into a path that is a file": (
         lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4, 2))}, W, root / "bad.json"),
         FileExistsError, ["save_orbax", "bad.json is a file, not a folder", "overwrite=True"]),
