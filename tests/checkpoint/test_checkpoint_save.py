@@ -442,3 +442,15 @@ def test_a_failed_save_removes_the_folders_it_made(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="injected"):
         stackwise.save_safetensors(_params(), NAMES, tmp_path / "a" / "b" / "out")
     assert _snapshot(tmp_path) == {"a/": None, "a/theirs": b"kept"}
+
+
+def test_orbax_zero_padded_names_and_an_inferred_axis_both_ways(tmp_path, partial):
+    params = {"w": jnp.arange(24.0).reshape(3, 2, 4), "s": jnp.arange(3.0)}
+    names = {"w": Tensor("layers_{:02d}.w", transpose=(1, 0), reshape=(2, -1),
+                         stored_shape=(4, 2)), "s": "layers_{:02d}.s"}
+    path = stackwise.save_orbax(params, names, tmp_path / "loop")
+    layout = stackwise.inspect_checkpoint(path)
+    assert (layout.names, layout.depth) == (["layers_{:02d}.s", "layers_{:02d}.w"], 3)
+    np.testing.assert_array_equal(stackwise.open_checkpoint(path).read("layers_02.w"),
+                                  np.asarray(params["w"][2]).T)
+    assert_trees_bitwise(stackwise.load_checkpoint(path, params, names), params)
