@@ -462,8 +462,7 @@ def save_orbax(
         writer.settle()  # no process writes before the staging folder is there
         _in_the_way(directory, overwrite, _ORBAX, _held, "already exists and is not empty")
         for group in groups:  # on every process: orbax writes each process's shards
-            arrays = [_stored(r.spec, r.array[r.row] if r.row is not None else r.array)
-                      for r in group]
+            arrays = [_stored(r.spec, hosts.take_row(r.array, r.row)) for r in group]
             partial.save(stage.new, _loop_tree(group, arrays, _ORBAX))
             del arrays
         partial.finalize(stage.new)  # process 0 merges, every process waits for it

@@ -3,11 +3,13 @@
 Hypothesis draws a checkpoint in its stored form first (each layer's tensor, random bits of
 a random dtype and shape; zero-padded or plain layer numbers; a pattern or none), and the
 leaves it becomes through NumPy's own transpose and reshape (what ``Tensor`` says). Then:
-``save_safetensors`` of the leaves writes exactly the stored tensors, bitwise, and nothing
-else; ``load_checkpoint`` reads the leaves back, bitwise. A drawn mistake (a transpose that
-is not a permutation, two leaves under one name, a stored shape of another size, a PRNG key)
-is a TypeError or ValueError naming the leaf, and nothing is written at all: no folder, no
-claim, no staging. Briefly in the fast tier, longer in the slow one."""
+``save_safetensors`` (and, in the slow tier, ``save_orbax``) of the leaves writes exactly
+the stored tensors, bitwise, and nothing else; ``load_checkpoint`` reads the leaves back,
+bitwise. A drawn mistake (a transpose that is not a permutation, two leaves under one name,
+a stored shape of another size, a PRNG key) is a TypeError or ValueError naming the leaf,
+and nothing is written at all: no folder, no claim, no staging. Briefly in the fast tier,
+longer in the slow one. Its finds are named tests in test_checkpoint_save.py (per-layer
+scalars, signalling NaNs)."""
 
 from __future__ import annotations
 
@@ -118,25 +120,30 @@ def _add_mistake(mistake, params, names):
     return ["['other']['key']", "PRNG key", "jax.random.key_data"]
 
 
-def _check(case):
-    k, mistake, max_file_bytes = case[0], case[5], case[6]
+def _save(saver, params, names, out, k, max_bytes):
+    if saver == "orbax":
+        return stackwise.save_orbax(params, names, out, pattern=k, max_group_bytes=max_bytes)
+    written = stackwise.save_safetensors(params, names, out, pattern=k,
+                                         max_file_bytes=max_bytes)
+    assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p in written)
+    return out
+
+
+def _check(case, saver="safetensors"):
+    k, mistake, max_bytes = case[0], case[5], case[6]
     stored, params, names = _build(case)
     root = tempfile.mkdtemp()
     out = os.path.join(root, "out")
     if mistake is not None:
         parts = _add_mistake(mistake, params, names)
         with pytest.raises((TypeError, ValueError)) as info:
-            stackwise.save_safetensors(params, names, out, pattern=k,
-                                       max_file_bytes=max_file_bytes)
+            _save(saver, params, names, out, k, max_bytes)
         for part in parts:
             assert part in str(info.value), (part, str(info.value))
         assert os.listdir(root) == []  # nothing written at all
         return
-    written = stackwise.save_safetensors(params, names, out, pattern=k,
-                                         max_file_bytes=max_file_bytes)
-    assert os.listdir(root) == ["out"] and sorted(os.listdir(out)) == sorted(
-        os.path.basename(p) for p in written)
-    ckpt = stackwise.open_checkpoint(out)
+    ckpt = stackwise.open_checkpoint(_save(saver, params, names, out, k, max_bytes))
+    assert os.listdir(root) == ["out"]
     assert sorted(ckpt.tensors) == sorted(stored)
     for name, want in stored.items():
         got = ckpt.read(name)
@@ -157,3 +164,11 @@ def test_save_then_load_is_bitwise_or_a_named_error(case):
 @given(cases())
 def test_save_then_load_is_bitwise_or_a_named_error_longer(case):
     _check(case)
+
+
+@pytest.mark.slow  # orbax's saves, ~0.3 s each
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_save_orbax_then_load_is_bitwise_or_a_named_error(case):
+    pytest.importorskip("orbax.checkpoint")
+    _check(case, "orbax")
