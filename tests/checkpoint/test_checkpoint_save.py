@@ -475,3 +475,33 @@ def test_signalling_nans_are_saved_bit_for_bit(tmp_path, saver):
         np.testing.assert_array_equal(ckpt.read(f"l.{i}.w").view(np.uint16), bits[i])
     assert ckpt.read("l.0.f").view(np.uint32).tolist() == [0x7F800001]
     assert_trees_bitwise(stackwise.load_checkpoint(path, params, names), params)
+
+
+def test_writers_racing_unhindered_leave_one_whole_model(tmp_path):
+    """Four threads save four models into one new folder at once, nothing held back: one
+    wins, each other raises FileExistsError (the folder claimed by another save, or already
+    holding a checkpoint), and the folder holds the winner's model, bitwise."""
+    start, outcome = threading.Barrier(4), {}
+
+    def one(i):
+        start.wait()
+        try:
+            outcome[i] = stackwise.save_safetensors(_params(i + 1.0), NAMES, tmp_path / "out",
+                                                    max_file_bytes=LAYER)
+        except FileExistsError as e:
+            outcome[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [i for i, got in outcome.items() if not isinstance(got, Exception)]
+    assert len(won) == 1 and len(outcome) == 4, outcome
+    for i, got in outcome.items():
+        if i != won[0]:
+            assert ("is being written by another save" in str(got)
+                    or "already holds a checkpoint" in str(got)), got
+    back = stackwise.load_checkpoint(tmp_path / "out", _params(), NAMES)
+    assert_trees_bitwise(back, _params(won[0] + 1.0))
+    assert sorted(os.listdir(tmp_path)) == ["out"]
