@@ -8,5 +8,6 @@ Above the core and sharding.
   :mod:`.placements`: its ``shardings``, read against the target.
 - :mod:`.save`: ``save_safetensors`` / ``save_orbax``.
 - :mod:`.inspect`: :func:`stackwise.inspect_checkpoint`.
+- :mod:`.staging`: a save claimed, staged and moved into place, all or nothing.
 - :mod:`.hosts`: several JAX processes writing one checkpoint.
 """

@@ -15,11 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Writer", "agree", "host_row"]
+__all__ = ["Writer", "agree", "host_row", "take_row"]
 
 
 def several() -> bool:
@@ -59,6 +61,11 @@ class Writer:
                 raise
             self.failure = e
 
+    def always(self, action: Callable[..., Any], *args: Any) -> None:
+        """``action(*args)`` on process 0, even after a failure (to clean up after it)."""
+        if jax.process_index() == 0:
+            action(*args)
+
     def settle(self) -> None:
         """With several processes, a barrier, after which every process raises if process 0
         failed (process 0 its own error)."""
@@ -73,7 +80,25 @@ class Writer:
 
 
 def _take(a: jax.Array, j: jax.Array) -> jax.Array:
-    return a[j]
+    """Row ``j`` of ``a``, bit for bit: a float array's row is taken as unsigned integers of
+    its width (XLA may quiet a signalling NaN when it copies floats: its older CPU code
+    generator copies bfloat16 through float32, so 0x7fbf became 0x7fc0)."""
+    dtype = a.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return a[j]
+    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[dtype.itemsize]
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(a, bits)[j], dtype)
+
+
+_row = jax.jit(_take)
+
+
+def take_row(a: Any, j: int | None) -> Any:
+    """Row ``j`` of leaf ``a`` (``a`` whole if ``j`` is None), bit for bit: on its devices
+    for a ``jax.Array``, by NumPy's indexing for another."""
+    if j is None:
+        return a
+    return _row(a, np.int32(j)) if isinstance(a, jax.Array) else a[j]
 
 
 def _whole(a: jax.Array) -> jax.Array:
@@ -117,9 +142,9 @@ def host_row(a: Any, j: int | None, writer: Writer, path: str) -> np.ndarray | N
     process 0 writes its own.
     """
     if not several():
-        return np.asarray(jax.device_get(a[j] if j is not None else a))
+        return np.asarray(jax.device_get(take_row(a, j)))
     if not isinstance(a, jax.Array) or a.is_fully_addressable:
-        return np.asarray(a[j] if j is not None else a) if writer.active else None
+        return np.asarray(take_row(a, j)) if writer.active else None
     owners = {d.process_index for d in a.sharding.device_set}
     if jax.process_index() not in owners:  # another process's array
         if writer.active:

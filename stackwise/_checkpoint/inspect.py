@@ -22,7 +22,9 @@ class CheckpointLayout(NamedTuple):
       depth: the number of layers, or None.
       pattern: the smallest k such that each per-layer name is in layers
         of whole residue classes mod k (1: every layer has every name).
-      names: the per-layer names (``{}`` for the index), sorted.
+      names: the per-layer names (``{}`` for the index, ``{:02d}`` for one
+        zero-padded to two digits), sorted: the templates
+        :func:`stackwise.load_checkpoint` takes.
       other: the other tensors' names, sorted.
     """
 
@@ -36,12 +38,19 @@ class CheckpointLayout(NamedTuple):
 
 def _templates(names: Sequence[str]) -> dict[str, dict[int, str]]:
     """Per-layer templates: a number that is a whole component of a name (``layers.3.w``,
-    ``layers_3/w``, not ``ln1``) replaced by ``{}``; the widest kept."""
-    options: dict[str, dict[int, str]] = {}
+    ``layers_3/w``, not ``ln1``) replaced by ``{}``, or by ``{:0Nd}`` where the numbers are
+    zero-padded to N digits (``layers.03.w``); the widest kept."""
+    runs: dict[tuple[str, str], dict[str, str]] = {}  # (before, after) -> {digits: name}
     for name in names:
         for m in re.finditer(r"(?<![^./_])\d+(?![^./])", name):  # a whole name component
-            options.setdefault(name[: m.start()] + "{}" + name[m.end() :], {})
-            options[name[: m.start()] + "{}" + name[m.end() :]][int(m.group())] = name
+            runs.setdefault((name[: m.start()], name[m.end() :]), {})[m.group()] = name
+    options: dict[str, dict[int, str]] = {}
+    for (before, after), numbers in runs.items():
+        padded = {len(d) for d in numbers if len(d) > 1 and d.startswith("0")}
+        spec = f"{{:0{max(padded)}d}}" if padded else "{}"
+        template = before + spec + after
+        options[template] = {int(d): n for d, n in numbers.items()
+                             if template.format(int(d)) == n}  # written as it writes them
     # The layer index is the number run that varies most: widest templates first, each
     # name in one template.
     chosen: dict[str, dict[int, str]] = {}

@@ -34,12 +34,14 @@ from jax.sharding import Sharding, SingleDeviceSharding
 from stackwise._checkpoint.names import (
     Tensor,
     _check_layout,
+    _check_not_key,
     _check_template,
     _is_array,
     _key,
     _layers_of,
     _lookup,
     _name_leaves,
+    _reshaped,
 )
 from stackwise._checkpoint.placements import check_sharding, placements
 from stackwise._checkpoint.read import Checkpoint, open_checkpoint
@@ -81,17 +83,19 @@ def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkp
             )
         shape = tuple(shape[a] for a in perm)
     if spec.reshape is not None:
-        if int(np.prod(spec.reshape)) != int(np.prod(shape)):
+        reshaped = _reshaped(spec.reshape, int(np.prod(shape)))
+        if reshaped is None:
             raise ValueError(
                 f"{who}: leaf {path}: tensor {name!r} in {_where(ckpt, name)} has shape "
                 f"{shape} (after the transpose), which cannot be reshaped to {spec.reshape}."
             )
-        shape = tuple(spec.reshape)
+        shape = reshaped
     return shape
 
 
 def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
     _check_template(spec, path, who)
+    _check_not_key(leaf, path, who)
     checks.exact_dtype(leaf, who, f"leaf {path}")
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     _check_layout(spec, shape, k, path, who)
@@ -369,7 +373,7 @@ def _pieces(outs: list, rows: list, indices: list, j: int, axis: int | None,
     least = threads // math.gcd(len(holders), threads) if holders else 1
     pieces = []
     for k in holders:
-        row, index = outs[k][rows[k].index(j)], indices[k][1:]
+        row, index = outs[k][rows[k].index(j), ...], indices[k][1:]  # a view, of a 0-d row too
         if axis is None or not row.ndim or not row.size:
             pieces.append((row, index))
             continue

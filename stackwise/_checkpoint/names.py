@@ -1,5 +1,6 @@
 """The names of a checkpoint's tensors, as the conversions name layers: ``{}`` for the layer
-index, one :class:`Tensor` per leaf, nested by the target's keys. Shared by loading
+index (``{:02d}`` for one zero-padded to two digits, ``layers.03.w``), one :class:`Tensor`
+per leaf, nested by the target's keys. Shared by loading
 (:mod:`stackwise._checkpoint.load`), saving (:mod:`stackwise._checkpoint.save`) and inspecting
 (:mod:`stackwise._checkpoint.inspect`)."""
 
@@ -11,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from stackwise._core import checks
@@ -31,12 +33,23 @@ class Tensor:
     >>> q.name.format(3)
     'model.layers.3.self_attn.q_proj.weight'
 
+    Zero-padded layer numbers (``layers.00.w``, ``layers.01.w``, ...) are
+    named with a format spec: ``"layers.{:02d}.w"`` (as
+    :func:`stackwise.inspect_checkpoint` reports them); ``{}`` matches
+    unpadded numbers only, so that ``layers.1`` and ``layers.01`` are never
+    taken for one layer.
+
+    >>> stackwise.Tensor("layers.{:02d}.w").name.format(3)
+    'layers.03.w'
+
     Attributes:
-      name: the tensor's name in the checkpoint, ``{}`` for the layer index.
+      name: the tensor's name in the checkpoint, ``{}`` for the layer index
+        (``{:0Nd}`` for one zero-padded to N digits).
       transpose: a permutation of the stored tensor's axes (torch's
         ``Linear`` keeps ``(out, in)``, JAX layers ``(in, out)``: ``(1, 0)``).
       reshape: the leaf's per-layer shape after the transpose (split or
-        merge heads: ``(H*D, E)`` stored, ``(E, H, D)`` wanted).
+        merge heads: ``(H*D, E)`` stored, ``(E, H, D)`` wanted); one entry
+        may be -1, inferred from the others as NumPy does.
       dtype: cast to this dtype (it must be the leaf's); without it, a
         dtype that differs from the leaf's is an error, never a cast.
       position: with ``pattern=k``, the pattern position (0..k-1) whose
@@ -71,6 +84,17 @@ class Tensor:
                 )
             ints = tuple(checks.integer(v, who, f"{arg}[{i}]") for i, v in enumerate(items))
             object.__setattr__(self, arg, ints)
+        if self.reshape is not None and (
+                self.reshape.count(-1) > 1 or any(d < -1 for d in self.reshape)):
+            raise ValueError(
+                f"{who}: `reshape={self.reshape}` may infer one axis (-1), no more, and no "
+                "other entry may be negative; e.g. `reshape=(E, H, -1)`."
+            )
+        if self.stored_shape is not None and any(d < 0 for d in self.stored_shape):
+            raise ValueError(
+                f"{who}: `stored_shape={self.stored_shape}` must be the stored tensor's "
+                "shape, every entry at least 0 (none inferred)."
+            )
         if self.position is not None:
             object.__setattr__(
                 self, "position", checks.integer(self.position, who, "position", minimum=0)
@@ -87,22 +111,49 @@ class Tensor:
 
     @property
     def per_layer(self) -> bool:
-        """Whether ``name`` has ``{}`` (one tensor per layer)."""
-        return "{}" in self.name
+        """Whether ``name`` has ``{}`` or ``{:0Nd}`` (one tensor per layer)."""
+        return isinstance(self.name, str) and _LAYER.search(self.name) is not None
 
 
-def _regex(template: str) -> re.Pattern:
-    return re.compile("^" + r"(\d+)".join(map(re.escape, template.split("{}"))) + "$")
+# The layer index in a name: ``{}`` (unpadded) or ``{:0Nd}`` (zero-padded to N digits).
+_LAYER = re.compile(r"\{(?::0(\d+)d)?\}")
 
 
 def _layers_of(template: str, names: Sequence[str]) -> dict[int, str]:
-    """``{layer: name}`` of every name that ``template`` (one ``{}``) matches."""
-    regex, found = _regex(template), {}
+    """``{layer: name}`` of every name that ``template`` (one ``{}`` or ``{:0Nd}``) matches:
+    the number written as the template writes it (``{}``: ``3``, never ``03``)."""
+    m = _LAYER.search(template)
+    regex = re.compile(f"^{re.escape(template[:m.start()])}(\\d+){re.escape(template[m.end():])}$")
+    found = {}
     for name in names:
-        m = regex.match(name)
-        if m and str(int(m.group(1))) == m.group(1):
-            found[int(m.group(1))] = name
+        got = regex.match(name)
+        if got and template.format(int(got.group(1))) == name:
+            found[int(got.group(1))] = name
     return found
+
+
+def _reshaped(reshape: tuple[int, ...], size: int) -> tuple[int, ...] | None:
+    """``reshape`` with its -1 (if any) inferred for a tensor of ``size`` elements, as NumPy
+    infers it; None if no shape of that size has it."""
+    known = int(np.prod([d for d in reshape if d != -1]))
+    if -1 not in reshape:
+        return reshape if known == size else None
+    if known == 0 or size % known:
+        return None
+    return tuple(size // known if d == -1 else d for d in reshape)
+
+
+def _check_not_key(leaf: Any, path: str, who: str) -> None:
+    """A PRNG key leaf (``jax.random.key``) has no bytes a checkpoint can hold as they are:
+    refused, naming the leaf and the fix."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{who}: leaf {path} is a PRNG key ({dtype}), which a checkpoint cannot hold as "
+            "it is. Save and load its raw bits instead: `jax.random.key_data(key)` (uint32) "
+            "in the params, and `jax.random.wrap_key_data(bits)` after loading; or leave "
+            "the key out of the params."
+        )
 
 
 def _key(k: Any) -> str:
@@ -179,11 +230,13 @@ def _name_leaves(names: Any) -> list[str]:
 def _check_template(spec: Tensor, path: str, who: str) -> None:
     if not isinstance(spec.name, str):
         raise TypeError(f"{who}: the name of leaf {path} must be a str, got {spec.name!r}.")
-    if spec.name.count("{}") > 1 or re.search(r"\{[^}]", spec.name):
+    rest = _LAYER.sub("", spec.name)
+    if len(_LAYER.findall(spec.name)) > 1 or "{" in rest or "}" in rest:
         raise ValueError(
             f"{who}: the name {spec.name!r} of leaf {path} must have one `{{}}` for the "
             "layer index (or none for a tensor that is not per layer), e.g. "
-            "'model.layers.{}.mlp.up_proj.weight'."
+            "'model.layers.{}.mlp.up_proj.weight'; `{:02d}` for a number zero-padded to "
+            "two digits ('layers.03.w'), `{:03d}` to three, and so on."
         )
 
 

@@ -17,9 +17,13 @@ process's memory holds the arrays built, not the files it read.
 
 from __future__ import annotations
 
+import difflib
+import glob
 import json
 import mmap
 import os
+import zipfile
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -235,14 +239,17 @@ def _safetensors(paths: Sequence[str], where: str, who: str) -> Checkpoint:
 
 
 def _index(path: str, who: str) -> Checkpoint:
-    with open(path, encoding="utf-8") as f:
-        try:
-            weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(
-                f"{who}: {path} is not a safetensors index (a JSON object with a "
-                "'weight_map' of tensor names to files)."
-            ) from None
+    try:
+        with open(path, "rb") as f:
+            weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError):  # not UTF-8, not JSON, ...
+        raise ValueError(
+            f"{who}: {path} is not a safetensors index (a JSON object with a "
+            "'weight_map' of tensor names to files). Check that the download finished, or "
+            "pass the safetensors files themselves."
+        ) from None
     folder = os.path.dirname(path)
     paths = sorted({os.path.join(folder, file) for file in weight_map.values()})
     ckpt = _safetensors(paths, path, who)
@@ -307,6 +314,68 @@ def _key(k: Any) -> str:
 # --------------------------------------------------------------------------
 
 
+def _npz(path: str, who: str) -> Checkpoint:
+    """An ``.npz`` file: its members' headers now, each member read whole when asked (the
+    file opened for each read)."""
+    broken = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+    try:
+        zipfile.ZipFile(path).close()  # (NumPy would leave its file open on a broken zip)
+        tensors = {}
+        with np.load(path) as npz:
+            for name in npz.files:  # the headers only; NumPy reads a member whole when asked
+                with npz.zip.open(name + ".npy") as member:
+                    header = (
+                        np.lib.format.read_array_header_1_0
+                        if np.lib.format.read_magic(member) == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = header(member)
+                tensors[name] = jax.ShapeDtypeStruct(shape, dtype)
+    except broken as e:
+        raise ValueError(
+            f"{who}: {path} is not a readable .npz file (empty, truncated or corrupt?): "
+            f"{type(e).__name__}: {e}. Write it again, or check that the copy finished."
+        ) from None
+
+    def read(name, index):
+        try:
+            with np.load(path) as npz:  # opened per read: no file is held open between
+                return np.asarray(npz[name][index])
+        except broken as e:
+            raise ValueError(
+                f"{who}: tensor {name!r} in {path} cannot be read (truncated or corrupt?): "
+                f"{type(e).__name__}: {e}. Write the file again."
+            ) from None
+
+    return Checkpoint("npz", path, tensors, {}, read)
+
+
+def _nearby(path: str) -> str:
+    """The end of a sentence: ``; did you mean ...?`` with the names closest to ``path``'s in
+    its folder, if any, else ``.``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        there = os.listdir(folder)
+    except OSError:
+        return f" (nor does its folder {folder})." if not os.path.isdir(folder) else "."
+    close = difflib.get_close_matches(name, there, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(os.path.join(folder, c)) for c in close)}?" \
+        if close else "."
+
+
+def _orbax_items(path: str) -> list[str]:
+    """The orbax pytree checkpoints one or two folders below ``path`` (a CheckpointManager's
+    step ``<step>/<item>``, or its directory ``<dir>/<step>/<item>``), sorted."""
+    found = []
+    for depth in ("*", os.path.join("*", "*")):
+        for item in sorted(glob.glob(os.path.join(glob.escape(path), depth))):
+            if os.path.exists(os.path.join(item, "_METADATA")):
+                found.append(item)
+        if found:
+            break
+    return found
+
+
 def _arrays(arrays: Mapping[str, Any], where: str) -> Checkpoint:
     tensors = {}
     for name, a in arrays.items():
@@ -350,7 +419,12 @@ def open_checkpoint(source: Any) -> Checkpoint:
         return source
     if isinstance(source, Mapping):
         return _arrays(source, "the dict of arrays")
-    if isinstance(source, (list, tuple)) and source:
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise ValueError(
+                f"{_OPEN}: no files given (`source` is an empty {type(source).__name__}); "
+                "pass the checkpoint's safetensors files, or its directory."
+            )
         paths = [os.fspath(p) for p in source]
         return _safetensors(paths, ", ".join(paths), _OPEN)
     if not isinstance(source, (str, os.PathLike)):
@@ -359,6 +433,8 @@ def open_checkpoint(source: Any) -> Checkpoint:
             f"safetensors files or a dict of arrays, got {type(source).__name__}."
         )
     path = os.fspath(source)
+    if not os.path.exists(path):
+        raise ValueError(f"{_OPEN}: {path} does not exist{_nearby(path)}")
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, INDEX)):
             return _index(os.path.join(path, INDEX), _OPEN)
@@ -369,33 +445,19 @@ def open_checkpoint(source: Any) -> Checkpoint:
             return _orbax(path, _OPEN)
         if os.path.exists(os.path.join(path, "state", "_METADATA")):  # orbax v1's layout:
             return _orbax(os.path.join(path, "state"), _OPEN)  # (stackwise.save_orbax's)
+        items = _orbax_items(path)
         raise ValueError(
             f"{_OPEN}: the directory {path} holds no safetensors files, no {INDEX} and no "
             "orbax checkpoint (_METADATA). For a CheckpointManager's directory, pass one "
-            "step's item: <dir>/<step>/<item>."
+            "step's item: <dir>/<step>/<item>"
+            + (f"; here, e.g. {items[-1]} (of {len(items)} found)." if items else ".")
         )
     if path.endswith(".json"):
         return _index(path, _OPEN)
     if path.endswith(".safetensors"):
         return _safetensors([path], path, _OPEN)
     if path.endswith(".npz"):
-        if not os.path.exists(path):
-            raise ValueError(f"{_OPEN}: the file {path} does not exist.")
-        try:
-            npz = np.load(path)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{_OPEN}: {path} is not a readable .npz file: {e}") from None
-        tensors = {}
-        for name in npz.files:  # the headers only; NumPy reads a member whole when asked
-            with npz.zip.open(name + ".npy") as member:
-                header = (
-                    np.lib.format.read_array_header_1_0
-                    if np.lib.format.read_magic(member) == (1, 0)
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = header(member)
-            tensors[name] = jax.ShapeDtypeStruct(shape, dtype)
-        return Checkpoint("npz", path, tensors, {}, lambda n, i: np.asarray(npz[n][i]))
+        return _npz(path, _OPEN)
     raise ValueError(
         f"{_OPEN}: cannot tell what checkpoint {path} is: pass a .safetensors file, a "
         f"directory with safetensors files or {INDEX}, an orbax checkpoint directory or an "

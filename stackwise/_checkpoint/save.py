@@ -1,29 +1,32 @@
 """Stacked params back to a per-layer checkpoint, a group of layers at a time: safetensors
 files with Hugging Face's index (:func:`save_safetensors`), or an orbax checkpoint of the
-loop's tree (:func:`save_orbax`). Both read the leaves and ``names`` alike (:func:`_rows`)
-and group the layers alike (:func:`_groups`)."""
+loop's tree (:func:`save_orbax`). Both read the leaves and ``names`` alike, every name and
+transform checked before a byte is written (:func:`_rows`), group the layers alike
+(:func:`_groups`), and write all or nothing alike: claimed, staged, then moved into place
+(:mod:`stackwise._checkpoint.staging`)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
-import shutil
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from stackwise._checkpoint import hosts
+from stackwise._checkpoint import hosts, staging
 from stackwise._checkpoint.names import (
     Tensor,
     _check_layout,
+    _check_not_key,
     _check_template,
     _is_array,
     _key,
     _lookup,
+    _reshaped,
 )
-from stackwise._checkpoint.read import INDEX, need
+from stackwise._checkpoint.read import _SAFETENSORS_DTYPES, INDEX, need
 from stackwise._core import checks, trees
 
 __all__ = ["save_orbax", "save_safetensors"]
@@ -41,21 +44,44 @@ class _Row(NamedTuple):
     row: int | None  # its row j, or None: the leaf whole
 
 
-def _stored(plan_spec: Tensor, x: Any, path: str, who: str) -> Any:
-    """One stored tensor from its leaf's row ``x`` (NumPy or jax): the transforms undone."""
+def _stored(plan_spec: Tensor, x: Any) -> Any:
+    """One stored tensor from its leaf's row ``x`` (NumPy or jax): the transforms undone
+    (checked by :func:`_check_transforms`)."""
+    perm = plan_spec.transpose
     if plan_spec.reshape is not None:
-        if plan_spec.stored_shape is None:
+        shape = plan_spec.stored_shape
+        x = x.reshape(tuple(shape[a] for a in perm) if perm else shape)
+    if perm is not None:
+        x = x.transpose(tuple(int(a) for a in np.argsort(perm)))
+    return x
+
+
+def _check_transforms(spec: Tensor, inner: tuple, path: str, who: str) -> None:
+    """That ``spec``'s transforms undo on a row of the leaf (per-layer shape ``inner``), as
+    :func:`_stored` undoes them, before a byte is written."""
+    perm, stored = spec.transpose, inner
+    if spec.reshape is not None:
+        if spec.stored_shape is None:
             raise ValueError(
-                f"{who}: leaf {path} is loaded with reshape={plan_spec.reshape}; to save it "
+                f"{who}: leaf {path} is loaded with reshape={spec.reshape}; to save it "
                 "back, say the stored per-layer shape: stackwise.Tensor(..., "
                 "stored_shape=(...)) (a merge of axes has many inverses)."
             )
-        perm = plan_spec.transpose
-        shape = plan_spec.stored_shape
-        x = x.reshape(tuple(shape[a] for a in perm) if perm else shape)
-    if plan_spec.transpose is not None:
-        x = x.transpose(tuple(int(a) for a in np.argsort(plan_spec.transpose)))
-    return x
+        stored = spec.stored_shape
+        if _reshaped(spec.reshape, int(np.prod(stored))) != tuple(inner):
+            raise ValueError(
+                f"{who}: leaf {path} has per-layer shape {tuple(inner)}, but its Tensor "
+                f"reshapes the stored {stored} (stored_shape) to {spec.reshape}; give the "
+                "stored shape whose transposed reshape is the leaf's."
+            )
+    if perm is not None and sorted(perm) != list(range(len(stored))):
+        raise TypeError(
+            f"{who}: leaf {path}: `transpose={perm}` is not a permutation of the "
+            f"{len(stored)} axes of its stored per-layer shape {tuple(stored)}"
+            + (" (a 1-D leaf, a norm or a bias, has nothing to transpose: name it with a "
+               "plain str)" if len(stored) == 1 else "")
+            + "."
+        )
 
 
 def _check_options(pattern: Any, max_bytes: Any, bytes_arg: str, overwrite: Any,
@@ -67,8 +93,10 @@ def _check_options(pattern: Any, max_bytes: Any, bytes_arg: str, overwrite: Any,
     return pattern, max_bytes
 
 
-def _rows(params: Any, names: Any, pattern: int | None, who: str) -> list[_Row]:
-    """Every tensor to save, by layer (the leaves outside the stack first), each name once."""
+def _rows(params: Any, names: Any, pattern: int | None, who: str,
+          dtypes: set[str] | None = None) -> list[_Row]:
+    """Every tensor to save, by layer (the leaves outside the stack first), each name once;
+    every leaf's name, layout, transforms and dtype (one of ``dtypes``) checked."""
     rows, tensors = [], {}
     flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
             for p, a in jax.tree_util.tree_leaves_with_path(params) if _is_array(a)]
@@ -79,9 +107,18 @@ def _rows(params: Any, names: Any, pattern: int | None, who: str) -> list[_Row]:
                 "no values to save. Pass the params themselves (e.g. as `load_checkpoint` "
                 "returns them)."
             )
+        _check_not_key(a, path, who)
+        if dtypes is not None and np.dtype(a.dtype).name not in dtypes:
+            raise TypeError(
+                f"{who}: leaf {path} is {np.dtype(a.dtype).name}, which safetensors files do "
+                f"not hold (they hold {', '.join(sorted(dtypes))}). Cast it on purpose "
+                "first, or save with stackwise.save_orbax."
+            )
         spec = _lookup(names, [_key(k) for k in keys], path, who)
         _check_template(spec, path, who)
-        _check_layout(spec, checks.leaf_shape(a, who, path), pattern, path, who)
+        shape = checks.leaf_shape(a, who, path)
+        _check_layout(spec, shape, pattern, path, who)
+        _check_transforms(spec, shape[1:] if spec.per_layer else shape, path, who)
         if spec.per_layer:
             p, step = spec.position or 0, pattern or 1
             for j in range(a.shape[0]):
@@ -130,9 +167,26 @@ def save_safetensors(
     undone), the others whole. Layers go to files in order, each file at
     most ``max_file_bytes`` (a layer is never split), with a
     ``model.safetensors.index.json`` when there are several; only one file's
-    tensors are on the host at a time. The files are staged (``*.tmp``) and
-    renamed into place once all are written. A round trip is bitwise (a leaf
+    tensors are on the host at a time. The files carry the metadata
+    ``{"format": "pt"}``, as ``transformers``' ``save_pretrained`` writes it
+    (its readers refuse files without it). A round trip is bitwise (a leaf
     loaded with a cast, ``Tensor(..., dtype=)``, is saved in its own dtype).
+
+    All or nothing: every name, transform and dtype is checked before a
+    byte is written. The save claims ``directory`` (the file
+    ``<directory>.stackwise-lock`` beside it, holding this writer's host
+    and pid: a second save into the same path raises FileExistsError
+    naming the first; a claim left by a process of this host that is gone
+    is taken over), writes every file into the staging folder
+    ``<directory>.stackwise-tmp``, then moves them into place: a new
+    ``directory`` is one rename of the whole folder (atomic); into an
+    existing folder (one holding a ``config.json``, or ``overwrite=True``)
+    the old checkpoint's files are moved aside, then the new ones renamed
+    in one by one, the index last (each rename atomic, the whole not: a
+    reader meanwhile sees the old checkpoint, an incomplete new one that
+    :func:`load_checkpoint` refuses, or the new one, never the two mixed).
+    A failure removes what was staged and the claim, and puts back what was
+    moved: the old checkpoint stays as it was.
 
     On several hosts (JAX processes), every process calls it alike: each
     tensor is gathered from the processes' devices, one at a time, and
@@ -174,10 +228,13 @@ def save_safetensors(
 
     Raises:
       FileExistsError: ``directory`` already holds safetensors files or an
-        index and ``overwrite`` is False.
+        index, or is a file, and ``overwrite`` is False; or another save is
+        writing it (its claim named).
       TypeError: an abstract leaf (``jax.ShapeDtypeStruct``: nothing to
-        save), or ``pattern``, ``max_file_bytes`` or ``overwrite`` of the
-        wrong type.
+        save), a PRNG key leaf (save ``jax.random.key_data(key)``), a dtype
+        safetensors does not hold, a ``transpose`` that is not a permutation
+        of the leaf's axes, or ``pattern``, ``max_file_bytes`` or
+        ``overwrite`` of the wrong type.
       ValueError: as :func:`load_checkpoint` for names that do not fit; on
         several hosts, a leaf on other processes' devices alone (process 0
         cannot read it).
@@ -188,43 +245,48 @@ def save_safetensors(
     pattern, max_file_bytes = _check_options(pattern, max_file_bytes, "max_file_bytes",
                                              overwrite, _SAVE)
     safetensors_numpy = need("safetensors.numpy", "safetensors", _SAVE)
-    directory = os.fspath(directory)
-    groups = _groups(_rows(params, names, pattern, _SAVE), max_file_bytes)
+    directory = os.path.abspath(os.fspath(directory))
+    rows = _rows(params, names, pattern, _SAVE, set(_SAFETENSORS_DTYPES.values()))
+    groups = _groups(rows, max_file_bytes)
     files = (
         ["model.safetensors"]
         if len(groups) == 1
         else [f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors" for g in range(len(groups))]
     )
-    there = _checkpoint_files(directory) if jax.process_index() == 0 else []
-    if hosts.agree(bool(there) and not overwrite):  # process 0's finding, on every process
-        held = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "") if there else (
-            "as process 0 sees it")
-        raise FileExistsError(
-            f"{_SAVE}: {directory} already holds a checkpoint ({held}); stackwise never "
-            "overwrites one unless asked: pass overwrite=True, or save to a new directory."
-        )
-    writer = hosts.Writer(_SAVE, directory)
-    written, weight_map, total = [], {}, 0
-    for file, group in zip(files, groups):  # every process, every row, in the same order
-        arrays = {}
-        for _, name, path, spec, a, j in group:
-            weight_map[name] = file
-            x = hosts.host_row(a, j, writer, path)  # None but on process 0
-            if x is not None:
-                arrays[name] = np.ascontiguousarray(_stored(spec, x, path, _SAVE))
-                total += arrays[name].nbytes
-        written.append(os.path.join(directory, file))
-        writer.run(_stage, safetensors_numpy.save_file, arrays, written[-1] + ".tmp",
-                   metadata={"format": "np"})
-        del arrays
-    if len(files) > 1:
-        written.append(os.path.join(directory, INDEX))
-        writer.run(_stage, _write_json, {"metadata": {"total_size": total},
-                                         "weight_map": weight_map}, written[-1] + ".tmp")
-    writer.settle()  # every file staged, on every process's word, before any goes into place
-    writer.run(_into_place, written, [os.path.join(directory, f) for f in there])
-    writer.settle()  # and in place before any process returns
-    return written
+    files += [INDEX] if len(files) > 1 else []
+    writer, stage = hosts.Writer(_SAVE, directory), staging.Stage(directory, _SAVE)
+    done = False
+    try:
+        writer.run(stage.take)  # process 0 claims the folder and stages next to it
+        writer.settle()
+        there = _in_the_way(directory, overwrite, _SAVE, _checkpoint_files)
+        weight_map, total = {}, 0
+        for file, group in zip(files, groups):  # every process, every row, in the same order
+            arrays = {}
+            for _, name, path, spec, a, j in group:
+                weight_map[name] = file
+                x = hosts.host_row(a, j, writer, path)  # None but on process 0
+                if x is not None:
+                    x = _stored(spec, x)  # (np.ascontiguousarray makes a scalar 1-D)
+                    arrays[name] = np.require(x, requirements="C").reshape(x.shape)
+                    total += arrays[name].nbytes
+            writer.run(_stage, safetensors_numpy.save_file, arrays,
+                       os.path.join(stage.new, file), metadata={"format": "pt"})
+            del arrays
+        if INDEX in files:
+            writer.run(_stage, _write_json, {"metadata": {"total_size": total},
+                                             "weight_map": weight_map},
+                       os.path.join(stage.new, INDEX))
+        writer.settle()  # every file staged, on every process's word, before any goes into place
+        if os.path.isdir(directory):  # (process 0's view; the others do not write)
+            writer.run(stage.replace_files, files, there)
+        else:
+            writer.run(stage.replace_whole)
+        writer.settle()  # and in place before any process returns
+        done = True
+    finally:
+        writer.always(stage.release if done else stage.abandon)
+    return [os.path.join(directory, f) for f in files]
 
 
 def _checkpoint_files(directory: str) -> list[str]:
@@ -232,6 +294,34 @@ def _checkpoint_files(directory: str) -> list[str]:
     if not os.path.isdir(directory):
         return []
     return sorted(f for f in os.listdir(directory) if f.endswith(".safetensors") or f == INDEX)
+
+
+def _held(directory: str) -> list[str]:
+    """What is in ``directory``, if it is a folder."""
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _in_the_way(directory: str, overwrite: bool, who: str, held: Any,
+                holds: str = "already holds a checkpoint") -> list[str]:
+    """``held(directory)``, what a save would replace there (on process 0; [] on the
+    others), once process 0 has found that it may: a file at ``directory``, or anything
+    ``held``, is a FileExistsError on every process without ``overwrite``."""
+    first = jax.process_index() == 0
+    there = held(directory) if first else []
+    a_file = first and os.path.lexists(directory) and not os.path.isdir(directory)
+    if hosts.agree(a_file and not overwrite):  # process 0's finding, on every process
+        raise FileExistsError(
+            f"{who}: {directory} is a file, not a folder: a checkpoint is a folder. Pass "
+            "the path of a folder (a new one is made), or overwrite=True to replace the file."
+        )
+    if hosts.agree(bool(there) and not overwrite):
+        shown = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "") if there else (
+            "as process 0 sees it")
+        raise FileExistsError(
+            f"{who}: {directory} {holds} ({shown}); stackwise never "
+            "overwrites one unless asked: pass overwrite=True, or save to a new directory."
+        )
+    return there
 
 
 def _stage(write: Any, value: Any, path: str, **kwargs: Any) -> None:
@@ -243,34 +333,6 @@ def _stage(write: Any, value: Any, path: str, **kwargs: Any) -> None:
 def _write_json(value: Any, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(value, f, indent=2)
-
-
-def _into_place(staged: list[str], old: list[str]) -> None:
-    """Each staged ``<path>.tmp`` renamed to ``<path>`` (the index last), then the old
-    checkpoint's files that the new one does not have removed (a stale index or file would
-    be read with the new ones)."""
-    for path in staged:
-        os.replace(path + ".tmp", path)
-    for path in sorted(set(old) - set(staged)):
-        os.remove(path)
-
-
-def _clear_staging(parent: str, staging: str) -> None:
-    """Makes ``parent``, and clears an earlier, interrupted save's staging folders."""
-    os.makedirs(parent, exist_ok=True)
-    for leftover in os.listdir(parent):
-        if leftover.startswith(os.path.basename(staging)):
-            shutil.rmtree(os.path.join(parent, leftover))
-
-
-def _replace(staging: str, directory: str) -> None:
-    """The whole new checkpoint at ``staging`` into ``directory`` (what was there removed:
-    ``overwrite=True`` was checked)."""
-    if os.path.isdir(directory):
-        shutil.rmtree(directory)
-    elif os.path.exists(directory):
-        os.remove(directory)
-    os.replace(staging, directory)
 
 
 def _loop_tree(rows: list[_Row], values: list[Any], who: str) -> dict:
@@ -314,8 +376,16 @@ def save_orbax(
     layers are written a group at a time (orbax's partial saves, finalised
     into one checkpoint), each group's slices made on the devices, so no more
     than about ``max_group_bytes`` beyond the params is ever held, on the
-    devices or the host. The checkpoint is written next to ``directory``
-    and renamed into place once whole. A round trip is bitwise.
+    devices or the host. A round trip is bitwise.
+
+    All or nothing, as :func:`save_safetensors`: every name and transform
+    is checked before a byte is written, ``directory`` is claimed
+    (``<directory>.stackwise-lock``; a second save into it raises
+    FileExistsError naming the first), the checkpoint is written into the
+    staging folder ``<directory>.stackwise-tmp`` (orbax's partial saves
+    included) and renamed into place whole (with ``overwrite=True``, what
+    was there is moved aside first and removed after). A failure removes
+    the staging folder and the claim and leaves ``directory`` as it was.
 
     On several hosts (JAX processes), every process calls it alike, with
     the same ``directory`` on a file system they share: orbax writes each
@@ -357,10 +427,12 @@ def save_orbax(
       ``StandardCheckpointer().restore`` read.
 
     Raises:
-      FileExistsError: ``directory`` exists, is not empty, and ``overwrite``
-        is False.
-      TypeError: an abstract leaf (nothing to save), or ``pattern``,
-        ``max_group_bytes`` or ``overwrite`` of the wrong type.
+      FileExistsError: ``directory`` is a file, or a folder that is not
+        empty, and ``overwrite`` is False; or another save is writing it
+        (its claim named).
+      TypeError: an abstract leaf (nothing to save), a PRNG key leaf, a
+        ``transpose`` that is not a permutation of the leaf's axes, or
+        ``pattern``, ``max_group_bytes`` or ``overwrite`` of the wrong type.
       ValueError: as :func:`load_checkpoint` for names that do not fit, or
         two names of which one's parts are a prefix of the other's.
       ImportError: orbax is missing (``pip install 'stackwise[orbax]'``), or
@@ -383,25 +455,20 @@ def save_orbax(
     rows = _rows(params, names, pattern, _ORBAX)
     _loop_tree(rows, rows, _ORBAX)  # every name a leaf of one tree: checked before writing
     groups = _groups(rows, max_group_bytes)
-    there = jax.process_index() == 0 and os.path.exists(directory) and (
-        not os.path.isdir(directory) or bool(os.listdir(directory)))
-    if hosts.agree(there and not overwrite):  # process 0's finding, on every process
-        raise FileExistsError(
-            f"{_ORBAX}: {directory} already exists and is not empty; stackwise never "
-            "overwrites a checkpoint unless asked: pass overwrite=True, or save to a new "
-            "directory."
-        )
-    parent, name = os.path.split(directory)
-    staging = os.path.join(parent, f"{name}.stackwise-tmp")
-    writer = hosts.Writer(_ORBAX, directory)
-    writer.run(_clear_staging, parent, staging)
-    writer.settle()  # no process stages before the leftovers are gone
-    for group in groups:  # on every process: orbax writes each process's shards
-        arrays = [_stored(r.spec, r.array[r.row] if r.row is not None else r.array, r.path,
-                          _ORBAX) for r in group]
-        partial.save(staging, _loop_tree(group, arrays, _ORBAX))
-        del arrays
-    partial.finalize(staging)  # process 0 merges, every process waits for it
-    writer.run(_replace, staging, directory)
-    writer.settle()  # in place before any process returns
+    writer, stage = hosts.Writer(_ORBAX, directory), staging.Stage(directory, _ORBAX)
+    done = False
+    try:
+        writer.run(stage.take)  # process 0 claims the folder and stages next to it
+        writer.settle()  # no process writes before the staging folder is there
+        _in_the_way(directory, overwrite, _ORBAX, _held, "already exists and is not empty")
+        for group in groups:  # on every process: orbax writes each process's shards
+            arrays = [_stored(r.spec, hosts.take_row(r.array, r.row)) for r in group]
+            partial.save(stage.new, _loop_tree(group, arrays, _ORBAX))
+            del arrays
+        partial.finalize(stage.new)  # process 0 merges, every process waits for it
+        writer.run(stage.replace_whole)
+        writer.settle()  # in place before any process returns
+        done = True
+    finally:
+        writer.always(stage.release if done else stage.abandon)
     return os.path.join(directory, "state")

@@ -10,7 +10,7 @@ linen params made with ``nn.with_logical_partitioning``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,10 +24,16 @@ _WHO = "stackwise.logical_specs"
 
 
 def _is_names(v: Any) -> bool:
-    """A leaf of a names tree: a PartitionSpec, None, or a tuple/list of names."""
+    """A leaf of a names tree: a PartitionSpec, None, or a tuple/list of names (one with a
+    name and no subtree is a leaf, checked as one: ``("embed", 1)`` blames the 1)."""
     if v is None or isinstance(v, PartitionSpec):
         return True
-    return isinstance(v, (tuple, list)) and all(e is None or isinstance(e, str) for e in v)
+    if not isinstance(v, (tuple, list)):
+        return False
+    if all(e is None or isinstance(e, str) for e in v):
+        return True
+    return any(isinstance(e, str) for e in v) and not any(
+        isinstance(e, (tuple, list, Mapping)) for e in v)
 
 
 def _check_rules(rules: Any, mesh: Mesh | AbstractMesh | None) -> list[tuple[str, Any]]:

@@ -6,6 +6,7 @@ returned partly loaded, and nothing on disk is overwritten unless asked."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -45,6 +46,21 @@ def files(tmp_path_factory):
     (root / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
     (root / "other").mkdir()
     (root / "bad.json").write_text("[1, 2]")
+    (root / "garbage.json").write_bytes(bytes(range(256)) * 4)
+    (root / "numbers.json").write_text(json.dumps({"weight_map": {"w": 1}}))
+    (root / "list.json").write_text(json.dumps({"weight_map": ["a.safetensors"]}))
+    (root / "model.bin").write_bytes(b"a torch pickle, say")
+    (root / "empty.npz").write_bytes(b"")
+    np.savez(root / "whole.npz", w=np.zeros((3, 4, 2), np.float32))
+    (root / "truncated.npz").write_bytes((root / "whole.npz").read_bytes()[:100])
+    np.savez(root / "big.npz", w=np.zeros((3, 4, 4096), np.float32))
+    flipped = bytearray((root / "big.npz").read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF  # in w's data, past what its header's read reads
+    (root / "corrupt.npz").write_bytes(bytes(flipped))
+    step = root / "manager" / "3"
+    (step / "default").mkdir(parents=True)
+    (step / "default" / "_METADATA").write_text("{}")
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
     return root
 
 
@@ -143,7 +159,44 @@ CASES = {
         lambda root: stackwise.open_checkpoint(42), TypeError, ["`source`", "int"]),
     "a path of no checkpoint": (
         lambda root: stackwise.open_checkpoint(root / "model.bin"), ValueError,
-        ["model.bin", "cannot tell"]),
+        ["model.bin", "cannot tell", ".safetensors file"]),
+    "a mistyped folder": (
+        lambda root: stackwise.open_checkpoint(root / "othr"), ValueError,
+        ["othr does not exist", "did you mean", "other'"]),
+    "a mistyped folder, loading": (
+        _load("manger"), ValueError, ["manger does not exist", "did you mean", "manager'"]),
+    "a CheckpointManager's step folder": (
+        lambda root: stackwise.open_checkpoint(root / "manager" / "3"), ValueError,
+        ["<dir>/<step>/<item>", "e.g. " + "{root}/manager/3/default"]),
+    "a CheckpointManager's directory": (
+        lambda root: stackwise.load_checkpoint(root / "manager", ONE, W), ValueError,
+        ["<dir>/<step>/<item>", "e.g. " + "{root}/manager/3/default"]),
+    "an empty list of files": (
+        lambda root: stackwise.open_checkpoint([]), ValueError,
+        ["no files given", "empty list", "safetensors files, or its directory"]),
+    "an empty list of files, loading": (
+        _load([]), ValueError, ["no files given", "its directory"]),
+    "an index of binary garbage": (
+        lambda root: stackwise.open_checkpoint(root / "garbage.json"), ValueError,
+        ["garbage.json", "not a safetensors index", "'weight_map'", "download finished"]),
+    "an index whose files are not names": (
+        lambda root: stackwise.open_checkpoint(root / "numbers.json"), ValueError,
+        ["numbers.json", "not a safetensors index", "'weight_map' of tensor names to files"]),
+    "an index whose weight_map is a list": (
+        lambda root: stackwise.open_checkpoint(root / "list.json"), ValueError,
+        ["list.json", "not a safetensors index"]),
+    "a path in a folder that does not exist": (
+        lambda root: stackwise.open_checkpoint(root / "nowhere" / "model.safetensors"),
+        ValueError, ["model.safetensors does not exist", "nor does its folder", "nowhere"]),
+    "an empty .npz": (
+        _load("empty.npz"), ValueError,
+        ["empty.npz", "not a readable .npz", "empty, truncated", "Write it again"]),
+    "a .npz corrupt inside a tensor": (
+        _load("corrupt.npz", {"w": _abstract((3, 4, 4096))}, {"w": "w"}), ValueError,
+        ["tensor 'w'", "corrupt.npz", "cannot be read", "BadZipFile", "Write the file again"]),
+    "a truncated .npz": (
+        lambda root: stackwise.open_checkpoint(root / "truncated.npz"), ValueError,
+        ["truncated.npz", "not a readable .npz", "BadZipFile", "Write it again"]),
     "a folder of no checkpoint": (
         lambda root: stackwise.open_checkpoint(root / "other"), ValueError,
         ["other", "no safetensors files", "<dir>/<step>/<item>"]),
@@ -188,6 +241,58 @@ CASES = {
         _save(pattern=2), ValueError, ["pattern=2", "'l.{}.w'", "position=p"]),
     "saving a scalar under a per-layer name": (
         _save({"w": jnp.zeros(())}), ValueError, ["leaf ['w']", "scalar", "without `{}`"]),
+    "saving into a path that is a file": (
+        lambda root: stackwise.save_safetensors({"w": jnp.zeros((3, 4, 2))}, W,
+                                                root / "bad.json"),
+        FileExistsError, ["bad.json is a file, not a folder", "overwrite=True"]),
+    "saving under a path that is a file": (
+        lambda root: stackwise.save_safetensors({"w": jnp.zeros((3, 4, 2))}, W,
+                                                root / "bad.json" / "sub" / "out"),
+        FileExistsError, ["cannot make the folder", "bad.json is a file, not a folder"]),
+    "saving orbax into a path that is a file": (
+        lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4, 2))}, W, root / "bad.json"),
+        FileExistsError, ["save_orbax", "bad.json is a file, not a folder", "overwrite=True"]),
+    "saving a transposed 1-D leaf": (
+        _save({"w": jnp.zeros((3, 4))}, {"w": Tensor("l.{}.w", transpose=(1, 0))}),
+        TypeError, ["save_safetensors", "leaf ['w']", "transpose=(1, 0)", "(4,)",
+                    "nothing to transpose", "plain str"]),
+    "saving orbax a transposed 1-D leaf": (
+        lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4))},
+                                          {"w": Tensor("l.{}.w", transpose=(1, 0))},
+                                          root / "new6"),
+        TypeError, ["save_orbax", "leaf ['w']", "transpose=(1, 0)", "nothing to transpose"]),
+    "saving a PRNG key leaf": (
+        _save({"w": jnp.zeros((3, 4, 2)), "k": jax.random.split(jax.random.key(0), 3)},
+              {"w": "l.{}.w", "k": "l.{}.k"}),
+        TypeError, ["leaf ['k']", "PRNG key", "key<fry>", "jax.random.key_data"]),
+    "saving orbax a PRNG key leaf": (
+        lambda root: stackwise.save_orbax({"k": jax.random.key(0)}, {"k": "k"}, root / "new6"),
+        TypeError, ["save_orbax", "leaf ['k']", "PRNG key", "jax.random.key_data"]),
+    "loading into a PRNG key leaf": (
+        _load(".", {"k": jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 3))},
+              {"k": "model.layers.{}.w"}),
+        TypeError, ["load_checkpoint", "leaf ['k']", "PRNG key", "jax.random.key_data",
+                    "wrap_key_data"]),
+    "saving a dtype safetensors does not hold": (
+        _save({"w": jnp.zeros((3, 4, 2), jnp.complex64)}), TypeError,
+        ["leaf ['w']", "complex64", "safetensors files do not hold", "save_orbax"]),
+    "saving a reshape whose stored shape does not give the leaf": (
+        _save({"w": jnp.zeros((3, 2, 3))},
+              {"w": Tensor("l.{}.w", reshape=(2, 3), stored_shape=(3, 3))}),
+        ValueError, ["leaf ['w']", "(2, 3)", "stored_shape", "(3, 3)"]),
+    "a Tensor reshape that infers two axes": (
+        lambda root: Tensor("l.{}.w", reshape=(2, -1, -1)), ValueError,
+        ["`reshape=(2, -1, -1)`", "one axis (-1)", "(E, H, -1)"]),
+    "a Tensor stored_shape with -1": (
+        lambda root: Tensor("l.{}.w", stored_shape=(2, -1)), ValueError,
+        ["`stored_shape=(2, -1)`", "at least 0"]),
+    "a template with a format spec that is not zero-padding": (
+        _load(".", names={"w": "model.layers.{:2d}.w"}),
+        ValueError, ["'model.layers.{:2d}.w'", "leaf ['w']", "`{:02d}`", "zero-padded"]),
+    "a zero-padded checkpoint read with {}": (
+        lambda root: stackwise.load_checkpoint({"l.00.w": np.zeros(2, np.float32)},
+                                               {"w": _abstract((1, 2))}, {"w": "l.{}.w"}),
+        ValueError, ["'l.0.w'", "leaf ['w']", "closest name there is 'l.00.w'"]),
     "saving orbax over a checkpoint": (
         lambda root: stackwise.save_orbax({"w": jnp.zeros((3, 4, 2))}, W, root),
         FileExistsError, ["save_orbax", "ckpt", "already exists and is not empty",
@@ -239,7 +344,7 @@ def test_misuse(files, case):
     with pytest.raises(error) as info:
         call(files)
     message = str(info.value)
-    for part in parts:
+    for part in (p.replace("{root}", str(files)) for p in parts):
         assert part in message, f"{case}: {part!r} not in: {message}"
     assert {p: p.read_bytes() for p in files.glob("*") if p.is_file()} == before
 
@@ -312,3 +417,19 @@ def test_a_numpy_integer_pattern_reads_as_an_int(files):
     want = stackwise.load_checkpoint(files, ONE, W)
     got = stackwise.load_checkpoint(files, ONE, W, pattern=np.int64(1))
     np.testing.assert_array_equal(got["w"], want["w"])
+
+
+@pytest.mark.parametrize("saver", ["save_safetensors", "save_orbax"])
+def test_saving_into_a_folder_another_save_claims_names_it(tmp_path, saver):
+    if saver == "save_orbax":
+        pytest.importorskip("orbax.checkpoint")
+    claim = {"host": "node-7", "pid": 4242, "who": "stackwise.save_orbax", "since": "noon"}
+    (tmp_path / "out.stackwise-lock").write_text(json.dumps(claim))
+    with pytest.raises(FileExistsError) as info:
+        getattr(stackwise, saver)({"w": jnp.zeros((3, 4, 2))}, {"w": "l.{}.w"}, tmp_path / "out")
+    message = str(info.value)
+    for part in (f"stackwise.{saver}", "out is being written by another save",
+                 "pid 4242 on host 'node-7'", "since noon", "another directory",
+                 f"remove {tmp_path / 'out.stackwise-lock'}"):
+        assert part in message, (part, message)
+    assert sorted(os.listdir(tmp_path)) == ["out.stackwise-lock"]

@@ -205,6 +205,15 @@ LOGICAL_SPECS = [
         "('embed',)",
     ),
     case(
+        "a leaf's names with a number among them (the number blamed, not the str)",
+        lambda: stackwise.logical_specs({"w": ("embed", 1)}, [("embed", "data")]),
+        TypeError,
+        "leaf ['w']",
+        "('embed', 1)",
+        "got 1",
+        "a str) or None",
+    ),
+    case(
         "rules as a dict",
         lambda: stackwise.logical_specs({"w": ("embed",)}, {"embed": "data"}),
         TypeError,
