@@ -18,6 +18,7 @@ from stackwise._core import trees
 from stackwise._core.checks import check_depth
 from stackwise._core.options import Options
 from stackwise._core.stack import CARRY_NAME
+from stackwise._pipeline import ticks
 
 _WHO = "stackwise.pipeline"
 
@@ -40,7 +41,7 @@ class _Plan(NamedTuple):
     @property
     def ticks(self) -> int:
         """T = M*V + S - 1: every stage runs one chunk on one microbatch per tick."""
-        return self.M * self.V + self.S - 1
+        return ticks.gpipe_ticks(self.S, self.M, self.V)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -383,20 +384,19 @@ def _unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool
 
 
 def _entering(plan, mbs, s, h, parked, t):
-    """What stage s runs at tick t: step k = t - s, microbatch m = k % M of round
-    r = k // M, whether it is a real step, its input and the parked microbatches."""
+    """What stage s runs at tick t (``ticks.circular_order``): whether it is a real step,
+    its microbatch m and round r, its input and the parked microbatches."""
     S, V, M = plan.S, plan.V, plan.M
-    k = t - s
-    valid = (k >= 0) & (k < M * V)
-    kc = jnp.clip(k, 0, M * V - 1)
-    m, r = kc % M, kc // M
+    k = ticks.forward_step(t, s)
+    valid = ticks.is_step(k, M, V)
+    m, r = ticks.circular_order(jnp.clip(k, 0, M * V - 1), M)
     fresh = _take(mbs, m)
     if V > 1:
-        # What reached stage 0 left the last stage S - 1 ticks after it entered:
-        # park it until its microbatch's next round comes up.
-        k_in = t - S
-        arrived = (s == 0) & (k_in >= 0) & (k_in < M * V)
-        slot = jnp.clip(k_in, 0, M * V - 1) % M
+        # What reached stage 0 came round the ring: park it until its microbatch's next
+        # round comes up.
+        back = ticks.returned_step(t, S)
+        arrived = (s == 0) & ticks.is_step(back, M, V)
+        slot, _ = ticks.circular_order(jnp.clip(back, 0, M * V - 1), M)
         parked = jax.tree.map(
             lambda b, v: jax.lax.dynamic_update_index_in_dim(
                 b, jnp.where(arrived, v, _take(b, slot)), slot, 0

@@ -19,9 +19,9 @@ dispatch). The schedule below is the same for both.
 
 The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
 unless interleaved, ``repeats=V``); all stages in lockstep over ``T = M*V + V*S + S - 2``
-ticks (``M + 2S - 2`` for V = 1), in three ``lax.scan`` s (:func:`phases`): the first
-``V*S - 1`` ticks run forwards only, the last ``V*S - 1`` backwards only, the ones between
-both. A stage's steps are numbered
+ticks (``M + 2S - 2`` for V = 1), in three ``lax.scan`` s (``ticks.one_f_one_b_phases``):
+the first ``V*S - 1`` ticks run forwards only, the last ``V*S - 1`` backwards only, the
+ones between both. A stage's steps are numbered (``ticks.py``)
 ``k = g*S*V + r*S + i`` (Megatron's interleaved order: microbatches in groups of S, each
 group going round the ring V times): step k is microbatch ``g*S + i`` on the stage's chunk
 r. At tick t the stage runs the forward of step ``t - s`` and the backward of step
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from stackwise._pipeline import stage_fsdp
+from stackwise._pipeline import stage_fsdp, ticks
 from stackwise._pipeline.program import (
     _WHO,
     _check_batch,
@@ -72,22 +72,6 @@ from stackwise._pipeline.program import (
     _vary,
     _where,
 )
-
-
-def ticks(plan: _Plan) -> int:
-    """T = M*V + V*S + S - 2 (M + 2S - 2 for V = 1): the last backward step, M*V - 1,
-    runs on stage 0 at tick (M*V - 1) + (V*S - 1) + (S - 1)."""
-    return plan.M * plan.V + plan.V * plan.S + plan.S - 2
-
-
-def phases(plan: _Plan) -> list[tuple[int, int, bool, bool]]:
-    """The tick loops, ``(first tick, stop, forward, backward)``: before tick V*S - 1 no
-    stage has a backward step, from tick M*V + S - 1 on none has a forward step. The two
-    outer phases (V*S - 1 ticks each) run only what they need, so the schedule costs
-    M*V + S - 1 ticks of a forward and a backward."""
-    fill, drain = plan.V * plan.S - 1, plan.M * plan.V + plan.S - 1
-    loops = [(0, fill, True, False), (fill, drain, True, True), (drain, ticks(plan), False, True)]
-    return [loop for loop in loops if loop[1] > loop[0]]
 
 
 def _inexact(v: Any) -> bool:
@@ -269,25 +253,18 @@ def _zero_cotangent(v: Any) -> Any:
 
 
 def _step(plan: _Plan, k: Any) -> tuple:
-    """Step k of a stage, forward or backward: ``k = g*S*V + r*S + i`` is microbatch
-    ``m = g*S + i`` in round r. Returns ``(valid, m, r)``, clipped to a real step where
-    k is none."""
+    """Step k of a stage, forward or backward (``ticks.interleaved_order``): ``(valid, m,
+    r)``, clipped to a real step where k is none."""
     S, V, M = plan.S, plan.V, plan.M
-    valid = (k >= 0) & (k < M * V)
-    k = jnp.clip(k, 0, M * V - 1)
-    g, rest = k // (S * V), k % (S * V)
-    return valid, g * S + rest % S, rest // S
+    m, r = ticks.interleaved_order(jnp.clip(k, 0, M * V - 1), S, V)
+    return ticks.is_step(k, M, V), m, r
 
 
 def _device_program(stage, plan, loss, grads_tree, inputs, state):
     """One device's 1F1B schedule: the summed loss, the new state and every float input's
     gradient."""
     S, V, M = plan.S, plan.V, plan.M
-    K = min(M * V, 2 * V * S - 1)  # ring slots: a stage input lives at most 2VS - 2 ticks
-    # Forward step k runs on stage s at tick k + s, backward step k at k + delay + S - 1 - s:
-    # the least delay with which the last stage runs a microbatch's last forward, its loss
-    # and its first backward step in one tick.
-    delay = V * S - 1
+    K = ticks.ring_slots(S, M, V)
     s = jax.lax.axis_index(plan.stage_axis)
     d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     last = s == S - 1
@@ -328,7 +305,7 @@ def _device_program(stage, plan, loss, grads_tree, inputs, state):
         if forward:
             # Step t - s; stage 0 takes round 0 from x, the next rounds from the last stage
             # (which ran them one tick ago). The ring keeps its input and the state it read.
-            kf = t - s
+            kf = ticks.forward_step(t, s)
             on_f, mf, rf = _step(plan, kf)
             h_in = _where((s == 0) & (rf == 0), _take(mbs, mf), h)
             st_in = stage.state.take(state, rf, mf)
@@ -352,11 +329,11 @@ def _device_program(stage, plan, loss, grads_tree, inputs, state):
             acc_tg = _write(acc_tg, mf, dt, now)
             acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
         if backward:
-            # Step t - delay - (S - 1 - s), its rounds counted down from V - 1, recomputed
+            # Step t - (V*S - 1) - (S - 1 - s), its rounds counted down from V - 1, recomputed
             # from its input and state in the ring (at its forward step's slot).
-            on_b, mb, down = _step(plan, t - delay - (S - 1 - s))
+            on_b, mb, down = _step(plan, ticks.backward_step(t, s, S, V))
             rb = V - 1 - down
-            slot = ((mb // S) * S * V + rb * S + mb % S) % K
+            slot = ticks.interleaved_step(mb, rb, S, V) % K
             c_b = c_f if forward and V == 1 else chunk(rb)
             h_b, st_b = _take(ring, slot)
             primals = (c_b, h_b, _take(examples, mb), consts)
@@ -398,7 +375,7 @@ def _device_program(stage, plan, loss, grads_tree, inputs, state):
     acc0 = tuple(zeros(v) for v in (stacks, mbs, examples, consts, targets, loss_params))
     carry = (h0, zeros(h0), state, ring0, acc0, jnp.zeros((), out.dtype))
     carry = _vary(carry, plan.manual)
-    for first, stop, forward, backward in phases(plan):
+    for first, stop, forward, backward in ticks.one_f_one_b_phases(S, M, V):
         phase = functools.partial(tick, forward=forward, backward=backward)
         carry, _ = jax.lax.scan(phase, carry, jnp.arange(first, stop))
     _, _, state, _, acc, total = carry
