@@ -101,7 +101,8 @@ def _digest(tree) -> dict:
 
 def _facts(fn, *args) -> dict:
     compiled = jax.jit(fn).lower(*args).compile()
-    counts = collections.Counter(f"{op}@{depth}" for op, _, depth in collectives(compiled.as_text()))
+    found = collectives(compiled.as_text())
+    counts = collections.Counter(f"{op}@{depth}" for op, _, depth in found)
     return {
         "collectives": dict(sorted(counts.items())),
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),

@@ -19,7 +19,7 @@ def _forward(order, S, M, V, T):
         row = []
         for t in range(T):
             k = ticks.forward_step(t, s)
-            row.append("%d/%d" % order(k) if ticks.is_step(k, M, V) else ".")
+            row.append("{}/{}".format(*order(k)) if ticks.is_step(k, M, V) else ".")
         rows.append(" ".join(row))
     return rows
 
@@ -62,7 +62,8 @@ def test_circular_table():
     returned = []
     for t in range(T):
         k = ticks.returned_step(t, S)
-        returned.append("%d/%d" % ticks.circular_order(k, M) if ticks.is_step(k, M, V) else ".")
+        m, r = ticks.circular_order(k, M)
+        returned.append(f"{m}/{r}" if ticks.is_step(k, M, V) else ".")
     assert " ".join(returned) == ". . 0/0 1/0 2/0 0/1 1/1"
 
 
