@@ -1,8 +1,10 @@
-"""What a pipeline runs on each device: the params' layouts and the tick loop.
+"""What the schedules share: the plan, the params' layouts, the stage and its state.
 
-:func:`stackwise.pipeline` (``api.py``) checks the schedule and sorts the
-call's arguments; this module lays the params out per device and runs one
-device's program: its chunks of layers over all ticks of the schedule.
+:func:`stackwise.pipeline` (``api.py``) checks its arguments into a :class:`_Plan`
+and builds a :class:`Stage`; the schedules (``schedule_gpipe.py``,
+``schedule_1f1b.py``) run it on each device, its chunks ``(V*R, ...)`` stacks
+(:func:`_rows`, :func:`_chunk`) and its state carried by :class:`_StageState`. The
+remat policies of a stage that slices its chunk out of its stacks are here too.
 """
 
 from __future__ import annotations
@@ -152,21 +154,6 @@ def _to_chunks(tree: Any, plan: _Plan) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _place(inputs: tuple, mesh: Any, plan: _Plan) -> tuple:
-    """With explicit mesh axes, moves each input to the layout ``shard_map`` takes."""
-    if not plan.explicit:
-        return inputs  # auto axes: shard_map moves them itself
-    params, slices, x, examples, consts = inputs
-    layers = (None, plan.stage_axis)
-    return (
-        _reshard(params, mesh, layers, plan.manual),
-        _reshard(slices, mesh, layers, plan.manual),
-        _reshard(x, mesh, (plan.batch,), plan.manual),
-        _reshard(examples, mesh, (plan.batch,), plan.manual),
-        _reshard(consts, mesh, (), plan.manual),
-    )
-
-
 def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
     """Each leaf to ``P(*lead, ...)``: its other axes keep their non-manual sharding."""
     names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
@@ -191,7 +178,7 @@ def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
 
 
 # --------------------------------------------------------------------------
-# One device's program.
+# On a device: the inputs cast once, the stage, its state, its remat policy.
 
 
 def _vary(tree: Any, axes: tuple) -> Any:
@@ -220,43 +207,6 @@ def _take(tree: Any, i: Any) -> Any:
 
 def _where(c: Any, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
-
-
-def _device_program(
-    stage, options, plan, out_spec, params, slices, x, examples, consts, gather=None
-):
-    """What one device runs: its ``V`` chunks of ``L`` layers over all ticks (``gather``:
-    FSDP's, of the chunks before the tick loop)."""
-    V, M, L = plan.V, plan.M, plan.L
-    s = jax.lax.axis_index(plan.stage_axis)
-    d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
-    # Cast the loop-invariant inputs once, so that their gradients are summed
-    # over the data axis (and the consts' over the stages) once, outside the loops.
-    params, slices, x, examples, consts = _vary((params, slices, x, examples, consts), plan.manual)
-    mbs, examples = _split_batch(x, M), _split_batch(examples, M)
-
-    def run_stage(chunks, r, h, m):
-        """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
-        if V > 1:
-            chunks = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * L, L), chunks)
-        return stage.apply(chunks, h, d * M + m, _take(examples, m), consts)
-
-    # This device's chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
-    chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
-    if gather is not None:
-        chunks = (gather(chunks[0]), chunks[1])
-    if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
-        run_stage = jax.checkpoint(
-            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
-        )
-    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
-    aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
-    carry = (_take(mbs, 0), jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None, aux0)
-    tick = lambda c, t: _tick(plan, run_stage, chunks, mbs, s, c, t)  # noqa: E731
-    (_, _, aux), ys = jax.lax.scan(tick, _vary(carry, plan.manual), jnp.arange(plan.ticks))
-    # The last stage finished microbatch m (last round) at tick T - M + m.
-    y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
-    return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
 
 
 class _StageState:
@@ -322,6 +272,45 @@ class _StageState:
         return jax.tree.map(one, state, self.batched)
 
 
+class Stage(NamedTuple):
+    """A pipeline's stage as the schedules run it (``schedule_gpipe.py``,
+    ``schedule_1f1b.py``), from the pipeline that builds it (``api.py``: one layer
+    function's stack, or a pattern's blocks, ``pattern.py``). On a device the stage's V
+    chunks are ``(params, per_layer)`` stacks of ``V*R`` rows (R: a leaf's rows in one
+    chunk), chunk r at rows ``r*R`` to ``(r+1)*R - 1``.
+
+    * ``run(chunk, h, state, j, examples, consts) -> ((h, state), aux)``: one chunk (its
+      ``(params, per_layer)`` rows, the params gathered with FSDP) on microbatch j (its
+      index over the whole batch) with its state; ``examples`` are the microbatch's rows.
+    * ``params``: the params' ``shard_map`` spec; ``lead``: a param leaf's dimensions before
+      its inner ones (2 in the ``(V, n/V, ...)`` layout, 3 in a pattern's ``(V, S, C_p,
+      ...)`` blocks); ``dims``: with FSDP, each param leaf's inner dimension split over
+      the FSDP axes (else ``None``).
+    * ``state``: how the tick loops carry the stage's state (:class:`_StageState`).
+    """
+
+    run: Callable[..., tuple]
+    params: Any
+    lead: int
+    dims: Any
+    state: _StageState
+
+
+def _rows(tree: Any, lead: int) -> Any:
+    """Leaves with ``lead`` leading dimensions (a device's ``(V, ..., ...)`` part) as the
+    ``(rows, ...)`` stacks it runs."""
+    return jax.tree.map(lambda v: v.reshape(-1, *v.shape[lead:]), tree)
+
+
+def _chunk(tree: Any, r: Any, V: int) -> Any:
+    """Chunk r's rows of ``(V*R, ...)`` stacks (all of them for one chunk a stage)."""
+    if V == 1:
+        return tree
+    return jax.tree.map(
+        lambda v: jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V), tree
+    )
+
+
 def _same(v: Any, plan: _Plan) -> Any:
     """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
     ``pattern._batched_leaves`` refuses more), marked so: it met the batch in the
@@ -381,84 +370,3 @@ def _unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool
         return keep(prim, *avals, **params)
 
     return save
-
-
-def _entering(plan, mbs, s, h, parked, t):
-    """What stage s runs at tick t (``ticks.circular_order``): whether it is a real step,
-    its microbatch m and round r, its input and the parked microbatches."""
-    S, V, M = plan.S, plan.V, plan.M
-    k = ticks.forward_step(t, s)
-    valid = ticks.is_step(k, M, V)
-    m, r = ticks.circular_order(jnp.clip(k, 0, M * V - 1), M)
-    fresh = _take(mbs, m)
-    if V > 1:
-        # What reached stage 0 came round the ring: park it until its microbatch's next
-        # round comes up.
-        back = ticks.returned_step(t, S)
-        arrived = (s == 0) & ticks.is_step(back, M, V)
-        slot, _ = ticks.circular_order(jnp.clip(back, 0, M * V - 1), M)
-        parked = jax.tree.map(
-            lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                b, jnp.where(arrived, v, _take(b, slot)), slot, 0
-            ),
-            parked,
-            h,
-        )
-        fresh = _where(r == 0, fresh, _take(parked, m))
-    return valid, m, r, _where(s == 0, fresh, h), parked
-
-
-def _add_aux(aux, layer_aux, valid, r):
-    """Chunk r's aux of this tick added to its running sum (nothing on a bubble tick)."""
-    return jax.tree.map(
-        lambda acc, a: jax.lax.dynamic_update_index_in_dim(
-            acc, _take(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
-        ),
-        aux,
-        layer_aux,
-    )
-
-
-def _pass_on(out, plan):
-    """This tick's output to the next stage (round the ring with the circular schedule)."""
-    S = plan.S
-    ring = [(i, (i + 1) % S) for i in range(S if plan.V > 1 else S - 1)]
-    return jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
-
-
-def _tick(plan, run_stage, chunks, mbs, s, carry, t):
-    """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
-    h, parked, aux = carry
-    valid, m, r, h, parked = _entering(plan, mbs, s, h, parked, t)
-    out, layer_aux = run_stage(chunks, r, h, m)
-    return (_pass_on(out, plan), parked, _add_aux(aux, layer_aux, valid, r)), out
-
-
-def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
-    """The last stage's outputs, split over the stages (or, if they do not divide, to all)."""
-    last = s == plan.S - 1
-
-    def one(v):
-        v = jnp.where(last, v, jnp.zeros_like(v))
-        cast = v.dtype == jnp.bool_
-        v = v.astype(jnp.int8) if cast else v
-        if out_spec == PartitionSpec(plan.batch):
-            v = jax.lax.psum(v, plan.stage_axis)
-        else:
-            v = jax.lax.psum_scatter(v, plan.stage_axis, scatter_dimension=0, tiled=True)
-        return v.astype(jnp.bool_) if cast else v
-
-    return jax.tree.map(one, y)
-
-
-def _gather_aux(aux: Any, s: Any, plan: _Plan) -> Any:
-    """Each stage's ``(V, L, ...)`` aux into ``(n, ...)`` in layer order, on every device."""
-    S, V = plan.S, plan.V
-
-    def one(a):
-        full = jnp.zeros((V, S, *a.shape[1:]), a.dtype)
-        full = jax.lax.dynamic_update_index_in_dim(full, a, s, 1)
-        full = jax.lax.psum(full, plan.manual)
-        return full.reshape(plan.n, *a.shape[2:])
-
-    return jax.tree.map(one, aux)

@@ -11,11 +11,9 @@ the residual (the backward rule only scales them by the incoming cotangent); wit
 differentiation the primal runs, the plain GPipe (circular, for V > 1) forward and the
 loss.
 
-What a stage runs comes from the pipeline that builds it, as a :class:`Stage`: "run
+What a stage runs comes from the pipeline that builds it, as a ``program.Stage``: "run
 chunk r of this stage on microbatch m", its params' layout and FSDP split, and how its
-state is carried (``api.py`` for one layer function, without state;
-``pattern.py`` for a pattern or layers with state, its position blocks and
-dispatch). The schedule below is the same for both.
+state is carried; the GPipe schedule (``schedule_gpipe.py``) runs the same stage.
 
 The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
 unless interleaved, ``repeats=V``); all stages in lockstep over ``T = M*V + V*S + S - 2``
@@ -62,12 +60,14 @@ from jax.sharding import PartitionSpec
 from stackwise._pipeline import stage_fsdp, ticks
 from stackwise._pipeline.program import (
     _WHO,
+    Stage,
     _check_batch,
     _check_same_batch,
+    _chunk,
     _Plan,
     _reshard,
+    _rows,
     _split_batch,
-    _StageState,
     _take,
     _vary,
     _where,
@@ -95,30 +95,6 @@ def _vjp(f: Callable[[Any], Any], tree: Any) -> tuple[Any, Callable[[list], list
 
     out, pull = jax.vjp(of_floats, *[v for v, k in zip(leaves, keep) if k])
     return out, lambda ct: list(pull(ct))
-
-
-class Stage(NamedTuple):
-    """A pipeline's stage as the 1F1B program runs it, from the pipeline that builds it
-    (``api.py`` for one layer function, ``pattern.py`` for a pattern or
-    layers with state). On a device the stage's V chunks are ``(params, per_layer)``
-    stacks of ``V*R`` rows (R: a leaf's rows in one chunk), chunk r at rows ``r*R`` to
-    ``(r+1)*R - 1``.
-
-    * ``run(chunk, h, state, j, examples, consts) -> (h, state)``: one chunk (its ``(params,
-      per_layer)`` rows, the params gathered with FSDP) on microbatch j (its index over the
-      whole batch) with its state; ``examples`` are the microbatch's rows.
-    * ``params``: the params' ``shard_map`` spec; ``lead``: a param leaf's dimensions before
-      its inner ones (2 in the ``(V, n/V, ...)`` layout, 3 in a pattern's ``(V, S, C_p,
-      ...)`` blocks); ``dims``: with FSDP, each param leaf's inner dimension split over
-      the FSDP axes (else ``None``).
-    * ``state``: how the tick loop carries the stage's state (``_StageState``).
-    """
-
-    run: Callable[..., tuple]
-    params: Any
-    lead: int
-    dims: Any
-    state: _StageState
 
 
 def targets_of(args: tuple, kwargs: dict, call: str) -> tuple:
@@ -322,10 +298,7 @@ class _Device:
         params, per_layer, x, examples, self.consts, targets, self.loss_params = inputs
         self.mbs, self.examples, self.targets = (_split_batch(v, M) for v in (x, examples, targets))
         # This device's V chunks as (V*R, ...) stacks, chunk r at rows r*R:(r+1)*R.
-        stacks = (
-            jax.tree.map(lambda v: v.reshape(-1, *v.shape[stage.lead :]), params),
-            jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), per_layer),
-        )
+        stacks = (_rows(params, stage.lead), _rows(per_layer, 2))
         self.fsdp = _Fsdp(plan, stage.dims, stacks)
         self.per_tick = plan.fsdp and plan.gather == "tick"
         if plan.fsdp and not self.per_tick:
@@ -337,16 +310,11 @@ class _Device:
         """This stage's chunk on microbatch m from state ``st``, a function of ``(chunk,
         h, examples, consts)``: ``(h, new state)``."""
         j = self.d * self.plan.M + m
-        return lambda a: self.stage.run(a[0], a[1], st, j, a[2], a[3])
+        return lambda a: self.stage.run(a[0], a[1], st, j, a[2], a[3])[0]
 
     def chunk(self, r: Any) -> Any:
         """Chunk r of this stage (gathered, with FSDP per tick)."""
-        V = self.plan.V
-
-        def rows(v):  # chunk r's R of the V*R rows
-            return jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V)
-
-        c = jax.tree.map(rows, self.stacks) if V > 1 else self.stacks
+        c = _chunk(self.stacks, r, self.plan.V)
         return self.fsdp.gather(c) if self.per_tick else c
 
     def start(self, state: Any) -> _Carry:

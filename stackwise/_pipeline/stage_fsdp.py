@@ -42,8 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise._core import checks
 from stackwise._core.options import Options
-from stackwise._core.stack import Stacked
-from stackwise._pipeline.program import _WHO, _kept, _sliced_shapes, _unless_sliced
+from stackwise._pipeline.program import _WHO, _kept, _rows, _sliced_shapes, _unless_sliced
 from stackwise._sharding.fsdp import fsdp_specs
 
 GATHERS = ("step", "tick")
@@ -213,23 +212,6 @@ def gathered_once(
         return jax.checkpoint(run, prevent_cse=True, policy=policy)(params, *rest)
 
     return checkpointed
-
-
-def _rows(params: Any, lead: int = 2) -> Any:
-    """Leaves with ``lead`` leading dimensions (``(V, L, ...)``) as the ``(rows, ...)``
-    stack a device runs."""
-    return jax.tree.map(lambda v: v.reshape(math.prod(v.shape[:lead]), *v.shape[lead:]), params)
-
-
-def gathered_per_tick(stage: Stacked, dims_tree: Any, plan: Any, options: Options) -> Stacked:
-    """A stage whose apply gathers its chunk first, never keeping the gathered copy."""
-
-    def apply(chunk, h, *args):
-        params, slices = chunk
-        return stage.apply((gather(params, dims_tree, plan), slices), h, *args)
-
-    policy = None if options.unroll is True else _never_gathered(options)
-    return Stacked(None, jax.checkpoint(apply, prevent_cse=False, policy=policy), stage.n)
 
 
 def per_tick_policy(
