@@ -29,18 +29,18 @@ from stackwise._core.markers import _PerExample, _PerLayer, _split_markers
 from stackwise._core.options import check_layers, check_options
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, _apply_args, stack
 from stackwise._pipeline import schedule_1f1b, schedule_gpipe, stage_fsdp
-from stackwise._pipeline.pattern import Blocks, _Layer
+from stackwise._pipeline.pattern import Blocks, Layer
 from stackwise._pipeline.program import (
-    _WHO,
+    WHO,
+    Plan,
     Stage,
-    _check_batch,
-    _check_same_batch,
-    _device_layout,
-    _out_spec,
-    _Plan,
-    _reshard,
-    _StageState,
-    _to_chunks,
+    StageState,
+    check_batch,
+    check_same_batch,
+    device_layout,
+    output_spec,
+    reshard,
+    to_chunks,
 )
 
 __all__ = ["pipeline"]
@@ -216,28 +216,28 @@ def pipeline(
 def _checked(
     init, apply, n, mesh, *, microbatches, stage_axis, data_axis, schedule, repeats, fsdp,
     fsdp_gather, remat, nested, unroll, has_aux, loss, with_state, batched_state,
-) -> tuple[Stacked, tuple, bool, _Plan, Any]:  # fmt: skip
+) -> tuple[Stacked, tuple, bool, Plan, Any]:  # fmt: skip
     """``(plain stack, applies, pattern, plan, options)`` of :func:`pipeline`'s arguments,
     or the error that names the argument."""
     sequences = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
     if not sequences and not callable(apply):
         raise TypeError(
-            f"{_WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
+            f"{WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
             "`stackwise.stack` and a mesh, e.g. `stackwise.pipeline(init, apply, n, mesh, "
             "microbatches=8)`; pass `init=None` when the params come from elsewhere. Got "
             f"apply={apply!r}, mesh={mesh!r}."
         )
     # Checks n (and the pattern, with_state); its init is the pipeline's.
-    plain = stack(init, apply, n, with_state=with_state, name=_WHO)
+    plain = stack(init, apply, n, with_state=with_state, name=WHO)
     plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp, fsdp_gather)
     options = check_options(
-        _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
+        WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
-    _, applies, pattern = check_layers(init, apply, _WHO)
+    _, applies, pattern = check_layers(init, apply, WHO)
     if (pattern or with_state) and not (isinstance(batched_state, bool) or callable(batched_state)):
         raise TypeError(
-            f"{_WHO}: `batched_state` must be a bool or a function of a state leaf's path "
+            f"{WHO}: `batched_state` must be a bool or a function of a state leaf's path "
             "(a `jax.tree_util.keystr` string) returning a bool, got "
             f"{type(batched_state).__name__} {batched_state!r}."
         )
@@ -246,12 +246,12 @@ def _checked(
 
 def _int_arg(value: Any, name: str, fix: str) -> int:
     try:
-        value = checks.integer(value, _WHO, name)
+        value = checks.integer(value, WHO, name)
     except TypeError:
         value = None
     if value is None or value < 1:
         raise TypeError(
-            f"{_WHO}: `{name}` must be a positive Python int, got "
+            f"{WHO}: `{name}` must be a positive Python int, got "
             f"{type(value).__name__} {value!r}. {fix}"
         )
     return value
@@ -260,7 +260,7 @@ def _int_arg(value: Any, name: str, fix: str) -> int:
 def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
     if axis not in mesh.shape:
         raise ValueError(
-            f"{_WHO}: `{arg}={axis!r}` is not an axis of the mesh, whose axes are "
+            f"{WHO}: `{arg}={axis!r}` is not an axis of the mesh, whose axes are "
             f"{dict(mesh.shape)}. Pass `{arg}=` one of {tuple(mesh.shape)}, or build "
             f"the mesh with a {axis!r} axis, e.g. `jax.make_mesh((4, 2), ('stage', 'data'))`."
         )
@@ -269,12 +269,12 @@ def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
 
 def _plan(
     n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp=None, gather="step"
-) -> _Plan:
-    mesh = checks.mesh(mesh, _WHO)
+) -> Plan:
+    mesh = checks.mesh(mesh, WHO)
     for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
         if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
             raise TypeError(
-                f"{_WHO}: `{arg}` must be one mesh axis name (a str)"
+                f"{WHO}: `{arg}` must be one mesh axis name (a str)"
                 + (" or None" if arg == "data_axis" else "")
                 + f", got {type(axis).__name__} {axis!r}."
             )
@@ -284,15 +284,15 @@ def _plan(
     if data_axis is not None:
         if data_axis == stage_axis:
             raise ValueError(
-                f"{_WHO}: `data_axis` and `stage_axis` are both {stage_axis!r}; the "
+                f"{WHO}: `data_axis` and `stage_axis` are both {stage_axis!r}; the "
                 "batch and the stages need two different mesh axes."
             )
         D = _mesh_axis(mesh, data_axis, "data_axis")
     if schedule not in _SCHEDULES:
-        raise ValueError(f"{_WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
+        raise ValueError(f"{WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
     if schedule == "gpipe" and repeats not in (None, 1):
         raise ValueError(
-            f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'` (or '1f1b', "
+            f"{WHO}: `repeats={repeats!r}` needs `schedule='circular'` (or '1f1b', "
             "interleaved); the 'gpipe' schedule runs each stage's layers once per microbatch."
         )
     if schedule == "gpipe" or (schedule == "1f1b" and repeats is None):
@@ -303,60 +303,60 @@ def _plan(
         what = f"the {schedule!r} schedule" + (f" with repeats={V}" if schedule == "1f1b" else "")
         if S < 2:
             raise ValueError(
-                f"{_WHO}: {what} needs at least 2 stages, but mesh axis {stage_axis!r} has "
+                f"{WHO}: {what} needs at least 2 stages, but mesh axis {stage_axis!r} has "
                 f"size {S}. "
                 + ("Use repeats=1." if schedule == "1f1b" else "Use schedule='gpipe'.")
             )
         if schedule == "circular" and M < S:
             raise ValueError(
-                f"{_WHO}: the 'circular' schedule needs at least as many microbatches as "
+                f"{WHO}: the 'circular' schedule needs at least as many microbatches as "
                 f"stages, got microbatches={M} for {S} stages on mesh axis {stage_axis!r}. "
                 f"Use microbatches >= {S}, or schedule='gpipe'."
             )
         if schedule == "1f1b" and M % S:
             fits = " or ".join(str(k) for k in (M - M % S, M - M % S + S) if k)
             raise ValueError(
-                f"{_WHO}: {what} (interleaved 1F1B) runs the microbatches in groups of S={S} "
+                f"{WHO}: {what} (interleaved 1F1B) runs the microbatches in groups of S={S} "
                 f"(the stages on mesh axis {stage_axis!r}), so `microbatches` must be a "
                 f"multiple of {S}, got microbatches={M}. Use microbatches={fits}, or repeats=1."
             )
     if V < 1 or n % (S * V):
         per = f"S={S} stages" if V == 1 else f"S*repeats={S}*{V}={S * V} chunks"
         raise ValueError(
-            f"{_WHO}: n={n} layers cannot be split evenly into {per} (mesh axis "
+            f"{WHO}: n={n} layers cannot be split evenly into {per} (mesh axis "
             f"{stage_axis!r} has size {S}). Use a number of layers divisible by "
             f"{S * max(V, 1)}"
             + (", or another `repeats`" if V > 1 else "")
             + ", or a mesh whose stage axis divides n."
         )
     explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-    fsdp, gather = stage_fsdp.check(mesh, fsdp, gather, stage_axis, _WHO)
+    fsdp, gather = stage_fsdp.check(mesh, fsdp, gather, stage_axis, WHO)
     D *= stage_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
-    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
+    return Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
 
 
 def _check_loss_option(schedule: str, loss: Any, has_aux: bool) -> None:
     """``loss=`` comes with ``schedule='1f1b'`` and only with it."""
     if schedule == "1f1b" and loss is None:
         raise ValueError(
-            f"{_WHO}: schedule='1f1b' needs `loss=`: a microbatch's backward pass starts as "
+            f"{WHO}: schedule='1f1b' needs `loss=`: a microbatch's backward pass starts as "
             "soon as its forward leaves the last stage, so the pipeline computes the loss "
             "itself. Pass `loss=lambda y, targets: ...` (one float scalar per microbatch); "
             "`apply(params, x, targets, *args)` then returns its mean over microbatches."
         )
     if loss is not None and schedule != "1f1b":
         raise ValueError(
-            f"{_WHO}: `loss=` is for schedule='1f1b', got schedule={schedule!r}. Pass "
+            f"{WHO}: `loss=` is for schedule='1f1b', got schedule={schedule!r}. Pass "
             "schedule='1f1b', or drop `loss=` and apply the loss to the pipeline's output."
         )
     if loss is not None and not callable(loss):
         raise TypeError(
-            f"{_WHO}: `loss` must be a function `loss(y, targets)` returning a float scalar "
+            f"{WHO}: `loss` must be a function `loss(y, targets)` returning a float scalar "
             f"per microbatch, got {type(loss).__name__} {loss!r}."
         )
     if loss is not None and has_aux:
         raise ValueError(
-            f"{_WHO}: schedule='1f1b' does not take `has_aux=True`: the pipeline returns the "
+            f"{WHO}: schedule='1f1b' does not take `has_aux=True`: the pipeline returns the "
             "loss only. Add the aux term to the carry (a pytree `x`) and to `loss`, or use "
             "schedule='gpipe' with has_aux=True."
         )
@@ -379,36 +379,36 @@ class _Pipelined:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where, plan = self.where, self.plan
-        params, state, x, args = _apply_args(args, self.with_state, _WHO, call="apply")
+        params, state, x, args = _apply_args(args, self.with_state, WHO, call="apply")
         if self.loss is not None:
             targets, loss_params, args, kwargs = schedule_1f1b.targets_of(
                 args, kwargs, self.signature
             )
         params, state = where.enter(params, state)
-        _check_batch(x, plan, "x")
+        check_batch(x, plan, "x")
         state_of = where.state_of(state, x)
         call = _split_args(tuple(args), kwargs, plan.n)
         for i, v in enumerate(call.examples):
-            _check_batch(v, plan, f"stackwise.per_example argument {i}")
-            _check_same_batch(v, x, f"stackwise.per_example argument {i}")
+            check_batch(v, plan, f"stackwise.per_example argument {i}")
+            check_same_batch(v, x, f"stackwise.per_example argument {i}")
         stage = self._stage(call, where.dims(params) if plan.fsdp else None, state_of)
         params, state = where.device(params, state)
         inputs = (params, state, where.per_layer(call), x, call.examples, call.consts)
         if plan.explicit:
             inputs = _place(inputs, stage, self.mesh, plan)
-        run = self._program(stage, _out_spec(x, plan))
+        run = self._program(stage, output_spec(x, plan))
         if self.loss is not None:
             return self._loss(stage, run, inputs, targets, loss_params)
         y, aux, new_state = run(*inputs)
         out = (y, where.aux(aux)) if self.has_aux else y
         return (out, where.leave(new_state)) if self.with_state else out
 
-    def _stage(self, call: _Call, dims: Any, state_of: _StageState) -> Stage:
+    def _stage(self, call: _Call, dims: Any, state_of: StageState) -> Stage:
         """The stage: a chunk's layers as one :func:`stackwise.stack` (the core's scan and
         remat) of the layer that rebuilds the call's arguments."""
         plan, lead = self.plan, self.where.lead
-        layer = _Layer(self.applies, self.has_aux, self.with_state, call, plan.manual)
-        one = stack(None, layer, plan.L, **self.layers, has_aux=True, name=_WHO)
+        layer = Layer(self.applies, self.has_aux, self.with_state, call, plan.manual)
+        one = stack(None, layer, plan.L, **self.layers, has_aux=True, name=WHO)
         if plan.fsdp:
             spec = stage_fsdp.in_specs(dims, plan, lead=lead)
         else:
@@ -456,15 +456,15 @@ class _Stacks:
 
     lead = 2  # a param leaf's dimensions before its inner ones
 
-    def __init__(self, plan: _Plan, mesh: Any):
+    def __init__(self, plan: Plan, mesh: Any):
         self.plan, self.mesh = plan, mesh
 
     def enter(self, params: Any, state: Any) -> tuple:
         """The params in the device layout (from either layout, depth checked); no state."""
-        return _device_layout(params, self.plan), ()
+        return device_layout(params, self.plan), ()
 
-    def state_of(self, state: Any, x: Any) -> _StageState:
-        return _StageState((), self.plan)
+    def state_of(self, state: Any, x: Any) -> StageState:
+        return StageState((), self.plan)
 
     def dims(self, params: Any) -> Any:
         """With FSDP, each leaf's inner dimension split over the FSDP axes."""
@@ -474,7 +474,7 @@ class _Stacks:
         return params, state
 
     def per_layer(self, call: _Call) -> list:
-        return [_to_chunks(v, self.plan) for v in call.per_layer]
+        return [to_chunks(v, self.plan) for v in call.per_layer]
 
     @staticmethod
     def run(one: Stacked) -> Callable:
@@ -493,25 +493,25 @@ class _Stacks:
         return state
 
 
-def _place(inputs: tuple, stage: Stage, mesh: Any, plan: _Plan) -> tuple:
+def _place(inputs: tuple, stage: Stage, mesh: Any, plan: Plan) -> tuple:
     """With explicit mesh axes, moves each input ``(params, state, per_layer, x, examples,
     consts)`` to the layout ``shard_map`` takes (with ``fsdp``, the params keep their inner
     split over the FSDP axes: nothing is gathered)."""
     params, state, per_layer, x, examples, consts = inputs
     state = jax.tree.map(
-        lambda v, spec: _reshard(v, mesh, tuple(spec), plan.manual), state, stage.state.specs
+        lambda v, spec: reshard(v, mesh, tuple(spec), plan.manual), state, stage.state.specs
     )
     if plan.fsdp:
         params = stage_fsdp.place(params, stage.dims, mesh, plan, lead=stage.lead)
     else:
-        params = _reshard(params, mesh, (None, plan.stage_axis), plan.manual)
+        params = reshard(params, mesh, (None, plan.stage_axis), plan.manual)
     return (
         params,
         state,
-        _reshard(per_layer, mesh, (None, plan.stage_axis), plan.manual),
-        _reshard(x, mesh, (plan.batch,), plan.manual),
-        _reshard(examples, mesh, (plan.batch,), plan.manual),
-        _reshard(consts, mesh, (), plan.manual),
+        reshard(per_layer, mesh, (None, plan.stage_axis), plan.manual),
+        reshard(x, mesh, (plan.batch,), plan.manual),
+        reshard(examples, mesh, (plan.batch,), plan.manual),
+        reshard(consts, mesh, (), plan.manual),
     )
 
 
@@ -552,7 +552,7 @@ def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
             template.append(leaf)
     kinds = [leaf.kind for leaf in leaves if isinstance(leaf, _PerLayer)]
     a, kw = jax.tree_util.tree_unflatten(treedef, template)
-    per_layer, rebuild = _split_markers(a, kw, n, f"{_WHO} apply")
+    per_layer, rebuild = _split_markers(a, kw, n, f"{WHO} apply")
 
     def build(slices, example_values, const_values):
         values = {"example": example_values, "const": const_values}

@@ -39,7 +39,7 @@ pattern:
   microbatches would. Bubble ticks write nothing.
 
 The schedules (``schedule_gpipe.py``, ``schedule_1f1b.py``) carry the chunk's state
-(``program._StageState``), read before the stage runs and written after it.
+(``program.StageState``), read before the stage runs and written after it.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ from stackwise._core.options import Options
 from stackwise._core.stack import Stacked, _check_pair, _Run
 from stackwise._pipeline import stage_fsdp
 from stackwise._pipeline.program import (
-    _WHO,
-    _Plan,
-    _StageState,
-    _take,
-    _to_chunks,
-    _vary,
+    WHO,
+    Plan,
+    StageState,
+    nth,
+    to_chunks,
+    vary,
 )
 
 __all__ = ["Blocks"]
@@ -173,13 +173,13 @@ class Blocks:
 
     def __init__(
         self, applies: tuple, pattern: bool, with_state: bool, batched_state: Any,
-        plan: _Plan, mesh: Any, options: Options,
+        plan: Plan, mesh: Any, options: Options,
     ):  # fmt: skip
         self.k, self.pattern, self.with_state = len(applies), pattern, with_state
         self.batched_state, self.plan, self.mesh = batched_state, plan, mesh
         self.layout = _layout(plan.n, self.k, plan.S, plan.V)
         self.tables = (jnp.asarray(self.layout.position), jnp.asarray(self.layout.row))
-        self.core = _Run(applies, plan.n, options, with_state, _WHO)  # the stack's checks
+        self.core = _Run(applies, plan.n, options, with_state, WHO)  # the stack's checks
 
     def enter(self, params: Any, state: Any) -> tuple:
         """The params (and state) as one stacked tree per position, depth checked."""
@@ -188,9 +188,9 @@ class Blocks:
             return params, (None,) * self.k
         return params, self.core.positions(state, "state", self.pattern)
 
-    def state_of(self, state: tuple, x: Any) -> _StageState:
+    def state_of(self, state: tuple, x: Any) -> StageState:
         flags = _batched_leaves(state, self.batched_state, x, self.plan, self.pattern)
-        return _StageState(flags, self.plan)
+        return StageState(flags, self.plan)
 
     def dims(self, params: tuple) -> tuple:
         return _fsdp_dims(params, self.mesh, self.plan, self.pattern)
@@ -204,7 +204,7 @@ class Blocks:
 
     def per_layer(self, call: Any) -> Any:
         """The tables and the per-layer arguments, ``(V, n/V, ...)``."""
-        return _to_chunks((self.tables, call.per_layer), self.plan)
+        return to_chunks((self.tables, call.per_layer), self.plan)
 
     @staticmethod
     def run(one: Stacked) -> Callable:
@@ -230,7 +230,7 @@ class Blocks:
         return out if self.pattern else out[0]
 
 
-def _fsdp_dims(params: tuple, mesh: Any, plan: _Plan, pattern: bool) -> tuple | None:
+def _fsdp_dims(params: tuple, mesh: Any, plan: Plan, pattern: bool) -> tuple | None:
     """With ``fsdp``: per position, each leaf's inner dimension split over the FSDP axes,
     read from the stacked params as the user placed them (leaf paths as the user's)."""
     if not plan.fsdp:
@@ -240,7 +240,7 @@ def _fsdp_dims(params: tuple, mesh: Any, plan: _Plan, pattern: bool) -> tuple | 
     return (stage_fsdp.dims(params[0], mesh, plan, lead=1),)
 
 
-def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, pattern: bool):
+def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: Plan, pattern: bool):
     """Per state leaf: whether it has a batch axis (after the layer axis), checked."""
     batch = jnp.shape(jax.tree.leaves(x)[0])[0]
     paths = jax.tree_util.tree_leaves_with_path(state if pattern else state[0])
@@ -250,7 +250,7 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
         flag = batched_state if isinstance(batched_state, bool) else batched_state(name)
         if not isinstance(flag, bool):
             raise TypeError(
-                f"{_WHO} apply: `batched_state({name!r})` returned "
+                f"{WHO} apply: `batched_state({name!r})` returned "
                 f"{type(flag).__name__} {flag!r}; it must return a bool."
             )
         shape = jnp.shape(leaf)
@@ -259,7 +259,7 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
         flags.append(flag)
     if bad:
         raise ValueError(
-            f"{_WHO} apply: with `batched_state`, a state leaf has a batch axis after its "
+            f"{WHO} apply: with `batched_state`, a state leaf has a batch axis after its "
             f"layer axis, of x's batch {batch}, so that it is split into "
             f"microbatches={plan.M} with x; these leaves do not:\n"
             + "\n".join(bad)
@@ -271,7 +271,7 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
         args = ["data_axis"] * bool(plan.data_axis) + ["fsdp"] * bool(plan.fsdp)
         axes = ", ".join(repr(a) for a in plan.batch_axes)
         raise ValueError(
-            f"{_WHO} apply: state leaves without a batch axis (`batched_state` says so) "
+            f"{WHO} apply: state leaves without a batch axis (`batched_state` says so) "
             f"cannot be split over the batch's mesh axes {axes} (of "
             + " and ".join(f"`{a}`" for a in args)
             + f") of size {plan.D}: each data shard would update them differently. Use "
@@ -287,7 +287,7 @@ def _batched_leaves(state: tuple, batched_state: Any, x: Any, plan: _Plan, patte
 # One layer: its position's apply, chosen by the table.
 
 
-class _Layer:
+class Layer:
     """The layer a stage's stack runs, its arguments rebuilt (per-layer keys folded with the
     microbatch's index j). With one layer function (``api._Stacks``), its params come
     with the per-layer values; with ``blocks`` (``Blocks``), the table gives its position
@@ -321,7 +321,7 @@ class _Layer:
                 carry, aux = branches[p](h, state, blocks)
                 zeros = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t) for t in shapes]
                 aux = tuple(aux if q == p else zeros[q] for q in range(len(shapes)))
-                return _vary((carry, aux), self.axes)
+                return vary((carry, aux), self.axes)
 
             return run
 
@@ -331,14 +331,14 @@ class _Layer:
         apply = self.applies[p]
 
         def run(h, state, blocks):
-            params = _take(blocks[p], row)
+            params = nth(blocks[p], row)
             if not self.with_state:
                 out = apply(params, h, *args, **kwargs)
             else:
-                old = _take(state[p], row)
+                old = nth(state[p], row)
                 out, new = _check_pair(
                     apply(params, old, h, *args, **kwargs),
-                    _WHO,
+                    WHO,
                     "with `with_state=True` a layer returns `(out, layer_state)`",
                     "Return the state with the output, e.g. `return x, state`.",
                     by=f"position {p}",
@@ -352,7 +352,7 @@ class _Layer:
             if self.has_aux:
                 h, aux = _check_pair(
                     out,
-                    _WHO,
+                    WHO,
                     "with `has_aux=True` a layer returns `(x, aux)`",
                     "Return `(x, aux)`, or build the pipeline without `has_aux`.",
                     by=f"position {p}",
@@ -375,7 +375,7 @@ def _check_state(old: Any, new: Any, p: int) -> None:
             lambda v: f"{jnp.result_type(v).name}{list(jnp.shape(v))}", t
         )
         raise TypeError(
-            f"{_WHO}: a pipelined layer (pattern position {p}) must return its state with the "
+            f"{WHO}: a pipelined layer (pattern position {p}) must return its state with the "
             f"structure, shapes and dtypes it received (it is written back into the stacked "
             f"state), but it took\n  {shapes(old)}\nand returned\n  {shapes(new)}\n"
             "Return the updated state in the input's layout, e.g. "

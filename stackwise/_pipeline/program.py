@@ -1,9 +1,9 @@
 """What the schedules share: the plan, the params' layouts, the stage and its state.
 
-:func:`stackwise.pipeline` (``api.py``) checks its arguments into a :class:`_Plan`
+:func:`stackwise.pipeline` (``api.py``) checks its arguments into a :class:`Plan`
 and builds a :class:`Stage`; the schedules (``schedule_gpipe.py``,
 ``schedule_1f1b.py``) run it on each device, its chunks ``(V*R, ...)`` stacks
-(:func:`_rows`, :func:`_chunk`) and its state carried by :class:`_StageState`. The
+(:func:`stack_rows`, :func:`chunk_rows`) and its state carried by :class:`StageState`. The
 remat policies of a stage that slices its chunk out of its stacks are here too.
 """
 
@@ -22,10 +22,10 @@ from stackwise._core.options import Options
 from stackwise._core.stack import CARRY_NAME
 from stackwise._pipeline import ticks
 
-_WHO = "stackwise.pipeline"
+WHO = "stackwise.pipeline"
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """A checked pipeline schedule: S stages, V chunks per stage of L layers, M microbatches."""
 
     n: int
@@ -66,7 +66,7 @@ class _Plan(NamedTuple):
 # The call's batch, checked.
 
 
-def _check_same_batch(tree: Any, x: Any, what: str) -> None:
+def check_same_batch(tree: Any, x: Any, what: str) -> None:
     """A per-example value has x's batch: a smaller one that divides the microbatches would
     be split and broadcast, where ``Stacked.apply`` gives every layer the whole value."""
     batch = jnp.shape(jax.tree.leaves(x)[0])[0]
@@ -77,7 +77,7 @@ def _check_same_batch(tree: Any, x: Any, what: str) -> None:
     ]
     if bad:
         raise ValueError(
-            f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
+            f"{WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
             f"batch is {batch}, but these leaves do not:\n"
             + "\n".join(bad)
             + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
@@ -85,7 +85,7 @@ def _check_same_batch(tree: Any, x: Any, what: str) -> None:
         )
 
 
-def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
+def check_batch(tree: Any, plan: Plan, what: str) -> None:
     split = plan.M * plan.D
     bad = [
         f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
@@ -97,7 +97,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
         if plan.D > 1:
             by += f" times the {plan.batch!r} axis size {plan.D}"
         raise ValueError(
-            f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
+            f"{WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
             f"{by} = {split}, but these leaves do not:\n"
             + "\n".join(bad)
             + f"\nUse a batch size that is a multiple of {split}, or another `microbatches`."
@@ -108,7 +108,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
 # Layouts: the params as (V, n/V, ...), chunk c = r*S + s at [r, s*L:(s+1)*L].
 
 
-def _device_layout(params: Any, plan: _Plan) -> Any:
+def device_layout(params: Any, plan: Plan) -> Any:
     """Params in the layout the devices run: ``(V, n/V, ...)``, from either layout."""
     leaves = trees.named_leaves(params)
     if (
@@ -130,14 +130,14 @@ def _device_layout(params: Any, plan: _Plan) -> Any:
     check_depth(
         leaves,
         plan.n,
-        f"{_WHO} apply",
+        f"{WHO} apply",
         "params",
         f"Stacked params come from `Stacked.init` (or `stackwise.stack_layers`){layout}.",
     )
-    return _to_chunks(params, plan)
+    return to_chunks(params, plan)
 
 
-def _to_chunks(tree: Any, plan: _Plan) -> Any:
+def to_chunks(tree: Any, plan: Plan) -> Any:
     """``(n, ...)`` leaves as ``(V, n/V, ...)``: row r holds chunks r*S, ..., r*S + S - 1."""
 
     def one(a):
@@ -154,7 +154,7 @@ def _to_chunks(tree: Any, plan: _Plan) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
+def reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
     """Each leaf to ``P(*lead, ...)``: its other axes keep their non-manual sharding."""
     names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
 
@@ -169,7 +169,7 @@ def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
+def output_spec(x: Any, plan: Plan) -> PartitionSpec:
     """The output's batch split: over data and stages when S divides a data shard's batch."""
     rows = {jnp.shape(v)[0] // plan.D for v in jax.tree.leaves(x)}
     if all(r % plan.S == 0 for r in rows):
@@ -181,7 +181,7 @@ def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
 # On a device: the inputs cast once, the stage, its state, its remat policy.
 
 
-def _vary(tree: Any, axes: tuple) -> Any:
+def vary(tree: Any, axes: tuple) -> Any:
     """Marks every leaf as varying over ``axes``: a leaf used on varying data is
     then cast once, here, and its gradient summed over ``axes`` once, here,
     instead of at every use inside the loops."""
@@ -197,26 +197,26 @@ def _vary(tree: Any, axes: tuple) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _split_batch(tree: Any, M: int) -> Any:
+def split_batch(tree: Any, M: int) -> Any:
     return jax.tree.map(lambda v: v.reshape(M, v.shape[0] // M, *v.shape[1:]), tree)
 
 
-def _take(tree: Any, i: Any) -> Any:
+def nth(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree)
 
 
-def _where(c: Any, a: Any, b: Any) -> Any:
+def select(c: Any, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
 
 
-class _StageState:
+class StageState:
     """A stage's state in a tick loop (GPipe's or 1F1B's), from this device's ``(V, 1,
     C_p, ...)`` blocks of a pattern's state (``pattern.py``). A leaf with a batch
     axis (``batched``) runs as ``(V, C_p, M, b, ...)``: microbatch m of chunk r reads and
     writes ``[r, :, m]``; one without, as ``(V, C_p, ...)``: chunk r's ``[r]``, which the
     microbatches update in turn. Layers without state: ``batched=()``, nothing to carry."""
 
-    def __init__(self, batched: Any, plan: _Plan):
+    def __init__(self, batched: Any, plan: Plan):
         self.batched, self.plan = batched, plan
 
     @property
@@ -241,14 +241,14 @@ class _StageState:
             self.batched,
         )
 
-    def _chunk(self, state: Any, r: Any) -> Any:
-        return jax.tree.map(lambda v: v[0], state) if self.plan.V == 1 else _take(state, r)
+    def _chunk_state(self, state: Any, r: Any) -> Any:
+        return jax.tree.map(lambda v: v[0], state) if self.plan.V == 1 else nth(state, r)
 
     def take(self, state: Any, r: Any, m: Any) -> Any:
         """What chunk r reads on microbatch m: its rows of a batched leaf, an unbatched one."""
         return jax.tree.map(
             lambda v, b: jax.lax.dynamic_index_in_dim(v, m, 1, keepdims=False) if b else v,
-            self._chunk(state, r),
+            self._chunk_state(state, r),
             self.batched,
         )
 
@@ -257,7 +257,7 @@ class _StageState:
 
         def one(v, u, b):
             if b:
-                u = jax.lax.dynamic_update_index_in_dim(self._chunk(v, r), u, m, 1)
+                u = jax.lax.dynamic_update_index_in_dim(self._chunk_state(v, r), u, m, 1)
             return u[None] if self.plan.V == 1 else jax.lax.dynamic_update_index_in_dim(v, u, r, 0)
 
         return jax.tree.map(one, state, new, self.batched)
@@ -286,23 +286,23 @@ class Stage(NamedTuple):
       its inner ones (2 in the ``(V, n/V, ...)`` layout, 3 in a pattern's ``(V, S, C_p,
       ...)`` blocks); ``dims``: with FSDP, each param leaf's inner dimension split over
       the FSDP axes (else ``None``).
-    * ``state``: how the tick loops carry the stage's state (:class:`_StageState`).
+    * ``state``: how the tick loops carry the stage's state (:class:`StageState`).
     """
 
     run: Callable[..., tuple]
     params: Any
     lead: int
     dims: Any
-    state: _StageState
+    state: StageState
 
 
-def _rows(tree: Any, lead: int) -> Any:
+def stack_rows(tree: Any, lead: int) -> Any:
     """Leaves with ``lead`` leading dimensions (a device's ``(V, ..., ...)`` part) as the
     ``(rows, ...)`` stacks it runs."""
     return jax.tree.map(lambda v: v.reshape(-1, *v.shape[lead:]), tree)
 
 
-def _chunk(tree: Any, r: Any, V: int) -> Any:
+def chunk_rows(tree: Any, r: Any, V: int) -> Any:
     """Chunk r's rows of ``(V*R, ...)`` stacks (all of them for one chunk a stage)."""
     if V == 1:
         return tree
@@ -311,7 +311,7 @@ def _chunk(tree: Any, r: Any, V: int) -> Any:
     )
 
 
-def _same(v: Any, plan: _Plan) -> Any:
+def _same(v: Any, plan: Plan) -> Any:
     """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
     ``pattern._batched_leaves`` refuses more), marked so: it met the batch in the
     tick loop."""

@@ -59,18 +59,18 @@ from jax.sharding import PartitionSpec
 
 from stackwise._pipeline import stage_fsdp, ticks
 from stackwise._pipeline.program import (
-    _WHO,
+    WHO,
+    Plan,
     Stage,
-    _check_batch,
-    _check_same_batch,
-    _chunk,
-    _Plan,
-    _reshard,
-    _rows,
-    _split_batch,
-    _take,
-    _vary,
-    _where,
+    check_batch,
+    check_same_batch,
+    chunk_rows,
+    nth,
+    reshard,
+    select,
+    split_batch,
+    stack_rows,
+    vary,
 )
 
 
@@ -102,7 +102,7 @@ def targets_of(args: tuple, kwargs: dict, call: str) -> tuple:
     loss_params=..., **kwargs)``; ``call`` is that signature, for the error."""
     if not args:
         raise TypeError(
-            f"{_WHO} apply: with schedule='1f1b' the call is `{call}`: `targets` (the "
+            f"{WHO} apply: with schedule='1f1b' the call is `{call}`: `targets` (the "
             "per-example values `loss(y, targets)` takes, or None) is missing."
         )
     kwargs = dict(kwargs)
@@ -117,7 +117,7 @@ def with_params(loss: Callable[..., Any], loss_params: Any) -> Callable[..., Any
     return loss
 
 
-def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any, plan: _Plan):
+def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any, plan: Plan):
     """``loss(y_m, targets_m[, loss_params])`` is a float scalar (traced abstractly, before
     the pipeline)."""
 
@@ -135,7 +135,7 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any,
         out = jax.eval_shape(with_params(loss, loss_params), rows(y), rows(targets), loss_params)
     except TypeError as e:
         raise TypeError(
-            f"{_WHO}: with schedule='1f1b' the pipeline calls `{call}` on each microbatch, "
+            f"{WHO}: with schedule='1f1b' the pipeline calls `{call}` on each microbatch, "
             f"which raised TypeError: {e}. "
             + (
                 ""
@@ -146,7 +146,7 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any,
     if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and _inexact(out)):
         got = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
         raise TypeError(
-            f"{_WHO}: with schedule='1f1b', `{call}` must return one float scalar "
+            f"{WHO}: with schedule='1f1b', `{call}` must return one float scalar "
             f"for a microbatch (the pipeline returns the mean over microbatches), got {got}. "
             "Reduce it inside `loss`, e.g. `lambda y, t: jnp.mean((y - t) ** 2)`."
         )
@@ -165,12 +165,12 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
     differentiated: its cotangent is zero.
     """
     x = inputs[2]
-    _check_batch(targets, plan, "targets")
-    _check_same_batch(targets, x, "targets")
+    check_batch(targets, plan, "targets")
+    check_same_batch(targets, x, "targets")
     check_loss(loss, x, targets, loss_params, plan)
     if plan.explicit:  # the targets split over the batch like x; the loss params whole
-        targets = _reshard(targets, mesh, (plan.batch,), plan.manual)
-        loss_params = _reshard(loss_params, mesh, (), plan.manual)
+        targets = reshard(targets, mesh, (plan.batch,), plan.manual)
+        loss_params = reshard(loss_params, mesh, (), plan.manual)
     loss = with_params(loss, loss_params)
     diff = (*inputs, targets, loss_params)
     leaves, treedef = jax.tree.flatten(diff)
@@ -187,7 +187,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
         *ins, tg, lp = diff
         y, new_state = forward(tuple(ins), state)
         if plan.explicit:  # y split like the targets, for the vmap below
-            y = _reshard(y, mesh, (plan.batch,), plan.manual)
+            y = reshard(y, mesh, (plan.batch,), plan.manual)
 
         def split(tree):
             return jax.tree.map(lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), tree)
@@ -228,7 +228,7 @@ def _zero_cotangent(v: Any) -> Any:
     return np.zeros(jnp.shape(v), jax.dtypes.float0)
 
 
-def _step(plan: _Plan, k: Any) -> tuple:
+def _step(plan: Plan, k: Any) -> tuple:
     """Step k of a stage, forward or backward (``ticks.interleaved_order``): ``(valid, m,
     r)``, clipped to a real step where k is none."""
     S, V, M = plan.S, plan.V, plan.M
@@ -273,7 +273,7 @@ class _Forward(NamedTuple):
 def _device_program(stage, plan, loss, grads_tree, inputs, state):
     """One device's 1F1B schedule: the summed loss, the new state and every float input's
     gradient."""
-    inputs, state = _vary((inputs, state), plan.manual)
+    inputs, state = vary((inputs, state), plan.manual)
     params, per_layer = inputs[:2]
     device = _Device(stage, plan, loss, inputs)
     carry = device.start(stage.state.enter(state))
@@ -288,7 +288,7 @@ class _Device:
     """The 1F1B schedule on this device (stage s, data shard d): its inputs split into
     microbatches, its chunks, and one tick of the schedule (:meth:`tick`)."""
 
-    def __init__(self, stage: Stage, plan: _Plan, loss: Callable, inputs: tuple):
+    def __init__(self, stage: Stage, plan: Plan, loss: Callable, inputs: tuple):
         self.stage, self.plan, self.loss = stage, plan, loss
         S, M = plan.S, plan.M
         self.K = ticks.ring_slots(S, M, plan.V)
@@ -296,9 +296,9 @@ class _Device:
         self.d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
         self.last = self.s == S - 1
         params, per_layer, x, examples, self.consts, targets, self.loss_params = inputs
-        self.mbs, self.examples, self.targets = (_split_batch(v, M) for v in (x, examples, targets))
+        self.mbs, self.examples, self.targets = (split_batch(v, M) for v in (x, examples, targets))
         # This device's V chunks as (V*R, ...) stacks, chunk r at rows r*R:(r+1)*R.
-        stacks = (_rows(params, stage.lead), _rows(per_layer, 2))
+        stacks = (stack_rows(params, stage.lead), stack_rows(per_layer, 2))
         self.fsdp = _Fsdp(plan, stage.dims, stacks)
         self.per_tick = plan.fsdp and plan.gather == "tick"
         if plan.fsdp and not self.per_tick:
@@ -314,17 +314,17 @@ class _Device:
 
     def chunk(self, r: Any) -> Any:
         """Chunk r of this stage (gathered, with FSDP per tick)."""
-        c = _chunk(self.stacks, r, self.plan.V)
+        c = chunk_rows(self.stacks, r, self.plan.V)
         return self.fsdp.gather(c) if self.per_tick else c
 
     def start(self, state: Any) -> _Carry:
         """The carry before tick 0: zeros, the ring empty, the state entered."""
         zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
-        h0, st0 = _take(self.mbs, 0), self.stage.state.take(state, 0, 0)
+        h0, st0 = nth(self.mbs, 0), self.stage.state.take(state, 0, 0)
         out = jax.eval_shape(
             lambda: self.loss(
-                self.run(0, st0)((self.chunk(0), h0, _take(self.examples, 0), self.consts))[0],
-                _take(self.targets, 0),
+                self.run(0, st0)((self.chunk(0), h0, nth(self.examples, 0), self.consts))[0],
+                nth(self.targets, 0),
                 self.loss_params,
             )
         )
@@ -332,7 +332,7 @@ class _Device:
         parts = (self.stacks, self.mbs, self.examples, self.consts, self.targets)
         grads = _Grads(*(zeros(v) for v in (*parts, self.loss_params)))
         carry = _Carry(h0, zeros(h0), state, ring, grads, jnp.zeros((), out.dtype))
-        return _vary(carry, self.plan.manual)
+        return vary(carry, self.plan.manual)
 
     def tick(self, carry: _Carry, t: Any, forward=True, backward=True) -> tuple:
         """Tick t; a phase of ticks where no stage has a backward (forward) step to run
@@ -362,23 +362,23 @@ class _Device:
         stage (which ran them one tick ago). The ring keeps its input and the state it read."""
         k = ticks.forward_step(t, self.s)
         on, m, r = _step(self.plan, k)
-        h_in = _where((self.s == 0) & (r == 0), _take(self.mbs, m), carry.h)
+        h_in = select((self.s == 0) & (r == 0), nth(self.mbs, m), carry.h)
         st_in = self.stage.state.take(carry.state, r, m)
         ring = jax.tree.unflatten(
             jax.tree.structure(carry.ring),
             _write(jax.tree.leaves(carry.ring), k % self.K, jax.tree.leaves((h_in, st_in)), on),
         )
         chunk = self.chunk(r)
-        h, st = self.run(m, st_in)((chunk, h_in, _take(self.examples, m), self.consts))
-        state = self.stage.state.put(carry.state, _where(on, st, st_in), r, m)
+        h, st = self.run(m, st_in)((chunk, h_in, nth(self.examples, m), self.consts))
+        state = self.stage.state.put(carry.state, select(on, st, st_in), r, m)
         return carry._replace(h=h, state=state, ring=ring), _Forward(on, m, r, chunk, h)
 
     def loss_of(self, carry: _Carry, f: _Forward) -> tuple[_Carry, list]:
         """The loss, on the last stage's last round (never in the other phases): its value
         and cotangents for y (returned), targets and loss params (accumulated)."""
-        primals = (f.h, _take(self.targets, f.m), self.loss_params)
+        primals = (f.h, nth(self.targets, f.m), self.loss_params)
         value, pull = _vjp(lambda a: self.loss(*a), primals)
-        seed = _vary(jnp.asarray(self.scale, value[0].dtype), self.plan.manual)
+        seed = vary(jnp.asarray(self.scale, value[0].dtype), self.plan.manual)
         dy, dt, dlp = _regroup(pull([seed]), primals)
         now = f.on & self.last & (f.r == self.plan.V - 1)
         total = carry.total + jnp.where(now, value[0], 0).astype(carry.total.dtype)
@@ -396,8 +396,8 @@ class _Device:
         r = V - 1 - down
         slot = ticks.interleaved_step(m, r, S, V) % self.K
         chunk = f.chunk if f is not None and V == 1 else self.chunk(r)
-        h_in, st_in = _take(carry.ring, slot)
-        primals = (chunk, h_in, _take(self.examples, m), self.consts)
+        h_in, st_in = nth(carry.ring, slot)
+        primals = (chunk, h_in, nth(self.examples, m), self.consts)
         # The last stage's last round starts from the loss, every other step from the
         # cotangent the next chunk sent.
         g = carry.g
@@ -466,7 +466,7 @@ class _Fsdp:
     their gradients (a flat list of the stacks' float leaves) reduce-scattered. Nothing
     here is differentiated by JAX: the schedule is the explicit backward pass."""
 
-    def __init__(self, plan: _Plan, dims: Any, stacks: tuple):
+    def __init__(self, plan: Plan, dims: Any, stacks: tuple):
         self.plan, self.dims = plan, dims
         params, per_layer = stacks
         every = (

@@ -4,7 +4,7 @@ Every stage runs its chunks on one microbatch per tick, in the order of
 ``ticks.circular_order``; :func:`jax.lax.ppermute` hands each tick's output to the
 next stage (round the ring, V > 1, where stage 0 parks what comes back until its
 microbatch's next round). The stage's state, if any, is read before the chunk runs and
-written after it (``program._StageState``); bubble ticks write nothing. The backward
+written after it (``program.StageState``); bubble ticks write nothing. The backward
 pass is JAX's, of this loop. The same :class:`program.Stage` runs in the 1F1B schedule
 (``schedule_1f1b.py``), whose primal, without differentiation, is this loop.
 """
@@ -20,20 +20,20 @@ from jax.sharding import PartitionSpec
 from stackwise._core.options import Options
 from stackwise._pipeline import stage_fsdp, ticks
 from stackwise._pipeline.program import (
+    Plan,
     Stage,
-    _chunk,
     _never_sliced,
-    _Plan,
-    _rows,
-    _split_batch,
-    _take,
-    _vary,
-    _where,
+    chunk_rows,
+    nth,
+    select,
+    split_batch,
+    stack_rows,
+    vary,
 )
 
 
 def device_program(
-    stage: Stage, options: Options, plan: _Plan, out_spec: PartitionSpec,
+    stage: Stage, options: Options, plan: Plan, out_spec: PartitionSpec,
     params, state, per_layer, x, examples, consts, gather=None,
 ):  # fmt: skip
     """What one device runs: its V chunks over the ``M*V + S - 1`` ticks: ``(y, aux, new
@@ -44,15 +44,15 @@ def device_program(
     d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
     # Cast the loop-invariant inputs once, so that their gradients are summed
     # over the data axis (and the consts' over the stages) once, outside the loops.
-    params, state, per_layer, x, examples, consts = _vary(
+    params, state, per_layer, x, examples, consts = vary(
         (params, state, per_layer, x, examples, consts), plan.manual
     )
     # This device's chunks as (V*R, ...) stacks, chunk r at rows r*R:(r+1)*R.
-    stacks = (_rows(params, stage.lead), _rows(per_layer, 2))
+    stacks = (stack_rows(params, stage.lead), stack_rows(per_layer, 2))
     if gather is not None:
         stacks = (gather(stacks[0]), stacks[1])
     state = stage.state.enter(state)
-    mbs, examples = _split_batch(x, M), _split_batch(examples, M)
+    mbs, examples = split_batch(x, M), split_batch(examples, M)
     per_tick = plan.fsdp and plan.gather == "tick"
 
     def gathered(chunk):  # the chunk's params gathered at this tick (FSDP per tick)
@@ -60,18 +60,18 @@ def device_program(
 
     def run_stage(stacks, r, h, st, m):
         """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
-        chunk = gathered(_chunk(stacks, r, V))
-        return stage.run(chunk, h, st, d * M + m, _take(examples, m), consts)
+        chunk = gathered(chunk_rows(stacks, r, V))
+        return stage.run(chunk, h, st, d * M + m, nth(examples, m), consts)
 
     if per_tick:  # the gathered chunk, taken and gathered again, never saved
-        shapes = jax.eval_shape(lambda c: gathered(_chunk(c, 0, V))[0], stacks)
+        shapes = jax.eval_shape(lambda c: gathered(chunk_rows(c, 0, V))[0], stacks)
         policy = stage_fsdp.per_tick_policy(options, stacks, shapes, V)
         run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
     elif V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
         policy = _never_sliced(stacks, options, V)
         run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
     st0 = stage.state.take(state, 0, 0)
-    aux_shape = jax.eval_shape(run_stage, stacks, 0, _take(mbs, 0), st0, 0)[1]
+    aux_shape = jax.eval_shape(run_stage, stacks, 0, nth(mbs, 0), st0, 0)[1]
     aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
 
     def tick(carry, t):
@@ -80,12 +80,12 @@ def device_program(
         valid, m, r, h, parked = _entering(plan, mbs, s, h, parked, t)
         st = stage.state.take(state, r, m)
         (out, new), layer_aux = run_stage(stacks, r, h, st, m)
-        state = stage.state.put(state, _where(valid, new, st), r, m)
+        state = stage.state.put(state, select(valid, new, st), r, m)
         aux = _add_aux(aux, layer_aux, valid, r)
         return (_pass_on(out, plan), parked, state, aux), out
 
     parked = jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None
-    carry = _vary((_take(mbs, 0), parked, state, aux0), plan.manual)
+    carry = vary((nth(mbs, 0), parked, state, aux0), plan.manual)
     (_, _, state, aux), ys = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
     # The last stage finished microbatch m (last round) at tick T - M + m.
     y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
@@ -99,7 +99,7 @@ def _entering(plan, mbs, s, h, parked, t):
     k = ticks.forward_step(t, s)
     valid = ticks.is_step(k, M, V)
     m, r = ticks.circular_order(jnp.clip(k, 0, M * V - 1), M)
-    fresh = _take(mbs, m)
+    fresh = nth(mbs, m)
     if V > 1:
         # What reached stage 0 came round the ring: park it until its microbatch's next
         # round comes up.
@@ -108,20 +108,20 @@ def _entering(plan, mbs, s, h, parked, t):
         slot, _ = ticks.circular_order(jnp.clip(back, 0, M * V - 1), M)
         parked = jax.tree.map(
             lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                b, jnp.where(arrived, v, _take(b, slot)), slot, 0
+                b, jnp.where(arrived, v, nth(b, slot)), slot, 0
             ),
             parked,
             h,
         )
-        fresh = _where(r == 0, fresh, _take(parked, m))
-    return valid, m, r, _where(s == 0, fresh, h), parked
+        fresh = select(r == 0, fresh, nth(parked, m))
+    return valid, m, r, select(s == 0, fresh, h), parked
 
 
 def _add_aux(aux, layer_aux, valid, r):
     """Chunk r's aux of this tick added to its running sum (nothing on a bubble tick)."""
     return jax.tree.map(
         lambda acc, a: jax.lax.dynamic_update_index_in_dim(
-            acc, _take(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
+            acc, nth(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
         ),
         aux,
         layer_aux,
@@ -135,7 +135,7 @@ def _pass_on(out, plan):
     return jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
 
 
-def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
+def _gather_output(y: Any, s: Any, plan: Plan, out_spec: PartitionSpec) -> Any:
     """The last stage's outputs, split over the stages (or, if they do not divide, to all)."""
     last = s == plan.S - 1
 
@@ -152,7 +152,7 @@ def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
     return jax.tree.map(one, y)
 
 
-def _gather_aux(aux: Any, s: Any, plan: _Plan) -> Any:
+def _gather_aux(aux: Any, s: Any, plan: Plan) -> Any:
     """Each stage's ``(V, L, ...)`` aux into ``(n, ...)`` in layer order, on every device."""
     S, V = plan.S, plan.V
 

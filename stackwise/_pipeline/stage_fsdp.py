@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise._core import checks
 from stackwise._core.options import Options
-from stackwise._pipeline.program import _WHO, _kept, _rows, _sliced_shapes, _unless_sliced
+from stackwise._pipeline.program import WHO, _kept, _sliced_shapes, _unless_sliced, stack_rows
 from stackwise._sharding.fsdp import fsdp_specs
 
 GATHERS = ("step", "tick")
@@ -106,7 +106,7 @@ def dims(params: Any, mesh: Any, plan: Any, lead: int = 2) -> Any:
         at = [d for d, e in enumerate(inner) if set(_names(e)) & set(plan.fsdp)]
         if at and _names(inner[at[0]]) != plan.fsdp:
             raise ValueError(
-                f"{_WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in "
+                f"{WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in "
                 f"{_LAYOUTS[lead]} layout), whose inner axis {at[0]} (after the layer "
                 f"axis) is split over {inner[at[0]]!r}; with `fsdp={entry!r}` a stage's "
                 f"params are split over exactly {entry!r}, in that order. Place it with "
@@ -203,7 +203,7 @@ def gathered_once(
     def checkpointed(params, *rest):
         # A circular stage slices its chunk out of the gathered stack at each tick, a
         # pattern's layer its row out of the chunk: none is saved.
-        gathered = jax.eval_shape(lambda p: gather(_rows(p, lead), dims_tree, plan), params)
+        gathered = jax.eval_shape(lambda p: gather(stack_rows(p, lead), dims_tree, plan), params)
         policy = _never_gathered(options, _sliced_shapes(gathered, plan.V))
         # With unroll=True the whole device program is saved nothing and runs again in
         # the backward pass: jax 0.10's remat DCE fails on a checkpoint with a policy
