@@ -177,9 +177,7 @@ def test_1f1b_dependencies(S, M, V):
             assert k2 % K != k % K
     phases = ticks.one_f_one_b_phases(S, M, V)
     assert phases[0][0] == 0 and phases[-1][1] == T
-    for (first, stop, f, b) in phases:
+    for first, stop, f, b in phases:
         for t in range(first, stop):
             assert f == any(ticks.is_step(ticks.forward_step(t, s), M, V) for s in range(S))
-            assert b == any(
-                ticks.is_step(ticks.backward_step(t, s, S, V), M, V) for s in range(S)
-            )
+            assert b == any(ticks.is_step(ticks.backward_step(t, s, S, V), M, V) for s in range(S))
