@@ -1,21 +1,22 @@
-"""Pipeline parallelism over the layer axis: GPipe, circular and 1F1B schedules.
+"""Pipeline parallelism over the layer axis: :func:`pipeline`, its checks, and its apply.
 
 The n layers are split into S stages along a mesh axis and the batch into M
-microbatches; :func:`jax.shard_map` runs one program per device, a
-:func:`jax.lax.scan` over the schedule's ticks runs one microbatch per stage
-per tick, and :func:`jax.lax.ppermute` hands activations to the next stage.
-Each stage's layers run with :func:`stackwise.stack` (the core's scan and
-remat) and per-layer arguments are resolved by the core's marker handling.
+microbatches; :func:`jax.shard_map` runs one program per device (a schedule's tick
+loop, ``schedule_gpipe.py`` or ``schedule_1f1b.py``) and :func:`jax.lax.ppermute`
+hands activations to the next stage. Each stage's layers run with
+:func:`stackwise.stack` (the core's scan and remat).
 
-The module reads top-down: :func:`pipeline` checks its arguments into a
-:class:`_Plan`; :func:`_split_args` sorts the call's arguments; :func:`_place`
-moves the inputs to their layout on the mesh; :func:`_device_program` is one
-device's program and :func:`_tick` one step of it. The 1F1B schedule, which
-needs the loss, is in ``schedule_1f1b.py``.
+The module reads top-down: :func:`pipeline` checks every argument (:func:`_checked`)
+and returns :class:`_Pipelined`, its apply: it sorts the call's arguments
+(:func:`_split_args`), lays the params out on the stages (:class:`_Stacks` for one
+layer function, ``pattern.Blocks`` for a pattern or layers with state: a plain stack is
+a pattern of one layer without state), builds the :class:`program.Stage`
+and runs the schedule.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -25,121 +26,26 @@ from jax.sharding import Mesh, PartitionSpec
 
 from stackwise._core import checks
 from stackwise._core.markers import _PerExample, _PerLayer, _split_markers
-from stackwise._core.options import check_options
-from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._pipeline import schedule_1f1b, stage_fsdp
-from stackwise._pipeline.pattern import pattern_pipeline
+from stackwise._core.options import check_layers, check_options
+from stackwise._core.stack import DEFAULT_REMAT, Stacked, _apply_args, stack
+from stackwise._pipeline import schedule_1f1b, schedule_gpipe, stage_fsdp
+from stackwise._pipeline.pattern import Blocks, Layer
 from stackwise._pipeline.program import (
-    _WHO,
-    _check_batch,
-    _check_same_batch,
-    _device_layout,
-    _device_program,
-    _out_spec,
-    _place,
-    _Plan,
-    _StageState,
-    _to_chunks,
+    WHO,
+    Plan,
+    Stage,
+    StageState,
+    check_batch,
+    check_same_batch,
+    device_layout,
+    output_spec,
+    reshard,
+    to_chunks,
 )
 
 __all__ = ["pipeline"]
 
 _SCHEDULES = ("gpipe", "circular", "1f1b")
-
-
-# --------------------------------------------------------------------------
-# The schedule, checked once.
-
-
-def _int_arg(value: Any, name: str, fix: str) -> int:
-    try:
-        value = checks.integer(value, _WHO, name)
-    except TypeError:
-        value = None
-    if value is None or value < 1:
-        raise TypeError(
-            f"{_WHO}: `{name}` must be a positive Python int, got "
-            f"{type(value).__name__} {value!r}. {fix}"
-        )
-    return value
-
-
-def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
-    if axis not in mesh.shape:
-        raise ValueError(
-            f"{_WHO}: `{arg}={axis!r}` is not an axis of the mesh, whose axes are "
-            f"{dict(mesh.shape)}. Pass `{arg}=` one of {tuple(mesh.shape)}, or build "
-            f"the mesh with a {axis!r} axis, e.g. `jax.make_mesh((4, 2), ('stage', 'data'))`."
-        )
-    return mesh.shape[axis]
-
-
-def _plan(
-    n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp=None, gather="step"
-) -> _Plan:
-    mesh = checks.mesh(mesh, _WHO)
-    for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
-        if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
-            raise TypeError(
-                f"{_WHO}: `{arg}` must be one mesh axis name (a str)"
-                + (" or None" if arg == "data_axis" else "")
-                + f", got {type(axis).__name__} {axis!r}."
-            )
-    M = _int_arg(microbatches, "microbatches", "It is the number of microbatches M.")
-    S = _mesh_axis(mesh, stage_axis, "stage_axis")
-    D = 1
-    if data_axis is not None:
-        if data_axis == stage_axis:
-            raise ValueError(
-                f"{_WHO}: `data_axis` and `stage_axis` are both {stage_axis!r}; the "
-                "batch and the stages need two different mesh axes."
-            )
-        D = _mesh_axis(mesh, data_axis, "data_axis")
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"{_WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
-    if schedule == "gpipe" and repeats not in (None, 1):
-        raise ValueError(
-            f"{_WHO}: `repeats={repeats!r}` needs `schedule='circular'` (or '1f1b', "
-            "interleaved); the 'gpipe' schedule runs each stage's layers once per microbatch."
-        )
-    if schedule == "gpipe" or (schedule == "1f1b" and repeats is None):
-        V = 1
-    else:
-        V = n // S if repeats is None else _int_arg(repeats, "repeats", "")
-    if V > 1 or schedule == "circular":
-        what = f"the {schedule!r} schedule" + (f" with repeats={V}" if schedule == "1f1b" else "")
-        if S < 2:
-            raise ValueError(
-                f"{_WHO}: {what} needs at least 2 stages, but mesh axis {stage_axis!r} has "
-                f"size {S}. "
-                + ("Use repeats=1." if schedule == "1f1b" else "Use schedule='gpipe'.")
-            )
-        if schedule == "circular" and M < S:
-            raise ValueError(
-                f"{_WHO}: the 'circular' schedule needs at least as many microbatches as "
-                f"stages, got microbatches={M} for {S} stages on mesh axis {stage_axis!r}. "
-                f"Use microbatches >= {S}, or schedule='gpipe'."
-            )
-        if schedule == "1f1b" and M % S:
-            fits = " or ".join(str(k) for k in (M - M % S, M - M % S + S) if k)
-            raise ValueError(
-                f"{_WHO}: {what} (interleaved 1F1B) runs the microbatches in groups of S={S} "
-                f"(the stages on mesh axis {stage_axis!r}), so `microbatches` must be a "
-                f"multiple of {S}, got microbatches={M}. Use microbatches={fits}, or repeats=1."
-            )
-    if V < 1 or n % (S * V):
-        per = f"S={S} stages" if V == 1 else f"S*repeats={S}*{V}={S * V} chunks"
-        raise ValueError(
-            f"{_WHO}: n={n} layers cannot be split evenly into {per} (mesh axis "
-            f"{stage_axis!r} has size {S}). Use a number of layers divisible by "
-            f"{S * max(V, 1)}"
-            + (", or another `repeats`" if V > 1 else "")
-            + ", or a mesh whose stage axis divides n."
-        )
-    explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
-    fsdp, gather = stage_fsdp.check(mesh, fsdp, gather, stage_axis, _WHO)
-    D *= stage_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
-    return _Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
 
 
 # --------------------------------------------------------------------------
@@ -176,7 +82,9 @@ def pipeline(
     layers split into ``S = mesh.shape[stage_axis]`` stages and the batch
     into ``microbatches`` microbatches. Stage s holds layers ``s*n/S`` to
     ``(s+1)*n/S - 1``; each microbatch's activations move from stage to stage
-    with :func:`jax.lax.ppermute` inside :func:`jax.shard_map`.
+    with :func:`jax.lax.ppermute` inside :func:`jax.shard_map`. The schedules,
+    what runs where, the params' layouts, patterns, state and FSDP are
+    described in ``docs/distributed.md`` ("Pipeline parallelism").
 
     >>> import jax, jax.numpy as jnp, numpy as np, stackwise
     >>> from jax.sharding import Mesh
@@ -193,10 +101,10 @@ def pipeline(
     >>> bool(jnp.allclose(y, layers.apply(params, x), atol=1e-5))
     True
 
-    With ``schedule="1f1b"`` the pipeline computes the loss too (``apply``
-    then takes the targets after ``x`` and returns the mean loss over the
-    microbatches), so that each microbatch's backward pass starts as soon as
-    its forward pass leaves the last stage:
+    With ``schedule="1f1b"`` the pipeline computes the loss too: ``apply(params,
+    x, targets, *args, loss_params=None)`` returns the mean over the microbatches
+    of ``loss(y_m, targets_m[, loss_params])``, and each microbatch's backward
+    pass starts as soon as its forward pass leaves the last stage:
 
     >>> mse = lambda y, t: jnp.mean((y - t) ** 2)
     >>> trained = stackwise.pipeline(init, apply, 4, mesh, microbatches=3,
@@ -206,111 +114,10 @@ def pipeline(
     >>> bool(jnp.allclose(loss, mse(layers.apply(params, x), targets), atol=1e-5))
     True
 
-    Schedules (``T`` ticks; in each, every stage runs ``n/(S*V)`` layers on
-    one microbatch):
-
-    * ``"gpipe"``: microbatch m enters stage 0 at tick m; ``T = M + S - 1``,
-      of which ``S - 1`` are the fill/drain bubble: (S-1)/(M+S-1) idle.
-    * ``"circular"`` (interleaved): each stage holds ``V = repeats`` chunks
-      of ``n/(S*V)`` layers (chunks s, s+S, s+2S, ...) and every microbatch
-      goes round the ring V times; ``T = M*V + S - 1``, a bubble of
-      (S-1)/(M*V+S-1). Needs ``M >= S`` and ``S >= 2``. Params in the usual
-      layout ``(n, ...)`` are regrouped at each call (a collective when they
-      are placed on the stages); params placed once in the circular layout,
-      ``stackwise.shard_stacked(params, mesh, layer_axis=stage_axis,
-      repeats=V)`` (leaves ``(V, n/V, ...)``), are used as they are, and their
-      gradients come back in that layout.
-    * ``"1f1b"`` (one forward, one backward; needs ``loss``): ``apply(params,
-      x, targets, *args, **kwargs)`` returns the mean over the M (times the
-      data-axis size) microbatches of ``loss(y_m, targets_m)``, ``targets`` a
-      pytree split into microbatches with ``x`` (or ``None``); with the keyword
-      ``apply(..., loss_params=head)``, of ``loss(y_m, targets_m, head)``: the
-      params of what follows the stack (an output head), whole on every device,
-      their gradient summed over the microbatches. Under
-      :func:`jax.grad` (reverse mode only: it is a :func:`jax.custom_vjp`)
-      every tick runs, on each stage, the forward of one microbatch and the
-      backward of an earlier one: stage s runs the forward of microbatch
-      ``t - s`` and the backward of ``t - (2S - 2 - s)`` at tick t, the last
-      stage a microbatch's forward, loss and backward in one tick. The
-      backward recomputes the stage's forward from its input (the stage's
-      ``remat`` applies inside it), kept in a ring of ``min(M, 2S - 1)``
-      inputs: activation memory is bounded by S, not M. ``T = M + 2S - 2``
-      ticks (all stages in lockstep, idle slots computed and masked): the
-      first ``S - 1`` run forwards only (no stage has a backward yet), the
-      last ``S - 1`` backwards only, the others one forward and one
-      backward each; the time of ``M + S - 1`` forward-and-backward ticks,
-      a bubble of (S-1)/(M+S-1), as GPipe's. Without differentiation the
-      GPipe forward and the loss run. Not with ``has_aux``. Interleaved,
-      with ``repeats=V`` (chunks as for ``"circular"``, the same two params
-      layouts; needs ``S >= 2`` and M a multiple of S): microbatches go
-      round the ring V times in groups of S (Megatron's order), stage s
-      running forward step ``t - s`` and backward step ``t - (V*S - 1) -
-      (S - 1 - s)``, step ``g*S*V + r*S + i`` being microbatch ``g*S + i``
-      on chunk r (the backward's rounds counting down); the ring holds
-      ``min(M*V, 2*V*S - 1)`` chunk inputs; ``T = M*V + V*S + S - 2`` ticks
-      of ``n/(S*V)`` layers, ``V*S - 1`` of them forward-only and as many
-      backward-only: the time of ``M*V + S - 1`` full ticks, a bubble of
-      (S-1)/(M*V+S-1), as the circular schedule's.
-
-    Where things are: the params' layer axis is split over ``stage_axis``;
-    with ``data_axis`` the batch is also split over that mesh axis and the
-    params' gradients are summed over it once per call, after the tick loop.
-    Other mesh axes (e.g. a tensor-parallel ``"model"``) stay as the params'
-    shardings have them. The output is split over the batch across the data
-    and stage axes (the work after the pipeline is shared by all stages) when
-    S divides the batch of each data shard; otherwise it is replicated over
-    the stages.
-
-    FSDP inside the stages: with ``fsdp=axes`` each stage's params are also
-    split over those mesh axes (data-parallel axes: the batch is split over
-    them too, after ``data_axis`` if that is given), each leaf on the inner
-    dimension its placement splits over them, else by
-    :func:`stackwise.fsdp_specs`' rule (a leaf with no dimension they divide
-    stays replicated over them). Inside the stage a leaf is all-gathered over
-    the FSDP axes, with ``fsdp_gather="step"`` once per call before the tick
-    loop (MaxText's ``pipeline_fsdp_ag_once``), with ``"tick"`` at every
-    tick, only the chunk of layers that tick runs (less memory, more
-    gathers); its gradient comes back reduce-scattered, in the params'
-    layout. The gathered copy is never saved for the backward pass: the
-    backward pass gathers again. With a pattern (or ``with_state``) each
-    position's stacked params are split so, their blocks keeping the split
-    (params placed with ``shard_stacked(params, mesh, fsdp_specs(params, mesh,
-    axes), ...)`` are never gathered whole); the state is not split over the
-    FSDP axes (a batched leaf's batch is, with ``x``'s). With ``"1f1b"`` the
-    schedule is the backward pass: ``"step"`` gathers once before the tick
-    loops and reduce-scatters the summed gradients once after them;
-    ``"tick"`` gathers the forward's and the backward's chunk at each tick
-    (one gather when ``V = 1``) and reduce-scatters that tick's chunk
-    gradient.
-
-    >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("stage", "data"))
-    >>> fsdp = stackwise.pipeline(init, apply, 4, mesh, microbatches=2, fsdp="data")
-    >>> bool(jnp.allclose(jax.jit(fsdp.apply)(params, x), layers.apply(params, x), atol=1e-5))
-    True
-
-    Arguments of ``apply`` after ``x``: :func:`stackwise.per_layer`,
-    :func:`stackwise.per_layer_keys` and :func:`stackwise.layer_index`
-    resolve per layer as in :func:`stackwise.stack` (layer i of microbatch j
-    gets ``jax.random.fold_in(jax.random.split(key, n)[i], j)``: dropout
-    differs per layer and per microbatch, j counting microbatches over the
-    whole batch); :func:`stackwise.per_example` arguments are split into
-    microbatches with ``x``; every other argument reaches every layer whole.
-
-    Patterns and state, with any schedule. A pattern of k layers
-    (``init`` and ``apply`` as sequences, layer i running ``apply[i % k]``)
-    pipelines with the stack's params, a tuple of k stacked trees; the stage
-    (or chunk) boundaries may cut the pattern anywhere (``n/S`` need not be a
-    multiple of k). Each position's layers are regrouped by chunk into
-    blocks ``(V, S, C_p, ...)`` (padded where chunks hold different counts of
-    a position: a gather at each call; with GPipe, when every stage holds as
-    many layers of each position, as when k divides ``n/S``, it is a reshape
-    and params placed with ``shard_stacked(..., layer_axis=stage_axis)`` stay
-    put), and every layer runs its position's ``apply`` through
-    :func:`jax.lax.switch` on a per-layer table. With ``with_state=True``, ``apply(params, state, x,
-    ...)`` returns ``(out, new_state)`` as the stack's does, the state in the
-    stack's layout; a state leaf with a batch axis (``batched_state``: a KV
-    cache) is split into microbatches with ``x``, one without (statistics) is
-    updated by the microbatches in order, as a loop over them would:
+    A pattern of k layers (``init`` and ``apply`` as sequences) takes the stack's
+    params, a tuple of k stacked trees; with ``with_state=True``, ``apply(params,
+    state, x, ...)`` returns ``(out, new_state)`` as the stack's does (with
+    ``"1f1b"``, ``(loss, new_state)``, the state not differentiated):
 
     >>> def counted(key):
     ...     return init(key), {"calls": jnp.zeros((), jnp.int32)}
@@ -327,31 +134,6 @@ def pipeline(
     >>> state[0]["calls"].tolist()  # layers 0 and 2, once per microbatch
     [3, 3]
 
-    With ``"1f1b"``, a pattern's ``apply(params, x, targets, ...)`` returns the
-    mean loss, its gradients in the params' layout (a tuple of k stacked trees);
-    with state, ``apply(params, state, x, targets, ...)`` returns ``(loss,
-    new_state)``, the new state the one the GPipe schedule returns (an unbatched
-    leaf updated by the microbatches in order: each chunk runs its forwards in
-    microbatch order). The state is not differentiated: its cotangent is zero (a
-    float state leaf's gradient is zeros), and no gradient flows through it from
-    one microbatch to the next either, as if each microbatch read
-    ``jax.lax.stop_gradient(state)`` (``jax.grad`` of the GPipe schedule does
-    differentiate through an unbatched state that feeds the outputs, such as a
-    running statistic used in the forward; a cache's rows, or statistics only
-    read, give both the same gradients). Under :func:`jax.grad`, pass
-    ``has_aux=True`` to get the new state back. Each ring slot keeps, with the
-    stage input, the state that microbatch's forward read (a batched leaf's rows
-    of it, an unbatched leaf's whole chunk), for the backward's recomputation:
-
-    >>> trained = stackwise.pipeline([counted, stateless], [counting, doubling], 3, mesh,
-    ...                              microbatches=3, with_state=True, batched_state=False,
-    ...                              schedule="1f1b", loss=mse)
-    >>> params, state = trained.init(jax.random.key(0))
-    >>> step = jax.value_and_grad(trained.apply, has_aux=True)
-    >>> (loss, state), grads = jax.jit(step)(params, state, x, targets)
-    >>> state[0]["calls"].tolist(), len(grads)
-    ([3, 3], 2)
-
     Args:
       init: as for :func:`stackwise.stack` (``None``: params come from
         elsewhere; a sequence of k for a pattern). ``Stacked.init`` is the
@@ -362,35 +144,33 @@ def pipeline(
         layer_state, x, ...)``; a sequence of k for a pattern.
       n: the number of layers.
       mesh: a :class:`jax.sharding.Mesh` with ``stage_axis`` (and
-        ``data_axis``).
-      microbatches: M; it (times the ``data_axis`` size) must divide the batch.
+        ``data_axis``, ``fsdp``).
+      microbatches: M; it (times the batch axes' size) must divide the batch.
       stage_axis: the mesh axis the stages are laid out on.
-      data_axis: a mesh axis to split the batch over as well, or ``None``.
-      schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
-      repeats: V, the chunks per stage: for ``"circular"`` (default ``n // S``:
-        one layer per chunk, the smallest bubble) and ``"1f1b"`` (interleaved;
-        default 1).
+      data_axis: a mesh axis to split the batch over as well (the params'
+        gradients summed over it once per call), or ``None``.
+      schedule: ``"gpipe"``, ``"circular"`` (each stage ``repeats`` chunks,
+        the microbatches going round the ring) or ``"1f1b"`` (needs ``loss``).
+      repeats: V, the chunks per stage: for ``"circular"`` (default ``n // S``)
+        and ``"1f1b"`` (interleaved; default 1). Params in the circular layout
+        of ``stackwise.shard_stacked(..., repeats=V)`` are taken as they are.
       fsdp: a mesh axis, or a tuple of them, to split each stage's params over
-        as well (FSDP; not ``stage_axis``), or ``None``.
+        as well (FSDP; the batch too), or ``None``.
       fsdp_gather: with ``fsdp``: ``"step"`` (gather each stage's params once
         per call) or ``"tick"`` (gather each tick's chunk at that tick).
       remat, nested, unroll: passed to :func:`stackwise.stack` for each stage.
       has_aux: the layer returns ``(x, aux)``; ``apply`` returns ``(y, aux)``
         with aux stacked along a leading ``n`` axis, each layer's summed over
-        microbatches and data shards (bubble ticks excluded): for an aux that
-        is a sum over examples it equals the unpipelined stack's.
+        microbatches and data shards (bubble ticks excluded).
       loss: for ``"1f1b"`` (and only for it): ``loss(y, targets)``, one float
         scalar for a microbatch's output ``y`` and its rows of ``targets``
         (``loss(y, targets, loss_params)`` when ``apply`` is given ``loss_params=``).
-      with_state: the layers carry per-layer state, as for
-        :func:`stackwise.stack` (with ``"1f1b"``, ``apply`` returns ``(loss,
-        new_state)``, the state not differentiated).
+      with_state: the layers carry per-layer state, as for :func:`stackwise.stack`.
       batched_state: which state leaves have a batch axis (after the layer
-        axis, of ``x``'s batch), split into microbatches and over
-        ``data_axis`` with ``x``: ``True`` (all: caches), ``False`` (none:
-        statistics, counters; then no ``data_axis``), or a function of a
-        leaf's path (``jax.tree_util.keystr``, e.g. ``"[0]['k']"``) returning
-        a bool.
+        axis, of ``x``'s batch), split into microbatches with ``x``: ``True``
+        (all: caches), ``False`` (none: statistics, counters, updated by the
+        microbatches in order), or a function of a leaf's path
+        (``jax.tree_util.keystr``) returning a bool.
 
     Returns:
       A :class:`stackwise.Stacked`.
@@ -407,154 +187,336 @@ def pipeline(
         ``repeats`` with ``"gpipe"``, ``M < S`` or ``S < 2`` for
         ``"circular"``, ``S < 2`` or M not a multiple of S for ``"1f1b"`` with
         ``repeats > 1``, an unknown ``schedule``, ``"1f1b"`` without ``loss``
-        or with ``has_aux``, ``loss`` with another
-        schedule; at call time, a batch
-        (of ``x``, per-example arguments or ``targets``) not divisible by ``M``
-        (times the data-axis size), params of neither layout, a leaf placed
-        over the ``fsdp`` axes otherwise than ``fsdp`` names them (with other
-        axes, or in another order), state of the wrong depth, a batched state
-        leaf without ``x``'s batch, or unbatched state with the batch split
-        (over a ``data_axis`` or ``fsdp`` axes of more than one device).
+        or with ``has_aux``, ``loss`` with another schedule; at call time, a
+        batch (of ``x``, per-example arguments or ``targets``) not divisible by
+        ``M`` (times the batch axes' size), params of neither layout, a leaf
+        placed over the ``fsdp`` axes otherwise than ``fsdp`` names them, state
+        of the wrong depth, a batched state leaf without ``x``'s batch, or
+        unbatched state with the batch split over more than one device.
     """
-    layer_pattern = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
-    if not layer_pattern and not callable(apply):
+    plain, applies, pattern, plan, options = _checked(
+        init, apply, n, mesh, microbatches=microbatches, stage_axis=stage_axis,
+        data_axis=data_axis, schedule=schedule, repeats=repeats, fsdp=fsdp,
+        fsdp_gather=fsdp_gather, remat=remat, nested=nested, unroll=unroll, has_aux=has_aux,
+        loss=loss, with_state=with_state, batched_state=batched_state,
+    )  # fmt: skip
+    if pattern or with_state:
+        where = Blocks(applies, pattern, with_state, batched_state, plan, mesh, options)
+    else:
+        where = _Stacks(plan, mesh)
+    layers = dict(remat=remat, nested=nested, unroll=unroll)
+    run = _Pipelined(where, applies, plan, mesh, options, layers, has_aux, with_state, loss)
+    return Stacked(plain.init, run, n)
+
+
+# --------------------------------------------------------------------------
+# Every argument, checked once.
+
+
+def _checked(
+    init, apply, n, mesh, *, microbatches, stage_axis, data_axis, schedule, repeats, fsdp,
+    fsdp_gather, remat, nested, unroll, has_aux, loss, with_state, batched_state,
+) -> tuple[Stacked, tuple, bool, Plan, Any]:  # fmt: skip
+    """``(plain stack, applies, pattern, plan, options)`` of :func:`pipeline`'s arguments,
+    or the error that names the argument."""
+    sequences = isinstance(init, (list, tuple)) or isinstance(apply, (list, tuple))
+    if not sequences and not callable(apply):
         raise TypeError(
-            f"{_WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
+            f"{WHO}: `pipeline` takes `(init, apply, n, mesh)`, the arguments of "
             "`stackwise.stack` and a mesh, e.g. `stackwise.pipeline(init, apply, n, mesh, "
             "microbatches=8)`; pass `init=None` when the params come from elsewhere. Got "
             f"apply={apply!r}, mesh={mesh!r}."
         )
     # Checks n (and the pattern, with_state); its init is the pipeline's.
-    plain = stack(init, apply, n, with_state=with_state, name=_WHO)
+    plain = stack(init, apply, n, with_state=with_state, name=WHO)
     plan = _plan(n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp, fsdp_gather)
     options = check_options(
-        _WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
+        WHO, n, remat=remat, nested=nested, unroll=unroll, reverse=False, has_aux=has_aux
     )
     _check_loss_option(schedule, loss, has_aux)
-    if layer_pattern or with_state:
-        return pattern_pipeline(
-            plain, init, apply, plan, mesh, remat=remat, nested=nested, unroll=unroll,
-            options=options, has_aux=has_aux, with_state=with_state, batched_state=batched_state,
-            loss=loss, split_args=_split_args,
-        )  # fmt: skip
-
-    def stage(call: _Call, dims: Any, gathers: bool = True) -> Stacked:
-        """One stage's L layers: the core's scan and remat, with the call's arguments
-        (gathering its chunk per tick with ``fsdp_gather="tick"``, if ``gathers``)."""
-        layer = _Layer(apply, has_aux, call)
-        one = stack(
-            None, layer, plan.L, remat=remat, nested=nested, unroll=unroll, has_aux=True, name=_WHO
+    _, applies, pattern = check_layers(init, apply, WHO)
+    if (pattern or with_state) and not (isinstance(batched_state, bool) or callable(batched_state)):
+        raise TypeError(
+            f"{WHO}: `batched_state` must be a bool or a function of a state leaf's path "
+            "(a `jax.tree_util.keystr` string) returning a bool, got "
+            f"{type(batched_state).__name__} {batched_state!r}."
         )
-        if plan.fsdp and plan.gather == "tick" and gathers:
-            return stage_fsdp.gathered_per_tick(one, dims, plan, options)
-        return one
+    return plain, applies, pattern, plan, options
 
-    def pipelined(params, x, *args, **kwargs):
-        if loss is not None:
-            targets, loss_params, args, kwargs = schedule_1f1b.targets_of(
-                args, kwargs, "apply(params, x, targets, *args)"
+
+def _int_arg(value: Any, name: str, fix: str) -> int:
+    try:
+        value = checks.integer(value, WHO, name)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise TypeError(
+            f"{WHO}: `{name}` must be a positive Python int, got "
+            f"{type(value).__name__} {value!r}. {fix}"
+        )
+    return value
+
+
+def _mesh_axis(mesh: Any, axis: str, arg: str) -> int:
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"{WHO}: `{arg}={axis!r}` is not an axis of the mesh, whose axes are "
+            f"{dict(mesh.shape)}. Pass `{arg}=` one of {tuple(mesh.shape)}, or build "
+            f"the mesh with a {axis!r} axis, e.g. `jax.make_mesh((4, 2), ('stage', 'data'))`."
+        )
+    return mesh.shape[axis]
+
+
+def _plan(
+    n, mesh, microbatches, stage_axis, data_axis, schedule, repeats, fsdp=None, gather="step"
+) -> Plan:
+    mesh = checks.mesh(mesh, WHO)
+    for arg, axis in (("stage_axis", stage_axis), ("data_axis", data_axis)):
+        if not (isinstance(axis, str) or (axis is None and arg == "data_axis")):
+            raise TypeError(
+                f"{WHO}: `{arg}` must be one mesh axis name (a str)"
+                + (" or None" if arg == "data_axis" else "")
+                + f", got {type(axis).__name__} {axis!r}."
             )
-        params = _device_layout(params, plan)
-        dims = stage_fsdp.dims(params, mesh, plan) if plan.fsdp else None
-        _check_batch(x, plan, "x")
-        call = _split_args(args, kwargs, n)
-        for i, v in enumerate(call.examples):
-            _check_batch(v, plan, f"stackwise.per_example argument {i}")
-            _check_same_batch(v, x, f"stackwise.per_example argument {i}")
-        slices = [_to_chunks(v, plan) for v in call.per_layer]
-        inputs = _place((params, slices, x, call.examples, call.consts), mesh, plan)
-        layer_spec = PartitionSpec(None, plan.stage_axis)
-        batch_spec = PartitionSpec(plan.batch)
-        out_spec = _out_spec(x, plan)
-        param_spec = layer_spec
-
-        def device(*a, gather=None):
-            return _device_program(stage(call, dims), options, plan, out_spec, *a, gather=gather)
-
-        program = device
-        if plan.fsdp:  # each stage's params split over the FSDP axes too
-            param_spec = stage_fsdp.in_specs(dims, plan)
-            if plan.explicit:
-                inputs = (stage_fsdp.place(params, dims, mesh, plan), *inputs[1:])
-            if plan.gather == "step":
-                program = stage_fsdp.gathered_once(device, dims, plan, options)
-
-        def forward(inputs):
-            run = jax.shard_map(
-                program,
-                mesh=mesh,
-                in_specs=(param_spec, layer_spec, batch_spec, batch_spec, PartitionSpec()),
-                out_specs=(out_spec, PartitionSpec()),
-                axis_names=frozenset(plan.manual),
+    M = _int_arg(microbatches, "microbatches", "It is the number of microbatches M.")
+    S = _mesh_axis(mesh, stage_axis, "stage_axis")
+    D = 1
+    if data_axis is not None:
+        if data_axis == stage_axis:
+            raise ValueError(
+                f"{WHO}: `data_axis` and `stage_axis` are both {stage_axis!r}; the "
+                "batch and the stages need two different mesh axes."
             )
-            return run(*inputs)
-
-        if loss is None:
-            y, aux = forward(inputs)
-            return (y, aux) if has_aux else y
-        # The 1F1B program gathers (and reduce-scatters) the FSDP params itself.
-        one = stage(call, dims, gathers=False)
-
-        def run_chunk(chunk, h, state, j, examples, consts):
-            return one.apply(chunk, h, j, examples, consts)[0], state
-
-        on_stage = schedule_1f1b.Stage(run_chunk, param_spec, 2, dims, _StageState((), plan))
-        value, _ = schedule_1f1b.loss_and_grads(
-            on_stage, plan, mesh, loss, lambda i, state: (forward(i)[0], state), inputs, (),
-            targets, loss_params,
-        )  # fmt: skip
-        return value
-
-    return Stacked(plain.init, pipelined, n)
+        D = _mesh_axis(mesh, data_axis, "data_axis")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"{WHO}: `schedule` must be one of {_SCHEDULES}, got {schedule!r}.")
+    if schedule == "gpipe" and repeats not in (None, 1):
+        raise ValueError(
+            f"{WHO}: `repeats={repeats!r}` needs `schedule='circular'` (or '1f1b', "
+            "interleaved); the 'gpipe' schedule runs each stage's layers once per microbatch."
+        )
+    if schedule == "gpipe" or (schedule == "1f1b" and repeats is None):
+        V = 1
+    else:
+        V = n // S if repeats is None else _int_arg(repeats, "repeats", "")
+    if V > 1 or schedule == "circular":
+        what = f"the {schedule!r} schedule" + (f" with repeats={V}" if schedule == "1f1b" else "")
+        if S < 2:
+            raise ValueError(
+                f"{WHO}: {what} needs at least 2 stages, but mesh axis {stage_axis!r} has "
+                f"size {S}. "
+                + ("Use repeats=1." if schedule == "1f1b" else "Use schedule='gpipe'.")
+            )
+        if schedule == "circular" and M < S:
+            raise ValueError(
+                f"{WHO}: the 'circular' schedule needs at least as many microbatches as "
+                f"stages, got microbatches={M} for {S} stages on mesh axis {stage_axis!r}. "
+                f"Use microbatches >= {S}, or schedule='gpipe'."
+            )
+        if schedule == "1f1b" and M % S:
+            fits = " or ".join(str(k) for k in (M - M % S, M - M % S + S) if k)
+            raise ValueError(
+                f"{WHO}: {what} (interleaved 1F1B) runs the microbatches in groups of S={S} "
+                f"(the stages on mesh axis {stage_axis!r}), so `microbatches` must be a "
+                f"multiple of {S}, got microbatches={M}. Use microbatches={fits}, or repeats=1."
+            )
+    if V < 1 or n % (S * V):
+        per = f"S={S} stages" if V == 1 else f"S*repeats={S}*{V}={S * V} chunks"
+        raise ValueError(
+            f"{WHO}: n={n} layers cannot be split evenly into {per} (mesh axis "
+            f"{stage_axis!r} has size {S}). Use a number of layers divisible by "
+            f"{S * max(V, 1)}"
+            + (", or another `repeats`" if V > 1 else "")
+            + ", or a mesh whose stage axis divides n."
+        )
+    explicit = jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
+    fsdp, gather = stage_fsdp.check(mesh, fsdp, gather, stage_axis, WHO)
+    D *= stage_fsdp.size(mesh, tuple(a for a in fsdp if a != data_axis))
+    return Plan(n, S, V, n // (S * V), M, D, stage_axis, data_axis, explicit, fsdp, gather)
 
 
 def _check_loss_option(schedule: str, loss: Any, has_aux: bool) -> None:
     """``loss=`` comes with ``schedule='1f1b'`` and only with it."""
     if schedule == "1f1b" and loss is None:
         raise ValueError(
-            f"{_WHO}: schedule='1f1b' needs `loss=`: a microbatch's backward pass starts as "
+            f"{WHO}: schedule='1f1b' needs `loss=`: a microbatch's backward pass starts as "
             "soon as its forward leaves the last stage, so the pipeline computes the loss "
             "itself. Pass `loss=lambda y, targets: ...` (one float scalar per microbatch); "
             "`apply(params, x, targets, *args)` then returns its mean over microbatches."
         )
     if loss is not None and schedule != "1f1b":
         raise ValueError(
-            f"{_WHO}: `loss=` is for schedule='1f1b', got schedule={schedule!r}. Pass "
+            f"{WHO}: `loss=` is for schedule='1f1b', got schedule={schedule!r}. Pass "
             "schedule='1f1b', or drop `loss=` and apply the loss to the pipeline's output."
         )
     if loss is not None and not callable(loss):
         raise TypeError(
-            f"{_WHO}: `loss` must be a function `loss(y, targets)` returning a float scalar "
+            f"{WHO}: `loss` must be a function `loss(y, targets)` returning a float scalar "
             f"per microbatch, got {type(loss).__name__} {loss!r}."
         )
     if loss is not None and has_aux:
         raise ValueError(
-            f"{_WHO}: schedule='1f1b' does not take `has_aux=True`: the pipeline returns the "
+            f"{WHO}: schedule='1f1b' does not take `has_aux=True`: the pipeline returns the "
             "loss only. Add the aux term to the carry (a pytree `x`) and to `loss`, or use "
             "schedule='gpipe' with has_aux=True."
         )
 
 
 # --------------------------------------------------------------------------
+# The apply: the call's arguments sorted and placed, the stage built, the schedule run.
+
+
+class _Pipelined:
+    """``Stacked.apply`` of a pipeline. ``where`` lays the params (and state) out on the
+    stages: :class:`_Stacks` for one layer function, ``pattern.Blocks`` for a pattern
+    or layers with state; everything else is the same for both."""
+
+    def __init__(self, where, applies, plan, mesh, options, layers, has_aux, with_state, loss):
+        self.where, self.applies, self.plan, self.mesh = where, applies, plan, mesh
+        self.options, self.layers, self.has_aux = options, layers, has_aux
+        self.with_state, self.loss = with_state, loss
+        self.signature = "apply(params, " + "state, " * with_state + "x, targets, *args)"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        where, plan = self.where, self.plan
+        params, state, x, args = _apply_args(args, self.with_state, WHO, call="apply")
+        if self.loss is not None:
+            targets, loss_params, args, kwargs = schedule_1f1b.targets_of(
+                args, kwargs, self.signature
+            )
+        params, state = where.enter(params, state)
+        check_batch(x, plan, "x")
+        state_of = where.state_of(state, x)
+        call = _split_args(tuple(args), kwargs, plan.n)
+        for i, v in enumerate(call.examples):
+            check_batch(v, plan, f"stackwise.per_example argument {i}")
+            check_same_batch(v, x, f"stackwise.per_example argument {i}")
+        stage = self._stage(call, where.dims(params) if plan.fsdp else None, state_of)
+        params, state = where.device(params, state)
+        inputs = (params, state, where.per_layer(call), x, call.examples, call.consts)
+        if plan.explicit:
+            inputs = _place(inputs, stage, self.mesh, plan)
+        run = self._program(stage, output_spec(x, plan))
+        if self.loss is not None:
+            return self._loss(stage, run, inputs, targets, loss_params)
+        y, aux, new_state = run(*inputs)
+        out = (y, where.aux(aux)) if self.has_aux else y
+        return (out, where.leave(new_state)) if self.with_state else out
+
+    def _stage(self, call: _Call, dims: Any, state_of: StageState) -> Stage:
+        """The stage: a chunk's layers as one :func:`stackwise.stack` (the core's scan and
+        remat) of the layer that rebuilds the call's arguments."""
+        plan, lead = self.plan, self.where.lead
+        layer = Layer(self.applies, self.has_aux, self.with_state, call, plan.manual)
+        one = stack(None, layer, plan.L, **self.layers, has_aux=True, name=WHO)
+        if plan.fsdp:
+            spec = stage_fsdp.in_specs(dims, plan, lead=lead)
+        else:
+            spec = PartitionSpec(None, plan.stage_axis)
+        return Stage(self.where.run(one), spec, lead, dims, state_of)
+
+    def _program(self, stage: Stage, out_spec: PartitionSpec) -> Callable:
+        """The GPipe (or circular) program on the mesh: ``(y, aux, new state)``."""
+        plan = self.plan
+        program = functools.partial(
+            schedule_gpipe.device_program, stage, self.options, plan, out_spec
+        )
+        if plan.fsdp and plan.gather == "step":
+            program = stage_fsdp.gathered_once(
+                program, stage.dims, plan, self.options, lead=stage.lead
+            )
+        layers, batch = PartitionSpec(None, plan.stage_axis), PartitionSpec(plan.batch)
+        return jax.shard_map(
+            program,
+            mesh=self.mesh,
+            in_specs=(stage.params, stage.state.specs, layers, batch, batch, PartitionSpec()),
+            out_specs=(out_spec, PartitionSpec(), stage.state.specs),
+            axis_names=frozenset(plan.manual),
+        )
+
+    def _loss(self, stage, run, inputs, targets, loss_params) -> Any:
+        """The 1F1B schedule's mean loss (and new state); ``run`` is its primal's program."""
+        params, state, *rest = inputs
+
+        def forward(inputs, state):  # the primal: GPipe's output and new state
+            y, _, new_state = run(inputs[0], state, *inputs[1:])
+            return y, new_state
+
+        value, new_state = schedule_1f1b.loss_and_grads(
+            stage, self.plan, self.mesh, self.loss, forward, (params, *rest), state, targets,
+            loss_params,
+        )  # fmt: skip
+        return (value, self.where.leave(new_state)) if self.with_state else value
+
+
+class _Stacks:
+    """One layer function without state: the params in the ``(V, n/V, ...)`` layout (chunk
+    ``r*S + s`` at ``[r, s*L:(s+1)*L]``), a chunk's rows scanned with its layers. A pattern
+    (or state) is laid out by ``pattern.Blocks``, with the same methods."""
+
+    lead = 2  # a param leaf's dimensions before its inner ones
+
+    def __init__(self, plan: Plan, mesh: Any):
+        self.plan, self.mesh = plan, mesh
+
+    def enter(self, params: Any, state: Any) -> tuple:
+        """The params in the device layout (from either layout, depth checked); no state."""
+        return device_layout(params, self.plan), ()
+
+    def state_of(self, state: Any, x: Any) -> StageState:
+        return StageState((), self.plan)
+
+    def dims(self, params: Any) -> Any:
+        """With FSDP, each leaf's inner dimension split over the FSDP axes."""
+        return stage_fsdp.dims(params, self.mesh, self.plan)
+
+    def device(self, params: Any, state: Any) -> tuple:
+        return params, state
+
+    def per_layer(self, call: _Call) -> list:
+        return [to_chunks(v, self.plan) for v in call.per_layer]
+
+    @staticmethod
+    def run(one: Stacked) -> Callable:
+        """``Stage.run`` of a chunk's stack ``one``: its params rows scanned with the layers."""
+
+        def run(chunk, h, state, j, examples, consts):
+            h, aux = one.apply(chunk, h, j, examples, consts)
+            return (h, state), aux
+
+        return run
+
+    def aux(self, aux: Any) -> Any:
+        return aux
+
+    def leave(self, state: Any) -> Any:
+        return state
+
+
+def _place(inputs: tuple, stage: Stage, mesh: Any, plan: Plan) -> tuple:
+    """With explicit mesh axes, moves each input ``(params, state, per_layer, x, examples,
+    consts)`` to the layout ``shard_map`` takes (with ``fsdp``, the params keep their inner
+    split over the FSDP axes: nothing is gathered)."""
+    params, state, per_layer, x, examples, consts = inputs
+    state = jax.tree.map(
+        lambda v, spec: reshard(v, mesh, tuple(spec), plan.manual), state, stage.state.specs
+    )
+    if plan.fsdp:
+        params = stage_fsdp.place(params, stage.dims, mesh, plan, lead=stage.lead)
+    else:
+        params = reshard(params, mesh, (None, plan.stage_axis), plan.manual)
+    return (
+        params,
+        state,
+        reshard(per_layer, mesh, (None, plan.stage_axis), plan.manual),
+        reshard(x, mesh, (plan.batch,), plan.manual),
+        reshard(examples, mesh, (plan.batch,), plan.manual),
+        reshard(consts, mesh, (), plan.manual),
+    )
+
+
+# --------------------------------------------------------------------------
 # The call's arguments.
-
-
-class _Layer:
-    """The per-layer function a stage's stack runs: the user's layer, its arguments rebuilt."""
-
-    def __init__(self, apply: Callable[..., Any], has_aux: bool, call: _Call):
-        self.apply, self.has_aux, self.call = apply, has_aux, call
-
-    def __call__(self, params_and_slices, x, j, examples, consts):
-        params, slices = params_and_slices
-        # Per-layer keys differ per microbatch too: fold in its index over the batch.
-        slices = [
-            jax.random.fold_in(v, j) if kind == "keys" else v
-            for v, kind in zip(slices, self.call.kinds)
-        ]
-        args, kwargs = self.call.build(slices, examples, consts)
-        out = self.apply(params, x, *args, **kwargs)
-        return out if self.has_aux else (out, ())
 
 
 class _Slot:
@@ -590,7 +552,7 @@ def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
             template.append(leaf)
     kinds = [leaf.kind for leaf in leaves if isinstance(leaf, _PerLayer)]
     a, kw = jax.tree_util.tree_unflatten(treedef, template)
-    per_layer, rebuild = _split_markers(a, kw, n, f"{_WHO} apply")
+    per_layer, rebuild = _split_markers(a, kw, n, f"{WHO} apply")
 
     def build(slices, example_values, const_values):
         values = {"example": example_values, "const": const_values}

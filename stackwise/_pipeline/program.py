@@ -1,8 +1,10 @@
-"""What a pipeline runs on each device: the params' layouts and the tick loop.
+"""What the schedules share: the plan, the params' layouts, the stage and its state.
 
-:func:`stackwise.pipeline` (``api.py``) checks the schedule and sorts the
-call's arguments; this module lays the params out per device and runs one
-device's program: its chunks of layers over all ticks of the schedule.
+:func:`stackwise.pipeline` (``api.py``) checks its arguments into a :class:`Plan`
+and builds a :class:`Stage`; the schedules (``schedule_gpipe.py``,
+``schedule_1f1b.py``) run it on each device, its chunks ``(V*R, ...)`` stacks
+(:func:`stack_rows`, :func:`chunk_rows`) and its state carried by :class:`StageState`. The
+remat policies of a stage that slices its chunk out of its stacks are here too.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from stackwise._core import trees
 from stackwise._core.checks import check_depth
 from stackwise._core.options import Options
 from stackwise._core.stack import CARRY_NAME
+from stackwise._pipeline import ticks
 from stackwise._upstream import jax as jax_ties
 
-_WHO = "stackwise.pipeline"
+WHO = "stackwise.pipeline"
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """A checked pipeline schedule: S stages, V chunks per stage of L layers, M microbatches."""
 
     n: int
@@ -41,7 +44,7 @@ class _Plan(NamedTuple):
     @property
     def ticks(self) -> int:
         """T = M*V + S - 1: every stage runs one chunk on one microbatch per tick."""
-        return self.M * self.V + self.S - 1
+        return ticks.gpipe_ticks(self.S, self.M, self.V)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -64,7 +67,7 @@ class _Plan(NamedTuple):
 # The call's batch, checked.
 
 
-def _check_same_batch(tree: Any, x: Any, what: str) -> None:
+def check_same_batch(tree: Any, x: Any, what: str) -> None:
     """A per-example value has x's batch: a smaller one that divides the microbatches would
     be split and broadcast, where ``Stacked.apply`` gives every layer the whole value."""
     batch = jnp.shape(jax.tree.leaves(x)[0])[0]
@@ -75,7 +78,7 @@ def _check_same_batch(tree: Any, x: Any, what: str) -> None:
     ]
     if bad:
         raise ValueError(
-            f"{_WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
+            f"{WHO} apply: every leaf of `{what}` has one row per example of `x`, whose "
             f"batch is {batch}, but these leaves do not:\n"
             + "\n".join(bad)
             + f"\nGive it {batch} rows (e.g. `jnp.broadcast_to(mask, (x.shape[0], ...))`), "
@@ -83,7 +86,7 @@ def _check_same_batch(tree: Any, x: Any, what: str) -> None:
         )
 
 
-def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
+def check_batch(tree: Any, plan: Plan, what: str) -> None:
     split = plan.M * plan.D
     bad = [
         f"  {jax.tree_util.keystr(p) or '<root>'}: shape {jnp.shape(v)}"
@@ -95,7 +98,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
         if plan.D > 1:
             by += f" times the {plan.batch!r} axis size {plan.D}"
         raise ValueError(
-            f"{_WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
+            f"{WHO} apply: every leaf of `{what}` needs a leading batch axis divisible by "
             f"{by} = {split}, but these leaves do not:\n"
             + "\n".join(bad)
             + f"\nUse a batch size that is a multiple of {split}, or another `microbatches`."
@@ -106,7 +109,7 @@ def _check_batch(tree: Any, plan: _Plan, what: str) -> None:
 # Layouts: the params as (V, n/V, ...), chunk c = r*S + s at [r, s*L:(s+1)*L].
 
 
-def _device_layout(params: Any, plan: _Plan) -> Any:
+def device_layout(params: Any, plan: Plan) -> Any:
     """Params in the layout the devices run: ``(V, n/V, ...)``, from either layout."""
     leaves = trees.named_leaves(params)
     if (
@@ -128,14 +131,14 @@ def _device_layout(params: Any, plan: _Plan) -> Any:
     check_depth(
         leaves,
         plan.n,
-        f"{_WHO} apply",
+        f"{WHO} apply",
         "params",
         f"Stacked params come from `Stacked.init` (or `stackwise.stack_layers`){layout}.",
     )
-    return _to_chunks(params, plan)
+    return to_chunks(params, plan)
 
 
-def _to_chunks(tree: Any, plan: _Plan) -> Any:
+def to_chunks(tree: Any, plan: Plan) -> Any:
     """``(n, ...)`` leaves as ``(V, n/V, ...)``: row r holds chunks r*S, ..., r*S + S - 1."""
 
     def one(a):
@@ -152,22 +155,7 @@ def _to_chunks(tree: Any, plan: _Plan) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _place(inputs: tuple, mesh: Any, plan: _Plan) -> tuple:
-    """With explicit mesh axes, moves each input to the layout ``shard_map`` takes."""
-    if not plan.explicit:
-        return inputs  # auto axes: shard_map moves them itself
-    params, slices, x, examples, consts = inputs
-    layers = (None, plan.stage_axis)
-    return (
-        _reshard(params, mesh, layers, plan.manual),
-        _reshard(slices, mesh, layers, plan.manual),
-        _reshard(x, mesh, (plan.batch,), plan.manual),
-        _reshard(examples, mesh, (plan.batch,), plan.manual),
-        _reshard(consts, mesh, (), plan.manual),
-    )
-
-
-def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
+def reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
     """Each leaf to ``P(*lead, ...)``: its other axes keep their non-manual sharding."""
     names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
 
@@ -182,7 +170,7 @@ def _reshard(tree: Any, mesh: Any, lead: tuple, manual: tuple) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
+def output_spec(x: Any, plan: Plan) -> PartitionSpec:
     """The output's batch split: over data and stages when S divides a data shard's batch."""
     rows = {jnp.shape(v)[0] // plan.D for v in jax.tree.leaves(x)}
     if all(r % plan.S == 0 for r in rows):
@@ -191,10 +179,10 @@ def _out_spec(x: Any, plan: _Plan) -> PartitionSpec:
 
 
 # --------------------------------------------------------------------------
-# One device's program.
+# On a device: the inputs cast once, the stage, its state, its remat policy.
 
 
-def _vary(tree: Any, axes: tuple) -> Any:
+def vary(tree: Any, axes: tuple) -> Any:
     """Marks every leaf as varying over ``axes``: a leaf used on varying data is
     then cast once, here, and its gradient summed over ``axes`` once, here,
     instead of at every use inside the loops."""
@@ -210,63 +198,26 @@ def _vary(tree: Any, axes: tuple) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _split_batch(tree: Any, M: int) -> Any:
+def split_batch(tree: Any, M: int) -> Any:
     return jax.tree.map(lambda v: v.reshape(M, v.shape[0] // M, *v.shape[1:]), tree)
 
 
-def _take(tree: Any, i: Any) -> Any:
+def nth(tree: Any, i: Any) -> Any:
     return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, keepdims=False), tree)
 
 
-def _where(c: Any, a: Any, b: Any) -> Any:
+def select(c: Any, a: Any, b: Any) -> Any:
     return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
 
 
-def _device_program(
-    stage, options, plan, out_spec, params, slices, x, examples, consts, gather=None
-):
-    """What one device runs: its ``V`` chunks of ``L`` layers over all ticks (``gather``:
-    FSDP's, of the chunks before the tick loop)."""
-    V, M, L = plan.V, plan.M, plan.L
-    s = jax.lax.axis_index(plan.stage_axis)
-    d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
-    # Cast the loop-invariant inputs once, so that their gradients are summed
-    # over the data axis (and the consts' over the stages) once, outside the loops.
-    params, slices, x, examples, consts = _vary((params, slices, x, examples, consts), plan.manual)
-    mbs, examples = _split_batch(x, M), _split_batch(examples, M)
-
-    def run_stage(chunks, r, h, m):
-        """This stage's chunk r on microbatch m (index d*M + m over the whole batch)."""
-        if V > 1:
-            chunks = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r * L, L), chunks)
-        return stage.apply(chunks, h, d * M + m, _take(examples, m), consts)
-
-    # This device's chunks as one (V*L, ...) stack, chunk r at rows r*L:(r+1)*L.
-    chunks = jax.tree.map(lambda v: v.reshape(V * L, *v.shape[2:]), (params, slices))
-    if gather is not None:
-        chunks = (gather(chunks[0]), chunks[1])
-    if V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
-        run_stage = jax.checkpoint(
-            run_stage, prevent_cse=False, policy=_never_sliced(chunks, options, V)
-        )
-    aux_shape = jax.eval_shape(run_stage, chunks, 0, _take(mbs, 0), 0)[1]
-    aux0 = jax.tree.map(lambda a: jnp.zeros((V, *a.shape), a.dtype), aux_shape)
-    carry = (_take(mbs, 0), jax.tree.map(jnp.zeros_like, mbs) if V > 1 else None, aux0)
-    tick = lambda c, t: _tick(plan, run_stage, chunks, mbs, s, c, t)  # noqa: E731
-    (_, _, aux), ys = jax.lax.scan(tick, _vary(carry, plan.manual), jnp.arange(plan.ticks))
-    # The last stage finished microbatch m (last round) at tick T - M + m.
-    y = jax.tree.map(lambda v: v[plan.ticks - M :].reshape(-1, *v.shape[2:]), ys)
-    return _gather_output(y, s, plan, out_spec), _gather_aux(aux, s, plan)
-
-
-class _StageState:
+class StageState:
     """A stage's state in a tick loop (GPipe's or 1F1B's), from this device's ``(V, 1,
     C_p, ...)`` blocks of a pattern's state (``pattern.py``). A leaf with a batch
     axis (``batched``) runs as ``(V, C_p, M, b, ...)``: microbatch m of chunk r reads and
     writes ``[r, :, m]``; one without, as ``(V, C_p, ...)``: chunk r's ``[r]``, which the
     microbatches update in turn. Layers without state: ``batched=()``, nothing to carry."""
 
-    def __init__(self, batched: Any, plan: _Plan):
+    def __init__(self, batched: Any, plan: Plan):
         self.batched, self.plan = batched, plan
 
     @property
@@ -291,14 +242,14 @@ class _StageState:
             self.batched,
         )
 
-    def _chunk(self, state: Any, r: Any) -> Any:
-        return jax.tree.map(lambda v: v[0], state) if self.plan.V == 1 else _take(state, r)
+    def _chunk_state(self, state: Any, r: Any) -> Any:
+        return jax.tree.map(lambda v: v[0], state) if self.plan.V == 1 else nth(state, r)
 
     def take(self, state: Any, r: Any, m: Any) -> Any:
         """What chunk r reads on microbatch m: its rows of a batched leaf, an unbatched one."""
         return jax.tree.map(
             lambda v, b: jax.lax.dynamic_index_in_dim(v, m, 1, keepdims=False) if b else v,
-            self._chunk(state, r),
+            self._chunk_state(state, r),
             self.batched,
         )
 
@@ -307,7 +258,7 @@ class _StageState:
 
         def one(v, u, b):
             if b:
-                u = jax.lax.dynamic_update_index_in_dim(self._chunk(v, r), u, m, 1)
+                u = jax.lax.dynamic_update_index_in_dim(self._chunk_state(v, r), u, m, 1)
             return u[None] if self.plan.V == 1 else jax.lax.dynamic_update_index_in_dim(v, u, r, 0)
 
         return jax.tree.map(one, state, new, self.batched)
@@ -322,7 +273,46 @@ class _StageState:
         return jax.tree.map(one, state, self.batched)
 
 
-def _same(v: Any, plan: _Plan) -> Any:
+class Stage(NamedTuple):
+    """A pipeline's stage as the schedules run it (``schedule_gpipe.py``,
+    ``schedule_1f1b.py``), from the pipeline that builds it (``api.py``: one layer
+    function's stack, or a pattern's blocks, ``pattern.py``). On a device the stage's V
+    chunks are ``(params, per_layer)`` stacks of ``V*R`` rows (R: a leaf's rows in one
+    chunk), chunk r at rows ``r*R`` to ``(r+1)*R - 1``.
+
+    * ``run(chunk, h, state, j, examples, consts) -> ((h, state), aux)``: one chunk (its
+      ``(params, per_layer)`` rows, the params gathered with FSDP) on microbatch j (its
+      index over the whole batch) with its state; ``examples`` are the microbatch's rows.
+    * ``params``: the params' ``shard_map`` spec; ``lead``: a param leaf's dimensions before
+      its inner ones (2 in the ``(V, n/V, ...)`` layout, 3 in a pattern's ``(V, S, C_p,
+      ...)`` blocks); ``dims``: with FSDP, each param leaf's inner dimension split over
+      the FSDP axes (else ``None``).
+    * ``state``: how the tick loops carry the stage's state (:class:`StageState`).
+    """
+
+    run: Callable[..., tuple]
+    params: Any
+    lead: int
+    dims: Any
+    state: StageState
+
+
+def stack_rows(tree: Any, lead: int) -> Any:
+    """Leaves with ``lead`` leading dimensions (a device's ``(V, ..., ...)`` part) as the
+    ``(rows, ...)`` stacks it runs."""
+    return jax.tree.map(lambda v: v.reshape(-1, *v.shape[lead:]), tree)
+
+
+def chunk_rows(tree: Any, r: Any, V: int) -> Any:
+    """Chunk r's rows of ``(V*R, ...)`` stacks (all of them for one chunk a stage)."""
+    if V == 1:
+        return tree
+    return jax.tree.map(
+        lambda v: jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V), tree
+    )
+
+
+def _same(v: Any, plan: Plan) -> Any:
     """An unbatched state leaf, the same on every device of the batch axes (all of size 1:
     ``pattern._batched_leaves`` refuses more), marked so: it met the batch in the
     tick loop."""
@@ -373,85 +363,3 @@ def _unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool
     (a row of a block, a chunk of a stack; matched by primitive name:
     :func:`stackwise._upstream.jax.unless_sliced`)."""
     return jax_ties.unless_sliced(keep, shapes)
-
-
-def _entering(plan, mbs, s, h, parked, t):
-    """What stage s runs at tick t: step k = t - s, microbatch m = k % M of round
-    r = k // M, whether it is a real step, its input and the parked microbatches."""
-    S, V, M = plan.S, plan.V, plan.M
-    k = t - s
-    valid = (k >= 0) & (k < M * V)
-    kc = jnp.clip(k, 0, M * V - 1)
-    m, r = kc % M, kc // M
-    fresh = _take(mbs, m)
-    if V > 1:
-        # What reached stage 0 left the last stage S - 1 ticks after it entered:
-        # park it until its microbatch's next round comes up.
-        k_in = t - S
-        arrived = (s == 0) & (k_in >= 0) & (k_in < M * V)
-        slot = jnp.clip(k_in, 0, M * V - 1) % M
-        parked = jax.tree.map(
-            lambda b, v: jax.lax.dynamic_update_index_in_dim(
-                b, jnp.where(arrived, v, _take(b, slot)), slot, 0
-            ),
-            parked,
-            h,
-        )
-        fresh = _where(r == 0, fresh, _take(parked, m))
-    return valid, m, r, _where(s == 0, fresh, h), parked
-
-
-def _add_aux(aux, layer_aux, valid, r):
-    """Chunk r's aux of this tick added to its running sum (nothing on a bubble tick)."""
-    return jax.tree.map(
-        lambda acc, a: jax.lax.dynamic_update_index_in_dim(
-            acc, _take(acc, r) + jnp.where(valid, a, jnp.zeros_like(a)), r, 0
-        ),
-        aux,
-        layer_aux,
-    )
-
-
-def _pass_on(out, plan):
-    """This tick's output to the next stage (round the ring with the circular schedule)."""
-    S = plan.S
-    ring = [(i, (i + 1) % S) for i in range(S if plan.V > 1 else S - 1)]
-    return jax.lax.ppermute(out, plan.stage_axis, ring) if S > 1 else out
-
-
-def _tick(plan, run_stage, chunks, mbs, s, carry, t):
-    """Tick t: stage s runs step k = t - s, microbatch k % M of round k // M."""
-    h, parked, aux = carry
-    valid, m, r, h, parked = _entering(plan, mbs, s, h, parked, t)
-    out, layer_aux = run_stage(chunks, r, h, m)
-    return (_pass_on(out, plan), parked, _add_aux(aux, layer_aux, valid, r)), out
-
-
-def _gather_output(y: Any, s: Any, plan: _Plan, out_spec: PartitionSpec) -> Any:
-    """The last stage's outputs, split over the stages (or, if they do not divide, to all)."""
-    last = s == plan.S - 1
-
-    def one(v):
-        v = jnp.where(last, v, jnp.zeros_like(v))
-        cast = v.dtype == jnp.bool_
-        v = v.astype(jnp.int8) if cast else v
-        if out_spec == PartitionSpec(plan.batch):
-            v = jax.lax.psum(v, plan.stage_axis)
-        else:
-            v = jax.lax.psum_scatter(v, plan.stage_axis, scatter_dimension=0, tiled=True)
-        return v.astype(jnp.bool_) if cast else v
-
-    return jax.tree.map(one, y)
-
-
-def _gather_aux(aux: Any, s: Any, plan: _Plan) -> Any:
-    """Each stage's ``(V, L, ...)`` aux into ``(n, ...)`` in layer order, on every device."""
-    S, V = plan.S, plan.V
-
-    def one(a):
-        full = jnp.zeros((V, S, *a.shape[1:]), a.dtype)
-        full = jax.lax.dynamic_update_index_in_dim(full, a, s, 1)
-        full = jax.lax.psum(full, plan.manual)
-        return full.reshape(plan.n, *a.shape[2:])
-
-    return jax.tree.map(one, aux)

@@ -11,17 +11,15 @@ the residual (the backward rule only scales them by the incoming cotangent); wit
 differentiation the primal runs, the plain GPipe (circular, for V > 1) forward and the
 loss.
 
-What a stage runs comes from the pipeline that builds it, as a :class:`Stage`: "run
+What a stage runs comes from the pipeline that builds it, as a ``program.Stage``: "run
 chunk r of this stage on microbatch m", its params' layout and FSDP split, and how its
-state is carried (``api.py`` for one layer function, without state;
-``pattern.py`` for a pattern or layers with state, its position blocks and
-dispatch). The schedule below is the same for both.
+state is carried; the GPipe schedule (``schedule_gpipe.py``) runs the same stage.
 
 The schedule, on stage s of S holding V chunks of L layers (chunks s, s + S, ...; V = 1
 unless interleaved, ``repeats=V``); all stages in lockstep over ``T = M*V + V*S + S - 2``
-ticks (``M + 2S - 2`` for V = 1), in three ``lax.scan`` s (:func:`phases`): the first
-``V*S - 1`` ticks run forwards only, the last ``V*S - 1`` backwards only, the ones between
-both. A stage's steps are numbered
+ticks (``M + 2S - 2`` for V = 1), in three ``lax.scan`` s (``ticks.one_f_one_b_phases``):
+the first ``V*S - 1`` ticks run forwards only, the last ``V*S - 1`` backwards only, the
+ones between both. A stage's steps are numbered (``ticks.py``)
 ``k = g*S*V + r*S + i`` (Megatron's interleaved order: microbatches in groups of S, each
 group going round the ring V times): step k is microbatch ``g*S + i`` on the stage's chunk
 r. At tick t the stage runs the forward of step ``t - s`` and the backward of step
@@ -59,35 +57,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from stackwise._pipeline import stage_fsdp
+from stackwise._pipeline import stage_fsdp, ticks
 from stackwise._pipeline.program import (
-    _WHO,
-    _check_batch,
-    _check_same_batch,
-    _Plan,
-    _reshard,
-    _split_batch,
-    _StageState,
-    _take,
-    _vary,
-    _where,
+    WHO,
+    Plan,
+    Stage,
+    check_batch,
+    check_same_batch,
+    chunk_rows,
+    nth,
+    reshard,
+    select,
+    split_batch,
+    stack_rows,
+    vary,
 )
-
-
-def ticks(plan: _Plan) -> int:
-    """T = M*V + V*S + S - 2 (M + 2S - 2 for V = 1): the last backward step, M*V - 1,
-    runs on stage 0 at tick (M*V - 1) + (V*S - 1) + (S - 1)."""
-    return plan.M * plan.V + plan.V * plan.S + plan.S - 2
-
-
-def phases(plan: _Plan) -> list[tuple[int, int, bool, bool]]:
-    """The tick loops, ``(first tick, stop, forward, backward)``: before tick V*S - 1 no
-    stage has a backward step, from tick M*V + S - 1 on none has a forward step. The two
-    outer phases (V*S - 1 ticks each) run only what they need, so the schedule costs
-    M*V + S - 1 ticks of a forward and a backward."""
-    fill, drain = plan.V * plan.S - 1, plan.M * plan.V + plan.S - 1
-    loops = [(0, fill, True, False), (fill, drain, True, True), (drain, ticks(plan), False, True)]
-    return [loop for loop in loops if loop[1] > loop[0]]
 
 
 def _inexact(v: Any) -> bool:
@@ -113,36 +97,12 @@ def _vjp(f: Callable[[Any], Any], tree: Any) -> tuple[Any, Callable[[list], list
     return out, lambda ct: list(pull(ct))
 
 
-class Stage(NamedTuple):
-    """A pipeline's stage as the 1F1B program runs it, from the pipeline that builds it
-    (``api.py`` for one layer function, ``pattern.py`` for a pattern or
-    layers with state). On a device the stage's V chunks are ``(params, per_layer)``
-    stacks of ``V*R`` rows (R: a leaf's rows in one chunk), chunk r at rows ``r*R`` to
-    ``(r+1)*R - 1``.
-
-    * ``run(chunk, h, state, j, examples, consts) -> (h, state)``: one chunk (its ``(params,
-      per_layer)`` rows, the params gathered with FSDP) on microbatch j (its index over the
-      whole batch) with its state; ``examples`` are the microbatch's rows.
-    * ``params``: the params' ``shard_map`` spec; ``lead``: a param leaf's dimensions before
-      its inner ones (2 in the ``(V, n/V, ...)`` layout, 3 in a pattern's ``(V, S, C_p,
-      ...)`` blocks); ``dims``: with FSDP, each param leaf's inner dimension split over
-      the FSDP axes (else ``None``).
-    * ``state``: how the tick loop carries the stage's state (``_StageState``).
-    """
-
-    run: Callable[..., tuple]
-    params: Any
-    lead: int
-    dims: Any
-    state: _StageState
-
-
 def targets_of(args: tuple, kwargs: dict, call: str) -> tuple:
     """``(targets, loss_params, args, kwargs)`` of ``apply(..., x, targets, *args,
     loss_params=..., **kwargs)``; ``call`` is that signature, for the error."""
     if not args:
         raise TypeError(
-            f"{_WHO} apply: with schedule='1f1b' the call is `{call}`: `targets` (the "
+            f"{WHO} apply: with schedule='1f1b' the call is `{call}`: `targets` (the "
             "per-example values `loss(y, targets)` takes, or None) is missing."
         )
     kwargs = dict(kwargs)
@@ -157,7 +117,7 @@ def with_params(loss: Callable[..., Any], loss_params: Any) -> Callable[..., Any
     return loss
 
 
-def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any, plan: _Plan):
+def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any, plan: Plan):
     """``loss(y_m, targets_m[, loss_params])`` is a float scalar (traced abstractly, before
     the pipeline)."""
 
@@ -175,7 +135,7 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any,
         out = jax.eval_shape(with_params(loss, loss_params), rows(y), rows(targets), loss_params)
     except TypeError as e:
         raise TypeError(
-            f"{_WHO}: with schedule='1f1b' the pipeline calls `{call}` on each microbatch, "
+            f"{WHO}: with schedule='1f1b' the pipeline calls `{call}` on each microbatch, "
             f"which raised TypeError: {e}. "
             + (
                 ""
@@ -186,7 +146,7 @@ def check_loss(loss: Callable[..., Any], y: Any, targets: Any, loss_params: Any,
     if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and _inexact(out)):
         got = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out)
         raise TypeError(
-            f"{_WHO}: with schedule='1f1b', `{call}` must return one float scalar "
+            f"{WHO}: with schedule='1f1b', `{call}` must return one float scalar "
             f"for a microbatch (the pipeline returns the mean over microbatches), got {got}. "
             "Reduce it inside `loss`, e.g. `lambda y, t: jnp.mean((y - t) ** 2)`."
         )
@@ -205,12 +165,12 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
     differentiated: its cotangent is zero.
     """
     x = inputs[2]
-    _check_batch(targets, plan, "targets")
-    _check_same_batch(targets, x, "targets")
+    check_batch(targets, plan, "targets")
+    check_same_batch(targets, x, "targets")
     check_loss(loss, x, targets, loss_params, plan)
     if plan.explicit:  # the targets split over the batch like x; the loss params whole
-        targets = _reshard(targets, mesh, (plan.batch,), plan.manual)
-        loss_params = _reshard(loss_params, mesh, (), plan.manual)
+        targets = reshard(targets, mesh, (plan.batch,), plan.manual)
+        loss_params = reshard(loss_params, mesh, (), plan.manual)
     loss = with_params(loss, loss_params)
     diff = (*inputs, targets, loss_params)
     leaves, treedef = jax.tree.flatten(diff)
@@ -227,7 +187,7 @@ def loss_and_grads(stage, plan, mesh, loss, forward, inputs, state, targets, los
         *ins, tg, lp = diff
         y, new_state = forward(tuple(ins), state)
         if plan.explicit:  # y split like the targets, for the vmap below
-            y = _reshard(y, mesh, (plan.batch,), plan.manual)
+            y = reshard(y, mesh, (plan.batch,), plan.manual)
 
         def split(tree):
             return jax.tree.map(lambda v: v.reshape(plan.M * plan.D, -1, *v.shape[1:]), tree)
@@ -268,158 +228,213 @@ def _zero_cotangent(v: Any) -> Any:
     return np.zeros(jnp.shape(v), jax.dtypes.float0)
 
 
-def _step(plan: _Plan, k: Any) -> tuple:
-    """Step k of a stage, forward or backward: ``k = g*S*V + r*S + i`` is microbatch
-    ``m = g*S + i`` in round r. Returns ``(valid, m, r)``, clipped to a real step where
-    k is none."""
+def _step(plan: Plan, k: Any) -> tuple:
+    """Step k of a stage, forward or backward (``ticks.interleaved_order``): ``(valid, m,
+    r)``, clipped to a real step where k is none."""
     S, V, M = plan.S, plan.V, plan.M
-    valid = (k >= 0) & (k < M * V)
-    k = jnp.clip(k, 0, M * V - 1)
-    g, rest = k // (S * V), k % (S * V)
-    return valid, g * S + rest % S, rest // S
+    m, r = ticks.interleaved_order(jnp.clip(k, 0, M * V - 1), S, V)
+    return ticks.is_step(k, M, V), m, r
+
+
+class _Grads(NamedTuple):
+    """The gradients the tick loops accumulate, each a list of float leaves: the stage's
+    ``(V*R, ...)`` stacks (params, then per-layer values), x's and the per-example
+    arguments' per microbatch, the consts', the targets' per microbatch, the loss params'."""
+
+    stacks: list
+    x: list
+    examples: list
+    consts: list
+    targets: list
+    loss_params: list
+
+
+class _Carry(NamedTuple):
+    """What one 1F1B tick hands the next."""
+
+    h: Any  # the activation this stage's forward sends on (received: its next input)
+    g: list  # the cotangent this stage's backward sends back (received: its next one)
+    state: Any  # the stage's state, as ``Stage.state`` carries it
+    ring: Any  # K slots of (forward input, state it read), by forward step mod K
+    grads: _Grads
+    total: Any  # the summed loss of the microbatches the last stage finished
+
+
+class _Forward(NamedTuple):
+    """This tick's forward step, for the loss and the backward of the same tick."""
+
+    on: Any  # a real step (not a bubble)
+    m: Any  # its microbatch
+    r: Any  # its round
+    chunk: Any  # the chunk it ran
+    h: Any  # its output
 
 
 def _device_program(stage, plan, loss, grads_tree, inputs, state):
     """One device's 1F1B schedule: the summed loss, the new state and every float input's
     gradient."""
-    S, V, M = plan.S, plan.V, plan.M
-    K = min(M * V, 2 * V * S - 1)  # ring slots: a stage input lives at most 2VS - 2 ticks
-    # Forward step k runs on stage s at tick k + s, backward step k at k + delay + S - 1 - s:
-    # the least delay with which the last stage runs a microbatch's last forward, its loss
-    # and its first backward step in one tick.
-    delay = V * S - 1
-    s = jax.lax.axis_index(plan.stage_axis)
-    d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
-    last = s == S - 1
-    inputs, state = _vary((inputs, state), plan.manual)
-    params, per_layer, x, examples, consts, targets, loss_params = inputs
-    mbs, examples, targets = (_split_batch(v, M) for v in (x, examples, targets))
-    state = stage.state.enter(state)
-    # This device's V chunks as (V*R, ...) stacks, chunk r at rows r*R:(r+1)*R.
-    stacks = (
-        jax.tree.map(lambda v: v.reshape(-1, *v.shape[stage.lead :]), params),
-        jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), per_layer),
-    )
-    fsdp = _Fsdp(plan, stage.dims, stacks)
-    per_tick = plan.fsdp and plan.gather == "tick"
-    if plan.fsdp and not per_tick:
-        stacks = fsdp.gather(stacks)  # the whole stage, once
-    scale = 1.0 / (M * plan.D)  # the loss is the mean over all M*D microbatches
+    inputs, state = vary((inputs, state), plan.manual)
+    params, per_layer = inputs[:2]
+    device = _Device(stage, plan, loss, inputs)
+    carry = device.start(stage.state.enter(state))
+    for first, stop, forward, backward in ticks.one_f_one_b_phases(plan.S, plan.M, plan.V):
+        phase = functools.partial(device.tick, forward=forward, backward=backward)
+        carry, _ = jax.lax.scan(phase, carry, jnp.arange(first, stop))
+    total, grads = device.finish(carry, (params, per_layer))
+    return (total, stage.state.leave(carry.state)), grads_tree(grads)
 
-    def run(m, st):
+
+class _Device:
+    """The 1F1B schedule on this device (stage s, data shard d): its inputs split into
+    microbatches, its chunks, and one tick of the schedule (:meth:`tick`)."""
+
+    def __init__(self, stage: Stage, plan: Plan, loss: Callable, inputs: tuple):
+        self.stage, self.plan, self.loss = stage, plan, loss
+        S, M = plan.S, plan.M
+        self.K = ticks.ring_slots(S, M, plan.V)
+        self.s = jax.lax.axis_index(plan.stage_axis)
+        self.d = jax.lax.axis_index(plan.batch_axes) if plan.batch else 0
+        self.last = self.s == S - 1
+        params, per_layer, x, examples, self.consts, targets, self.loss_params = inputs
+        self.mbs, self.examples, self.targets = (split_batch(v, M) for v in (x, examples, targets))
+        # This device's V chunks as (V*R, ...) stacks, chunk r at rows r*R:(r+1)*R.
+        stacks = (stack_rows(params, stage.lead), stack_rows(per_layer, 2))
+        self.fsdp = _Fsdp(plan, stage.dims, stacks)
+        self.per_tick = plan.fsdp and plan.gather == "tick"
+        if plan.fsdp and not self.per_tick:
+            stacks = self.fsdp.gather(stacks)  # the whole stage, once
+        self.stacks = stacks
+        self.scale = 1.0 / (M * plan.D)  # the loss is the mean over all M*D microbatches
+
+    def run(self, m: Any, st: Any) -> Callable:
         """This stage's chunk on microbatch m from state ``st``, a function of ``(chunk,
         h, examples, consts)``: ``(h, new state)``."""
-        return lambda a: stage.run(a[0], a[1], st, d * M + m, a[2], a[3])
+        j = self.d * self.plan.M + m
+        return lambda a: self.stage.run(a[0], a[1], st, j, a[2], a[3])[0]
 
-    def chunk(r):
+    def chunk(self, r: Any) -> Any:
         """Chunk r of this stage (gathered, with FSDP per tick)."""
+        c = chunk_rows(self.stacks, r, self.plan.V)
+        return self.fsdp.gather(c) if self.per_tick else c
 
-        def rows(v):  # chunk r's R of the V*R rows
-            return jax.lax.dynamic_slice_in_dim(v, r * (v.shape[0] // V), v.shape[0] // V)
+    def start(self, state: Any) -> _Carry:
+        """The carry before tick 0: zeros, the ring empty, the state entered."""
+        zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
+        h0, st0 = nth(self.mbs, 0), self.stage.state.take(state, 0, 0)
+        out = jax.eval_shape(
+            lambda: self.loss(
+                self.run(0, st0)((self.chunk(0), h0, nth(self.examples, 0), self.consts))[0],
+                nth(self.targets, 0),
+                self.loss_params,
+            )
+        )
+        ring = jax.tree.map(lambda v: jnp.zeros((self.K, *v.shape), v.dtype), (h0, st0))
+        parts = (self.stacks, self.mbs, self.examples, self.consts, self.targets)
+        grads = _Grads(*(zeros(v) for v in (*parts, self.loss_params)))
+        carry = _Carry(h0, zeros(h0), state, ring, grads, jnp.zeros((), out.dtype))
+        return vary(carry, self.plan.manual)
 
-        c = jax.tree.map(rows, stacks) if V > 1 else stacks
-        return fsdp.gather(c) if per_tick else c
-
-    def tick(carry, t, forward=True, backward=True):
+    def tick(self, carry: _Carry, t: Any, forward=True, backward=True) -> tuple:
         """Tick t; a phase of ticks where no stage has a backward (forward) step to run
         leaves it out (``backward=False``, ``forward=False``)."""
-        h, g, state, ring, acc, total = carry
-        acc_stacks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
+        dy = None
         if forward:
-            # Step t - s; stage 0 takes round 0 from x, the next rounds from the last stage
-            # (which ran them one tick ago). The ring keeps its input and the state it read.
-            kf = t - s
-            on_f, mf, rf = _step(plan, kf)
-            h_in = _where((s == 0) & (rf == 0), _take(mbs, mf), h)
-            st_in = stage.state.take(state, rf, mf)
-            ring = jax.tree.unflatten(
-                jax.tree.structure(ring),
-                _write(jax.tree.leaves(ring), kf % K, jax.tree.leaves((h_in, st_in)), on_f),
-            )
-            c_f = chunk(rf)
-            h, st = run(mf, st_in)((c_f, h_in, _take(examples, mf), consts))
-            state = stage.state.put(state, _where(on_f, st, st_in), rf, mf)
+            carry, f = self.forward(carry, t)
         if forward and backward:
-            # The loss, on the last stage's last round (never in the other phases): its value
-            # and cotangents for y, targets, loss_params.
-            value, pull_loss = _vjp(lambda a: loss(*a), (h, _take(targets, mf), loss_params))
-            dy, dt, dlp = _regroup(
-                pull_loss([_vary(jnp.asarray(scale, value[0].dtype), plan.manual)]),
-                (h, _take(targets, mf), loss_params),
-            )
-            now = on_f & last & (rf == V - 1)
-            total = total + jnp.where(now, value[0], 0).astype(total.dtype)
-            acc_tg = _write(acc_tg, mf, dt, now)
-            acc_lp = [jnp.where(now, a + b, a) for a, b in zip(acc_lp, dlp)]
+            carry, dy = self.loss_of(carry, f)
         if backward:
-            # Step t - delay - (S - 1 - s), its rounds counted down from V - 1, recomputed
-            # from its input and state in the ring (at its forward step's slot).
-            on_b, mb, down = _step(plan, t - delay - (S - 1 - s))
-            rb = V - 1 - down
-            slot = ((mb // S) * S * V + rb * S + mb % S) % K
-            c_b = c_f if forward and V == 1 else chunk(rb)
-            h_b, st_b = _take(ring, slot)
-            primals = (c_b, h_b, _take(examples, mb), consts)
-            # The last stage's last round starts from the loss, every other step from the
-            # cotangent the next chunk sent.
-            if forward:
-                g = [jnp.where(last & (rb == V - 1), a, b) for a, b in zip(dy, g)]
-            _, pull = _vjp(lambda a: run(mb, st_b)(a)[0], primals)
-            dchunk, g, dex, dconsts = _regroup(pull(g), primals)
-            if per_tick:
-                dchunk = fsdp.scatter(dchunk)  # the gathered chunk's gradient, to its shards
-            acc = (
-                _add(acc_stacks, rb if V > 1 else None, dchunk, on_b),
-                _write(acc_x, mb, g, on_b & (s == 0) & (rb == 0)),  # x's: the first chunk's
-                _add(acc_ex, mb, [v[None] for v in dex], on_b),
-                [jnp.where(on_b, a + b, a) for a, b in zip(acc_consts, dconsts)],
-                acc_tg,
-                acc_lp,
-            )
+            carry = self.backward(carry, t, f if forward else None, dy)
         # Activations go one stage on, cotangents one stage back (round the ring, V > 1).
+        S, V = self.plan.S, self.plan.V
         if S > 1:
             links = range(S if V > 1 else S - 1)
+            axis = self.plan.stage_axis
             if forward:
-                h = jax.lax.ppermute(h, plan.stage_axis, [(i, (i + 1) % S) for i in links])
+                h = jax.lax.ppermute(carry.h, axis, [(i, (i + 1) % S) for i in links])
+                carry = carry._replace(h=h)
             if backward:
-                g = jax.lax.ppermute(g, plan.stage_axis, [((i + 1) % S, i) for i in links])
-        return (h, g, state, ring, acc, total), None
+                g = jax.lax.ppermute(carry.g, axis, [((i + 1) % S, i) for i in links])
+                carry = carry._replace(g=g)
+        return carry, None
 
-    zeros = lambda tree: [jnp.zeros_like(v) for v in _floats(tree)]  # noqa: E731
-    h0, st0 = _take(mbs, 0), stage.state.take(state, 0, 0)
-    out = jax.eval_shape(
-        lambda: loss(
-            run(0, st0)((chunk(0), h0, _take(examples, 0), consts))[0],
-            _take(targets, 0),
-            loss_params,
+    def forward(self, carry: _Carry, t: Any) -> tuple[_Carry, _Forward]:
+        """Forward step t - s; stage 0 takes round 0 from x, the next rounds from the last
+        stage (which ran them one tick ago). The ring keeps its input and the state it read."""
+        k = ticks.forward_step(t, self.s)
+        on, m, r = _step(self.plan, k)
+        h_in = select((self.s == 0) & (r == 0), nth(self.mbs, m), carry.h)
+        st_in = self.stage.state.take(carry.state, r, m)
+        ring = jax.tree.unflatten(
+            jax.tree.structure(carry.ring),
+            _write(jax.tree.leaves(carry.ring), k % self.K, jax.tree.leaves((h_in, st_in)), on),
         )
-    )
-    ring0 = jax.tree.map(lambda v: jnp.zeros((K, *v.shape), v.dtype), (h0, st0))
-    acc0 = tuple(zeros(v) for v in (stacks, mbs, examples, consts, targets, loss_params))
-    carry = (h0, zeros(h0), state, ring0, acc0, jnp.zeros((), out.dtype))
-    carry = _vary(carry, plan.manual)
-    for first, stop, forward, backward in phases(plan):
-        phase = functools.partial(tick, forward=forward, backward=backward)
-        carry, _ = jax.lax.scan(phase, carry, jnp.arange(first, stop))
-    _, _, state, _, acc, total = carry
-    acc_stacks, acc_x, acc_ex, acc_consts, acc_tg, acc_lp = acc
-    sum_over = lambda vs, axes: [jax.lax.psum(v, axes) if axes else v for v in vs]  # noqa: E731
-    unsplit = lambda vs: [v.reshape(-1, *v.shape[2:]) for v in vs]  # noqa: E731
-    # Params and per-layer values: (V*R, ...) back to this device's layout, summed over the
-    # data shards (reduce-scattered over the FSDP axes); per-example gradients summed over
-    # the stages (each adds its layers' part).
-    local = _floats((params, per_layer))
-    stage_axis = plan.stage_axis
-    grads = (
-        [g.reshape(v.shape) for g, v in zip(fsdp.reduce(acc_stacks, per_tick), local)]
-        + unsplit(sum_over(acc_x, stage_axis))
-        + unsplit(sum_over(acc_ex, stage_axis))
-        + sum_over(acc_consts, plan.manual)
-        + unsplit(sum_over(acc_tg, stage_axis))
-        + sum_over(acc_lp, plan.manual)
-    )
-    total = jax.lax.psum(total, plan.manual) * jnp.asarray(scale, total.dtype)
-    return (total, stage.state.leave(state)), grads_tree(grads)
+        chunk = self.chunk(r)
+        h, st = self.run(m, st_in)((chunk, h_in, nth(self.examples, m), self.consts))
+        state = self.stage.state.put(carry.state, select(on, st, st_in), r, m)
+        return carry._replace(h=h, state=state, ring=ring), _Forward(on, m, r, chunk, h)
+
+    def loss_of(self, carry: _Carry, f: _Forward) -> tuple[_Carry, list]:
+        """The loss, on the last stage's last round (never in the other phases): its value
+        and cotangents for y (returned), targets and loss params (accumulated)."""
+        primals = (f.h, nth(self.targets, f.m), self.loss_params)
+        value, pull = _vjp(lambda a: self.loss(*a), primals)
+        seed = vary(jnp.asarray(self.scale, value[0].dtype), self.plan.manual)
+        dy, dt, dlp = _regroup(pull([seed]), primals)
+        now = f.on & self.last & (f.r == self.plan.V - 1)
+        total = carry.total + jnp.where(now, value[0], 0).astype(carry.total.dtype)
+        grads = carry.grads._replace(
+            targets=_write(carry.grads.targets, f.m, dt, now),
+            loss_params=[jnp.where(now, a + b, a) for a, b in zip(carry.grads.loss_params, dlp)],
+        )
+        return carry._replace(total=total, grads=grads), dy
+
+    def backward(self, carry: _Carry, t: Any, f: _Forward | None, dy: list | None) -> _Carry:
+        """Backward step t - (V*S - 1) - (S - 1 - s), its rounds counted down from V - 1,
+        recomputed from its input and state in the ring (at its forward step's slot)."""
+        S, V, s = self.plan.S, self.plan.V, self.s
+        on, m, down = _step(self.plan, ticks.backward_step(t, s, S, V))
+        r = V - 1 - down
+        slot = ticks.interleaved_step(m, r, S, V) % self.K
+        chunk = f.chunk if f is not None and V == 1 else self.chunk(r)
+        h_in, st_in = nth(carry.ring, slot)
+        primals = (chunk, h_in, nth(self.examples, m), self.consts)
+        # The last stage's last round starts from the loss, every other step from the
+        # cotangent the next chunk sent.
+        g = carry.g
+        if f is not None:
+            g = [jnp.where(self.last & (r == V - 1), a, b) for a, b in zip(dy, g)]
+        _, pull = _vjp(lambda a: self.run(m, st_in)(a)[0], primals)
+        dchunk, g, dex, dconsts = _regroup(pull(g), primals)
+        if self.per_tick:
+            dchunk = self.fsdp.scatter(dchunk)  # the gathered chunk's gradient, to its shards
+        acc = carry.grads
+        grads = acc._replace(
+            stacks=_add(acc.stacks, r if V > 1 else None, dchunk, on),
+            x=_write(acc.x, m, g, on & (s == 0) & (r == 0)),  # x's: the first chunk's
+            examples=_add(acc.examples, m, [v[None] for v in dex], on),
+            consts=[jnp.where(on, a + b, a) for a, b in zip(acc.consts, dconsts)],
+        )
+        return carry._replace(g=g, grads=grads)
+
+    def finish(self, carry: _Carry, local: tuple) -> tuple[Any, list]:
+        """The summed loss and the float gradients in the inputs' order: params and
+        per-layer values (``local``'s float leaves) from ``(V*R, ...)`` back to this
+        device's layout, summed over the data shards (reduce-scattered over the FSDP
+        axes); per-example gradients summed over the stages (each adds its layers' part)."""
+        plan, acc = self.plan, carry.grads
+        sum_over = lambda vs, axes: [jax.lax.psum(v, axes) if axes else v for v in vs]  # noqa: E731
+        unsplit = lambda vs: [v.reshape(-1, *v.shape[2:]) for v in vs]  # noqa: E731
+        reduced = self.fsdp.reduce(acc.stacks, self.per_tick)
+        grads = (
+            [g.reshape(v.shape) for g, v in zip(reduced, _floats(local))]
+            + unsplit(sum_over(acc.x, plan.stage_axis))
+            + unsplit(sum_over(acc.examples, plan.stage_axis))
+            + sum_over(acc.consts, plan.manual)
+            + unsplit(sum_over(acc.targets, plan.stage_axis))
+            + sum_over(acc.loss_params, plan.manual)
+        )
+        total = jax.lax.psum(carry.total, plan.manual) * jnp.asarray(self.scale, carry.total.dtype)
+        return total, grads
 
 
 def _write(bufs: list, i: Any, values: list, on: Any) -> list:
@@ -451,7 +466,7 @@ class _Fsdp:
     their gradients (a flat list of the stacks' float leaves) reduce-scattered. Nothing
     here is differentiated by JAX: the schedule is the explicit backward pass."""
 
-    def __init__(self, plan: _Plan, dims: Any, stacks: tuple):
+    def __init__(self, plan: Plan, dims: Any, stacks: tuple):
         self.plan, self.dims = plan, dims
         params, per_layer = stacks
         every = (

@@ -42,8 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise._core import checks
 from stackwise._core.options import Options
-from stackwise._core.stack import Stacked
-from stackwise._pipeline.program import _WHO, _kept, _sliced_shapes, _unless_sliced
+from stackwise._pipeline.program import WHO, _kept, _sliced_shapes, _unless_sliced, stack_rows
 from stackwise._sharding.fsdp import fsdp_specs
 from stackwise._upstream import jax as jax_ties
 
@@ -108,7 +107,7 @@ def dims(params: Any, mesh: Any, plan: Any, lead: int = 2) -> Any:
         at = [d for d, e in enumerate(inner) if set(_names(e)) & set(plan.fsdp)]
         if at and _names(inner[at[0]]) != plan.fsdp:
             raise ValueError(
-                f"{_WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in "
+                f"{WHO}: leaf {name} is placed with spec {PartitionSpec(*spec)} (in "
                 f"{_LAYOUTS[lead]} layout), whose inner axis {at[0]} (after the layer "
                 f"axis) is split over {inner[at[0]]!r}; with `fsdp={entry!r}` a stage's "
                 f"params are split over exactly {entry!r}, in that order. Place it with "
@@ -205,7 +204,7 @@ def gathered_once(
     def checkpointed(params, *rest):
         # A circular stage slices its chunk out of the gathered stack at each tick, a
         # pattern's layer its row out of the chunk: none is saved.
-        gathered = jax.eval_shape(lambda p: gather(_rows(p, lead), dims_tree, plan), params)
+        gathered = jax.eval_shape(lambda p: gather(stack_rows(p, lead), dims_tree, plan), params)
         policy = _never_gathered(options, _sliced_shapes(gathered, plan.V))
         # With unroll=True the whole device program is saved nothing and runs again in
         # the backward pass: jax 0.10's remat DCE fails on a checkpoint with a policy
@@ -214,23 +213,6 @@ def gathered_once(
         return jax.checkpoint(run, prevent_cse=True, policy=policy)(params, *rest)
 
     return checkpointed
-
-
-def _rows(params: Any, lead: int = 2) -> Any:
-    """Leaves with ``lead`` leading dimensions (``(V, L, ...)``) as the ``(rows, ...)``
-    stack a device runs."""
-    return jax.tree.map(lambda v: v.reshape(math.prod(v.shape[:lead]), *v.shape[lead:]), params)
-
-
-def gathered_per_tick(stage: Stacked, dims_tree: Any, plan: Any, options: Options) -> Stacked:
-    """A stage whose apply gathers its chunk first, never keeping the gathered copy."""
-
-    def apply(chunk, h, *args):
-        params, slices = chunk
-        return stage.apply((gather(params, dims_tree, plan), slices), h, *args)
-
-    policy = None if options.unroll is True else _never_gathered(options)
-    return Stacked(None, jax.checkpoint(apply, prevent_cse=False, policy=policy), stage.n)
 
 
 def per_tick_policy(
