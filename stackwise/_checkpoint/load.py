@@ -33,19 +33,18 @@ from jax.sharding import Sharding, SingleDeviceSharding
 
 from stackwise._checkpoint.names import (
     Tensor,
-    _check_layout,
-    _check_not_key,
-    _check_template,
-    _is_array,
-    _key,
-    _layers_of,
-    _lookup,
-    _name_leaves,
-    _reshaped,
+    check_layout,
+    check_not_prng_key,
+    check_template,
+    is_array,
+    layers_of,
+    lookup,
+    name_leaves,
+    resolve_reshape,
 )
 from stackwise._checkpoint.placements import check_sharding, placements
 from stackwise._checkpoint.read import Checkpoint, open_checkpoint
-from stackwise._core import checks
+from stackwise._core import checks, trees
 
 __all__ = ["load_checkpoint"]
 
@@ -83,7 +82,7 @@ def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkp
             )
         shape = tuple(shape[a] for a in perm)
     if spec.reshape is not None:
-        reshaped = _reshaped(spec.reshape, int(np.prod(shape)))
+        reshaped = resolve_reshape(spec.reshape, int(np.prod(shape)))
         if reshaped is None:
             raise ValueError(
                 f"{who}: leaf {path}: tensor {name!r} in {_where(ckpt, name)} has shape "
@@ -94,15 +93,15 @@ def _transformed(spec: Tensor, stored: tuple, path: str, name: str, ckpt: Checkp
 
 
 def _plan_leaf(ckpt, path, leaf, spec, k, sharding, who) -> _Plan:
-    _check_template(spec, path, who)
-    _check_not_key(leaf, path, who)
+    check_template(spec, path, who)
+    check_not_prng_key(leaf, path, who)
     checks.exact_dtype(leaf, who, f"leaf {path}")
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-    _check_layout(spec, shape, k, path, who)
+    check_layout(spec, shape, k, path, who)
     if spec.per_layer:
         p, step = spec.position or 0, k or 1
         layers = [p + j * step for j in range(shape[0])]
-        found = _layers_of(spec.name, list(ckpt.tensors))
+        found = layers_of(spec.name, list(ckpt.tensors))
         missing = [i for i in layers if i not in found]
         if missing:
             i = missing[0]
@@ -204,12 +203,12 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
     given = placements(shardings, target, who)
     plans, used, seen = [], set(), {}
     for (keys, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(target), given):
-        if not _is_array(leaf):
+        if not is_array(leaf):
             plans.append(None)  # functions, static numbers: kept as they are
             continue
         path = jax.tree_util.keystr(keys) or "<root>"
-        spec = _lookup(names, [_key(k) for k in keys], path, who)
-        used.add("/".join(_key(k) for k in keys if _key(k) != "value"))
+        spec = lookup(names, [trees.key_text(k) for k in keys], path, who)
+        used.add("/".join(trees.key_text(k) for k in keys if trees.key_text(k) != "value"))
         if sharding is None:
             sharding = getattr(leaf, "sharding", None)
             if not isinstance(sharding, Sharding):
@@ -224,7 +223,7 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
                 )
             seen[name] = path
         plans.append(plan)
-    extra = [n for n in _name_leaves(names) if n not in used]
+    extra = [n for n in name_leaves(names) if n not in used]
     if extra:
         raise ValueError(
             f"{who}: `names` has entries for leaves the target does not have: {extra}; "
@@ -234,10 +233,10 @@ def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
     wanted: dict[str, set[int]] = {}
     for plan in plans:
         if plan is not None and plan.sources is not None:
-            found = _layers_of(plan.spec.name, plan.sources)
+            found = layers_of(plan.spec.name, plan.sources)
             wanted.setdefault(plan.spec.name, set()).update(found)
     for template, layers in wanted.items():
-        found = _layers_of(template, list(ckpt.tensors))
+        found = layers_of(template, list(ckpt.tensors))
         extra_layers = sorted(set(found) - layers)
         if extra_layers:
             i = extra_layers[0]

@@ -119,7 +119,7 @@ class Tensor:
 _LAYER = re.compile(r"\{(?::0(\d+)d)?\}")
 
 
-def _layers_of(template: str, names: Sequence[str]) -> dict[int, str]:
+def layers_of(template: str, names: Sequence[str]) -> dict[int, str]:
     """``{layer: name}`` of every name that ``template`` (one ``{}`` or ``{:0Nd}``) matches:
     the number written as the template writes it (``{}``: ``3``, never ``03``)."""
     m = _LAYER.search(template)
@@ -132,7 +132,7 @@ def _layers_of(template: str, names: Sequence[str]) -> dict[int, str]:
     return found
 
 
-def _reshaped(reshape: tuple[int, ...], size: int) -> tuple[int, ...] | None:
+def resolve_reshape(reshape: tuple[int, ...], size: int) -> tuple[int, ...] | None:
     """``reshape`` with its -1 (if any) inferred for a tensor of ``size`` elements, as NumPy
     infers it; None if no shape of that size has it."""
     known = int(np.prod([d for d in reshape if d != -1]))
@@ -143,7 +143,7 @@ def _reshaped(reshape: tuple[int, ...], size: int) -> tuple[int, ...] | None:
     return tuple(size // known if d == -1 else d for d in reshape)
 
 
-def _check_not_key(leaf: Any, path: str, who: str) -> None:
+def check_not_prng_key(leaf: Any, path: str, who: str) -> None:
     """A PRNG key leaf (``jax.random.key``) has no bytes a checkpoint can hold as they are:
     refused, naming the leaf and the fix."""
     dtype = getattr(leaf, "dtype", None)
@@ -156,14 +156,8 @@ def _check_not_key(leaf: Any, path: str, who: str) -> None:
         )
 
 
-def _key(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
 
-
-def _is_array(leaf: Any) -> bool:
+def is_array(leaf: Any) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
@@ -171,7 +165,7 @@ def _is_name(x: Any) -> bool:
     return isinstance(x, (str, Tensor))
 
 
-def _lookup(names: Any, keys: list[str], path: str, who: str) -> Tensor:
+def lookup(names: Any, keys: list[str], path: str, who: str) -> Tensor:
     node, walked = names, []
     for i, k in enumerate(keys):
         if _is_name(node):
@@ -210,7 +204,7 @@ def _as_tensor(name: Any) -> Tensor:
     return name if isinstance(name, Tensor) else Tensor(name)
 
 
-def _name_leaves(names: Any) -> list[str]:
+def name_leaves(names: Any) -> list[str]:
     out = []
 
     def walk(node, prefix):
@@ -227,7 +221,7 @@ def _name_leaves(names: Any) -> list[str]:
     return out
 
 
-def _check_template(spec: Tensor, path: str, who: str) -> None:
+def check_template(spec: Tensor, path: str, who: str) -> None:
     if not isinstance(spec.name, str):
         raise TypeError(f"{who}: the name of leaf {path} must be a str, got {spec.name!r}.")
     rest = _LAYER.sub("", spec.name)
@@ -240,7 +234,7 @@ def _check_template(spec: Tensor, path: str, who: str) -> None:
         )
 
 
-def _check_layout(spec: Tensor, shape: tuple[int, ...], k: int | None, path: str, who: str) -> None:
+def check_layout(spec: Tensor, shape: tuple[int, ...], k: int | None, path: str, who: str) -> None:
     """The pattern position and layer axis a leaf of ``shape`` needs for ``spec`` (with
     ``pattern=k``), as loading and saving both read them."""
     if spec.position is not None and (k is None or not 0 <= spec.position < k):

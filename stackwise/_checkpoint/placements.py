@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from stackwise._checkpoint.names import _is_array, _key
+from stackwise._checkpoint.names import is_array
+from stackwise._core import trees
 
 _TREE = ("a tree like the target's of Shardings or None (None: the leaf's own sharding, else "
          "the first device), e.g. stackwise.stacked_shardings(mesh, specs) for a Stack's "
@@ -28,12 +29,12 @@ def placements(shardings: Any, target: Any, who: str) -> list[Any]:
     """The sharding (or None) that ``shardings`` gives each leaf of ``target``, in the order
     of ``jax.tree_util.tree_leaves_with_path(target)``; refuses what places no leaf."""
     given = {
-        tuple(_key(k) for k in keys): value
+        tuple(trees.key_text(k) for k in keys): value
         for keys, value in jax.tree_util.tree_leaves_with_path(shardings, is_leaf=_is_placement)
     }
     if () in given and not _is_placement(given[()]):
         _refuse_whole(given[()], who)
-    leaves = [tuple(_key(k) for k in keys)
+    leaves = [tuple(trees.key_text(k) for k in keys)
               for keys, _ in jax.tree_util.tree_leaves_with_path(target)]
     prefixes = {keys[:i] for keys in leaves for i in range(len(keys) + 1)}
     for keys in given:
@@ -42,7 +43,7 @@ def placements(shardings: Any, target: Any, who: str) -> list[Any]:
     out = []
     for keys, (path, leaf) in zip(leaves, jax.tree_util.tree_leaves_with_path(target)):
         found = [given[keys[:i]] for i in range(len(keys) + 1) if keys[:i] in given]
-        if not found and shardings is not None and _is_array(leaf):
+        if not found and shardings is not None and is_array(leaf):
             raise ValueError(
                 f"{who}: `shardings` has no entry for the target's leaf "
                 f"{jax.tree_util.keystr(path)}, which would go to one device unasked. Give "

@@ -22,6 +22,7 @@ import glob
 import json
 import mmap
 import os
+import pathlib
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -30,11 +31,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from stackwise._core import trees
+
 __all__ = ["Checkpoint", "open_checkpoint"]
 
 INDEX = "model.safetensors.index.json"
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
@@ -146,12 +149,12 @@ def _safetensors_file(path: str, who: str) -> tuple[dict, dict, Callable]:
         memmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     tensors, views = {}, {}
     for name, entry in header.items():
-        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
             raise ValueError(
                 f"{who}: tensor {name!r} in {path} has dtype {entry['dtype']}, which stackwise "
-                f"does not read (it reads {', '.join(_SAFETENSORS_DTYPES)})."
+                f"does not read (it reads {', '.join(SAFETENSORS_DTYPES)})."
             )
-        dtype = _numpy_dtype(_SAFETENSORS_DTYPES[entry["dtype"]])
+        dtype = _numpy_dtype(SAFETENSORS_DTYPES[entry["dtype"]])
         begin, end = entry["data_offsets"]
         tensors[name] = jax.ShapeDtypeStruct(tuple(entry["shape"]), dtype)
         views[name] = (start + begin, start + end, dtype, tuple(entry["shape"]))
@@ -271,7 +274,9 @@ def _orbax(path: str, who: str) -> Checkpoint:
     ts = need("tensorstore", "orbax", who)
     path = os.path.abspath(path)
     try:
-        meta = ocp.StandardCheckpointer().metadata(path).item_metadata
+        # (the handler reads the same tree as StandardCheckpointer().metadata(path), without
+        # that one's absl warning about a checkpoint-level metadata file it does not need)
+        meta = ocp.StandardCheckpointHandler().metadata(pathlib.Path(path))
     except Exception as e:  # noqa: BLE001 -- orbax raises many kinds here
         raise ValueError(f"{who}: {path} is not a readable orbax checkpoint: {e}") from None
     tree = getattr(meta, "tree", meta)
@@ -285,7 +290,7 @@ def _orbax(path: str, who: str) -> Checkpoint:
     ocdbt = os.path.exists(os.path.join(path, "manifest.ocdbt"))
     tensors, stores = {}, {}
     for keys, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        name = getattr(leaf, "name", None) or ".".join(_key(k) for k in keys)
+        name = getattr(leaf, "name", None) or ".".join(trees.key_text(k) for k in keys)
         tensors[name] = jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype))
 
     def store(name):
@@ -303,12 +308,6 @@ def _orbax(path: str, who: str) -> Checkpoint:
 
     return Checkpoint("orbax", path, tensors, {}, read)
 
-
-def _key(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
 
 
 # --------------------------------------------------------------------------

@@ -18,15 +18,14 @@ import numpy as np
 from stackwise._checkpoint import hosts, staging
 from stackwise._checkpoint.names import (
     Tensor,
-    _check_layout,
-    _check_not_key,
-    _check_template,
-    _is_array,
-    _key,
-    _lookup,
-    _reshaped,
+    check_layout,
+    check_not_prng_key,
+    check_template,
+    is_array,
+    lookup,
+    resolve_reshape,
 )
-from stackwise._checkpoint.read import _SAFETENSORS_DTYPES, INDEX, need
+from stackwise._checkpoint.read import INDEX, SAFETENSORS_DTYPES, need
 from stackwise._core import checks, trees
 
 __all__ = ["save_orbax", "save_safetensors"]
@@ -68,7 +67,7 @@ def _check_transforms(spec: Tensor, inner: tuple, path: str, who: str) -> None:
                 "stored_shape=(...)) (a merge of axes has many inverses)."
             )
         stored = spec.stored_shape
-        if _reshaped(spec.reshape, int(np.prod(stored))) != tuple(inner):
+        if resolve_reshape(spec.reshape, int(np.prod(stored))) != tuple(inner):
             raise ValueError(
                 f"{who}: leaf {path} has per-layer shape {tuple(inner)}, but its Tensor "
                 f"reshapes the stored {stored} (stored_shape) to {spec.reshape}; give the "
@@ -99,7 +98,7 @@ def _rows(params: Any, names: Any, pattern: int | None, who: str,
     every leaf's name, layout, transforms and dtype (one of ``dtypes``) checked."""
     rows, tensors = [], {}
     flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
-            for p, a in jax.tree_util.tree_leaves_with_path(params) if _is_array(a)]
+            for p, a in jax.tree_util.tree_leaves_with_path(params) if is_array(a)]
     for path, keys, a in flat:
         if trees.is_abstract(a):
             raise TypeError(
@@ -107,17 +106,17 @@ def _rows(params: Any, names: Any, pattern: int | None, who: str,
                 "no values to save. Pass the params themselves (e.g. as `load_checkpoint` "
                 "returns them)."
             )
-        _check_not_key(a, path, who)
+        check_not_prng_key(a, path, who)
         if dtypes is not None and np.dtype(a.dtype).name not in dtypes:
             raise TypeError(
                 f"{who}: leaf {path} is {np.dtype(a.dtype).name}, which safetensors files do "
                 f"not hold (they hold {', '.join(sorted(dtypes))}). Cast it on purpose "
                 "first, or save with stackwise.save_orbax."
             )
-        spec = _lookup(names, [_key(k) for k in keys], path, who)
-        _check_template(spec, path, who)
+        spec = lookup(names, [trees.key_text(k) for k in keys], path, who)
+        check_template(spec, path, who)
         shape = checks.leaf_shape(a, who, path)
-        _check_layout(spec, shape, pattern, path, who)
+        check_layout(spec, shape, pattern, path, who)
         _check_transforms(spec, shape[1:] if spec.per_layer else shape, path, who)
         if spec.per_layer:
             p, step = spec.position or 0, pattern or 1
@@ -246,7 +245,7 @@ def save_safetensors(
                                              overwrite, _SAVE)
     safetensors_numpy = need("safetensors.numpy", "safetensors", _SAVE)
     directory = os.path.abspath(os.fspath(directory))
-    rows = _rows(params, names, pattern, _SAVE, set(_SAFETENSORS_DTYPES.values()))
+    rows = _rows(params, names, pattern, _SAVE, set(SAFETENSORS_DTYPES.values()))
     groups = _groups(rows, max_file_bytes)
     files = (
         ["model.safetensors"]

@@ -19,7 +19,7 @@ __all__ = ["layer_index", "per_example", "per_layer", "per_layer_keys"]
 
 
 @jax.tree_util.register_pytree_node_class
-class _PerLayer:
+class PerLayer:
     """An argument that differs per layer; see :func:`per_layer`.
 
     A pytree node, so a marked argument passes through ``jax.jit`` and other
@@ -73,7 +73,7 @@ def per_layer(xs: Any) -> Any:
     >>> layers.apply(None, 1.0, stackwise.per_layer(jnp.array([2.0, 3.0, 4.0])))
     Array(24., dtype=float32)
     """
-    return _PerLayer("slices", xs)
+    return PerLayer("slices", xs)
 
 
 def per_layer_keys(key: jax.Array) -> Any:
@@ -90,7 +90,7 @@ def per_layer_keys(key: jax.Array) -> Any:
     Raises:
       TypeError: ``key`` is not a PRNG key (e.g. an int seed).
     """
-    return _PerLayer("keys", checks.prng_key(key, "stackwise.per_layer_keys"))
+    return PerLayer("keys", checks.prng_key(key, "stackwise.per_layer_keys"))
 
 
 def layer_index() -> Any:
@@ -101,7 +101,7 @@ def layer_index() -> Any:
     >>> layers.apply(None, 0, stackwise.layer_index())
     Array(12, dtype=int32)
     """
-    return _PerLayer("index")
+    return PerLayer("index")
 
 
 # --------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def layer_index() -> Any:
 
 
 @jax.tree_util.register_pytree_node_class
-class _PerExample:
+class PerExample:
     """An argument with the batch axis first, split into microbatches with ``x``."""
 
     __slots__ = ("value",)
@@ -149,18 +149,18 @@ def per_example(value: Any) -> Any:
     ...                                       stackwise.per_example(mask))
     Array([2., 0., 2., 0.], dtype=float32)
     """
-    return _PerExample(value)
+    return PerExample(value)
 
 
 def is_per_layer(value: Any) -> bool:
     """Whether ``value`` is a per-layer marker (for adapters that pass one through)."""
-    return isinstance(value, _PerLayer)
+    return isinstance(value, PerLayer)
 
 
 _UNCALLED = {per_layer: "per_layer(xs)", per_layer_keys: "per_layer_keys(key)"}
 
 
-def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
+def split_markers(args: tuple, kwargs: dict, n: int, what: str):
     """Separates per-layer markers from the rest of ``(args, kwargs)``.
 
     Returns ``(xs, rebuild)``: ``xs`` lists each marker's stacked value (leading
@@ -168,7 +168,7 @@ def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
     every marker replaced by its slice. Every other leaf (arrays and static
     Python values alike) is closed over unchanged, so static values stay static.
     """
-    is_marker = lambda v: isinstance(v, (_PerLayer, _PerExample))  # noqa: E731
+    is_marker = lambda v: isinstance(v, (PerLayer, PerExample))  # noqa: E731
     leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_marker)
     for path, leaf in leaves:
         if leaf is layer_index or any(leaf is f for f in _UNCALLED):
@@ -177,10 +177,10 @@ def _split_markers(args: tuple, kwargs: dict, n: int, what: str):
                 f"{what}{_describe_arg(path)} is the function `stackwise."
                 f"{call.split('(')[0]}` itself; call it: `stackwise.{call}`."
             )
-    slots = [i for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, _PerLayer)]
+    slots = [i for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, PerLayer)]
     xs = [leaves[i][1].stacked(n, f"{what}{_describe_arg(leaves[i][0])}") for i in slots]
     # A per-example argument is only a pipeline's business: every layer sees all of it.
-    values = [leaf.value if isinstance(leaf, _PerExample) else leaf for _, leaf in leaves]
+    values = [leaf.value if isinstance(leaf, PerExample) else leaf for _, leaf in leaves]
 
     def rebuild(slices):
         filled = list(values)

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from stackwise._core import checks, inplace, trees
 from stackwise._core.checks import check_depth
 from stackwise._core.gather import check_fsdp_axes, gather
-from stackwise._core.markers import _PerLayer, _split_markers
+from stackwise._core.markers import PerLayer, split_markers
 from stackwise._core.markers import layer_index as layer_index
 from stackwise._core.markers import per_layer as per_layer
 from stackwise._core.markers import per_layer_keys as per_layer_keys
@@ -73,13 +73,13 @@ class Stacked(NamedTuple):
 # What a layer returns, checked.
 
 
-def _check_pair(out: Any, who: str, what: str, fix: str, by: str = "it") -> tuple[Any, Any]:
+def check_pair(out: Any, who: str, what: str, fix: str, by: str = "it") -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"{who}: {what}, but {by} returned {trees.describe(out)}. {fix}")
     return out
 
 
-def _apply_args(args: tuple, with_state: bool, who: str, call: str = "Stacked.apply") -> tuple:
+def apply_args(args: tuple, with_state: bool, who: str, call: str = "Stacked.apply") -> tuple:
     """``(params, state, x, rest)`` of an apply call (``state`` None without state), or a
     TypeError giving the call's form."""
     if with_state:
@@ -304,7 +304,7 @@ def stack(
             f"{who}: a pattern of {k} layers needs n >= {k} layers, got n={n}; for fewer "
             "layers, give the first n positions only."
         )
-    run = _Run(applies, n, options, with_state, who)
+    run = Run(applies, n, options, with_state, who)
 
     def unwrap(trees: tuple) -> Any:
         return trees if pattern else trees[0]
@@ -317,7 +317,7 @@ def stack(
                 "elsewhere, e.g. `stackwise.stack_layers([...])` of per-layer params."
             )
         keys = jax.random.split(checks.prng_key(key, f"{who}: Stacked.init"), n)
-        xs, rebuild = _split_markers(args, kwargs, n, f"{who}: Stacked.init")
+        xs, rebuild = split_markers(args, kwargs, n, f"{who}: Stacked.init")
         out = []
         for p, init_p in enumerate(inits):
 
@@ -325,7 +325,7 @@ def stack(
                 a, kw = rebuild(slices)
                 made = init_p(key_i, *a, **kw)
                 if with_state:
-                    made = _check_pair(
+                    made = check_pair(
                         made,
                         who,
                         "with `with_state=True`, `init` returns `(layer_params, layer_state)`",
@@ -339,10 +339,10 @@ def stack(
         return unwrap(tuple(out))
 
     def stacked_apply(*args, **kwargs):
-        params, state, x, args = _apply_args(args, with_state, who)
-        if isinstance(x, _PerLayer) or any(
-            isinstance(v, _PerLayer)
-            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, _PerLayer))
+        params, state, x, args = apply_args(args, with_state, who)
+        if isinstance(x, PerLayer) or any(
+            isinstance(v, PerLayer)
+            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, PerLayer))
         ):
             raise TypeError(
                 f"{who}: the carry `x` (the first layer's input) holds a per-layer marker; "
@@ -354,7 +354,7 @@ def stack(
         _check_not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
         if options.fsdp:
             check_fsdp_axes(params, options.fsdp, who)
-        xs, rebuild = _split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
+        xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
         x, new_state, aux = run(params, state, x, xs, rebuild)
         out = (x, unwrap(aux)) if has_aux else x
         return (out, unwrap(new_state)) if with_state else out
@@ -371,7 +371,7 @@ def _position(tree: Any, p: int, k: int) -> Any:
 # Running the layers.
 
 
-class _Run:
+class Run:
     """Runs n layers (k positions of a pattern, or one layer repeated)."""
 
     def __init__(self, applies: tuple, n: int, options: Options, with_state: bool, who: str):
@@ -473,7 +473,7 @@ class _Run:
             if self.with_state:
 
                 def with_state(params, x, state):
-                    return _check_pair(
+                    return check_pair(
                         apply(params, state, x, *a, **kw),
                         who,
                         "with `with_state=True` a layer returns `(out, layer_state)`",
@@ -485,7 +485,7 @@ class _Run:
             else:
                 out, per_layer = apply(params, x, *a, **kw), None
             if has_aux:
-                out = _check_pair(
+                out = check_pair(
                     out,
                     who,
                     "with `has_aux=True` a layer returns `(x, aux)`",

@@ -8,6 +8,7 @@
   ``jnp.stack`` / ``jnp.moveaxis`` would.
 - :func:`describe`: what came (``one array float32[2, 8]``, ``a tuple of 3``).
 - :func:`named_leaves`: ``(keystr path, leaf)`` pairs of a tree.
+- :func:`key_text`: one entry of a tree path as text (``'w'``, ``'0'``).
 """
 
 from __future__ import annotations
@@ -70,3 +71,10 @@ def named_leaves(tree: Any, **kwargs: Any) -> list[tuple[str, Any]]:
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree, **kwargs)
     ]
 
+
+def key_text(k: Any) -> str:
+    """One entry of a tree path as text: a dict key, an attribute's name or a sequence index."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from stackwise._core import checks
-from stackwise._core.markers import _PerExample, _PerLayer, _split_markers
+from stackwise._core.markers import PerExample, PerLayer, split_markers
 from stackwise._core.options import check_layers, check_options
-from stackwise._core.stack import DEFAULT_REMAT, Stacked, _apply_args, stack
+from stackwise._core.stack import DEFAULT_REMAT, Stacked, apply_args, stack
 from stackwise._pipeline import schedule_1f1b, schedule_gpipe, stage_fsdp
 from stackwise._pipeline.pattern import Blocks, Layer
 from stackwise._pipeline.program import (
@@ -379,7 +379,7 @@ class _Pipelined:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where, plan = self.where, self.plan
-        params, state, x, args = _apply_args(args, self.with_state, WHO, call="apply")
+        params, state, x, args = apply_args(args, self.with_state, WHO, call="apply")
         if self.loss is not None:
             targets, loss_params, args, kwargs = schedule_1f1b.targets_of(
                 args, kwargs, self.signature
@@ -538,11 +538,11 @@ class _Call(NamedTuple):
 
 def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
     """Sorts ``(args, kwargs)``: per-layer markers (the core's handling), per-example, arrays."""
-    special = lambda v: isinstance(v, (_PerLayer, _PerExample))  # noqa: E731
+    special = lambda v: isinstance(v, (PerLayer, PerExample))  # noqa: E731
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=special)
     examples, consts, template = [], [], []
     for leaf in leaves:
-        if isinstance(leaf, _PerExample):
+        if isinstance(leaf, PerExample):
             template.append(_Slot("example", len(examples)))
             examples.append(leaf.value)
         elif isinstance(leaf, (jax.Array, jnp.ndarray)):
@@ -550,9 +550,9 @@ def _split_args(args: tuple, kwargs: dict, n: int) -> _Call:
             consts.append(leaf)
         else:
             template.append(leaf)
-    kinds = [leaf.kind for leaf in leaves if isinstance(leaf, _PerLayer)]
+    kinds = [leaf.kind for leaf in leaves if isinstance(leaf, PerLayer)]
     a, kw = jax.tree_util.tree_unflatten(treedef, template)
-    per_layer, rebuild = _split_markers(a, kw, n, f"{WHO} apply")
+    per_layer, rebuild = split_markers(a, kw, n, f"{WHO} apply")
 
     def build(slices, example_values, const_values):
         values = {"example": example_values, "const": const_values}

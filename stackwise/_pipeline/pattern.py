@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise._core.options import Options
-from stackwise._core.stack import Stacked, _check_pair, _Run
+from stackwise._core.stack import Run, Stacked, check_pair
 from stackwise._pipeline import stage_fsdp
 from stackwise._pipeline.program import (
     WHO,
@@ -179,7 +179,7 @@ class Blocks:
         self.batched_state, self.plan, self.mesh = batched_state, plan, mesh
         self.layout = _layout(plan.n, self.k, plan.S, plan.V)
         self.tables = (jnp.asarray(self.layout.position), jnp.asarray(self.layout.row))
-        self.core = _Run(applies, plan.n, options, with_state, WHO)  # the stack's checks
+        self.core = Run(applies, plan.n, options, with_state, WHO)  # the stack's checks
 
     def enter(self, params: Any, state: Any) -> tuple:
         """The params (and state) as one stacked tree per position, depth checked."""
@@ -336,7 +336,7 @@ class Layer:
                 out = apply(params, h, *args, **kwargs)
             else:
                 old = nth(state[p], row)
-                out, new = _check_pair(
+                out, new = check_pair(
                     apply(params, old, h, *args, **kwargs),
                     WHO,
                     "with `with_state=True` a layer returns `(out, layer_state)`",
@@ -350,7 +350,7 @@ class Layer:
                 )
                 state = tuple(state)
             if self.has_aux:
-                h, aux = _check_pair(
+                h, aux = check_pair(
                     out,
                     WHO,
                     "with `has_aux=True` a layer returns `(x, aux)`",

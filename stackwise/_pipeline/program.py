@@ -322,9 +322,9 @@ def _same(v: Any, plan: Plan) -> Any:
     return reduce(v, plan.batch_axes)
 
 
-def _never_sliced(chunks: Any, options: Options, V: int = 1) -> Callable[..., bool] | None:
+def never_sliced(chunks: Any, options: Options, V: int = 1) -> Callable[..., bool] | None:
     """The checkpoint policy around a circular stage: what the stage's own remat
-    keeps (:func:`_kept`), but never a slice of ``chunks``, the device's ``(rows,
+    keeps (:func:`kept_policy`), but never a slice of ``chunks``, the device's ``(rows,
     ...)`` stacks: a tick's chunk, or a row of it (a pattern's layer takes its row).
 
     With ``unroll=True`` it is ``None`` (keep nothing: the stage's forward pass
@@ -333,10 +333,10 @@ def _never_sliced(chunks: Any, options: Options, V: int = 1) -> Callable[..., bo
     """
     if options.unroll is True:
         return None
-    return _unless_sliced(_kept(options), _sliced_shapes(chunks, V))
+    return unless_sliced(kept_policy(options), sliced_shapes(chunks, V))
 
 
-def _sliced_shapes(stacks: Any, V: int) -> set:
+def sliced_shapes(stacks: Any, V: int) -> set:
     """The shapes of what a stage slices out of its ``(rows, ...)`` stacks, and of
     those: the stacks, a chunk of them (``rows / V``) and one row (``(1, ...)``)."""
     shapes = set()
@@ -346,7 +346,7 @@ def _sliced_shapes(stacks: Any, V: int) -> set:
     return shapes
 
 
-def _kept(options: Options) -> Callable[..., bool]:
+def kept_policy(options: Options) -> Callable[..., bool]:
     """What a stage's ``remat`` keeps, and the carry entering each layer: all of it with
     ``remat=False``, the carries with ``remat=True``, the policy's choice and the
     carries with a policy."""
@@ -358,7 +358,7 @@ def _kept(options: Options) -> Callable[..., bool]:
     return jax.checkpoint_policies.save_from_both_policies(options.policy, carries)
 
 
-def _unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool]:
+def unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool]:
     """``keep``, except that a slice of an operand of one of ``shapes`` is never saved
     (a row of a block, a chunk of a stack; matched by primitive name:
     :func:`stackwise._upstream.jax.unless_sliced`)."""

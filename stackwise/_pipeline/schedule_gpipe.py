@@ -22,8 +22,8 @@ from stackwise._pipeline import stage_fsdp, ticks
 from stackwise._pipeline.program import (
     Plan,
     Stage,
-    _never_sliced,
     chunk_rows,
+    never_sliced,
     nth,
     select,
     split_batch,
@@ -68,7 +68,7 @@ def device_program(
         policy = stage_fsdp.per_tick_policy(options, stacks, shapes, V)
         run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
     elif V > 1:  # a per-tick slice, taken again in the backward pass rather than saved
-        policy = _never_sliced(stacks, options, V)
+        policy = never_sliced(stacks, options, V)
         run_stage = jax.checkpoint(run_stage, prevent_cse=False, policy=policy)
     st0 = stage.state.take(state, 0, 0)
     aux_shape = jax.eval_shape(run_stage, stacks, 0, nth(mbs, 0), st0, 0)[1]

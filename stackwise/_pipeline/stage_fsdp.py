@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stackwise._core import checks
 from stackwise._core.options import Options
-from stackwise._pipeline.program import WHO, _kept, _sliced_shapes, _unless_sliced, stack_rows
+from stackwise._pipeline.program import WHO, kept_policy, sliced_shapes, stack_rows, unless_sliced
 from stackwise._sharding.fsdp import fsdp_specs
 from stackwise._upstream import jax as jax_ties
 
@@ -205,7 +205,7 @@ def gathered_once(
         # A circular stage slices its chunk out of the gathered stack at each tick, a
         # pattern's layer its row out of the chunk: none is saved.
         gathered = jax.eval_shape(lambda p: gather(stack_rows(p, lead), dims_tree, plan), params)
-        policy = _never_gathered(options, _sliced_shapes(gathered, plan.V))
+        policy = _never_gathered(options, sliced_shapes(gathered, plan.V))
         # With unroll=True the whole device program is saved nothing and runs again in
         # the backward pass: jax 0.10's remat DCE fails on a checkpoint with a policy
         # around the Python loop's checkpoints (as for the circular stage's).
@@ -225,13 +225,13 @@ def per_tick_policy(
     for the step's."""
     if options.unroll is True:
         return None
-    return _never_gathered(options, _sliced_shapes(stacks, V) | _sliced_shapes(gathered, 1))
+    return _never_gathered(options, sliced_shapes(stacks, V) | sliced_shapes(gathered, 1))
 
 
 def _never_gathered(options: Options, shapes: set = frozenset()) -> Callable[..., bool]:
     """What the stage's ``remat`` keeps (and the carries), but never a gathered chunk,
     nor a slice of an operand of one of ``shapes`` (what is sliced out of it)."""
-    return _unless_gathered(_unless_sliced(_kept(options), shapes))
+    return _unless_gathered(unless_sliced(kept_policy(options), shapes))
 
 
 def _unless_gathered(keep: Callable[..., bool]) -> Callable[..., bool]:

@@ -93,3 +93,28 @@ def test_a_wrong_import_is_caught(tmp_path):
     found = sorted(imported(bad))
     assert found == ["stackwise._checkpoint", "stackwise._kit", "stackwise._pipeline.api"]
     assert [layer_of(m) for m in found] == ["_checkpoint", "_kit", "_pipeline"]
+
+
+def test_no_private_name_crosses_modules():
+    """What one module of stackwise uses of another is that module's unprefixed name: a
+    ``_name`` stays in the module that defines it (``from stackwise... import _x`` is refused,
+    as is ``module._x`` on an imported module)."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stackwise"):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        wrong.append(f"{path.relative_to(ROOT)}: from {node.module} import {a.name}")
+                    elif node.module in ("stackwise", "stackwise._core", "stackwise._checkpoint",
+                                         "stackwise._pipeline", "stackwise._sharding",
+                                         "stackwise._kit", "stackwise._upstream"):
+                        modules.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                wrong.append(f"{path.relative_to(ROOT)}: {node.value.id}.{node.attr}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
