@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _hlo import collectives
 from _multidevice import result, run_cases, run_module
-from _tolerance import check, compare, reassociation_bound, worst
+from _tolerance import check, compare, reassociation_bound
 from jax.sharding import PartitionSpec as P
 
 import stackwise
@@ -24,12 +24,15 @@ PARAM_BOUND = 1.25
 
 D = 16  # feature width
 
-# float32 sums reassociated across microbatches, stages and the FSDP axes: the loss within
-# PIPELINE_BOUND * eps * sum|sin(y)| of the loop's, the grads within PIPELINE_BOUND * eps * (the
-# leaf's largest magnitude) (tests/_tolerance.py). 8 layers of width-D matmuls, a loss summing
-# the 16 x D outputs (and grads the 16 rows): 8 * sqrt(8 * 16 + 16 * 16) = 157 eps, 1.9e-5 of the
-# scale; circular_step's 8 layers of width 64 and loss over 64 x 64 outputs: 8 * sqrt(8 * 64 +
-# 64 * 64) = 544 eps, 6.5e-5. Measured: at most MEASURED eps. A relative error of 1e-3 is 8,389 eps.
+# float32 sums reassociated across microbatches, stages and the FSDP axes: the loss and grads
+# within PIPELINE_BOUND * eps * (the leaf's largest magnitude) of the loop's (tests/_tolerance.py).
+# 8 layers of width-D matmuls, a loss summing the 16 x D outputs (and grads the 16 rows):
+# 6 * (2 * 8 * sqrt(16) + sqrt(16 * 16)) = 480 eps, 5.7e-5 of the scale; circular_step's 8 layers
+# of width 64 and loss over 64 x 64 outputs: 6 * (2 * 8 * 8 + 64) = 1,152 eps. Measured on an AMD
+# EPYC VM, with the suite's XLA flags, XLA's default fusion emitters or optimisation level 2: at
+# most 6 eps (the losses, of sums of sin that cancel to 1-13% of their terms), 3.8 eps on the
+# grads; the absolute 2e-5 this replaces passed circular_step only with the default emitters.
+# A relative error of 1e-3 is 8,389 eps.
 PIPELINE_BOUND = reassociation_bound(depth=8, width=D, summed=16 * D)
 WIDE_BOUND = reassociation_bound(depth=8, width=64, summed=64 * 64)
 
@@ -65,7 +68,7 @@ def _spec(a) -> str:
 
 def _run(pp, params, placed, x, facts=True, apply=_apply, loss_of=_loss):
     """The worst leaf of the loss and grads (params and x) against the loop's, relative to
-    the loss's sum|terms| and to each grad's magnitude (``_tolerance.compare``); with
+    its magnitude (``_tolerance.compare``); with
     ``facts``, also the compiled training step's collectives (its forward part gathers
     too), the jaxpr's gathers (unless 1F1B's ``loss_of``), and where the params, gradients
     and outputs are. The pipelined step is compiled once."""
@@ -73,11 +76,9 @@ def _run(pp, params, placed, x, facts=True, apply=_apply, loss_of=_loss):
     compiled = jax.jit(step(pp.apply, loss_of)).lower(placed, x).compile()
     loop = lambda p, v: _loop(p, v, apply)  # noqa: E731
     got, want = compiled(placed, x), jax.jit(step(loop))(params, x)
-    summed = float(jnp.sum(jnp.abs(jnp.sin(jax.jit(loop)(params, x)))))  # the loss's terms
-    grads = lambda g: {"grad_params": g[0], "grad_x": g[1]}  # noqa: E731
+    named = lambda v, g: {"loss": v, "grad_params": g[0], "grad_x": g[1]}  # noqa: E731
     out = {
-        "max_err": worst(compare({"loss": got[0]}, {"loss": want[0]}, scale=summed),
-                         compare(grads(got[1]), grads(want[1]))),
+        "max_err": compare(named(*got), named(*want)),
         "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
         "param_specs": jax.tree.map(_spec, placed),
         "grad_specs": jax.tree.map(_spec, got[1][0]),
