@@ -465,9 +465,11 @@ def test_a_transformer_block_matches_its_python_loop():
         loop_params, x
     )
     assert_trees_close(y, y_loop)
-    assert_trees_close(
-        swh.to_loop(g, "stack/transformer_block", "transformer_block"), g_loop
-    )
+    # The key projection's bias shifts every score of a query alike, which softmax ignores: its
+    # gradient is 0, and what the two programs compute there is rounding noise.
+    zero = ("multi_head_attention/key']['b']",)
+    g = swh.to_loop(g, "stack/transformer_block", "transformer_block")
+    assert_trees_close(g, g_loop, zero=zero)
     # Training: dropout draws a different mask per key.
     train = jax.jit(lambda key: stacked.apply(params, key, x, True))
     y1, y2 = train(jax.random.key(1)), train(jax.random.key(2))
