@@ -40,15 +40,6 @@ def run_cases(cases: dict[str, Callable[[], dict]]) -> None:
     print(json.dumps(results))
 
 
-#: XLA:CPU's default code generator for fusions, which the suite turns off (tests/conftest.py),
-#: for a run whose tolerance needs the default's float32 results ("" where this XLA has no flag
-#: for it: then the suite did not turn it off either).
-DEFAULT_FUSIONS = (
-    "--xla_cpu_use_fusion_emitters=true"
-    if os.environ.get("STACKWISE_TESTS_XLA_KNOWS") == "1" else ""
-)
-
-
 def run_module(path: str, timeout: int = 900, xla_flags: str = "") -> dict:
     """Runs the test module at ``path`` as a script on 8 simulated CPU devices, with the
     session's XLA_FLAGS (tests/conftest.py) and then ``xla_flags`` (the last of a flag wins)."""

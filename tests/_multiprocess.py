@@ -9,7 +9,6 @@ import os
 import pathlib
 from types import ModuleType
 
-from _multidevice import DEFAULT_FUSIONS
 from _scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -22,23 +21,13 @@ def example() -> ModuleType:
     return load_script(EXAMPLE)
 
 
-#: The compiler options of the runs, for a program in the tests' process that must compile as
-#: theirs do: the init of test_multiprocess.py's reference is within 1e-7 of the runs' with
-#: XLA:CPU's default code generator for fusions, 1.2e-7 with the older one that the suite uses
-#: (tests/conftest.py).
-AS_THE_RUNS = {"xla_backend_optimization_level": 0} | (
-    {"xla_cpu_use_fusion_emitters": True} if DEFAULT_FUSIONS else {})
-
-
 def env(**extra) -> dict:
     """The processes' environment: this checkout's stackwise and the tests' helpers, CPU only,
     the suite's strict numerics and XLA_FLAGS (tests/conftest.py: XLA's backend optimisations
-    off; compile time dominates these tiny runs) but XLA:CPU's default code generator for
-    fusions (``AS_THE_RUNS``)."""
+    off; compile time dominates these tiny runs)."""
     path = os.pathsep.join(
         filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")])
     )
     environ = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", PYTHONWARNINGS="error")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {DEFAULT_FUSIONS}"
-    environ.update(JAX_NUMPY_RANK_PROMOTION="raise", XLA_FLAGS=flags.strip())
+    environ.update(JAX_NUMPY_RANK_PROMOTION="raise", XLA_FLAGS=os.environ.get("XLA_FLAGS", ""))
     return {**environ, **extra}

@@ -366,7 +366,10 @@ def test_upstream_transformer_checkpoint_converts_in_one_call():
         params
     )
     assert_trees_close(y_port, y_loop)
-    assert_trees_close(swh.convert(g_port, port, loop, TOKENS), g_loop)
+    # The key projection's bias shifts every score of a query alike, which softmax ignores: its
+    # gradient is 0, and what the two programs compute there is rounding noise.
+    zero = ("/key']['b']",)
+    assert_trees_close(swh.convert(g_port, port, loop, TOKENS), g_loop, zero=zero)
     assert_trees_bitwise(swh.convert(params, port, loop, TOKENS), loop_params)
 
 

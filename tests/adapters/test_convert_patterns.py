@@ -383,7 +383,17 @@ def test_the_converted_pattern_stack_computes_the_loop(case):
     y, state, grads = case.run(port, case.convert(tree, loop, port))
     assert_trees_close(y, y_loop)
     assert_trees_close(case.to_loop(state), state_loop)  # each layer's own statistics
-    assert_trees_close(case.to_loop(grads), grads_loop)
+    assert_trees_close(case.to_loop(grads), grads_loop, zero=ZERO_GRADS.get(case.id, ()))
+
+
+# Grads that are 0 in exact arithmetic (rounding noise, compared with the whole tree's largest):
+# the bias of what a BatchNorm normalises next, in layers 2 and 5 (globals). Linen: the Dense
+# before the global's own BatchNorm; NNX: the global's down projection, which the next local's
+# BatchNorm normalises.
+ZERO_GRADS = {
+    "flax": ("layers_2']['Dense_0']['bias']", "layers_5']['Dense_0']['bias']"),
+    "nnx": ("[2]['down']['bias']", "[5]['down']['bias']"),
+}
 
 
 # --------------------------------------------------------------------------

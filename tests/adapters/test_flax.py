@@ -255,7 +255,7 @@ def test_block_forms_class_partial_and_template():
         for i in range(N):
             bias = variables["params"]["Stack_0"].get("bias", jnp.zeros((N, D)))
             ref = ref @ kernel[i] + bias[i][None]
-        assert_trees_close(Parent(form).apply(variables, X), ref, atol=1e-5)
+        assert_trees_close(Parent(form).apply(variables, X), ref)
 
 
 # --------------------------------------------------------------------------
@@ -436,7 +436,7 @@ def test_decoding_token_by_token_matches_the_full_forward():
         cache = new["cache"]
         outs.append(y)
     assert cache["MultiHeadDotProductAttention_0"]["cache_index"].tolist() == [length] * n
-    assert_trees_close(jnp.concatenate(outs, axis=1), full, atol=1e-5)
+    assert_trees_close(jnp.concatenate(outs, axis=1), full)
 
 
 # --------------------------------------------------------------------------

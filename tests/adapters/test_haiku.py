@@ -464,10 +464,12 @@ def test_a_transformer_block_matches_its_python_loop():
     y_loop, (g_loop, _) = y_and_grads(lambda p, x: loop.apply(p, None, x, is_training=False))(
         loop_params, x
     )
-    assert_trees_close(y, y_loop, atol=1e-5)
-    assert_trees_close(
-        swh.to_loop(g, "stack/transformer_block", "transformer_block"), g_loop, atol=1e-5
-    )
+    assert_trees_close(y, y_loop)
+    # The key projection's bias shifts every score of a query alike, which softmax ignores: its
+    # gradient is 0, and what the two programs compute there is rounding noise.
+    zero = ("multi_head_attention/key']['b']",)
+    g = swh.to_loop(g, "stack/transformer_block", "transformer_block")
+    assert_trees_close(g, g_loop, zero=zero)
     # Training: dropout draws a different mask per key.
     train = jax.jit(lambda key: stacked.apply(params, key, x, True))
     y1, y2 = train(jax.random.key(1)), train(jax.random.key(2))

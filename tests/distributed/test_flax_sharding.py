@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from _multidevice import result, run_cases, run_module
+from _trees import assert_trees_close
 
 
 def _partitioning():
@@ -95,12 +96,8 @@ def _partitioning():
     host = jax.tree.map(np.asarray, nn.unbox(variables))
     y_ref = model.apply(host, np.asarray(x))
     g_ref = jax.grad(loss)(host, np.asarray(x))
-    np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5),
-        nn.unbox(g),
-        g_ref,
-    )
+    assert_trees_close(np.asarray(y), y_ref)
+    assert_trees_close(nn.unbox(g), g_ref)
     return {}
 
 

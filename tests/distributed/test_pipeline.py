@@ -18,16 +18,27 @@ import numpy as np
 import pytest
 from _hlo import collectives, loop_trip_counts
 from _multidevice import result, run_cases, run_module
+from _tolerance import check, compare, reassociation_bound
 from jax.sharding import AbstractMesh
 
 import stackwise
 
-# float32 sums reassociated across microbatches, stages and the data axis.
-PIPELINE_TOL = 2e-5
 # Temp memory of the backward pass at M=16 against M=4 (same batch): flat in M.
 FLAT_IN_M = 1.2
 
 D = 8  # feature width
+
+# float32 sums reassociated across microbatches, stages and the data axis: outputs and grads
+# within PIPELINE_BOUND * eps * (the leaf's largest magnitude) of the loop's (tests/_tolerance.py).
+# The deepest case chains 16 layers of width-D matmuls, and the params' grads sum the 16 rows of
+# the batch: 6 * (2 * 16 * sqrt(8) + sqrt(16)) = 568 eps, 6.8e-5 of the scale. Measured: at most
+# 3.1 eps on one AMD EPYC VM (with the suite's XLA flags, XLA's default fusion emitters, or
+# optimisation level 2); about 11 eps on another, whose 2.1e-5 on grads of scale 16-17.5 failed
+# the absolute 2e-5 this replaces. A relative error of 1e-3 is 8,389 eps.
+PIPELINE_BOUND = reassociation_bound(depth=16, width=D, summed=16)
+# The aux's sums of y**2 over a layer's 16 x D outputs, 8 layers deep: 6 * (2 * 8 * sqrt(8) +
+# sqrt(128)) = 340 eps (measured: 0.6).
+AUX_BOUND = reassociation_bound(depth=8, width=D, summed=16 * D)
 
 
 def _init(key):
@@ -67,17 +78,17 @@ _reference_loss = functools.cache(_loss)
 
 
 def _max_err(pipelined, reference, params, x, *args, placed=None):
-    """Largest |difference| of outputs and of grads w.r.t. params and x.
+    """The worst leaf of the outputs and of the grads w.r.t. params and x, relative to its
+    magnitude (``_tolerance.compare``).
 
     ``placed``: the same params as placed on the mesh for the pipeline (in either
     layout: the grads come back in the params' layout and are compared as ``(n, ...)``).
     """
 
-    (_, y), g = _loss(pipelined, args)(params if placed is None else placed, x)
-    (_, y_ref), g_ref = _reference_loss(reference, args)(params, x)
-    diff = lambda a, b: float(np.max(np.abs(np.asarray(a).reshape(b.shape) - b)))  # noqa: E731
-    diffs = jax.tree.map(diff, (y, g), (y_ref, g_ref))
-    return max(jax.tree.leaves(diffs))
+    (_, y), (g, gx) = _loss(pipelined, args)(params if placed is None else placed, x)
+    (_, y_ref), (g_ref, gx_ref) = _reference_loss(reference, args)(params, x)
+    named = lambda y, g, gx: {"out": y, "grad_params": g, "grad_x": gx}  # noqa: E731
+    return compare(named(y, g, gx), named(y_ref, g_ref, gx_ref))
 
 
 def _trimmed(spec) -> tuple:
@@ -227,10 +238,8 @@ def _case_arguments(schedule):
     drop = lambda j: jax.random.bernoulli(jax.random.fold_in(jax.random.split(key, n)[0], j),  # noqa: E731
                                           0.8, (2, D))
     return {
-        "max_err": float(jnp.max(jnp.abs(y - y_ref))),
-        "aux_err": max(jax.tree.leaves(jax.tree.map(
-            lambda a, b: float(jnp.max(jnp.abs(a - b) / jnp.maximum(jnp.abs(b), 1.0))),
-            aux, aux_ref))),
+        "max_err": compare(y, y_ref),
+        "aux_err": compare(aux, aux_ref),
         "aux_shapes": jax.tree.map(lambda a: list(a.shape), aux),
         "index_sums": aux["index"].tolist(),
         "masks_differ": bool(jnp.any(drop(0) != drop(1))),
@@ -322,13 +331,14 @@ def multi_device():
      "arguments_circular", "haiku_stage8_auto", "circular_pytree_carry"],
 )
 def test_pipeline_matches_loop_outputs_and_grads(multi_device, name):
-    assert result(multi_device, name)["max_err"] < PIPELINE_TOL
+    check(result(multi_device, name)["max_err"], PIPELINE_BOUND, name)
 
 
 def test_every_option_combination(multi_device):
     errors = result(multi_device, "options")["errors"]
     assert len(errors) == 13
-    assert {k: e for k, e in errors.items() if not e < PIPELINE_TOL} == {}
+    for name, report in errors.items():
+        check(report, PIPELINE_BOUND, name)
 
 
 def test_pipeline_is_a_stack(multi_device):
@@ -392,7 +402,7 @@ def test_backward_memory_is_flat_in_microbatches(multi_device, schedule):
 def test_arguments_per_example_per_layer_and_aux(multi_device):
     for name in ("arguments_gpipe", "arguments_circular"):
         r = result(multi_device, name)
-        assert r["aux_err"] < PIPELINE_TOL
+        check(r["aux_err"], AUX_BOUND, name)
         assert r["aux_shapes"] == {"index": [8], "sq": [8]}  # one entry per layer
         # Layer i's index, summed over the 8 microbatches (bubble ticks left out).
         assert r["index_sums"] == [8 * i for i in range(8)]

@@ -17,13 +17,21 @@ import numpy as np
 import pytest
 from _hlo import collectives
 from _multidevice import result, run_cases, run_module
+from _tolerance import assert_close, check, compare, reassociation_bound, worst
 
 import stackwise
 
-# float32 sums reassociated across microbatches, stages and the data axis.
-PIPELINE_TOL = 2e-5
-
 D = 8  # feature width
+
+# float32 sums reassociated across microbatches, stages and the data axis: outputs, grads,
+# state, aux and caches within PIPELINE_BOUND * eps * (the leaf's largest magnitude) of the
+# loop's (tests/_tolerance.py). Up to 12 layers (gemma) of width-D matmuls (a cache's attention:
+# 8 keys of width 4), a loss summing the 8 x D outputs (grads the 8 rows): 6 * (2 * 12 * sqrt(8)
+# + sqrt(8 * 8)) = 456 eps, 5.4e-5 of the scale. Measured on an AMD EPYC VM (the suite's XLA
+# flags, XLA's default fusion emitters, optimisation level 2): at most 49 eps (gemma's grads,
+# 12 layers whose gradients grow 10-20 times from the loss's), 9 eps elsewhere. A relative error
+# of 1e-3 is 8,389 eps.
+PIPELINE_BOUND = reassociation_bound(depth=12, width=D, summed=8 * D)
 
 
 def _dense_init(key):
@@ -57,25 +65,21 @@ def _loop_params(inits, n, key):
     return jax.jit(make)(key)
 
 
+def _named(out, grad_args, grad_params):
+    """Outputs (or a loss) and grads, named for ``_tolerance.compare``'s report."""
+    return {"out": out, "grad_args": grad_args, "grad_params": grad_params}
+
+
 def _regroup(per_layer, k):
     """The loop's params as the stack's pattern layout (position p: layers p, p+k, ...)."""
     return tuple(stackwise.stack_layers(per_layer[p::k]) for p in range(k))
 
 
-def _diff(a, b):
+def _diff(a, b):  # the largest |difference|, for what must be exact (0.0)
     return max(
         jax.tree.leaves(jax.tree.map(lambda u, v: float(jnp.max(jnp.abs(u - v))), a, b)),
         default=0.0,
     )
-
-
-def _rel(a, b):
-    """Largest difference per leaf, relative to that leaf's largest value (at least 1):
-    a gradient summed over many terms differs by float32 rounding in proportion to it."""
-    rel = jax.tree.map(
-        lambda u, v: float(jnp.max(jnp.abs(u - v)) / max(float(jnp.max(jnp.abs(v))), 1.0)), a, b
-    )
-    return max(jax.tree.leaves(rel), default=0.0)
 
 
 def _trimmed(spec) -> tuple:
@@ -139,7 +143,7 @@ def _pattern_case(
     (_, y), (g, gx) = step(placed, x)
     (_, y_ref), (g_ref, gx_ref) = _sin_loss(loop)(per_layer, x)
     out = {
-        "max_err": _rel((y, gx, g), (y_ref, gx_ref, _regroup(g_ref, k))),
+        "max_err": compare(_named(y, gx, g), _named(y_ref, gx_ref, _regroup(g_ref, k))),
         "init_equals_loop": _diff(jax.jit(pp.init)(jax.random.key(0)), params) == 0.0,
     }
     if one_f_one_b:
@@ -157,9 +161,10 @@ def _pattern_case(
         )
         gpipe = np.mean((np.asarray(y) @ np.asarray(head) - np.asarray(t)) ** 2)
         out.update({
-            "1f1b_err": _rel((v1, gx1, gh1, g1), (v_ref, gx_ref, gh_ref, _regroup(g_ref, k))),
-            "1f1b_gpipe_err": abs(float(v1) - float(gpipe)),
-            "1f1b_value_err": abs(float(jax.jit(loss)(placed, x, head) - v_ref)),
+            "1f1b_err": compare(_named(v1, (gx1, gh1), g1),
+                                _named(v_ref, (gx_ref, gh_ref), _regroup(g_ref, k))),
+            "1f1b_gpipe_err": compare(v1, gpipe),
+            "1f1b_value_err": compare(jax.jit(loss)(placed, x, head), v_ref),
             "1f1b_grad_specs": jax.tree.map(_spec_of, g1),
         })  # fmt: skip
     if options.get("fsdp"):
@@ -265,8 +270,8 @@ def _case_aux_and_arguments():
 
     y_ref, aux_ref = reference(per_layer, x, mask)
     return {
-        "max_err": _diff(y, y_ref),
-        "aux_err": _rel(aux, aux_ref),
+        "max_err": compare(y, y_ref),
+        "aux_err": compare(aux, aux_ref),
         "index_sums": [aux[0]["i"].tolist(), aux[2]["i"].tolist()],
     }
 
@@ -327,8 +332,8 @@ def _case_statistics():
     (_, (y, new)), g = loss(pp.apply)(params, x)
     (_, (y_ref, new_ref)), g_ref = loss(reference)(params, x)
     return {
-        "max_err": _diff((y, g), (y_ref, g_ref)),
-        "state_err": _diff(new, new_ref),
+        "max_err": compare(_named(y, g[1], g[0]), _named(y_ref, g_ref[1], g_ref[0])),
+        "state_err": compare(new, new_ref),
         "counts": [new[2]["count"].tolist(), new_ref[2]["count"].tolist()],
     }
 
@@ -399,14 +404,14 @@ def _case_fsdp_state():
     (v_ref, new_ref1), (*g_ref1, _) = grad(plain_loss)(params, x, head, state)
     value, new0 = jax.jit(loss_1f1b)(params, x, head, state)  # GPipe's forward, and the loss
     return {
-        "max_err": _rel((y, g), (y_ref, g_ref)),
-        "state_err": _rel(new, new_ref),
+        "max_err": compare(_named(y, g[1], g[0]), _named(y_ref, g_ref[1], g_ref[0])),
+        "state_err": compare(new, new_ref),
         "program": collectives(step.as_text()),
         "jaxpr_gathers": [gathers(forward), gathers(jax.grad(loss_of(pp.apply), has_aux=True))],
-        "1f1b_err": _rel((v1, g1), (v_ref, g_ref1)),
-        "1f1b_state_err": max(_rel(new1, new_ref1), _rel(new1, new)),
-        "1f1b_value_err": max(
-            abs(float(value) - float(_head_mse(y, t, head))), _rel(new0, new), _rel(new0, new1)
+        "1f1b_err": compare(_named(v1, g1[1:], g1[0]), _named(v_ref, g_ref1[1:], g_ref1[0])),
+        "1f1b_state_err": worst(compare(new1, new_ref1), compare(new1, new)),
+        "1f1b_value_err": worst(
+            compare(value, _head_mse(y, t, head)), compare(new0, new), compare(new0, new1)
         ),
         "1f1b_state_grad": _diff(g_state, jax.tree.map(jnp.zeros_like, state)),
     }
@@ -540,11 +545,11 @@ def _case_decode():
     return {
         "tokens": tokens.tolist(),
         "tokens_ref": tokens_ref.tolist(),
-        "cache_err": _rel(cache_out, _regroup(caches_ref, k)),
+        "cache_err": compare(cache_out, _regroup(caches_ref, k)),
         "cache_spec": str(P(*_trimmed(cache_out[0]["k"].sharding.spec))),
         "outside_loop": sorted({c[0] for c in collectives(hlo) if c[2] == 0}),
         "tokens_fsdp": tokens_fsdp.tolist(),
-        "cache_err_fsdp": _rel(cache_fsdp, _regroup(caches_ref, k)),
+        "cache_err_fsdp": compare(cache_fsdp, _regroup(caches_ref, k)),
         "param_specs_fsdp": jax.tree.map(_spec_of, fsdp_placed),
         "param_bytes_fsdp": sum(
             a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(fsdp_placed)
@@ -573,40 +578,40 @@ def multi_device():
 @pytest.mark.parametrize("name", ["phases", "gemma"])
 def test_pattern_pipeline_matches_loop_outputs_and_grads(multi_device, name):
     r = result(multi_device, name)
-    assert r["max_err"] < PIPELINE_TOL
+    check(r["max_err"], PIPELINE_BOUND)
     assert r["init_equals_loop"]  # Stacked.init is the stack's: the loop's params, regrouped
 
 
 def test_pattern_pipeline_aux_and_per_layer_arguments(multi_device):
     r = result(multi_device, "aux_and_arguments")
-    assert r["max_err"] < PIPELINE_TOL
-    assert r["aux_err"] < PIPELINE_TOL
+    check(r["max_err"], PIPELINE_BOUND)
+    check(r["aux_err"], PIPELINE_BOUND)
     # Positions 0 and 2 hold layers 0, 3, 6 and 2, 5; each index summed over 4 microbatches.
     assert r["index_sums"] == [[0, 12, 24], [8, 20]]
 
 
 def test_state_pipeline_matches_microbatch_loop(multi_device):
     r = result(multi_device, "statistics")
-    assert r["max_err"] < PIPELINE_TOL
-    assert r["state_err"] < PIPELINE_TOL
+    check(r["max_err"], PIPELINE_BOUND)
+    check(r["state_err"], PIPELINE_BOUND)
     assert r["counts"][0] == r["counts"][1] == [4, 4]  # once per microbatch, bubbles left out
 
 
 def test_1f1b_pattern_at_uneven_phases_matches_loop_and_gpipe(multi_device):
     # k=3 over 4 stages of 2 layers, explicit axes, FSDP gathered once a step, nested, unroll.
     r = result(multi_device, "phases")
-    assert r["1f1b_err"] < PIPELINE_TOL  # loss and grads (params, x, the head): the loop's
-    assert r["1f1b_gpipe_err"] < PIPELINE_TOL  # the loss of GPipe's output
-    assert r["1f1b_value_err"] < PIPELINE_TOL  # without differentiation
+    check(r["1f1b_err"], PIPELINE_BOUND)  # loss and grads (params, x, the head): the loop's
+    check(r["1f1b_gpipe_err"], PIPELINE_BOUND)  # the loss of GPipe's output
+    check(r["1f1b_value_err"], PIPELINE_BOUND)  # without differentiation
     assert r["1f1b_grad_specs"] == r["param_specs"]  # grads in the params' (FSDP) layout
 
 
 def test_1f1b_interleaved_pattern_with_state_and_fsdp_per_tick(multi_device):
     # repeats=2, a cache-like batched state, FSDP gathered per tick, auto axes, remat.
     r = result(multi_device, "fsdp_state")
-    assert r["1f1b_err"] < PIPELINE_TOL  # loss and grads (params, x, the head): the stack's
-    assert r["1f1b_state_err"] < PIPELINE_TOL  # the new state: the stack's and the circular's
-    assert r["1f1b_value_err"] < PIPELINE_TOL  # without differentiation: GPipe's and the loss
+    check(r["1f1b_err"], PIPELINE_BOUND)  # loss and grads (params, x, the head): the stack's
+    check(r["1f1b_state_err"], PIPELINE_BOUND)  # the new state: the stack's and the circular's
+    check(r["1f1b_value_err"], PIPELINE_BOUND)  # without differentiation: GPipe's and the loss
     assert r["1f1b_state_grad"] == 0.0  # the state is not differentiated
 
 
@@ -614,7 +619,7 @@ def test_pipelined_decode_gives_the_loops_tokens(multi_device):
     r = result(multi_device, "decode")
     assert r["tokens"] == r["tokens_ref"]
     assert len(r["tokens"]) == 4 and len(r["tokens"][0]) == 5
-    assert r["cache_err"] < PIPELINE_TOL
+    check(r["cache_err"], PIPELINE_BOUND)
     # The cache stays where it was placed: layers on the stages, its batch on the data axis;
     # a decode step moves no cache or params, only the output (summed over the stages).
     assert r["cache_spec"] == "P('stage', 'data')"
@@ -641,7 +646,7 @@ def _elements(kind: str) -> int:
 
 def test_fsdp_pattern_at_uneven_phases_gathers_once_per_step(multi_device):
     r = result(multi_device, "phases")
-    assert r["max_err"] < PIPELINE_TOL
+    check(r["max_err"], PIPELINE_BOUND)
     # Each position's params split over "data" as placed, their gradients reduce-scattered
     # back to that layout.
     expected = [{"w": "P(None, 'data')"}, {"s": "P(None, 'data')"}, {"w": "P(None, 'data')"}]
@@ -669,8 +674,8 @@ def test_fsdp_pattern_at_uneven_phases_gathers_once_per_step(multi_device):
 
 def test_fsdp_state_circular_gathers_per_tick(multi_device):
     r = result(multi_device, "fsdp_state")
-    assert r["max_err"] < PIPELINE_TOL
-    assert r["state_err"] < PIPELINE_TOL
+    check(r["max_err"], PIPELINE_BOUND)
+    check(r["state_err"], PIPELINE_BOUND)
     # Each tick gathers its chunk (one layer: w or s) in the tick loop, forward and backward
     # (again there, not kept), and reduce-scatters its grads.
     gathered = _fsdp_collectives(r["program"], ("f32[1,8,8]", "f32[1,8]"))
@@ -697,7 +702,7 @@ def test_no_row_of_params_saved_per_tick(multi_device):
 def test_fsdp_decode_gives_the_loops_tokens(multi_device):
     r = result(multi_device, "decode")
     assert r["tokens_fsdp"] == r["tokens_ref"]
-    assert r["cache_err_fsdp"] < PIPELINE_TOL
+    check(r["cache_err_fsdp"], PIPELINE_BOUND)
     # Params split over the stages and FSDP: 1/8 on each device.
     split = {"qkv": "P('stage', None, 'data')", "out": "P('stage', 'data')"}
     assert r["param_specs_fsdp"] == [split, split]
@@ -738,8 +743,8 @@ def test_one_layer_with_state_on_one_device():
         y_h, s_h = reference(params, {"seen": state["seen"][:, half], "calls": calls}, x[half])
         ys.append(y_h)
         calls = s_h["calls"]
-        assert jnp.allclose(new["seen"][:, half], s_h["seen"], atol=1e-6)
-    assert jnp.allclose(y, jnp.concatenate(ys), atol=1e-6)
+        assert_close(new["seen"][:, half], s_h["seen"], PIPELINE_BOUND)
+    assert_close(y, jnp.concatenate(ys), PIPELINE_BOUND)
     assert new["calls"].tolist() == calls.tolist() == [2, 2, 2]
 
 

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _tolerance import check, compare
 from flax import nnx
-from test_optax_wrapper import ROUNDING_ATOL, _loop, _max_diff, _unloop
+from test_optax_wrapper import ROUNDING_BOUND, _apart, _loop, _unloop
 
 import stackwise.equinox
 import stackwise.flax
@@ -139,8 +140,8 @@ def test_adapter_params_train_like_the_loop(framework):
               jax.tree_util.tree_leaves_with_path(params)]
     assert 0 in depths and 1 in depths  # a stack and a leaf outside it
     reference = _plain_loop(params, lambda path: int(depth_of(path)))
-    assert _max_diff(trained, reference) < ROUNDING_ATOL
-    assert _max_diff(trained, params) > 100 * ROUNDING_ATOL
+    check(compare(trained, reference), ROUNDING_BOUND, framework)
+    assert _apart(trained, params) > 100 * ROUNDING_BOUND
 
 
 def _pattern_models():
