@@ -40,8 +40,9 @@ import numpy as np
 
 import optax
 from stackwise import _check
-from stackwise.optax._own import layer_labels, own_batch_axes, partition_parts
-from stackwise.optax._plan import Plan, chain_parts, from_loop, init_vmapped, loop_tree, run_vmapped
+from stackwise.optax import _upstream
+from stackwise.optax._own import layer_labels, own_batch_axes
+from stackwise.optax._plan import Plan, from_loop, init_vmapped, loop_tree, run_vmapped
 from stackwise.optax._which import (
     Which,
     layer_set,
@@ -98,10 +99,10 @@ def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
 def _wrap(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
     if tx.update in _LAYER_AWARE:
         return optax.with_extra_args_support(tx)
-    parts = chain_parts(tx)
+    parts = _upstream.chain_parts(tx)
     if parts is not None:
         return _aware(optax.chain(*(_wrap(p, stacked) for p in parts)))
-    groups = partition_parts(tx)
+    groups = _upstream.partition_parts(tx)
     if groups is not None:
         transforms, labels, extra_masked = groups
         return _aware(optax.partition(
