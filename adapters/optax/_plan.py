@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise.optax import _upstream
-from stackwise.optax._classify import Program
+from stackwise.optax._classify import Program, batched_alike
 
 __all__ = ["Plan", "from_loop", "init_vmapped", "loop_tree", "run_vmapped", "view"]
 
@@ -88,7 +88,25 @@ class Plan:
             return
         self.owner = [next(iter(lb)) if lb and lb <= self.stacked else None
                       for lb in state_labels]
-        self.kind = "direct" if elementwise else "vmap"
+        direct = elementwise and self._batched_alike(tx, one_layer, updates, template, extra,
+                                                     (u_view, state_view, p_view))
+        self.kind = "direct" if direct else "vmap"
+
+    def _batched_alike(self, tx, one_layer, updates, template, extra, views) -> bool:
+        """Whether ``tx`` run on the stacked tree is its per-layer program with layer axes
+        added (``_classify.batched_alike``), for ``init`` and ``update``: no function inside
+        it (a ``mask=``, a label function) decides by a leaf's shape otherwise than on one
+        layer's leaves."""
+        u_view, state_view, p_view = views
+        leaves = jax.tree.leaves(updates)
+        layers = {tuple(leaves[i].shape[: self.depths[i]]) for i in self.stacked}
+        whole = [0] * self.n_leaves
+        u_all, p_all = view(updates, whole), view(template, whole)
+        if not batched_alike(tx.init, (p_view,), (p_all,), layers):
+            return False
+        s_all = jax.eval_shape(tx.init, p_all)
+        return batched_alike(one_layer, (u_view, state_view, p_view, extra),
+                             (u_all, s_all, p_all, extra), layers)
 
     def groups(self, leaves: list) -> dict[tuple, list[int]]:
         groups: dict[tuple, list[int]] = {}
