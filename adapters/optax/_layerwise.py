@@ -195,17 +195,20 @@ def layerwise(
     _check_transform(transform, _WHERE, "transform")
     core = _wrap(transform, stacked)
     frozen = None if freeze is None else layer_set(freeze, _WHERE, "freeze")
-    scales = None
-    if lr_scale is not None:
-        scales = np.asarray(lr_scale)
-        if scales.ndim != 1 or not np.issubdtype(scales.dtype, np.number):
-            raise TypeError(
-                f"{_WHERE}: `lr_scale` must be a vector of numbers, one per layer (e.g. "
-                f"`stackwise.optax.layer_decay(0.8, n)`), got {lr_scale!r}."
-            )
+    scales = None if lr_scale is None else _scales(lr_scale)
+    per_layer = [arg for arg, v in (("freeze", frozen), ("lr_scale", scales)) if v is not None]
+    for arg in per_layer[:1]:
+        _has_layers(stacked, None, _WHERE, arg)
+
+    def init_fn(params):
+        for arg in per_layer[:1]:
+            _has_layers(stacked, params, _WHERE, arg)
+        return core.init(params)
 
     def update_fn(updates, state, params=None, **extra):
         _check_state(core.init, updates if params is None else params, state)
+        for arg in per_layer[:1]:
+            _has_layers(stacked, updates, _WHERE, arg)
         zero = lambda k, a: jnp.where(k, jnp.zeros_like(a), a)  # noqa: E731
         if frozen is not None:
             is_frozen = rows(updates, stacked, _WHERE, selected(frozen, _WHERE, "freeze"))
@@ -219,7 +222,43 @@ def layerwise(
             updates = map_rows(zero, is_frozen, updates)
         return updates, state
 
-    return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
+    return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _scales(lr_scale: Any) -> np.ndarray:
+    """``lr_scale`` checked: a vector of finite real numbers."""
+    scales = np.asarray(lr_scale)
+    if scales.ndim != 1 or not (np.issubdtype(scales.dtype, np.integer)
+                                or np.issubdtype(scales.dtype, np.floating)):
+        raise TypeError(
+            f"{_WHERE}: `lr_scale` must be a vector of real numbers, one per layer (e.g. "
+            f"`stackwise.optax.layer_decay(0.8, n)`), got {lr_scale!r}."
+        )
+    bad = np.flatnonzero(~np.isfinite(scales))
+    if bad.size:
+        raise ValueError(
+            f"{_WHERE}: `lr_scale` must be finite, but `lr_scale[{bad[0]}]` is "
+            f"{float(scales[bad[0]])}: that layer's params would become inf or NaN at the first "
+            "step. Give every layer a finite factor (0 stops a layer; so does `freeze=`)."
+        )
+    return scales
+
+
+def _has_layers(stacked: Which, tree: Any, where: str, arg: str) -> None:
+    """Per-layer controls need a stacked leaf: ``stacked`` (of ``tree``, when given) marks
+    one, else ``arg`` would apply to nothing."""
+    if tree is None:
+        none = isinstance(stacked, bool | np.bool_ | int | np.integer) and not stacked
+    else:
+        none = not any(leaf_depths(stacked, tree, where))
+    if none:
+        raise ValueError(
+            f"{where}: `{arg}` is per layer, but `stacked` ({stacked!r:.60}) marks no leaf "
+            f"of the params as stacked, so `{arg}` would apply to nothing. Mark the stacked "
+            "leaves: `stacked=True`, a tree prefix such as `{'blocks': True, 'embed': "
+            "False}`, `stacked=lambda path: 'blocks' in path`, or "
+            f"`stackwise.optax.stacked_in(model)` for NNX and Equinox; or drop `{arg}`."
+        )
 
 
 def _check_state(init: Callable, params: Any, state: Any) -> None:
@@ -283,17 +322,24 @@ def layer_mask(
     where = "stackwise.optax.layer_mask"
     _check_transform(transform, where, "transform")
     chosen = layer_set(layers, where, "layers")
+    _has_layers(stacked, None, where, "layers")
     core = layerwise(transform, stacked)
 
+    def init_fn(params):
+        _has_layers(stacked, params, where, "layers")
+        return core.init(params)
+
     def update_fn(updates, state, params=None, **extra):
+        _has_layers(stacked, updates, where, "layers")
         is_on = rows(updates, stacked, where, selected(chosen, where, "layers"))
-        inside = jax.tree.map(jnp.zeros_like, updates)
-        inside = map_rows(lambda k, a, _: jnp.where(k, a, jnp.zeros_like(a)), is_on, updates,
-                           inside)
+        # Only the chosen layers enter: the others, and the leaves without layer axes, as
+        # zeros (a global norm leaves them out, as `optax.masked` over the loop does).
+        inside = map_rows(lambda k, z, a: jnp.where(k, a, z), is_on,
+                          jax.tree.map(jnp.zeros_like, updates), updates)
         new, state = core.update(inside, state, params, **extra)
         return map_rows(lambda k, a, b: jnp.where(k, b, a), is_on, updates, new), state
 
-    return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
+    return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 def layer_decay(decay: float, n: int) -> np.ndarray:
