@@ -29,6 +29,8 @@ resolved in ``_which.py``, how each part runs in ``_plan.py``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 import weakref
 from collections.abc import Callable, Sequence
@@ -67,10 +69,46 @@ def _aware(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransform
     return tx
 
 
+# True while `layerwise` runs a part it could not split into parts (traced on one layer's
+# view, vmapped per layer or on the loop model's tree): a layer-aware transformation nested
+# in such a part would see one layer's leaves, and refuses (`_outside_opaque`).
+_OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("stackwise_optax_opaque",
+                                                               default=False)
+
+
+@contextlib.contextmanager
+def _opaque():
+    token = _OPAQUE.set(True)
+    try:
+        yield
+    finally:
+        _OPAQUE.reset(token)
+
+
+def _outside_opaque(where: str) -> None:
+    if _OPAQUE.get():
+        raise ValueError(
+            f"{where} is nested inside a transformation that `stackwise.optax.layerwise` "
+            "cannot split into parts (such as `optax.MultiSteps`, `optax.apply_if_finite`, "
+            "`optax.inject_hyperparams` or one of your own), so it runs that one per layer "
+            "or on the loop model's leaves, where layers cannot be named. Put `layerwise` "
+            "inside it instead: `optax.MultiSteps(stackwise.optax.layerwise(tx, ...), k)`, "
+            "`optax.apply_if_finite(stackwise.optax.layerwise(tx, ...), m)`."
+        )
+
+
 def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
     tx = optax.with_extra_args_support(tx)
 
     def init_fn(params):
+        with _opaque():
+            return _init(params)
+
+    def update_fn(updates, state, params=None, **extra):
+        with _opaque():
+            return _update(updates, state, params, **extra)
+
+    def _init(params):
         depths = leaf_depths(stacked, params, _WHERE)
         plan = Plan(tx, params, params, depths, {})
         if plan.kind == "direct":
@@ -79,7 +117,7 @@ def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
             return tx.init(loop_tree(params, plan.treedef, depths))
         return init_vmapped(plan, tx, params)
 
-    def update_fn(updates, state, params=None, **extra):
+    def _update(updates, state, params=None, **extra):
         depths = leaf_depths(stacked, updates, _WHERE)
         plan = Plan(tx, updates, params, depths, extra)
         if plan.kind == "direct":
@@ -201,11 +239,13 @@ def layerwise(
         _has_layers(stacked, None, _WHERE, arg)
 
     def init_fn(params):
+        _outside_opaque(_WHERE)
         for arg in per_layer[:1]:
             _has_layers(stacked, params, _WHERE, arg)
         return core.init(params)
 
     def update_fn(updates, state, params=None, **extra):
+        _outside_opaque(_WHERE)
         _check_state(core.init, updates if params is None else params, state)
         for arg in per_layer[:1]:
             _has_layers(stacked, updates, _WHERE, arg)
@@ -326,10 +366,12 @@ def layer_mask(
     core = layerwise(transform, stacked)
 
     def init_fn(params):
+        _outside_opaque(where)
         _has_layers(stacked, params, where, "layers")
         return core.init(params)
 
     def update_fn(updates, state, params=None, **extra):
+        _outside_opaque(where)
         _has_layers(stacked, updates, where, "layers")
         is_on = rows(updates, stacked, where, selected(chosen, where, "layers"))
         # Only the chosen layers enter: the others, and the leaves without layer axes, as
