@@ -139,13 +139,13 @@ def batched_alike(fn: Callable, view_args: tuple, stacked_args: tuple,
     same primitives on the same operands, equal literals, constants and non-shape
     parameters, and every value's shape either the same or one of ``layer_shapes`` followed
     by the same (a value of a stacked leaf). Sub-programs (``jit``, ``custom_jvp``) are
-    compared the same way. A trace that fails on the stacked tree (code that takes only one
-    layer's shapes) is not alike.
+    compared the same way. A trace that fails on the stacked tree, with any error (code
+    that takes only one layer's shapes), is not alike: the part then runs per layer.
     """
     try:
         stacked = jax.make_jaxpr(fn)(*stacked_args)
-    except (TypeError, ValueError):
-        return False
+    except Exception:  # noqa: BLE001 - code written for one layer's shapes, failing on more
+        return False   # (Muon's `scale_by_shape` on a 3-D leaf: an AttributeError)
     layer = jax.make_jaxpr(fn)(*view_args)
     return _closed_alike(layer, stacked, tuple(layer_shapes))
 

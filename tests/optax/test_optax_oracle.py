@@ -73,7 +73,7 @@ def test_random_chains_equal_the_loop_longer(case):
 # first; the draws above cover the mixtures).
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_each_part_equals_the_loop(part):
-    check(Case(layers=(2,), w=(2, 3), parts=(part,), pattern=(2, 1), chosen=(1,)))
+    check(Case(layers=(2,), w=(2, 3), parts=(part,), pattern=(2, 1), chosen=(0,)))
     check(Case(layers=(2, 2), w=(3, 2), parts=(part, "adam"), chosen=(0, 3), freeze=(2,),
                steps=2))
 
