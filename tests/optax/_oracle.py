@@ -99,9 +99,10 @@ class Case:
 
     ``layers``: the layer axes of the blocks (one or two axes: a stack, or a stack of
     stacks); ``outside``: the wrapper goes around ``layerwise`` (else inside it, where a
-    ``layer_mask`` part cannot be: a named error); ``w``: one layer's matrix shape; ``pattern``: the numbers of rows of a second
-    stack given as a pattern's two positions (or None); ``chosen``: the layers of
-    ``layer_mask`` parts; ``freeze`` and ``lr_scale`` as for ``layerwise``."""
+    ``layer_mask`` part cannot be: a named error); ``w``: one layer's matrix shape;
+    ``pattern``: the numbers of rows of a second stack given as a pattern's two positions
+    (or None); ``chosen``: the layers of ``layer_mask`` parts; ``freeze`` and ``lr_scale``
+    as for ``layerwise``."""
 
     layers: tuple[int, ...]
     w: tuple[int, int]
