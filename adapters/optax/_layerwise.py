@@ -12,7 +12,9 @@ would treat the n layers as one matrix. :func:`layerwise` makes any
   so that ``chain(clip_by_global_norm(1.0), lamb(1e-3))`` clips by the global norm and runs
   only the trust ratio per layer;
 - each part is classified by the dataflow of one layer's view of its ``update`` (see
-  ``_classify.py``): **elementwise** parts run as they are (the same program as unwrapped);
+  ``_classify.py``): **elementwise** parts run as they are (the same program as unwrapped),
+  if their program on the stacked tree is their per-layer program with layer axes added
+  (else a ``mask=`` or label function inside would see stacked shapes: they run per layer);
   **per-leaf** parts run per layer, ``jax.vmap`` ped over the layer axes of the stacked leaves
   with their optimizer state stacked the same way, while the shared state (the step count,
   ``inject_hyperparams``' hyperparameters) stays as it is; parts that **mix leaves** are
@@ -225,9 +227,12 @@ def layerwise(
     Raises:
       TypeError: ``transform`` is not a gradient transformation, or ``stacked``,
         ``freeze`` or ``lr_scale`` have the wrong type.
-      ValueError: ``stacked`` does not match the params, ``lr_scale`` does not
-        match a stacked leaf's number of layers, or ``update`` is given a state that this
-        optimizer's ``init`` did not make (another structure, or other shapes).
+      ValueError: ``stacked`` does not match the params, ``freeze`` or ``lr_scale`` is
+        given but ``stacked`` marks no leaf, ``lr_scale`` holds inf or NaN or does not
+        match a stacked leaf's number of layers, this optimizer is nested in a
+        transformation that another ``layerwise`` runs per layer, or ``update`` is given a
+        state that this optimizer's ``init`` did not make (another structure, or other
+        shapes).
       IndexError: ``freeze`` names a layer a stacked leaf does not have.
     """
     _check_transform(transform, _WHERE, "transform")
@@ -340,8 +345,9 @@ def layer_mask(
     [0.0, 0.0, 0.10000000149011612, 0.10000000149011612]
 
     The other layers' updates pass through unchanged, and their gradients enter
-    ``transform`` as zeros (a global norm leaves them out, as ``optax.masked`` does); leaves
-    without layer axes pass through unchanged. ``transform`` is wrapped by
+    ``transform`` as zeros, as do the leaves without layer axes, which pass through
+    unchanged too (a global norm counts the chosen layers alone, as ``optax.masked`` over
+    the loop does). ``transform`` is wrapped by
     :func:`layerwise`; use the result inside a chain, e.g.
     ``optax.chain(optax.scale_by_adam(), layer_mask(optax.add_decayed_weights(1e-4),
     range(2, n)), optax.scale(-lr))``.
@@ -358,6 +364,8 @@ def layer_mask(
       TypeError: ``transform`` is not a gradient transformation, or ``layers`` is not a
         collection of ints.
       IndexError: ``layers`` names a layer a stacked leaf does not have.
+      ValueError: ``stacked`` marks no leaf, or this is nested in a transformation that
+        :func:`layerwise` runs per layer (``optax.MultiSteps``: put ``layerwise`` inside it).
     """
     where = "stackwise.optax.layer_mask"
     _check_transform(transform, where, "transform")
