@@ -101,14 +101,16 @@ class Case:
     stacks); ``outside``: the wrapper goes around ``layerwise`` (else inside it, where a
     ``layer_mask`` part cannot be: a named error); ``w``: one layer's matrix shape;
     ``pattern``: the numbers of rows of a second stack given as a pattern's two positions
-    (or None); ``chosen``: the layers of ``layer_mask`` parts; ``freeze`` and ``lr_scale``
-    as for ``layerwise``."""
+    (or None), ``marked``: given as ``stackwise.optax.pattern(n, 2)``, so that layer
+    indices name the model's layers (else each position's rows); ``chosen``: the layers of
+    ``layer_mask`` parts; ``freeze`` and ``lr_scale`` as for ``layerwise``."""
 
     layers: tuple[int, ...]
     w: tuple[int, int]
     parts: tuple[str, ...]
     wrapper: str = "none"
     outside: bool = False
+    marked: bool = False
     pattern: tuple[int, int] | None = None
     chosen: tuple[int, ...] = (0,)
     freeze: tuple[int, ...] | None = None
@@ -133,25 +135,36 @@ class Case:
     def stacked(self):
         out = {"blocks": len(self.layers), "embed": False, "head_b": False}
         if self.pattern is not None:
-            out["pattern"] = True
+            out["pattern"] = so.pattern(sum(self.pattern), 2) if self.marked else True
         return out
 
     def depths(self, tree):
-        return so_depths(self.stacked(), tree)
+        return [int(bool(f)) if isinstance(f, so_position) else int(f)
+                for f in _flags(self.stacked(), tree)]
+
+    def layer_of(self, tree):
+        """Per flat leaf: the model's layer index of a row (a marked pattern's position p
+        holds layers p, p + 2, ...)."""
+        return [(lambda r, f=f: f.index + r * f.k) if isinstance(f, so_position)
+                else (lambda r: r) for f in _flags(self.stacked(), tree)]
 
     def loop_mask(self, loop):
         """``optax.masked``'s mask on the loop tree: the chosen layers of stacked leaves."""
         like = jax.eval_shape(self.params)
         treedef = jax.tree.structure(like)
         return jax.tree.unflatten(treedef, [
-            _map_layers(s, d, lambda i, _: i in self.chosen) if d else False
-            for s, d in zip(treedef.flatten_up_to(loop), self.depths(like))])
+            _map_layers(s, d, lambda i, _, at=at: at(i) in self.chosen) if d else False
+            for s, d, at in zip(treedef.flatten_up_to(loop), self.depths(like),
+                                self.layer_of(like))])
 
 
-def so_depths(stacked, tree):
-    """The number of layer axes of each flat leaf, from a ``stacked=`` tree prefix."""
-    flags = jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub), stacked, tree)
-    return [int(f) for f in jax.tree.leaves(flags)]
+so_position = type(so.pattern(2, 2)[0])
+
+
+def _flags(stacked, tree):
+    """Each flat leaf's value of a ``stacked=`` tree prefix."""
+    return jax.tree.leaves(jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub),
+                                        stacked, tree))
 
 
 def _count(sub, depth):
@@ -225,14 +238,14 @@ class _Controls:
     zero, layer i's updates times ``lr_scale[i]``."""
 
     def __init__(self, case, params, depths):
-        self.case, self.depths = case, depths
+        self.case, self.depths, self.layer_of = case, depths, case.layer_of(params)
         self.treedef = jax.tree.structure(params)
 
     def _map(self, tree, fn):
         subs = self.treedef.flatten_up_to(tree)
         out = []
-        for s, d in zip(subs, self.depths):
-            out.append(s if not d else _map_layers(s, d, fn))
+        for s, d, at in zip(subs, self.depths, self.layer_of):
+            out.append(s if not d else _map_layers(s, d, lambda i, a, at=at: fn(at(i), a)))
         return jax.tree.unflatten(self.treedef, out)
 
     def zero(self, tree):

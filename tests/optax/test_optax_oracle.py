@@ -41,18 +41,20 @@ def cases(draw) -> Case:
     wrapper = draw(st.sampled_from(sorted(WRAPPERS)))
     layer_aware = any(p.startswith("layer_mask") for p in parts)
     outside = wrapper != "none" and (layer_aware or draw(st.booleans()))
-    fewest = min([math.prod(layers), *(pattern or ())])
+    marked = pattern is not None and draw(st.booleans())  # indices name the model's layers
+    n = math.prod(layers)
+    counts = {n, sum(pattern)} if marked else {n, *(pattern or ())}  # layers per leaf
+    fewest = min(counts)
     some_layers = st.sets(st.integers(0, fewest - 1), min_size=1, max_size=2).map(
         lambda s: tuple(sorted(s)))
     chosen = draw(some_layers)
     freeze = draw(st.none() | some_layers)
-    n = math.prod(layers)
     lr_scale = None
-    if pattern is None or set(pattern) == {n}:
+    if len(counts) == 1:  # one scale per layer fits every leaf
         lr_scale = draw(st.none() | st.lists(st.sampled_from([0.25, 0.5, 1.0, 2.0]),
                                              min_size=n, max_size=n).map(tuple))
     return Case(layers=layers, w=w, parts=parts, wrapper=wrapper, outside=outside,
-                pattern=pattern, chosen=chosen, freeze=freeze, lr_scale=lr_scale,
+                pattern=pattern, marked=marked, chosen=chosen, freeze=freeze, lr_scale=lr_scale,
                 seed=draw(st.integers(0, 3)))
 
 
@@ -76,6 +78,8 @@ def test_each_part_equals_the_loop(part):
     check(Case(layers=(2,), w=(2, 3), parts=(part,), pattern=(2, 1), chosen=(0,)))
     check(Case(layers=(2, 2), w=(3, 2), parts=(part, "adam"), chosen=(0, 3), freeze=(2,),
                steps=2))
+    check(Case(layers=(3,), w=(2, 1), parts=(part,), pattern=(2, 1), marked=True,
+               chosen=(1, 2), freeze=(0,), lr_scale=(0.5, 1.0, 2.0), steps=2))
 
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
