@@ -22,6 +22,7 @@ __all__ = ["Plan", "from_loop", "init_vmapped", "loop_tree", "run_vmapped", "vie
 
 _WHERE = "stackwise.optax.layerwise"
 
+
 def _view(leaf: Any, depth: int) -> Any:
     """One layer's slice of a leaf (abstract, as a ShapeDtypeStruct); a Python number as JAX
     holds it (weakly typed)."""

@@ -4,8 +4,8 @@ optax's public API gives a ``GradientTransformation`` as an opaque ``(init, upda
 To run a chain part by part, a partition group by group and Muon through its own batch axes,
 ``layerwise`` reads how optax builds a few of its transformations: the qualified name of an
 ``update`` function and the variables its closure holds. Each tie below names the optax
-version it mirrors (0.2.8, the newest at the time of writing; also the oldest declared in
-``pyproject.toml``) and what breaks if upstream changes it.
+version it mirrors (0.2.8, the newest when it was written) and what breaks if upstream
+changes it.
 
 Each reader returns None when its tie no longer holds (another name, other closure
 variables), and ``layerwise`` then treats the transformation as an opaque one: classified by
