@@ -12,7 +12,9 @@ would treat the n layers as one matrix. :func:`layerwise` makes any
   so that ``chain(clip_by_global_norm(1.0), lamb(1e-3))`` clips by the global norm and runs
   only the trust ratio per layer;
 - each part is classified by the dataflow of one layer's view of its ``update`` (see
-  ``_classify.py``): **elementwise** parts run as they are (the same program as unwrapped);
+  ``_classify.py``): **elementwise** parts run as they are (the same program as unwrapped),
+  if their program on the stacked tree is their per-layer program with layer axes added
+  (else a ``mask=`` or label function inside would see stacked shapes: they run per layer);
   **per-leaf** parts run per layer, ``jax.vmap`` ped over the layer axes of the stacked leaves
   with their optimizer state stacked the same way, while the shared state (the step count,
   ``inject_hyperparams``' hyperparameters) stays as it is; parts that **mix leaves** are
@@ -29,6 +31,8 @@ resolved in ``_which.py``, how each part runs in ``_plan.py``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
 import weakref
 from collections.abc import Callable, Sequence
@@ -40,8 +44,9 @@ import numpy as np
 
 import optax
 from stackwise import _kit
-from stackwise.optax._own import layer_labels, own_batch_axes, partition_parts
-from stackwise.optax._plan import Plan, chain_parts, from_loop, init_vmapped, loop_tree, run_vmapped
+from stackwise.optax import _upstream
+from stackwise.optax._own import layer_labels, own_batch_axes
+from stackwise.optax._plan import Plan, from_loop, init_vmapped, loop_tree, run_vmapped
 from stackwise.optax._which import (
     Which,
     layer_set,
@@ -66,10 +71,46 @@ def _aware(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransform
     return tx
 
 
+# True while `layerwise` runs a part it could not split into parts (traced on one layer's
+# view, vmapped per layer or on the loop model's tree): a layer-aware transformation nested
+# in such a part would see one layer's leaves, and refuses (`_outside_opaque`).
+_OPAQUE: contextvars.ContextVar[bool] = contextvars.ContextVar("stackwise_optax_opaque",
+                                                               default=False)
+
+
+@contextlib.contextmanager
+def _opaque():
+    token = _OPAQUE.set(True)
+    try:
+        yield
+    finally:
+        _OPAQUE.reset(token)
+
+
+def _outside_opaque(where: str) -> None:
+    if _OPAQUE.get():
+        raise ValueError(
+            f"{where} is nested inside a transformation that `stackwise.optax.layerwise` "
+            "cannot split into parts (such as `optax.MultiSteps`, `optax.apply_if_finite`, "
+            "`optax.inject_hyperparams` or one of your own), so it runs that one per layer "
+            "or on the loop model's leaves, where layers cannot be named. Put `layerwise` "
+            "inside it instead: `optax.MultiSteps(stackwise.optax.layerwise(tx, ...), k)`, "
+            "`optax.apply_if_finite(stackwise.optax.layerwise(tx, ...), m)`."
+        )
+
+
 def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
     tx = optax.with_extra_args_support(tx)
 
     def init_fn(params):
+        with _opaque():
+            return _init(params)
+
+    def update_fn(updates, state, params=None, **extra):
+        with _opaque():
+            return _update(updates, state, params, **extra)
+
+    def _init(params):
         depths = leaf_depths(stacked, params, _WHERE)
         plan = Plan(tx, params, params, depths, {})
         if plan.kind == "direct":
@@ -78,7 +119,7 @@ def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
             return tx.init(loop_tree(params, plan.treedef, depths))
         return init_vmapped(plan, tx, params)
 
-    def update_fn(updates, state, params=None, **extra):
+    def _update(updates, state, params=None, **extra):
         depths = leaf_depths(stacked, updates, _WHERE)
         plan = Plan(tx, updates, params, depths, extra)
         if plan.kind == "direct":
@@ -98,10 +139,10 @@ def _single(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
 def _wrap(tx: Any, stacked: Which) -> optax.GradientTransformationExtraArgs:
     if tx.update in _LAYER_AWARE:
         return optax.with_extra_args_support(tx)
-    parts = chain_parts(tx)
+    parts = _upstream.chain_parts(tx)
     if parts is not None:
         return _aware(optax.chain(*(_wrap(p, stacked) for p in parts)))
-    groups = partition_parts(tx)
+    groups = _upstream.partition_parts(tx)
     if groups is not None:
         transforms, labels, extra_masked = groups
         return _aware(optax.partition(
@@ -186,25 +227,33 @@ def layerwise(
     Raises:
       TypeError: ``transform`` is not a gradient transformation, or ``stacked``,
         ``freeze`` or ``lr_scale`` have the wrong type.
-      ValueError: ``stacked`` does not match the params, ``lr_scale`` does not
-        match a stacked leaf's number of layers, or ``update`` is given a state that this
-        optimizer's ``init`` did not make (another structure, or other shapes).
+      ValueError: ``stacked`` does not match the params, ``freeze`` or ``lr_scale`` is
+        given but ``stacked`` marks no leaf, ``lr_scale`` holds inf or NaN or does not
+        match a stacked leaf's number of layers, this optimizer is nested in a
+        transformation that another ``layerwise`` runs per layer, or ``update`` is given a
+        state that this optimizer's ``init`` did not make (another structure, or other
+        shapes).
       IndexError: ``freeze`` names a layer a stacked leaf does not have.
     """
     _check_transform(transform, _WHERE, "transform")
     core = _wrap(transform, stacked)
     frozen = None if freeze is None else layer_set(freeze, _WHERE, "freeze")
-    scales = None
-    if lr_scale is not None:
-        scales = np.asarray(lr_scale)
-        if scales.ndim != 1 or not np.issubdtype(scales.dtype, np.number):
-            raise TypeError(
-                f"{_WHERE}: `lr_scale` must be a vector of numbers, one per layer (e.g. "
-                f"`stackwise.optax.layer_decay(0.8, n)`), got {lr_scale!r}."
-            )
+    scales = None if lr_scale is None else _scales(lr_scale)
+    per_layer = [arg for arg, v in (("freeze", frozen), ("lr_scale", scales)) if v is not None]
+    for arg in per_layer[:1]:
+        _has_layers(stacked, None, _WHERE, arg)
+
+    def init_fn(params):
+        _outside_opaque(_WHERE)
+        for arg in per_layer[:1]:
+            _has_layers(stacked, params, _WHERE, arg)
+        return core.init(params)
 
     def update_fn(updates, state, params=None, **extra):
+        _outside_opaque(_WHERE)
         _check_state(core.init, updates if params is None else params, state)
+        for arg in per_layer[:1]:
+            _has_layers(stacked, updates, _WHERE, arg)
         zero = lambda k, a: jnp.where(k, jnp.zeros_like(a), a)  # noqa: E731
         if frozen is not None:
             is_frozen = rows(updates, stacked, _WHERE, selected(frozen, _WHERE, "freeze"))
@@ -218,7 +267,43 @@ def layerwise(
             updates = map_rows(zero, is_frozen, updates)
         return updates, state
 
-    return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
+    return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _scales(lr_scale: Any) -> np.ndarray:
+    """``lr_scale`` checked: a vector of finite real numbers."""
+    scales = np.asarray(lr_scale)
+    if scales.ndim != 1 or not (np.issubdtype(scales.dtype, np.integer)
+                                or np.issubdtype(scales.dtype, np.floating)):
+        raise TypeError(
+            f"{_WHERE}: `lr_scale` must be a vector of real numbers, one per layer (e.g. "
+            f"`stackwise.optax.layer_decay(0.8, n)`), got {lr_scale!r}."
+        )
+    bad = np.flatnonzero(~np.isfinite(scales))
+    if bad.size:
+        raise ValueError(
+            f"{_WHERE}: `lr_scale` must be finite, but `lr_scale[{bad[0]}]` is "
+            f"{float(scales[bad[0]])}: that layer's params would become inf or NaN at the first "
+            "step. Give every layer a finite factor (0 stops a layer; so does `freeze=`)."
+        )
+    return scales
+
+
+def _has_layers(stacked: Which, tree: Any, where: str, arg: str) -> None:
+    """Per-layer controls need a stacked leaf: ``stacked`` (of ``tree``, when given) marks
+    one, else ``arg`` would apply to nothing."""
+    if tree is None:
+        none = isinstance(stacked, bool | np.bool_ | int | np.integer) and not stacked
+    else:
+        none = not any(leaf_depths(stacked, tree, where))
+    if none:
+        raise ValueError(
+            f"{where}: `{arg}` is per layer, but `stacked` ({stacked!r:.60}) marks no leaf "
+            f"of the params as stacked, so `{arg}` would apply to nothing. Mark the stacked "
+            "leaves: `stacked=True`, a tree prefix such as `{'blocks': True, 'embed': "
+            "False}`, `stacked=lambda path: 'blocks' in path`, or "
+            f"`stackwise.optax.stacked_in(model)` for NNX and Equinox; or drop `{arg}`."
+        )
 
 
 def _check_state(init: Callable, params: Any, state: Any) -> None:
@@ -260,8 +345,9 @@ def layer_mask(
     [0.0, 0.0, 0.10000000149011612, 0.10000000149011612]
 
     The other layers' updates pass through unchanged, and their gradients enter
-    ``transform`` as zeros (a global norm leaves them out, as ``optax.masked`` does); leaves
-    without layer axes pass through unchanged. ``transform`` is wrapped by
+    ``transform`` as zeros, as do the leaves without layer axes, which pass through
+    unchanged too (a global norm counts the chosen layers alone, as ``optax.masked`` over
+    the loop does). ``transform`` is wrapped by
     :func:`layerwise`; use the result inside a chain, e.g.
     ``optax.chain(optax.scale_by_adam(), layer_mask(optax.add_decayed_weights(1e-4),
     range(2, n)), optax.scale(-lr))``.
@@ -278,21 +364,32 @@ def layer_mask(
       TypeError: ``transform`` is not a gradient transformation, or ``layers`` is not a
         collection of ints.
       IndexError: ``layers`` names a layer a stacked leaf does not have.
+      ValueError: ``stacked`` marks no leaf, or this is nested in a transformation that
+        :func:`layerwise` runs per layer (``optax.MultiSteps``: put ``layerwise`` inside it).
     """
     where = "stackwise.optax.layer_mask"
     _check_transform(transform, where, "transform")
     chosen = layer_set(layers, where, "layers")
+    _has_layers(stacked, None, where, "layers")
     core = layerwise(transform, stacked)
 
+    def init_fn(params):
+        _outside_opaque(where)
+        _has_layers(stacked, params, where, "layers")
+        return core.init(params)
+
     def update_fn(updates, state, params=None, **extra):
+        _outside_opaque(where)
+        _has_layers(stacked, updates, where, "layers")
         is_on = rows(updates, stacked, where, selected(chosen, where, "layers"))
-        inside = jax.tree.map(jnp.zeros_like, updates)
-        inside = map_rows(lambda k, a, _: jnp.where(k, a, jnp.zeros_like(a)), is_on, updates,
-                           inside)
+        # Only the chosen layers enter: the others, and the leaves without layer axes, as
+        # zeros (a global norm leaves them out, as `optax.masked` over the loop does).
+        inside = map_rows(lambda k, z, a: jnp.where(k, a, z), is_on,
+                          jax.tree.map(jnp.zeros_like, updates), updates)
         new, state = core.update(inside, state, params, **extra)
         return map_rows(lambda k, a, b: jnp.where(k, b, a), is_on, updates, new), state
 
-    return _aware(optax.GradientTransformationExtraArgs(core.init, update_fn))
+    return _aware(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 def layer_decay(decay: float, n: int) -> np.ndarray:

@@ -15,18 +15,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import optax
-from stackwise.optax._classify import Program
+from stackwise.optax import _upstream
+from stackwise.optax._classify import Program, batched_alike
 
-__all__ = ["Plan", "chain_parts", "closure", "from_loop", "init_vmapped", "loop_tree",
-           "run_vmapped", "view"]
+__all__ = ["Plan", "from_loop", "init_vmapped", "loop_tree", "run_vmapped", "view"]
 
 _WHERE = "stackwise.optax.layerwise"
-
-# Whole-tree transformations whose reductions run over every element of the tree, however
-# the elements are grouped into leaves: on stacked leaves they compute the loop's value.
-# optax/transforms/_clipping.py, `clip_by_global_norm`: `g_norm = optax.tree.norm(updates)`.
-_WHOLE_TREE = frozenset(["clip_by_global_norm.<locals>.update_fn"])
 
 
 def _view(leaf: Any, depth: int) -> Any:
@@ -48,38 +42,6 @@ def view(tree: Any, depths: list[int]) -> Any:
     return jax.tree.unflatten(treedef, [_view(a, d) for a, d in zip(leaves, depths)])
 
 
-def closure(fn: Any) -> dict[str, Any]:
-    """The variables a function closes over, by name (none for other callables)."""
-    cells = getattr(fn, "__closure__", None) or ()
-    names = fn.__code__.co_freevars if cells else ()
-    return {name: c.cell_contents for name, c in zip(names, cells)}
-
-
-def _origin(fn: Any) -> str:
-    """The qualified name of an update function, seen through ``with_extra_args_support``."""
-    name = getattr(fn, "__qualname__", "")
-    if name == "with_extra_args_support.<locals>.update":
-        inner = closure(fn).get("tx")
-        if inner is not None:
-            return _origin(inner.update)
-    return name
-
-
-def chain_parts(tx: Any) -> list | None:
-    """The parts of an ``optax.chain`` (read from its update function's closure), or None."""
-    fn = tx.update
-    if getattr(fn, "__qualname__", "") != "chain.<locals>.update_fn":
-        return None
-    cells = closure(fn)
-    init_fns = cells.get("init_fns")
-    update_fns = cells.get("update_fns")
-    if init_fns is None:
-        init_fns = closure(tx.init).get("init_fns")
-    if init_fns is None or update_fns is None or len(init_fns) != len(update_fns):
-        return None
-    return [optax.GradientTransformationExtraArgs(i, u) for i, u in zip(init_fns, update_fns)]
-
-
 class Plan:
     """How one (non-chain) transformation runs on a tree: 'direct', 'vmap' or 'loop'."""
 
@@ -97,7 +59,7 @@ class Plan:
         if not self.stacked:
             self.kind = "direct"
             return
-        if _origin(tx.update) in _WHOLE_TREE:
+        if _upstream.is_global_norm_clip(tx):  # its norm is over every element
             self.kind = "direct"
             return
         with_params = params is not None
@@ -127,7 +89,25 @@ class Plan:
             return
         self.owner = [next(iter(lb)) if lb and lb <= self.stacked else None
                       for lb in state_labels]
-        self.kind = "direct" if elementwise else "vmap"
+        direct = elementwise and self._batched_alike(tx, one_layer, updates, template, extra,
+                                                     (u_view, state_view, p_view))
+        self.kind = "direct" if direct else "vmap"
+
+    def _batched_alike(self, tx, one_layer, updates, template, extra, views) -> bool:
+        """Whether ``tx`` run on the stacked tree is its per-layer program with layer axes
+        added (``_classify.batched_alike``), for ``init`` and ``update``: no function inside
+        it (a ``mask=``, a label function) decides by a leaf's shape otherwise than on one
+        layer's leaves."""
+        u_view, state_view, p_view = views
+        leaves = jax.tree.leaves(updates)
+        layers = {tuple(leaves[i].shape[: self.depths[i]]) for i in self.stacked}
+        whole = [0] * self.n_leaves
+        u_all, p_all = view(updates, whole), view(template, whole)
+        if not batched_alike(tx.init, (p_view,), (p_all,), layers):
+            return False
+        s_all = jax.eval_shape(tx.init, p_all)
+        return batched_alike(one_layer, (u_view, state_view, p_view, extra),
+                             (u_all, s_all, p_all, extra), layers)
 
     def groups(self, leaves: list) -> dict[tuple, list[int]]:
         groups: dict[tuple, list[int]] = {}

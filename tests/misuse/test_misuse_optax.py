@@ -6,6 +6,7 @@ wrapper is built where they can (the transform, the layers, the scales), else at
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -136,6 +137,42 @@ CASES = {
               lambda: so.layerwise(optax.contrib.scale_by_muon(), True),
               {"b": jnp.ones((4, 3))}), ValueError,
         ["Muon's leaf ['b']", "(3,)", "`weight_dimension_numbers`", "contrib.muon"]),
+    "freeze with stacked=False": (
+        lambda: so.layerwise(optax.adam(1e-3), False, freeze=[0]), ValueError,
+        ["`freeze`", "`stacked` (False)", "marks no leaf", "stacked_in(model)", "drop `freeze`"]),
+    "freeze with a stacked= tree that marks no leaf": (
+        _init(lambda: so.layerwise(optax.adam(1e-3), {"blocks": False, "embed": False},
+                                   freeze=[0])), ValueError,
+        ["`freeze`", "marks no leaf", "{'blocks': True, 'embed': False}"]),
+    "freeze with a stacked= function that matches no path": (
+        _step(lambda: so.layerwise(optax.adam(1e-3), lambda path: "layers" in path, freeze=[0]),
+              lambda: so.layerwise(optax.adam(1e-3), lambda path: "layers" in path)),
+        ValueError, ["`freeze`", "marks no leaf", "lambda path"]),
+    "lr_scale with stacked=False": (
+        lambda: so.layerwise(optax.adam(1e-3), False, lr_scale=[1.0, 0.5]), ValueError,
+        ["`lr_scale`", "`stacked` (False)", "marks no leaf", "drop `lr_scale`"]),
+    "lr_scale holding inf": (
+        lambda: so.layerwise(optax.adam(1e-3), lr_scale=[1.0, float("inf"), 1.0, 1.0]),
+        ValueError, ["`lr_scale[1]`", "inf", "finite"]),
+    "lr_scale holding NaN": (
+        lambda: so.layerwise(optax.adam(1e-3), lr_scale=np.array([np.nan, 1.0])), ValueError,
+        ["`lr_scale[0]`", "nan", "finite"]),
+    "lr_scale of complex numbers": (
+        lambda: so.layerwise(optax.adam(1e-3), lr_scale=[1j, 1.0]), TypeError,
+        ["`lr_scale`", "real numbers", "layer_decay"]),
+    "layer_mask with stacked=False": (
+        lambda: so.layer_mask(optax.add_decayed_weights(1e-4), [0], False), ValueError,
+        ["stackwise.optax.layer_mask", "`layers`", "marks no leaf"]),
+    "layer_mask inside a MultiSteps inside layerwise": (
+        _init(lambda: so.layerwise(optax.MultiSteps(optax.chain(
+            optax.adam(1e-3), so.layer_mask(optax.add_decayed_weights(1e-4), [0], STACKED)),
+            every_k_schedule=2).gradient_transformation(), STACKED)), ValueError,
+        ["stackwise.optax.layer_mask", "nested inside", "optax.MultiSteps",
+         "optax.MultiSteps(stackwise.optax.layerwise(tx, ...), k)"]),
+    "layerwise inside an apply_if_finite inside layerwise": (
+        _init(lambda: so.layerwise(optax.apply_if_finite(
+            so.layerwise(optax.lamb(1e-3), STACKED, freeze=[0]), 2), STACKED)), ValueError,
+        ["stackwise.optax.layerwise", "nested inside", "optax.apply_if_finite"]),
     "stacked_in of a params dict": (
         lambda: so.stacked_in(PARAMS), TypeError, ["`model`", "dict", "stacked="]),
     "stacked_in of a module without a Stack": (

@@ -107,7 +107,8 @@ def test_no_private_name_crosses_modules():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stackwise"):
                 for a in node.names:
                     if a.name.startswith("_") and not a.name.startswith("__"):
-                        wrong.append(f"{path.relative_to(ROOT)}: from {node.module} import {a.name}")
+                        where = path.relative_to(ROOT)
+                        wrong.append(f"{where}: from {node.module} import {a.name}")
                     elif node.module in ("stackwise", "stackwise._core", "stackwise._checkpoint",
                                          "stackwise._pipeline", "stackwise._sharding",
                                          "stackwise._kit", "stackwise._upstream"):
