@@ -25,6 +25,8 @@ from stackwise._sharding.fsdp import shard_stacked as shard_stacked
 from stackwise._sharding.logical import logical_specs as logical_specs
 from stackwise._sharding.specs import stacked_shardings as stacked_shardings
 from stackwise._sharding.specs import stacked_spec as stacked_spec
+from stackwise import lora as lora  # noqa: E402  (LoRA, framework-free)
+from stackwise import quant as quant  # noqa: E402  (quantized stacked weights)
 
 #: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
 #: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no
@@ -97,11 +99,13 @@ __all__ = [
     "layer_index",
     "load_checkpoint",
     "logical_specs",
+    "lora",
     "open_checkpoint",
     "per_example",
     "per_layer",
     "per_layer_keys",
     "pipeline",
+    "quant",
     "save_orbax",
     "save_safetensors",
     "shard_stacked",
