@@ -335,8 +335,8 @@ def unmerge(merged: Any, adapters: Any) -> Any:
     """The base back from :func:`merge`'s result: ``W' - scale * a @ b``.
 
     Exact when the update is zero; otherwise each element is within
-    ``eps * (|W| + |d|) * (1 + eps)`` of the original (two roundings; ``eps`` of the
-    computation's dtype, ``d`` the update), plus the rounding to a narrower base dtype.
+    ``eps * (|W| + |d|) * (1 + eps)`` of the original, ``d`` being the update and ``eps``
+    the base dtype's machine epsilon (two roundings, one in :func:`merge`, one here).
 
     Raises:
       ValueError: as :func:`merge`.

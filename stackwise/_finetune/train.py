@@ -27,8 +27,10 @@ def _per_leaf(tree: Any, inside: Any, outside: Any) -> Any:
 def mask(tree: Any) -> Any:
     """A bool per leaf: True for the adapters' ``a`` / ``b``, False for everything else.
 
-    For ``optax.masked(tx, mask)`` or ``optax.multi_transform`` when the optimizer sees the
-    whole tree, base included.
+    For an optimizer that sees the whole tree, base included:
+    ``optax.multi_transform({True: tx, False: optax.set_to_zero()}, mask)`` gives the base
+    zero updates (``optax.masked(tx, mask)`` alone would pass the base's gradients through
+    as its updates).
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> base = {"w": jnp.ones((2, 4, 4)), "b": jnp.zeros((2, 4))}
