@@ -195,9 +195,10 @@ def stack_adapted(
             if held:
                 warnings.warn(
                     f"stackwise.lora.stack: remat=False with a quantized base keeps every "
-                    f"layer's dequantized weights for the backward pass: "
+                    f"layer's dequantized weights for the backward pass when differentiated: "
                     f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model. "
-                    "Keep the default remat (or any policy) to hold one layer at a time.",
+                    "Keep the default remat (or any policy) to hold one layer at a time; "
+                    "without gradients (decoding) remat changes nothing, so keep it there too.",
                     stacklevel=2,
                 )
         return layers.apply(*args, **kwargs)
