@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.slow  # see "Fast tests" in README.md
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
-PAGES = ["patterns.md", "checkpoints.md", "optimizers.md"]
+PAGES = ["patterns.md", "checkpoints.md", "optimizers.md", "finetune.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)
