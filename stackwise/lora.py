@@ -18,6 +18,8 @@ from stackwise._finetune.lora import init as init
 from stackwise._finetune.lora import merge as merge
 from stackwise._finetune.lora import stack_adapters as stack_adapters
 from stackwise._finetune.lora import unmerge as unmerge
+from stackwise._finetune.peft import load_peft as load_peft
+from stackwise._finetune.peft import save_peft as save_peft
 from stackwise._finetune.train import combine as combine
 from stackwise._finetune.train import layer_axes as layer_axes
 from stackwise._finetune.train import mask as mask
@@ -30,8 +32,10 @@ __all__ = [
     "combine",
     "init",
     "layer_axes",
+    "load_peft",
     "mask",
     "merge",
+    "save_peft",
     "split",
     "stack",
     "stack_adapters",
