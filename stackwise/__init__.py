@@ -1,5 +1,7 @@
 """stackwise: repeat one layer n times as a single scanned, stacked layer in JAX."""
 
+from stackwise import lora as lora  # LoRA, framework-free
+from stackwise import quant as quant  # quantized stacked weights
 from stackwise._checkpoint.inspect import CheckpointLayout as CheckpointLayout
 from stackwise._checkpoint.inspect import inspect_checkpoint as inspect_checkpoint
 from stackwise._checkpoint.load import load_checkpoint as load_checkpoint
@@ -25,8 +27,6 @@ from stackwise._sharding.fsdp import shard_stacked as shard_stacked
 from stackwise._sharding.logical import logical_specs as logical_specs
 from stackwise._sharding.specs import stacked_shardings as stacked_shardings
 from stackwise._sharding.specs import stacked_spec as stacked_spec
-from stackwise import lora as lora  # noqa: E402  (LoRA, framework-free)
-from stackwise import quant as quant  # noqa: E402  (quantized stacked weights)
 
 #: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
 #: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._finetune.lora import Adapted, LoraWeights, add, delta, is_lora
+from stackwise._finetune.lora import Adapted, LoraWeights, add, delta
 from stackwise._finetune.quant import dequantize, is_quantized
 
 __all__ = ["stack_adapted", "wrap"]

@@ -78,6 +78,11 @@ class Adapted:
         return f"stackwise.lora.Adapted(groups={self.groups})"
 
 
+def _uniform(keys: jax.Array, shape: tuple, dtype: Any, bound: float) -> jax.Array:
+    """One ``uniform(-bound, bound)`` array of ``shape`` per key, stacked."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape, dtype, -bound, bound))(keys)
+
+
 def _rank(rank: Any, who: str) -> int:
     return checks.integer(rank, who, "rank", minimum=1)
 
@@ -149,8 +154,7 @@ def init(
         own = dtype or (kind if jnp.issubdtype(kind, jnp.floating) and not is_quantized(leaf)
                         else jnp.float32)
         keys = jax.random.split(jax.random.fold_in(key, j), n)
-        bound = 1.0 / np.sqrt(d_in)
-        a = jax.vmap(lambda k: jax.random.uniform(k, (d_in, rank), own, -bound, bound))(keys)
+        a = _uniform(keys, (d_in, rank), own, 1.0 / np.sqrt(d_in))
         out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha)))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)

@@ -164,8 +164,13 @@ def save_peft(
         if os.path.exists(directory):
             old = tempfile.mkdtemp(prefix=".stackwise-peft-old-", dir=parent)
             os.replace(directory, os.path.join(old, "adapter"))
-            os.replace(stage, directory)
-            shutil.rmtree(old)
+            try:
+                os.replace(stage, directory)
+            except OSError:  # put the old folder back: all or nothing
+                os.replace(os.path.join(old, "adapter"), directory)
+                raise
+            finally:
+                shutil.rmtree(old)
         else:
             os.replace(stage, directory)
     finally:

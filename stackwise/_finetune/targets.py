@@ -8,14 +8,14 @@ of paths, or None (a default). A target must be a 2-D ``(in, out)`` weight per l
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 
 from stackwise._core import checks
 
 #: A predicate ``(path, per_layer_shape) -> bool``, or leaf paths (``"['attn']['q']"``).
-Targets = Union[Callable[[str, tuple], bool], Sequence[str], str, None]
+Targets = Callable[[str, tuple], bool] | Sequence[str] | str | None
 
 
 def leaf_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:

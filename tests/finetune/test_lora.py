@@ -238,7 +238,8 @@ def test_layer_axes_of_a_batch_give_each_adapter_its_own_layers():
     """LAMB through `layerwise` with `layer_axes`: a batch's trust ratios are those of each
     adapter alone."""
     base = _base(2)
-    each = [trained(stackwise.lora.init(jax.random.key(s), base, rank=2, targets=UV), seed=s) for s in (0, 1)]
+    each = [trained(stackwise.lora.init(jax.random.key(s), base, rank=2, targets=UV), seed=s)
+            for s in (0, 1)]
     batch = stackwise.lora.stack_adapters(each)
     tx = stackwise.optax.layerwise(optax.lamb(1e-2), stackwise.lora.layer_axes(batch))
     updates, _ = tx.update(batch, tx.init(batch), batch)

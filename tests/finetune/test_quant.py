@@ -156,8 +156,8 @@ def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256) -> float:
             return jnp.sum(layers.apply(params, x))
         y = x
         for i in range(n):
-            y = layer({"w": stackwise.quant.dequantize(jax.tree.map(lambda v: v[i], base["w"]))
-                       + 1.0 * (ad["w"].a[i] @ ad["w"].b[i])}, y)
+            w_i = stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], base["w"]))
+            y = layer({"w": w_i + 1.0 * (ad["w"].a[i] @ ad["w"].b[i])}, y)
         return jnp.sum(y)
 
     compiled = jax.jit(jax.grad(loss)).lower(adapters).compile()

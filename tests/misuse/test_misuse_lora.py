@@ -3,6 +3,8 @@ error it must raise and words its message must hold (the argument or leaf, and t
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -158,3 +160,91 @@ QUANT = [
 @pytest.mark.parametrize("call, error, words", LORA + QUANT)
 def test_refused(call, error, words):
     assert_refused(call, error, words)
+
+
+# --------------------------------------------------------------------------
+# PEFT's layout.
+
+MODULES = {"['w']": "self_attn.q_proj"}
+
+
+def _saved(tmp_path, base=BASE, **config):
+    folder = tmp_path / "adapter"
+    stackwise.lora.save_peft(folder, _adapters(base), MODULES)
+    if config:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+def _save_batch(tmp_path):
+    batch = stackwise.lora.stack_adapters([_adapters(), _adapters()])
+    stackwise.lora.save_peft(tmp_path / "a", batch, MODULES)
+
+
+def _save_two_ranks(tmp_path):
+    base = {"u": BASE["w"], "v": BASE["w"]}
+    one = stackwise.lora.init(KEY, base, rank=2, targets=["['u']"])
+    two = stackwise.lora.init(KEY, base, rank=1, targets=["['v']"])
+    stackwise.lora.save_peft(tmp_path / "a", {"u": one["u"], "v": two["v"]},
+                             {"['u']": "q_proj", "['v']": "v_proj"})
+
+
+def _load_onto_fewer_layers(tmp_path):
+    short = jax.tree.map(lambda v: v[:2], BASE)
+    stackwise.lora.load_peft(_saved(tmp_path), short, MODULES)
+
+
+def _load_onto_more_layers(tmp_path):
+    long = jax.tree.map(lambda v: jnp.concatenate([v, v]), BASE)
+    stackwise.lora.load_peft(_saved(tmp_path), long, MODULES)
+
+
+def _load_onto_another_width(tmp_path):
+    wide = {**BASE, "w": jnp.ones((N, 5, 6))}
+    stackwise.lora.load_peft(_saved(tmp_path), wide, MODULES)
+
+
+def _load_with(config):
+    def call(tmp_path):
+        stackwise.lora.load_peft(_saved(tmp_path, **config), BASE, MODULES)
+    return call
+
+
+def _save_twice(tmp_path):
+    _saved(tmp_path)
+    _saved(tmp_path)
+
+
+PEFT = [
+    case("save: modules not a mapping",
+         lambda t: stackwise.lora.save_peft(t / "a", _adapters(), ["q_proj"]), TypeError,
+         "`modules` maps each adapted leaf's path"),
+    case("save: modules of other leaves",
+         lambda t: stackwise.lora.save_peft(t / "a", _adapters(), {"['c']": "q_proj"}),
+         ValueError, "one module name per adapted leaf"),
+    case("save: a batch", _save_batch, ValueError, "batch of 2 adapters", "v[j]"),
+    case("save: two ranks", _save_two_ranks, ValueError, "several (rank, alpha) pairs"),
+    case("save: over an adapter", _save_twice, FileExistsError, "overwrite=True"),
+    case("load: no such folder",
+         lambda t: stackwise.lora.load_peft(t / "none", BASE, MODULES), FileNotFoundError,
+         "adapter_config.json", "save_pretrained"),
+    case("load: files of a deeper model", _load_onto_fewer_layers, ValueError,
+         "fit no layer of the base", "layers.2.self_attn.q_proj", "another model"),
+    case("load: files of a shallower model", _load_onto_more_layers, ValueError,
+         "layers.3.self_attn.q_proj.lora_A.weight is missing", "another model"),
+    case("load: files of another width", _load_onto_another_width, ValueError,
+         "of shape (2, 4), expected (2, 5)", "another model"),
+    case("load: DoRA", _load_with({"use_dora": True}), ValueError, "use_dora=True"),
+    case("load: another PEFT type", _load_with({"peft_type": "IA3"}), ValueError,
+         "peft_type='IA3'"),
+    case("load: a module not in the base",
+         lambda t: stackwise.lora.load_peft(_saved(t), BASE, {"['x']": "q_proj"}), ValueError,
+         "not leaf paths"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", PEFT)
+def test_refused_peft(call, error, words, tmp_path):
+    assert_refused(lambda: call(tmp_path), error, words)
