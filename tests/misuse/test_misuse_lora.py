@@ -248,3 +248,17 @@ PEFT = [
 @pytest.mark.parametrize("call, error, words", PEFT)
 def test_refused_peft(call, error, words, tmp_path):
     assert_refused(lambda: call(tmp_path), error, words)
+
+
+def _quantized_to_the_optimizer():
+    import optax
+
+    import stackwise.optax
+
+    model = {"base": stackwise.quant.quantize(BASE, targets=W), "adapters": _adapters()}
+    stackwise.optax.layerwise(optax.adam(1e-3)).init(model)
+
+
+def test_a_quantized_leaf_given_to_the_optimizer_is_refused():
+    assert_refused(_quantized_to_the_optimizer, TypeError,
+                   ("['base']['w']", "quantized weight", "int8", "stackwise.lora.split"))
