@@ -37,8 +37,11 @@ LAYERS = "base_model.model.model.layers.{i}"
 def _safetensors(who: str) -> Any:
     try:
         return importlib.import_module("safetensors.numpy")
-    except ImportError:  # pragma: no cover - safetensors is a dependency of stackwise
-        raise ImportError(f"{who} needs safetensors: pip install safetensors") from None
+    except ImportError:
+        raise ImportError(
+            f"{who} needs safetensors for PEFT's adapter files: pip install "
+            "'stackwise[safetensors]'"
+        ) from None
 
 
 def _check_modules(modules: Any, who: str) -> dict[str, str]:

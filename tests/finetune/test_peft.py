@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.numpy
 from _reference import trained
 
 import stackwise
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 KEY = jax.random.key(0)
 N, D, F = 3, 8, 12
@@ -45,7 +46,7 @@ def test_layout_is_peft_s(tmp_path):
     assert files == ["adapter_config.json", "adapter_model.safetensors"]
     assert sorted(os.listdir(folder)) == files  # no staging left behind
     assert sorted(os.listdir(tmp_path)) == ["adapter"]
-    tensors = safetensors.numpy.load_file(folder / "adapter_model.safetensors")
+    tensors = safetensors_numpy.load_file(folder / "adapter_model.safetensors")
     want = {}
     for i in range(N):
         for module, (d_in, d_out) in (("self_attn.q_proj", (D, D)), ("mlp.down_proj", (F, D))):
@@ -65,7 +66,7 @@ def test_torch_layout_means_the_same_layer(tmp_path):
     base = _base()
     adapters = _adapters(base)
     stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES)
-    tensors = safetensors.numpy.load_file(tmp_path / "a" / "adapter_model.safetensors")
+    tensors = safetensors_numpy.load_file(tmp_path / "a" / "adapter_model.safetensors")
     x = np.asarray(jax.random.normal(jax.random.key(1), (2, D)))
     layers = stackwise.lora.stack(lambda p, x: x @ p["q"], 1)
     for i in range(N):
@@ -107,7 +108,7 @@ def test_overwrite_replaces_whole_and_a_failed_write_leaves_nothing(tmp_path, mo
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", fail)
+    monkeypatch.setattr(safetensors_numpy, "save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         stackwise.lora.save_peft(tmp_path / "b", one, MODULES)
     with pytest.raises(OSError, match="disk full"):
@@ -144,3 +145,31 @@ def test_peft_loads_them_onto_a_transformers_model(tmp_path):
         layer = jax.tree.map(lambda v, i=i: v[i : i + 1], (base, adapters))
         y = one.apply(stackwise.lora.attach(*layer), jnp.asarray(x))
         np.testing.assert_allclose(y, y_peft, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_rename_puts_the_old_adapter_back(tmp_path, monkeypatch):
+    base = _base()
+    folder = tmp_path / "a"
+    stackwise.lora.save_peft(folder, _adapters(base), MODULES)
+    real = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(os.fspath(src)).startswith(".stackwise-peft-") and "old" not in str(
+                src):
+            raise OSError("rename refused")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="rename refused"):
+        stackwise.lora.save_peft(folder, _adapters(base, alpha=2.0), MODULES, overwrite=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+    assert stackwise.lora.load_peft(folder, base, MODULES)["q"].alpha == 8.0
+
+
+def test_without_safetensors_the_message_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'stackwise\[safetensors\]'"):
+        stackwise.lora.save_peft(tmp_path / "a", _adapters(_base()), MODULES)
