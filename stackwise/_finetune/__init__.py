@@ -8,4 +8,5 @@ Above the core (it imports :mod:`stackwise._core` only); the public names are
 - :mod:`.lora`: stacked low-rank adapters on chosen leaves: made, attached, merged.
 - :mod:`.layer`: a layer's ``apply`` run on adapted and quantized params inside the scan.
 - :mod:`.train`: the trainable/frozen split and the optimizer's masks.
+- :mod:`.peft`: adapters out to, and back from, Hugging Face PEFT's folder layout.
 """
