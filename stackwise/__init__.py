@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read)
 #: The optional submodules: each loads on first use of ``stackwise.<name>`` (PEP 562, as scipy
 #: does), so ``import stackwise`` imports no framework and ``stackwise.haiku.Stack`` needs no
 #: ``import stackwise.haiku``. A new optional submodule adds its name here.
-_LAZY_SUBMODULES = ("haiku", "flax", "nnx", "equinox", "optax", "bench")
+_LAZY_SUBMODULES = ("lora", "quant", "haiku", "flax", "nnx", "equinox", "optax", "bench")
 
 
 def __getattr__(name: str):
@@ -136,11 +136,13 @@ __all__ = [
     "layer_index",
     "load_checkpoint",
     "logical_specs",
+    "lora",
     "open_checkpoint",
     "per_example",
     "per_layer",
     "per_layer_keys",
     "pipeline",
+    "quant",
     "save_orbax",
     "save_safetensors",
     "shard_stacked",

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise import _kit
+from stackwise.quant import Quantized
 
 __all__ = ["Position", "Which", "layer_set", "leaf_depths", "layer_values", "map_rows",
            "pattern", "rows", "selected"]
@@ -93,7 +94,21 @@ def leaf_depths(stacked: Which, tree: Any, where: str) -> list[int]:
     return _resolve(stacked, tree, where)[0]
 
 
+def _check_not_quantized(tree: Any, where: str) -> None:
+    """A quantized weight is frozen: its integer codes are no optimizer's to move."""
+    is_q = lambda v: isinstance(v, Quantized)  # noqa: E731
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_q):
+        if is_q(leaf):
+            raise TypeError(
+                f"{where}: params leaf {jax.tree_util.keystr(path)} is a quantized weight "
+                f"(`stackwise.quant.Quantized`, {leaf.kind}); its integer codes cannot take "
+                "an optimizer's updates. Optimize the adapters only: `trainable, frozen = "
+                "stackwise.lora.split(params)`, then `tx.init(trainable)`."
+            )
+
+
 def _resolve(stacked: Which, tree: Any, where: str) -> tuple[list[int], list[Position | None]]:
+    _check_not_quantized(tree, where)
     pairs = jax.tree_util.tree_leaves_with_path(tree)
     names = [jax.tree_util.keystr(p) or "<root>" for p, _ in pairs]
     if isinstance(stacked, bool | int | np.bool_ | np.integer | Position):

@@ -18,6 +18,9 @@ MODULES = [
     "stackwise._checkpoint.names",
     "stackwise._checkpoint.read",
     "stackwise._checkpoint.save",
+    "stackwise._finetune",
+    "stackwise.lora",
+    "stackwise.quant",
     "stackwise.bench",
     # The two slowest (10-11 s each) run in the full suite only; the fast tier keeps
     # the core's and the other adapters' doctests within its 3 minutes.

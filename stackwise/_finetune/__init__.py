@@ -1,0 +1,12 @@
+"""Fine-tuning a stack: LoRA adapters and quantized weights, one layer at a time (jax only).
+
+Above the core (it imports :mod:`stackwise._core` only); the public names are
+``stackwise.lora`` and ``stackwise.quant``.
+
+- :mod:`.targets`: which leaves of stacked params an adapter or a quantizer takes.
+- :mod:`.quant`: int8 / int4 / nf4 stacked weights with per-layer, per-channel scales.
+- :mod:`.lora`: stacked low-rank adapters on chosen leaves: made, attached, merged.
+- :mod:`.layer`: a layer's ``apply`` run on adapted and quantized params inside the scan.
+- :mod:`.train`: the trainable/frozen split and the optimizer's masks.
+- :mod:`.peft`: adapters out to, and back from, Hugging Face PEFT's folder layout.
+"""

@@ -1,0 +1,348 @@
+"""Stacked low-rank adapters: made per layer, attached to a frozen base, merged into it.
+
+An adapter on a stacked weight ``W`` of shape ``(n, in, out)`` is a :class:`LoraWeights`
+pair ``a (n, in, r)``, ``b (n, r, out)``: layer i uses ``W[i] + scale * a[i] @ b[i]`` with
+``scale = alpha / r``. The adapters are a tree shaped like the base's params, with
+:class:`LoraWeights` at the target leaves and None elsewhere; :func:`attach` pairs them with
+the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stackwise._core import checks
+from stackwise._finetune.quant import is_quantized
+from stackwise._finetune.targets import Targets, leaf_paths, select
+
+__all__ = ["Adapted", "LoraWeights", "attach", "init", "merge", "stack_adapters", "unmerge"]
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One stacked weight's adapter: ``a (n, in, r)`` and ``b (n, r, out)``.
+
+    A batch of g adapters (:func:`stack_adapters`) has ``a (g, n, in, r)``,
+    ``b (g, n, r, out)``. ``alpha`` is static: the update is ``(alpha / r) * a @ b``.
+    """
+
+    a: jax.Array
+    b: jax.Array
+    alpha: float = 1.0
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[-1]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+jax.tree_util.register_dataclass(LoraWeights, data_fields=["a", "b"], meta_fields=["alpha"])
+
+
+def is_lora(value: Any) -> bool:
+    return isinstance(value, LoraWeights)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Adapted:
+    """A frozen base and its adapters, as one params tree for ``Stacked.apply``.
+
+    Made by :func:`attach`, which checks them; its children are ``base`` and ``adapters``
+    (a batch of g adapters is held layer axis first, ``(n, g, ...)``, so that the scan
+    slices layers), ``groups`` is static (g, or None for one adapter).
+    """
+
+    __slots__ = ("adapters", "base", "groups")
+
+    def __init__(self, base: Any, adapters: Any, groups: int | None = None):
+        self.base, self.adapters, self.groups = base, adapters, groups
+
+    def tree_flatten_with_keys(self):
+        keys = jax.tree_util.GetAttrKey("base"), jax.tree_util.GetAttrKey("adapters")
+        return ((keys[0], self.base), (keys[1], self.adapters)), self.groups
+
+    @classmethod
+    def tree_unflatten(cls, groups, children):
+        return cls(*children, groups)
+
+    def __repr__(self) -> str:
+        return f"stackwise.lora.Adapted(groups={self.groups})"
+
+
+def _uniform(keys: jax.Array, shape: tuple, dtype: Any, bound: float) -> jax.Array:
+    """One ``uniform(-bound, bound)`` array of ``shape`` per key, stacked."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape, dtype, -bound, bound))(keys)
+
+
+def _rank(rank: Any, who: str) -> int:
+    return checks.integer(rank, who, "rank", minimum=1)
+
+
+def init(
+    key: jax.Array,
+    params: Any,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    targets: Targets = None,
+    dtype: Any = None,
+) -> Any:
+    """Adapters for the target leaves of stacked params: ``b`` zero, ``a`` from one key per layer.
+
+    For a target ``(n, in, out)`` (float, or :class:`stackwise.quant.Quantized`), layer i's
+    ``a[i]`` is uniform in ``±1/sqrt(in)`` (PEFT's default) from its own key, and ``b`` is
+    zero, so the adapted model starts equal to the base.
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> base = {"w": jnp.ones((4, 16, 8)), "b": jnp.zeros((4, 8))}
+    >>> adapters = stackwise.lora.init(jax.random.key(0), base, rank=2, alpha=4.0)
+    >>> adapters["w"].a.shape, adapters["w"].b.shape, adapters["w"].scale, adapters["b"]
+    ((4, 16, 2), (4, 2, 8), 2.0, None)
+
+    Args:
+      key: one PRNG key; each target leaf and layer gets its own key from it.
+      params: the stacked base (for a pattern: a tuple of stacked trees, each position's
+        leaves with their own depth).
+      rank: r, at most ``min(in, out)`` of every target.
+      alpha: the scale's numerator (``scale = alpha / rank``); default ``rank`` (scale 1).
+      targets: a predicate ``(path, per_layer_shape) -> bool``, leaf paths, or None for
+        every leaf that is 2-D per layer.
+      dtype: the adapters' dtype; default the base leaf's float dtype (float32 for a
+        quantized leaf).
+
+    Returns:
+      A tree shaped like ``params``: :class:`LoraWeights` at targets, None elsewhere.
+
+    Raises:
+      TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, or ``alpha`` is
+        not a number.
+      ValueError: ``rank`` larger than a target's ``in`` or ``out``, ``alpha`` not
+        positive, or a target that is not 2-D per layer.
+    """
+    who = "stackwise.lora.init"
+    key = checks.prng_key(key, who)
+    rank = _rank(rank, who)
+    alpha = float(rank) if alpha is None else alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.number)):
+        raise TypeError(f"{who}: `alpha` must be a number, got {type(alpha).__name__}.")
+    if not alpha > 0:
+        raise ValueError(f"{who}: `alpha` must be positive, got {alpha}.")
+    leaves = leaf_paths(params, is_leaf=is_quantized)
+    chosen = select(leaves, targets, who, lambda p, leaf: len(np.shape(leaf)) == 3)
+    out = []
+    for j, ((path, leaf), take) in enumerate(zip(leaves, chosen)):
+        if not take:
+            out.append(None)
+            continue
+        n, d_in, d_out = leaf.shape
+        if rank > min(d_in, d_out):
+            raise ValueError(
+                f"{who}: rank {rank} is larger than target {path}'s per-layer weight "
+                f"({d_in}, {d_out}); a rank above min(in, out) = {min(d_in, d_out)} adds "
+                "nothing. Give a smaller `rank`, or leave this leaf out of `targets`."
+            )
+        kind = np.dtype(leaf.dtype) if is_quantized(leaf) else checks.leaf_dtype(leaf)
+        own = dtype or (kind if jnp.issubdtype(kind, jnp.floating) and not is_quantized(leaf)
+                        else jnp.float32)
+        keys = jax.random.split(jax.random.fold_in(key, j), n)
+        a = _uniform(keys, (d_in, rank), own, 1.0 / np.sqrt(d_in))
+        out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha)))
+    treedef = jax.tree.structure(params, is_leaf=is_quantized)
+    return jax.tree.unflatten(treedef, out)
+
+
+def pairs(base: Any, adapters: Any, who: str) -> list[tuple[str, Any, Any]]:
+    """``(path, base leaf, LoraWeights or None)`` for each leaf of the base, checked."""
+    leaves = leaf_paths(base, is_leaf=is_quantized)
+    treedef = jax.tree.structure(base, is_leaf=is_quantized)
+    try:
+        subs = treedef.flatten_up_to(adapters)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{who}: the adapters are not shaped like the base params (make them with "
+            f"`stackwise.lora.init(key, base, ...)` from this base): {e}"
+        ) from None
+    for (path, _), sub in zip(leaves, subs):
+        if not (sub is None or is_lora(sub)):
+            raise TypeError(
+                f"{who}: the adapters hold {type(sub).__name__} at {path}, where a "
+                "`LoraWeights` or None belongs; make them with `stackwise.lora.init`."
+            )
+    return [(path, leaf, sub) for (path, leaf), sub in zip(leaves, subs)]
+
+
+def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
+    """The batch size g (None for one adapter) after checking ``lw`` against the base leaf."""
+    shape = tuple(leaf.shape)
+    a, b = tuple(lw.a.shape), tuple(lw.b.shape)
+    if len(a) not in (3, 4) or len(b) != len(a):
+        raise ValueError(
+            f"{who}: adapter {path} has a {a}, b {b}; expected a (n, in, r) and b (n, r, out)"
+            ", or (g, n, ...) for a batch of g adapters (`stackwise.lora.stack_adapters`)."
+        )
+    groups = a[0] if len(a) == 4 else None
+    lead = a[:-2]
+    if len(shape) != 3:
+        raise ValueError(f"{who}: base leaf {path} has shape {shape}, not (n, in, out).")
+    n, d_in, d_out = shape
+    if lead[-1] != n or b[:-2] != lead:
+        raise ValueError(
+            f"{who}: adapter {path} has {lead[-1]} layers (a {a}, b {b}) but its base leaf "
+            f"has n={n} (shape {shape}): adapters of another depth. Make them from this "
+            "base with `stackwise.lora.init`, or take its layers with "
+            "`stackwise.slice_layers`."
+        )
+    if a[-2] != d_in or b[-1] != d_out or a[-1] != b[-2]:
+        raise ValueError(
+            f"{who}: adapter {path} has a {a}, b {b}, which do not fit its base leaf "
+            f"{shape}: expected a (..., {n}, {d_in}, r) and b (..., {n}, r, {d_out})."
+        )
+    return groups
+
+
+def attach(base: Any, adapters: Any) -> Adapted:
+    """The base and its adapters as one params tree for a stack of wrapped layers.
+
+    Nothing is copied: the base's arrays are held as they are, so several adapters (or one
+    batch of them) share one base. A batch of g adapters is stored layer axis first.
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> base = {"w": jnp.ones((3, 4, 4))}
+    >>> adapters = stackwise.lora.init(jax.random.key(0), base, rank=2)
+    >>> params = stackwise.lora.attach(base, adapters)
+    >>> params.base["w"] is base["w"]
+    True
+
+    Raises:
+      ValueError: the adapters are not shaped like the base, have another depth, or do
+        not fit their leaf; a batch mixed with single adapters, or batches of two sizes.
+      TypeError: something other than LoraWeights or None where an adapter belongs.
+    """
+    who = "stackwise.lora.attach"
+    found = set()
+    for path, leaf, lw in pairs(base, adapters, who):
+        if lw is not None:
+            found.add(_check_shapes(path, leaf, lw, who))
+    if len(found) > 1:
+        raise ValueError(
+            f"{who}: the adapters mix batch sizes {sorted(found, key=str)} (None: one adapter); "
+            "a batch holds the same g adapters on every target: build it with "
+            "`stackwise.lora.stack_adapters([adapters_0, ..., adapters_g-1])`."
+        )
+    groups = found.pop() if found else None
+    if groups is not None:
+        adapters = jax.tree.map(lambda v: jnp.moveaxis(v, 0, 1), adapters)
+    return Adapted(base, adapters, groups)
+
+
+def stack_adapters(adapters: Sequence[Any]) -> Any:
+    """A batch of adapters of one base: every ``a`` / ``b`` gains a leading axis g.
+
+    Attached (:func:`attach`), layer ``i`` of example group ``j`` uses adapter ``j``: the
+    stack's input ``x`` then has g on its leading axis.
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> base = {"w": jnp.ones((3, 4, 4))}
+    >>> one, two = (stackwise.lora.init(jax.random.key(s), base, rank=2) for s in (0, 1))
+    >>> stackwise.lora.stack_adapters([one, two])["w"].a.shape
+    (2, 3, 4, 2)
+
+    Raises:
+      ValueError: fewer than one adapter, or adapters of other structures, shapes or alphas.
+    """
+    who = "stackwise.lora.stack_adapters"
+    adapters = list(adapters)
+    if not adapters:
+        raise ValueError(f"{who}: give at least one adapter tree.")
+    for i, other in enumerate(adapters[1:], 1):
+        if jax.tree.structure(other) != jax.tree.structure(adapters[0]) or [
+            np.shape(v) for v in jax.tree.leaves(other)
+        ] != [np.shape(v) for v in jax.tree.leaves(adapters[0])]:
+            raise ValueError(
+                f"{who}: adapters {i} differ from adapters 0 in structure, alpha or shapes "
+                "(rank, depth, targets): a batch needs adapters made alike, e.g. by "
+                "`stackwise.lora.init` with the same rank, alpha and targets."
+            )
+    return jax.tree.map(lambda *vs: jnp.stack(vs), *adapters)
+
+
+# --------------------------------------------------------------------------
+# The adapted weight, and merging it into the base.
+
+
+def delta(lw: LoraWeights) -> jax.Array:
+    """``scale * a @ b`` in the adapters' dtype (any leading axes)."""
+    return jnp.matmul(lw.a, lw.b) * jnp.asarray(lw.scale, lw.a.dtype)
+
+
+def add(w: jax.Array, d: jax.Array, sign: int = 1) -> jax.Array:
+    """``w ± d`` computed in their common dtype, returned in ``w``'s dtype."""
+    common = jnp.promote_types(w.dtype, d.dtype)
+    d = d.astype(common)
+    return (w.astype(common) + (d if sign > 0 else -d)).astype(w.dtype)
+
+
+def _merged(base: Any, adapters: Any, sign: int, who: str) -> Any:
+    out = []
+    for path, leaf, lw in pairs(base, adapters, who):
+        if lw is None:
+            out.append(leaf)
+            continue
+        if _check_shapes(path, leaf, lw, who) is not None:
+            raise ValueError(
+                f"{who}: adapter {path} is a batch of {lw.a.shape[0]} adapters; merge one of "
+                "them: `jax.tree.map(lambda v: v[j], adapters)` takes adapter j."
+            )
+        if is_quantized(leaf):
+            raise ValueError(
+                f"{who}: base leaf {path} is quantized ({leaf.kind}); merging into it would "
+                "requantize and lose the update. Merge into the float weights "
+                "(`stackwise.quant.dequantize(base)`), then quantize again if you must."
+            )
+        out.append(add(leaf, delta(lw), sign))
+    return jax.tree.unflatten(jax.tree.structure(base, is_leaf=is_quantized), out)
+
+
+def merge(base: Any, adapters: Any) -> Any:
+    """The base with each adapter merged in: ``W + scale * a @ b``, layer by layer.
+
+    The result runs without adapters (serving). Each merged layer is bitwise the weight a
+    wrapped layer computes for itself from the same base and adapters (the same sum in the
+    same dtype).
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> base = {"w": jnp.ones((3, 4, 4))}
+    >>> adapters = stackwise.lora.init(jax.random.key(0), base, rank=2)
+    >>> adapters = jax.tree.map(lambda v: v + 0.5, adapters)   # as if trained
+    >>> merged = stackwise.lora.merge(base, adapters)
+    >>> back = stackwise.lora.unmerge(merged, adapters)
+    >>> bool(jnp.allclose(back["w"], base["w"], rtol=0, atol=1e-6))
+    True
+
+    Raises:
+      ValueError: the adapters do not fit the base (see :func:`attach`), are a batch, or
+        sit on a quantized leaf.
+    """
+    return _merged(base, adapters, 1, "stackwise.lora.merge")
+
+
+def unmerge(merged: Any, adapters: Any) -> Any:
+    """The base back from :func:`merge`'s result: ``W' - scale * a @ b``.
+
+    Exact when the update is zero; otherwise each element is within
+    ``eps * (|W| + |d|) * (1 + eps)`` of the original, ``d`` being the update and ``eps``
+    the base dtype's machine epsilon (two roundings, one in :func:`merge`, one here).
+
+    Raises:
+      ValueError: as :func:`merge`.
+    """
+    return _merged(merged, adapters, -1, "stackwise.lora.unmerge")

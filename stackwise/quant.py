@@ -1,0 +1,15 @@
+"""Quantized stacked weights (int8, int4, nf4) with per-layer, per-channel scales, dequantized
+inside each layer by :func:`stackwise.lora.wrap` (see ``docs/finetune.md``).
+
+>>> import jax.numpy as jnp, stackwise
+>>> q = stackwise.quant.quantize({"w": jnp.ones((4, 8, 8))}, "int4")
+>>> q["w"].codes.shape, q["w"].scale.shape
+((4, 4, 8), (4, 1, 8))
+"""
+
+from stackwise._finetune.quant import KINDS as KINDS
+from stackwise._finetune.quant import Quantized as Quantized
+from stackwise._finetune.quant import dequantize as dequantize
+from stackwise._finetune.quant import quantize as quantize
+
+__all__ = ["KINDS", "Quantized", "dequantize", "quantize"]

@@ -1,0 +1,282 @@
+"""`stackwise.lora` against the loop model: outputs and the adapters' gradients, with every
+remat / unroll, patterns, state, batches of adapters; merge and unmerge; the optimizer split."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _reference import D, H, apply, gate, init, layer_params, loop, trained
+from _trees import assert_trees_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stackwise
+import stackwise.optax
+
+KEY = jax.random.key(0)
+UV = ["['u']", "['v']"]  # the two weights (c, a (1, D) bias, is no target)
+TOL = dict(rtol=1e-5, atol=1e-5)  # float32 sums in another order than the loop's
+
+
+def _base(n, seed=0):
+    return stackwise.stack(init, apply, n).init(jax.random.key(seed))
+
+
+def _x(batch=3, seed=1, lead=()):
+    return jax.random.normal(jax.random.key(seed), (*lead, batch, D))
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    rank=st.integers(1, H),
+    alpha=st.sampled_from([1.0, 4.0]),
+    targets=st.sampled_from([UV, ["['u']"], "['v']"]),
+    remat=st.sampled_from([stackwise.DEFAULT_REMAT, True, False]),
+    unroll=st.sampled_from([1, 2, True]),
+)
+def test_stack_equals_loop_over_shapes(n, rank, alpha, targets, remat, unroll):
+    check_against_loop(n, rank, alpha, targets, remat, unroll)
+
+
+@pytest.mark.parametrize("remat, unroll", [(stackwise.DEFAULT_REMAT, 1), (False, 2), (True, True)])
+def test_stack_equals_loop(remat, unroll):
+    check_against_loop(3, 2, 4.0, UV, remat, unroll)
+
+
+def check_against_loop(n, rank, alpha, targets, remat, unroll):
+    """Outputs and the adapters' gradients of the stack and of the loop model."""
+    base = _base(n)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=rank, alpha=alpha, targets=targets))
+    layers = stackwise.lora.stack(apply, n, remat=remat, unroll=unroll)
+    x = _x()
+
+    def loss(ad):
+        return jnp.sum(layers.apply(stackwise.lora.attach(base, ad), x) ** 2)
+
+    def loss_loop(ad):
+        return jnp.sum(loop([apply], [base], [ad], x, n) ** 2)
+
+    assert_trees_close(layers.apply(stackwise.lora.attach(base, adapters), x),
+                       loop([apply], [base], [adapters], x, n), **TOL)
+    assert_trees_close(jax.jit(jax.grad(loss))(adapters), jax.grad(loss_loop)(adapters), **TOL)
+
+
+def test_untrained_adapters_give_the_base_model_bitwise():
+    base = _base(3)
+    adapters = stackwise.lora.init(KEY, base, rank=2, targets=["['u']", "['v']"])
+    plain = stackwise.stack(None, apply, 3).apply(base, _x())
+    adapted = stackwise.lora.stack(apply, 3).apply(stackwise.lora.attach(base, adapters), _x())
+    np.testing.assert_array_equal(adapted, plain)
+
+
+@pytest.mark.parametrize("n", [5, 6])
+def test_pattern_equals_loop(n):
+    """Two kinds of layers (a b a b ...), each position with its own adapters."""
+    stacked = stackwise.stack([init, init], [apply, gate], n)
+    bases = stacked.init(KEY)
+    adapters = trained(stackwise.lora.init(KEY, bases, rank=2, targets=lambda p, s: s == (D, H)))
+    assert adapters[0]["u"].a.shape == (len(range(0, n, 2)), D, 2)
+    layers = stackwise.lora.stack([apply, gate], n)
+    x = _x()
+
+    def loss(ad):
+        return jnp.sum(layers.apply(tuple(map(stackwise.lora.attach, bases, ad)), x) ** 2)
+
+    def loss_loop(ad):
+        return jnp.sum(loop([apply, gate], bases, ad, x, n) ** 2)
+
+    assert_trees_close(layers.apply(tuple(map(stackwise.lora.attach, bases, adapters)), x),
+                       loop([apply, gate], bases, adapters, x, n), **TOL)
+    assert_trees_close(jax.grad(loss)(adapters), jax.grad(loss_loop)(adapters), **TOL)
+
+
+def test_with_state_equals_loop():
+    """A layer with a per-layer counter, state threaded through the wrapped layer."""
+
+    def counted(p, state, x):
+        return apply(p, x) * (1.0 + 0.1 * state), state + 1.0
+
+    n = 3
+    base = _base(n)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2, targets=["['u']"]))
+    layers = stackwise.lora.stack(counted, n, with_state=True)
+    state = jnp.arange(n, dtype=jnp.float32)
+    y, new_state = layers.apply(stackwise.lora.attach(base, adapters), state, _x())
+    y_loop = _x()
+    for i in range(n):
+        y_loop, _ = counted(layer_params(base, adapters, i), state[i], y_loop)
+    assert_trees_close(y, y_loop, **TOL)
+    np.testing.assert_array_equal(new_state, state + 1)
+
+
+def test_batch_of_adapters_equals_each_adapter_alone():
+    """g adapters in one call: group j of x runs with adapter j; gradients per adapter."""
+    n, g = 3, 3
+    base = _base(n)
+    each = [trained(stackwise.lora.init(jax.random.key(s), base, rank=2, targets=UV), seed=s)
+            for s in range(g)]
+    batch = stackwise.lora.stack_adapters(each)
+    layers = stackwise.lora.stack(apply, n)
+    x = _x(lead=(g,))
+
+    def loss(ad):
+        return jnp.sum(layers.apply(stackwise.lora.attach(base, ad), x) ** 2)
+
+    def loss_each(ads):
+        return sum(jnp.sum(loop([apply], [base], [ad], x[j], n) ** 2) for j, ad in enumerate(ads))
+
+    y = layers.apply(stackwise.lora.attach(base, batch), x)
+    for j in range(g):
+        assert_trees_close(y[j], loop([apply], [base], [each[j]], x[j], n), **TOL)
+    grads = jax.grad(loss)(batch)
+    assert grads["u"].a.shape == (g, n, D, 2)
+    assert_trees_close(grads, stackwise.lora.stack_adapters(jax.grad(loss_each)(each)), **TOL)
+
+
+def test_adapters_share_one_base_without_a_copy():
+    """Two adapters on one base in one jitted program: the base is an argument once, and the
+    program's temporaries hold far less than a copy of it (one layer's adapted weight each)."""
+    n, d = 8, 128
+    base = {"w": jax.random.normal(KEY, (n, d, d))}
+    one, two = (trained(stackwise.lora.init(jax.random.key(s), base, rank=4)) for s in (1, 2))
+    layers = stackwise.lora.stack(lambda p, x: jnp.tanh(x @ p["w"]), n)
+    assert stackwise.lora.attach(base, one).base["w"] is base["w"]
+
+    def both(base, one, two, x):
+        return (layers.apply(stackwise.lora.attach(base, one), x),
+                layers.apply(stackwise.lora.attach(base, two), x))
+
+    x = jnp.ones((2, d))
+    memory = jax.jit(both).lower(base, one, two, x).compile().memory_analysis()
+    base_bytes = base["w"].nbytes
+    assert memory.temp_size_in_bytes < base_bytes / 2, memory
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(1, 4), rank=st.integers(1, 5), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_merge_and_unmerge_over_shapes(n, rank, dtype):
+    check_merge(n, rank, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merge_and_unmerge(dtype):
+    check_merge(3, 2, dtype)
+
+
+def check_merge(n, rank, dtype):
+    """Merge is the wrapped layer's own weight, bitwise; unmerge is within its bound."""
+    base = jax.tree.map(lambda v: v.astype(dtype), _base(n))
+    adapters = trained(stackwise.lora.init(KEY, base, rank=rank, targets=UV, dtype=jnp.float32))
+    merged = stackwise.lora.merge(base, adapters)
+    for name in ("u", "v"):
+        lw = adapters[name]
+        for i in range(n):  # bitwise: the same sum, in the same dtype, as inside the layer
+            want = (base[name][i].astype(jnp.float32)
+                    + jnp.matmul(lw.a[i], lw.b[i]) * jnp.float32(lw.scale)).astype(dtype)
+            np.testing.assert_array_equal(merged[name][i], want)
+        assert merged[name].dtype == base[name].dtype
+    back = stackwise.lora.unmerge(merged, adapters)
+    for name in ("u", "v"):  # the bound of `unmerge`'s docstring
+        w = np.asarray(base[name], np.float64)
+        d = np.asarray(jnp.matmul(adapters[name].a, adapters[name].b), np.float64) * (
+            adapters[name].scale)
+        eps = float(jnp.finfo(dtype).eps)
+        bound = eps * (np.abs(w) + np.abs(d)) * (1 + eps)
+        assert np.all(np.abs(np.asarray(back[name], np.float64) - w) <= bound)
+    # The merged stack runs without adapters, as the adapted one does.
+    x = _x().astype(dtype)
+    assert_trees_close(stackwise.stack(None, apply, n).apply(merged, x),
+                       stackwise.lora.stack(apply, n).apply(stackwise.lora.attach(base, adapters),
+                                                            x), rtol=0, atol=0)
+
+
+def test_unmerge_of_untrained_adapters_is_bitwise():
+    base = _base(2)
+    adapters = stackwise.lora.init(KEY, base, rank=2, targets=UV)
+    back = stackwise.lora.unmerge(stackwise.lora.merge(base, adapters), adapters)
+    jax.tree.map(np.testing.assert_array_equal, back, base)
+
+
+def test_train_the_adapters_only():
+    """The split, an optimizer on the trainable half, the mask for a whole-tree optimizer."""
+    n = 3
+    base = _base(n)
+    model = stackwise.lora.attach(base, stackwise.lora.init(KEY, base, rank=2, targets=UV))
+    layers = stackwise.lora.stack(apply, n)
+    x, target = _x(), _x(seed=5)
+    trainable, frozen = stackwise.lora.split(model)
+
+    def loss(trainable, frozen):
+        return jnp.mean((layers.apply(stackwise.lora.combine(trainable, frozen), x) - target) ** 2)
+
+    tx = stackwise.optax.layerwise(optax.adam(1e-2), stackwise.lora.layer_axes(trainable))
+    state = tx.init(trainable)
+    losses = []
+    for _ in range(5):
+        value, grads = jax.value_and_grad(loss)(trainable, frozen)
+        updates, state = tx.update(grads, state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        losses.append(float(value))
+    assert losses[-1] < losses[0]
+    assert stackwise.lora.combine(trainable, frozen).base["u"] is base["u"]
+    # The same step with an optimizer that sees the whole tree: the base's updates are zero.
+    whole = optax.multi_transform({True: optax.adam(1e-2), False: optax.set_to_zero()},
+                                  stackwise.lora.mask(model))
+    grads = jax.grad(lambda m: loss(*stackwise.lora.split(m)))(model)
+    updates, _ = whole.update(grads, whole.init(model), model)
+    assert all(not jnp.any(u) for u in jax.tree.leaves(updates.base))
+    assert any(jnp.any(u) for u in jax.tree.leaves(updates.adapters))
+
+
+def test_layer_axes_of_a_batch_give_each_adapter_its_own_layers():
+    """LAMB through `layerwise` with `layer_axes`: a batch's trust ratios are those of each
+    adapter alone."""
+    base = _base(2)
+    each = [trained(stackwise.lora.init(jax.random.key(s), base, rank=2, targets=UV), seed=s)
+            for s in (0, 1)]
+    batch = stackwise.lora.stack_adapters(each)
+    tx = stackwise.optax.layerwise(optax.lamb(1e-2), stackwise.lora.layer_axes(batch))
+    updates, _ = tx.update(batch, tx.init(batch), batch)
+    alone = stackwise.optax.layerwise(optax.lamb(1e-2))
+    for j, ad in enumerate(each):
+        want, _ = alone.update(ad, alone.init(ad), ad)
+        assert_trees_close(jax.tree.map(lambda v, j=j: v[j], updates), want, **TOL)
+
+
+def _grad_temp_mib(n: int, adapted: bool, d: int = 256) -> float:
+    """Temp memory of ``jit(grad)`` w.r.t. the adapters of a float base, default remat; with
+    ``adapted=False`` the layer adds ``a @ b`` itself (the default policy saves that matmul)."""
+    base = {"w": jax.random.normal(KEY, (n, d, d)) / d**0.5}
+    adapters = stackwise.lora.init(KEY, base, rank=4)
+    x = jnp.ones((2, d))
+
+    def layer(p, x):
+        return x + jnp.tanh(x @ p["w"])
+
+    if adapted:
+        layers = stackwise.lora.stack(layer, n)
+        params = lambda ad: stackwise.lora.attach(base, ad)  # noqa: E731
+    else:
+        layers = stackwise.stack(
+            None, lambda p, x: layer({"w": p["w"] + p["a"] @ p["b"]}, x), n)
+        params = lambda ad: {"w": base["w"], "a": ad["w"].a, "b": ad["w"].b}  # noqa: E731
+
+    def loss(ad):
+        return jnp.sum(layers.apply(params(ad), x))
+
+    compiled = jax.jit(jax.grad(loss)).lower(adapters).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def test_the_backward_pass_keeps_no_adapted_weight():
+    """From n=4 to n=16 layers, the wrapped layers' temporaries grow by far less than one
+    layer's weight (0.25 MiB); a layer that adds ``a @ b`` itself keeps it for every layer."""
+    layer_mib = 256 * 256 * 4 / 2**20
+    assert _grad_temp_mib(16, True) - _grad_temp_mib(4, True) < layer_mib / 2
+    assert _grad_temp_mib(16, False) - _grad_temp_mib(4, False) > 10 * layer_mib

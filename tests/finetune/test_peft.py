@@ -1,0 +1,175 @@
+"""Adapters in Hugging Face PEFT's layout: PEFT's documented names, shapes and config; an exact
+round trip; the torch-layout tensors meaning the same layer; all-or-nothing writes; and PEFT
+itself loading them when it is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reference import trained
+
+import stackwise
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+KEY = jax.random.key(0)
+N, D, F = 3, 8, 12
+MODULES = {"['q']": "self_attn.q_proj", "['down']": "mlp.down_proj"}
+#: The fields of PEFT's `LoraConfig` (peft/tuners/lora/config.py) that a LoRA adapter's
+#: `adapter_config.json` holds and that PEFT reads to rebuild the adapter.
+PEFT_FIELDS = {"peft_type", "task_type", "base_model_name_or_path", "r", "lora_alpha",
+               "target_modules", "lora_dropout", "bias", "fan_in_fan_out", "use_rslora",
+               "use_dora", "modules_to_save", "layers_to_transform", "rank_pattern",
+               "alpha_pattern", "inference_mode", "init_lora_weights"}
+
+
+def _base(dtype="float32"):
+    k1, k2 = jax.random.split(KEY)
+    return {"q": jax.random.normal(k1, (N, D, D)).astype(dtype),
+            "down": jax.random.normal(k2, (N, F, D)).astype(dtype),
+            "norm": jnp.ones((N, 1, D), dtype)}
+
+
+def _adapters(base, rank=4, alpha=8.0):
+    return trained(stackwise.lora.init(KEY, base, rank=rank, alpha=alpha, targets=list(MODULES)))
+
+
+def test_layout_is_peft_s(tmp_path):
+    adapters = _adapters(_base())
+    folder = tmp_path / "adapter"
+    files = stackwise.lora.save_peft(folder, adapters, MODULES, base_model_name_or_path="tiny")
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(folder)) == files  # no staging left behind
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]
+    tensors = safetensors_numpy.load_file(folder / "adapter_model.safetensors")
+    want = {}
+    for i in range(N):
+        for module, (d_in, d_out) in (("self_attn.q_proj", (D, D)), ("mlp.down_proj", (F, D))):
+            name = f"base_model.model.model.layers.{i}.{module}"
+            want[f"{name}.lora_A.weight"] = (4, d_in)   # torch: (r, in)
+            want[f"{name}.lora_B.weight"] = (d_out, 4)  # torch: (out, r)
+    assert {k: v.shape for k, v in tensors.items()} == want
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert PEFT_FIELDS <= set(config)
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert config["target_modules"] == ["down_proj", "q_proj"]
+    assert config["base_model_name_or_path"] == "tiny"
+
+
+def test_torch_layout_means_the_same_layer(tmp_path):
+    """torch's y = x W^T + s (x A^T) B^T with the saved tensors is the wrapped layer's x @ W'."""
+    base = _base()
+    adapters = _adapters(base)
+    stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES)
+    tensors = safetensors_numpy.load_file(tmp_path / "a" / "adapter_model.safetensors")
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, D)))
+    layers = stackwise.lora.stack(lambda p, x: x @ p["q"], 1)
+    for i in range(N):
+        name = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        w_torch = np.asarray(base["q"][i]).T                     # nn.Linear's (out, in)
+        a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+        y_torch = x @ w_torch.T + adapters["q"].scale * (x @ a.T) @ b.T
+        layer = jax.tree.map(lambda v, i=i: v[i : i + 1], (base, adapters))
+        y = layers.apply(stackwise.lora.attach(*layer), jnp.asarray(x))
+        np.testing.assert_allclose(y, y_torch, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_is_bitwise(tmp_path, dtype):
+    base = _base(dtype)
+    adapters = _adapters(base)
+    stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES)
+    back = stackwise.lora.load_peft(tmp_path / "a", base, MODULES)
+    assert jax.tree.structure(back) == jax.tree.structure(adapters)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+    assert back["q"].a.dtype == jnp.dtype(dtype)
+    # Loaded onto a quantized base too (the leaves' shapes are the float weight's).
+    qbase = stackwise.quant.quantize(base, "nf4", targets=list(MODULES))
+    back = stackwise.lora.load_peft(tmp_path / "a", qbase, MODULES, dtype=jnp.float32)
+    assert back["down"].a.dtype == jnp.float32
+
+
+def test_overwrite_replaces_whole_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    base = _base()
+    one, two = _adapters(base), _adapters(base, alpha=2.0)
+    folder = tmp_path / "a"
+    stackwise.lora.save_peft(folder, one, MODULES)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        stackwise.lora.save_peft(folder, two, MODULES)
+    stackwise.lora.save_peft(folder, two, MODULES, overwrite=True)
+    assert stackwise.lora.load_peft(folder, base, MODULES)["q"].alpha == 2.0
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors_numpy, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        stackwise.lora.save_peft(tmp_path / "b", one, MODULES)
+    with pytest.raises(OSError, match="disk full"):
+        stackwise.lora.save_peft(folder, one, MODULES, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no b, no staging; a as it was
+    assert stackwise.lora.load_peft(folder, base, MODULES)["q"].alpha == 2.0
+
+
+def test_peft_loads_them_onto_a_transformers_model(tmp_path):
+    """PEFT itself, when installed (the suite does not install torch): each adapted q_proj of a
+    tiny Llama gives the wrapped layer's output."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=D, intermediate_size=F, num_hidden_layers=N,
+                                      num_attention_heads=2, num_key_value_heads=2,
+                                      vocab_size=16)
+    model = transformers.LlamaForCausalLM(config).eval()
+    layers_ = model.model.layers
+    base = {"q": jnp.stack([jnp.asarray(layer.self_attn.q_proj.weight.detach().numpy().T)
+                            for layer in layers_]),
+            "down": jnp.stack([jnp.asarray(layer.mlp.down_proj.weight.detach().numpy().T)
+                               for layer in layers_]),
+            "norm": jnp.ones((N, 1, D))}
+    adapters = _adapters(base)
+    stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES)
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "a")).eval()
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, D)), np.float32)
+    one = stackwise.lora.stack(lambda p, x: x @ p["q"], 1)
+    for i in range(N):
+        q_proj = peft_model.base_model.model.model.layers[i].self_attn.q_proj
+        with torch.no_grad():
+            y_peft = q_proj(torch.from_numpy(x)).numpy()
+        layer = jax.tree.map(lambda v, i=i: v[i : i + 1], (base, adapters))
+        y = one.apply(stackwise.lora.attach(*layer), jnp.asarray(x))
+        np.testing.assert_allclose(y, y_peft, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_rename_puts_the_old_adapter_back(tmp_path, monkeypatch):
+    base = _base()
+    folder = tmp_path / "a"
+    stackwise.lora.save_peft(folder, _adapters(base), MODULES)
+    real = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(os.fspath(src)).startswith(".stackwise-peft-") and "old" not in str(
+                src):
+            raise OSError("rename refused")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="rename refused"):
+        stackwise.lora.save_peft(folder, _adapters(base, alpha=2.0), MODULES, overwrite=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+    assert stackwise.lora.load_peft(folder, base, MODULES)["q"].alpha == 8.0
+
+
+def test_without_safetensors_the_message_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'stackwise\[safetensors\]'"):
+        stackwise.lora.save_peft(tmp_path / "a", _adapters(_base()), MODULES)

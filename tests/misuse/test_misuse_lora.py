@@ -1,0 +1,264 @@
+"""The misuse catalogue of `stackwise.lora` and `stackwise.quant`: one row per bad call, the
+error it must raise and words its message must hold (the argument or leaf, and the fix)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _misuse import assert_refused, case
+
+import stackwise
+
+KEY = jax.random.key(0)
+N = 3
+BASE = {"w": jnp.ones((N, 4, 6)), "c": jnp.ones((N, 1, 6)), "t": jnp.ones((N, 2, 2, 2))}
+W = ["['w']"]
+
+
+def _adapters(base=BASE, **kw):
+    return stackwise.lora.init(KEY, base, rank=2, targets=W, **kw)
+
+
+def _other_depth():
+    short = jax.tree.map(lambda v: v[:2], BASE)
+    stackwise.lora.attach(BASE, _adapters(short))
+
+
+def _other_structure():
+    stackwise.lora.attach(BASE, {"w": _adapters()["w"]})
+
+
+def _not_fitting():
+    wide = {"w": jnp.ones((N, 5, 6)), "c": BASE["c"], "t": BASE["t"]}
+    stackwise.lora.attach(BASE, _adapters(wide))
+
+
+def _wrong_thing():
+    stackwise.lora.attach(BASE, {"w": jnp.ones((N, 4, 2)), "c": None, "t": None})
+
+
+def _flat_adapter():
+    lw = _adapters()["w"]
+    bad = stackwise.lora.LoraWeights(lw.a[0], lw.b[0], lw.alpha)
+    stackwise.lora.attach(BASE, {"w": bad, "c": None, "t": None})
+
+
+def _adapter_on_a_vector():
+    base = {"w": jnp.ones((N, 4))}
+    lw = _adapters()["w"]
+    stackwise.lora.attach(base, {"w": lw})
+
+
+def _mixed_batches():
+    base = {"u": BASE["w"], "v": BASE["w"]}
+    one = stackwise.lora.init(KEY, base, rank=2)
+    batch = stackwise.lora.stack_adapters([one, one])
+    stackwise.lora.attach(base, {"u": batch["u"], "v": one["v"]})
+
+
+def _batch_with_state():
+    batch = stackwise.lora.stack_adapters([_adapters(), _adapters()])
+    layers = stackwise.lora.stack(lambda p, s, x: (x @ p["w"].T @ p["w"], s), N,
+                                  with_state=True)
+    layers.apply(stackwise.lora.attach(BASE, batch), None, jnp.ones((2, 1, 6)))
+
+
+def _two_batch_sizes_in_a_layer():
+    two = stackwise.lora.attach(BASE, stackwise.lora.stack_adapters([_adapters()] * 2))
+    three = stackwise.lora.attach(BASE, stackwise.lora.stack_adapters([_adapters()] * 3))
+    layers = stackwise.lora.stack(lambda p, x: x, N)
+    layers.apply({"a": two, "b": three}, jnp.ones((2, 1, 6)))
+
+
+def _merge_a_batch():
+    stackwise.lora.merge(BASE, stackwise.lora.stack_adapters([_adapters(), _adapters()]))
+
+
+def _merge_into_quantized():
+    base = stackwise.quant.quantize(BASE, "int8", targets=W)
+    stackwise.lora.merge(base, _adapters(base))
+
+
+def _combine_mismatched():
+    trainable, frozen = stackwise.lora.split(stackwise.lora.attach(BASE, _adapters()))
+    stackwise.lora.combine(trainable, {"w": frozen.base["w"]})
+
+
+def _stack_unlike_adapters():
+    stackwise.lora.stack_adapters(
+        [_adapters(), stackwise.lora.init(KEY, BASE, rank=1, targets=W)])
+
+
+LORA = [
+    case("rank larger than the layer", lambda: stackwise.lora.init(KEY, BASE, rank=5, targets=W),
+         ValueError, "rank 5 is larger", "['w']", "(4, 6)", "smaller `rank`"),
+    case("rank zero", lambda: stackwise.lora.init(KEY, BASE, rank=0, targets=W),
+         ValueError, "`rank` must be at least 1"),
+    case("rank a float", lambda: stackwise.lora.init(KEY, BASE, rank=2.0, targets=W),
+         TypeError, "`rank` must be an int"),
+    case("alpha negative", lambda: _adapters(alpha=-1.0), ValueError, "`alpha` must be positive"),
+    case("alpha a string", lambda: _adapters(alpha="8"), TypeError, "`alpha` must be a number"),
+    case("a seed for a key", lambda: stackwise.lora.init(0, BASE, rank=2, targets=W),
+         TypeError, "`key`", "jax.random.key"),
+    case("target not 2-D per layer",
+         lambda: stackwise.lora.init(KEY, BASE, rank=1, targets=["['t']"]),
+         ValueError, "['t']", "2-D (in, out)", "leave it out of `targets`"),
+    case("unknown target path", lambda: stackwise.lora.init(KEY, BASE, rank=1, targets=["w"]),
+         ValueError, "not leaf paths", "['w']", "keystr"),
+    case("predicate returning a non-bool",
+         lambda: stackwise.lora.init(KEY, BASE, rank=1, targets=lambda p, s: s),
+         TypeError, "must return a bool", "`targets(path, shape)`"),
+    case("predicate choosing nothing",
+         lambda: stackwise.lora.init(KEY, BASE, rank=1, targets=lambda p, s: False),
+         ValueError, "chose no leaf"),
+    case("adapters of another depth", _other_depth, ValueError, "adapters of another depth",
+         "n=3", "stackwise.lora.init"),
+    case("adapters of another structure", _other_structure, ValueError,
+         "not shaped like the base", "stackwise.lora.init(key, base"),
+    case("adapters of another width", _not_fitting, ValueError, "do not fit", "['w']"),
+    case("an array where an adapter belongs", _wrong_thing, TypeError,
+         "where a `LoraWeights` or None belongs", "['w']"),
+    case("an adapter without its layer axis", _flat_adapter, ValueError,
+         "expected a (n, in, r)"),
+    case("an adapter on a vector", _adapter_on_a_vector, ValueError, "not (n, in, out)"),
+    case("a batch mixed with one adapter", _mixed_batches, ValueError, "mix batch sizes",
+         "stack_adapters"),
+    case("a batch of adapters with state", _batch_with_state, ValueError, "with state",
+         "stackwise.lora.merge"),
+    case("two batch sizes in one layer", _two_batch_sizes_in_a_layer, ValueError,
+         "batch sizes [2, 3]"),
+    case("merging a batch", _merge_a_batch, ValueError, "batch of 2 adapters", "v[j]"),
+    case("merging into a quantized leaf", _merge_into_quantized, ValueError, "quantized (int8)",
+         "dequantize"),
+    case("combining halves of two trees", _combine_mismatched, ValueError,
+         "stackwise.lora.split"),
+    case("a batch of unlike adapters", _stack_unlike_adapters, ValueError,
+         "differ from adapters 0"),
+    case("a batch of no adapters", lambda: stackwise.lora.stack_adapters([]), ValueError,
+         "at least one"),
+    case("wrapping a non-function", lambda: stackwise.lora.wrap({"w": 1}), TypeError,
+         "`apply` must be"),
+]
+
+QUANT = [
+    case("unknown kind", lambda: stackwise.quant.quantize(BASE, "int3"), ValueError,
+         "`kind`", "'int8', 'int4', 'nf4'"),
+    case("an int target", lambda: stackwise.quant.quantize(
+        {"i": jnp.ones((N, 4, 4), jnp.int32)}, targets=["['i']"]), ValueError,
+        "of dtype int32", "only float weights"),
+    case("quantizing twice", lambda: stackwise.quant.quantize(
+        stackwise.quant.quantize(BASE, targets=W), targets=W), ValueError, "already quantized"),
+    case("target not 2-D per layer", lambda: stackwise.quant.quantize(BASE, targets=["['t']"]),
+         ValueError, "['t']", "2-D (in, out)"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", LORA + QUANT)
+def test_refused(call, error, words):
+    assert_refused(call, error, words)
+
+
+# --------------------------------------------------------------------------
+# PEFT's layout.
+
+MODULES = {"['w']": "self_attn.q_proj"}
+
+
+def _saved(tmp_path, base=BASE, **config):
+    folder = tmp_path / "adapter"
+    stackwise.lora.save_peft(folder, _adapters(base), MODULES)
+    if config:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+def _save_batch(tmp_path):
+    batch = stackwise.lora.stack_adapters([_adapters(), _adapters()])
+    stackwise.lora.save_peft(tmp_path / "a", batch, MODULES)
+
+
+def _save_two_ranks(tmp_path):
+    base = {"u": BASE["w"], "v": BASE["w"]}
+    one = stackwise.lora.init(KEY, base, rank=2, targets=["['u']"])
+    two = stackwise.lora.init(KEY, base, rank=1, targets=["['v']"])
+    stackwise.lora.save_peft(tmp_path / "a", {"u": one["u"], "v": two["v"]},
+                             {"['u']": "q_proj", "['v']": "v_proj"})
+
+
+def _load_onto_fewer_layers(tmp_path):
+    short = jax.tree.map(lambda v: v[:2], BASE)
+    stackwise.lora.load_peft(_saved(tmp_path), short, MODULES)
+
+
+def _load_onto_more_layers(tmp_path):
+    long = jax.tree.map(lambda v: jnp.concatenate([v, v]), BASE)
+    stackwise.lora.load_peft(_saved(tmp_path), long, MODULES)
+
+
+def _load_onto_another_width(tmp_path):
+    wide = {**BASE, "w": jnp.ones((N, 5, 6))}
+    stackwise.lora.load_peft(_saved(tmp_path), wide, MODULES)
+
+
+def _load_with(config):
+    def call(tmp_path):
+        stackwise.lora.load_peft(_saved(tmp_path, **config), BASE, MODULES)
+    return call
+
+
+def _save_twice(tmp_path):
+    _saved(tmp_path)
+    _saved(tmp_path)
+
+
+PEFT = [
+    case("save: modules not a mapping",
+         lambda t: stackwise.lora.save_peft(t / "a", _adapters(), ["q_proj"]), TypeError,
+         "`modules` maps each adapted leaf's path"),
+    case("save: modules of other leaves",
+         lambda t: stackwise.lora.save_peft(t / "a", _adapters(), {"['c']": "q_proj"}),
+         ValueError, "one module name per adapted leaf"),
+    case("save: a batch", _save_batch, ValueError, "batch of 2 adapters", "v[j]"),
+    case("save: two ranks", _save_two_ranks, ValueError, "several (rank, alpha) pairs"),
+    case("save: over an adapter", _save_twice, FileExistsError, "overwrite=True"),
+    case("load: no such folder",
+         lambda t: stackwise.lora.load_peft(t / "none", BASE, MODULES), FileNotFoundError,
+         "adapter_config.json", "save_pretrained"),
+    case("load: files of a deeper model", _load_onto_fewer_layers, ValueError,
+         "fit no layer of the base", "layers.2.self_attn.q_proj", "another model"),
+    case("load: files of a shallower model", _load_onto_more_layers, ValueError,
+         "layers.3.self_attn.q_proj.lora_A.weight is missing", "another model"),
+    case("load: files of another width", _load_onto_another_width, ValueError,
+         "of shape (2, 4), expected (2, 5)", "another model"),
+    case("load: DoRA", _load_with({"use_dora": True}), ValueError, "use_dora=True"),
+    case("load: another PEFT type", _load_with({"peft_type": "IA3"}), ValueError,
+         "peft_type='IA3'"),
+    case("load: a module not in the base",
+         lambda t: stackwise.lora.load_peft(_saved(t), BASE, {"['x']": "q_proj"}), ValueError,
+         "not leaf paths"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", PEFT)
+def test_refused_peft(call, error, words, tmp_path):
+    assert_refused(lambda: call(tmp_path), error, words)
+
+
+def _quantized_to_the_optimizer():
+    import optax
+
+    import stackwise.optax
+
+    model = {"base": stackwise.quant.quantize(BASE, targets=W), "adapters": _adapters()}
+    stackwise.optax.layerwise(optax.adam(1e-3)).init(model)
+
+
+def test_a_quantized_leaf_given_to_the_optimizer_is_refused():
+    assert_refused(_quantized_to_the_optimizer, TypeError,
+                   ("['base']['w']", "quantized weight", "int8", "stackwise.lora.split"))
