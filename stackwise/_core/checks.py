@@ -26,18 +26,11 @@ Integers and layer indices:
 - :func:`prng_key`: one PRNG key (typed or raw), not a seed or a batch of keys.
 - :func:`layer_number`: ``i`` with ``-n <= i < n`` (int or NumPy integer), as ``0 <= i < n``.
 
-Params trees, concrete or abstract:
+Params trees, concrete or abstract (the tree helpers themselves are in
+:mod:`stackwise._core.trees`):
 
-- :func:`is_abstract`: a ``jax.ShapeDtypeStruct`` leaf (``jax.eval_shape``,
-  ``nnx.eval_shape``): shapes and dtypes without values, a restore target.
 - :func:`leaf_shape` / :func:`leaf_dtype`: a leaf's shape and own dtype (a NumPy array's
   as it is; a Python scalar's as NumPy gives it); anything else is refused, named.
-- :func:`take` / :func:`take_range`: layer ``i`` / layers ``start:stop`` of a stacked leaf,
-  abstract leaves giving abstract slices.
-- :func:`stack` / :func:`moveaxis`: abstract leaves stacked, or an axis moved, as
-  ``jnp.stack`` / ``jnp.moveaxis`` would.
-- :func:`describe`: what came (``one array float32[2, 8]``, ``a tuple of 3``).
-- :func:`named_leaves`: ``(keystr path, leaf)`` pairs of a tree.
 - :func:`depth`: the common leading-axis length of every leaf (ValueError listing them).
 - :func:`check_depth`: every leaf's leading axis is ``n`` (ValueError listing those not).
 

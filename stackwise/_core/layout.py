@@ -50,16 +50,7 @@ def unstack_layers(stacked: Any, *, pattern: int | None = None) -> list[Any]:
     fix = "Stacked params come from `Stacked.init` or `stackwise.stack_layers`."
     if k is None:
         return convert.unstack_exact(stacked, convert.depth_of(stacked, _UNSTACK, "tree", fix))
-    if not isinstance(stacked, (tuple, list)) or len(stacked) != k:
-        got = (
-            f"{len(stacked)} trees"
-            if isinstance(stacked, (tuple, list))
-            else type(stacked).__name__
-        )
-        raise TypeError(
-            f"{_UNSTACK}: with pattern={k}, pass a tuple of {k} stacked trees (position p "
-            f"holding layers p, p+{k}, ...), as `Stacked.init` returns them; got {got}."
-        )
+    stacked = _positions(stacked, k, _UNSTACK)
     positions = [
         convert.unstack_exact(
             tree,
