@@ -52,3 +52,19 @@ def trained(adapters, seed=7):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree.unflatten(
         treedef, [v + 0.3 * jax.random.normal(k, v.shape, v.dtype) for k, v in zip(keys, leaves)])
+
+
+def assert_stack_is_loop(layers, base, adapters, x, n):
+    """Outputs and the adapters' gradients of a one-position LoRA stack and of its loop model,
+    within the shared bound for a stack against its loop (tests/_trees.py)."""
+    from _trees import assert_trees_close
+
+    def loss(ad):
+        return jnp.sum(layers.apply(stackwise.lora.attach(base, ad), x) ** 2)
+
+    def loss_loop(ad):
+        return jnp.sum(loop([apply], [base], [ad], x, n) ** 2)
+
+    assert_trees_close(layers.apply(stackwise.lora.attach(base, adapters), x),
+                       loop([apply], [base], [adapters], x, n))
+    assert_trees_close(jax.jit(jax.grad(loss))(adapters), jax.grad(loss_loop)(adapters))
