@@ -95,10 +95,11 @@ def _refuse_entry(keys: tuple, leaves: list[tuple], who: str) -> None:
 def check_sharding(sharding: Any, shape: tuple, path: str, who: str) -> None:
     """A leaf's sharding: a Sharding whose spec (a NamedSharding's) fits ``shape``."""
     if not isinstance(sharding, Sharding):
-        hint = (f" (NamedSharding(mesh, {sharding}) gives it its mesh)"
-                if isinstance(sharding, PartitionSpec) else "")
+        spec = isinstance(sharding, PartitionSpec)  # (its class is `P` in some jax releases)
+        hint = f" (NamedSharding(mesh, {sharding}) gives it its mesh)" if spec else ""
+        what = "a PartitionSpec" if spec else type(sharding).__name__
         raise TypeError(
-            f"{who}: the sharding for leaf {path} is {type(sharding).__name__}, not a "
+            f"{who}: the sharding for leaf {path} is {what}, not a "
             f"jax.sharding.Sharding{hint}; build them with stackwise.stacked_shardings or "
             "NamedSharding(mesh, spec)."
         )

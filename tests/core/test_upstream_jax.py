@@ -250,13 +250,18 @@ def test_unless_sliced_saves_all_but_the_slice_and_nothing_if_broken(monkeypatch
         policy = jax_ties.unless_sliced(everything, {(4, 3)})
         return jax.checkpoint(sliced, policy=policy)
 
+    # What JAX saves with a policy that saves nothing (the arguments; jax 0.10.0 lists a few
+    # values of the backward pass's own making too, 0.10.2 none): the fallback's floor.
+    def computed(fn):  # the saved values that are not arguments
+        return {line for line in saved(fn, stack, x, capsys=capsys) if "argument" not in line}
+
+    floor = computed(jax.checkpoint(sliced, policy=jax.checkpoint_policies.nothing_saveable))
     grads = jax.grad(with_policy(), (0, 1))(stack, x)
-    lines = saved(with_policy(), stack, x, capsys=capsys)
-    assert any("output of sin" in line for line in lines), lines
-    assert not any("f32[2,3] output of dynamic_slice" in line for line in lines), lines
+    lines = computed(with_policy())
+    assert lines > floor, lines  # something computed is saved (`everything`) ...
+    assert not any("dynamic_slice" in line for line in lines), lines  # ... but not the slice
     broken(monkeypatch, jax_ties.SLICES)
-    lines = saved(with_policy(), stack, x, capsys=capsys)
-    assert all("from the argument" in line for line in lines), lines
+    assert computed(with_policy()) == floor  # saves nothing
     assert_trees_close(jax.grad(with_policy(), (0, 1))(stack, x), grads)
     assert_trees_close(grads, jax.grad(sliced, (0, 1))(stack, x))
 

@@ -60,7 +60,7 @@ CASES = [
          "a tree like the target's"),
     case("a PartitionSpec as a leaf's sharding", _load({"blocks": {"w": P(None, "data")},
                                                        "embed": None}), TypeError,
-         "leaf ['blocks']['w']", "is P, not a jax.sharding.Sharding",
+         "leaf ['blocks']['w']", "is a PartitionSpec, not a jax.sharding.Sharding",
          "NamedSharding(mesh, P(None, 'data')) gives it its mesh"),
     case("a Mesh for a subtree", _load({"blocks": MESH, "embed": None}), TypeError,
          "leaf ['blocks']['w']", "Mesh, not a jax.sharding.Sharding", "NamedSharding(mesh, spec)"),
