@@ -110,6 +110,18 @@ def _facts(fn, *args) -> dict:
     }
 
 
+def _step_facts(pp, schedule: str, params) -> dict:
+    """The training step's facts (and the forward's, for 1F1B, whose apply is its own loss)."""
+    x = jax.random.normal(jax.random.key(1), (16, D))
+    if schedule == "1f1b":
+        t = jax.random.normal(jax.random.key(2), (16, D))
+        out = {"grad": _facts(jax.value_and_grad(pp.apply, argnums=(0, 1)), params, x, t)}
+        out["forward"] = _facts(pp.apply, params, x, t)
+        return out
+    loss = lambda p, v: _sin_sum(pp.apply(p, v))  # noqa: E731
+    return {"grad": _facts(jax.value_and_grad(loss, argnums=(0, 1)), params, x)}
+
+
 def _sin_sum(tree):
     return sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(tree))
 
@@ -140,14 +152,7 @@ def _plain(mesh_kind, schedule="gpipe", repeats=None, fsdp=None, gather="step", 
         **options,
     )
     params = _params(8, mesh_kind, mesh, repeats or 1, fsdp=bool(fsdp))
-    x = jax.random.normal(jax.random.key(1), (16, D))
-    if schedule == "1f1b":
-        t = jax.random.normal(jax.random.key(2), (16, D))
-        out = {"grad": _facts(jax.value_and_grad(pp.apply, argnums=(0, 1)), params, x, t)}
-        out["forward"] = _facts(pp.apply, params, x, t)
-        return out
-    loss = lambda p, v: _sin_sum(pp.apply(p, v))  # noqa: E731
-    return {"grad": _facts(jax.value_and_grad(loss, argnums=(0, 1)), params, x)}
+    return _step_facts(pp, schedule, params)
 
 
 def _with_args(mesh_kind):
@@ -204,14 +209,7 @@ def _pattern(mesh_kind, schedule="gpipe", repeats=None, fsdp=None, gather="step"
     if mesh_kind == "explicit":
         specs = stackwise.fsdp_specs(params, mesh, "data") if fsdp else None
         params = stackwise.shard_stacked(params, mesh, specs)
-    x = jax.random.normal(jax.random.key(1), (16, D))
-    if schedule == "1f1b":
-        t = jax.random.normal(jax.random.key(2), (16, D))
-        out = {"grad": _facts(jax.value_and_grad(pp.apply, argnums=(0, 1)), params, x, t)}
-        out["forward"] = _facts(pp.apply, params, x, t)
-        return out
-    loss = lambda p, v: _sin_sum(pp.apply(p, v))  # noqa: E731
-    return {"grad": _facts(jax.value_and_grad(loss, argnums=(0, 1)), params, x)}
+    return _step_facts(pp, schedule, params)
 
 
 def _state(mesh_kind, batched, schedule="gpipe", repeats=None, pattern=False):
