@@ -238,7 +238,11 @@ def _ln(p, x):
     return layer_norm(x, p["scale"], p["bias"])
 
 
-def build_jax(config: Config) -> LM:
+def build_jax(config: Config, *, adapted: bool = False) -> LM:
+    """The pure-JAX LM. ``adapted=True``: its blocks also take ``stackwise.lora.attach(base,
+    adapters)`` params, the base float or quantized (``stackwise.quant``): each block is
+    ``stackwise.lora.wrap``-ped, so it builds its own float weights from its own slice of the
+    base and the adapters, inside the scan (examples/lm_finetune.py fine-tunes with it)."""
     c = config
     d, hidden = c.d_model, c.mlp_ratio * c.d_model
     depth_scale = 1 / math.sqrt(2 * c.layers)  # residual branches start small
@@ -278,6 +282,8 @@ def build_jax(config: Config) -> LM:
     # One block function per pattern position (its attention window); layer i runs
     # applies[i % k].
     applies = [block_apply(window) for window in c.windows]
+    if adapted:  # (plain params pass through a wrapped block unchanged)
+        applies = [stackwise.lora.wrap(f, with_state=True) for f in applies]
     k = len(applies)
 
     # The blocks: one stack (a pattern stack for k > 1). Its state is the per-layer KV cache

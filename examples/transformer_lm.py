@@ -9,6 +9,8 @@
     python examples/transformer_lm.py --restore --export out/lm_hf  # as per-layer safetensors
     python examples/transformer_lm.py --load-safetensors out/lm_hf  # sample from them
     python examples/transformer_lm.py --remat --layers 24  # remat each block; any depth
+    python examples/transformer_lm.py --lora 8             # fine-tune the checkpoint with LoRA
+    python examples/transformer_lm.py --lora 8 --quantize nf4  # QLoRA, on an nf4 base
 
 What it shows:
   * the blocks' params are stacked (a leading layer axis) and run as ONE scanned layer, so the
@@ -45,6 +47,12 @@ through ``stackwise.save_safetensors``) and the run (``transformer_lm.json``);
 does: the same samples. The names are the same for every ``--framework`` (``hf_names`` reads
 them off each framework's params: Haiku's ``lm/blocks/block/qkv`` ``w``, linen's and NNX's
 ``kernel``, Equinox's ``weight``, which alone keeps torch's layout).
+
+``--lora RANK`` fine-tunes the checkpoint's run (its frozen base) with LoRA adapters on every
+linear layer of the blocks, for ``--steps`` (default 200) steps, saves them in Hugging Face
+PEFT's layout (``--adapters DIR``, default ``<checkpoint>_lora``) and samples with them merged;
+``--quantize int8|int4|nf4`` quantizes the base first (QLoRA) and samples from it with the
+adapters. ``examples/lm_finetune.py`` says how.
 """
 
 from __future__ import annotations
@@ -101,6 +109,10 @@ FRAMEWORKS = ("jax", "haiku", "flax", "nnx", "equinox")
 OPTIMIZER_NAMES = ("adamw", "lamb", "adafactor", "muon")
 #: The file an --export writes next to the safetensors: the run, step and vocabulary.
 EXPORT_META = "transformer_lm.json"
+#: --lora's default number of fine-tuning steps (--steps).
+LORA_STEPS = 200
+#: --quantize's choices: stackwise.quant.KINDS (named here: the command line imports no JAX).
+QUANT_KINDS = ("int8", "int4", "nf4")
 
 
 class UsageError(Exception):
@@ -189,6 +201,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="skip training: sample from the params an --export saved in DIR",
     )
+    p.add_argument(
+        "--lora",
+        type=positive,
+        metavar="RANK",
+        help="fine-tune the checkpoint's run with LoRA adapters of this rank on every linear\n"
+        f"layer of the blocks, --steps steps (default: {LORA_STEPS}), then sample with them",
+    )
+    p.add_argument("--lora-alpha", type=float, help="LoRA's alpha: the update is "
+                   "alpha / RANK * a @ b (default: RANK)")
+    p.add_argument("--quantize", choices=QUANT_KINDS,
+                   help="with --lora: quantize the frozen base first (QLoRA), and sample from it")
+    p.add_argument(
+        "--adapters",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="where --lora saves the adapters, in PEFT's layout (default: the checkpoint's\n"
+        "folder name + _lora, or _qlora_<kind> with --quantize)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
@@ -196,7 +226,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
         args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}"
+    if args.lora is not None:
+        args.lora_alpha = float(args.lora) if args.lora_alpha is None else args.lora_alpha
+        if args.adapters is None:
+            tail = f"_qlora_{args.quantize}" if args.quantize else "_lora"
+            args.adapters = args.checkpoint.with_name(args.checkpoint.name + tail)
     check_args(p, args)
+    check_lora_args(p, args)
     return args
 
 
@@ -257,6 +293,29 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if folder := unwritable_parent(args.checkpoint):
             p.error(f"--checkpoint {args.checkpoint}: cannot write there ({folder} is not a "
                     "writable folder); pass --checkpoint PATH in a folder you can write")
+
+
+def check_lora_args(p: argparse.Namespace, args: argparse.Namespace) -> None:
+    """Refuses the fine-tuning flags no run can use (as :func:`check_args`)."""
+    if args.lora is None:
+        for name in ("lora_alpha", "quantize", "adapters"):
+            if getattr(args, name) is not None:
+                p.error(f"{flag(name)}: only with --lora RANK (it fine-tunes the checkpoint's "
+                        f"run with LoRA adapters; {flag(name)} is one of its settings)")
+        return
+    for name in ("resume", "restore", "load_safetensors", "export"):
+        if getattr(args, name):
+            p.error(f"--lora: not allowed with {flag(name)} (--lora reads the pre-trained "
+                    "--checkpoint, fine-tunes it and samples; its adapters go to --adapters DIR)")
+    if not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        p.error(f"--lora-alpha {args.lora_alpha!r}: expected a positive number, e.g. "
+                f"--lora-alpha {2 * args.lora} (the update is alpha / RANK * a @ b)")
+    if holds_files(args.adapters) and not args.overwrite:
+        p.error(f"--adapters {args.adapters}: already holds files; pass --overwrite to "
+                "replace them, or --adapters DIR for another folder")
+    if folder := unwritable_parent(args.adapters):
+        p.error(f"--adapters {args.adapters}: cannot write there ({folder} is not a writable "
+                "folder); give a folder in one you can write")
 
 
 def holds_files(path: pathlib.Path) -> bool:
@@ -1000,18 +1059,28 @@ def main(argv: list[str] | None = None, log=print) -> dict:
     if args.load_safetensors is not None:  # sample from an export, as --restore does
         saved, path = read_export_meta(args.load_safetensors), args.load_safetensors
     else:
-        saved = read_meta(path) if holds_files(path) and not args.overwrite else None
+        fresh = args.overwrite and not args.lora  # (--lora --overwrite: of the adapters)
+        saved = read_meta(path) if holds_files(path) and not fresh else None
     if args.restore and saved is None:
         raise CheckpointError(
             f"--restore: there is no checkpoint at {path}. Train first (the same command without "
             "--restore saves there), or pass --checkpoint PATH of one you trained."
         )
+    if args.lora and saved is None:
+        raise CheckpointError(
+            f"--lora: there is no pre-trained checkpoint at {path} to fine-tune. Pre-train one "
+            "first: the same command without --lora, --lora-alpha, --quantize and --adapters "
+            "(with the sizes you want) saves it there; or pass --checkpoint PATH of one."
+        )
     sampling_only = args.restore or args.load_safetensors is not None
+    if args.lora and args.steps is None:
+        args.steps = LORA_STEPS
     if args.load_safetensors is not None:  # one export for every --framework (hf_names)
         fields = [f for f in MODEL_FIELDS if f != "framework" or f not in args.given]
         settle_args(args, saved, fields, path, "--load-safetensors DIR of another export")
-    elif sampling_only or args.resume:
-        settle_args(args, saved, MODEL_FIELDS if sampling_only else RUN_DEFAULTS, path)
+    elif sampling_only or args.resume or args.lora:
+        model_only = sampling_only or args.lora  # (fine-tuning has its own steps, lr, ...)
+        settle_args(args, saved, MODEL_FIELDS if model_only else RUN_DEFAULTS, path)
     else:
         settle_args(args, None, ())
     if args.framework != "jax":  # its adapter, and so the framework, must import
@@ -1024,11 +1093,17 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             f"--d-model {args.d_model} must be a multiple of 2 * --heads = {2 * args.heads} "
             "(each head's width is split in two halves for the rotary embedding)."
         )
+    if args.lora and args.lora > args.d_model:
+        raise UsageError(
+            f"--lora {args.lora} is larger than the model's width, --d-model {args.d_model}: "
+            "a rank above min(in, out) of a weight adds nothing (every adapted weight is at "
+            f"least {args.d_model} wide); give --lora {max(1, args.d_model // 16)}, say."
+        )
     pattern = parse_pattern(args)
     chars, data, text_sha256 = load_text(args.text)
     check_text(args, chars, data)
     run = run_identity(args, text_sha256)
-    if sampling_only and saved["chars"] != chars:
+    if (sampling_only or args.lora) and saved["chars"] != chars:
         raise CheckpointError(
             f"{path} was trained on {pathlib.Path(saved['run']['text']).name}, whose "
             f"vocabulary ({len(saved['chars'])} characters) is not that of {args.text} "
@@ -1041,7 +1116,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
                 f"{path} holds a run on another text ({differ[0]}): pass --text "
                 f"{saved['run']['text']}, or --overwrite to start a new run."
             )
-    if saved and not (sampling_only or args.resume or args.overwrite):
+    if saved and not (sampling_only or args.resume or args.overwrite or args.lora):
         if not finished_same_run(saved, run):
             raise refuse_to_overwrite(path, saved, run)
         log(
@@ -1082,7 +1157,7 @@ def main(argv: list[str] | None = None, log=print) -> dict:
             f"loaded {args.load_safetensors} (step {saved['step']} of {saved['run']['steps']}, "
             f"val {describe_loss(saved['val_loss'])})"
         )
-    elif args.restore:
+    elif args.restore or args.lora:
         params = load_checkpoint(path, state_template(lm, args, saved["run"]))["params"]
         log(
             f"restored {path} (step {saved['step']} of {saved['run']['steps']}, "
@@ -1146,6 +1221,19 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         log(f"exported the params to {args.export} as per-layer safetensors ({len(files)} files)")
         result["exported"] = files
 
+    if args.lora:  # the adapters, trained on the frozen params, then sampled with
+        lm, params = fine_tune(args, config, params, names, train_data, val, result, log)
+    check_and_sample(lm, params, args, chars, val, result, log)
+    result["total_s"] = time.perf_counter() - start
+    log(f"done in {result['total_s']:.0f} s")
+    return result
+
+
+def check_and_sample(lm, params, args: argparse.Namespace, chars: str, val, result: dict,
+                     log=print) -> None:
+    """Checks the stacked params against the loop's layout and cached decoding against the
+    full forward, then samples (``generate``): every run's sample, fine-tuned or not, comes
+    from here. Adds what it measured to ``result``."""
     forward = jax.jit(lm.apply)  # the full forward pass (no cache)
     decode = jax.jit(lm.apply, donate_argnums=(3,))  # with the KV cache, updated in place
 
@@ -1184,9 +1272,29 @@ def main(argv: list[str] | None = None, log=print) -> dict:
         f"prompt), decode {result['decode_tokens_per_s']:,.0f} tokens/s (one token per call)"
     )
     result["sample"] = args.prompt + "".join(chars[t] for t in sample)
-    result["total_s"] = time.perf_counter() - start
-    log(f"done in {result['total_s']:.0f} s")
-    return result
+
+
+def fine_tune(args: argparse.Namespace, config, params, names, train_data, val, result: dict,
+              log=print):
+    """``--lora``: the checkpoint's ``params`` (of ``--framework``'s model) fine-tuned in the
+    pure-JAX model (``examples/lm_finetune.py``); returns the model and params to sample."""
+    import lm_finetune  # (imported only for --lora)
+
+    pattern = config.pattern
+    if args.framework != "jax":  # the same params, read into the pure-JAX model's layout
+        jax_template = jax.eval_shape(lm_models.build_jax(config).init, jax.random.key(0))
+        params = lm_finetune.pure_jax_params(params, names, jax_template,
+                                             hf_names("jax", jax_template, pattern),
+                                             len(pattern))
+        log(f"fine-tuning the {args.framework} checkpoint in the pure-JAX model (the same "
+            "params, through the Hugging Face-style names)")
+    lm, params, record = lm_finetune.finetune(
+        args, config, params,
+        batches=lambda key: sample_batch(key, train_data, args.batch, args.seq_len),
+        val=val, optimizer=make_optimizer(args, layerwise=False),
+        check=lambda loss, step: check_finite(loss, step, args), log=log)
+    result.update(record)
+    return lm, params
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -1,0 +1,193 @@
+"""LoRA and QLoRA fine-tuning of the example's pre-trained LM: ``transformer_lm.py --lora RANK``.
+
+    python examples/transformer_lm.py --steps 400              # pre-train: saves the checkpoint
+    python examples/transformer_lm.py --lora 8                 # LoRA on it, then sample
+    python examples/transformer_lm.py --lora 8 --quantize nf4  # QLoRA: on an nf4 base
+
+The pre-trained checkpoint (``--checkpoint``, any ``--framework``) is the frozen base. Its
+blocks get rank-``RANK`` adapters (``stackwise.lora``) on every linear layer (``qkv``,
+``out``, ``up``, ``down``: PEFT's ``target_modules="all-linear"``, which leaves out the
+output head, and what the QLoRA paper found needed to match full fine-tuning); the
+embedding, norms and head stay frozen too. Only the adapters train (``stackwise.lora.split``
+and ``combine``), with the run's optimizer through ``stackwise.optax.layerwise``, on the
+text's training part (its first 90%, as in pre-training), and the loss is measured on the
+same validation windows as pre-training's: before the first step it is the checkpoint's own
+validation loss (the adapters' ``b`` starts at zero). With ``--quantize int8|int4|nf4`` the
+base's linear layers are quantized per layer and output channel first
+(``stackwise.quant``), and each block dequantizes its own slice inside the scan.
+
+The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
+whole or not at all), read back bitwise, and then the model samples: with a float base,
+the adapters merged into it (``stackwise.lora.merge``: the plain model again); with a
+quantized one, through the wrapped blocks (``stackwise.lora.wrap``) on the quantized base.
+Every framework's checkpoint is fine-tuned in the pure-JAX model: the params are carried
+over through the Hugging Face-style names all five share (``hf_names``), bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import lm_models
+import stackwise
+import stackwise.optax
+
+#: The adapted leaves of a block, with their modules in a Llama-like transformers layer (the
+#: names of the example's --export; PEFT's adapter files use them).
+MODULES = {
+    "qkv": "self_attn.qkv_proj",
+    "out": "self_attn.o_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def is_target(path: str, shape: tuple) -> bool:
+    """``stackwise.lora.init``'s and ``stackwise.quant.quantize``'s ``targets``: the blocks'
+    linear layers (a pattern's positions are ``[p]['qkv']``, ...)."""
+    del shape
+    return path.endswith(tuple(f"['{name}']" for name in MODULES))
+
+
+def per_position(f: Callable, *trees, k: int):
+    """``f`` of each pattern position's stacked trees (a plain stack: of the trees)."""
+    return tuple(map(f, *trees)) if k > 1 else f(*trees)
+
+
+def layer_order(tree, k: int):
+    """A pattern's k stacked trees (position p: layers p, p + k, ...) as one stack of the
+    model's layers in order, for PEFT's ``layers.{i}``; a plain stack as it is."""
+    if k == 1:
+        return tree
+    layers = stackwise.unstack_layers(tree, pattern=k)
+    return jax.tree.map(lambda *v: jnp.stack(v), *layers)
+
+
+def pure_jax_params(params, names, jax_template, jax_names, k: int):
+    """Another framework's params as the pure-JAX model's (``jax_template``, ``jax_names``):
+    saved under the Hugging Face-style names the five share, read back in the pure-JAX
+    layout (through a temporary folder; bitwise)."""
+    pattern = k if k > 1 else None
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp) / "hf"
+        stackwise.save_safetensors(params, names, folder, pattern=pattern)
+        return stackwise.load_checkpoint(str(folder), jax_template, jax_names, pattern=pattern)
+
+
+def loss_fn(lm: lm_models.LM, params, inputs, targets):
+    logits, _ = lm.apply(params, inputs, jnp.arange(inputs.shape[1], dtype=jnp.int32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batches, val,
+             optimizer, check, log=print) -> tuple[lm_models.LM, Any, dict]:
+    """Fine-tunes adapters on the pure-JAX model's pre-trained ``params`` (frozen) for
+    ``args.steps`` steps; saves them to ``args.adapters``; returns the model and params to
+    sample with (merged, or the quantized base with its adapters) and a record of the run.
+
+    ``batches(key)`` gives a training batch ``(inputs, targets)``, ``val`` the validation
+    windows, ``optimizer`` the run's optax transformation (wrapped here, per layer), and
+    ``check(val_loss, step)`` stops a run that diverged, before anything is saved."""
+    k = len(config.pattern)
+    # Every block rematerialised while training: its float (dequantized, adapted) weights are
+    # rebuilt in the backward pass, one layer at a time, instead of kept for every layer.
+    lm = lm_models.build_jax(dataclasses.replace(config, remat=True), adapted=True)
+    base = params["blocks"]
+    if args.quantize:
+        base = per_position(lambda b: stackwise.quant.quantize(b, args.quantize, is_target),
+                            base, k=k)
+    adapters = stackwise.lora.init(jax.random.key(args.seed + 5), base, rank=args.lora,
+                                   alpha=args.lora_alpha, targets=is_target)
+    model = {**params, "blocks": per_position(stackwise.lora.attach, base, adapters, k=k)}
+    trainable, frozen = stackwise.lora.split(model)
+    log(describe(params, base, trainable, args, k))
+    trainable, record = train(lm, trainable, frozen, batches, val, optimizer, args, log)
+    check(record["lora_loss_after"], args.steps)
+    model = stackwise.lora.combine(trainable, frozen)
+    adapters = per_position(lambda m: m.adapters, model["blocks"], k=k)
+    record["adapters_files"] = save(args, base, adapters, k, log)
+    # The merged model (into the dequantized base, for a quantized one) against the wrapped.
+    floats = per_position(stackwise.quant.dequantize, base, k=k)
+    merged = {**params, "blocks": per_position(stackwise.lora.merge, floats, adapters, k=k)}
+    plain = lm_models.build_jax(config)
+    window = val[0][:1]
+    positions = jnp.arange(window.shape[1])
+    wrapped_logits, _ = jax.jit(lm.apply)(model, window, positions)
+    merged_logits, _ = jax.jit(plain.apply)(merged, window, positions)
+    record["merge_diff"] = float(jnp.abs(wrapped_logits - merged_logits).max())
+    log(f"the adapters merged into the {'dequantized ' * bool(args.quantize)}base give the "
+        f"wrapped model's logits to {record['merge_diff']:.1e}")
+    if args.quantize:  # sampled from the quantized base, each block adapting its own slice
+        return lm, model, record
+    return plain, merged, record
+
+
+def describe(params, base, trainable, args, k: int) -> str:
+    """One line: the adapters trained and the frozen base (its bytes, quantized or not)."""
+    n_adapters = sum(v.size for v in jax.tree.leaves(trainable))
+    n_params = sum(v.size for v in jax.tree.leaves(params))
+    held = sum(v.nbytes for v in jax.tree.leaves(base))
+    floats = sum(v.nbytes for v in jax.tree.leaves(params["blocks"]))
+    kind = f"{args.quantize} " if args.quantize else ""
+    return (f"LoRA rank {args.lora} (alpha {args.lora_alpha:g}) on {', '.join(MODULES)} of "
+            f"every block: {n_adapters:,} trainable params; the {n_params:,} of the "
+            f"pre-trained model frozen, its blocks {kind}in {held / 2**20:.2f} MiB"
+            + (f" (float32: {floats / 2**20:.2f} MiB)" if args.quantize else ""))
+
+
+def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[Any, dict]:
+    """``args.steps`` steps on the adapters only; the validation loss before and after."""
+    tx = stackwise.optax.layerwise(optimizer, stackwise.lora.layer_axes(trainable))
+
+    def loss(trainable, inputs, targets):
+        return loss_fn(lm, stackwise.lora.combine(trainable, frozen), inputs, targets)
+
+    @jax.jit
+    def step(trainable, opt_state, key):
+        value, grads = jax.value_and_grad(loss)(trainable, *batches(key))
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, value
+
+    evaluate = jax.jit(lambda trainable: loss(trainable, *val))
+    before = float(evaluate(trainable))
+    log(f"fine-tuning {args.steps} steps: before, val {before:.3f} nats")
+    opt_state, key = tx.init(trainable), jax.random.key(args.seed + 6)
+    every, losses, t0 = max(1, args.steps // 4), [], time.perf_counter()
+    for i in range(1, args.steps + 1):
+        key, k = jax.random.split(key)
+        trainable, opt_state, value = step(trainable, opt_state, k)
+        if i % every == 0 or i == args.steps:
+            losses.append((i, float(value)))
+            log(f"lora step {i:5d}  train {losses[-1][1]:.3f}")
+    after = float(evaluate(trainable))
+    train_s = time.perf_counter() - t0
+    log(f"fine-tuned in {train_s:.1f} s: val {before:.3f} -> {after:.3f} nats")
+    return trainable, {"lora_loss_before": before, "lora_loss_after": after,
+                       "lora_losses": losses, "lora_train_s": train_s}
+
+
+def save(args, base, adapters, k: int, log) -> list[str]:
+    """Saves the adapters in PEFT's layout to ``args.adapters`` and reads them back, bitwise."""
+    adapters, base = layer_order(adapters, k), layer_order(base, k)
+    modules = {f"['{name}']": module for name, module in MODULES.items()}
+    files = stackwise.lora.save_peft(args.adapters, adapters, modules,
+                                     base_model_name_or_path=str(args.checkpoint),
+                                     overwrite=args.overwrite)
+    back = stackwise.lora.load_peft(args.adapters, base, modules)
+    pairs = zip(jax.tree.leaves(adapters), jax.tree.leaves(back))
+    if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs):
+        raise RuntimeError(f"the adapters {args.adapters} did not load back bitwise")
+    log(f"saved the adapters to {args.adapters} in PEFT's layout ({', '.join(files)}) and "
+        "read them back bitwise")
+    return files
