@@ -98,7 +98,7 @@ def _check_not_quantized(tree: Any, where: str) -> None:
     """A quantized weight is frozen: its integer codes are no optimizer's to move."""
     is_q = lambda v: isinstance(v, Quantized)  # noqa: E731
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_q):
-        if is_q(leaf):
+        if is_q(leaf) and jax.tree.leaves(leaf):  # (split's trainable half: an empty shell)
             raise TypeError(
                 f"{where}: params leaf {jax.tree_util.keystr(path)} is a quantized weight "
                 f"(`stackwise.quant.Quantized`, {leaf.kind}); its integer codes cannot take "

@@ -262,3 +262,20 @@ def _quantized_to_the_optimizer():
 def test_a_quantized_leaf_given_to_the_optimizer_is_refused():
     assert_refused(_quantized_to_the_optimizer, TypeError,
                    ("['base']['w']", "quantized weight", "int8", "stackwise.lora.split"))
+
+
+def test_the_fix_it_names_works_on_a_quantized_base():
+    # stackwise.lora.split's trainable half keeps the quantized node as an empty shell (its
+    # codes and scale are in the frozen half): the optimizer takes it, and moves the adapters.
+    import optax
+
+    import stackwise.optax
+
+    base = stackwise.quant.quantize(BASE, targets=W)
+    trainable, frozen = stackwise.lora.split(stackwise.lora.attach(base, _adapters()))
+    tx = stackwise.optax.layerwise(optax.adam(1e-3), stackwise.lora.layer_axes(trainable))
+    grads = jax.tree.map(jnp.ones_like, trainable)
+    updates, _ = tx.update(grads, tx.init(trainable), trainable)
+    assert all(bool((u != 0).all()) for u in jax.tree.leaves(updates))
+    back = stackwise.lora.combine(updates, frozen).base  # the codes untouched, not copied
+    assert all(a is b for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(base), strict=True))
