@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import pathlib
 import tempfile
 import time
@@ -116,7 +117,8 @@ def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batc
     check(record["lora_loss_after"], args.steps)
     model = stackwise.lora.combine(trainable, frozen)
     adapters = per_position(lambda m: m.adapters, model["blocks"], k=k)
-    record["adapters_files"] = save(args, base, adapters, k, log)
+    record["adapters_files"], record["adapters_sha256"] = save(args, base, adapters, k, log)
+    record["adapters"] = str(args.adapters)
     # The merged model (into the dequantized base, for a quantized one) against the wrapped.
     floats = per_position(stackwise.quant.dequantize, base, k=k)
     merged = {**params, "blocks": per_position(stackwise.lora.merge, floats, adapters, k=k)}
@@ -177,7 +179,7 @@ def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[An
                        "lora_losses": losses, "lora_train_s": train_s}
 
 
-def save(args, base, adapters, k: int, log) -> list[str]:
+def save(args, base, adapters, k: int, log) -> tuple[list[str], str]:
     """Saves the adapters in PEFT's layout to ``args.adapters`` and reads them back, bitwise."""
     adapters, base = layer_order(adapters, k), layer_order(base, k)
     modules = {f"['{name}']": module for name, module in MODULES.items()}
@@ -190,4 +192,14 @@ def save(args, base, adapters, k: int, log) -> list[str]:
         raise RuntimeError(f"the adapters {args.adapters} did not load back bitwise")
     log(f"saved the adapters to {args.adapters} in PEFT's layout ({', '.join(files)}) and "
         "read them back bitwise")
-    return files
+    return files, digest(adapters)
+
+
+def digest(adapters) -> str:
+    """The SHA-256 of the adapters' arrays (shapes, dtypes and bytes, in tree order): the same
+    for the adapters trained and those ``stackwise.lora.load_peft`` reads, if bitwise equal."""
+    sha = hashlib.sha256()
+    for leaf in jax.tree.leaves(adapters):
+        leaf = np.asarray(leaf)
+        sha.update(f"{leaf.dtype}{leaf.shape}".encode() + leaf.tobytes())
+    return sha.hexdigest()

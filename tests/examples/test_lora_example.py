@@ -1,0 +1,158 @@
+"""Tests of the example's fine-tuning: ``transformer_lm.py --lora RANK [--quantize KIND]``.
+
+A tiny pre-training run, then LoRA and QLoRA (nf4) on its checkpoint for a few steps, in
+subprocesses as tests/examples/test_examples.py runs the example. Checked here, in this
+process, from what the runs left on disk: the adapters PEFT's files hold are the ones trained
+(``stackwise.lora.load_peft`` reads them bitwise), the loss went down, the merged model gives
+the wrapped (unmerged) model's logits, and the pre-trained checkpoint is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close, reassociation_bound
+from test_examples import TINY, checkpoint_arrays, env, load_example, run_example
+
+import stackwise
+
+__all__ = ["env"]  # (the fixture, shared with test_examples)
+
+#: The adapted leaves and their modules in a transformers layer (examples/lm_finetune.py's).
+MODULES = {"['qkv']": "self_attn.qkv_proj", "['out']": "self_attn.o_proj",
+           "['up']": "mlp.up_proj", "['down']": "mlp.down_proj"}
+
+
+def files_of(folder: pathlib.Path) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, env) -> dict:
+    """A 3-step pre-training of the pure-JAX model and of Equinox's with a pattern; then, on
+    the first, LoRA rank 4 and QLoRA (nf4), and LoRA on the second (fine-tuned in the
+    pure-JAX model): ``{"ckpt", "before", "after", "lora", "qlora", "other", ...}``."""
+    tmp = tmp_path_factory.mktemp("lora")
+    ckpt, other = tmp / "lm", tmp / "eqx"
+    pattern = "--framework equinox --pattern local,global --window 4 --layers 3"
+    run_example(env, f"--steps 3 {TINY} --checkpoint {ckpt}",
+                f"--steps 3 {TINY.replace('--layers 2 ', '')} {pattern} --checkpoint {other}")
+    before = files_of(ckpt)
+    lora = f"--lora 4 --steps 8 --lr 1e-2 --sample-len 12 --quiet --checkpoint {ckpt}"
+    lora, qlora, lora_other = run_example(
+        env, lora, f"{lora} --quantize nf4",
+        f"--lora 2 --lora-alpha 4 --steps 8 --lr 1e-2 --sample-len 12 --quiet "
+        f"--checkpoint {other}")
+    return {"ckpt": ckpt, "before": before, "after": files_of(ckpt), "lora": lora,
+            "qlora": qlora, "other": other, "lora_other": lora_other}
+
+
+def digest(adapters) -> str:
+    """examples/lm_finetune.py's digest of adapters: their shapes, dtypes and bytes."""
+    sha = hashlib.sha256()
+    for leaf in jax.tree.leaves(adapters):
+        leaf = np.asarray(leaf)
+        sha.update(f"{leaf.dtype}{leaf.shape}".encode() + leaf.tobytes())
+    return sha.hexdigest()
+
+
+def restored(ckpt: pathlib.Path):
+    """The checkpoint's pure-JAX model: its config and params (as the example reads them)."""
+    example = load_example()  # (it puts examples/ on sys.path)
+    import lm_models
+
+    meta = example.read_meta(ckpt)
+    run = meta["run"]
+    config = lm_models.Config(vocab=len(meta["chars"]), layers=run["layers"],
+                              d_model=run["d_model"], heads=run["heads"],
+                              seq_len=run["seq_len"])
+    template = jax.eval_shape(lm_models.build_jax(config).init, jax.random.key(0))
+    arrays = checkpoint_arrays(ckpt)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, _: jnp.asarray(arrays["['params']" + jax.tree_util.keystr(path)]), template)
+    chars, data, _ = example.load_text(run["text"])
+    val = example.val_windows(data[int(0.9 * len(data)):], run["seq_len"])
+    return config, params, val
+
+
+def check_finetuned(result: dict, ckpt: pathlib.Path, quantize: str | None) -> None:
+    config, params, val = restored(ckpt)
+    import lm_finetune  # (examples/, on sys.path once the example is loaded)
+    import lm_models
+
+    base = params["blocks"]
+    if quantize:
+        base = stackwise.quant.quantize(base, quantize, lm_finetune.is_target)
+    folder = ckpt.with_name(ckpt.name + (f"_qlora_{quantize}" if quantize else "_lora"))
+    assert result["adapters"] == str(folder)  # (the default folder)
+    config_json = json.loads((folder / "adapter_config.json").read_text())
+    assert config_json["r"] == 4 and config_json["lora_alpha"] == 4.0
+    assert sorted(config_json["target_modules"]) == ["down_proj", "o_proj", "qkv_proj", "up_proj"]
+    # The file holds the trained adapters, bitwise.
+    adapters = stackwise.lora.load_peft(folder, base, MODULES)
+    assert digest(adapters) == result["adapters_sha256"]
+    assert all(bool(jnp.any(lw.b != 0)) for lw in jax.tree.leaves(
+        adapters, is_leaf=lambda v: isinstance(v, stackwise.lora.LoraWeights)))
+    # The loss went down, and the adapters read back give the loss the run reported.
+    assert result["lora_loss_after"] < result["lora_loss_before"]
+    wrapped_lm = lm_models.build_jax(config, adapted=True)
+    wrapped = {**params, "blocks": stackwise.lora.attach(base, adapters)}
+    loss = lm_finetune.loss_fn(wrapped_lm, wrapped, *val)
+    assert float(loss) == pytest.approx(result["lora_loss_after"], rel=1e-5)
+    # Merged (into the dequantized base) against wrapped: the same logits, up to the order
+    # of the sums; and not the base's.
+    merged = {**params, "blocks": stackwise.lora.merge(stackwise.quant.dequantize(base),
+                                                       adapters)}
+    tokens = val[0][:2]
+    positions = jnp.arange(tokens.shape[1])
+    plain = lm_models.build_jax(config)
+    got, _ = plain.apply(merged, tokens, positions)
+    want, _ = wrapped_lm.apply(wrapped, tokens, positions)
+    d, hidden = config.d_model, 4 * config.d_model
+    widths = [d, config.head_dim, config.seq_len, d, d, hidden]  # a block's chained sums
+    bound = reassociation_bound(depth=config.layers, width=widths)
+    assert_close(got, want, bound, what="merged vs wrapped logits")
+    tolerance = bound * float(np.finfo(np.float32).eps) * float(jnp.abs(want).max())
+    assert result["merge_diff"] <= tolerance  # (the run's own check, on its first window)
+    base_logits, _ = plain.apply(params, tokens, positions)
+    assert float(jnp.abs(base_logits - got).max()) > 10 * tolerance  # the adapters count
+
+
+@pytest.mark.slow  # ~1 min: three pre-training and three fine-tuning runs, two subprocesses
+def test_lora_fine_tunes_the_checkpoint_and_saves_peft_adapters(runs):
+    check_finetuned(runs["lora"], runs["ckpt"], None)
+    # Before the first step the adapters change nothing: the checkpoint's own validation loss.
+    assert runs["lora"]["lora_loss_before"] == pytest.approx(
+        load_example().read_meta(runs["ckpt"])["val_loss"], rel=1e-6)
+    assert runs["lora"]["loop_diff"] <= 1e-4 and runs["lora"]["cache_diff"] <= 1e-4
+    assert len(runs["lora"]["sample"]) == 1 + 12
+    assert runs["after"] == runs["before"]  # the base checkpoint is untouched
+
+
+@pytest.mark.slow  # (the same runs)
+def test_qlora_trains_on_an_nf4_base_and_samples_from_it(runs):
+    check_finetuned(runs["qlora"], runs["ckpt"], "nf4")
+    assert runs["qlora"]["loop_diff"] <= 1e-4 and runs["qlora"]["cache_diff"] <= 1e-4
+    assert runs["after"] == runs["before"]
+
+
+@pytest.mark.slow  # (the same runs)
+def test_lora_of_another_framework_and_a_pattern_in_layer_order(runs):
+    # Equinox's checkpoint, blocks local, global, local (positions 0, 1): fine-tuned in the
+    # pure-JAX model; PEFT's layers.{i} are the model's layers in order.
+    result = runs["lora_other"]
+    assert result["lora_loss_after"] < result["lora_loss_before"]
+    folder = runs["other"].with_name(runs["other"].name + "_lora")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    assert sorted({name.split(".")[4] for name in tensors}) == ["0", "1", "2"]
+    assert tensors["base_model.model.model.layers.2.self_attn.qkv_proj.lora_A.weight"].shape \
+        == (2, 32)
+    assert result["loop_diff"] <= 1e-4 and result["cache_diff"] <= 1e-4
