@@ -9,15 +9,17 @@ blocks get rank-``RANK`` adapters (``stackwise.lora``) on every linear layer (``
 ``out``, ``up``, ``down``: PEFT's ``target_modules="all-linear"``, which leaves out the
 output head, and what the QLoRA paper found needed to match full fine-tuning); the
 embedding, norms and head stay frozen too. Only the adapters train (``stackwise.lora.split``
-and ``combine``), with the run's optimizer through ``stackwise.optax.layerwise``, on the
-text's training part (its first 90%, as in pre-training), and the loss is measured on the
-same validation windows as pre-training's: before the first step it is the checkpoint's own
-validation loss (the adapters' ``b`` starts at zero). With ``--quantize int8|int4|nf4`` the
-base's linear layers are quantized per layer and output channel first
+and ``combine``), with ``--optimizer`` (adamw) at ``--lr`` for ``--steps`` (200) steps
+through ``stackwise.optax.layerwise``, on the text's training part (its first 90%, as in
+pre-training; ``--text`` may name another text of the same characters), and the loss is
+measured on the same validation windows as pre-training's: before the first step it is the
+checkpoint's own validation loss (the adapters' ``b`` starts at zero). With ``--quantize
+int8|int4|nf4`` the base's linear layers are quantized per layer and output channel first
 (``stackwise.quant``), and each block dequantizes its own slice inside the scan.
 
 The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
-whole or not at all), read back bitwise, and then the model samples: with a float base,
+whole or not at all; ``stackwise.lora.load_peft`` reads them back), then the model samples,
+through the example's one sampling path (``check_and_sample``): with a float base,
 the adapters merged into it (``stackwise.lora.merge``: the plain model again); with a
 quantized one, through the wrapped blocks (``stackwise.lora.wrap``) on the quantized base.
 Every framework's checkpoint is fine-tuned in the pure-JAX model: the params are carried
@@ -37,10 +39,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lm_models
 import numpy as np
 import optax
 
-import lm_models
 import stackwise
 import stackwise.optax
 
@@ -112,12 +114,12 @@ def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batc
                                    alpha=args.lora_alpha, targets=is_target)
     model = {**params, "blocks": per_position(stackwise.lora.attach, base, adapters, k=k)}
     trainable, frozen = stackwise.lora.split(model)
-    log(describe(params, base, trainable, args, k))
+    log(describe(params, base, trainable, args))
     trainable, record = train(lm, trainable, frozen, batches, val, optimizer, args, log)
     check(record["lora_loss_after"], args.steps)
     model = stackwise.lora.combine(trainable, frozen)
     adapters = per_position(lambda m: m.adapters, model["blocks"], k=k)
-    record["adapters_files"], record["adapters_sha256"] = save(args, base, adapters, k, log)
+    record["adapters_files"], record["adapters_sha256"] = save(args, adapters, k, log)
     record["adapters"] = str(args.adapters)
     # The merged model (into the dequantized base, for a quantized one) against the wrapped.
     floats = per_position(stackwise.quant.dequantize, base, k=k)
@@ -135,7 +137,7 @@ def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batc
     return plain, merged, record
 
 
-def describe(params, base, trainable, args, k: int) -> str:
+def describe(params, base, trainable, args) -> str:
     """One line: the adapters trained and the frozen base (its bytes, quantized or not)."""
     n_adapters = sum(v.size for v in jax.tree.leaves(trainable))
     n_params = sum(v.size for v in jax.tree.leaves(params))
@@ -179,20 +181,17 @@ def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[An
                        "lora_losses": losses, "lora_train_s": train_s}
 
 
-def save(args, base, adapters, k: int, log) -> tuple[list[str], str]:
-    """Saves the adapters in PEFT's layout to ``args.adapters`` and reads them back, bitwise."""
-    adapters, base = layer_order(adapters, k), layer_order(base, k)
+def save(args, adapters, k: int, log) -> tuple[list[str], str]:
+    """Saves the adapters in PEFT's layout to ``args.adapters``: the files and their digest."""
+    adapters = layer_order(adapters, k)
     modules = {f"['{name}']": module for name, module in MODULES.items()}
     files = stackwise.lora.save_peft(args.adapters, adapters, modules,
                                      base_model_name_or_path=str(args.checkpoint),
                                      overwrite=args.overwrite)
-    back = stackwise.lora.load_peft(args.adapters, base, modules)
-    pairs = zip(jax.tree.leaves(adapters), jax.tree.leaves(back))
-    if not all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs):
-        raise RuntimeError(f"the adapters {args.adapters} did not load back bitwise")
-    log(f"saved the adapters to {args.adapters} in PEFT's layout ({', '.join(files)}) and "
-        "read them back bitwise")
-    return files, digest(adapters)
+    sha256 = digest(adapters)
+    log(f"saved the adapters to {args.adapters} in PEFT's layout ({', '.join(files)}; "
+        f"SHA-256 of the arrays {sha256[:12]}); stackwise.lora.load_peft reads them back")
+    return files, sha256
 
 
 def digest(adapters) -> str:

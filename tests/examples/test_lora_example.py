@@ -156,3 +156,8 @@ def test_lora_of_another_framework_and_a_pattern_in_layer_order(runs):
     assert tensors["base_model.model.model.layers.2.self_attn.qkv_proj.lora_A.weight"].shape \
         == (2, 32)
     assert result["loop_diff"] <= 1e-4 and result["cache_diff"] <= 1e-4
+
+
+def test_the_command_line_offers_the_quantizers_stackwise_has():
+    # --quantize's choices are named without importing JAX; they are stackwise.quant's kinds.
+    assert load_example().QUANT_KINDS == stackwise.quant.KINDS

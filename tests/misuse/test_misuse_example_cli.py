@@ -122,6 +122,34 @@ CASES = [
      "not in"),
     (["--load-safetensors", "{tmp}/badexport"], "{tmp}/badexport/transformer_lm.json",
      "is not what --export writes, or is damaged (JSONDecodeError"),
+    # Fine-tuning: --lora RANK on the checkpoint's run; --quantize for its base (QLoRA).
+    (["--lora", "0"], "--lora", "expected a positive integer"),
+    (["--lora", "4.5"], "--lora", "expected a positive integer"),
+    (["--lora", "4"], "--lora", "there is no pre-trained checkpoint at {tmp}/none to fine-tune. "
+     "Pre-train one first: the same command without --lora"),
+    (["--lora", "64", "--checkpoint", "{tmp}/short"], "--lora",
+     "64 is larger than the model's width, --d-model 32"),
+    (["--lora", "4", "--checkpoint", "{tmp}/short"], "{tmp}/short/3",
+     "has no array params/head: it is incomplete"),
+    (["--lora", "4", "--checkpoint", "{tmp}/short", "--text", "{tmp}/other.txt"], "--text",
+     "was trained on tiny.txt, whose vocabulary (28 characters) is not that of"),
+    (["--lora", "4", "--checkpoint", "{tmp}/short", "--heads", "4"], "--heads",
+     "another run than the flags ask for (--heads: 2 in the checkpoint vs 4 here)"),
+    (["--quantize", "nf4"], "--quantize", "only with --lora RANK"),
+    (["--quantize", "int2", "--lora", "4"], "--quantize", "invalid choice: 'int2'"),
+    (["--lora-alpha", "8"], "--lora-alpha", "only with --lora RANK"),
+    (["--adapters", "{tmp}/out"], "--adapters", "only with --lora RANK"),
+    (["--lora", "4", "--lora-alpha", "0"], "--lora-alpha", "expected a positive number"),
+    (["--lora", "4", "--lora-alpha", "nan"], "--lora-alpha", "expected a positive number"),
+    (["--lora", "4", "--restore"], "--lora", "not allowed with --restore"),
+    (["--lora", "4", "--resume"], "--lora", "not allowed with --resume"),
+    (["--lora", "4", "--load-safetensors", "{tmp}/export"], "--lora",
+     "not allowed with --load-safetensors"),
+    (["--lora", "4", "--export", "{tmp}/out"], "--lora", "not allowed with --export"),
+    (["--lora", "4", "--adapters", "{tmp}/junk"], "--adapters",
+     "already holds files; pass --overwrite to replace them"),
+    (["--lora", "4", "--adapters", "{tmp}/tiny.txt/out"], "--adapters {tmp}/tiny.txt/out",
+     "cannot write there ({tmp}/tiny.txt is not a writable folder)"),
     (["--stpes", "3"], "--stpes", "unrecognized arguments"),
     (["--checkpoint"], "--checkpoint", "expected one argument"),
 ]
@@ -186,7 +214,7 @@ def no_work(lm, monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("the example started working on a command it should refuse")
 
-    for name in ("train", "generate", "cached_vs_full"):
+    for name in ("train", "generate", "cached_vs_full", "fine_tune"):
         monkeypatch.setattr(lm, name, started)
 
 
