@@ -289,7 +289,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.load_safetensors is not None and not (args.load_safetensors / EXPORT_META).is_file():
         p.error(f"--load-safetensors {args.load_safetensors}: no {EXPORT_META} there; give a "
                 "folder that --export DIR wrote")
-    if not (args.restore or args.load_safetensors):  # training writes it
+    if not (args.restore or args.load_safetensors or args.lora):  # training writes it
         if folder := unwritable_parent(args.checkpoint):
             p.error(f"--checkpoint {args.checkpoint}: cannot write there ({folder} is not a "
                     "writable folder); pass --checkpoint PATH in a folder you can write")
@@ -1047,11 +1047,13 @@ def main(argv: list[str] | None = None, log=print) -> dict:
       UsageError: ``--d-model`` not a multiple of ``2 * --heads``, a ``--pattern`` entry other
         than local or global, ``--window`` over ``--seq-len``, fewer ``--layers`` than the
         pattern has entries, a ``--text`` that is not UTF-8 or too short for the context, a
-        ``--prompt`` with characters outside the text's vocabulary or longer than the context.
+        ``--prompt`` with characters outside the text's vocabulary or longer than the context,
+        a ``--lora`` rank above ``--d-model``.
         (The flags' own ranges are refused by ``parse_args``, which exits as argparse does.)
-      CheckpointError: ``--restore`` without a checkpoint, a checkpoint of another run than
-        the flags given, training over another run's checkpoint without ``--resume`` or
-        ``--overwrite``, or a damaged or incomplete checkpoint; the message says what to pass.
+      CheckpointError: ``--restore`` or ``--lora`` without a checkpoint, a checkpoint of
+        another run than the flags given, training over another run's checkpoint without
+        ``--resume`` or ``--overwrite``, or a damaged or incomplete checkpoint; the message
+        says what to pass.
     """
     args = parse_args(argv)
     start = time.perf_counter()
