@@ -295,7 +295,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     "writable folder); pass --checkpoint PATH in a folder you can write")
 
 
-def check_lora_args(p: argparse.Namespace, args: argparse.Namespace) -> None:
+def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses the fine-tuning flags no run can use (as :func:`check_args`)."""
     if args.lora is None:
         for name in ("lora_alpha", "quantize", "adapters"):
@@ -310,6 +310,11 @@ def check_lora_args(p: argparse.Namespace, args: argparse.Namespace) -> None:
     if not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
         p.error(f"--lora-alpha {args.lora_alpha!r}: expected a positive number, e.g. "
                 f"--lora-alpha {2 * args.lora} (the update is alpha / RANK * a @ b)")
+    adapters, checkpoint = args.adapters.resolve(), args.checkpoint.resolve()
+    if adapters == checkpoint or checkpoint in adapters.parents or adapters in checkpoint.parents:
+        p.error(f"--adapters {args.adapters}: it would replace the pre-trained --checkpoint "
+                f"{args.checkpoint} or hold it; give a folder beside it, e.g. --adapters "
+                f"{args.checkpoint}_lora")
     if holds_files(args.adapters) and not args.overwrite:
         p.error(f"--adapters {args.adapters}: already holds files; pass --overwrite to "
                 "replace them, or --adapters DIR for another folder")

@@ -124,7 +124,7 @@ def check_finetuned(result: dict, ckpt: pathlib.Path, quantize: str | None) -> N
     assert float(jnp.abs(base_logits - got).max()) > 10 * tolerance  # the adapters count
 
 
-@pytest.mark.slow  # ~1 min: three pre-training and three fine-tuning runs, two subprocesses
+@pytest.mark.slow  # two subprocesses, two pre-trainings and three fine-tunings: ~1 min of CPU
 def test_lora_fine_tunes_the_checkpoint_and_saves_peft_adapters(runs):
     check_finetuned(runs["lora"], runs["ckpt"], None)
     # Before the first step the adapters change nothing: the checkpoint's own validation loss.

@@ -150,6 +150,10 @@ CASES = [
      "already holds files; pass --overwrite to replace them"),
     (["--lora", "4", "--adapters", "{tmp}/tiny.txt/out"], "--adapters {tmp}/tiny.txt/out",
      "cannot write there ({tmp}/tiny.txt is not a writable folder)"),
+    (["--lora", "4", "--checkpoint", "{tmp}/short", "--adapters", "{tmp}/short", "--overwrite"],
+     "--adapters", "it would replace the pre-trained --checkpoint {tmp}/short or hold it"),
+    (["--lora", "4", "--checkpoint", "{tmp}/short", "--adapters", "{tmp}", "--overwrite"],
+     "--adapters", "or hold it; give a folder beside it, e.g. --adapters {tmp}/short_lora"),
     (["--stpes", "3"], "--stpes", "unrecognized arguments"),
     (["--checkpoint"], "--checkpoint", "expected one argument"),
 ]
