@@ -148,6 +148,9 @@ def test_lora_of_another_framework_and_a_pattern_in_layer_order(runs):
     # pure-JAX model; PEFT's layers.{i} are the model's layers in order.
     result = runs["lora_other"]
     assert result["lora_loss_after"] < result["lora_loss_before"]
+    # Carried over into the pure-JAX model, the params give the Equinox model's loss.
+    assert result["lora_loss_before"] == pytest.approx(
+        load_example().read_meta(runs["other"])["val_loss"], rel=1e-5)
     folder = runs["other"].with_name(runs["other"].name + "_lora")
     from safetensors.numpy import load_file
 
