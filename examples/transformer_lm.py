@@ -226,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
     if args.checkpoint is None:
         args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}"
+    # Absolute, once: orbax and tensorstore's `file://` take no path relative to the cwd.
+    args.checkpoint = args.checkpoint.absolute()
     if args.lora is not None:
         args.lora_alpha = float(args.lora) if args.lora_alpha is None else args.lora_alpha
         if args.adapters is None:

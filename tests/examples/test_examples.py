@@ -631,3 +631,11 @@ def test_the_estimate_comes_from_the_steps_after_the_first():
     assert re.fullmatch(r"\d+ ms a step: about \d+ s for the 85 steps left, plus validations "
                         r"and saves", lines[lm.Estimate.WINDOW])
     assert not any(lm.Estimate(0, 20).after(i, 0.0) for i in range(1, 21))  # too short
+
+
+def test_a_relative_checkpoint_path_is_made_absolute(tmp_path, monkeypatch):
+    # orbax and tensorstore's `file://` take no path relative to the cwd: a relative
+    # --checkpoint once made every restore report the checkpoint as damaged.
+    monkeypatch.chdir(tmp_path)
+    args = load_example().parse_args(["--checkpoint", "ck"])
+    assert args.checkpoint == tmp_path / "ck" and args.checkpoint.is_absolute()
