@@ -153,6 +153,15 @@ QUANT = [
         stackwise.quant.quantize(BASE, targets=W), targets=W), ValueError, "already quantized"),
     case("target not 2-D per layer", lambda: stackwise.quant.quantize(BASE, targets=["['t']"]),
          ValueError, "['t']", "2-D (in, out)"),
+    case("a block size not dividing the inputs",
+         lambda: stackwise.quant.quantize(BASE, "nf4", targets=W, block_size=3), ValueError,
+         "['w']", "4 inputs", "`block_size=3` does not divide", "never padded", "e.g. 1"),
+    case("a block size of zero", lambda: stackwise.quant.quantize(BASE, block_size=0),
+         ValueError, "`block_size` must be at least 1"),
+    case("a block size as a float", lambda: stackwise.quant.quantize(BASE, block_size=64.0),
+         TypeError, "`block_size` must be an int", "float"),
+    case("a block size as a bool", lambda: stackwise.quant.quantize(BASE, block_size=True),
+         TypeError, "`block_size` must be an int"),
 ]
 
 
