@@ -73,7 +73,7 @@ def _spec(sharding: NamedSharding, shape: tuple, path: str, what: str, who: str,
           strict: bool = True) -> PartitionSpec:
     """The float leaf's spec for an array of ``shape``: an axis it does not divide is
     refused (``strict``, the codes) or left whole (the scales' input axis, of few blocks)."""
-    entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    entries = list(sharding.spec)  # (as long as the float leaf's, at most its axes)
     for d, entry in enumerate(entries):
         axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
         size = int(np.prod([sharding.mesh.shape[a] for a in axes]))

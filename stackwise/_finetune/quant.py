@@ -111,9 +111,17 @@ def _quantize_layer(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax
 def quantize_rows(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax.Array]:
     """Stacked ``(n, in, out)`` floats -> ``(codes, scale)`` as :class:`Quantized` holds them
     (4-bit codes packed), one layer at a time (:func:`jax.lax.map`: float32 temporaries of
-    one layer). The one quantizer of :func:`quantize` and of ``load_checkpoint(quantize=)``,
+    one layer; each device its own layers where they are split over devices). The one
+    quantizer of :func:`quantize` and of ``load_checkpoint(quantize=)``,
     so a layer quantized alone or in its stack gives the same bits."""
-    codes, scale = jax.lax.map(lambda layer: _quantize_layer(layer, kind, block), w)
+    one = lambda layer: _quantize_layer(layer, kind, block)  # noqa: E731
+    spec = getattr(jax.typeof(w).sharding, "spec", ())
+    if spec and spec[0] is not None:
+        # The layers split over devices (explicit mesh axes), which a scan cannot walk:
+        # each device quantizes its own layers at once (its temporaries: its float shard).
+        codes, scale = jax.vmap(one)(w)
+    else:
+        codes, scale = jax.lax.map(one, w)
     return (codes if kind == "int8" else _pack(codes)), scale
 
 
