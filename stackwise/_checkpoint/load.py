@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from stackwise._checkpoint import quantized
 from stackwise._checkpoint.names import (
     Tensor,
     check_layout,
@@ -42,7 +43,6 @@ from stackwise._checkpoint.names import (
     name_leaves,
     resolve_reshape,
 )
-from stackwise._checkpoint import quantized
 from stackwise._checkpoint.placements import check_sharding, placements
 from stackwise._checkpoint.read import Checkpoint, open_checkpoint
 from stackwise._core import checks, trees

@@ -3,8 +3,9 @@
 A float leaf of shape ``(n, in, out)`` becomes a :class:`Quantized` node: integer codes and a
 float ``scale`` of shape ``(n, 1, out)``, one per layer and output channel, so the layer axis
 is never a weight axis; with ``block_size=B`` (QLoRA's nf4 takes 64) one per layer, output
-channel and block of B inputs: ``(n, in / B, out)``. 4-bit codes (``"int4"``, ``"nf4"``) are packed two to a byte along
-``in`` (``uint8 (n, ceil(in / 2), out)``) and stay packed until a layer unpacks its own slice.
+channel and block of B inputs: ``(n, in / B, out)``. 4-bit codes (``"int4"``, ``"nf4"``) are
+packed two to a byte along ``in`` (``uint8 (n, ceil(in / 2), out)``) and stay packed until a
+layer unpacks its own slice.
 The node's leaves keep the leading layer axis, so ``Stacked.apply`` slices them per layer
 like any params; :func:`dequantize` gives back floats (of one layer inside the scan).
 """
@@ -23,9 +24,9 @@ import numpy as np
 from stackwise._core import checks
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["KINDS", "Quantized", "Scheme", "as_scheme", "block_size_of", "check_block_size", "check_float",
-           "check_kind", "dequantize", "is_float_matrix", "is_quantized", "quantize",
-           "quantize_rows"]
+__all__ = ["KINDS", "Quantized", "Scheme", "as_scheme", "block_size_of", "check_block_size",
+           "check_float", "check_kind", "dequantize", "is_float_matrix", "is_quantized",
+           "quantize", "quantize_rows"]
 
 #: The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023; bitsandbytes' table).
 NF4 = np.array(

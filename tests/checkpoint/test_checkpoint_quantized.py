@@ -164,7 +164,9 @@ folder, small, kind, mode, n, d = sys.argv[1:7]
 names = {"w": stackwise.Tensor("layers.{}.w", transpose=(1, 0))}
 abstract = lambda n: {"w": jax.ShapeDtypeStruct((int(n), int(d), int(d)), jnp.float32)}
 # Both ways once on a one-layer checkpoint first: what is measured is loading, not compiling.
-jax.block_until_ready(stackwise.quant.quantize(stackwise.load_checkpoint(small, abstract(1), names), kind))
+floats = stackwise.load_checkpoint(small, abstract(1), names)
+jax.block_until_ready(stackwise.quant.quantize(floats, kind))
+del floats
 jax.block_until_ready(stackwise.load_checkpoint(small, abstract(1), names, quantize=kind))
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak resident set (VmHWM) starts again from the current one
