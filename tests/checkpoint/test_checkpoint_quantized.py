@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stackwise
 
@@ -126,6 +128,24 @@ def test_a_cast_and_a_pattern(tmp_path):
         {"w": arrays["model.layers.3.mlp.down_proj.weight"].T[None]}, "int8")["w"]
     np.testing.assert_array_equal(got[1]["w"].codes[1], alone.codes[0])
     np.testing.assert_array_equal(got[1]["w"].scale[1], alone.scale[0])
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(stackwise.quant.KINDS), n=st.integers(1, 4),
+       blocks=st.integers(1, 3), block=st.sampled_from([1, 3, 4]), out=st.integers(1, 6),
+       dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+def test_while_loading_is_after_loading_over_shapes(kind, n, blocks, block, out, dtype, seed):
+    rows = blocks * block
+    rng = np.random.default_rng(seed)
+    arrays = {f"l.{i}.w": (rng.normal(size=(out, rows)) * rng.uniform(0.1, 10)).astype(dtype)
+              for i in range(n)}
+    target = {"w": jax.ShapeDtypeStruct((n, rows, out), dtype)}
+    names = {"w": stackwise.Tensor("l.{}.w", transpose=(1, 0))}
+    got = stackwise.load_checkpoint(arrays, target, names,
+                                    quantize=stackwise.quant.Scheme(kind, block_size=block))
+    floats = stackwise.load_checkpoint(arrays, target, names)
+    assert_bitwise(got, stackwise.quant.quantize(floats, kind, block_size=block))
 
 
 def test_the_loaded_base_runs_in_a_qlora_stack():

@@ -131,10 +131,11 @@ def test_packed_codes_stay_packed_until_inside_the_layer():
         any(_unpacks(s.params["jaxpr"].jaxpr.eqns) for s in scans) for _ in [0])
 
 
-def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256) -> float:
+def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256,
+              block: int | None = None) -> float:
     """Temp memory of ``jit(grad)`` w.r.t. the adapters, with a quantized base of n layers."""
     w = jax.random.normal(KEY, (n, d, d)) / d**0.5
-    base = stackwise.quant.quantize({"w": w}, kind)
+    base = stackwise.quant.quantize({"w": w}, kind, block_size=block)
     adapters = stackwise.lora.init(KEY, base, rank=4)
     layer = lambda p, x: x + jnp.tanh(x @ p["w"])  # noqa: E731
     x = jnp.ones((2, d))
@@ -154,14 +155,16 @@ def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_temp_memory_holds_about_one_layer_at_any_depth(kind):
+@pytest.mark.parametrize("kind, block", [("int8", None), ("nf4", None), ("nf4", 64)])
+def test_temp_memory_holds_about_one_layer_at_any_depth(kind, block):
     """From n=4 to n=16 the stack's temporaries grow by far less than one dequantized layer
-    (0.25 MiB at d=256); the loop's grow by a dequantized layer per layer."""
+    (0.25 MiB at d=256); the loop's grow by a dequantized layer per layer. Block-wise scales
+    (QLoRA's blocks of 64) alike."""
     layer_mib = 256 * 256 * 4 / 2**20
-    stack_growth = _temp_mib(16, kind, False) - _temp_mib(4, kind, False)
+    stack_growth = _temp_mib(16, kind, False, block=block) - _temp_mib(4, kind, False,
+                                                                        block=block)
     assert stack_growth < layer_mib / 2, stack_growth
-    loop_growth = _temp_mib(16, kind, True) - _temp_mib(4, kind, True)
+    loop_growth = _temp_mib(16, kind, True, block=block) - _temp_mib(4, kind, True, block=block)
     assert loop_growth > 10 * layer_mib, loop_growth
 
 
@@ -221,6 +224,23 @@ def test_blockwise_scales_equal_a_numpy_loop_of_blocks(kind, block):
         plain = stackwise.quant.quantize({"w": jnp.asarray(w, jnp.float32)}, kind)["w"]
         np.testing.assert_array_equal(q.codes, plain.codes)
         np.testing.assert_array_equal(q.scale, plain.scale)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(stackwise.quant.KINDS), n=st.integers(1, 3),
+       blocks=st.integers(1, 4), block=st.sampled_from([1, 2, 3, 8]), out=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_blockwise_scales_over_shapes(kind, n, blocks, block, out, seed):
+    """Any number of blocks of any size (odd numbers of rows for the 4-bit packing too)."""
+    w = np.asarray(jax.random.normal(jax.random.key(seed), (n, blocks * block, out)))
+    q = stackwise.quant.quantize({"w": w}, kind, block_size=block)["w"]
+    assert q.scale.shape == (n, blocks, out) and q.shape == w.shape
+    np.testing.assert_allclose(stackwise.quant.dequantize(q),
+                               _blockwise_reference(w, kind, block), rtol=1e-6, atol=1e-6)
+    for i in range(n):  # each layer's slice dequantizes alone to its rows, bitwise
+        one = stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], q))
+        np.testing.assert_array_equal(one, stackwise.quant.dequantize(q)[i])
 
 
 def test_blocks_scale_an_outlier_only_in_its_own_block():
