@@ -523,7 +523,9 @@ def load_checkpoint(
       sharding; each device's shard is read from the checkpoint alone. On
       several hosts (JAX processes), every process calls it alike and reads
       its own devices' shards only: together they hold one global array per
-      leaf (the first device, without shardings, is process 0's).
+      leaf (the first device, without shardings, is process 0's). With
+      ``quantize``, each chosen leaf is a ``stackwise.quant.Quantized`` of
+      such arrays (codes and scales).
 
     Raises:
       ValueError: a missing layer or tensor, an extra layer, a shape that
