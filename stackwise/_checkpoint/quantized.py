@@ -125,6 +125,6 @@ def build(layer: Callable[[int], np.ndarray], kind: str, block: int, shape: tupl
         floats = layer(j)
         c, s = quantize_rows(floats, kind, block)
         del floats  # the next layer is read once this one's floats are gone
-        codes[j], scale[j] = np.asarray(c[0]), np.asarray(s[0])
+        codes[j], scale[j] = np.asarray(c)[0], np.asarray(s)[0]
     return Quantized(_place(codes, sharding, path, who, True),
                      _place(scale, sharding, path, who, False), kind, node.dtype, node.rows)
