@@ -177,3 +177,22 @@ def test_a_folder_peft_saved_loads_bitwise_with_peft_s_logits(tmp_path):
             np.testing.assert_array_equal(np.asarray(leaf.b[i]), b)
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
                                _peft_logits(peft_model, TOKENS), **TOL)
+
+
+@pytest.mark.parametrize("other, words", [
+    ({"num_hidden_layers": N - 1}, "layers.2.mlp.down_proj.lora_A.weight is missing"),
+    ({"num_hidden_layers": N + 1}, "fit no layer of the base"),
+    ({"hidden_size": 2 * E}, "down_proj.lora_B.weight is of shape (32, 4), expected (16, 4)"),
+])
+def test_a_folder_peft_saved_for_another_model_is_refused(tmp_path, other, words):
+    """PEFT's own files for a Llama of another depth or width, onto this one's base."""
+    params = _load(_model(), tmp_path / "hf")
+    config = transformers.LlamaConfig(**{
+        "vocab_size": V, "hidden_size": E, "intermediate_size": F, "num_hidden_layers": N,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV, **other})
+    lora = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).save_pretrained(
+        str(tmp_path / "other"))
+    with pytest.raises(ValueError) as info:
+        stackwise.lora.load_peft(tmp_path / "other", params["layers"], MODULES)
+    assert words in str(info.value) and "another model" in str(info.value), str(info.value)
