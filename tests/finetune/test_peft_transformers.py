@@ -6,7 +6,8 @@ params with ``stackwise.load_checkpoint``; a stacked Llama in JAX (RMSNorm, rota
 SwiGLU) runs it with ``stackwise.lora.stack``. Adapters exported with
 ``stackwise.lora.save_peft`` and loaded by ``peft.PeftModel.from_pretrained`` give the stacked
 model's logits; a folder that PEFT itself wrote (``PeftModel.save_pretrained``) loads with
-``stackwise.lora.load_peft`` bitwise, and gives PEFT's logits. Checked with transformers 5.25,
+``stackwise.lora.load_peft`` bitwise, and gives PEFT's logits; PEFT's files for a Llama of
+another depth or width are refused. Checked with transformers 5.25,
 peft 0.21.2 and torch 2.13 (CPU)."""
 
 from __future__ import annotations
