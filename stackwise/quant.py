@@ -9,7 +9,8 @@ inside each layer by :func:`stackwise.lora.wrap` (see ``docs/finetune.md``).
 
 from stackwise._finetune.quant import KINDS as KINDS
 from stackwise._finetune.quant import Quantized as Quantized
+from stackwise._finetune.quant import Scheme as Scheme
 from stackwise._finetune.quant import dequantize as dequantize
 from stackwise._finetune.quant import quantize as quantize
 
-__all__ = ["KINDS", "Quantized", "dequantize", "quantize"]
+__all__ = ["KINDS", "Quantized", "Scheme", "dequantize", "quantize"]

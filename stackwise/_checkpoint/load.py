@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from stackwise._checkpoint import quantized
 from stackwise._checkpoint.names import (
     Tensor,
     check_layout,
@@ -448,6 +449,7 @@ def load_checkpoint(
     *,
     shardings: Any = None,
     pattern: int | None = None,
+    quantize: Any = None,
 ) -> Any:
     """Loads a per-layer (or stacked) checkpoint into stacked, sharded params, streamed.
 
@@ -476,6 +478,17 @@ def load_checkpoint(
     ...     print(str(e)[:89])
     stackwise.load_checkpoint: layer 4's tensor 'model.layers.4.mlp.weight' for leaf ['w'] is
 
+    With ``quantize``, each layer of the chosen leaves is read, quantized and dropped in turn
+    (the float model never whole in memory), giving the bits of
+    ``stackwise.quant.quantize(load_checkpoint(...), ...)``:
+
+    >>> q = stackwise.load_checkpoint(ckpt, target, names, quantize="int8")
+    >>> q["blocks"]["w"].codes.dtype, q["blocks"]["w"].scale.shape, q["head"].dtype
+    (dtype('int8'), (4, 1, 3), dtype('float32'))
+    >>> ref = stackwise.quant.quantize(params, "int8")
+    >>> bool((q["blocks"]["w"].codes == ref["blocks"]["w"].codes).all())
+    True
+
     Args:
       source: a checkpoint, as :func:`stackwise.open_checkpoint` takes it
         (safetensors files or directory, orbax directory, .npz, dict).
@@ -495,32 +508,60 @@ def load_checkpoint(
       pattern: k for a pattern Stack: the per-layer names then say their
         position (``Tensor(name, position=p)``), whose row j is layer
         ``p + j*k``.
+      quantize: None (floats, as stored or cast), a kind (``"int8"``, ``"int4"``,
+        ``"nf4"``: every floating leaf that is 2-D per layer), or a
+        ``stackwise.quant.Scheme(kind, targets, block_size)`` (``targets`` and
+        ``block_size`` as ``stackwise.quant.quantize`` takes them). Each chosen leaf
+        becomes a ``stackwise.quant.Quantized``, read and quantized one layer at a
+        time: the host holds its codes, scales and one layer's floats. Its codes take
+        the float leaf's sharding (a ``NamedSharding`` spec must divide the packed
+        4-bit rows too), its scales the same spec, their input axis left whole where
+        the blocks do not divide it. Every process reads each such layer whole.
 
     Returns:
       The target with every array leaf loaded, as a ``jax.Array`` with its
       sharding; each device's shard is read from the checkpoint alone. On
       several hosts (JAX processes), every process calls it alike and reads
       its own devices' shards only: together they hold one global array per
-      leaf (the first device, without shardings, is process 0's).
+      leaf (the first device, without shardings, is process 0's). With
+      ``quantize``, each chosen leaf is a ``stackwise.quant.Quantized`` of
+      such arrays (codes and scales).
 
     Raises:
       ValueError: a missing layer or tensor, an extra layer, a shape that
         differs, a template that matches nothing or a tensor that would
         fill two leaves, names for leaves the target lacks, a mesh that does
         not divide a leaf, a ``shardings`` tree that misses a leaf or has
-        a key the target lacks, or a truncated or corrupt file. Every check
-        runs before anything is read.
+        a key the target lacks, or a truncated or corrupt file; for
+        ``quantize``: an unknown kind, a target that is not a floating
+        leaf 2-D per layer, a block size that does not divide its inputs,
+        or a mesh that does not divide the packed codes. Every check runs
+        before anything is read.
       TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, a
         bad transform, or ``shardings`` that are not Shardings (a
-        ``PartitionSpec`` or a ``Mesh``: ``NamedSharding(mesh, spec)``).
+        ``PartitionSpec`` or a ``Mesh``: ``NamedSharding(mesh, spec)``); a
+        ``quantize`` that is neither a kind nor a Scheme, or a quantized
+        leaf's sharding that is not named, one device or replicated.
     """
     ckpt = open_checkpoint(source)
+    chosen = quantized.choose(target, quantize, _LOAD)
     plans = _plans(ckpt, target, names, shardings, pattern, _LOAD)
+    for plan, choice in zip(plans, chosen):
+        if plan is not None and choice is not None:
+            node = quantized.abstract(*choice, plan.shape, plan.dtype)
+            quantized.check_placement(plan.sharding, node, plan.path, _LOAD)
     leaves, treedef = jax.tree_util.tree_flatten(target)
     out = [
-        leaf
-        if plan is None
-        else _build(ckpt, plan)
-        for leaf, plan in zip(leaves, plans)
+        leaf if plan is None
+        else _build(ckpt, plan) if choice is None
+        else quantized.build(lambda j, plan=plan: _layer(ckpt, plan, j), *choice, plan.shape,
+                             plan.dtype, plan.sharding, plan.path, _LOAD)
+        for leaf, plan, choice in zip(leaves, plans, chosen)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _layer(ckpt: Checkpoint, plan: _Plan, j: int) -> np.ndarray:
+    """Layer j of a stacked leaf, whole, on the host: ``(1, ...)``, as the leaf holds it."""
+    index = (slice(j, j + 1),) + (slice(None),) * (len(plan.shape) - 1)
+    return _fill(ckpt, plan, [index])[0]

@@ -189,8 +189,19 @@ def _read_config(directory: str, who: str) -> dict:
             f"{who}: {directory} lacks {CONFIG} or {WEIGHTS}; give the folder PEFT's "
             "`save_pretrained` (or `stackwise.lora.save_peft`) wrote."
         )
-    with open(path) as f:
-        config = json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{who}: {path} is not JSON ({e}); give the folder PEFT's "
+                         "`save_pretrained` wrote.") from None
+    missing = [k for k in ("peft_type", "r", "lora_alpha")
+               if not isinstance(config, dict) or k not in config]
+    if missing:
+        raise ValueError(
+            f"{who}: {path} lacks {missing}: not a PEFT adapter config (PEFT's LoRA config "
+            "has `peft_type`, `r`, `lora_alpha`, `target_modules`)."
+        )
     unsupported = {
         "peft_type": ("LORA", config.get("peft_type")),
         "use_dora": (False, config.get("use_dora", False)),

@@ -2,16 +2,20 @@
 
 A float leaf of shape ``(n, in, out)`` becomes a :class:`Quantized` node: integer codes and a
 float ``scale`` of shape ``(n, 1, out)``, one per layer and output channel, so the layer axis
-is never a weight axis. 4-bit codes (``"int4"``, ``"nf4"``) are packed two to a byte along
-``in`` (``uint8 (n, ceil(in / 2), out)``) and stay packed until a layer unpacks its own slice.
+is never a weight axis; with ``block_size=B`` (QLoRA's nf4 takes 64) one per layer, output
+channel and block of B inputs: ``(n, in / B, out)``. 4-bit codes (``"int4"``, ``"nf4"``) are
+packed two to a byte along ``in`` (``uint8 (n, ceil(in / 2), out)``) and stay packed until a
+layer unpacks its own slice.
 The node's leaves keep the leading layer axis, so ``Stacked.apply`` slices them per layer
 like any params; :func:`dequantize` gives back floats (of one layer inside the scan).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +24,9 @@ import numpy as np
 from stackwise._core import checks
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["KINDS", "Quantized", "dequantize", "is_quantized", "quantize"]
+__all__ = ["KINDS", "Quantized", "Scheme", "as_scheme", "block_size_of", "check_block_size",
+           "check_float", "check_kind", "dequantize", "is_float_matrix", "is_quantized",
+           "quantize", "quantize_rows"]
 
 #: The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023; bitsandbytes' table).
 NF4 = np.array(
@@ -43,7 +49,8 @@ class Quantized:
     Attributes:
       codes: ``int8 (..., in, out)`` for ``"int8"``; ``uint8 (..., ceil(in/2), out)`` for
         4-bit kinds, rows ``2j`` and ``2j + 1`` in the low and high nibble of row ``j``.
-      scale: ``float32 (..., 1, out)``: per layer and output channel.
+      scale: ``float32 (..., in / block_size, out)``: per layer, block of inputs and output
+        channel (``(..., 1, out)``: one block, the whole input axis).
       kind: ``"int8"``, ``"int4"`` or ``"nf4"`` (static).
       dtype: the float dtype it was quantized from, which :func:`dequantize` gives back.
       rows: ``in``, the unpacked number of rows (static).
@@ -61,6 +68,11 @@ class Quantized:
         return (*self.codes.shape[:-2], self.rows, self.codes.shape[-1])
 
     @property
+    def block_size(self) -> int:
+        """How many inputs (rows) share a scale: ``in`` unless quantized in blocks."""
+        return self.rows // self.scale.shape[-2]
+
+    @property
     def nbytes_dequantized(self) -> int:
         """Bytes of the whole float weight this stands for (all layers)."""
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
@@ -76,18 +88,42 @@ def is_quantized(value: Any) -> bool:
     return isinstance(value, Quantized)
 
 
-def _quantize_layer(w: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
-    """One layer's ``(in, out)`` float weight -> ``(codes, scale)`` (codes unpacked)."""
-    w = w.astype(jnp.float32)
+def _quantize_layer(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``(in, out)`` float weight -> ``(codes, scale)``, codes unpacked and scales
+    ``(in / block, out)``: each block of ``block`` rows scaled by its own absmax."""
+    rows, cols = w.shape
+    w = w.astype(jnp.float32).reshape(rows // block, block, cols)
     absmax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
     if kind == "nf4":
         scale = jnp.where(absmax > 0, absmax, 1.0)
-        mids = jnp.asarray((NF4[1:] + NF4[:-1]) / 2)
-        return jnp.searchsorted(mids, w / scale).astype(jnp.uint8), scale
-    limit = _LIMIT[kind]
-    scale = jnp.where(absmax > 0, absmax / limit, 1.0)
-    codes = jnp.clip(jnp.round(w / scale), -limit, limit).astype(jnp.int8)
-    return (codes if kind == "int8" else (codes + 8).astype(jnp.uint8)), scale
+        x = w / scale
+        # The nearest NF4 value's index: how many midpoints lie below x (searchsorted's,
+        # as 15 compares fused into one pass: no temporaries of 15 per weight).
+        codes = sum((x > m).astype(jnp.uint8) for m in (NF4[1:] + NF4[:-1]) / 2)
+    else:
+        limit = _LIMIT[kind]
+        scale = jnp.where(absmax > 0, absmax / limit, 1.0)
+        codes = jnp.clip(jnp.round(w / scale), -limit, limit).astype(jnp.int8)
+        codes = codes if kind == "int8" else (codes + 8).astype(jnp.uint8)
+    return codes.reshape(rows, cols), scale[:, 0, :]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def quantize_rows(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax.Array]:
+    """Stacked ``(n, in, out)`` floats -> ``(codes, scale)`` as :class:`Quantized` holds them
+    (4-bit codes packed), one layer at a time (:func:`jax.lax.map`: float32 temporaries of
+    one layer; each device its own layers where they are split over devices). The one
+    quantizer of :func:`quantize` and of ``load_checkpoint(quantize=)``,
+    so a layer quantized alone or in its stack gives the same bits."""
+    one = lambda layer: _quantize_layer(layer, kind, block)  # noqa: E731
+    spec = getattr(jax.typeof(w).sharding, "spec", ())
+    if spec and spec[0] is not None:
+        # The layers split over devices (explicit mesh axes), which a scan cannot walk:
+        # each device quantizes its own layers at once (its temporaries: its float shard).
+        codes, scale = jax.vmap(one)(w)
+    else:
+        codes, scale = jax.lax.map(one, w)
+    return (codes if kind == "int8" else _pack(codes)), scale
 
 
 def _pack(codes: jax.Array) -> jax.Array:
@@ -134,21 +170,113 @@ def dequantize(value: Any) -> Any:
             numbers = codes.astype(jnp.float32) - 8.0
         else:
             numbers = jnp.asarray(NF4)[codes.astype(jnp.int32)]
-    return (numbers * value.scale).astype(value.dtype)
+    blocks, cols = value.scale.shape[-2:]
+    lead = numbers.shape[:-2]
+    numbers = numbers.reshape(*lead, blocks, value.rows // blocks, cols)
+    scaled = numbers * value.scale[..., :, None, :]
+    return scaled.reshape(*lead, value.rows, cols).astype(value.dtype)
 
 
-def _is_float_matrix(path: str, leaf: Any) -> bool:
+class Scheme(NamedTuple):
+    """How to quantize a checkpoint as it loads: :func:`quantize`'s arguments, for
+    ``stackwise.load_checkpoint(..., quantize=Scheme(...))`` (a kind alone, ``"nf4"``, is
+    ``Scheme("nf4")``: every floating leaf that is 2-D per layer, one scale per channel).
+
+    >>> import stackwise
+    >>> stackwise.quant.Scheme("nf4", targets=lambda path, shape: "mlp" in path, block_size=64)
+    Scheme(kind='nf4', targets=<function <lambda> at ...>, block_size=64)
+
+    Attributes:
+      kind: ``"int8"``, ``"int4"`` or ``"nf4"``.
+      targets: which leaves of the target (as :func:`quantize` takes them).
+      block_size: rows per scale, or None for one per output channel.
+    """
+
+    kind: str = "int8"
+    targets: Targets = None
+    block_size: int | None = None
+
+
+def as_scheme(value: Any, who: str) -> Scheme:
+    """``quantize=`` as a checked :class:`Scheme`: a kind, or a Scheme."""
+    if isinstance(value, str):
+        value = Scheme(value)
+    if not isinstance(value, Scheme):
+        raise TypeError(
+            f"{who}: `quantize` must be a kind ({', '.join(map(repr, KINDS))}) or a "
+            "stackwise.quant.Scheme(kind, targets, block_size), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    check_kind(value.kind, who, "quantize")
+    check_block_size(value.block_size, who)
+    return value
+
+
+def check_kind(kind: Any, who: str, arg: str = "kind") -> str:
+    """``kind`` if it is one of :data:`KINDS`, else a ValueError naming ``arg``."""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"{who}: `{arg}` must be one of {KINDS}, got {kind!r}.")
+    return kind
+
+
+def check_block_size(block_size: Any, who: str) -> int | None:
+    """``block_size`` as given if it is None or a positive int, else an error naming it."""
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise TypeError(
+            f"{who}: `block_size` must be an int (rows per scale, e.g. 64 as QLoRA) or None "
+            f"(one scale per output channel), got {type(block_size).__name__} {block_size!r}."
+        )
+    if block_size < 1:
+        raise ValueError(f"{who}: `block_size` must be at least 1, got {block_size}.")
+    return int(block_size)
+
+
+def block_size_of(block_size: int | None, rows: int, path: str, who: str) -> int:
+    """The rows per scale of a target leaf with ``rows`` inputs per layer, checked to divide
+    them (a block across the end would be scaled by fewer rows than its neighbours)."""
+    if block_size is None:
+        return rows
+    if rows % block_size:
+        raise ValueError(
+            f"{who}: target leaf {path} has {rows} inputs (rows) per layer, which "
+            f"`block_size={block_size}` does not divide; blocks are never padded. Pass a "
+            f"block size that divides {rows} (e.g. {math.gcd(rows, block_size)}), None for "
+            "one scale per output channel, or leave the leaf out of `targets`."
+        )
+    return block_size
+
+
+def is_float_matrix(path: str, leaf: Any) -> bool:
+    """The default target: a floating leaf that is 2-D per layer (3-D stacked)."""
     del path
     return len(np.shape(leaf)) == 3 and jnp.issubdtype(checks.leaf_dtype(leaf), jnp.floating)
 
 
-def quantize(params: Any, kind: str = "int8", targets: Targets = None) -> Any:
+def check_float(path: str, leaf: Any, who: str) -> np.dtype:
+    """A target leaf's float dtype; refused if it is quantized already or not floating."""
+    dtype = checks.leaf_dtype(leaf) if not is_quantized(leaf) else None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        got = "already quantized" if dtype is None else f"of dtype {np.dtype(dtype).name}"
+        raise ValueError(
+            f"{who}: target leaf {path} is {got}; only float weights are quantized. Leave "
+            "it out of `targets`."
+        )
+    return np.dtype(dtype)
+
+
+def quantize(
+    params: Any, kind: str = "int8", targets: Targets = None, *, block_size: int | None = None
+) -> Any:
     """Stacked params with their 2-D weights quantized per layer and output channel.
 
     Each target leaf ``(n, in, out)`` becomes a :class:`Quantized` node whose scales are
     ``(n, 1, out)``: layer i is quantized as the loop model's layer i would be, alone. The
     other leaves stay as they are. The layers are quantized one at a time
-    (:func:`jax.lax.map`), so the float32 temporaries hold one layer.
+    (:func:`jax.lax.map`), so the float32 temporaries hold one layer. To quantize a
+    checkpoint as it loads, without the float model whole in memory, pass ``quantize=`` to
+    :func:`stackwise.load_checkpoint` (the same bits as this on its result).
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> params = {"w": jax.random.normal(jax.random.key(0), (4, 16, 8)), "b": jnp.zeros((4, 8))}
@@ -158,6 +286,13 @@ def quantize(params: Any, kind: str = "int8", targets: Targets = None) -> Any:
     >>> q["b"] is params["b"]
     True
 
+    With ``block_size`` each block of that many inputs has its own scale per layer and
+    output channel (QLoRA quantizes nf4 in blocks of 64):
+
+    >>> q = stackwise.quant.quantize(params, "nf4", block_size=4)
+    >>> q["w"].scale.shape, q["w"].block_size
+    ((4, 4, 8), 4)
+
     Args:
       params: stacked params (leading layer axis on every leaf), e.g. ``Stacked.init``'s.
         For a pattern, quantize each position's tree.
@@ -165,36 +300,33 @@ def quantize(params: Any, kind: str = "int8", targets: Targets = None) -> Any:
         ``absmax / 7``) or ``"nf4"`` (QLoRA's NormalFloat codes, scale ``absmax``).
       targets: which leaves: a predicate ``(path, per_layer_shape) -> bool``, leaf paths
         (``"['attn']['q']"``), or None for every floating leaf that is 2-D per layer.
+      block_size: None for one scale per layer and output channel (the absmax of the whole
+        input axis), or B: one per layer, output channel and B consecutive inputs (scales
+        ``(n, in / B, out)``). B must divide every target's ``in``; nothing is padded.
 
     Returns:
       The params, each target leaf a :class:`Quantized` node.
 
     Raises:
       ValueError: an unknown ``kind``, a target that is not 2-D per layer, not floating,
-        already quantized, or no target at all.
+        already quantized, or no target at all; a ``block_size`` below 1 or not dividing a
+        target's ``in``.
+      TypeError: a ``block_size`` that is not an int.
     """
     who = "stackwise.quant.quantize"
-    if kind not in KINDS:
-        raise ValueError(f"{who}: `kind` must be one of {KINDS}, got {kind!r}.")
+    check_kind(kind, who)
+    block_size = check_block_size(block_size, who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
-    chosen = select(leaves, targets, who, _is_float_matrix)
+    chosen = select(leaves, targets, who, is_float_matrix)
+    blocks = [block_size_of(block_size, leaf.shape[-2], path, who) if take else None
+              for (path, leaf), take in zip(leaves, chosen)]
     out = []
-    for (path, leaf), take in zip(leaves, chosen):
+    for (path, leaf), take, block in zip(leaves, chosen, blocks):
         if not take:
             out.append(leaf)
             continue
-        dtype = checks.leaf_dtype(leaf) if not is_quantized(leaf) else None
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            got = "already quantized" if dtype is None else f"of dtype {np.dtype(dtype).name}"
-            raise ValueError(
-                f"{who}: target leaf {path} is {got}; only float weights are quantized. Leave "
-                "it out of `targets`."
-            )
-        codes, scale = jax.jit(jax.lax.map, static_argnums=0)(
-            lambda w: _quantize_layer(w, kind), jnp.asarray(leaf)
-        )
-        if kind != "int8":
-            codes = _pack(codes)
-        out.append(Quantized(codes, scale, kind, np.dtype(dtype).name, leaf.shape[-2]))
+        dtype = check_float(path, leaf, who)
+        codes, scale = quantize_rows(jnp.asarray(leaf), kind, block)
+        out.append(Quantized(codes, scale, kind, dtype.name, leaf.shape[-2]))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)

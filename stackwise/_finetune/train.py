@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from stackwise._finetune.lora import is_lora
+from stackwise._finetune.quant import is_quantized
 
 __all__ = ["combine", "layer_axes", "mask", "split"]
 
@@ -55,8 +56,22 @@ def split(tree: Any) -> tuple[Any, Any]:
     ([(2, 4, 1), (2, 1, 4)], [(2, 4, 4)])
     >>> stackwise.lora.combine(trainable, frozen).base["w"] is base["w"]
     True
+
+    Raises:
+      ValueError: the tree holds no adapters (nothing would train; a quantized base given
+        whole to an optimizer is the mistake this guards).
     """
-    trainable = _per_leaf(tree, lambda leaf, lw: leaf, lambda v: None)
+    if not any(is_lora(v) for v in jax.tree.leaves(tree, is_leaf=is_lora)):
+        raise ValueError(
+            "stackwise.lora.split: the tree holds no adapters (no `LoraWeights`), so its "
+            "trainable half would be empty and its frozen half the whole model. Attach them "
+            "first: `params = stackwise.lora.attach(base, stackwise.lora.init(key, base, "
+            "rank=r))`, then `trainable, frozen = stackwise.lora.split(params)`."
+        )
+    # A quantized weight is None in the trainable half as a whole, not a `Quantized` node
+    # of Nones, which an optimizer (`stackwise.optax`) would take for a quantized leaf.
+    trainable = jax.tree.map(lambda v: v if is_lora(v) else None, tree,
+                             is_leaf=lambda v: is_lora(v) or is_quantized(v))
     frozen = _per_leaf(tree, lambda leaf, lw: None, lambda v: v)
     return trainable, frozen
 

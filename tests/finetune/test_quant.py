@@ -131,10 +131,11 @@ def test_packed_codes_stay_packed_until_inside_the_layer():
         any(_unpacks(s.params["jaxpr"].jaxpr.eqns) for s in scans) for _ in [0])
 
 
-def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256) -> float:
+def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256,
+              block: int | None = None) -> float:
     """Temp memory of ``jit(grad)`` w.r.t. the adapters, with a quantized base of n layers."""
     w = jax.random.normal(KEY, (n, d, d)) / d**0.5
-    base = stackwise.quant.quantize({"w": w}, kind)
+    base = stackwise.quant.quantize({"w": w}, kind, block_size=block)
     adapters = stackwise.lora.init(KEY, base, rank=4)
     layer = lambda p, x: x + jnp.tanh(x @ p["w"])  # noqa: E731
     x = jnp.ones((2, d))
@@ -154,14 +155,16 @@ def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_temp_memory_holds_about_one_layer_at_any_depth(kind):
+@pytest.mark.parametrize("kind, block", [("int8", None), ("nf4", None), ("nf4", 64)])
+def test_temp_memory_holds_about_one_layer_at_any_depth(kind, block):
     """From n=4 to n=16 the stack's temporaries grow by far less than one dequantized layer
-    (0.25 MiB at d=256); the loop's grow by a dequantized layer per layer."""
+    (0.25 MiB at d=256); the loop's grow by a dequantized layer per layer. Block-wise scales
+    (QLoRA's blocks of 64) alike."""
     layer_mib = 256 * 256 * 4 / 2**20
-    stack_growth = _temp_mib(16, kind, False) - _temp_mib(4, kind, False)
+    stack_growth = _temp_mib(16, kind, False, block=block) - _temp_mib(4, kind, False,
+                                                                        block=block)
     assert stack_growth < layer_mib / 2, stack_growth
-    loop_growth = _temp_mib(16, kind, True) - _temp_mib(4, kind, True)
+    loop_growth = _temp_mib(16, kind, True, block=block) - _temp_mib(4, kind, True, block=block)
     assert loop_growth > 10 * layer_mib, loop_growth
 
 
@@ -173,3 +176,114 @@ def test_remat_false_with_a_quantized_base_warns_with_the_memory():
     # Float params (no quantized leaf) and the default remat: no warning.
     layers.apply({"w": jnp.ones((4, 16, 8))}, jnp.ones((1, 8)))
     stackwise.lora.stack(lambda p, x: x @ p["w"].T @ p["w"], 4).apply(base, jnp.ones((1, 8)))
+
+
+# --------------------------------------------------------------------------
+# Block-wise scales (QLoRA: nf4 in blocks of 64 inputs).
+
+NF4_TABLE = np.array(stackwise.quant.dequantize(stackwise.quant.Quantized(
+    jnp.arange(16, dtype=jnp.uint8)[::2, None] | (jnp.arange(16, dtype=jnp.uint8)[1::2, None] << 4),
+    jnp.ones((1, 1)), "nf4", "float32", 16)))[:, 0]
+
+
+def _blockwise_reference(w: np.ndarray, kind: str, block: int) -> np.ndarray:
+    """Layer by layer and block by block in NumPy: each block of ``block`` rows of each output
+    channel scaled by its own absmax, rounded to the kind's nearest code, scaled back."""
+    out = np.empty_like(w, dtype=np.float32)
+    for i in range(w.shape[0]):
+        for start in range(0, w.shape[1], block):
+            part = w[i, start:start + block].astype(np.float32)
+            absmax = np.abs(part).max(axis=0, keepdims=True)
+            if kind == "nf4":
+                scale = np.where(absmax > 0, absmax, 1.0).astype(np.float32)
+                codes = np.abs(part[..., None] / scale[..., None] - NF4_TABLE).argmin(-1)
+                out[i, start:start + block] = NF4_TABLE[codes] * scale
+            else:
+                limit = {"int8": 127, "int4": 7}[kind]
+                scale = np.where(absmax > 0, absmax / limit, 1.0).astype(np.float32)
+                out[i, start:start + block] = np.clip(np.round(part / scale), -limit,
+                                                      limit) * scale
+    return out
+
+
+@pytest.mark.parametrize("kind", stackwise.quant.KINDS)
+@pytest.mark.parametrize("block", [1, 2, 4, 12])
+def test_blockwise_scales_equal_a_numpy_loop_of_blocks(kind, block):
+    w = np.asarray(jax.random.normal(KEY, (3, 12, 5))) * np.arange(1.0, 13.0)[None, :, None]
+    q = stackwise.quant.quantize({"w": jnp.asarray(w, jnp.float32)}, kind,
+                                 block_size=block)["w"]
+    assert q.scale.shape == (3, 12 // block, 5) and q.block_size == block
+    assert q.codes.shape == ((3, 12, 5) if kind == "int8" else (3, 6, 5))  # still packed
+    back = np.asarray(stackwise.quant.dequantize(q))
+    # Within float rounding of the reference (a float32 product rounded once more or less).
+    ref = _blockwise_reference(w, kind, block)
+    close = np.isclose(back, ref, rtol=1e-6, atol=1e-6)
+    assert close.all(), close.mean()
+    # Whole-axis blocks are the per-channel quantizer, bit for bit.
+    if block == 12:
+        plain = stackwise.quant.quantize({"w": jnp.asarray(w, jnp.float32)}, kind)["w"]
+        np.testing.assert_array_equal(q.codes, plain.codes)
+        np.testing.assert_array_equal(q.scale, plain.scale)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(stackwise.quant.KINDS), n=st.integers(1, 3),
+       blocks=st.integers(1, 4), block=st.sampled_from([1, 2, 3, 8]), out=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_blockwise_scales_over_shapes(kind, n, blocks, block, out, seed):
+    """Any number of blocks of any size (odd numbers of rows for the 4-bit packing too)."""
+    w = np.asarray(jax.random.normal(jax.random.key(seed), (n, blocks * block, out)))
+    q = stackwise.quant.quantize({"w": w}, kind, block_size=block)["w"]
+    assert q.scale.shape == (n, blocks, out) and q.shape == w.shape
+    np.testing.assert_allclose(stackwise.quant.dequantize(q),
+                               _blockwise_reference(w, kind, block), rtol=1e-6, atol=1e-6)
+    for i in range(n):  # each layer's slice dequantizes alone to its rows, bitwise
+        one = stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], q))
+        np.testing.assert_array_equal(one, stackwise.quant.dequantize(q)[i])
+
+
+def test_blocks_scale_an_outlier_only_in_its_own_block():
+    """The point of blocks: one large input scales its block, not the whole column."""
+    w = np.full((1, 8, 2), 0.01, np.float32)
+    w[0, 0, 0] = 100.0
+    per_channel = stackwise.quant.dequantize(stackwise.quant.quantize({"w": w}, "int4")["w"])
+    blocks = stackwise.quant.dequantize(
+        stackwise.quant.quantize({"w": w}, "int4", block_size=4)["w"])
+    assert float(per_channel[0, 4, 0]) == 0.0  # 0.01 lost under a scale of 100 / 7
+    np.testing.assert_allclose(blocks[0, 4:, 0], 0.01, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_qlora_with_blocks_equals_loop(kind):
+    """Block-wise quantized base + adapters: outputs and the adapters' gradients against the
+    loop model, each layer's slice dequantized inside the layer (`u` has 6 inputs, in blocks
+    of 2; `v` has 5, in one block)."""
+    n = 3
+    base = _base(n)
+    base = stackwise.quant.quantize(base, kind, targets=["['u']"], block_size=2)
+    base = stackwise.quant.quantize(base, kind, targets=["['v']"], block_size=5)
+    assert base["u"].scale.shape == (n, 3, H)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2, targets=UV))
+    x = jax.random.normal(jax.random.key(1), (3, D))
+    assert_stack_is_loop(stackwise.lora.stack(apply, n), base, adapters, x, n)
+    # The slice one layer dequantizes is the layer's float weight in blocks, by hand.
+    for i in range(n):
+        u = np.asarray(stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], base["u"])))
+        np.testing.assert_array_equal(u, np.asarray(stackwise.quant.dequantize(base["u"]))[i])
+
+
+def test_blockwise_packed_codes_stay_packed_until_inside_the_layer():
+    n = 4
+    base = stackwise.quant.quantize({"w": jax.random.normal(KEY, (n, 8, 8))}, "nf4",
+                                    block_size=4)
+    adapters = stackwise.lora.init(KEY, base, rank=2)
+    layers = stackwise.lora.stack(lambda p, x: jnp.tanh(x @ p["w"]), n)
+
+    def loss(ad):
+        return jnp.sum(layers.apply(stackwise.lora.attach(base, ad), jnp.ones((2, 8))))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(adapters).jaxpr
+    assert not _unpacks(jaxpr.eqns)
+    assert any(_unpacks(e.params["jaxpr"].jaxpr.eqns) for e in jaxpr.eqns
+               if e.primitive.name == "scan")

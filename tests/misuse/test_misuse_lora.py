@@ -116,6 +116,18 @@ LORA = [
          ValueError, "chose no leaf"),
     case("adapters of another depth", _other_depth, ValueError, "adapters of another depth",
          "n=3", "stackwise.lora.init"),
+    case("merging adapters of another depth", lambda: stackwise.lora.merge(
+        BASE, _adapters(jax.tree.map(lambda v: v[:2], BASE))), ValueError,
+        "stackwise.lora.merge", "adapters of another depth", "n=3"),
+    case("a batch of adapters of another depth", lambda: stackwise.lora.attach(
+        BASE, stackwise.lora.stack_adapters([_adapters(jax.tree.map(lambda v: v[:2], BASE))] * 2)),
+        ValueError, "adapters of another depth", "n=3"),
+    case("a rank larger than the layer's other side",
+         lambda: stackwise.lora.init(KEY, {"w": jnp.ones((N, 8, 3))}, rank=4), ValueError,
+         "rank 4 is larger", "(8, 3)"),
+    case("splitting a tree without adapters",
+         lambda: stackwise.lora.split(stackwise.quant.quantize(BASE, targets=W)), ValueError,
+         "holds no adapters", "stackwise.lora.attach(base, stackwise.lora.init("),
     case("adapters of another structure", _other_structure, ValueError,
          "not shaped like the base", "stackwise.lora.init(key, base"),
     case("adapters of another width", _not_fitting, ValueError, "do not fit", "['w']"),
@@ -153,6 +165,15 @@ QUANT = [
         stackwise.quant.quantize(BASE, targets=W), targets=W), ValueError, "already quantized"),
     case("target not 2-D per layer", lambda: stackwise.quant.quantize(BASE, targets=["['t']"]),
          ValueError, "['t']", "2-D (in, out)"),
+    case("a block size not dividing the inputs",
+         lambda: stackwise.quant.quantize(BASE, "nf4", targets=W, block_size=3), ValueError,
+         "['w']", "4 inputs", "`block_size=3` does not divide", "never padded", "e.g. 1"),
+    case("a block size of zero", lambda: stackwise.quant.quantize(BASE, block_size=0),
+         ValueError, "`block_size` must be at least 1"),
+    case("a block size as a float", lambda: stackwise.quant.quantize(BASE, block_size=64.0),
+         TypeError, "`block_size` must be an int", "float"),
+    case("a block size as a bool", lambda: stackwise.quant.quantize(BASE, block_size=True),
+         TypeError, "`block_size` must be an int"),
 ]
 
 
@@ -211,6 +232,27 @@ def _load_with(config):
     return call
 
 
+def _load_other_modules(tmp_path):
+    """Files that adapt k_proj, loaded as if they adapted q_proj."""
+    folder = tmp_path / "adapter"
+    stackwise.lora.save_peft(folder, _adapters(), {"['w']": "self_attn.k_proj"})
+    stackwise.lora.load_peft(folder, BASE, MODULES)
+
+
+def _load_without_config(tmp_path):
+    folder = _saved(tmp_path)
+    (folder / "adapter_config.json").unlink()
+    stackwise.lora.load_peft(folder, BASE, MODULES)
+
+
+def _load_config_text(text):
+    def call(tmp_path):
+        folder = _saved(tmp_path)
+        (folder / "adapter_config.json").write_text(text)
+        stackwise.lora.load_peft(folder, BASE, MODULES)
+    return call
+
+
 def _save_twice(tmp_path):
     _saved(tmp_path)
     _saved(tmp_path)
@@ -238,6 +280,16 @@ PEFT = [
     case("load: DoRA", _load_with({"use_dora": True}), ValueError, "use_dora=True"),
     case("load: another PEFT type", _load_with({"peft_type": "IA3"}), ValueError,
          "peft_type='IA3'"),
+    case("load: files of other target modules", _load_other_modules, ValueError,
+         "layers.0.self_attn.q_proj.lora_A.weight is missing", "another model", "`modules`"),
+    case("load: no adapter_config.json", _load_without_config, FileNotFoundError,
+         "lacks adapter_config.json", "save_pretrained"),
+    case("load: a config that is not JSON", _load_config_text("{r: 2"), ValueError,
+         "is not JSON", "save_pretrained"),
+    case("load: a config without a rank", _load_config_text('{"peft_type": "LORA"}'),
+         ValueError, "lacks ['r', 'lora_alpha']", "not a PEFT adapter config"),
+    case("load: a config that is a list", _load_config_text("[]"), ValueError,
+         "lacks ['peft_type', 'r', 'lora_alpha']"),
     case("load: a module not in the base",
          lambda t: stackwise.lora.load_peft(_saved(t), BASE, {"['x']": "q_proj"}), ValueError,
          "not leaf paths"),
@@ -250,23 +302,63 @@ def test_refused_peft(call, error, words, tmp_path):
     assert_refused(lambda: call(tmp_path), error, words)
 
 
-def _quantized_to_the_optimizer():
+def _model():
+    base = stackwise.quant.quantize(BASE, targets=W)
+    return stackwise.lora.attach(base, _adapters(base))
+
+
+def _to_stackwise_optax(which):
+    def call():
+        import optax
+
+        import stackwise.optax
+
+        model = _model()
+        if which == "layerwise":
+            stackwise.optax.layerwise(optax.adam(1e-3)).init(
+                {"base": stackwise.quant.quantize(BASE, targets=W), "adapters": _adapters()})
+        elif which == "attached":  # the whole model, adapters and base
+            stackwise.optax.layerwise(optax.adam(1e-3)).init(model)
+        elif which == "frozen half":  # split's halves swapped
+            trainable, frozen = stackwise.lora.split(model)
+            stackwise.optax.layerwise(optax.adam(1e-3)).init(frozen)
+        elif which == "layer_mask":
+            stackwise.optax.layer_mask(optax.adam(1e-3), layers=[0]).init(model)
+        else:
+            stackwise.optax.muon_dimensions()(model)
+    return call
+
+
+OPTIMIZER = [
+    case(f"a quantized leaf to stackwise.optax ({which})", _to_stackwise_optax(which), TypeError,
+         "quantized weight", "int8", "Optimize the adapters only", "stackwise.lora.split",
+         "tx.init(trainable)")
+    for which in ("layerwise", "attached", "frozen half", "layer_mask", "muon_dimensions")
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", OPTIMIZER)
+def test_a_quantized_leaf_given_to_the_optimizer_is_refused(call, error, words):
+    pytest.importorskip("optax")
+    assert_refused(call, error, words)
+
+
+def test_the_trainable_half_goes_to_the_optimizer():
+    """What the rows above refuse, done as the message says: no error, adapters only."""
     import optax
 
     import stackwise.optax
 
-    model = {"base": stackwise.quant.quantize(BASE, targets=W), "adapters": _adapters()}
-    stackwise.optax.layerwise(optax.adam(1e-3)).init(model)
-
-
-def test_a_quantized_leaf_given_to_the_optimizer_is_refused():
-    assert_refused(_quantized_to_the_optimizer, TypeError,
-                   ("['base']['w']", "quantized weight", "int8", "stackwise.lora.split"))
+    trainable, _ = stackwise.lora.split(_model())
+    state = stackwise.optax.layerwise(optax.adam(1e-3)).init(trainable)
+    shapes = {v.shape for v in jax.tree.leaves(state) if getattr(v, "ndim", 0) == 3}
+    assert shapes == {(N, 4, 2), (N, 2, 6)}
 
 
 def test_the_fix_it_names_works_on_a_quantized_base():
-    # stackwise.lora.split's trainable half keeps the quantized node as an empty shell (its
-    # codes and scale are in the frozen half): the optimizer takes it, and moves the adapters.
+    # stackwise.lora.split puts each quantized weight in the frozen half whole: the optimizer
+    # takes the trainable half, and moves the adapters only.
     import optax
 
     import stackwise.optax

@@ -1,0 +1,199 @@
+"""Adapters against Hugging Face PEFT on a real transformers model, when torch, transformers and
+peft are installed (the suite does not install them; each test skips without them).
+
+A tiny random Llama (``LlamaConfig``) is saved with ``save_pretrained`` and loaded into stacked
+params with ``stackwise.load_checkpoint``; a stacked Llama in JAX (RMSNorm, rotary attention,
+SwiGLU) runs it with ``stackwise.lora.stack``. Adapters exported with
+``stackwise.lora.save_peft`` and loaded by ``peft.PeftModel.from_pretrained`` give the stacked
+model's logits; a folder that PEFT itself wrote (``PeftModel.save_pretrained``) loads with
+``stackwise.lora.load_peft`` bitwise, and gives PEFT's logits; PEFT's files for a Llama of
+another depth or width are refused. Checked with transformers 5.25,
+peft 0.21.2 and torch 2.13 (CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stackwise
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("safetensors")
+
+# transformers 5 and PEFT warn of their own deprecations while PEFT wraps a model.
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning",
+                                        "ignore::DeprecationWarning", "ignore::UserWarning")
+
+N, E, F, V, HEADS, KV = 3, 16, 32, 64, 4, 2  # layers, width, MLP width, vocab, heads, kv heads
+DH = E // HEADS
+LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+         "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+         "down": "mlp.down_proj"}
+NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+#: The adapted leaves and their modules within a transformers layer (the ``modules`` argument).
+MODULES = {"['q']": "self_attn.q_proj", "['v']": "self_attn.v_proj",
+           "['down']": "mlp.down_proj"}
+TOL = dict(rtol=2e-5, atol=2e-5)  # float32 attention and MLP of 3 layers, torch against XLA
+
+
+def _model():
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=N,
+        num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=32,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms off their ones, so that a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def _load(model, folder):
+    """The model's ``save_pretrained`` files as stacked params (layers) and the rest."""
+    model.save_pretrained(folder)
+    state = model.state_dict()
+    names, target = {"layers": {}}, {"layers": {}}
+    for leaf, module in LAYER.items():
+        out, in_ = state[f"model.layers.0.{module}.weight"].shape
+        names["layers"][leaf] = stackwise.Tensor(f"model.layers.{{}}.{module}.weight",
+                                                 transpose=(1, 0))
+        target["layers"][leaf] = jax.ShapeDtypeStruct((N, in_, out), jnp.float32)
+    for leaf, module in NORMS.items():
+        names["layers"][leaf] = f"model.layers.{{}}.{module}.weight"
+        target["layers"][leaf] = jax.ShapeDtypeStruct((N, E), jnp.float32)
+    for leaf, name in {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                       "head": "lm_head.weight"}.items():
+        names[leaf] = name
+        target[leaf] = jax.ShapeDtypeStruct(tuple(state[name].shape), jnp.float32)
+    return stackwise.load_checkpoint(folder, target, names)
+
+
+def _rms(x, w, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w[None, :]
+
+
+def _rope(x, theta):
+    """Hugging Face's rotary embedding (``rotate_half``): x ``(T, heads, DH)``."""
+    inv = 1.0 / theta ** (np.arange(0, DH, 2, dtype=np.float32) / DH)
+    freqs = np.arange(x.shape[0], dtype=np.float32)[:, None] * inv[None, :]
+    angles = np.concatenate([freqs, freqs], -1)[:, None, :]
+    cos, sin = jnp.asarray(np.cos(angles)), jnp.asarray(np.sin(angles))
+    half = jnp.concatenate([-x[..., DH // 2:], x[..., : DH // 2]], -1)
+    return x * cos + half * sin
+
+
+def _block(config):
+    eps = config.rms_norm_eps
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(
+        config, "rope_theta", 10000.0)
+
+    def apply(p, x):  # one Llama layer on x (T, E), causal
+        t = x.shape[0]
+        h = _rms(x, p["attn_norm"], eps)
+        q = _rope((h @ p["q"]).reshape(t, HEADS, DH), theta)
+        k = _rope((h @ p["k"]).reshape(t, KV, DH), theta)
+        v = (h @ p["v"]).reshape(t, KV, DH)
+        k, v = (jnp.repeat(a, HEADS // KV, axis=1) for a in (k, v))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(DH)
+        scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -jnp.inf)
+        attn = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, E)
+        x = x + attn @ p["o"]
+        h = _rms(x, p["mlp_norm"], eps)
+        return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+
+    return apply
+
+
+def _logits(model, params, adapters, tokens):
+    layers = stackwise.lora.stack(_block(model.config), N)
+    eps = model.config.rms_norm_eps
+    out = []
+    for row in tokens:
+        x = params["embed"][jnp.asarray(row)]
+        x = layers.apply(stackwise.lora.attach(params["layers"], adapters), x)
+        out.append(_rms(x, params["norm"], eps) @ params["head"].T)
+    return np.stack(out)
+
+
+def _peft_logits(peft_model, tokens):
+    with torch.no_grad():
+        return peft_model(torch.from_numpy(tokens)).logits.numpy()
+
+
+TOKENS = (np.arange(14).reshape(2, 7) * 5 % V).astype(np.int64)
+
+
+def test_the_stacked_llama_is_the_transformers_model(tmp_path):
+    """The reference the PEFT tests stand on: without adapters, the same logits."""
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    none = jax.tree.map(lambda _: None, params["layers"])
+    with torch.no_grad():
+        want = model(torch.from_numpy(TOKENS)).logits.numpy()
+    np.testing.assert_allclose(_logits(model, params, none, TOKENS), want, **TOL)
+
+
+def test_exported_adapters_give_peft_the_stacked_model_s_logits(tmp_path):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    adapters = stackwise.lora.init(jax.random.key(0), params["layers"], rank=4, alpha=8.0,
+                                   targets=list(MODULES))
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    adapters = jax.tree.map(lambda v: v + 0.2 * jax.random.normal(next(keys), v.shape),
+                            adapters)  # as if trained: b off its zeros
+    ours = _logits(model, params, adapters, TOKENS)
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES)
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    theirs = _peft_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(ours, theirs, **TOL)
+    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
+        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
+    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+
+
+def test_a_folder_peft_saved_loads_bitwise_with_peft_s_logits(tmp_path):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False, lora_dropout=0.0)
+    peft_model = peft.get_peft_model(model, config).eval()
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
+    for path, module in MODULES.items():
+        leaf = adapters[path[2:-2]]
+        assert leaf.alpha == 16.0
+        for i in range(N):
+            torch_module = peft_model.base_model.model.model.layers[i]
+            for part in module.split("."):
+                torch_module = getattr(torch_module, part)
+            a = torch_module.lora_A["default"].weight.detach().numpy().T
+            b = torch_module.lora_B["default"].weight.detach().numpy().T
+            np.testing.assert_array_equal(np.asarray(leaf.a[i]), a)
+            np.testing.assert_array_equal(np.asarray(leaf.b[i]), b)
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
+                               _peft_logits(peft_model, TOKENS), **TOL)
+
+
+@pytest.mark.parametrize("other, words", [
+    ({"num_hidden_layers": N - 1}, "layers.2.mlp.down_proj.lora_A.weight is missing"),
+    ({"num_hidden_layers": N + 1}, "fit no layer of the base"),
+    ({"hidden_size": 2 * E}, "down_proj.lora_B.weight is of shape (32, 4), expected (16, 4)"),
+])
+def test_a_folder_peft_saved_for_another_model_is_refused(tmp_path, other, words):
+    """PEFT's own files for a Llama of another depth or width, onto this one's base."""
+    params = _load(_model(), tmp_path / "hf")
+    config = transformers.LlamaConfig(**{
+        "vocab_size": V, "hidden_size": E, "intermediate_size": F, "num_hidden_layers": N,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV, **other})
+    lora = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).save_pretrained(
+        str(tmp_path / "other"))
+    with pytest.raises(ValueError) as info:
+        stackwise.lora.load_peft(tmp_path / "other", params["layers"], MODULES)
+    assert words in str(info.value) and "another model" in str(info.value), str(info.value)

@@ -1,0 +1,81 @@
+"""The misuse catalogue of ``load_checkpoint(..., quantize=)``: a kind it does not know, a value
+that is neither a kind nor a ``stackwise.quant.Scheme``, targets that are not float weights 2-D
+per layer, a block size that does not divide a target's inputs: each refused, naming the
+argument or leaf and the fix, before a byte of the checkpoint is read. (A mesh that does not
+divide the packed 4-bit codes, and a sharding that says nothing of codes and scales, need
+several devices: tests/checkpoint/test_checkpoint_quantized_sharded.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _misuse import assert_refused, case
+
+import stackwise
+
+N = 3
+CKPT = {f"layers.{i}.w": np.full((4, 6), i + 1.0, np.float32) for i in range(N)}
+CKPT |= {f"layers.{i}.n": np.ones(6, np.float32) for i in range(N)}
+CKPT |= {f"layers.{i}.k": np.ones((6, 4), np.int32) for i in range(N)}
+TARGET = {"w": jax.ShapeDtypeStruct((N, 6, 4), jnp.float32),
+          "n": jax.ShapeDtypeStruct((N, 6), jnp.float32),
+          "k": jax.ShapeDtypeStruct((N, 6, 4), jnp.int32)}
+NAMES = {"w": stackwise.Tensor("layers.{}.w", transpose=(1, 0)), "n": "layers.{}.n",
+         "k": "layers.{}.k"}
+Scheme = stackwise.quant.Scheme
+
+
+def _unread():
+    """The checkpoint above, whose every read fails the test: the checks come first."""
+    ckpt = stackwise.open_checkpoint(CKPT)
+
+    def read(name, index):
+        raise AssertionError(f"read {name} before refusing")
+
+    return stackwise.Checkpoint(ckpt.kind, ckpt.where, ckpt.tensors, {}, read)
+
+
+def _load(quantize):
+    return lambda: stackwise.load_checkpoint(_unread(), TARGET, NAMES, quantize=quantize)
+
+
+W = ["['w']"]
+
+CASES = [
+    case("an unknown kind", _load("int3"), ValueError, "stackwise.load_checkpoint",
+         "`quantize` must be one of ('int8', 'int4', 'nf4')", "'int3'"),
+    case("a kind in a Scheme unknown", _load(Scheme("fp8", W)), ValueError,
+         "`quantize` must be one of", "'fp8'"),
+    case("a number for quantize", _load(8), TypeError, "`quantize` must be a kind",
+         "stackwise.quant.Scheme(kind, targets, block_size)", "int 8"),
+    case("a dict for quantize", _load({"kind": "nf4"}), TypeError,
+         "stackwise.quant.Scheme(kind, targets, block_size)"),
+    case("a block size not dividing the inputs", _load(Scheme("nf4", W, 4)), ValueError,
+         "target leaf ['w'] has 6 inputs", "`block_size=4` does not divide",
+         "never padded", "e.g. 2"),
+    case("a block size as a float", _load(Scheme("nf4", W, 2.0)), TypeError,
+         "`block_size` must be an int"),
+    case("an int target", _load(Scheme("int8", ["['k']"])), ValueError,
+         "target leaf ['k'] is of dtype int32", "only float weights"),
+    case("a target not 2-D per layer", _load(Scheme("int8", ["['n']"])), ValueError,
+         "target leaf ['n']", "2-D (in, out) weight per layer"),
+    case("a target the tree lacks", _load(Scheme("int8", ["['q']"])), ValueError,
+         "not leaf paths", "['q']", "keystr"),
+    case("a predicate choosing nothing", _load(Scheme("int8", lambda p, s: False)),
+         ValueError, "chose no leaf"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", CASES)
+def test_refused(call, error, words):
+    assert_refused(call, error, words)
+
+
+def test_the_default_targets_skip_ints_and_vectors():
+    """What the rows above refuse by name, the default leaves alone: int and 1-D leaves."""
+    got = stackwise.load_checkpoint(CKPT, TARGET, NAMES, quantize="int4")
+    assert isinstance(got["w"], stackwise.quant.Quantized)
+    assert got["k"].dtype == jnp.int32 and got["n"].shape == (N, 6)
