@@ -14,11 +14,11 @@ stack cannot open: :func:`quaxify` keeps the stacks out of the outer one.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 
 __all__ = ["check_outer", "holds_values", "quaxify"]
@@ -81,6 +81,24 @@ def check_outer(params: tuple, pattern: bool, remat: Any, who: str) -> None:
             )
 
 
+class _Quaxified(eqx.Module):
+    """``fn`` quaxified outside its stacks when called (a Module, so that ``fn``'s arrays
+    stay its leaves for ``eqx.filter_jit`` and ``eqx.filter_grad``)."""
+
+    fn: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from stackwise.equinox._stack import Stack  # (that module imports this one)
+
+        import quax
+
+        is_stack = lambda v: isinstance(v, Stack)  # noqa: E731
+        is_leaf = lambda v: is_stack(v) or isinstance(v, quax.Value)  # noqa: E731
+        tree = (self.fn, args, kwargs)
+        spec = jax.tree.map(lambda v: not is_stack(v), tree, is_leaf=is_leaf)
+        return quax.quaxify(self.fn, filter_spec=spec)(*args, **kwargs)
+
+
 def quaxify(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``quax.quaxify(fn)`` that leaves every :class:`Stack` to quaxify its own layers.
 
@@ -112,16 +130,9 @@ def quaxify(fn: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
       ``fn``, quaxified outside its stacks.
     """
-    from stackwise.equinox._stack import Stack  # (the module imports this one)
-
-    import quax
-
-    is_stack = lambda v: isinstance(v, Stack)  # noqa: E731
-    is_leaf = lambda v: is_stack(v) or isinstance(v, quax.Value)  # noqa: E731
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        spec = jax.tree.map(lambda v: not is_stack(v), (fn, args, kwargs), is_leaf=is_leaf)
-        return quax.quaxify(fn, filter_spec=spec)(*args, **kwargs)
-
-    return call
+    if not callable(fn):
+        raise TypeError(
+            f"stackwise.equinox.quaxify: `fn` must be a function or a model to call, got "
+            f"{type(fn).__name__}; e.g. `stackwise.equinox.quaxify(model)(x)`."
+        )
+    return _Quaxified(fn)
