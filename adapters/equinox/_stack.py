@@ -377,6 +377,7 @@ class Stack(eqx.nn.StatefulLayer):
         parts = [eqx.partition(b, eqx.is_array) for b in blocks]
         params = tuple(p for p, _ in parts)
         self._check_depth(params, pattern, counts, who)
+        _kit.warn_unrematted(params, self.remat, who)
         quaxed = _quax.holds_values(params)
         if not quaxed:
             _quax.check_outer(params, pattern, self.remat or self.nested, who)
@@ -539,7 +540,7 @@ def _layer_apply(
     (quaxified when they hold quax values, so that the scan and remat see plain arrays)."""
 
     def apply(params, state, x, extras, call):
-        block = eqx.combine(params, static)
+        block = _kit.layer_params(eqx.combine(params, static), who)  # LoRA / quantized
         block = _quax.layer(block) if quaxed else block
         kwargs = call.kwargs if extras["key"] is None else {**call.kwargs, "key": extras["key"]}
         with _kit.at_layer(extras["index"]):

@@ -6,9 +6,9 @@ lazy import inside a function counts too. The layers, lowest first:
 - ``stackwise._core`` (and ``stackwise._upstream``): jax and numpy only;
 - ``stackwise._sharding``: the core;
 - ``stackwise._pipeline`` and ``stackwise._checkpoint``: the core and sharding (not each other);
-- ``stackwise._kit``: the core (it is what adapters see of it);
 - ``stackwise._finetune`` (LoRA and quantized weights, ``stackwise.lora`` / ``stackwise.quant``):
   the core;
+- ``stackwise._kit``: the core and ``_finetune`` (it is what adapters see of them);
 - the adapters (``adapters/<framework>/``, installed as ``stackwise.<framework>``): the kit,
   the public ``stackwise`` names and their own package; never a private module of the core.
 """
@@ -28,7 +28,7 @@ ALLOWED = {
     "_sharding": {"_core", "_upstream", "_sharding"},
     "_pipeline": {"_core", "_upstream", "_sharding", "_pipeline"},
     "_checkpoint": {"_core", "_upstream", "_sharding", "_checkpoint"},
-    "_kit": {"_core", "_upstream", "_kit"},
+    "_kit": {"_core", "_upstream", "_finetune", "_kit"},
     "_finetune": {"_core", "_upstream", "_finetune"},
 }
 
