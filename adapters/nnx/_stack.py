@@ -410,6 +410,7 @@ class Stack(nnx.Module):
         def one(graphdef):
             def apply(p, s, x, extras, call):
                 _remove_layer_axis((p, s))
+                p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
                 block = nnx.merge(graphdef, p, s)
                 args, kwargs = _join_rngs_args(call.args, call.kwargs)
                 with _kit.at_layer(extras["index"]):
