@@ -315,6 +315,7 @@ class Stack(nn.Module):
         else:
             params, state = tuple(params), tuple(state)
         call = _kit.CallArgs(args, kwargs)
+        _kit.warn_unrematted(params, self.remat, who)
         out, new = layers.apply(params, state, x, extras, call)
         for name, position in zip(names, new if pattern else [new]):
             for col, tree in position.items():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core import checks
+from stackwise._core.options import check_bool
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
@@ -234,9 +235,11 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False) -> Any:
     Raises:
       ValueError: the adapters are not shaped like the base, have another depth, or do
         not fit their leaf; a batch mixed with single adapters, or batches of two sizes.
-      TypeError: something other than LoraWeights or None where an adapter belongs.
+      TypeError: something other than LoraWeights or None where an adapter belongs, or
+        ``per_leaf`` not a bool.
     """
     who = "stackwise.lora.attach"
+    per_leaf = check_bool(per_leaf, "per_leaf", who)
     found = set()
     paired = pairs(base, adapters, who)
     for path, leaf, lw in paired:

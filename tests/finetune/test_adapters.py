@@ -1,0 +1,196 @@
+"""`stackwise.lora` and `stackwise.quant` on the adapters' Stacks (Haiku, Linen, NNX, Equinox):
+each framework's stacked params take `attach(base, adapters, per_leaf=True)` and quantized
+leaves, and equal a Python loop of the same block over per-layer slices with the adapted weight
+written out by hand, for outputs and the adapters' gradients (`stackwise.lora.split/combine`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+from _trees import assert_trees_close
+from flax import nnx
+
+import stackwise
+import stackwise.equinox
+import stackwise.flax
+import stackwise.haiku
+import stackwise.nnx
+
+D, N, R = 6, 3, 2
+KEY = jax.random.key(0)
+X = jax.random.normal(jax.random.key(1), (4, D))
+REMATS = {"default": stackwise.DEFAULT_REMAT, "none": False}
+
+
+@dataclasses.dataclass
+class Framework:
+    """One adapter's Stack: its stacked params, the Stack run on params, and the block run
+    on one layer's params (the loop's layer)."""
+
+    base: Any
+    run_stack: Callable[[Any, jax.Array], jax.Array]
+    run_block: Callable[[Any, jax.Array], jax.Array]
+
+
+def _haiku(remat) -> Framework:
+    def block(x):
+        return x + jnp.tanh(hk.Linear(D)(x))
+
+    stacked = hk.transform(lambda x: stackwise.haiku.Stack(block, n=N, remat=remat)(x))
+    one = hk.transform(block)
+    return Framework(
+        stacked.init(KEY, X),
+        lambda p, x: stacked.apply(p, None, x),
+        lambda p, x: one.apply({k.split("/", 1)[1]: v for k, v in p.items()}, None, x),
+    )
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(D)(x))
+
+
+def _linen(remat) -> Framework:
+    stack = stackwise.flax.Stack(LinenBlock, n=N, remat=remat)
+    return Framework(
+        stack.init(KEY, X)["params"],
+        lambda p, x: stack.apply({"params": p}, x),
+        lambda p, x: LinenBlock().apply({"params": p}, x),
+    )
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+def _nnx(remat) -> Framework:
+    graphdef, params, rest = nnx.split(
+        stackwise.nnx.Stack(NnxBlock, n=N, rngs=nnx.Rngs(0), remat=remat), nnx.Param, ...
+    )
+    block_def, _ = nnx.split(NnxBlock(nnx.Rngs(1)))
+    return Framework(
+        params,
+        lambda p, x: nnx.merge(graphdef, p, rest)(x),
+        lambda p, x: nnx.merge(block_def, p["layers"])(x),
+    )
+
+
+class EqxBlock(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, *, key):
+        self.linear = eqx.nn.Linear(D, D, key=key)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(x))
+
+
+def _equinox(remat) -> Framework:
+    stack = stackwise.equinox.Stack(EqxBlock, n=N, key=KEY, remat=remat)
+    return Framework(stack, lambda p, x: jax.vmap(p)(x), lambda p, x: jax.vmap(p.layers)(x))
+
+
+FRAMEWORKS = {"haiku": _haiku, "linen": _linen, "nnx": _nnx, "equinox": _equinox}
+is_lora = lambda v: isinstance(v, stackwise.lora.LoraWeights)  # noqa: E731
+none_or_lora = lambda v: v is None or is_lora(v)  # noqa: E731
+is_quantized = lambda v: isinstance(v, stackwise.quant.Quantized)  # noqa: E731
+
+
+def _trained(adapters):
+    """As if trained: `b` (zero at init) made nonzero, so the adapters matter."""
+    return jax.tree.map(
+        lambda v: dataclasses.replace(v, b=v.b + 0.1 * jnp.cos(jnp.arange(v.b.size)).reshape(
+            v.b.shape)) if is_lora(v) else v, adapters, is_leaf=none_or_lora)
+
+
+def _layer(base, adapters, i):
+    """Layer i's float params of the loop: sliced, dequantized, the update added by hand."""
+    def one(lw, w):
+        w = stackwise.quant.dequantize(jax.tree.map(lambda v: v[i], w))
+        return w if lw is None else w + lw.scale * (lw.a[i] @ lw.b[i])
+    return jax.tree.map(one, adapters, base, is_leaf=none_or_lora)
+
+
+def _loop(fw, base, adapters, x):
+    for i in range(N):
+        x = fw.run_block(_layer(base, adapters, i), x)
+    return x
+
+
+def _pairs(tree):
+    """Every LoraWeights' `(a, b)` in tree order."""
+    return [(v.a, v.b) for v in jax.tree.leaves(tree, is_leaf=is_lora) if is_lora(v)]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora-int8"])
+@pytest.mark.parametrize("remat", list(REMATS.values()), ids=list(REMATS))
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def test_adapted_stack_equals_the_loop(framework, remat, quantized):
+    fw = FRAMEWORKS[framework](remat)
+    base = stackwise.quant.quantize(fw.base, "int8") if quantized else fw.base
+    adapters = _trained(stackwise.lora.init(jax.random.key(2), base, rank=R))
+    assert len(_pairs(adapters)) == 1 and _pairs(adapters)[0][0].shape == (N, D, R)
+    params = stackwise.lora.attach(base, adapters, per_leaf=True)
+    trainable, frozen = stackwise.lora.split(params)
+
+    def loss(trainable):
+        return jnp.sum(jnp.sin(fw.run_stack(stackwise.lora.combine(trainable, frozen), X)))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = jax.jit(fw.run_stack)(params, X)
+        grads = jax.jit(jax.grad(loss))(trainable)
+    unrematted = quantized and remat is False
+    assert [("remat=False" in str(w.message)) for w in caught] == [True] * (2 * unrematted)
+    assert_trees_close(y, _loop(fw, base, adapters, X))
+    want = jax.grad(lambda a: jnp.sum(jnp.sin(_loop(fw, base, a, X))))(adapters)
+    assert_trees_close(_pairs(grads), _pairs(want))
+    assert float(jnp.abs(_pairs(grads)[0][0]).sum()) > 0
+    # The base is held, never copied, and the optimizer's mask trains the adapters only.
+    mask = jax.tree.leaves(stackwise.lora.mask(params))
+    assert sum(mask) == 2 and len(mask) > 2
+
+
+def test_merged_adapters_run_as_the_adapted_stack():
+    fw = _haiku(stackwise.DEFAULT_REMAT)
+    adapters = _trained(stackwise.lora.init(jax.random.key(2), fw.base, rank=R))
+    merged = stackwise.lora.merge(fw.base, adapters)
+    params = stackwise.lora.attach(fw.base, adapters, per_leaf=True)
+    assert_trees_close(fw.run_stack(merged, X), fw.run_stack(params, X))
+
+
+def test_nf4_base_in_an_equinox_pattern():
+    blocks = [EqxBlock(key=k) for k in jax.random.split(KEY, 5)]
+    stack = stackwise.equinox.Stack.from_layers(blocks, pattern=2)
+    base = stackwise.quant.quantize(stack, "nf4")
+    assert is_quantized(base.layers[0].linear.weight)
+    adapters = _trained(stackwise.lora.init(jax.random.key(2), base, rank=R))
+    params = stackwise.lora.attach(base, adapters, per_leaf=True)
+    want = X
+    for i in range(5):  # layer i is position i % 2's layer i // 2
+        p, j = i % 2, i // 2
+        want = jax.vmap(_layer(base.layers[p], adapters.layers[p], j))(want)
+    assert_trees_close(jax.vmap(params)(X), want)
+
+
+def test_a_batch_of_adapters_is_refused_by_a_framework_stack():
+    fw = _haiku(stackwise.DEFAULT_REMAT)
+    one = stackwise.lora.init(jax.random.key(2), fw.base, rank=R)
+    batch = stackwise.lora.attach(fw.base, stackwise.lora.stack_adapters([one, one]),
+                                  per_leaf=True)
+    with pytest.raises(ValueError, match="a batch of 2 adapters"):
+        fw.run_stack(batch, X)
