@@ -88,9 +88,9 @@ class _Quaxified(eqx.Module):
     fn: Callable[..., Any]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from stackwise.equinox._stack import Stack  # (that module imports this one)
-
         import quax
+
+        from stackwise.equinox._stack import Stack  # (that module imports this one)
 
         is_stack = lambda v: isinstance(v, Stack)  # noqa: E731
         is_leaf = lambda v: is_stack(v) or isinstance(v, quax.Value)  # noqa: E731

@@ -72,7 +72,8 @@ def _trained(tree):
     def bump(v):
         if not is_lora(v):
             return v
-        return eqx.tree_at(lambda l: l.b, v, v.b + 0.1 * jnp.cos(jnp.arange(v.b.size)).reshape(v.b.shape))
+        nudge = 0.1 * jnp.cos(jnp.arange(v.b.size)).reshape(v.b.shape)
+        return eqx.tree_at(lambda lora: lora.b, v, v.b + nudge)
     return jax.tree.map(bump, tree, is_leaf=is_lora)
 
 
@@ -110,7 +111,8 @@ def test_loraify_of_a_stack_gives_each_layer_its_own_adapter():
     lora = loraify(stack, rank=R, key=jax.random.key(3))
     weight = lora.layers.up.weight
     assert is_lora(weight)
-    assert (weight.a.shape, weight.b.shape, weight.w.shape) == ((N, 2 * D, R), (N, R, D), (N, 2 * D, D))
+    shapes = (weight.a.shape, weight.b.shape, weight.w.shape)
+    assert shapes == ((N, 2 * D, R), (N, R, D), (N, 2 * D, D))
     assert not any(np.allclose(weight.a[0], weight.a[i]) for i in range(1, N))
     # Layer i of the stack is the block with layer i's adapter: to_layers slices it.
     layer = lora.to_layers()[2]
