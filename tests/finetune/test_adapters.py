@@ -6,6 +6,7 @@ written out by hand, for outputs and the adapters' gradients (`stackwise.lora.sp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,14 +42,14 @@ class Framework:
     run_block: Callable[[Any, jax.Array], jax.Array]
 
 
-def _haiku(remat) -> Framework:
+def _haiku(remat, n=N, d=D) -> Framework:
     def block(x):
-        return x + jnp.tanh(hk.Linear(D)(x))
+        return x + jnp.tanh(hk.Linear(d)(x))
 
-    stacked = hk.transform(lambda x: stackwise.haiku.Stack(block, n=N, remat=remat)(x))
+    stacked = hk.transform(lambda x: stackwise.haiku.Stack(block, n=n, remat=remat)(x))
     one = hk.transform(block)
     return Framework(
-        stacked.init(KEY, X),
+        stacked.init(KEY, jnp.ones((1, d))),
         lambda p, x: stacked.apply(p, None, x),
         lambda p, x: one.apply({k.split("/", 1)[1]: v for k, v in p.items()}, None, x),
     )
@@ -57,31 +58,32 @@ def _haiku(remat) -> Framework:
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return x + jnp.tanh(nn.Dense(D)(x))
+        return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
 
 
-def _linen(remat) -> Framework:
-    stack = stackwise.flax.Stack(LinenBlock, n=N, remat=remat)
+def _linen(remat, n=N, d=D) -> Framework:
+    stack = stackwise.flax.Stack(LinenBlock, n=n, remat=remat)
     return Framework(
-        stack.init(KEY, X)["params"],
+        stack.init(KEY, jnp.ones((1, d)))["params"],
         lambda p, x: stack.apply({"params": p}, x),
         lambda p, x: LinenBlock().apply({"params": p}, x),
     )
 
 
 class NnxBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.linear = nnx.Linear(D, D, rngs=rngs)
+    def __init__(self, rngs, d=D):
+        self.linear = nnx.Linear(d, d, rngs=rngs)
 
     def __call__(self, x):
         return x + jnp.tanh(self.linear(x))
 
 
-def _nnx(remat) -> Framework:
+def _nnx(remat, n=N, d=D) -> Framework:
+    make = functools.partial(NnxBlock, d=d)
     graphdef, params, rest = nnx.split(
-        stackwise.nnx.Stack(NnxBlock, n=N, rngs=nnx.Rngs(0), remat=remat), nnx.Param, ...
+        stackwise.nnx.Stack(make, n=n, rngs=nnx.Rngs(0), remat=remat), nnx.Param, ...
     )
-    block_def, _ = nnx.split(NnxBlock(nnx.Rngs(1)))
+    block_def, _ = nnx.split(make(nnx.Rngs(1)))
     return Framework(
         params,
         lambda p, x: nnx.merge(graphdef, p, rest)(x),
@@ -92,15 +94,15 @@ def _nnx(remat) -> Framework:
 class EqxBlock(eqx.Module):
     linear: eqx.nn.Linear
 
-    def __init__(self, *, key):
-        self.linear = eqx.nn.Linear(D, D, key=key)
+    def __init__(self, d=D, *, key):
+        self.linear = eqx.nn.Linear(d, d, key=key)
 
     def __call__(self, x):
         return x + jnp.tanh(self.linear(x))
 
 
-def _equinox(remat) -> Framework:
-    stack = stackwise.equinox.Stack(EqxBlock, n=N, key=KEY, remat=remat)
+def _equinox(remat, n=N, d=D) -> Framework:
+    stack = stackwise.equinox.Stack(functools.partial(EqxBlock, d), n=n, key=KEY, remat=remat)
     return Framework(stack, lambda p, x: jax.vmap(p)(x), lambda p, x: jax.vmap(p.layers)(x))
 
 
@@ -194,3 +196,29 @@ def test_a_batch_of_adapters_is_refused_by_a_framework_stack():
                                   per_leaf=True)
     with pytest.raises(ValueError, match="a batch of 2 adapters"):
         fw.run_stack(batch, X)
+
+
+def _temp_mib(framework: str, n: int, d: int = 256) -> float:
+    """Temp memory of ``jit(grad)`` w.r.t. the adapters, with an nf4 base of n layers."""
+    fw = FRAMEWORKS[framework](stackwise.DEFAULT_REMAT, n=n, d=d)
+    base = stackwise.quant.quantize(fw.base, "nf4")
+    adapters = stackwise.lora.init(jax.random.key(2), base, rank=4)
+    trainable, frozen = stackwise.lora.split(
+        stackwise.lora.attach(base, adapters, per_leaf=True))
+    x = jnp.ones((2, d))
+
+    def loss(trainable):
+        return jnp.sum(fw.run_stack(stackwise.lora.combine(trainable, frozen), x))
+
+    compiled = jax.jit(jax.grad(loss)).lower(trainable).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+@pytest.mark.parametrize("framework", list(FRAMEWORKS))
+def test_temp_memory_holds_about_one_layer_at_any_depth(framework):
+    """From n=4 to n=16 an adapter Stack's temporaries with a 4-bit base grow by far less
+    than one dequantized layer (0.25 MiB at d=256): each layer builds its own float weight
+    and drops it (measured: 0.53 and 0.58 MiB in every framework)."""
+    layer_mib = 256 * 256 * 4 / 2**20
+    growth = _temp_mib(framework, 16) - _temp_mib(framework, 4)
+    assert growth < layer_mib / 2, growth
