@@ -222,3 +222,33 @@ def test_temp_memory_holds_about_one_layer_at_any_depth(framework):
     layer_mib = 256 * 256 * 4 / 2**20
     growth = _temp_mib(framework, 16) - _temp_mib(framework, 4)
     assert growth < layer_mib / 2, growth
+
+
+def test_int4_base_in_a_haiku_pattern():
+    def local(x):
+        return x + jnp.tanh(hk.Linear(D)(x))
+
+    def gated(x):
+        return x * jax.nn.sigmoid(hk.Linear(D)(x))
+
+    forward = hk.transform(lambda x: stackwise.haiku.Stack([local, gated], n=5)(x))
+    base = stackwise.quant.quantize(forward.init(KEY, X), "int4")
+    adapters = _trained(stackwise.lora.init(jax.random.key(2), base, rank=R))
+    assert adapters["stack/gated/linear"]["w"].a.shape == (2, D, R)
+    params = stackwise.lora.attach(base, adapters, per_leaf=True)
+    trainable, frozen = stackwise.lora.split(params)
+    grads = jax.grad(lambda t: jnp.sum(jnp.sin(
+        forward.apply(stackwise.lora.combine(t, frozen), None, X))))(trainable)
+
+    def loop(adapters):
+        y = X
+        for i in range(5):  # layer i is position i % 2's layer i // 2
+            name, fn = [("local", local), ("gated", gated)][i % 2]
+            key = f"stack/{name}/linear"
+            layer = _layer({"linear": base[key]}, {"linear": adapters[key]}, i // 2)
+            y = hk.transform(fn).apply(layer, None, y)
+        return y
+
+    assert_trees_close(forward.apply(params, None, X), loop(adapters))
+    want = jax.grad(lambda a: jnp.sum(jnp.sin(loop(a))))(adapters)
+    assert_trees_close(_pairs(grads), _pairs(want))
