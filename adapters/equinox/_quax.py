@@ -54,7 +54,11 @@ def _hidden_value(leaf: Any) -> bool:
     """A leaf that is an outer ``quax.quaxify``'s tracer of a value other than an array."""
     if not (isinstance(leaf, jax.core.Tracer) and type(leaf).__module__.startswith("quax.")):
         return False
-    return type(getattr(leaf, "value", None)).__name__ != "_DenseArrayValue"
+    value = getattr(leaf, "value", None)
+    # A LoraArray made with `allow_materialise=True` is materialised by quax inside the
+    # remat, one layer at a time: it runs (as the sum of the weights), so it is let through.
+    allowed = getattr(value, "allow_materialise", False) is True
+    return type(value).__name__ != "_DenseArrayValue" and not allowed
 
 
 def check_outer(params: tuple, pattern: bool, remat: Any, who: str) -> None:

@@ -77,11 +77,12 @@ def _trained(tree):
     return jax.tree.map(bump, tree, is_leaf=is_lora)
 
 
-def _lora_blocks(make, n=N):
+def _lora_blocks(make, n=N, **options):
     """n blocks, each loraified on its own (its own key)."""
     keys = jax.random.split(KEY, n)
     lora_keys = jax.random.split(jax.random.key(7), n)
-    return [_trained(loraify(make(key=k), rank=R, key=lk)) for k, lk in zip(keys, lora_keys)]
+    return [_trained(loraify(make(key=k), rank=R, key=lk, **options))
+            for k, lk in zip(keys, lora_keys)]
 
 
 def _loop(blocks, x):
@@ -218,8 +219,8 @@ class Model(eqx.Module):
         return self.head(self.blocks(x))
 
 
-def _model(remat=stackwise.DEFAULT_REMAT):
-    blocks = _lora_blocks(Block)
+def _model(remat=stackwise.DEFAULT_REMAT, **options):
+    blocks = _lora_blocks(Block, **options)
     head = _trained(loraify(eqx.nn.Linear(D, 3, key=jax.random.key(5)), rank=R, key=KEY))
     return Model(swe.Stack.from_layers(blocks, remat=remat), head), blocks, head
 
@@ -238,6 +239,9 @@ def test_quax_quaxify_around_the_stack_works_without_remat_and_is_refused_with_i
     model, _, _ = _model()
     with pytest.raises(TypeError, match=r"stackwise.equinox.quaxify\(model\)\(x\)"):
         quax.quaxify(model)(X)
+    # LoraArrays that allow materialising run under quax's own quaxify, materialised per layer.
+    model, blocks, head = _model(allow_materialise=True)
+    assert_trees_close(quax.quaxify(model)(X), quax.quaxify(head)(_loop(blocks, X)))
 
 
 # --------------------------------------------------------------------------
