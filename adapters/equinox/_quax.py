@@ -21,7 +21,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-__all__ = ["check_outer", "holds_values", "quaxify"]
+__all__ = ["check_outer", "holds_values", "layer", "quaxify"]
 
 
 def _quax() -> Any:

@@ -259,6 +259,12 @@ class Stack(eqx.nn.StatefulLayer):
     >>> mixed(x).shape
     (8,)
 
+    Fine-tuning: quax's ``loraify`` of a Stack gives each layer its own adapter, and the
+    Stack runs each layer quaxified inside its scan and remat (call it directly or through
+    :func:`stackwise.equinox.quaxify`); ``stackwise.lora.attach(stack, adapters,
+    per_leaf=True)`` and ``stackwise.quant.quantize(stack)`` are Stacks whose layers build
+    their float weights one at a time (``docs/finetune.md``).
+
     Args:
       block: ``module = block(key)``: a function of a PRNG key that builds one block, an
         ``eqx.Module`` (a Module class or a ``functools.partial`` of one works: when it
