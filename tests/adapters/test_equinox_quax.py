@@ -229,8 +229,16 @@ def test_quaxify_of_a_model_runs_the_stack_and_the_rest():
     model, blocks, head = _model()
     y = eqx.filter_jit(swe.quaxify(model))(X)
     assert_trees_close(y, quax.quaxify(head)(_loop(blocks, X)))
-    grads = eqx.filter_grad(lambda m, x: jnp.sum(jnp.sin(swe.quaxify(m)(x))))(model, X)
-    assert grads.head.weight.a.shape == (3, R) and grads.blocks.layers.up.weight.a.shape[0] == N
+    # A loss quaxified whole (the model as its argument), differentiated.
+    loss = swe.quaxify(lambda m, x: jnp.sum(jnp.sin(m(x))))
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(model, X)
+    loop_grads = eqx.filter_grad(
+        lambda hb, x: jnp.sum(jnp.sin(quax.quaxify(hb[0])(_loop(hb[1], x)))))((head, blocks), X)
+    want = [_lora_grads(loop_grads[0])[0]] + [
+        tuple(jnp.stack(g) for g in zip(*pair))
+        for pair in zip(*[_lora_grads(g) for g in loop_grads[1]])]
+    got = _lora_grads(grads.head) + _lora_grads(grads.blocks)
+    assert_trees_close(got, want)
 
 
 def test_quax_quaxify_around_the_stack_works_without_remat_and_is_refused_with_it():
