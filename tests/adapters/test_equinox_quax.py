@@ -192,6 +192,7 @@ def test_stateful_blocks_with_lora():
     assert_trees_close(seen, [s.get(b.seen) for b, s in zip(blocks, states_loop)])
 
 
+@pytest.mark.slow  # (a variant: the fast tier has the plain stack's)
 def test_pattern_with_lora_on_one_position():
     kinds = [Block, Scale]
     keys = jax.random.split(KEY, 5)

@@ -175,6 +175,7 @@ def test_merged_adapters_run_as_the_adapted_stack():
     assert_trees_close(fw.run_stack(merged, X), fw.run_stack(params, X))
 
 
+@pytest.mark.slow  # (a variant: the fast tier has the plain stack's)
 def test_nf4_base_in_an_equinox_pattern():
     blocks = [EqxBlock(key=k) for k in jax.random.split(KEY, 5)]
     stack = stackwise.equinox.Stack.from_layers(blocks, pattern=2)
@@ -224,6 +225,7 @@ def test_temp_memory_holds_about_one_layer_at_any_depth(framework):
     assert growth < layer_mib / 2, growth
 
 
+@pytest.mark.slow  # (a variant: the fast tier has the plain stack's)
 def test_int4_base_in_a_haiku_pattern():
     def local(x):
         return x + jnp.tanh(hk.Linear(D)(x))
