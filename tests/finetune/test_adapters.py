@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _trees import assert_trees_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from flax import nnx
 
 import stackwise
@@ -165,6 +167,32 @@ def test_adapted_stack_equals_the_loop(framework, remat, quantized):
     # The base is held, never copied, and the optimizer's mask trains the adapters only.
     mask = jax.tree.leaves(stackwise.lora.mask(params))
     assert sum(mask) == 2 and len(mask) > 2
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(framework=st.sampled_from(list(FRAMEWORKS)), n=st.integers(1, 4),
+       d=st.sampled_from([3, 6]), rank=st.integers(1, 3),
+       kind=st.sampled_from([None, "int8", "int4", "nf4"]))
+def test_shapes_vary(framework, n, d, rank, kind):
+    fw = FRAMEWORKS[framework](stackwise.DEFAULT_REMAT, n=n, d=d)
+    base = fw.base if kind is None else stackwise.quant.quantize(fw.base, kind)
+    adapters = _trained(stackwise.lora.init(jax.random.key(2), base, rank=rank))
+    params = stackwise.lora.attach(base, adapters, per_leaf=True)
+    x = jnp.linspace(-1.0, 1.0, 2 * d).reshape(2, d)
+
+    def loop(adapters):
+        y = x
+        for i in range(n):
+            y = fw.run_block(_layer(base, adapters, i), y)
+        return y
+
+    assert_trees_close(fw.run_stack(params, x), loop(adapters))
+    trainable, frozen = stackwise.lora.split(params)
+    grads = jax.grad(lambda t: jnp.sum(jnp.sin(
+        fw.run_stack(stackwise.lora.combine(t, frozen), x))))(trainable)
+    want = jax.grad(lambda a: jnp.sum(jnp.sin(loop(a))))(adapters)
+    assert_trees_close(_pairs(grads), _pairs(want))
 
 
 def test_merged_adapters_run_as_the_adapted_stack():
