@@ -16,10 +16,12 @@ except ImportError:  # pragma: no cover - exercised only without equinox
         "`stackwise.equinox` needs equinox: pip install 'stackwise[equinox]'"
     ) from None
 
+from stackwise.equinox._quax import quaxify as quaxify
 from stackwise.equinox._stack import Stack as Stack
 from stackwise.equinox._stack import layer_index as layer_index
 
 __all__ = [
     "Stack",
     "layer_index",
+    "quaxify",
 ]

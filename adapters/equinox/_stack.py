@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import stackwise
 from stackwise import _kit
-from stackwise.equinox import _convert, _state
+from stackwise.equinox import _convert, _quax, _state
 
 __all__ = ["Stack", "layer_index"]
 
@@ -259,6 +259,12 @@ class Stack(eqx.nn.StatefulLayer):
     >>> mixed(x).shape
     (8,)
 
+    Fine-tuning: quax's ``loraify`` of a Stack gives each layer its own adapter, and the
+    Stack runs each layer quaxified inside its scan and remat (call it directly or through
+    :func:`stackwise.equinox.quaxify`); ``stackwise.lora.attach(stack, adapters,
+    per_leaf=True)`` and ``stackwise.quant.quantize(stack)`` are Stacks whose layers build
+    their float weights one at a time (``docs/finetune.md``).
+
     Args:
       block: ``module = block(key)``: a function of a PRNG key that builds one block, an
         ``eqx.Module`` (a Module class or a ``functools.partial`` of one works: when it
@@ -377,9 +383,13 @@ class Stack(eqx.nn.StatefulLayer):
         parts = [eqx.partition(b, eqx.is_array) for b in blocks]
         params = tuple(p for p, _ in parts)
         self._check_depth(params, pattern, counts, who)
+        _kit.warn_unrematted(params, self.remat, who)
+        quaxed = _quax.holds_values(params)
+        if not quaxed:
+            _quax.check_outer(params, pattern, self.remat or self.nested, who)
         eqx_state = isinstance(state, eqx.nn.State)
         applies = [
-            _layer_apply(static, takes, eqx_state, who)
+            _layer_apply(static, takes, eqx_state, quaxed, who)
             for (_, static), takes in zip(parts, takes_state)
         ]
         layers = stackwise.stack(
@@ -529,11 +539,15 @@ class Stack(eqx.nn.StatefulLayer):
 # The per-layer function.
 
 
-def _layer_apply(static: Any, takes_state: bool, eqx_state: bool, who: str) -> Callable:
-    """A position's layer for :func:`stackwise.stack`: its block, from the layer's arrays."""
+def _layer_apply(
+    static: Any, takes_state: bool, eqx_state: bool, quaxed: bool, who: str
+) -> Callable:
+    """A position's layer for :func:`stackwise.stack`: its block, from the layer's arrays
+    (quaxified when they hold quax values, so that the scan and remat see plain arrays)."""
 
     def apply(params, state, x, extras, call):
-        block = eqx.combine(params, static)
+        block = _kit.layer_params(eqx.combine(params, static), who)  # LoRA / quantized
+        block = _quax.layer(block) if quaxed else block
         kwargs = call.kwargs if extras["key"] is None else {**call.kwargs, "key": extras["key"]}
         with _kit.at_layer(extras["index"]):
             if not takes_state:

@@ -273,6 +273,7 @@ class Stack(nn.Module):
                 # otherwise constrain them back to the sharded layout their names give
                 # under `nn.logical_axis_rules` (an assertion on explicit mesh axes).
                 params = unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
+                params = _kit.layer_params(params, who)  # LoRA / quantized: float weights
                 layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
                 with _kit.at_layer(extras["index"]):
@@ -314,6 +315,7 @@ class Stack(nn.Module):
         else:
             params, state = tuple(params), tuple(state)
         call = _kit.CallArgs(args, kwargs)
+        _kit.warn_unrematted(params, self.remat, who)
         out, new = layers.apply(params, state, x, extras, call)
         for name, position in zip(names, new if pattern else [new]):
             for col, tree in position.items():

@@ -356,6 +356,7 @@ class _Layers:
             blocks = [b if kind == "factory" else _as_module(b) for b, kind in zip(blocks, kinds)]
             kinds = ["factory"] * len(blocks)
         self.blocks, self.kinds, self.who, self.has_aux = blocks, kinds, who, options["has_aux"]
+        self.remat = options["remat"]
         k = len(blocks)
         self.counts = [len(range(p, n, k)) for p in range(k)]
         self.transformed = [hk.transform_with_state(self._one_layer(p)) for p in range(k)]
@@ -411,6 +412,7 @@ class _Layers:
 
     def _apply(self, p: int) -> Callable:
         def apply(params, state, x, extras, call):
+            params = _kit.layer_params(params, self.who)  # LoRA / quantized: float weights
             with _kit.at_layer(extras["index"]):
                 return self.transformed[p].apply(params, state, extras["rng"], x, call)
 
@@ -447,12 +449,14 @@ class _Layers:
         )
         for what, positions in (("params", params), ("state", state)):
             for p, tree in enumerate(positions):
-                leaves = [
-                    (f"{module_name}/{module}/{name}", value)
+                leaves = [  # (a LoRA or quantized node's own arrays, named inside it)
+                    (f"{module_name}/{module}/{name}{jax.tree_util.keystr(path)}", leaf)
                     for module, bundle in tree.items()
                     for name, value in bundle.items()
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(value)
                 ]
                 _kit.check_depth(leaves, self.counts[p], self.who, what, fix)
+        _kit.warn_unrematted(params, self.remat, self.who)
         if not self.pattern:
             params, state = params[0], state[0]
         out, state = self.forward.apply(params, state, x, extras, call)

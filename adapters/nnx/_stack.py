@@ -410,6 +410,7 @@ class Stack(nnx.Module):
         def one(graphdef):
             def apply(p, s, x, extras, call):
                 _remove_layer_axis((p, s))
+                p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
                 block = nnx.merge(graphdef, p, s)
                 args, kwargs = _join_rngs_args(call.args, call.kwargs)
                 with _kit.at_layer(extras["index"]):
@@ -435,6 +436,7 @@ class Stack(nnx.Module):
         if not self.pattern:
             params, rest = params[0], rest[0]
         extras = {"index": stackwise.layer_index()}
+        _kit.warn_unrematted(params, self.remat, who)
         out, new_rest = layers.apply(params, rest, x, extras, _kit.CallArgs(args, kwargs))
         for block, new in zip(blocks, new_rest if self.pattern else [new_rest]):
             nnx.update(block, new)

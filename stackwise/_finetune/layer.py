@@ -46,7 +46,8 @@ def _adapted_bwd(alpha, res, g):
 adapted_weight.defvjp(_adapted_fwd, _adapted_bwd)
 
 
-def _is_node(value: Any) -> bool:
+def is_node(value: Any) -> bool:
+    """An :class:`Adapted` or :class:`Quantized` node: one layer's weight once materialised."""
     return isinstance(value, Adapted) or is_quantized(value)
 
 
@@ -67,12 +68,12 @@ def materialise(params: Any) -> Any:
         lambda v: _layer_weights(v.base, v.adapters) if isinstance(v, Adapted)
         else dequantize(v) if is_quantized(v) else v,
         params,
-        is_leaf=_is_node,
+        is_leaf=is_node,
     )
 
 
 def _groups(params: Any, who: str) -> int | None:
-    found = {v.groups for v in jax.tree.leaves(params, is_leaf=_is_node)
+    found = {v.groups for v in jax.tree.leaves(params, is_leaf=is_node)
              if isinstance(v, Adapted)}
     if len(found) > 1:
         raise ValueError(
@@ -142,7 +143,7 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
         x, rest = args[0], args[1:]
         axes = jax.tree.map(
             lambda v: Adapted(None, 0, v.groups) if isinstance(v, Adapted) else None,
-            params, is_leaf=_is_node,
+            params, is_leaf=is_node,
         )
         return jax.vmap(lambda p, x: apply(materialise(p), x, *rest, **kwargs),
                         in_axes=(axes, 0))(params, x)
@@ -153,6 +154,22 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
 def _dequantized_bytes(params: Any) -> int:
     return sum(v.nbytes_dequantized for v in jax.tree.leaves(params, is_leaf=is_quantized)
                if is_quantized(v))
+
+
+def warn_unrematted(params: Any, remat: Any, who: str) -> None:
+    """Warns when ``remat=False`` would keep every layer's dequantized weights, giving bytes."""
+    if remat is not False:
+        return
+    held = _dequantized_bytes(params)
+    if held:
+        warnings.warn(
+            f"{who}: remat=False with a quantized base keeps every "
+            f"layer's dequantized weights for the backward pass when differentiated: "
+            f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model. "
+            "Keep the default remat (or any policy) to hold one layer at a time; "
+            "without gradients (decoding) remat changes nothing, so keep it there too.",
+            stacklevel=3,
+        )
 
 
 def stack_adapted(
@@ -190,17 +207,7 @@ def stack_adapted(
     remat = options.get("remat", DEFAULT_REMAT)
 
     def checked_apply(*args, **kwargs):
-        if remat is False:
-            held = _dequantized_bytes(args[0])
-            if held:
-                warnings.warn(
-                    f"stackwise.lora.stack: remat=False with a quantized base keeps every "
-                    f"layer's dequantized weights for the backward pass when differentiated: "
-                    f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model. "
-                    "Keep the default remat (or any policy) to hold one layer at a time; "
-                    "without gradients (decoding) remat changes nothing, so keep it there too.",
-                    stacklevel=2,
-                )
+        warn_unrematted(args[0], remat, "stackwise.lora.stack")
         return layers.apply(*args, **kwargs)
 
     return Stacked(layers.init, checked_apply, n)

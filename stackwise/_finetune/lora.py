@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core import checks
+from stackwise._core.options import check_bool
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
@@ -209,7 +210,7 @@ def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None
     return groups
 
 
-def attach(base: Any, adapters: Any) -> Adapted:
+def attach(base: Any, adapters: Any, *, per_leaf: bool = False) -> Any:
     """The base and its adapters as one params tree for a stack of wrapped layers.
 
     Nothing is copied: the base's arrays are held as they are, so several adapters (or one
@@ -222,14 +223,26 @@ def attach(base: Any, adapters: Any) -> Adapted:
     >>> params.base["w"] is base["w"]
     True
 
+    With ``per_leaf=True`` each adapted leaf becomes its own :class:`Adapted` node where the
+    leaf was, so the tree keeps its structure: a framework's params (a Haiku dict, an
+    Equinox module) stay what the framework's Stack takes, and it runs them one layer at a
+    time (``docs/finetune.md``); the core's wrapped layers take either form.
+
+    >>> params = stackwise.lora.attach(base, adapters, per_leaf=True)
+    >>> sorted(params), params["w"].base is base["w"]
+    (['w'], True)
+
     Raises:
       ValueError: the adapters are not shaped like the base, have another depth, or do
         not fit their leaf; a batch mixed with single adapters, or batches of two sizes.
-      TypeError: something other than LoraWeights or None where an adapter belongs.
+      TypeError: something other than LoraWeights or None where an adapter belongs, or
+        ``per_leaf`` not a bool.
     """
     who = "stackwise.lora.attach"
+    per_leaf = check_bool(per_leaf, "per_leaf", who)
     found = set()
-    for path, leaf, lw in pairs(base, adapters, who):
+    paired = pairs(base, adapters, who)
+    for path, leaf, lw in paired:
         if lw is not None:
             found.add(_check_shapes(path, leaf, lw, who))
     if len(found) > 1:
@@ -241,7 +254,14 @@ def attach(base: Any, adapters: Any) -> Adapted:
     groups = found.pop() if found else None
     if groups is not None:
         adapters = jax.tree.map(lambda v: jnp.moveaxis(v, 0, 1), adapters)
-    return Adapted(base, adapters, groups)
+    if not per_leaf:
+        return Adapted(base, adapters, groups)
+    treedef = jax.tree.structure(base, is_leaf=is_quantized)
+    subs = treedef.flatten_up_to(adapters)
+    return jax.tree.unflatten(treedef, [
+        leaf if lw is None else Adapted(leaf, lw, groups)
+        for (_, leaf, _), lw in zip(paired, subs)
+    ])
 
 
 def stack_adapters(adapters: Sequence[Any]) -> Any:

@@ -16,12 +16,13 @@ from stackwise._finetune.quant import is_quantized
 __all__ = ["combine", "layer_axes", "mask", "split"]
 
 
-def _per_leaf(tree: Any, inside: Any, outside: Any) -> Any:
-    """``tree`` with each leaf of a LoraWeights ``inside(leaf, lw)`` and others ``outside``."""
+def _per_leaf(tree: Any, inside: Any, outside: Any, whole: Any = lambda v: False) -> Any:
+    """``tree`` with each leaf of a LoraWeights ``inside(leaf, lw)`` and others ``outside``;
+    a node for which ``whole`` holds is one leaf (``outside`` of the node itself)."""
     return jax.tree.map(
         lambda v: jax.tree.map(lambda leaf: inside(leaf, v), v) if is_lora(v) else outside(v),
         tree,
-        is_leaf=is_lora,
+        is_leaf=lambda v: is_lora(v) or whole(v),
     )
 
 
@@ -68,11 +69,10 @@ def split(tree: Any) -> tuple[Any, Any]:
             "first: `params = stackwise.lora.attach(base, stackwise.lora.init(key, base, "
             "rank=r))`, then `trainable, frozen = stackwise.lora.split(params)`."
         )
-    # A quantized weight is None in the trainable half as a whole, not a `Quantized` node
-    # of Nones, which an optimizer (`stackwise.optax`) would take for a quantized leaf.
-    trainable = jax.tree.map(lambda v: v if is_lora(v) else None, tree,
-                             is_leaf=lambda v: is_lora(v) or is_quantized(v))
-    frozen = _per_leaf(tree, lambda leaf, lw: None, lambda v: v)
+    # A quantized weight is frozen whole: the trainable half holds None there, not an
+    # empty `Quantized` (which an optimizer would refuse as a quantized leaf).
+    trainable = _per_leaf(tree, lambda leaf, lw: leaf, lambda v: None, is_quantized)
+    frozen = _per_leaf(tree, lambda leaf, lw: None, lambda v: v, is_quantized)
     return trainable, frozen
 
 

@@ -136,3 +136,18 @@ def test_no_top_level_adapters_or_bench_package():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/", env=env
     )
     assert out.stdout.strip() == "None None"
+
+
+def test_stackwise_equinox_imports_quax_only_for_a_stack_holding_its_values():
+    # quax is an optional extra: a Stack without quax values (run, differentiated) and
+    # `stackwise.equinox.quaxify` as a name load nothing of it.
+    code = (
+        "import sys, jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox\n"
+        "from functools import partial\n"
+        "s = stackwise.equinox.Stack(partial(eqx.nn.Linear, 2, 2), n=2, key=jax.random.key(0))\n"
+        "s(jnp.ones(2)); jax.grad(lambda x: s(x).sum())(jnp.ones(2))\n"
+        "stackwise.equinox.quaxify\n"
+        "print('quax' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

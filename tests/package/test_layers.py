@@ -9,7 +9,7 @@ lazy import inside a function counts too. The layers, lowest first:
   the core;
 - ``stackwise._pipeline`` and ``stackwise._checkpoint``: the core and sharding (not each other);
   the checkpoint also the quantizer of ``_finetune`` (``load_checkpoint(quantize=)``);
-- ``stackwise._kit``: the core (it is what adapters see of it);
+- ``stackwise._kit``: the core and ``_finetune`` (it is what adapters see of them);
 - the adapters (``adapters/<framework>/``, installed as ``stackwise.<framework>``): the kit,
   the public ``stackwise`` names and their own package; never a private module of the core.
 """
@@ -29,7 +29,7 @@ ALLOWED = {
     "_sharding": {"_core", "_upstream", "_sharding"},
     "_pipeline": {"_core", "_upstream", "_sharding", "_pipeline"},
     "_checkpoint": {"_core", "_upstream", "_sharding", "_checkpoint", "_finetune"},
-    "_kit": {"_core", "_upstream", "_kit"},
+    "_kit": {"_core", "_upstream", "_finetune", "_kit"},
     "_finetune": {"_core", "_upstream", "_finetune"},
 }
 
