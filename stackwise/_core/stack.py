@@ -96,55 +96,6 @@ def apply_args(args: tuple, with_state: bool, who: str, call: str = "Stacked.app
     return params, None, x, rest
 
 
-def _check_carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
-    """Raises if a layer changed the carry's structure, shape or dtype."""
-    old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
-    if old_def != new_def:
-        hint = (
-            "With `has_aux=True` the layer returns `(x, aux)`: check that x comes first."
-            if has_aux
-            else "Per-layer outputs of another structure go in `aux`: build the stack "
-            "with `has_aux=True` and return `(x, aux)`."
-        )
-        raise TypeError(
-            f"{who}: a layer must return its input `x` with the same "
-            f"pytree structure (it is fed to the next layer), but it took\n  {old_def}\n"
-            f"and returned\n  {new_def}\n{hint}"
-        )
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new)
-    ):
-        a_shape, b_shape = jnp.shape(a), jnp.shape(b)
-        a_type, b_type = jnp.result_type(a), jnp.result_type(b)
-        if a_shape != b_shape or a_type != b_type:
-            leaf = "x" + jax.tree_util.keystr(path)
-            fix = (
-                f"cast it back, e.g. `{leaf}.astype(jnp.{a_type.name})`"
-                if a_shape == b_shape
-                else f"reshape or project it back to {a_shape}"
-            )
-            raise TypeError(
-                f"{who}: a layer changed carry leaf `{leaf}` from "
-                f"{a_type.name}{list(a_shape)} to {b_type.name}{list(b_shape)}; "
-                f"every layer must return x with the shape and dtype it received: {fix}."
-            )
-
-
-def _check_not_split_over_layers(params: Any, who: str) -> None:
-    """Params placed with the layer axis sharded cannot be scanned layer by layer."""
-    for name, leaf in trees.named_leaves(params):
-        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
-        if spec and spec[0] is not None:
-            raise ValueError(
-                f"{who}: params leaf {name} is split over mesh axis {spec[0]!r} along "
-                "its layer axis (e.g. by `stackwise.shard_stacked(..., layer_axis=...)`), "
-                "but `Stacked.apply` runs the layers one after another on every device. "
-                "Run them as pipeline stages with `stackwise.pipeline`, or reshard the "
-                "layer axis to replicated first (`stackwise.shard_stacked(params, mesh, "
-                "specs)` without `layer_axis`)."
-            )
-
-
 # --------------------------------------------------------------------------
 # The stack.
 
@@ -351,7 +302,7 @@ def stack(
             )
         params = run.positions(params, "params", pattern)
         state = run.positions(state, "state", pattern) if with_state else (None,) * k
-        _check_not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
+        checks.not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
         if options.fsdp:
             check_fsdp_axes(params, options.fsdp, who)
         xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
@@ -492,7 +443,7 @@ class Run:
                     "Return `(x, aux)`, or build the stack without `has_aux`.",
                 )
             new_x, aux = out if has_aux else (out, None)
-            _check_carry(x, new_x, who, has_aux)
+            checks.carry(x, new_x, who, has_aux)
             return new_x, (per_layer, aux)
 
         return _remat(layer, self.options, self.python_loop)
