@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from stackwise._core import checks, inplace, trees
+from stackwise._core import checks, inplace, serving, trees
 from stackwise._core.checks import check_depth
 from stackwise._core.gather import check_fsdp_axes, gather
 from stackwise._core.markers import PerLayer, split_markers
@@ -300,15 +300,25 @@ def stack(
                 "per-layer inputs go in the other arguments: `apply(params, x, "
                 "stackwise.per_layer(xs))`."
             )
-        params = run.positions(params, "params", pattern)
-        state = run.positions(state, "state", pattern) if with_state else (None,) * k
-        checks.not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
-        if options.fsdp:
-            check_fsdp_axes(params, options.fsdp, who)
-        xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
-        x, new_state, aux = run(params, state, x, xs, rebuild)
+        if serving.in_use(params, state):  # per-layer buffers: a Python loop
+            at, where = k if pattern else None, f"{who}: Stacked.apply"
+            params, state = serving.layers_of(
+                params, state, n=n, pattern=at, options=options, where=where
+            )
+            xs, rebuild = split_markers(tuple(args), kwargs, n, where)
+            x, new_state, aux = run.serve(params, state, x, xs, rebuild)
+            new_state = serving.Serving(new_state, at)
+        else:
+            params = run.positions(params, "params", pattern)
+            state = run.positions(state, "state", pattern) if with_state else (None,) * k
+            checks.not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
+            if options.fsdp:
+                check_fsdp_axes(params, options.fsdp, who)
+            xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
+            x, new_state, aux = run(params, state, x, xs, rebuild)
+            new_state = unwrap(new_state) if with_state else None
         out = (x, unwrap(aux)) if has_aux else x
-        return (out, unwrap(new_state)) if with_state else out
+        return (out, new_state) if with_state else out
 
     return Stacked(stacked_init, stacked_apply, n)
 
@@ -410,8 +420,23 @@ class Run:
                 )
         return x, tuple(new_state), tuple(aux)
 
-    def _layer(self, p: int, rebuild) -> Callable:
-        """Position p's layer as a scan body ``x, (per_layer, aux)``, rematerialised."""
+    def serve(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
+        """The layers as a Python loop over per-layer buffers (the serving layout): layer
+        i gets ``params[i]`` and ``state[i]`` whole and returns its own new state (written
+        in place where its buffer is donated). Per-layer inputs are sliced per layer."""
+        k, n = self.k, self.n
+        layers = [self._layer(p, rebuild, serving=True) for p in range(k)]
+        new_state, aux = [None] * n, [None] * n
+        for i in reversed(range(n)) if self.options.reverse else range(n):
+            slices = jax.tree.map(lambda a, i=i: a[i], xs)
+            x, (new_state[i], aux[i]) = layers[i % k](x, (params[i], state[i], slices))
+        stacked = tuple(jax.tree.map(lambda *a: jnp.stack(a), *aux[p::k]) for p in range(k))
+        return x, tuple(new_state), stacked
+
+    def _layer(self, p: int, rebuild, serving: bool = False) -> Callable:
+        """Position p's layer as a scan body ``x, (per_layer, aux)``, rematerialised.
+
+        ``serving``: a body of :meth:`serve`, whose ``per_layer`` is the new state whole."""
         apply, record, who = self.applies[p], self.records[p], self.who
         has_aux = self.options.has_aux
 
@@ -431,8 +456,11 @@ class Run:
                         "Return the state with the output, e.g. `return x, state`.",
                     )
 
-                out, treedef, updates, per_layer = inplace.call(with_state, (params, x), state)
-                record.update(treedef=treedef, updates=updates)
+                if serving:
+                    out, per_layer = with_state(params, x, state)
+                else:
+                    out, treedef, updates, per_layer = inplace.call(with_state, (params, x), state)
+                    record.update(treedef=treedef, updates=updates)
             else:
                 out, per_layer = apply(params, x, *a, **kw), None
             if has_aux:
@@ -446,7 +474,7 @@ class Run:
             checks.carry(x, new_x, who, has_aux)
             return new_x, (per_layer, aux)
 
-        return _remat(layer, self.options, self.python_loop)
+        return _remat(layer, self.options, self.python_loop or serving)
 
     def _repeats(self, body: Callable, x: Any, xs: Any) -> tuple:
         """All whole repeats of the pattern, in checkpointed groups when ``nested``."""
