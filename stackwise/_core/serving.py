@@ -19,7 +19,7 @@ import jax
 from stackwise._core import layout, trees
 from stackwise._core.options import Options
 
-__all__ = ["Serving", "from_serving", "in_use", "layers_of", "to_serving"]
+__all__ = ["Serving", "from_serving", "in_use", "layers_of", "refuse", "to_serving"]
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -172,6 +172,19 @@ def in_use(*values: Any) -> bool:
     return any(_found(v) for v in values)
 
 
+def refuse(who: str, runs: str, **values: Any) -> None:
+    """Refuses a :class:`Serving` in any of ``values`` (named by their keyword) where only
+    stacked trees go: ``runs`` says what ``who`` does with them."""
+    for what, value in values.items():
+        found = _found(value)
+        if found:
+            at = what + (found[0] if found[0] else "")
+            raise TypeError(
+                f"{who}: `{at}` is in the serving layout (a `stackwise.Serving`), but {runs}. "
+                f"Pass the stacked tree: `stackwise.from_serving({what})`."
+            )
+
+
 def _options(options: Options, where: str) -> None:
     """Refuses the options that have no serving form, naming the option and the fix."""
     fix = (
@@ -237,13 +250,6 @@ def _check(tree: Serving, what: str, n: int, pattern: int | None, where: str) ->
             f"{where}: the {what}' layers hold a `stackwise.Serving` at "
             f"{', '.join(inner)}: convert a stacked tree once, not twice."
         )
-    if len(tree.layers) != n:
-        raise ValueError(
-            f"{where}: the {what} in the serving layout hold {len(tree.layers)} layers, "
-            f"but the stack has n={n}; convert the stacked {what} of this model "
-            "(`stackwise.to_serving`), or take its first layers before converting "
-            "(`stackwise.slice_layers`)."
-        )
     if tree.pattern != pattern:
         made = "without `pattern`" if tree.pattern is None else f"with pattern={tree.pattern}"
         if pattern is None:
@@ -254,4 +260,11 @@ def _check(tree: Serving, what: str, n: int, pattern: int | None, where: str) ->
         raise ValueError(
             f"{where}: the {what} were converted {made}, but the stack runs {runs}; "
             f"convert with {want}."
+        )
+    if len(tree.layers) != n:
+        raise ValueError(
+            f"{where}: the {what} in the serving layout hold {len(tree.layers)} layers, "
+            f"but the stack has n={n}; convert the stacked {what} of this model "
+            "(`stackwise.to_serving`), or take its first layers before converting "
+            "(`stackwise.slice_layers`)."
         )
