@@ -172,16 +172,17 @@ def in_use(*values: Any) -> bool:
     return any(_found(v) for v in values)
 
 
-def refuse(who: str, runs: str, **values: Any) -> None:
+def refuse(who: str, runs: str, fix: str = "", **values: Any) -> None:
     """Refuses a :class:`Serving` in any of ``values`` (named by their keyword) where only
-    stacked trees go: ``runs`` says what ``who`` does with them."""
+    stacked trees go: ``runs`` says what ``who`` does with them, ``fix`` what to do
+    (default: pass the stacked tree back)."""
     for what, value in values.items():
         found = _found(value)
         if found:
             at = what + (found[0] if found[0] else "")
             raise TypeError(
                 f"{who}: `{at}` is in the serving layout (a `stackwise.Serving`), but {runs}. "
-                f"Pass the stacked tree: `stackwise.from_serving({what})`."
+                + (fix or f"Pass the stacked tree: `stackwise.from_serving({what})`.")
             )
 
 

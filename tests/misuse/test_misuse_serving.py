@@ -171,3 +171,63 @@ SERVING = [
 @pytest.mark.parametrize("call, error, words", SERVING)
 def test_misuse_serving(call, error, words):
     assert_refused(call, error, words)
+
+
+# --------------------------------------------------------------------------
+# The adapters run their framework's stacked variables only: a Serving put in their
+# params is refused with the framework's exact loop conversion as the fix. (NNX refuses it
+# by itself: `nnx.merge` takes no Serving in place of a State.)
+
+X4 = jnp.ones((1, 4))
+
+
+def _haiku():
+    import haiku as hk
+
+    import stackwise.haiku
+
+    f = hk.transform(lambda x: stackwise.haiku.Stack(lambda: hk.Linear(4), 3)(x))
+    params = f.init(jax.random.key(0), X4)
+    f.apply({k: stackwise.to_serving(v) for k, v in params.items()}, None, X4)
+
+
+def _flax():
+    import flax.linen as nn
+
+    import stackwise.flax
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return stackwise.flax.Stack(nn.Dense(4), 3)(x)
+
+    variables = Model().init(jax.random.key(0), X4)
+    served = {"params": {k: stackwise.to_serving(t) for k, t in variables["params"].items()}}
+    Model().apply(served, X4)
+
+
+def _equinox():
+    from functools import partial
+
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    stack = stackwise.equinox.Stack(partial(eqx.nn.Linear, 4, 4), 3, key=jax.random.key(0))
+    eqx.tree_at(lambda s: s.layers, stack, stackwise.to_serving(stack.layers))(X4[0])
+
+
+ADAPTERS = [
+    case("haiku Stack given served params", _haiku, TypeError, "stackwise.haiku.Stack",
+         "`params['stack/linear']` is in the serving layout", "`stackwise.haiku.to_loop`"),
+    case("flax Stack given served variables", _flax, TypeError, "stackwise.flax.Stack",
+         "`variables['params']` is in the serving layout", "`stackwise.flax.to_loop`"),
+    case("equinox Stack given served layers", _equinox, TypeError, "stackwise.equinox.Stack",
+         "`layers` is in the serving layout", "`Stack.to_layers()`", "stackwise.to_serving"),
+]  # fmt: skip
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", ADAPTERS)
+def test_misuse_serving_in_adapters(call, error, words):
+    assert_refused(call, error, words)
