@@ -206,6 +206,8 @@ def stack(
         :func:`jax.lax.dynamic_update_slice` (a KV cache's new positions) is
         updated in place in the stacked state, so decoding with a donated
         cache copies nothing per token; every other leaf is returned whole.
+        Params and state converted by :func:`stackwise.to_serving` (per-layer
+        buffers) run as a Python loop instead, as a loop model does.
       fsdp: the mesh axis (or axes) the params are sharded over, FSDP-style:
         each layer's params are all-gathered over them inside the loop, one
         layer at a time, and the gathered copy is never kept for the backward
