@@ -258,3 +258,48 @@ def test_eager_under_disable_jit():
         y_eager, new = layers.apply(stackwise.to_serving(params), stackwise.to_serving(cache), x, 0)
     np.testing.assert_allclose(y_eager, y, rtol=1e-5, atol=1e-6)
     assert isinstance(new, stackwise.Serving)
+
+
+def test_state_with_a_pattern_aux_and_the_layer_index():
+    """A pattern of 2 layers with state (attention, then a counter), has_aux and the layer
+    index: served = loop (bitwise), state back in the serving layout, = scan."""
+
+    def count_init(key):
+        del key
+        return {"s": jnp.full((1, 1, D), 0.5)}, {"count": jnp.zeros((), jnp.int32)}
+
+    def attend_aux(p, cache, x, pos, i):
+        y, cache = attend(p, cache, x, pos)
+        return (y, {"i": i}), cache
+
+    def count(p, state, x, pos, i):
+        del pos
+        return (x * p["s"], {"i": i}), {"count": state["count"] + i}
+
+    n = 5
+    layers = stackwise.stack(
+        [init, count_init], [attend_aux, count], n, with_state=True, has_aux=True
+    )
+    params, state = layers.init(KEY)
+    x = jax.random.normal(jax.random.key(1), (B, 3, D))
+    args = (jnp.int32(0), stackwise.layer_index())
+    served = stackwise.to_serving(params, pattern=2)
+    step = jax.jit(layers.apply)
+    (y, aux), new = step(served, stackwise.to_serving(state, pattern=2), x, *args)
+    assert isinstance(new, stackwise.Serving) and new.pattern == 2
+    assert [int(a) for a in aux[0]["i"]] == [0, 2, 4] and [int(a) for a in aux[1]["i"]] == [1, 3]
+
+    @jax.jit
+    def loop(per_layer, states, x):
+        new = list(states)
+        for i, (p, s) in enumerate(zip(per_layer, states)):
+            (x, _), new[i] = (attend_aux, count)[i % 2](p, s, x, jnp.int32(0), jnp.int32(i))
+        return x, new
+
+    y_loop, states = loop(served.layers, stackwise.unstack_layers(state, pattern=2), x)
+    assert_trees_bitwise(y, y_loop)
+    assert_trees_bitwise(new.layers, tuple(states))
+    (y_scan, aux_scan), new_scan = step(params, state, x, *args)
+    assert_trees_close(y, y_scan)
+    assert_trees_bitwise(aux, aux_scan)
+    assert_trees_close(stackwise.from_serving(new), new_scan)
