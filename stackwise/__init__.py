@@ -10,6 +10,7 @@ _PUBLIC = {
     "Checkpoint": "stackwise._checkpoint.read",
     "CheckpointLayout": "stackwise._checkpoint.inspect",
     "DEFAULT_REMAT": "stackwise._core.stack",
+    "from_serving": "stackwise._core.serving",
     "fsdp_specs": "stackwise._sharding.fsdp",
     "inspect_checkpoint": "stackwise._checkpoint.inspect",
     "layer_index": "stackwise._core.markers",
@@ -22,6 +23,7 @@ _PUBLIC = {
     "pipeline": "stackwise._pipeline.api",
     "save_orbax": "stackwise._checkpoint.save",
     "save_safetensors": "stackwise._checkpoint.save",
+    "Serving": "stackwise._core.serving",
     "shard_stacked": "stackwise._sharding.fsdp",
     "slice_layers": "stackwise._core.layout",
     "stack": "stackwise._core.stack",
@@ -30,6 +32,7 @@ _PUBLIC = {
     "stacked_shardings": "stackwise._sharding.specs",
     "stacked_spec": "stackwise._sharding.specs",
     "Tensor": "stackwise._checkpoint.names",
+    "to_serving": "stackwise._core.serving",
     "unstack_layers": "stackwise._core.layout",
 }
 
@@ -49,6 +52,9 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read)
     from stackwise._core.markers import per_example as per_example
     from stackwise._core.markers import per_layer as per_layer
     from stackwise._core.markers import per_layer_keys as per_layer_keys
+    from stackwise._core.serving import Serving as Serving
+    from stackwise._core.serving import from_serving as from_serving
+    from stackwise._core.serving import to_serving as to_serving
     from stackwise._core.stack import CARRY_NAME as CARRY_NAME
     from stackwise._core.stack import DEFAULT_REMAT as DEFAULT_REMAT
     from stackwise._core.stack import Stacked as Stacked
@@ -129,8 +135,10 @@ __all__ = [
     "Checkpoint",
     "CheckpointLayout",
     "DEFAULT_REMAT",
+    "Serving",
     "Stacked",
     "Tensor",
+    "from_serving",
     "fsdp_specs",
     "inspect_checkpoint",
     "layer_index",
@@ -151,5 +159,6 @@ __all__ = [
     "stack_layers",
     "stacked_shardings",
     "stacked_spec",
+    "to_serving",
     "unstack_layers",
 ]

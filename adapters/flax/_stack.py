@@ -80,6 +80,7 @@ def _path(col: str, path: tuple) -> str:
 
 
 def _check_depth(variables: dict, n: int, who: str) -> None:
+    _kit.refuse_serving(who, "stackwise.flax.to_loop", variables=variables)
     leaves = [
         (_path(col, path), leaf)
         for col, tree in variables.items()

@@ -291,6 +291,9 @@ class Stack(hk.Module):
           stacked along a leading ``n`` axis (a tuple per position for a pattern).
         """
         layers, prefix = self._layers, f"{self.module_name}/"
+        if not hk.running_init():
+            given = {k: v for k, v in hk.get_params().items() if k.startswith(prefix)}
+            _kit.refuse_serving(layers.who, "stackwise.haiku.to_loop", params=given)
         call = _kit.CallArgs(args, kwargs)
         init_key = hk.maybe_next_rng_key() if hk.running_init() else None
         rng = hk.maybe_next_rng_key()

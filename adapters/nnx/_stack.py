@@ -443,6 +443,7 @@ class Stack(nnx.Module):
         return out
 
     def _check_depth(self, state: Any, n: int, who: str) -> None:
+        _kit.refuse_serving(who, "Stack.to_layers()", variables=state)
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         leaves = [
             (f"{_path(path)} ({type(v).__name__})", a)

@@ -191,7 +191,9 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
     hand-written ``lax.scan`` with the stacked cache as its per-layer input and output
     (every call writes the whole new cache); a hand-written scan with the stacked cache
     in its carry, written at the layer's index (in place); ``stackwise.stack(...,
-    with_state=True)``. Forward only, so remat changes nothing: the stack runs without.
+    with_state=True)`` on the stacked params and cache, and on the same converted once to
+    the serving layout (``stackwise.to_serving``: per-layer buffers, a Python loop). Forward
+    only, so remat changes nothing: the stack runs without.
     """
     d, heads = cfg.dec_d, cfg.dec_heads
 
@@ -255,16 +257,23 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
 
         return params, cache, x, step
 
-    def with_stackwise(n):
-        params, cache, x = inputs(n)
-        layers = stackwise.stack(None, layer, n, with_state=True, remat=False)  # params: numpy
-        return params, cache, x, lambda ps, cache, x: layers.apply(ps, cache, *x)
+    def with_stackwise(serving: bool) -> Build:
+        def build(n):
+            params, cache, x = inputs(n)
+            layers = stackwise.stack(None, layer, n, with_state=True, remat=False)
+            if serving:  # the serving layout: per-layer buffers, converted once (in numpy)
+                host = jax.tree.map(np.asarray, (params, cache))
+                params, cache = device(tuple(stackwise.to_serving(t) for t in host))
+            return params, cache, x, lambda ps, cache, x: layers.apply(ps, cache, *x)
+
+        return build
 
     return [
         Case(LOOP, "jax", "off", loop_separate),
         Case(SCAN, "jax", "off", hand_scan),
         Case("lax.scan (cache in carry)", "jax", "off", hand_scan_carry),
-        Case("stackwise", "jax", "off", with_stackwise),
+        Case("stackwise", "jax", "off", with_stackwise(False)),
+        Case("stackwise serving layout", "jax", "off", with_stackwise(True)),
     ]
 
 

@@ -33,6 +33,8 @@ Params trees, concrete or abstract (the tree helpers themselves are in
   as it is; a Python scalar's as NumPy gives it); anything else is refused, named.
 - :func:`depth`: the common leading-axis length of every leaf (ValueError listing them).
 - :func:`check_depth`: every leaf's leading axis is ``n`` (ValueError listing those not).
+- :func:`carry`: a layer returned its carry with the structure, shapes and dtypes it got.
+- :func:`not_split_over_layers`: no params leaf is split over a mesh axis along its layer axis.
 
 Dtypes:
 
@@ -57,6 +59,7 @@ from stackwise._core import trees
 __all__ = [
     "axis_entry",
     "axis_names",
+    "carry",
     "check_depth",
     "depth",
     "exact_dtype",
@@ -66,6 +69,7 @@ __all__ = [
     "leaf_shape",
     "mesh",
     "mesh_lacks",
+    "not_split_over_layers",
     "partition_spec",
     "prng_key",
     "same_array_kind",
@@ -313,6 +317,59 @@ def check_depth(leaves: Iterable[tuple[str, Any]], n: int, who: str, what: str, 
             f"{who}: every leaf of the stacked {what} needs a leading layer axis of "
             f"length n={n}, but these do not:\n" + "\n".join(bad) + "\n" + fix
         )
+
+
+# --------------------------------------------------------------------------
+# What a layer returns, and where params sit.
+
+
+def carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
+    """Raises if a layer changed the carry's structure, shape or dtype."""
+    old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
+    if old_def != new_def:
+        hint = (
+            "With `has_aux=True` the layer returns `(x, aux)`: check that x comes first."
+            if has_aux
+            else "Per-layer outputs of another structure go in `aux`: build the stack "
+            "with `has_aux=True` and return `(x, aux)`."
+        )
+        raise TypeError(
+            f"{who}: a layer must return its input `x` with the same "
+            f"pytree structure (it is fed to the next layer), but it took\n  {old_def}\n"
+            f"and returned\n  {new_def}\n{hint}"
+        )
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new)
+    ):
+        a_shape, b_shape = jnp.shape(a), jnp.shape(b)
+        a_type, b_type = jnp.result_type(a), jnp.result_type(b)
+        if a_shape != b_shape or a_type != b_type:
+            leaf = "x" + jax.tree_util.keystr(path)
+            fix = (
+                f"cast it back, e.g. `{leaf}.astype(jnp.{a_type.name})`"
+                if a_shape == b_shape
+                else f"reshape or project it back to {a_shape}"
+            )
+            raise TypeError(
+                f"{who}: a layer changed carry leaf `{leaf}` from "
+                f"{a_type.name}{list(a_shape)} to {b_type.name}{list(b_shape)}; "
+                f"every layer must return x with the shape and dtype it received: {fix}."
+            )
+
+
+def not_split_over_layers(params: Any, who: str) -> None:
+    """Params placed with the layer axis sharded cannot be scanned layer by layer."""
+    for name, leaf in trees.named_leaves(params):
+        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+        if spec and spec[0] is not None:
+            raise ValueError(
+                f"{who}: params leaf {name} is split over mesh axis {spec[0]!r} along "
+                "its layer axis (e.g. by `stackwise.shard_stacked(..., layer_axis=...)`), "
+                "but `Stacked.apply` runs the layers one after another on every device. "
+                "Run them as pipeline stages with `stackwise.pipeline`, or reshard the "
+                "layer axis to replicated first (`stackwise.shard_stacked(params, mesh, "
+                "specs)` without `layer_axis`)."
+            )
 
 
 # --------------------------------------------------------------------------

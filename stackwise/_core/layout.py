@@ -46,19 +46,24 @@ def unstack_layers(stacked: Any, *, pattern: int | None = None) -> list[Any]:
         positions whose depths no n gives.
       TypeError: ``pattern`` not a positive int, or not k trees with it.
     """
-    k = convert.check_pattern(pattern, _UNSTACK)
+    return unstack(stacked, pattern, _UNSTACK)
+
+
+def unstack(stacked: Any, pattern: Any, who: str) -> list[Any]:
+    """:func:`unstack_layers` as ``who`` (its messages name ``who``)."""
+    k = convert.check_pattern(pattern, who)
     fix = "Stacked params come from `Stacked.init` or `stackwise.stack_layers`."
     if k is None:
-        return convert.unstack_exact(stacked, convert.depth_of(stacked, _UNSTACK, "tree", fix))
-    stacked = _positions(stacked, k, _UNSTACK)
+        return convert.unstack_exact(stacked, convert.depth_of(stacked, who, "tree", fix))
+    stacked = _positions(stacked, k, who)
     positions = [
         convert.unstack_exact(
             tree,
-            convert.depth_of(tree, _UNSTACK, f"tree of pattern position {p}", fix),
+            convert.depth_of(tree, who, f"tree of pattern position {p}", fix),
         )
         for p, tree in enumerate(stacked)
     ]
-    n = convert.pattern_depth([len(layers) for layers in positions], _UNSTACK)
+    n = convert.pattern_depth([len(layers) for layers in positions], who)
     return [positions[i % k][i // k] for i in range(n)]
 
 
@@ -96,16 +101,21 @@ def stack_layers(layers: Sequence[Any], *, pattern: int | None = None) -> Any:
       TypeError: a leaf whose dtype differs between layers, a bad ``pattern``,
         or ``layers`` that is not a list (a dict's keys would be taken as layers).
     """
-    k = convert.check_pattern(pattern, _STACK)
-    layers = _layer_list(layers, _STACK)
+    return restack(layers, pattern, _STACK)
+
+
+def restack(layers: Sequence[Any], pattern: Any, who: str) -> Any:
+    """:func:`stack_layers` as ``who`` (its messages name ``who``)."""
+    k = convert.check_pattern(pattern, who)
+    layers = _layer_list(layers, who)
     if k is None:
-        return convert.stack_exact(layers, _STACK)
+        return convert.stack_exact(layers, who)
     if len(layers) < k:
         raise ValueError(
-            f"{_STACK}: a pattern of {k} layers needs at least {k} layers, got {len(layers)}."
+            f"{who}: a pattern of {k} layers needs at least {k} layers, got {len(layers)}."
         )
     return tuple(
-        convert.stack_exact(layers[p::k], _STACK, label=lambda j, p=p: f"layer {p + j * k}")
+        convert.stack_exact(layers[p::k], who, label=lambda j, p=p: f"layer {p + j * k}")
         for p in range(k)
     )
 

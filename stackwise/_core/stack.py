@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from stackwise._core import checks, inplace, trees
+from stackwise._core import checks, inplace, serving, trees
 from stackwise._core.checks import check_depth
 from stackwise._core.gather import check_fsdp_axes, gather
 from stackwise._core.markers import PerLayer, split_markers
@@ -94,55 +94,6 @@ def apply_args(args: tuple, with_state: bool, who: str, call: str = "Stacked.app
         raise TypeError(f"{who}: {call} is called as `apply(params, x, *args, **kwargs)`.")
     params, x, *rest = args
     return params, None, x, rest
-
-
-def _check_carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
-    """Raises if a layer changed the carry's structure, shape or dtype."""
-    old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
-    if old_def != new_def:
-        hint = (
-            "With `has_aux=True` the layer returns `(x, aux)`: check that x comes first."
-            if has_aux
-            else "Per-layer outputs of another structure go in `aux`: build the stack "
-            "with `has_aux=True` and return `(x, aux)`."
-        )
-        raise TypeError(
-            f"{who}: a layer must return its input `x` with the same "
-            f"pytree structure (it is fed to the next layer), but it took\n  {old_def}\n"
-            f"and returned\n  {new_def}\n{hint}"
-        )
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(old), jax.tree_util.tree_leaves(new)
-    ):
-        a_shape, b_shape = jnp.shape(a), jnp.shape(b)
-        a_type, b_type = jnp.result_type(a), jnp.result_type(b)
-        if a_shape != b_shape or a_type != b_type:
-            leaf = "x" + jax.tree_util.keystr(path)
-            fix = (
-                f"cast it back, e.g. `{leaf}.astype(jnp.{a_type.name})`"
-                if a_shape == b_shape
-                else f"reshape or project it back to {a_shape}"
-            )
-            raise TypeError(
-                f"{who}: a layer changed carry leaf `{leaf}` from "
-                f"{a_type.name}{list(a_shape)} to {b_type.name}{list(b_shape)}; "
-                f"every layer must return x with the shape and dtype it received: {fix}."
-            )
-
-
-def _check_not_split_over_layers(params: Any, who: str) -> None:
-    """Params placed with the layer axis sharded cannot be scanned layer by layer."""
-    for name, leaf in trees.named_leaves(params):
-        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
-        if spec and spec[0] is not None:
-            raise ValueError(
-                f"{who}: params leaf {name} is split over mesh axis {spec[0]!r} along "
-                "its layer axis (e.g. by `stackwise.shard_stacked(..., layer_axis=...)`), "
-                "but `Stacked.apply` runs the layers one after another on every device. "
-                "Run them as pipeline stages with `stackwise.pipeline`, or reshard the "
-                "layer axis to replicated first (`stackwise.shard_stacked(params, mesh, "
-                "specs)` without `layer_axis`)."
-            )
 
 
 # --------------------------------------------------------------------------
@@ -255,6 +206,8 @@ def stack(
         :func:`jax.lax.dynamic_update_slice` (a KV cache's new positions) is
         updated in place in the stacked state, so decoding with a donated
         cache copies nothing per token; every other leaf is returned whole.
+        Params and state converted by :func:`stackwise.to_serving` (per-layer
+        buffers) run as a Python loop instead, as a loop model does.
       fsdp: the mesh axis (or axes) the params are sharded over, FSDP-style:
         each layer's params are all-gathered over them inside the loop, one
         layer at a time, and the gathered copy is never kept for the backward
@@ -349,15 +302,25 @@ def stack(
                 "per-layer inputs go in the other arguments: `apply(params, x, "
                 "stackwise.per_layer(xs))`."
             )
-        params = run.positions(params, "params", pattern)
-        state = run.positions(state, "state", pattern) if with_state else (None,) * k
-        _check_not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
-        if options.fsdp:
-            check_fsdp_axes(params, options.fsdp, who)
-        xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
-        x, new_state, aux = run(params, state, x, xs, rebuild)
+        if serving.in_use(params, state):  # per-layer buffers: a Python loop
+            at, where = k if pattern else None, f"{who}: Stacked.apply"
+            params, state = serving.layers_of(
+                params, state, n=n, pattern=at, options=options, where=where
+            )
+            xs, rebuild = split_markers(tuple(args), kwargs, n, where)
+            x, new_state, aux = run.serve(params, state, x, xs, rebuild)
+            new_state = serving.Serving(new_state, at)
+        else:
+            params = run.positions(params, "params", pattern)
+            state = run.positions(state, "state", pattern) if with_state else (None,) * k
+            checks.not_split_over_layers(unwrap(params), f"{who}: Stacked.apply")
+            if options.fsdp:
+                check_fsdp_axes(params, options.fsdp, who)
+            xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: Stacked.apply")
+            x, new_state, aux = run(params, state, x, xs, rebuild)
+            new_state = unwrap(new_state) if with_state else None
         out = (x, unwrap(aux)) if has_aux else x
-        return (out, unwrap(new_state)) if with_state else out
+        return (out, new_state) if with_state else out
 
     return Stacked(stacked_init, stacked_apply, n)
 
@@ -459,8 +422,23 @@ class Run:
                 )
         return x, tuple(new_state), tuple(aux)
 
-    def _layer(self, p: int, rebuild) -> Callable:
-        """Position p's layer as a scan body ``x, (per_layer, aux)``, rematerialised."""
+    def serve(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
+        """The layers as a Python loop over per-layer buffers (the serving layout): layer
+        i gets ``params[i]`` and ``state[i]`` whole and returns its own new state (written
+        in place where its buffer is donated). Per-layer inputs are sliced per layer."""
+        k, n = self.k, self.n
+        layers = [self._layer(p, rebuild, serving=True) for p in range(k)]
+        new_state, aux = [None] * n, [None] * n
+        for i in reversed(range(n)) if self.options.reverse else range(n):
+            slices = jax.tree.map(lambda a, i=i: a[i], xs)
+            x, (new_state[i], aux[i]) = layers[i % k](x, (params[i], state[i], slices))
+        stacked = tuple(jax.tree.map(lambda *a: jnp.stack(a), *aux[p::k]) for p in range(k))
+        return x, tuple(new_state), stacked
+
+    def _layer(self, p: int, rebuild, serving: bool = False) -> Callable:
+        """Position p's layer as a scan body ``x, (per_layer, aux)``, rematerialised.
+
+        ``serving``: a body of :meth:`serve`, whose ``per_layer`` is the new state whole."""
         apply, record, who = self.applies[p], self.records[p], self.who
         has_aux = self.options.has_aux
 
@@ -480,8 +458,11 @@ class Run:
                         "Return the state with the output, e.g. `return x, state`.",
                     )
 
-                out, treedef, updates, per_layer = inplace.call(with_state, (params, x), state)
-                record.update(treedef=treedef, updates=updates)
+                if serving:
+                    out, per_layer = with_state(params, x, state)
+                else:
+                    out, treedef, updates, per_layer = inplace.call(with_state, (params, x), state)
+                    record.update(treedef=treedef, updates=updates)
             else:
                 out, per_layer = apply(params, x, *a, **kw), None
             if has_aux:
@@ -492,10 +473,10 @@ class Run:
                     "Return `(x, aux)`, or build the stack without `has_aux`.",
                 )
             new_x, aux = out if has_aux else (out, None)
-            _check_carry(x, new_x, who, has_aux)
+            checks.carry(x, new_x, who, has_aux)
             return new_x, (per_layer, aux)
 
-        return _remat(layer, self.options, self.python_loop)
+        return _remat(layer, self.options, self.python_loop or serving)
 
     def _repeats(self, body: Callable, x: Any, xs: Any) -> tuple:
         """All whole repeats of the pattern, in checkpointed groups when ``nested``."""

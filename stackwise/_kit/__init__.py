@@ -6,7 +6,8 @@ or the contract's own, re-exported here; the adapters' shared contract is
 :mod:`stackwise._kit.contract`, the leaf matching of conversions :mod:`stackwise._kit.matching`.
 
 The running layer and messages:
-  :func:`at_layer`, :func:`current_layer_index`, :func:`block_name`, :func:`stack_name`.
+  :func:`at_layer`, :func:`current_layer_index`, :func:`block_name`, :func:`stack_name`,
+  :func:`refuse_serving` (the core's serving layout is not an adapter's).
 A Stack's options and call:
   :data:`OPTION_NAMES`, :func:`stack_options`, :func:`check_bool`,
   :func:`check_layer_axis_name`, :class:`CallArgs`, :func:`is_per_layer`.
@@ -61,6 +62,7 @@ from stackwise._kit.contract import check_built as check_built
 from stackwise._kit.contract import check_built_options as check_built_options
 from stackwise._kit.contract import current_layer_index as current_layer_index
 from stackwise._kit.contract import first_difference as first_difference
+from stackwise._kit.contract import refuse_serving as refuse_serving
 from stackwise._kit.contract import same_value as same_value
 from stackwise._kit.contract import stack_name as stack_name
 from stackwise._kit.finetune import layer_params as layer_params

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stackwise._core import checks, convert, trees
+from stackwise._core import checks, convert, serving, trees
 
 __all__ = [
     "Prebuilt",
@@ -103,6 +103,20 @@ class Prebuilt:
 
     def __init__(self, layers: Any, name: str):
         self.layers, self.name = layers, name
+
+
+def refuse_serving(who: str, loop: str, **values: Any) -> None:
+    """Refuses a ``stackwise.Serving`` (the core's serving layout) in an adapter's params or
+    state, named by keyword: a Stack runs its framework's stacked variables only. ``loop``
+    is the adapter's exact conversion to a loop of blocks (each layer its own buffers)."""
+    serving.refuse(
+        who,
+        "a Stack runs its framework's stacked variables only",
+        f"For per-layer buffers, convert the Stack to a loop of the same blocks with "
+        f"`{loop}` (exact), or serve the block's apply in the core: "
+        "`stackwise.stack(None, apply, n, with_state=True)` over `stackwise.to_serving(stacked)`.",
+        **values,
+    )
 
 
 def check_built(blocks: Iterable[Any], pattern: Any, module: type, what: str, who: str) -> list:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from stackwise._core import checks
+from stackwise._core import checks, serving
 from stackwise._core.markers import PerExample, PerLayer, split_markers
 from stackwise._core.options import check_layers, check_options
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, apply_args, stack
@@ -380,6 +380,8 @@ class _Pipelined:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         where, plan = self.where, self.plan
         params, state, x, args = apply_args(args, self.with_state, WHO, call="apply")
+        runs = "a pipeline splits the stacked layers over its stages"
+        serving.refuse(WHO, runs, params=params, state=state)
         if self.loss is not None:
             targets, loss_params, args, kwargs = schedule_1f1b.targets_of(
                 args, kwargs, self.signature

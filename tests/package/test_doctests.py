@@ -9,6 +9,7 @@ MODULES = [
     "stackwise._core.stack",
     "stackwise._core.markers",
     "stackwise._core.layout",
+    "stackwise._core.serving",
     "stackwise._sharding.specs",
     "stackwise._sharding.logical",
     "stackwise._pipeline.api",

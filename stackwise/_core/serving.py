@@ -1,0 +1,271 @@
+"""The serving layout: each layer's params and state (a KV cache) in buffers of their own.
+
+The stacked layout is what training wants: one scan, one array per leaf. Decoding a token
+costs it a per-layer slice of every stacked weight (a copy inside the scan) and a write
+back into the stacked cache. A Python loop over separate per-layer buffers costs neither:
+layer i reads its own weights and writes its own cache in place when the cache is
+donated. :class:`Serving` holds that layout (n per-layer trees, in layer order);
+:func:`to_serving` converts once, :func:`from_serving` converts back, and the same
+``Stacked.apply`` runs a :class:`Serving` tree as a Python loop of the layers
+(:meth:`stackwise._core.stack.Run.serve`), returning the state as a :class:`Serving` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from stackwise._core import layout, trees
+from stackwise._core.options import Options
+
+__all__ = ["Serving", "from_serving", "in_use", "layers_of", "refuse", "to_serving"]
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Serving:
+    """Params or state in the serving layout: one tree per layer, in layer order.
+
+    Made by :func:`stackwise.to_serving` from a stacked tree; ``Stacked.apply`` runs it as
+    a Python loop over the layers (see :func:`stackwise.to_serving`). A pytree: its
+    children are the n per-layer trees (paths ``[i]...``), so ``jax.jit`` donates each
+    layer's buffers separately.
+
+    Attributes:
+      layers: the n per-layer trees, layer 0 first (each leaf without the layer axis).
+      pattern: None, or the pattern's length k it was made with (``to_serving(...,
+        pattern=k)``): layer i then has position ``i % k``'s structure.
+    """
+
+    __slots__ = ("layers", "pattern")
+
+    def __init__(self, layers: tuple[Any, ...] | list[Any], pattern: int | None = None):
+        self.layers = tuple(layers)
+        self.pattern = pattern
+
+    def tree_flatten_with_keys(self):
+        keys = [jax.tree_util.SequenceKey(i) for i in range(len(self.layers))]
+        return list(zip(keys, self.layers)), self.pattern
+
+    @classmethod
+    def tree_unflatten(cls, pattern: int | None, children: Any) -> Serving:
+        return cls(children, pattern)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        kind = f", pattern={self.pattern}" if self.pattern is not None else ""
+        return f"Serving({len(self.layers)} layers{kind})"
+
+
+def _is_serving(value: Any) -> bool:
+    return isinstance(value, Serving)
+
+
+def _found(tree: Any) -> list[str]:
+    """The paths of the :class:`Serving` nodes inside ``tree`` (the root's is ``""``)."""
+    nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_serving)
+    return [jax.tree_util.keystr(path) for path, v in nodes if isinstance(v, Serving)]
+
+
+def to_serving(tree: Any, *, pattern: int | None = None) -> Serving:
+    """Stacked params or state in the serving layout: n per-layer buffers, converted once.
+
+    ``Stacked.apply`` takes the result in place of the stacked tree and runs the layers as
+    a Python loop over the separate buffers, as a loop model does: no layer slices a
+    stacked weight, and each layer's cache is written in place in its own buffer when the
+    state is donated (``jax.jit(apply, donate_argnums=1)``). It returns the state in the
+    serving layout, so a decoding loop converts once, before the first token. The outputs
+    equal the scanned apply's. :func:`from_serving` gives the stacked tree back.
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> def attend(p, cache, x, pos):          # one layer: write the cache, read it back
+    ...     cache = jax.lax.dynamic_update_slice(cache, x @ p["w"], (pos, 0))
+    ...     return x + cache.sum(0, keepdims=True), cache
+    >>> layers = stackwise.stack(None, attend, 3, with_state=True)
+    >>> params = {"w": jnp.ones((3, 4, 4)) / 8}
+    >>> cache = jnp.zeros((3, 5, 4))           # 3 layers, 5 positions
+    >>> x = jnp.ones((1, 4))
+    >>> y, new = layers.apply(params, cache, x, 0)                     # scanned
+    >>> served, served_cache = stackwise.to_serving(params), stackwise.to_serving(cache)
+    >>> served
+    Serving(3 layers)
+    >>> step = jax.jit(layers.apply, donate_argnums=1)                 # the cache reused
+    >>> y_served, served_cache = step(served, served_cache, x, 0)      # a Python loop
+    >>> bool((y_served == y).all()), served_cache.layers[2].shape
+    (True, (5, 4))
+    >>> bool((stackwise.from_serving(served_cache) == new).all())
+    True
+
+    Everything ``Stacked.apply`` takes works the same: ``has_aux``, patterns (pass
+    ``pattern=k``: the layers come in layer order), :func:`stackwise.per_layer` and
+    :func:`stackwise.layer_index` arguments, ``reverse``, :func:`stackwise.lora.stack`
+    over quantized codes (each layer's codes stay quantized until the layer dequantizes
+    them) or attached or merged adapters. ``unroll`` changes nothing (the layers always
+    run as a loop); ``remat`` applies per layer as with ``unroll=True``, so the loop is
+    differentiable, though the layout is meant for inference. A stack built with
+    ``fsdp`` or ``nested`` refuses it (build the serving stack without them).
+
+    Converting holds the stacked and the per-layer copies at once for a moment: drop the
+    stacked tree afterwards (``del params``) to free it.
+
+    Args:
+      tree: stacked params or state: every leaf has the layer axis first (``Stacked.init``,
+        :func:`stackwise.stack_layers`, :func:`stackwise.quant.quantize`,
+        :func:`stackwise.lora.merge` or :func:`stackwise.lora.attach` give such trees);
+        with ``pattern=k``, a tuple of k stacked trees.
+      pattern: None, or the pattern's length k (as ``Stacked.init`` made the tuple).
+
+    Returns:
+      A :class:`Serving` of the n per-layer trees, in layer order, every leaf exact.
+
+    Raises:
+      TypeError: ``tree`` already in (or holding a part in) the serving layout, or a bad
+        ``pattern``.
+      ValueError: leaves without a common leading layer axis (listed).
+    """
+    who = "stackwise.to_serving"
+    found = _found(tree)
+    if found:
+        where = "it is" if found == [""] else f"it holds one at {', '.join(found)}"
+        raise TypeError(
+            f"{who}: `tree` must be stacked (every leaf with the layer axis first), but "
+            f"{where} already in the serving layout (a `stackwise.Serving`). Convert a "
+            "stacked tree once; `stackwise.from_serving(tree)` gives the stacked one back."
+        )
+    return Serving(layout.unstack(tree, pattern, who), pattern)
+
+
+def from_serving(serving: Serving) -> Any:
+    """The stacked tree of a :class:`Serving`: the inverse of :func:`to_serving`, exactly.
+
+    >>> import jax.numpy as jnp, stackwise
+    >>> served = stackwise.to_serving({"w": jnp.arange(6.0).reshape(3, 2)})
+    >>> stackwise.from_serving(served)["w"].tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+    A pattern's serving layout (``to_serving(..., pattern=k)``) gives back the tuple of k
+    stacked trees.
+
+    Args:
+      serving: what :func:`stackwise.to_serving` or ``Stacked.apply`` (its state) returned.
+
+    Returns:
+      The stacked tree (with a pattern, a tuple of k), every leaf keeping its dtype.
+
+    Raises:
+      TypeError: ``serving`` is not a :class:`stackwise.Serving`.
+      ValueError: layers of different structure or shapes (hand-built ones).
+    """
+    who = "stackwise.from_serving"
+    if not isinstance(serving, Serving):
+        raise TypeError(
+            f"{who}: `serving` must be a `stackwise.Serving` (from `stackwise.to_serving`), "
+            f"got {trees.describe(serving)}; a stacked tree is already in the stacked layout."
+        )
+    return layout.restack(list(serving.layers), serving.pattern, who)
+
+
+def in_use(*values: Any) -> bool:
+    """Whether any of ``values`` is, or holds, a :class:`Serving`."""
+    return any(_found(v) for v in values)
+
+
+def refuse(who: str, runs: str, fix: str = "", **values: Any) -> None:
+    """Refuses a :class:`Serving` in any of ``values`` (named by their keyword) where only
+    stacked trees go: ``runs`` says what ``who`` does with them, ``fix`` what to do
+    (default: pass the stacked tree back)."""
+    for what, value in values.items():
+        found = _found(value)
+        if found:
+            at = what + (found[0] if found[0] else "")
+            raise TypeError(
+                f"{who}: `{at}` is in the serving layout (a `stackwise.Serving`), but {runs}. "
+                + (fix or f"Pass the stacked tree: `stackwise.from_serving({what})`.")
+            )
+
+
+def _options(options: Options, where: str) -> None:
+    """Refuses the options that have no serving form, naming the option and the fix."""
+    fix = (
+        "build the stack you serve with without it (the same init and apply), e.g. "
+        "`stackwise.stack(init, apply, n, with_state=True)`, or run the stacked params "
+        "(`stackwise.from_serving(params)`)"
+    )
+    if options.fsdp:
+        raise ValueError(
+            f"{where}: the stack was built with `fsdp={options.fsdp!r}`, which gathers each "
+            "layer's sharded slice of stacked params inside the scan; the serving layout "
+            f"(`stackwise.to_serving`) keeps each layer's params whole, so {fix}."
+        )
+    if options.nested:
+        raise ValueError(
+            f"{where}: the stack was built with `nested={options.nested!r}`, grouped remat "
+            "for training over stacked params; the serving layout (`stackwise.to_serving`) "
+            f"runs the layers as a Python loop with no groups, so {fix}."
+        )
+
+
+def layers_of(
+    params: Any, state: Any, *, n: int, pattern: int | None, options: Options, where: str
+) -> tuple[tuple, tuple]:
+    """The per-layer params and state of a serving-layout call of ``Stacked.apply``, checked.
+
+    ``state`` is None without ``with_state`` (or for layers without state); ``pattern`` is
+    the stack's k when built with a pattern, else None. Either tree may be None (no
+    params, no state); otherwise both must be :class:`Serving` s of the stack's n layers.
+    """
+    _options(options, where)
+    for what, tree in (("params", params), ("state", state)):
+        found = [] if isinstance(tree, Serving) else _found(tree)
+        if found:
+            raise TypeError(
+                f"{where}: the {what} hold a `stackwise.Serving` at {what}"
+                f"{', '.join(found)}; `stackwise.to_serving` converts a whole tree: "
+                f"pass `stackwise.to_serving(stacked_{what})` (a Serving at the root)."
+            )
+    out = []
+    for what, tree in (("params", params), ("state", state)):
+        if tree is None:
+            out.append((None,) * n)
+            continue
+        if not isinstance(tree, Serving):
+            other = "state" if what == "params" else "params"
+            raise TypeError(
+                f"{where}: the {other} are in the serving layout (a `stackwise.Serving`) "
+                f"but the {what} are stacked; both go in one layout. Convert the {what} "
+                f"too (`stackwise.to_serving({what})`), or both back "
+                f"(`stackwise.from_serving({other})`)."
+            )
+        _check(tree, what, n, pattern, where)
+        out.append(tree.layers)
+    return out[0], out[1]
+
+
+def _check(tree: Serving, what: str, n: int, pattern: int | None, where: str) -> None:
+    """A :class:`Serving` of ``n`` layers, made with the stack's ``pattern``, not nested."""
+    inner = [f"[{i}]{p}" for i, layer in enumerate(tree.layers) for p in _found(layer)]
+    if inner:
+        raise TypeError(
+            f"{where}: the {what}' layers hold a `stackwise.Serving` at "
+            f"{', '.join(inner)}: convert a stacked tree once, not twice."
+        )
+    if tree.pattern != pattern:
+        made = "without `pattern`" if tree.pattern is None else f"with pattern={tree.pattern}"
+        if pattern is None:
+            runs, want = "one layer repeated", f"`stackwise.to_serving({what})` without `pattern`"
+        else:
+            runs = f"a pattern of {pattern} layers"
+            want = f"`stackwise.to_serving({what}, pattern={pattern})`"
+        raise ValueError(
+            f"{where}: the {what} were converted {made}, but the stack runs {runs}; "
+            f"convert with {want}."
+        )
+    if len(tree.layers) != n:
+        raise ValueError(
+            f"{where}: the {what} in the serving layout hold {len(tree.layers)} layers, "
+            f"but the stack has n={n}; convert the stacked {what} of this model "
+            "(`stackwise.to_serving`), or take its first layers before converting "
+            "(`stackwise.slice_layers`)."
+        )
