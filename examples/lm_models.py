@@ -116,6 +116,10 @@ class LM(NamedTuple):
         written as a plain Python loop over separate blocks (one params tree per block), with
         the framework's stackwise conversion.
       loop_apply: ``logits = loop_apply(loop_params, tokens)``: the full forward of that loop.
+      serve: ``served, init_cache = serve(params)`` (the pure-JAX model only, else None): the
+        params and the KV cache in stackwise's serving layout (``stackwise.to_serving``: one
+        buffer per layer, converted once), which ``apply`` runs as a Python loop over them;
+        decoding then pays no per-layer slice of the stacked weights.
     """
 
     init: Callable[..., Any]
@@ -123,6 +127,7 @@ class LM(NamedTuple):
     init_cache: Callable[..., Any]
     to_loop: Callable[..., Any]
     loop_apply: Callable[..., Any]
+    serve: Callable[..., Any] | None = None
 
 
 # --------------------------------------------------------------------------
@@ -330,7 +335,12 @@ def build_jax(config: Config, *, adapted: bool = False) -> LM:
             x, _ = applies[i % k](p, None, x, positions)
         return head(loop_params, x)
 
-    return LM(init, apply, init_cache, to_loop, loop_apply)
+    def serve(params):  # the blocks' params and caches as per-layer buffers, in layer order
+        pattern = k if k > 1 else None
+        served = {**params, "blocks": stackwise.to_serving(params["blocks"], pattern=pattern)}
+        return served, lambda batch: stackwise.to_serving(init_cache(batch), pattern=pattern)
+
+    return LM(init, apply, init_cache, to_loop, loop_apply, serve)
 
 
 def _zeros_like_shapes(shapes):

@@ -964,7 +964,8 @@ def generate(decode, lm, params, prompt: np.ndarray, length: int, key, temperatu
     speed in tokens/s (the steps after the first, which may compile).
     """
     window = jax.eval_shape(lambda: lm.init_cache(1))
-    window = jax.tree.leaves(window)[0].shape[2]  # [layers, batch, seq_len, heads, head_dim]
+    # [layers, batch, seq_len, heads, head_dim], or without `layers` in the serving layout
+    window = jax.tree.leaves(window)[0].shape[-3]
     if not 1 <= len(prompt) <= window:
         raise ValueError(f"the prompt must have 1 to {window} characters, got {len(prompt)}.")
     cache = lm.init_cache(1)
@@ -999,16 +1000,33 @@ def prefill_speed(decode, lm, params, tokens: np.ndarray, repeats: int = 3) -> f
     return len(tokens[0]) / best
 
 
-def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int) -> float:
-    """Max |logits| difference: the full forward vs prefill + token-by-token cached decoding."""
+def cached_vs_full(forward, decode, lm, params, tokens: np.ndarray, prefill: int,
+                   decoded=None) -> float:
+    """Max |logits| difference: the full forward vs prefill + token-by-token cached decoding
+    (of ``decoded = (params, init_cache)``, another layout of the same params, if given)."""
     tokens = jnp.asarray(tokens)[None]
     full, _ = forward(params, tokens, jnp.arange(tokens.shape[1]))
-    logits, cache = decode(params, tokens[:, :prefill], jnp.arange(prefill), lm.init_cache(1))
+    params, init_cache = decoded or (params, lm.init_cache)
+    logits, cache = decode(params, tokens[:, :prefill], jnp.arange(prefill), init_cache(1))
     steps = [logits]
     for pos in range(prefill, tokens.shape[1]):
         logits, cache = decode(params, tokens[:, pos : pos + 1], jnp.array([pos]), cache)
         steps.append(logits)
     return float(jnp.abs(jnp.concatenate(steps, axis=1) - full).max())
+
+
+def decode_speed(decode, init_cache, params, tokens: np.ndarray) -> float:
+    """Tokens/s of one-token decode calls after a prefill of ``tokens[:1]`` (best of the
+    calls; the cache donated, as ``generate`` runs it)."""
+    tokens = jnp.asarray(tokens)[None]
+    _, cache = decode(params, tokens[:, :1], jnp.arange(1), init_cache(1))
+    best = float("inf")
+    for pos in range(1, tokens.shape[1]):
+        t0 = time.perf_counter()
+        logits, cache = decode(params, tokens[:, pos : pos + 1], jnp.array([pos]), cache)
+        jax.block_until_ready(logits)
+        best = min(best, time.perf_counter() - t0)
+    return 1 / best
 
 
 # --------------------------------------------------------------------------
@@ -1245,6 +1263,7 @@ def check_and_sample(lm, params, args: argparse.Namespace, chars: str, val, resu
     from here. Adds what it measured to ``result``."""
     forward = jax.jit(lm.apply)  # the full forward pass (no cache)
     decode = jax.jit(lm.apply, donate_argnums=(3,))  # with the KV cache, updated in place
+    stacked = params
 
     # The same params for the model written as a plain Python loop over separate blocks.
     window = np.asarray(val[0][0])
@@ -1258,7 +1277,21 @@ def check_and_sample(lm, params, args: argparse.Namespace, chars: str, val, resu
     # Cached decoding computes the same logits as the full forward.
     result["cache_diff"] = cached_vs_full(forward, decode, lm, params, window, len(window) // 2)
     log(f"KV-cached decoding matches the full forward to {result['cache_diff']:.1e}")
-    for name in ("loop_diff", "cache_diff"):
+    checked = ["loop_diff", "cache_diff"]
+    if lm.serve is not None:  # the serving layout: per-layer buffers for weights and caches
+        scanned = decode_speed(decode, lm.init_cache, params, window)
+        params, init_cache = lm.serve(params)
+        lm = lm._replace(init_cache=init_cache)
+        result["serving_diff"] = cached_vs_full(forward, decode, lm, stacked, window,
+                                                len(window) // 2, (params, init_cache))
+        served = decode_speed(decode, init_cache, params, window)
+        result["decode_best_tokens_per_s"] = {"stacked": scanned, "serving": served}
+        checked.append("serving_diff")
+        log(f"in the serving layout ({args.layers} per-layer buffers of weights and KV caches), "
+            f"cached decoding matches the full forward to {result['serving_diff']:.1e} and "
+            f"decodes {served:,.0f} tokens/s (best call; the stacked layout: {scanned:,.0f}); "
+            "the sample comes from it")
+    for name in checked:
         if not result[name] <= LOGITS_ATOL:
             raise RuntimeError(f"{name} = {result[name]:.2e} exceeds {LOGITS_ATOL}")
 

@@ -131,6 +131,7 @@ def test_lora_fine_tunes_the_checkpoint_and_saves_peft_adapters(runs):
     assert runs["lora"]["lora_loss_before"] == pytest.approx(
         load_example().read_meta(runs["ckpt"])["val_loss"], rel=1e-6)
     assert runs["lora"]["loop_diff"] <= 1e-4 and runs["lora"]["cache_diff"] <= 1e-4
+    assert runs["lora"]["serving_diff"] <= 1e-4  # merged, sampled in the serving layout
     assert len(runs["lora"]["sample"]) == 1 + 12
     assert runs["after"] == runs["before"]  # the base checkpoint is untouched
 
@@ -139,6 +140,7 @@ def test_lora_fine_tunes_the_checkpoint_and_saves_peft_adapters(runs):
 def test_qlora_trains_on_an_nf4_base_and_samples_from_it(runs):
     check_finetuned(runs["qlora"], runs["ckpt"], "nf4")
     assert runs["qlora"]["loop_diff"] <= 1e-4 and runs["qlora"]["cache_diff"] <= 1e-4
+    assert runs["qlora"]["serving_diff"] <= 1e-4  # nf4 codes in per-layer buffers
     assert runs["after"] == runs["before"]
 
 
