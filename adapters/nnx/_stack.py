@@ -17,7 +17,7 @@ from flax import nnx
 
 import stackwise
 from stackwise import _kit
-from stackwise.nnx import _compare, _view
+from stackwise.nnx import _compare, _inside, _view
 
 __all__ = ["Stack", "layer_index"]
 
@@ -392,35 +392,53 @@ class Stack(nnx.Module):
         blocks = self._blocks()
         return _kit.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
 
-    def _check_layers(self) -> None:
+    def _check_layers(self, outside: list | None = None) -> None:
         """Every variable of the stacked block(s) has the layer axis of its pattern
-        position first (ValueError naming those that do not)."""
+        position first (ValueError naming those that do not). ``outside[p]``: paths of
+        position p's RNG streams set from outside, which have none (see ``_inside``)."""
         blocks, who = self._blocks(), self._who()
         for p, block in enumerate(blocks):
-            _, params, rest = nnx.split(block, nnx.Param, ...)
+            skip = _inside.outside_filter(outside[p] if outside else [])
+            _, _, params, rest = nnx.split(block, skip, nnx.Param, ...)
             self._check_depth(params, len(range(p, self.n, len(blocks))), who)
             self._check_depth(rest, len(range(p, self.n, len(blocks))), who)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = self._blocks()
         who = self._who()
-        self._check_layers()
-        split = [nnx.split(block, nnx.Param, ...) for block in blocks]
+        # RNG streams set on a block from outside (qwix's `qwix_rngs`): split per layer.
+        outside = [_inside.outside_streams(block) for block in blocks]
+        self._check_layers(outside)
+        filters = [_inside.outside_filter(paths) for paths in outside]
+        split = [nnx.split(b, nnx.Param, f, ...) for b, f in zip(blocks, filters)]
+        grown: list = [None] * len(blocks)  # a position's new graphdef, if it grew
 
-        def one(graphdef):
+        def one(pos):
+            graphdef, _, streams, _ = split[pos]
+
             def apply(p, s, x, extras, call):
                 _remove_layer_axis((p, s))
-                block = nnx.merge(graphdef, p, s)
+                fresh = jax.tree.map(lambda a: a, streams)  # this trace's own variables
+                block = nnx.merge(graphdef, p, fresh, s)
+                _inside.rekey(block, outside[pos], extras["streams"][pos])
+                before = nnx.graphdef(block)
                 args, kwargs = _join_rngs_args(call.args, call.kwargs)
                 with _kit.at_layer(extras["index"]):
                     out = block(x, *args, **kwargs)
-                _, _, new_rest = nnx.split(block, nnx.Param, ...)
+                new_graphdef = _inside.grown(before, block)
+                _, new_params, _, new_rest = nnx.split(block, nnx.Param, filters[pos], ...)
                 _add_layer_axis(new_rest, self.layer_axis_name)
-                return out, new_rest
+                if new_graphdef is None:
+                    return out, new_rest
+                # The layer added or replaced variables (qwix's LoRA params, quantized
+                # kernels): every variable leaves it, to be stacked as a new block.
+                grown[pos] = new_graphdef
+                _add_layer_axis(new_params, self.layer_axis_name)
+                return out, (new_params, new_rest)
 
             return apply
 
-        applies = [one(graphdef) for graphdef, _, _ in split]
+        applies = [one(pos) for pos in range(len(blocks))]
         layers = stackwise.stack(
             None,
             applies if self.pattern else applies[0],
@@ -430,14 +448,25 @@ class Stack(nnx.Module):
             **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
         args, kwargs = _split_rngs_args(args, kwargs)
-        params = tuple(params for _, params, _ in split)
-        rest = tuple(rest for _, _, rest in split)
+        params = tuple(params for _, params, _, _ in split)
+        rest = tuple(rest for _, _, _, rest in split)
         if not self.pattern:
             params, rest = params[0], rest[0]
-        extras = {"index": stackwise.layer_index()}
+        extras = {
+            "index": stackwise.layer_index(),
+            "streams": [_inside.draw(b, paths) for b, paths in zip(blocks, outside)],
+        }
         out, new_rest = layers.apply(params, rest, x, extras, _kit.CallArgs(args, kwargs))
-        for block, new in zip(blocks, new_rest if self.pattern else [new_rest]):
-            nnx.update(block, new)
+        for pos, new in enumerate(new_rest if self.pattern else [new_rest]):
+            if grown[pos] is None:
+                nnx.update(blocks[pos], new)
+                continue
+            streams = nnx.state(blocks[pos], filters[pos])  # their counts advanced
+            rebuilt = nnx.merge(grown[pos], *new, streams)
+            if self.pattern:
+                self.layers[pos] = rebuilt
+            else:
+                self.layers = rebuilt
         return out
 
     def _check_depth(self, state: Any, n: int, who: str) -> None:
