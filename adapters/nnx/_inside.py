@@ -21,7 +21,16 @@ from flax import nnx
 
 import stackwise
 
-__all__ = ["draw", "grown", "outside_filter", "outside_streams", "rekey"]
+__all__ = [
+    "draw",
+    "grown",
+    "join_rngs_args",
+    "outside_filter",
+    "outside_streams",
+    "rekey",
+    "split_rngs_args",
+    "stream_keys",
+]
 
 
 def outside_streams(block: nnx.Module) -> list[tuple]:
@@ -63,3 +72,48 @@ def grown(before: Any, block: nnx.Module) -> Any:
     changed a static attribute); None if its graph is as it was (values may differ)."""
     after = nnx.graphdef(block)
     return None if after == before else after
+
+
+# --------------------------------------------------------------------------
+# RNG streams: an `nnx.Rngs` argument becomes n independent ones, one per layer.
+
+
+@jax.tree_util.register_pytree_node_class
+class _LayerRngs:
+    """An ``nnx.Rngs`` argument of ``Stack.__call__``, as per-layer keys per stream."""
+
+    def __init__(self, keys: dict[str, Any]):
+        self.keys = keys
+
+    def tree_flatten(self):
+        return (self.keys,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def stream_keys(rngs: nnx.Rngs) -> dict[str, jax.Array]:
+    """One fresh key per stream of ``rngs`` (each stream's count advances)."""
+    return {name: stream() for name, stream in rngs.items()}
+
+
+def split_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Replaces each ``nnx.Rngs`` in the arguments by per-layer keys for every stream."""
+    is_rngs = lambda v: isinstance(v, nnx.Rngs)  # noqa: E731
+
+    def split(v):
+        if not is_rngs(v):
+            return v
+        return _LayerRngs({k: stackwise.per_layer_keys(key) for k, key in stream_keys(v).items()})
+
+    return jax.tree.map(split, (args, kwargs), is_leaf=is_rngs)
+
+
+def join_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    is_layer_rngs = lambda v: isinstance(v, _LayerRngs)  # noqa: E731
+    return jax.tree.map(
+        lambda v: nnx.Rngs(**v.keys) if is_layer_rngs(v) else v,
+        (args, kwargs),
+        is_leaf=is_layer_rngs,
+    )

@@ -102,54 +102,9 @@ def _path(path) -> str:
     return ".".join(parts) or "<root>"
 
 
-# --------------------------------------------------------------------------
-# RNG streams: an `nnx.Rngs` argument becomes n independent ones, one per layer.
-
-
-@jax.tree_util.register_pytree_node_class
-class _LayerRngs:
-    """An ``nnx.Rngs`` argument of ``Stack.__call__``, as per-layer keys per stream."""
-
-    def __init__(self, keys: dict[str, Any]):
-        self.keys = keys
-
-    def tree_flatten(self):
-        return (self.keys,), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
-
-
 def _unused(*args: Any) -> None:
     """The apply of the stack that only builds the layers (``Stack._build``)."""
     del args
-
-
-def _stream_keys(rngs: nnx.Rngs) -> dict[str, jax.Array]:
-    """One fresh key per stream of ``rngs`` (each stream's count advances)."""
-    return {name: stream() for name, stream in rngs.items()}
-
-
-def _split_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Replaces each ``nnx.Rngs`` in the arguments by per-layer keys for every stream."""
-    is_rngs = lambda v: isinstance(v, nnx.Rngs)  # noqa: E731
-
-    def split(v):
-        if not is_rngs(v):
-            return v
-        return _LayerRngs({k: stackwise.per_layer_keys(key) for k, key in _stream_keys(v).items()})
-
-    return jax.tree.map(split, (args, kwargs), is_leaf=is_rngs)
-
-
-def _join_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    is_layer_rngs = lambda v: isinstance(v, _LayerRngs)  # noqa: E731
-    return jax.tree.map(
-        lambda v: nnx.Rngs(**v.keys) if is_layer_rngs(v) else v,
-        (args, kwargs),
-        is_leaf=is_layer_rngs,
-    )
 
 
 # --------------------------------------------------------------------------
@@ -333,7 +288,7 @@ class Stack(nnx.Module):
         return _view.iter_layers(self)
 
     def _build(self, makers: list, rngs: nnx.Rngs, who: str) -> list[nnx.Module]:
-        keys = _stream_keys(rngs)
+        keys = _inside.stream_keys(rngs)
         names = list(keys)
         graphdefs: list = [None] * len(makers)
 
@@ -422,7 +377,7 @@ class Stack(nnx.Module):
                 block = nnx.merge(graphdef, p, fresh, s)
                 _inside.rekey(block, outside[pos], extras["streams"][pos])
                 before = nnx.graphdef(block)
-                args, kwargs = _join_rngs_args(call.args, call.kwargs)
+                args, kwargs = _inside.join_rngs_args(call.args, call.kwargs)
                 with _kit.at_layer(extras["index"]):
                     out = block(x, *args, **kwargs)
                 new_graphdef = _inside.grown(before, block)
@@ -447,7 +402,7 @@ class Stack(nnx.Module):
             name=who,  # the core names the block in its errors (carry, returns)
             **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
-        args, kwargs = _split_rngs_args(args, kwargs)
+        args, kwargs = _inside.split_rngs_args(args, kwargs)
         params = tuple(params for _, params, _, _ in split)
         rest = tuple(rest for _, _, _, rest in split)
         if not self.pattern:
