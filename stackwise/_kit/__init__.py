@@ -22,6 +22,8 @@ Conversions between a Stack and its loop:
   :func:`pattern_depths`, :func:`layer_names`, :func:`check_n`, :func:`check_distinct`,
   :func:`check_names_count`, :func:`common_prefix`, and :class:`Leaf`, :func:`correspond`,
   :func:`assemble`, :func:`check_given` (one model's leaves matched to another's).
+A per-layer function over stacked leaves (the qwix bridges):
+  :func:`map_layers`.
 """
 
 from stackwise._core.checks import check_depth as check_depth
@@ -61,6 +63,7 @@ from stackwise._kit.contract import current_layer_index as current_layer_index
 from stackwise._kit.contract import first_difference as first_difference
 from stackwise._kit.contract import same_value as same_value
 from stackwise._kit.contract import stack_name as stack_name
+from stackwise._kit.layered import map_layers as map_layers
 from stackwise._kit.matching import Leaf as Leaf
 from stackwise._kit.matching import assemble as assemble
 from stackwise._kit.matching import check_given as check_given

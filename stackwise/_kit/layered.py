@@ -1,0 +1,72 @@
+"""A per-layer function applied to a leaf with as many layer axes as its result needs.
+
+A library that transforms one weight at a time (qwix's ``quantize_params``) sees a stacked
+weight ``(n, in, out)`` as one 3-D weight: its per-channel scales then span the layer axis.
+:func:`map_layers` maps such a function over the leading layer axes instead, taking the
+number of axes (0: not stacked, 1: a Stack's, 2: a Stack within a Stack) from the shapes
+the result must have, which the caller knows (qwix's abstract quantized tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["map_layers"]
+
+#: How many leading layer axes a leaf may have: none, a Stack's, a Stack's in a Stack.
+_AXES = (0, 1, 2)
+
+
+def _shapes(tree: Any) -> list[tuple]:
+    return [tuple(leaf.shape) for leaf in jax.tree.leaves(tree)]
+
+
+def _per_layer(expected: Any, k: int) -> Any:
+    """``expected`` with its first ``k`` (layer) axes taken off every leaf, abstractly."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape)[k:], a.dtype), expected)
+
+
+def _mapped(fn: Callable, expected: Any, k: int) -> Callable:
+    one = _per_layer(expected, k)
+
+    def layer(value):
+        return fn(value, one)
+
+    for _ in range(k):
+        layer = jax.vmap(layer)
+    return layer
+
+
+def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: str) -> Any:
+    """``fn(layer_value, layer_expected)`` for each layer of ``value``.
+
+    ``expected`` is what the result must look like, stacked (a tree of arrays or
+    ``jax.ShapeDtypeStruct`` s); ``fn`` gets each layer's slice of ``value`` and the matching
+    per-layer abstract ``expected``. The layer axes are the fewest (0, 1 or 2) for which
+    ``fn``'s result has ``expected``'s shapes.
+
+    Raises:
+      ValueError: no number of layer axes gives ``expected``'s shapes (``value`` comes from
+        another model or depth), naming ``name``.
+    """
+    want = _shapes(expected)
+    abstract = jax.ShapeDtypeStruct(value.shape, value.dtype)
+    for k in _AXES:
+        if k > value.ndim:
+            break
+        layer = _mapped(fn, expected, k)
+        try:
+            got = _shapes(jax.eval_shape(layer, abstract))
+        except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
+            continue
+        if got == want:
+            return layer(value)
+    raise ValueError(
+        f"{who}: `{name}` of shape {tuple(value.shape)} does not give the expected shapes "
+        f"{want} with 0, 1 or 2 leading layer axes mapped over. Give the params of the model "
+        "the expected (abstract) tree was built from: the same layers and depth n, stacked "
+        "as that model's Stacks hold them."
+    )
