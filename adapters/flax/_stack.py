@@ -92,7 +92,8 @@ def _check_depth(variables: dict, n: int, who: str) -> None:
         "variables",
         "Variables of a Python loop of blocks (`layers_0`, `layers_1`, ...) convert with "
         "`stackwise.flax.from_loop`, those of `nn.scan` with "
-        "`stackwise.flax.from_scan`; keep the first k layers with `stackwise.slice_layers`.",
+        "`stackwise.flax.from_scan`; keep the first k layers with `stackwise.slice_layers`."
+        + (_kit.qwix_fix("stackwise.flax.quantize_params") if _kit.holds_qwix(variables) else ""),
     )
 
 

@@ -355,8 +355,9 @@ class Stack(nnx.Module):
         for p, block in enumerate(blocks):
             skip = _inside.outside_filter(outside[p] if outside else [])
             _, _, params, rest = nnx.split(block, skip, nnx.Param, ...)
-            self._check_depth(params, len(range(p, self.n, len(blocks))), who)
-            self._check_depth(rest, len(range(p, self.n, len(blocks))), who)
+            from_qwix = any(_kit.holds_qwix(node) for _, node in nnx.iter_graph(block))
+            self._check_depth(params, len(range(p, self.n, len(blocks))), who, from_qwix)
+            self._check_depth(rest, len(range(p, self.n, len(blocks))), who, from_qwix)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = self._blocks()
@@ -424,7 +425,7 @@ class Stack(nnx.Module):
                 self.layers = rebuilt
         return out
 
-    def _check_depth(self, state: Any, n: int, who: str) -> None:
+    def _check_depth(self, state: Any, n: int, who: str, from_qwix: bool = False) -> None:
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         leaves = [
             (f"{_path(path)} ({type(v).__name__})", a)
@@ -437,7 +438,11 @@ class Stack(nnx.Module):
             who,
             "variables",
             "Stacked variables come from building the Stack, or from "
-            "`Stack.from_layers([block_0, ..., block_{n-1}])`.",
+            "`Stack.from_layers([block_0, ..., block_{n-1}])`. An `nnx.Rngs` set on the "
+            "block from outside (as qwix's `qwix_rngs`) is split per layer when the Stack "
+            "runs; to take the layers apart, set it to None first "
+            "(`model.set_attributes(qwix_rngs=None)`)."
+            + (_kit.qwix_fix("stackwise.nnx.quantize_params") if from_qwix else ""),
         )
 
     # ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ Conversions between a Stack and its loop:
   :func:`check_names_count`, :func:`common_prefix`, and :class:`Leaf`, :func:`correspond`,
   :func:`assemble`, :func:`check_given` (one model's leaves matched to another's).
 A per-layer function over stacked leaves (the qwix bridges):
-  :func:`map_layers`.
+  :func:`map_layers`, :func:`holds_qwix`, :func:`qwix_fix`.
 """
 
 from stackwise._core.checks import check_depth as check_depth
@@ -63,7 +63,9 @@ from stackwise._kit.contract import current_layer_index as current_layer_index
 from stackwise._kit.contract import first_difference as first_difference
 from stackwise._kit.contract import same_value as same_value
 from stackwise._kit.contract import stack_name as stack_name
+from stackwise._kit.layered import holds_qwix as holds_qwix
 from stackwise._kit.layered import map_layers as map_layers
+from stackwise._kit.layered import qwix_fix as qwix_fix
 from stackwise._kit.matching import Leaf as Leaf
 from stackwise._kit.matching import assemble as assemble
 from stackwise._kit.matching import check_given as check_given

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["map_layers"]
+__all__ = ["holds_qwix", "map_layers", "qwix_fix"]
 
 #: How many leading layer axes a leaf may have: none, a Stack's, a Stack's in a Stack.
 _AXES = (0, 1, 2)
@@ -69,4 +69,20 @@ def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: st
         f"{want} with 0, 1 or 2 leading layer axes mapped over. Give the params of the model "
         "the expected (abstract) tree was built from: the same layers and depth n, stacked "
         "as that model's Stacks hold them."
+    )
+
+
+def holds_qwix(tree: Any) -> bool:
+    """Whether ``tree`` holds a qwix object (a quantized weight), without importing qwix."""
+    is_qwix = lambda v: type(v).__module__.split(".")[0] == "qwix"  # noqa: E731
+    return any(is_qwix(v) for v in jax.tree.leaves(tree, is_leaf=is_qwix))
+
+
+def qwix_fix(bridge: str) -> str:
+    """What to do about stacked qwix params of the wrong depth (a depth error's last words)."""
+    return (
+        " qwix's own `quantize_params` takes a stacked weight's layer axis for a weight axis "
+        f"(scales of shape (1, in, 1)); quantize stacked params per layer with `{bridge}("
+        "params, abstract_quantized_params)` instead, and build a Stack's params from "
+        "stacked ones, not from a single block's."
     )
