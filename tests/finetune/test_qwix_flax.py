@@ -224,3 +224,32 @@ def test_a_param_added_inside_the_layer_is_kept_stacked():
         assert_close(extra[i], loop_grown["params"][f"layers_{i}"]["extra"], BOUND)
     y_again = _stacked(Grows).apply(grown, X)
     np.testing.assert_array_equal(y_again, y)
+
+
+def test_qat_equals_the_loop():
+    """Fake-quantized training with static activation scales: each layer's statistics
+    (the `quant_stats` collection) stacked; outputs, gradients and updated statistics are
+    the loop's."""
+    rule = qwix.QtRule(
+        module_path=".*", weight_qtype="int8", act_qtype="int8", act_static_scale=True
+    )
+    qstack = qwix.quantize_model(_stacked(Block), qwix.QtProvider([rule]))
+    qloop = qwix.quantize_model(_loop(Block), qwix.QtProvider([rule]))
+    variables = qstack.init(KEY, X)
+    assert {v.shape[0] for v in jax.tree.leaves(variables["quant_stats"])} == {N}
+    loop_vars = stackwise.flax.to_loop(variables, "layers")
+
+    def loss(params, rest, model):
+        y, new = model.apply({"params": params, **rest}, X, mutable=["quant_stats"])
+        return jnp.sum(jnp.sin(y)), new
+
+    rest = {"quant_stats": variables["quant_stats"]}
+    loop_rest = {"quant_stats": loop_vars["quant_stats"]}
+    (value, new), g = jax.value_and_grad(loss, has_aux=True)(variables["params"], rest, qstack)
+    (value_loop, new_loop), g_loop = jax.value_and_grad(loss, has_aux=True)(
+        loop_vars["params"], loop_rest, qloop
+    )
+    assert_close(value, value_loop, BOUND, what="loss")
+    assert_close(_as_loop(g, Block), g_loop, BOUND, what="gradients")
+    stats = stackwise.flax.to_loop(new, "layers")["quant_stats"]
+    assert_close(stats, new_loop["quant_stats"], BOUND, what="statistics")
