@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stackwise
 import stackwise.flax
@@ -139,14 +141,7 @@ def _check_against_loop(blocks, provider, remat):
     assert_close(g, g_loop, BOUND, what="LoRA gradients")
 
 
-@pytest.mark.parametrize(
-    "qtype",
-    [
-        pytest.param(None, marks=pytest.mark.slow),
-        "int8",
-        pytest.param("nf4", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("qtype", ["int8", None, "nf4"])  # the fast tier: int8
 def test_lora_and_qlora_equal_the_loop(qtype):
     _check_against_loop(Block, _lora(qtype), stackwise.DEFAULT_REMAT)
 
@@ -226,6 +221,7 @@ def test_a_param_added_inside_the_layer_is_kept_stacked():
     np.testing.assert_array_equal(y_again, y)
 
 
+@pytest.mark.slow
 def test_qat_equals_the_loop():
     """Fake-quantized training with static activation scales: each layer's statistics
     (the `quant_stats` collection) stacked; outputs, gradients and updated statistics are
@@ -253,3 +249,23 @@ def test_qat_equals_the_loop():
     assert_close(_as_loop(g, Block), g_loop, BOUND, what="gradients")
     stats = stackwise.flax.to_loop(new, "layers")["quant_stats"]
     assert_close(stats, new_loop["quant_stats"], BOUND, what="statistics")
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 4), d=st.integers(1, 6), qtype=st.sampled_from(["int8", "nf4"]))
+def test_the_bridge_quantizes_each_layer_as_its_block_alone(n, d, qtype):
+    """Whatever the depth and width: layer i of the bridge's result is qwix's quantization
+    of layer i's float params on their own, bit for bit."""
+    x = jnp.ones((2, d))
+    stack = stackwise.flax.Stack(nn.Dense(d), n=n)
+    floats = stack.init(KEY, x)["params"]
+    qstack = qwix.quantize_model(stack, _ptq(qtype))
+    quantized = stackwise.flax.quantize_params(
+        floats, jax.eval_shape(qstack.init, KEY, x)["params"]
+    )
+    one = qwix.quantize_model(nn.Dense(d), _ptq(qtype))
+    abstract_one = jax.eval_shape(one.init, KEY, x)["params"]
+    for i in range(n):
+        alone = qwix.quantize_params(jax.tree.map(lambda a, i=i: a[i], floats), abstract_one)
+        assert_trees_bitwise(jax.tree.map(lambda a, i=i: a[i], quantized), alone)
