@@ -7,13 +7,15 @@ are the core's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import errors as flax_errors
 from flax.core import meta
 
 import stackwise
@@ -123,6 +125,22 @@ def _check_stackable(variables: dict, who: str) -> None:
                     "collection) must be an array. Keep Python values as module "
                     "attributes, or store them as arrays, e.g. `jnp.asarray(...)`."
                 )
+
+
+@contextlib.contextmanager
+def _param_added(who: str) -> Iterator[None]:
+    """A param the block creates while it runs, with no place to keep it: refused, with
+    the fix (flax's own error names only the block's scope, not the Stack)."""
+    try:
+        yield
+    except flax_errors.ScopeParamNotFoundError as e:
+        raise ValueError(
+            f"{who}: a layer creates a param that the Stack's variables do not hold, while "
+            f"'params' is not mutable ({e}). A param a transformation adds inside the layer "
+            "(qwix's LoRA params, a quantized kernel) is kept stacked, one per layer: take "
+            "the variables from `init` of the transformed model, or from `apply(variables, "
+            "x, mutable=['params'])`, which returns them with a leading layer axis."
+        ) from None
 
 
 # --------------------------------------------------------------------------
@@ -276,7 +294,7 @@ class Stack(nn.Module):
                 params = unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
                 layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
-                with _kit.at_layer(extras["index"]):
+                with _kit.at_layer(extras["index"]), _param_added(who):
                     if initializing:
                         out, new = block.init_with_output(rngs, x, *args, **kwargs, mutable=mutable)
                     elif mutable is False:

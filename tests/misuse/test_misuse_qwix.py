@@ -48,6 +48,12 @@ def _linen_bridge_unknown_param():
     stackwise.flax.quantize_params({**floats, "head": jnp.ones((4, 4))}, _linen_abstract())
 
 
+def _linen_lora_on_float_variables():
+    variables = _linen().init(KEY, X)  # no LoRA params: the transformation came later
+    lora = qwix.LoraProvider(module_path=".*", rank=2, alpha=2.0)
+    qwix.quantize_model(_linen(), lora).apply(variables, X)
+
+
 def _nnx(n=3):
     return stackwise.nnx.Stack(lambda rngs: nnx.Linear(4, 4, rngs=rngs), n=n, rngs=nnx.Rngs(0))
 
@@ -101,6 +107,13 @@ CASES = [
         ValueError,
         "`head`",
         "allow_extra_params=True",
+    ),
+    case(
+        "linen: a param added inside the layer with 'params' immutable",
+        _linen_lora_on_float_variables,
+        ValueError,
+        "kernel_lora_a",
+        "mutable=['params']",
     ),
     case(
         "nnx: qwix.quantize_params' stacked params given to a Stack",
