@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 __all__ = ["holds_qwix", "map_layers", "qwix_fix"]
 
@@ -30,13 +31,20 @@ def _per_layer(expected: Any, k: int) -> Any:
 
 
 def _mapped(fn: Callable, expected: Any, k: int) -> Callable:
+    """``fn`` over ``k`` leading axes: under ``jax.vmap`` to find the result's shapes, or
+    layer by layer (``vmap=False``), so each layer's result is bitwise ``fn`` of that layer
+    alone (a vmapped reduction may round its last bit otherwise)."""
     one = _per_layer(expected, k)
 
-    def layer(value):
-        return fn(value, one)
+    def layer(value, vmap=True):
+        if k == 0:
+            return fn(value, one)
+        inner = _mapped(fn, _per_layer(expected, 1), k - 1)
+        if vmap:
+            return jax.vmap(inner)(value)
+        outs = [inner(value[i], vmap=False) for i in range(value.shape[0])]
+        return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-    for _ in range(k):
-        layer = jax.vmap(layer)
     return layer
 
 
@@ -63,7 +71,7 @@ def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: st
         except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
             continue
         if got == want:
-            return layer(value)
+            return layer(value, vmap=False)
     raise ValueError(
         f"{who}: `{name}` of shape {tuple(value.shape)} does not give the expected shapes "
         f"{want} with 0, 1 or 2 leading layer axes mapped over. Give the params of the model "
