@@ -19,6 +19,7 @@ from stackwise.flax._convert import from_scan as from_scan
 from stackwise.flax._convert import to_loop as to_loop
 from stackwise.flax._convert import to_scan as to_scan
 from stackwise.flax._correspond import convert as convert
+from stackwise.flax._qwix import quantize_params as quantize_params
 from stackwise.flax._stack import Stack as Stack
 from stackwise.flax._stack import layer_index as layer_index
 
@@ -28,6 +29,7 @@ __all__ = [
     "from_loop",
     "from_scan",
     "layer_index",
+    "quantize_params",
     "to_loop",
     "to_scan",
 ]

@@ -7,13 +7,15 @@ are the core's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import errors as flax_errors
 from flax.core import meta
 
 import stackwise
@@ -93,7 +95,8 @@ def _check_depth(variables: dict, n: int, who: str) -> None:
         "variables",
         "Variables of a Python loop of blocks (`layers_0`, `layers_1`, ...) convert with "
         "`stackwise.flax.from_loop`, those of `nn.scan` with "
-        "`stackwise.flax.from_scan`; keep the first k layers with `stackwise.slice_layers`.",
+        "`stackwise.flax.from_scan`; keep the first k layers with `stackwise.slice_layers`."
+        + (_kit.qwix_fix("stackwise.flax.quantize_params") if _kit.holds_qwix(variables) else ""),
     )
 
 
@@ -123,6 +126,22 @@ def _check_stackable(variables: dict, who: str) -> None:
                     "collection) must be an array. Keep Python values as module "
                     "attributes, or store them as arrays, e.g. `jnp.asarray(...)`."
                 )
+
+
+@contextlib.contextmanager
+def _param_added(who: str) -> Iterator[None]:
+    """A param the block creates while it runs, with no place to keep it: refused, with
+    the fix (flax's own error names only the block's scope, not the Stack)."""
+    try:
+        yield
+    except flax_errors.ScopeParamNotFoundError as e:
+        raise ValueError(
+            f"{who}: a layer creates a param that the Stack's variables do not hold, while "
+            f"'params' is not mutable ({e}). A param a transformation adds inside the layer "
+            "(qwix's LoRA params, a quantized kernel) is kept stacked, one per layer: take "
+            "the variables from `init` of the transformed model, or from `apply(variables, "
+            "x, mutable=['params'])`, which returns them with a leading layer axis."
+        ) from None
 
 
 # --------------------------------------------------------------------------
@@ -277,7 +296,7 @@ class Stack(nn.Module):
                 params = _kit.layer_params(params, who)  # LoRA / quantized: float weights
                 layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
-                with _kit.at_layer(extras["index"]):
+                with _kit.at_layer(extras["index"]), _param_added(who):
                     if initializing:
                         out, new = block.init_with_output(rngs, x, *args, **kwargs, mutable=mutable)
                     elif mutable is False:

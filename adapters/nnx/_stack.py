@@ -17,7 +17,7 @@ from flax import nnx
 
 import stackwise
 from stackwise import _kit
-from stackwise.nnx import _compare, _view
+from stackwise.nnx import _compare, _inside, _view
 
 __all__ = ["Stack", "layer_index"]
 
@@ -102,54 +102,9 @@ def _path(path) -> str:
     return ".".join(parts) or "<root>"
 
 
-# --------------------------------------------------------------------------
-# RNG streams: an `nnx.Rngs` argument becomes n independent ones, one per layer.
-
-
-@jax.tree_util.register_pytree_node_class
-class _LayerRngs:
-    """An ``nnx.Rngs`` argument of ``Stack.__call__``, as per-layer keys per stream."""
-
-    def __init__(self, keys: dict[str, Any]):
-        self.keys = keys
-
-    def tree_flatten(self):
-        return (self.keys,), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
-
-
 def _unused(*args: Any) -> None:
     """The apply of the stack that only builds the layers (``Stack._build``)."""
     del args
-
-
-def _stream_keys(rngs: nnx.Rngs) -> dict[str, jax.Array]:
-    """One fresh key per stream of ``rngs`` (each stream's count advances)."""
-    return {name: stream() for name, stream in rngs.items()}
-
-
-def _split_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Replaces each ``nnx.Rngs`` in the arguments by per-layer keys for every stream."""
-    is_rngs = lambda v: isinstance(v, nnx.Rngs)  # noqa: E731
-
-    def split(v):
-        if not is_rngs(v):
-            return v
-        return _LayerRngs({k: stackwise.per_layer_keys(key) for k, key in _stream_keys(v).items()})
-
-    return jax.tree.map(split, (args, kwargs), is_leaf=is_rngs)
-
-
-def _join_rngs_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    is_layer_rngs = lambda v: isinstance(v, _LayerRngs)  # noqa: E731
-    return jax.tree.map(
-        lambda v: nnx.Rngs(**v.keys) if is_layer_rngs(v) else v,
-        (args, kwargs),
-        is_leaf=is_layer_rngs,
-    )
 
 
 # --------------------------------------------------------------------------
@@ -333,7 +288,7 @@ class Stack(nnx.Module):
         return _view.iter_layers(self)
 
     def _build(self, makers: list, rngs: nnx.Rngs, who: str) -> list[nnx.Module]:
-        keys = _stream_keys(rngs)
+        keys = _inside.stream_keys(rngs)
         names = list(keys)
         graphdefs: list = [None] * len(makers)
 
@@ -392,36 +347,55 @@ class Stack(nnx.Module):
         blocks = self._blocks()
         return _kit.stack_name("nnx", blocks if self.pattern else blocks[0], self.n)
 
-    def _check_layers(self) -> None:
+    def _check_layers(self, outside: list | None = None) -> None:
         """Every variable of the stacked block(s) has the layer axis of its pattern
-        position first (ValueError naming those that do not)."""
+        position first (ValueError naming those that do not). ``outside[p]``: paths of
+        position p's RNG streams set from outside, which have none (see ``_inside``)."""
         blocks, who = self._blocks(), self._who()
         for p, block in enumerate(blocks):
-            _, params, rest = nnx.split(block, nnx.Param, ...)
-            self._check_depth(params, len(range(p, self.n, len(blocks))), who)
-            self._check_depth(rest, len(range(p, self.n, len(blocks))), who)
+            skip = _inside.outside_filter(outside[p] if outside else [])
+            _, _, params, rest = nnx.split(block, skip, nnx.Param, ...)
+            from_qwix = any(_kit.holds_qwix(node) for _, node in nnx.iter_graph(block))
+            self._check_depth(params, len(range(p, self.n, len(blocks))), who, from_qwix)
+            self._check_depth(rest, len(range(p, self.n, len(blocks))), who, from_qwix)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = self._blocks()
         who = self._who()
-        self._check_layers()
-        split = [nnx.split(block, nnx.Param, ...) for block in blocks]
+        # RNG streams set on a block from outside (qwix's `qwix_rngs`): split per layer.
+        outside = [_inside.outside_streams(block) for block in blocks]
+        self._check_layers(outside)
+        filters = [_inside.outside_filter(paths) for paths in outside]
+        split = [nnx.split(b, nnx.Param, f, ...) for b, f in zip(blocks, filters)]
+        grown: list = [None] * len(blocks)  # a position's new graphdef, if it grew
 
-        def one(graphdef):
+        def one(pos):
+            graphdef, _, streams, _ = split[pos]
+
             def apply(p, s, x, extras, call):
                 _remove_layer_axis((p, s))
                 p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
-                block = nnx.merge(graphdef, p, s)
-                args, kwargs = _join_rngs_args(call.args, call.kwargs)
+                fresh = jax.tree.map(lambda a: a, streams)  # this trace's own variables
+                block = nnx.merge(graphdef, p, fresh, s)
+                _inside.rekey(block, outside[pos], extras["streams"][pos])
+                before = nnx.graphdef(block)
+                args, kwargs = _inside.join_rngs_args(call.args, call.kwargs)
                 with _kit.at_layer(extras["index"]):
                     out = block(x, *args, **kwargs)
-                _, _, new_rest = nnx.split(block, nnx.Param, ...)
+                new_graphdef = _inside.grown(before, block)
+                _, new_params, _, new_rest = nnx.split(block, nnx.Param, filters[pos], ...)
                 _add_layer_axis(new_rest, self.layer_axis_name)
-                return out, new_rest
+                if new_graphdef is None:
+                    return out, new_rest
+                # The layer added or replaced variables (qwix's LoRA params, quantized
+                # kernels): every variable leaves it, to be stacked as a new block.
+                grown[pos] = new_graphdef
+                _add_layer_axis(new_params, self.layer_axis_name)
+                return out, (new_params, new_rest)
 
             return apply
 
-        applies = [one(graphdef) for graphdef, _, _ in split]
+        applies = [one(pos) for pos in range(len(blocks))]
         layers = stackwise.stack(
             None,
             applies if self.pattern else applies[0],
@@ -430,19 +404,30 @@ class Stack(nnx.Module):
             name=who,  # the core names the block in its errors (carry, returns)
             **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
-        args, kwargs = _split_rngs_args(args, kwargs)
-        params = tuple(params for _, params, _ in split)
-        rest = tuple(rest for _, _, rest in split)
+        args, kwargs = _inside.split_rngs_args(args, kwargs)
+        params = tuple(params for _, params, _, _ in split)
+        rest = tuple(rest for _, _, _, rest in split)
         if not self.pattern:
             params, rest = params[0], rest[0]
-        extras = {"index": stackwise.layer_index()}
+        extras = {
+            "index": stackwise.layer_index(),
+            "streams": [_inside.draw(b, paths) for b, paths in zip(blocks, outside)],
+        }
         _kit.warn_unrematted(params, self.remat, who)
         out, new_rest = layers.apply(params, rest, x, extras, _kit.CallArgs(args, kwargs))
-        for block, new in zip(blocks, new_rest if self.pattern else [new_rest]):
-            nnx.update(block, new)
+        for pos, new in enumerate(new_rest if self.pattern else [new_rest]):
+            if grown[pos] is None:
+                nnx.update(blocks[pos], new)
+                continue
+            streams = nnx.state(blocks[pos], filters[pos])  # their counts advanced
+            rebuilt = nnx.merge(grown[pos], *new, streams)
+            if self.pattern:
+                self.layers[pos] = rebuilt
+            else:
+                self.layers = rebuilt
         return out
 
-    def _check_depth(self, state: Any, n: int, who: str) -> None:
+    def _check_depth(self, state: Any, n: int, who: str, from_qwix: bool = False) -> None:
         _kit.refuse_serving(who, "Stack.to_layers()", variables=state)
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         leaves = [
@@ -456,7 +441,11 @@ class Stack(nnx.Module):
             who,
             "variables",
             "Stacked variables come from building the Stack, or from "
-            "`Stack.from_layers([block_0, ..., block_{n-1}])`.",
+            "`Stack.from_layers([block_0, ..., block_{n-1}])`. An `nnx.Rngs` set on the "
+            "block from outside (as qwix's `qwix_rngs`) is split per layer when the Stack "
+            "runs; to take the layers apart, set it to None first "
+            "(`model.set_attributes(qwix_rngs=None)`)."
+            + (_kit.qwix_fix("stackwise.nnx.quantize_params") if from_qwix else ""),
         )
 
     # ----------------------------------------------------------------------

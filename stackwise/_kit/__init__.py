@@ -25,6 +25,8 @@ Conversions between a Stack and its loop:
   :func:`assemble`, :func:`check_given` (one model's leaves matched to another's).
 LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.finetune`):
   :func:`layer_params` (one layer's float weights, inside the scan), :func:`warn_unrematted`.
+A per-layer function over stacked leaves (the qwix bridges):
+  :func:`map_layers`, :func:`holds_qwix`, :func:`qwix_fix`.
 """
 
 from stackwise._core.checks import check_depth as check_depth
@@ -67,6 +69,9 @@ from stackwise._kit.contract import same_value as same_value
 from stackwise._kit.contract import stack_name as stack_name
 from stackwise._kit.finetune import layer_params as layer_params
 from stackwise._kit.finetune import warn_unrematted as warn_unrematted
+from stackwise._kit.layered import holds_qwix as holds_qwix
+from stackwise._kit.layered import map_layers as map_layers
+from stackwise._kit.layered import qwix_fix as qwix_fix
 from stackwise._kit.matching import Leaf as Leaf
 from stackwise._kit.matching import assemble as assemble
 from stackwise._kit.matching import check_given as check_given

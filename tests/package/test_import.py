@@ -24,7 +24,7 @@ LAZY = {
 }
 HEAVY = (
     "haiku", "flax", "equinox", "optax", "matplotlib", "rich", "tqdm",
-    "safetensors", "orbax", "tensorstore",
+    "safetensors", "orbax", "tensorstore", "qwix",
 )
 
 
@@ -53,6 +53,8 @@ def test_import_stackwise_imports_no_framework_then_each_submodule_on_first_use(
     # The benchmark imports no framework, rich, tqdm or matplotlib until it runs; the
     # adapters load one at a time (dm-haiku itself imports flax).
     assert out["bench"][3] == [] and "equinox" not in out["nnx"][3]
+    # qwix (an optional extra) loads only when a qwix bridge is called.
+    assert all("qwix" not in loaded for *_, loaded in out.values())
 
 
 def test_lazy_submodules_are_listed_and_other_names_are_attribute_errors():

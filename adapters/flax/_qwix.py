@@ -1,0 +1,91 @@
+"""The qwix bridge for linen: ``qwix.quantize_params`` for params that a Stack holds stacked.
+
+qwix quantizes a weight as the shape it is given; a stacked ``(n, in, out)`` kernel would
+get scales that span the layer axis. :func:`quantize_params` quantizes every stacked
+weight one layer at a time (with ``stackwise._kit.map_layers``), so each layer gets the
+scales its own block gets in a loop. qwix is imported when it is called, never before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+from flax import traverse_util
+
+from stackwise import _kit
+
+__all__ = ["quantize_params"]
+
+_WHO = "stackwise.flax.quantize_params"
+
+
+def _lookup(tree: Any, path: tuple) -> Any:
+    for key in path:
+        if not hasattr(tree, "get"):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def quantize_params(
+    params: Any, abstract_quantized_params: Any, *, allow_extra_params: bool = False
+) -> dict:
+    """``qwix.quantize_params`` for a linen model with :class:`Stack` s: per layer.
+
+    Quantizes float params for a qwix PTQ (or QLoRA) model as ``qwix.quantize_params``
+    does, except that a weight a Stack holds stacked is quantized one layer at a time:
+    its scales are per layer (``(n, 1, out)``), as each block of a loop would get them.
+    Which leaves are stacked, and how deep, is read from the shapes in
+    ``abstract_quantized_params``; leaves outside any Stack are quantized as qwix does.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, qwix, stackwise.flax
+    >>> stack = stackwise.flax.Stack(nn.Dense(8), n=3)
+    >>> x = jnp.ones((2, 8))
+    >>> floats = stack.init(jax.random.key(0), x)["params"]
+    >>> ptq = qwix.quantize_model(stack, qwix.PtqProvider(
+    ...     [qwix.QtRule(module_path=".*", weight_qtype="int8")]))
+    >>> abstract = jax.eval_shape(ptq.init, jax.random.key(0), x)["params"]
+    >>> quantized = stackwise.flax.quantize_params(floats, abstract)
+    >>> quantized["kernel"].array.qvalue.shape, quantized["kernel"].array.scale.shape
+    ((3, 8, 8), (3, 1, 8))
+    >>> ptq.apply({"params": quantized}, x).shape
+    (2, 8)
+
+    Args:
+      params: the float params (unboxed or boxed), e.g. ``variables["params"]`` of the float
+        model.
+      abstract_quantized_params: the quantized model's params, abstract or not, e.g.
+        ``jax.eval_shape(qmodel.init, key, x)["params"]``.
+      allow_extra_params: skip params that the quantized model does not have, as qwix's.
+
+    Returns:
+      The params with every weight qwix quantizes replaced by its quantized form
+      (stacked weights quantized per layer), the rest unchanged.
+
+    Raises:
+      ValueError: a param is not in ``abstract_quantized_params`` (unless
+        ``allow_extra_params``), or does not quantize to the shapes given there with 0, 1
+        or 2 leading layer axes (params of another model or depth).
+    """
+    import qwix  # only now: qwix stays optional
+
+    abstract = nn.meta.unbox(abstract_quantized_params)
+    out = {}
+    for path, param in traverse_util.flatten_dict(nn.meta.unbox(params)).items():
+        name = "/".join(str(k) for k in path)
+        expected = _lookup(abstract, path)
+        if expected is None:
+            if allow_extra_params:
+                continue
+            raise ValueError(
+                f"{_WHO}: param `{name}` is not in `abstract_quantized_params`; give the "
+                "params of the model it was built from, or pass `allow_extra_params=True` "
+                "to leave such params out."
+            )
+
+        def one(w, a):
+            return qwix.quantize_params({"w": w}, {"w": a})["w"]
+
+        out[path] = _kit.map_layers(one, param, expected, _WHO, name)
+    return traverse_util.unflatten_dict(out)

@@ -1,0 +1,88 @@
+"""The qwix bridge for NNX: ``qwix.quantize_params`` for params that a Stack holds stacked.
+
+As the linen bridge (``stackwise.flax.quantize_params``): every stacked weight is
+quantized one layer at a time (``stackwise._kit.map_layers``), so each layer gets the
+scales its own block gets in a loop. qwix is imported when it is called, never before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx, traverse_util
+
+from stackwise import _kit
+
+__all__ = ["quantize_params"]
+
+_WHO = "stackwise.nnx.quantize_params"
+
+
+def _lookup(node: Any, path: tuple) -> Any:
+    for key in path:
+        if isinstance(key, int) and isinstance(node, nnx.List):
+            node = node[key] if key < len(node) else None
+        else:
+            node = getattr(node, str(key), None)
+        if node is None:
+            return None
+    return node.get_raw_value() if isinstance(node, nnx.Variable) else node
+
+
+def quantize_params(
+    params: Any, abstract_quantized_model: nnx.Module, *, allow_extra_params: bool = False
+) -> dict:
+    """``qwix.quantize_params`` for an NNX model with :class:`Stack` s: per layer.
+
+    Quantizes the float params of a model for its qwix PTQ (or QLoRA) twin as
+    ``qwix.quantize_params`` does, except that a weight a Stack holds stacked is quantized
+    one layer at a time: its scales are per layer (``(n, 1, out)``), as each block of a
+    loop would get them. Which leaves are stacked is read from the shapes in the quantized
+    model (abstract or not); the result goes into it with ``nnx.update``.
+
+    >>> import jax, jax.numpy as jnp, qwix, stackwise.nnx
+    >>> from flax import nnx
+    >>> make = lambda: stackwise.nnx.Stack(
+    ...     lambda rngs: nnx.Linear(8, 8, rngs=rngs), n=3, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 8))
+    >>> provider = qwix.PtqProvider([qwix.QtRule(module_path=".*", weight_qtype="int8")])
+    >>> abstract = nnx.eval_shape(lambda: qwix.quantize_model(make(), provider, x))
+    >>> floats = nnx.to_pure_dict(nnx.state(make(), nnx.Param))
+    >>> quantized = stackwise.nnx.quantize_params(floats, abstract)
+    >>> quantized["layers"]["kernel"]["array"]["scale"].shape
+    (3, 1, 8)
+
+    Args:
+      params: the float params as a pure dict, ``nnx.to_pure_dict(nnx.state(model,
+        nnx.Param))``.
+      abstract_quantized_model: the quantized model, abstract (``nnx.eval_shape``) or not.
+      allow_extra_params: skip params the quantized model does not have, as qwix's.
+
+    Returns:
+      A pure dict of the quantized params, for ``nnx.update(quantized_model, ...)``.
+
+    Raises:
+      ValueError: a param is not in the quantized model (unless ``allow_extra_params``),
+        or does not quantize to its shapes there with 0, 1 or 2 leading layer axes (params
+        of another model or depth).
+    """
+    import qwix  # only now: qwix stays optional
+
+    out = {}
+    for path, param in traverse_util.flatten_dict(params).items():
+        name = ".".join(str(k) for k in path)
+        expected = _lookup(abstract_quantized_model, path)
+        if expected is None:
+            if allow_extra_params:
+                continue
+            raise ValueError(
+                f"{_WHO}: param `{name}` is not in the quantized model; give the params "
+                "of the model it was built from, or pass `allow_extra_params=True` to leave "
+                "such params out."
+            )
+
+        def one(w, a):
+            return qwix.quantize_params({"w": w}, {"w": a})["w"]
+
+        out[path] = _kit.map_layers(one, param, expected, _WHO, name)
+    return traverse_util.unflatten_dict(nnx.to_pure_dict(nnx.state(out)))

@@ -1,0 +1,96 @@
+"""A per-layer function applied to a leaf with as many layer axes as its result needs.
+
+A library that transforms one weight at a time (qwix's ``quantize_params``) sees a stacked
+weight ``(n, in, out)`` as one 3-D weight: its per-channel scales then span the layer axis.
+:func:`map_layers` maps such a function over the leading layer axes instead, taking the
+number of axes (0: not stacked, 1: a Stack's, 2: a Stack within a Stack) from the shapes
+the result must have, which the caller knows (qwix's abstract quantized tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["holds_qwix", "map_layers", "qwix_fix"]
+
+#: How many leading layer axes a leaf may have: none, a Stack's, a Stack's in a Stack.
+_AXES = (0, 1, 2)
+
+
+def _shapes(tree: Any) -> list[tuple]:
+    return [tuple(leaf.shape) for leaf in jax.tree.leaves(tree)]
+
+
+def _per_layer(expected: Any, k: int) -> Any:
+    """``expected`` with its first ``k`` (layer) axes taken off every leaf, abstractly."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape)[k:], a.dtype), expected)
+
+
+def _mapped(fn: Callable, expected: Any, k: int) -> Callable:
+    """``fn`` over ``k`` leading axes: under ``jax.vmap`` to find the result's shapes, or
+    layer by layer (``vmap=False``), so each layer's result is bitwise ``fn`` of that layer
+    alone (a vmapped reduction may round its last bit otherwise)."""
+    one = _per_layer(expected, k)
+
+    def layer(value, vmap=True):
+        if k == 0:
+            return fn(value, one)
+        inner = _mapped(fn, _per_layer(expected, 1), k - 1)
+        if vmap:
+            return jax.vmap(inner)(value)
+        outs = [inner(value[i], vmap=False) for i in range(value.shape[0])]
+        return jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    return layer
+
+
+def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: str) -> Any:
+    """``fn(layer_value, layer_expected)`` for each layer of ``value``.
+
+    ``expected`` is what the result must look like, stacked (a tree of arrays or
+    ``jax.ShapeDtypeStruct`` s); ``fn`` gets each layer's slice of ``value`` and the matching
+    per-layer abstract ``expected``. The layer axes are the fewest (0, 1 or 2) for which
+    ``fn``'s result has ``expected``'s shapes.
+
+    Raises:
+      ValueError: no number of layer axes gives ``expected``'s shapes (``value`` comes from
+        another model or depth), naming ``name``.
+    """
+    want = _shapes(expected)
+    abstract = jax.ShapeDtypeStruct(value.shape, value.dtype)
+    for k in _AXES:
+        if k > value.ndim:
+            break
+        layer = _mapped(fn, expected, k)
+        try:
+            got = _shapes(jax.eval_shape(layer, abstract))
+        except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
+            continue
+        if got == want:
+            return layer(value, vmap=False)
+    raise ValueError(
+        f"{who}: `{name}` of shape {tuple(value.shape)} does not give the expected shapes "
+        f"{want} with 0, 1 or 2 leading layer axes mapped over. Give the params of the model "
+        "the expected (abstract) tree was built from: the same layers and depth n, stacked "
+        "as that model's Stacks hold them."
+    )
+
+
+def holds_qwix(tree: Any) -> bool:
+    """Whether ``tree`` holds a qwix object (a quantized weight), without importing qwix."""
+    is_qwix = lambda v: type(v).__module__.split(".")[0] == "qwix"  # noqa: E731
+    return any(is_qwix(v) for v in jax.tree.leaves(tree, is_leaf=is_qwix))
+
+
+def qwix_fix(bridge: str) -> str:
+    """What to do about stacked qwix params of the wrong depth (a depth error's last words)."""
+    return (
+        " qwix's own `quantize_params` takes a stacked weight's layer axis for a weight axis "
+        f"(scales of shape (1, in, 1)); quantize stacked params per layer with `{bridge}("
+        "params, abstract_quantized_params)` instead, and build a Stack's params from "
+        "stacked ones, not from a single block's."
+    )
