@@ -5,7 +5,9 @@ module: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` of 
 ``(r, in)`` and ``...lora_B.weight`` of shape ``(out, r)``, torch's ``(out, in)`` layout) and
 ``adapter_config.json`` (``peft_type``, ``r``, ``lora_alpha``, ``target_modules``, ...).
 A stacked adapter ``a (n, in, r)``, ``b (n, r, out)`` is layer i's ``lora_A = a[i].T``,
-``lora_B = b[i].T``: the transposes are exact, so a round trip is bitwise.
+``lora_B = b[i].T``: the transposes are exact, so a round trip is bitwise. With weights
+stored ``(out, in)`` (``layout="out_in"``: Equinox's ``Linear``) the adapter is ``a (n, out,
+r)``, ``b (n, r, in)``, and layer i's ``lora_A = b[i]``, ``lora_B = a[i]``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def _check_modules(modules: Any, who: str) -> dict[str, str]:
     return dict(modules)
 
 
+def _check_layout(layout: Any, who: str) -> bool:
+    """True for ``"out_in"``, False for ``"in_out"``; anything else refused."""
+    if layout not in ("in_out", "out_in"):
+        raise ValueError(
+            f"{who}: `layout` is {layout!r}; give 'in_out' for weights used as `x @ W` (the "
+            "core, Haiku, linen, NNX) or 'out_in' for `W @ x` (Equinox's and torch's Linear)."
+        )
+    return layout == "out_in"
+
+
 def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | None) -> dict:
     """PEFT's ``LoraConfig`` fields, as ``LoraConfig.save_pretrained`` writes them."""
     return {
@@ -88,6 +100,7 @@ def save_peft(
     *,
     base_model_name_or_path: str | None = None,
     layers: str = LAYERS,
+    layout: str = "in_out",
     overwrite: bool = False,
 ) -> list[str]:
     """Writes stacked adapters as a PEFT LoRA adapter folder, all or nothing.
@@ -112,6 +125,10 @@ def save_peft(
         model (``"self_attn.q_proj"``, ``"mlp.down_proj"``).
       base_model_name_or_path: written to the config, as PEFT does.
       layers: the name of layer ``{i}``, PEFT's prefix included.
+      layout: how the adapted weights are stored per layer: ``"in_out"`` (``x @ W``: the
+        core, Haiku, linen, NNX; ``a (in, r)``, ``b (r, out)``) or ``"out_in"`` (``W @ x``:
+        torch's and Equinox's ``Linear``; ``a (out, r)``, ``b (r, in)``, so ``lora_A`` is
+        ``b`` and ``lora_B`` is ``a``). Files written from either are PEFT's same layout.
       overwrite: replace an adapter folder already at ``directory``.
 
     Returns:
@@ -125,6 +142,7 @@ def save_peft(
     """
     who = "stackwise.lora.save_peft"
     modules = _check_modules(modules, who)
+    out_in = _check_layout(layout, who)
     tensors, ranks = {}, set()
     found = {path: lw for path, lw in leaf_paths(adapters, is_leaf=is_lora) if is_lora(lw)}
     if set(found) != set(modules):
@@ -142,8 +160,9 @@ def save_peft(
         a, b = np.asarray(lw.a), np.asarray(lw.b)
         for i in range(a.shape[0]):
             name = f"{layers.format(i=i)}.{modules[path]}"
-            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
-            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+            lora_a, lora_b = (b[i], a[i]) if out_in else (a[i].T, b[i].T)
+            tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
+            tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
     if len(ranks) != 1:
         raise ValueError(
             f"{who}: the adapters have several (rank, alpha) pairs {sorted(ranks)}; PEFT's "
@@ -225,6 +244,7 @@ def load_peft(
     modules: Mapping[str, str],
     *,
     layers: str = LAYERS,
+    layout: str = "in_out",
     dtype: Any = None,
 ) -> Any:
     """A PEFT LoRA adapter folder as stacked adapters for ``base`` (see :func:`save_peft`).
@@ -234,6 +254,7 @@ def load_peft(
       base: the stacked base the adapters go on (float or quantized leaves).
       modules: each leaf path to adapt -> its module within a layer, as for saving.
       layers: the name of layer ``{i}``, PEFT's prefix included.
+      layout: ``"in_out"`` or ``"out_in"``, how ``base`` stores its weights (as for saving).
       dtype: the adapters' dtype; default the file's.
 
     Returns:
@@ -248,6 +269,7 @@ def load_peft(
     """
     who = "stackwise.lora.load_peft"
     modules = _check_modules(modules, who)
+    out_in = _check_layout(layout, who)
     directory = os.fspath(directory)
     config = _read_config(directory, who)
     r, alpha = int(config["r"]), float(config["lora_alpha"])
@@ -260,6 +282,8 @@ def load_peft(
             out.append(None)
             continue
         n, d_in, d_out = leaf.shape
+        if out_in:
+            d_in, d_out = d_out, d_in
         a, b = [], []
         for i in range(n):
             name = f"{layers.format(i=i)}.{modules[path]}"
@@ -277,6 +301,8 @@ def load_peft(
                 used.add(key)
                 into.append(got.T)
         a, b = jnp.asarray(np.stack(a)), jnp.asarray(np.stack(b))
+        if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
+            a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
         if dtype is not None:
             a, b = a.astype(dtype), b.astype(dtype)
         out.append(LoraWeights(a, b, alpha))

@@ -79,6 +79,30 @@ def test_torch_layout_means_the_same_layer(tmp_path):
         np.testing.assert_allclose(y, y_torch, rtol=1e-5, atol=1e-5)
 
 
+def test_out_in_weights_write_the_same_files(tmp_path):
+    """An Equinox-style base stores each weight (out, in), so its adapters are a (out, r), b
+    (r, in): the same layers written with layout="out_in" are PEFT's same tensors, and
+    load back bitwise onto the (out, in) base."""
+    base = _base()
+    adapters = _adapters(base)
+    base_t = jax.tree.map(lambda v: jnp.swapaxes(v, 1, 2), base)   # (n, out, in)
+    adapters_t = {k: stackwise.lora.LoraWeights(jnp.swapaxes(v.b, 1, 2),
+                                                jnp.swapaxes(v.a, 1, 2), v.alpha)
+                  if v is not None else None for k, v in adapters.items()}                      # W^T + (a b)^T = W^T + b^T a^T
+    stackwise.lora.save_peft(tmp_path / "in_out", adapters, MODULES)
+    stackwise.lora.save_peft(tmp_path / "out_in", adapters_t, MODULES, layout="out_in")
+    one, other = (safetensors_numpy.load_file(tmp_path / f / "adapter_model.safetensors")
+                  for f in ("in_out", "out_in"))
+    assert one.keys() == other.keys()
+    for name in one:
+        np.testing.assert_array_equal(other[name], one[name])
+    back = stackwise.lora.load_peft(tmp_path / "out_in", base_t, MODULES, layout="out_in")
+    jax.tree.map(np.testing.assert_array_equal, back, adapters_t)
+    # Read as the other layout, the (out, in) base's shapes do not fit: refused, not guessed.
+    with pytest.raises(ValueError, match="PEFT files from another model"):
+        stackwise.lora.load_peft(tmp_path / "out_in", base_t, MODULES)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_round_trip_is_bitwise(tmp_path, dtype):
     base = _base(dtype)

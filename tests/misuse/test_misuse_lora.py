@@ -293,6 +293,12 @@ PEFT = [
     case("load: a module not in the base",
          lambda t: stackwise.lora.load_peft(_saved(t), BASE, {"['x']": "q_proj"}), ValueError,
          "not leaf paths"),
+    case("save: an unknown weight layout",
+         lambda t: stackwise.lora.save_peft(t / "a", _adapters(), MODULES, layout="torch"),
+         ValueError, "`layout` is 'torch'", "'in_out'", "'out_in'"),
+    case("load: an unknown weight layout",
+         lambda t: stackwise.lora.load_peft(_saved(t), BASE, MODULES, layout=None), ValueError,
+         "`layout` is None", "Equinox"),
 ]
 
 
