@@ -21,7 +21,9 @@ What it shows:
   * training with optax on the embedded text (``examples/data/shakespeare.txt``, or ``--text``),
     reporting the loss in nats, bits per character and perplexity;
   * sampling token by token with a stacked per-layer KV cache (the stack's per-layer state),
-    checked against the full forward pass, with prefill and decode speeds;
+    checked against the full forward pass, with prefill and decode speeds; the pure-JAX model
+    (and every ``--lora`` run) samples in the serving layout (``stackwise.to_serving``: one
+    buffer per layer for the weights and the cache, run as a loop of layers);
   * checkpoints of the stacked params, restored and converted to the layout of the same model
     written as a plain Python loop over separate blocks (``stackwise.unstack_layers``,
     ``stackwise.haiku.to_loop``, ``stackwise.flax.to_loop`` or Equinox's
