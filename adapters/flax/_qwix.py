@@ -71,21 +71,10 @@ def quantize_params(
     import qwix  # only now: qwix stays optional
 
     abstract = nn.meta.unbox(abstract_quantized_params)
-    out = {}
-    for path, param in traverse_util.flatten_dict(nn.meta.unbox(params)).items():
-        name = "/".join(str(k) for k in path)
-        expected = _lookup(abstract, path)
-        if expected is None:
-            if allow_extra_params:
-                continue
-            raise ValueError(
-                f"{_WHO}: param `{name}` is not in `abstract_quantized_params`; give the "
-                "params of the model it was built from, or pass `allow_extra_params=True` "
-                "to leave such params out."
-            )
-
-        def one(w, a):
-            return qwix.quantize_params({"w": w}, {"w": a})["w"]
-
-        out[path] = _kit.map_layers(one, param, expected, _WHO, name)
+    out = _kit.map_params(
+        traverse_util.flatten_dict(nn.meta.unbox(params)),
+        lambda path: _lookup(abstract, path),
+        lambda w, a: qwix.quantize_params({"w": w}, {"w": a})["w"],
+        _WHO, sep="/", where="`abstract_quantized_params`", allow_extra=allow_extra_params,
+    )
     return traverse_util.unflatten_dict(out)

@@ -68,21 +68,10 @@ def quantize_params(
     """
     import qwix  # only now: qwix stays optional
 
-    out = {}
-    for path, param in traverse_util.flatten_dict(params).items():
-        name = ".".join(str(k) for k in path)
-        expected = _lookup(abstract_quantized_model, path)
-        if expected is None:
-            if allow_extra_params:
-                continue
-            raise ValueError(
-                f"{_WHO}: param `{name}` is not in the quantized model; give the params "
-                "of the model it was built from, or pass `allow_extra_params=True` to leave "
-                "such params out."
-            )
-
-        def one(w, a):
-            return qwix.quantize_params({"w": w}, {"w": a})["w"]
-
-        out[path] = _kit.map_layers(one, param, expected, _WHO, name)
+    out = _kit.map_params(
+        traverse_util.flatten_dict(params),
+        lambda path: _lookup(abstract_quantized_model, path),
+        lambda w, a: qwix.quantize_params({"w": w}, {"w": a})["w"],
+        _WHO, sep=".", where="the quantized model", allow_extra=allow_extra_params,
+    )
     return traverse_util.unflatten_dict(nnx.to_pure_dict(nnx.state(out)))

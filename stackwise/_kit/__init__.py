@@ -26,7 +26,7 @@ Conversions between a Stack and its loop:
 LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.finetune`):
   :func:`layer_params` (one layer's float weights, inside the scan), :func:`warn_unrematted`.
 A per-layer function over stacked leaves (the qwix bridges):
-  :func:`map_layers`, :func:`holds_qwix`, :func:`qwix_fix`.
+  :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`.
 """
 
 from stackwise._core.checks import check_depth as check_depth
@@ -71,6 +71,7 @@ from stackwise._kit.finetune import layer_params as layer_params
 from stackwise._kit.finetune import warn_unrematted as warn_unrematted
 from stackwise._kit.layered import holds_qwix as holds_qwix
 from stackwise._kit.layered import map_layers as map_layers
+from stackwise._kit.layered import map_params as map_params
 from stackwise._kit.layered import qwix_fix as qwix_fix
 from stackwise._kit.matching import Leaf as Leaf
 from stackwise._kit.matching import assemble as assemble

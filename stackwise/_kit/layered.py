@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["holds_qwix", "map_layers", "qwix_fix"]
+__all__ = ["holds_qwix", "map_layers", "map_params", "qwix_fix"]
 
 #: How many leading layer axes a leaf may have: none, a Stack's, a Stack's in a Stack.
 _AXES = (0, 1, 2)
@@ -78,6 +78,28 @@ def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: st
         "the expected (abstract) tree was built from: the same layers and depth n, stacked "
         "as that model's Stacks hold them."
     )
+
+
+def map_params(
+    flat: dict, expected_at: Callable, fn: Callable, who: str, *, sep: str, where: str,
+    allow_extra: bool,
+) -> dict:
+    """:func:`map_layers` of ``fn`` over each param of ``flat`` (path tuple -> array), against
+    ``expected_at(path)`` (None where the expected tree lacks the param: left out with
+    ``allow_extra``, else refused, naming ``where`` it was looked for)."""
+    out = {}
+    for path, param in flat.items():
+        name = sep.join(str(k) for k in path)
+        expected = expected_at(path)
+        if expected is None:
+            if allow_extra:
+                continue
+            raise ValueError(
+                f"{who}: param `{name}` is not in {where}; give the params of the model it "
+                "was built from, or pass `allow_extra_params=True` to leave such params out."
+            )
+        out[path] = map_layers(fn, param, expected, who, name)
+    return out
 
 
 def holds_qwix(tree: Any) -> bool:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _attention import attention_layer
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,30 +20,8 @@ from hypothesis import strategies as st
 import stackwise
 
 B, T, D, HEADS = 2, 16, 8, 2  # batch, cache length, width, heads
-HD = D // HEADS
 KEY = jax.random.key(0)
-
-
-def init(key):
-    k1, k2 = jax.random.split(key)
-    params = {
-        "qkv": jax.random.normal(k1, (D, 3 * D)) / D**0.5,
-        "out": jax.random.normal(k2, (D, D)) / D**0.5,
-    }
-    return params, {"k": jnp.zeros((B, T, HEADS, HD)), "v": jnp.zeros((B, T, HEADS, HD))}
-
-
-def attend(params, cache, x, pos):
-    """Writes this step's keys and values at ``pos`` and attends to positions <= the last."""
-    length = x.shape[1]
-    q, k, v = (a.reshape(B, length, HEADS, HD) for a in jnp.split(x @ params["qkv"], 3, -1))
-    ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k, pos, 1)
-    cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v, pos, 1)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, ck) / HD**0.5
-    seen = jnp.arange(T)[None, :] <= (pos + jnp.arange(length))[:, None]
-    scores = jnp.where(seen[None, None], scores, -1e30)
-    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), cv).reshape(B, length, D)
-    return x + o @ params["out"], {"k": ck, "v": cv}
+init, attend = attention_layer(B, T, D, HEADS)
 
 
 def _loop(apply, per_layer, states, x, *args, reverse=False):

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _trees import assert_trees_close
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from flax import nnx
 
 import stackwise
 import stackwise.equinox

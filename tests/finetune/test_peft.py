@@ -86,9 +86,10 @@ def test_out_in_weights_write_the_same_files(tmp_path):
     base = _base()
     adapters = _adapters(base)
     base_t = jax.tree.map(lambda v: jnp.swapaxes(v, 1, 2), base)   # (n, out, in)
+    # W^T + (a b)^T = W^T + b^T a^T: the transposed model's adapter is (b^T, a^T).
     adapters_t = {k: stackwise.lora.LoraWeights(jnp.swapaxes(v.b, 1, 2),
                                                 jnp.swapaxes(v.a, 1, 2), v.alpha)
-                  if v is not None else None for k, v in adapters.items()}                      # W^T + (a b)^T = W^T + b^T a^T
+                  if v is not None else None for k, v in adapters.items()}
     stackwise.lora.save_peft(tmp_path / "in_out", adapters, MODULES)
     stackwise.lora.save_peft(tmp_path / "out_in", adapters_t, MODULES, layout="out_in")
     one, other = (safetensors_numpy.load_file(tmp_path / f / "adapter_model.safetensors")
