@@ -24,6 +24,25 @@ STORED = {"int8": "int8", "nf4": "uint4"}  # how qwix stores each kind
 HLO = {"int8": "i8", "nf4": "ui4"}
 X = jax.random.normal(jax.random.key(1), (4, D))
 BOUND = reassociation_bound(depth=N, width=(D, H, R), summed=4 * D)
+#: jax 0.10.2 computes each layer's scale inside the Stack's scan to the bit of the loop's
+#: eager quantization; jax 0.10.0 (the oldest supported, .ci/oldest) rounds some channels'
+#: scales 1 ulp apart there, which moves a code at a rounding boundary by one.
+EXACT = tuple(int(v) for v in jax.__version__.split(".")[:3]) >= (0, 10, 2)
+
+
+def assert_same_quantization(ours, theirs):
+    """Bitwise (on jax >= 0.10.2); else scales within 1 ulp and codes within 1."""
+    if EXACT:
+        assert_trees_bitwise(ours, theirs)
+        return
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        if np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_array_max_ulp(x, y, maxulp=1)
+        else:
+            assert np.abs(x.astype(np.int32) - y.astype(np.int32)).max() <= 1
 
 
 class Block(nnx.Module):
@@ -94,8 +113,8 @@ def _check_against_loop(make, qtype, remat):
     for i, block in enumerate(loop.blocks):
         ours, theirs = nnx.state(layers[i], nnx.Param), nnx.state(block, nnx.Param)
         base = lambda s: nnx.filter_state(s, nnx.Not(nnx.LoRAParam))  # noqa: E731
-        assert_trees_bitwise(base(ours), base(theirs))  # the loop block's own quantization
-        nnx.update(block, nnx.state(layers[i], nnx.LoRAParam))
+        assert_same_quantization(base(ours), base(theirs))  # the loop block's own
+        nnx.update(block, nnx.state(layers[i], nnx.Param))  # (the same codes, on any jax)
     assert_close(model(X), loop(X), BOUND, what="outputs")
     grads, loop_grads = _lora_grads(model), _lora_grads(loop)
     blocks = model.layers.to_layers()
@@ -157,7 +176,9 @@ def test_ptq_keeps_the_quantized_kernels_stacked(qtype):
     ]
     assert floats == []  # no float kernel kept
     for i, block in enumerate(loop.blocks):
-        assert_trees_bitwise(nnx.state(model.layers[i], nnx.Param), nnx.state(block, nnx.Param))
+        assert_same_quantization(nnx.state(model.layers[i], nnx.Param),
+                                 nnx.state(block, nnx.Param))
+        nnx.update(block, nnx.state(model.layers[i], nnx.Param))  # (the same codes)
     graphdef, state = nnx.split(model)
     forward = lambda s: nnx.merge(graphdef, s)(X)  # noqa: E731
     hlo = jax.jit(forward).lower(state).as_text()
