@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import stackwise
 from stackwise import _kit
-from stackwise.equinox import _convert, _quax, _state
+from stackwise.equinox import _convert, _quax, _serving, _state
 
 __all__ = ["Stack", "layer_index"]
 
@@ -361,7 +361,8 @@ class Stack(eqx.nn.StatefulLayer):
         return (self.layers if pattern else (self.layers,)), pattern
 
     def _who(self) -> str:
-        blocks, pattern = self._blocks()
+        served = _serving.served(self.layers)
+        blocks, pattern = _serving.positions(self.layers) if served else self._blocks()
         return _kit.stack_name("equinox", list(blocks) if pattern else blocks[0], self.n)
 
     def is_stateful(self) -> bool:
@@ -374,23 +375,31 @@ class Stack(eqx.nn.StatefulLayer):
 
     def __call__(self, x: Any, *args: Any, key: Any = None, **kwargs: Any) -> Any:
         """Runs the layers: ``stack(x, *args, key=None, **kwargs)``; see :class:`Stack`."""
-        (blocks, pattern), who = self._blocks(), self._who()
-        stateful, state = self.is_stateful(), None
+        who, stateful, state = self._who(), self.is_stateful(), None
         if stateful:
             state, args, kwargs = _state.take(args, kwargs, self.with_state, who)
-        counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
-        states, takes_state = _state.layer_states(state, blocks, pattern, counts, stateful, who)
-        parts = [eqx.partition(b, eqx.is_array) for b in blocks]
-        params = tuple(p for p, _ in parts)
-        self._check_depth(params, pattern, counts, who)
-        _kit.warn_unrematted(params, self.remat, who)
+        if _serving.served(self.layers):  # per-layer blocks: the core's Python loop
+            params, statics = _serving.unpack(self.layers, self.n, who)
+            pattern, states = self.layers.pattern is not None, state
+            takes_state = [stateful] * len(statics)
+        else:
+            blocks, pattern = self._blocks()
+            counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
+            states, takes_state = _state.layer_states(
+                state, blocks, pattern, counts, stateful, who
+            )
+            parts = [eqx.partition(b, eqx.is_array) for b in blocks]
+            params, statics = tuple(p for p, _ in parts), [s for _, s in parts]
+            self._check_depth(params, pattern, counts, who)
+            _kit.warn_unrematted(params, self.remat, who)
+            if not _quax.holds_values(params):
+                _quax.check_outer(params, pattern, self.remat or self.nested, who)
+            params = params if pattern else params[0]
         quaxed = _quax.holds_values(params)
-        if not quaxed:
-            _quax.check_outer(params, pattern, self.remat or self.nested, who)
         eqx_state = isinstance(state, eqx.nn.State)
         applies = [
             _layer_apply(static, takes, eqx_state, quaxed, who)
-            for (_, static), takes in zip(parts, takes_state)
+            for static, takes in zip(statics, takes_state)
         ]
         layers = stackwise.stack(
             None,
@@ -407,7 +416,7 @@ class Stack(eqx.nn.StatefulLayer):
             _check_key(key, who)
             extras["key"] = stackwise.per_layer_keys(key)
         call = _kit.CallArgs(args, kwargs)
-        out, new = layers.apply(params if pattern else params[0], states, x, extras, call)
+        out, new = layers.apply(params, states, x, extras, call)
         return (out, _state.updated(state, new, pattern)) if stateful else out
 
     def _check_depth(self, params: tuple, pattern: bool, counts: list[int], who: str) -> None:
@@ -441,6 +450,8 @@ class Stack(eqx.nn.StatefulLayer):
         """
         who = self._who()
         i = _kit.layer_number(i, self.n, who, "i")
+        if _serving.served(self.layers):
+            return self.layers.layers[i]
         blocks, pattern = self._blocks()
         counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
         self._check_depth(tuple(_convert.arrays(b) for b in blocks), pattern, counts, who)
@@ -476,6 +487,33 @@ class Stack(eqx.nn.StatefulLayer):
             return blocks
         stacked, _ = self._blocks()
         return blocks, _state.unstack(state, stacked, self.n, f"{self._who()}.to_layers")
+
+    def to_serving(self) -> Stack:
+        """This Stack in the serving layout: ``layers`` a ``stackwise.Serving`` of the n
+        blocks of :meth:`to_layers`, run as a Python loop over their own buffers (the
+        core's :func:`stackwise.to_serving` path). A ``with_state=True`` cache goes in the
+        same layout (``stackwise.to_serving(cache)``) and is written in place when donated.
+        Outputs equal the loop of :meth:`to_layers`' blocks bit for bit. TypeError: already
+        served, or blocks keeping state in an ``eqx.nn.State``; ValueError: ``fsdp``/``nested``.
+
+        >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
+        >>> from functools import partial
+        >>> stack = stackwise.equinox.Stack(
+        ...     partial(eqx.nn.Linear, 4, 4), n=3, key=jax.random.key(0))
+        >>> served = stack.to_serving()
+        >>> served.layers
+        Serving(3 layers)
+        >>> y = jnp.ones(4)
+        >>> for block in stack.to_layers():
+        ...     y = block(y)
+        >>> bool((served(jnp.ones(4)) == y).all())
+        True
+        """
+        return _serving.to_serving(self, f"{self._who()}.to_serving")
+
+    def from_serving(self) -> Stack:
+        """The stacked Stack of a :meth:`to_serving` one, exactly; TypeError if not served."""
+        return _serving.from_serving(self, f"{self._who()}.from_serving")
 
     @classmethod
     def from_layers(
