@@ -206,15 +206,71 @@ def _flax():
     Model().apply(served, X4)
 
 
-def _equinox():
+def _eqx_stack(**options):
     from functools import partial
 
     import equinox as eqx
 
     import stackwise.equinox
 
-    stack = stackwise.equinox.Stack(partial(eqx.nn.Linear, 4, 4), 3, key=jax.random.key(0))
-    eqx.tree_at(lambda s: s.layers, stack, stackwise.to_serving(stack.layers))(X4[0])
+    linear = partial(eqx.nn.Linear, 4, 4)
+    return stackwise.equinox.Stack(linear, 3, key=jax.random.key(0), **options)
+
+
+def _equinox():
+    import equinox as eqx
+
+    stack = _eqx_stack()  # a Serving inside the stacked layers, not the layers themselves
+    eqx.tree_at(lambda s: s.layers.weight, stack, stackwise.to_serving(stack.layers.weight))(
+        X4[0]
+    )
+
+
+def _eqx_reshaped():
+    import equinox as eqx
+
+    served = _eqx_stack().to_serving()
+    eqx.tree_at(lambda s: s.layers.layers[2].weight, served, jnp.ones((4, 5)))(X4[0])
+
+
+def _eqx_short():
+    import equinox as eqx
+
+    served = _eqx_stack().to_serving()
+    short = stackwise.Serving(served.layers.layers[:2])
+    eqx.tree_at(lambda s: s.layers, served, short)(X4[0])
+
+
+def _eqx_state_index():
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    def normed(key):
+        return eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=key), eqx.nn.BatchNorm(4, "b", mode="batch")])
+
+    stack, _ = eqx.nn.make_with_state(stackwise.equinox.Stack)(normed, 2, key=jax.random.key(0))
+    stack.to_serving()
+
+
+def _eqx_stacked_cache():
+    from functools import partial
+
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    class Cached(eqx.Module):
+        w: jax.Array
+
+        def __init__(self, *, key):
+            self.w = jnp.ones((3, 3))
+
+        def __call__(self, x, cache, pos):
+            return _decode({"w": self.w}, cache, x, pos)
+
+    stack = stackwise.equinox.Stack(partial(Cached), N, with_state=True, key=jax.random.key(0))
+    stack.to_serving()(X, CACHE, 0)  # the cache left stacked
 
 
 ADAPTERS = [
@@ -222,8 +278,26 @@ ADAPTERS = [
          "`params['stack/linear']` is in the serving layout", "`stackwise.haiku.to_loop`"),
     case("flax Stack given served variables", _flax, TypeError, "stackwise.flax.Stack",
          "`variables['params']` is in the serving layout", "`stackwise.flax.to_loop`"),
-    case("equinox Stack given served layers", _equinox, TypeError, "stackwise.equinox.Stack",
-         "`layers` is in the serving layout", "`Stack.to_layers()`", "stackwise.to_serving"),
+    case("equinox Stack holding a Serving inside its layers", _equinox, TypeError,
+         "stackwise.equinox.Stack", "`layers.weight` is in the serving layout",
+         "`Stack.to_layers()`", "stackwise.to_serving"),
+    case("equinox to_serving twice", lambda: _eqx_stack().to_serving().to_serving(),
+         TypeError, "Stack(Linear, n=3).to_serving", "already in the serving layout",
+         "stack.from_serving()"),
+    case("equinox from_serving of a stacked Stack", lambda: _eqx_stack().from_serving(),
+         TypeError, "Stack(Linear, n=3).from_serving", "not in the serving layout",
+         "stack.to_serving()"),
+    case("equinox to_serving of an fsdp Stack", lambda: _eqx_stack(fsdp="data").to_serving(),
+         ValueError, "`fsdp='data'`", "Build the Stack without `fsdp`"),
+    case("equinox to_serving of blocks with an eqx.nn.State", _eqx_state_index, TypeError,
+         ".to_serving", "eqx.nn.State", "with_state=True", "stack.to_layers(state)"),
+    case("equinox served layer reshaped", _eqx_reshaped, TypeError, "served layer 2",
+         "differs from layer 0 at `.weight`", "stack.to_serving()"),
+    case("equinox served layers of another depth", _eqx_short, ValueError,
+         "holds 2 blocks, but the Stack has n=3", "stack.to_serving()"),
+    case("equinox served Stack given a stacked cache", _eqx_stacked_cache, TypeError,
+         "the params are in the serving layout", "but the state are stacked",
+         "stackwise.to_serving(state)"),
 ]  # fmt: skip
 
 
