@@ -14,6 +14,7 @@ from _attention import attention_layer
 from _trees import assert_trees_bitwise, assert_trees_close
 
 import stackwise
+from stackwise import _kit
 
 eqx = pytest.importorskip("equinox")
 import stackwise.equinox  # noqa: E402
@@ -156,3 +157,32 @@ def test_stateless_stack_with_per_layer_inputs_and_keys():
 
     assert_trees_bitwise(got, jax.jit(loop)(stack.to_layers()))
     assert_trees_close(got, stack(x, stackwise.per_layer(scales), key=key))
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
+    """QLoRA weights on the served Stack: each layer's block holds its own codes (nf4 still
+    packed) and adapters; the loop of `to_layers()`' blocks, each block's float weights
+    built as the Stack builds them (`_kit.layer_params`), is the same arithmetic."""
+    stack, cache, caches = _model(4, 1)
+    base = stackwise.quant.quantize(stack, kind)
+    adapters = stackwise.lora.init(jax.random.key(5), base, rank=2)
+    adapters = jax.tree.map(lambda v: v + 0.05, adapters)
+    model = stackwise.lora.attach(base, adapters, per_leaf=True)
+    served = model.to_serving()
+    prompt = jax.random.normal(jax.random.key(6), (B, 5, D))
+    ys, served_cache = _decode(jax.jit(_step), served, stackwise.to_serving(cache), prompt)
+    if kind == "nf4":  # one layer's codes, still packed in the served block
+        assert served[0].qkv.base.codes.shape == (D // 2, 3 * D)
+
+    def loop(blocks, caches, x, pos):
+        return _loop([_kit.layer_params(block, "loop") for block in blocks], caches, x, pos)
+
+    ys_loop, caches = _decode(jax.jit(loop), model.to_layers(), caches, prompt)
+    for y, y_loop in zip(ys, ys_loop):
+        assert_trees_bitwise(y, y_loop)
+    assert_trees_bitwise(served_cache.layers, tuple(caches))
+    ys_scan, _ = _decode(jax.jit(_step), model, cache, prompt)
+    for y, y_scan in zip(ys, ys_scan):
+        assert_trees_close(y, y_scan)
+    assert_trees_bitwise(served.from_serving(), model)
