@@ -17,7 +17,7 @@ import equinox as eqx
 import stackwise
 from stackwise.equinox import _convert, _state
 
-__all__ = ["from_serving", "positions", "served", "to_serving", "unpack"]
+__all__ = ["from_serving", "layer_states", "positions", "served", "to_serving", "unpack", "updated"]
 
 
 def served(layers: Any) -> bool:
@@ -31,19 +31,9 @@ def positions(layers: stackwise.Serving) -> tuple[tuple, bool]:
     return tuple(layers.layers[:k]), layers.pattern is not None
 
 
-def _refuse_state(layers: Any, who: str) -> None:
-    if _state.holds_state_index(layers):
-        raise TypeError(
-            f"{who}: its blocks keep state in an eqx.nn.State (they hold eqx.nn.StateIndex "
-            "es), which the serving layout does not take. Hold the cache as an explicit "
-            "per-layer state (`Stack(..., with_state=True)`, converted with "
-            "`stackwise.to_serving(cache)`), or run the blocks as a loop: "
-            "`blocks, states = stack.to_layers(state)`."
-        )
-
-
-def to_serving(stack: Any, who: str) -> Any:
-    """``stack`` with its layers as a ``stackwise.Serving`` of its per-layer blocks."""
+def to_serving(stack: Any, state: Any, who: str) -> Any:
+    """``stack`` with its layers as a ``stackwise.Serving`` of its per-layer blocks; with an
+    ``eqx.nn.State``, ``(stack, state)``, the stack's entries each a ``stackwise.Serving``."""
     if served(stack.layers):
         raise TypeError(
             f"{who}: the Stack is already in the serving layout (its `layers` are a "
@@ -57,15 +47,49 @@ def to_serving(stack: Any, who: str) -> Any:
                 f"whole params in a Python loop. Build the Stack without `{option}` (e.g. "
                 f"`Stack.from_layers(stack.to_layers(), ...)` with the other options) first."
             )
-    _refuse_state(stack.layers, who)
-    k = len(stack.layers) if isinstance(stack.layers, tuple) else None
+    blocks, k = stack._blocks()[0], len(stack.layers) if isinstance(stack.layers, tuple) else None
+    _check_state_given(blocks, state, who, "to_serving")
     layers = stackwise.Serving(stack.to_layers(), pattern=k)
-    return eqx.tree_at(lambda s: s.layers, stack, layers)
+    new = eqx.tree_at(lambda s: s.layers, stack, layers)
+    if state is None:
+        return new
+    counts = [len(range(p, stack.n, len(blocks))) for p in range(len(blocks))]
+    for block, count in zip(blocks, counts):
+        if not _state.holds_state_index(block):
+            continue
+        sub = _state.layer_states(state, (block,), False, [count], True, who)[0]
+        entries = _entries(sub)
+        state = state.update(_state_of({m: stackwise.to_serving(v) for m, v in entries.items()}))
+    return new, state
 
 
-def from_serving(stack: Any, who: str) -> Any:
+def _check_state_given(blocks: tuple, state: Any, who: str, method: str) -> None:
+    holds = any(_state.holds_state_index(b) for b in blocks)
+    if holds and not isinstance(state, eqx.nn.State):
+        raise TypeError(
+            f"{who}: its blocks keep state in an eqx.nn.State (they hold eqx.nn.StateIndex "
+            f"es), so convert it with them: `stack, state = stack.{method}(state)`, got "
+            f"{type(state).__name__} for `state`."
+        )
+    if state is not None and not holds:
+        raise TypeError(
+            f"{who}: got a `state`, but no block holds an eqx.nn.StateIndex; convert the "
+            "Stack alone (a `with_state=True` cache: `stackwise.to_serving(cache)`)."
+        )
+
+
+def _entries(state: eqx.nn.State) -> dict:
+    values, markers = state.tree_flatten()
+    return dict(zip(markers, values))
+
+
+def _state_of(entries: dict) -> eqx.nn.State:
+    return eqx.nn.State.tree_unflatten(tuple(entries), tuple(entries.values()))
+
+
+def from_serving(stack: Any, state: Any, who: str) -> Any:
     """``stack`` with its served blocks stacked back (position p of a pattern: layers p,
-    p + k, ...), bit for bit."""
+    p + k, ...), bit for bit; with an ``eqx.nn.State``, ``(stack, state)`` stacked too."""
     if not served(stack.layers):
         raise TypeError(
             f"{who}: the Stack is not in the serving layout (its `layers` are stacked); "
@@ -73,12 +97,80 @@ def from_serving(stack: Any, who: str) -> Any:
         )
     blocks, k = list(stack.layers.layers), stack.layers.pattern or 1
     _check_count(blocks, stack.n, who)
+    _check_state_given(tuple(blocks[:k]), state, who, "from_serving")
     stacked = [
         _convert.stack_blocks(blocks[p::k], who, range(p, len(blocks), k)) for p in range(k)
     ]
-    return eqx.tree_at(
+    new = eqx.tree_at(
         lambda s: s.layers, stack, tuple(stacked) if stack.layers.pattern else stacked[0]
     )
+    if state is None:
+        return new
+    for block in blocks[:k]:
+        entries = _entries(_substate(state, block, who))
+        for m, v in entries.items():
+            if not isinstance(v, stackwise.Serving):
+                raise TypeError(f"{who}: the state's entry {m!r} is stacked, not served.")
+        state = state.update(_state_of({m: stackwise.from_serving(v) for m, v in entries.items()}))
+    return new, state
+
+
+def _substate(state: eqx.nn.State, block: Any, who: str) -> eqx.nn.State:
+    try:
+        return state.substate(block)
+    except KeyError:
+        raise ValueError(
+            f"{who}: the given eqx.nn.State holds no values for the Stack's eqx.nn.StateIndex "
+            "es; pass the State converted with it (`stack, state = stack.to_serving(state)`)."
+        ) from None
+
+
+def layer_states(state: Any, layers: stackwise.Serving, stateful: bool, who: str) -> tuple:
+    """``(states, takes_state)`` of a served call: a ``stackwise.Serving`` of per-layer
+    ``eqx.nn.State`` s (None for a position without StateIndexes) when ``state`` is one,
+    else ``state`` as given (a served ``with_state=True`` pytree, or None)."""
+    blocks, k, n = layers.layers, layers.pattern or 1, len(layers.layers)
+    holds = [_state.holds_state_index(b) for b in blocks[:k]]
+    if isinstance(state, eqx.nn.State) != any(holds):
+        raise TypeError(
+            f"{who}: a served Stack whose blocks hold eqx.nn.StateIndex es takes the "
+            "eqx.nn.State converted with it (`stack, state = stack.to_serving(state)`), and "
+            "only such a Stack takes an eqx.nn.State (a `with_state=True` cache: "
+            f"`stackwise.to_serving(cache)`); got {type(state).__name__}."
+        )
+    if not isinstance(state, eqx.nn.State):
+        return state, [stateful] * k
+    entries = [_entries(_substate(state, b, who)) if h else {} for b, h in zip(blocks, holds)]
+    for p in range(k):
+        for m, v in entries[p].items():
+            if not (isinstance(v, stackwise.Serving) and len(v) == len(range(p, n, k))):
+                raise TypeError(
+                    f"{who}: the Stack is served but the state's entry {m!r} is not its "
+                    "serving layout; convert both at once: `stack, state = "
+                    "stack.to_serving(state)` (from the stacked Stack and State)."
+                )
+    per_layer = [
+        _state_of({m: v.layers[i // k] for m, v in entries[i % k].items()})
+        if holds[i % k]
+        else None
+        for i in range(n)
+    ]
+    return stackwise.Serving(per_layer, layers.pattern), holds
+
+
+def updated(state: Any, new: Any, layers: stackwise.Serving) -> Any:
+    """The call's ``state`` with the served layers' new states: an ``eqx.nn.State``'s
+    entries each a ``stackwise.Serving`` again (the given State made stale), else ``new``."""
+    if not isinstance(state, eqx.nn.State):
+        return new
+    k, n = layers.pattern or 1, len(layers.layers)
+    for p in range(k):
+        if new.layers[p] is None:
+            continue
+        per_layer = [_entries(new.layers[i]) for i in range(p, n, k)]
+        entries = {m: stackwise.Serving([e[m] for e in per_layer]) for m in per_layer[0]}
+        state = state.update(_state_of(entries))
+    return state
 
 
 def _check_count(blocks: list, n: int, who: str) -> None:
@@ -96,7 +188,6 @@ def unpack(layers: stackwise.Serving, n: int, who: str) -> tuple[stackwise.Servi
     rest for all of them)."""
     blocks, k = list(layers.layers), layers.pattern or 1
     _check_count(blocks, n, who)
-    _refuse_state(layers, who)
     for i in range(k, len(blocks)):
         a, b = blocks[i % k], blocks[i]
         found = _convert.first_difference(a, b, arrays=False) or _convert.first_difference(a, b)

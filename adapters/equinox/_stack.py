@@ -376,12 +376,12 @@ class Stack(eqx.nn.StatefulLayer):
     def __call__(self, x: Any, *args: Any, key: Any = None, **kwargs: Any) -> Any:
         """Runs the layers: ``stack(x, *args, key=None, **kwargs)``; see :class:`Stack`."""
         who, stateful, state = self._who(), self.is_stateful(), None
-        if stateful:
+        if stateful:  # (served: the layers are run by the core's serving loop)
             state, args, kwargs = _state.take(args, kwargs, self.with_state, who)
-        if _serving.served(self.layers):  # per-layer blocks: the core's Python loop
+        if _serving.served(self.layers):
             params, statics = _serving.unpack(self.layers, self.n, who)
-            pattern, states = self.layers.pattern is not None, state
-            takes_state = [stateful] * len(statics)
+            pattern = self.layers.pattern is not None
+            states, takes_state = _serving.layer_states(state, self.layers, stateful, who)
         else:
             blocks, pattern = self._blocks()
             counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
@@ -417,7 +417,9 @@ class Stack(eqx.nn.StatefulLayer):
             extras["key"] = stackwise.per_layer_keys(key)
         call = _kit.CallArgs(args, kwargs)
         out, new = layers.apply(params, states, x, extras, call)
-        return (out, _state.updated(state, new, pattern)) if stateful else out
+        served = _serving.served(self.layers)
+        new = _serving.updated(state, new, self.layers) if served else new
+        return (out, new if served else _state.updated(state, new, pattern)) if stateful else out
 
     def _check_depth(self, params: tuple, pattern: bool, counts: list[int], who: str) -> None:
         _kit.refuse_serving(who, "Stack.to_layers()", layers=params if pattern else params[0])
@@ -488,13 +490,14 @@ class Stack(eqx.nn.StatefulLayer):
         stacked, _ = self._blocks()
         return blocks, _state.unstack(state, stacked, self.n, f"{self._who()}.to_layers")
 
-    def to_serving(self) -> Stack:
+    def to_serving(self, state: eqx.nn.State | None = None) -> Any:
         """This Stack in the serving layout: ``layers`` a ``stackwise.Serving`` of the n
         blocks of :meth:`to_layers`, run as a Python loop over their own buffers (the
         core's :func:`stackwise.to_serving` path). A ``with_state=True`` cache goes in the
-        same layout (``stackwise.to_serving(cache)``) and is written in place when donated.
-        Outputs equal the loop of :meth:`to_layers`' blocks bit for bit. TypeError: already
-        served, or blocks keeping state in an ``eqx.nn.State``; ValueError: ``fsdp``/``nested``.
+        same layout (``stackwise.to_serving(cache)``); an ``eqx.nn.State`` converts with the
+        Stack, ``stack, state = stack.to_serving(state)`` (each entry a ``Serving``). Caches
+        are written in place when donated. Outputs equal the loop of :meth:`to_layers`'
+        blocks bit for bit. TypeError: already served; ValueError: ``fsdp`` or ``nested``.
 
         >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
         >>> from functools import partial
@@ -503,17 +506,14 @@ class Stack(eqx.nn.StatefulLayer):
         >>> served = stack.to_serving()
         >>> served.layers
         Serving(3 layers)
-        >>> y = jnp.ones(4)
-        >>> for block in stack.to_layers():
-        ...     y = block(y)
-        >>> bool((served(jnp.ones(4)) == y).all())
+        >>> bool(jnp.allclose(served(jnp.ones(4)), stack(jnp.ones(4)), atol=1e-6))
         True
         """
-        return _serving.to_serving(self, f"{self._who()}.to_serving")
+        return _serving.to_serving(self, state, f"{self._who()}.to_serving")
 
-    def from_serving(self) -> Stack:
-        """The stacked Stack of a :meth:`to_serving` one, exactly; TypeError if not served."""
-        return _serving.from_serving(self, f"{self._who()}.from_serving")
+    def from_serving(self, state: eqx.nn.State | None = None) -> Any:
+        """The stacked Stack (and State) of :meth:`to_serving`'s, exactly."""
+        return _serving.from_serving(self, state, f"{self._who()}.from_serving")
 
     @classmethod
     def from_layers(

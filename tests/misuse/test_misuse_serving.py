@@ -246,11 +246,40 @@ def _eqx_state_index():
 
     import stackwise.equinox
 
-    def normed(key):
-        return eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=key), eqx.nn.BatchNorm(4, "b", mode="batch")])
-
-    stack, _ = eqx.nn.make_with_state(stackwise.equinox.Stack)(normed, 2, key=jax.random.key(0))
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, _ = make(partial_batchnorm(), 2, key=jax.random.key(0))
     stack.to_serving()
+
+
+def _eqx_state():
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    return make(partial_batchnorm(), 2, key=jax.random.key(0))[1]
+
+
+def partial_batchnorm():
+    import equinox as eqx
+
+    def normed(key):
+        linear = eqx.nn.Linear(4, 4, key=key)
+        return eqx.nn.Sequential([linear, eqx.nn.BatchNorm(4, "b", mode="batch")])
+
+    return normed
+
+
+def _eqx_stacked_state():
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, state = make(partial_batchnorm(), 2, key=jax.random.key(0))
+    served, _ = stack.to_serving(state)  # (which makes `state` stale, as Equinox's update)
+    stacked = make(partial_batchnorm(), 2, key=jax.random.key(0))[1]
+    jax.vmap(served, axis_name="b", in_axes=(0, None))(X4, stacked)
 
 
 def _eqx_stacked_cache():
@@ -289,8 +318,14 @@ ADAPTERS = [
          "stack.to_serving()"),
     case("equinox to_serving of an fsdp Stack", lambda: _eqx_stack(fsdp="data").to_serving(),
          ValueError, "`fsdp='data'`", "Build the Stack without `fsdp`"),
-    case("equinox to_serving of blocks with an eqx.nn.State", _eqx_state_index, TypeError,
-         ".to_serving", "eqx.nn.State", "with_state=True", "stack.to_layers(state)"),
+    case("equinox to_serving of eqx.nn.State blocks without the state", _eqx_state_index,
+         TypeError, ".to_serving", "eqx.nn.StateIndex", "`stack, state = "
+         "stack.to_serving(state)`", "got NoneType"),
+    case("equinox to_serving given a state its blocks do not hold",
+         lambda: _eqx_stack().to_serving(_eqx_state()), TypeError, ".to_serving",
+         "no block holds an eqx.nn.StateIndex", "stackwise.to_serving(cache)"),
+    case("equinox served Stack given its stacked eqx.nn.State", _eqx_stacked_state, TypeError,
+         "is not its serving layout", "`stack, state = stack.to_serving(state)`"),
     case("equinox served layer reshaped", _eqx_reshaped, TypeError, "served layer 2",
          "differs from layer 0 at `.weight`", "stack.to_serving()"),
     case("equinox served layers of another depth", _eqx_short, ValueError,
