@@ -186,3 +186,78 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
     for y, y_scan in zip(ys, ys_scan):
         assert_trees_close(y, y_scan)
     assert_trees_bitwise(served.from_serving(), model)
+
+
+class Indexed(eqx.Module):
+    """The attention layer with its cache behind an eqx.nn.StateIndex (Equinox's own way)."""
+
+    attend: Attend
+    cache: eqx.nn.StateIndex
+
+    def __init__(self, *, key):
+        self.attend = Attend(key=key)
+        self.cache = eqx.nn.StateIndex(jax.tree.map(lambda a: a[0], _cache(1)))
+
+    def __call__(self, x, state, pos):
+        x, cache = self.attend(x, state.get(self.cache), pos)
+        return x, state.set(self.cache, cache)
+
+
+class Mix(eqx.Module):
+    """A stateless position of a pattern."""
+
+    w: jax.Array
+
+    def __init__(self, *, key):
+        self.w = jax.random.normal(key, (D, D)) / D**0.5
+
+    def __call__(self, x, pos):
+        return x + jnp.tanh(x @ self.w)
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["plain", "pattern-with-a-stateless-position"])
+def test_eqx_state_cache_serves_as_the_loop_of_its_blocks(k):
+    n = 5
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, state = make([Indexed, Mix] if k > 1 else Indexed, n, key=jax.random.key(7))
+    blocks, states = stack.to_layers(state)
+    _, fresh = make([Indexed, Mix] if k > 1 else Indexed, n, key=jax.random.key(7))
+    served, served_state = stack.to_serving(fresh)
+    assert isinstance(served.layers, stackwise.Serving)
+    prompt = jax.random.normal(jax.random.key(8), (B, 5, D))
+
+    def loop(blocks, states, x, pos):
+        states = list(states)
+        for i, block in enumerate(blocks):
+            if i % k == 0:
+                x, states[i] = block(x, states[i], pos)
+            else:
+                x = block(x, pos)
+        return x, states
+
+    ys, served_state = _decode(jax.jit(_step, donate_argnums=1), served, served_state, prompt)
+    ys_loop, states = _decode(jax.jit(loop), blocks, states, prompt)
+    for y, y_loop in zip(ys, ys_loop):
+        assert_trees_bitwise(y, y_loop)
+    back, stacked_state = served.from_serving(served_state)
+    assert_trees_bitwise(back, stack)
+    _, per_layer = back.to_layers(stacked_state)
+    for i in range(0, n, k):
+        assert_trees_bitwise(per_layer[i], states[i])
+
+    ys_scan, scan_state = _decode(jax.jit(_step), stack, state, prompt)
+    for y, y_scan in zip(ys, ys_scan):
+        assert_trees_close(y, y_scan)
+    assert_trees_close(jax.tree.leaves(stacked_state), jax.tree.leaves(scan_state))
+
+
+def test_a_donated_eqx_state_cache_is_written_in_place():
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, state = make(Indexed, 6, key=jax.random.key(7))
+    served, state = stack.to_serving(state)
+    leaves = jax.tree.leaves(state)
+    assert len(leaves) == 2 * 6  # each layer's keys and values, buffers of their own
+    x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
+    compiled = jax.jit(_step, donate_argnums=1).lower(served, state, x, jnp.int32(3)).compile()
+    alias = compiled.memory_analysis().alias_size_in_bytes
+    assert alias == sum(a.size * a.dtype.itemsize for a in leaves)
