@@ -110,7 +110,10 @@ def from_serving(stack: Any, state: Any, who: str) -> Any:
         entries = _entries(_substate(state, block, who))
         for m, v in entries.items():
             if not isinstance(v, stackwise.Serving):
-                raise TypeError(f"{who}: the state's entry {m!r} is stacked, not served.")
+                raise TypeError(
+                    f"{who}: the state's entry {m!r} is stacked, not served; pass the State "
+                    "that `stack, state = stack.to_serving(state)` (or the served calls) gave."
+                )
         state = state.update(_state_of({m: stackwise.from_serving(v) for m, v in entries.items()}))
     return new, state
 

@@ -282,6 +282,24 @@ def _eqx_stacked_state():
     jax.vmap(served, axis_name="b", in_axes=(0, None))(X4, stacked)
 
 
+def _eqx_served_state(call):
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, state = make(partial_batchnorm(), 2, key=jax.random.key(0))
+    served, served_state = stack.to_serving(state)
+    call(served, served_state, lambda: make(partial_batchnorm(), 2, key=jax.random.key(0))[1])
+
+
+def _eqx_other_state(served, served_state, stacked):
+    import equinox as eqx
+
+    other = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "b", mode="batch")[1]
+    served.from_serving(other)
+
+
 def _eqx_stacked_cache():
     from functools import partial
 
@@ -324,6 +342,15 @@ ADAPTERS = [
     case("equinox to_serving given a state its blocks do not hold",
          lambda: _eqx_stack().to_serving(_eqx_state()), TypeError, ".to_serving",
          "no block holds an eqx.nn.StateIndex", "stackwise.to_serving(cache)"),
+    case("equinox from_serving given the stacked eqx.nn.State",
+         lambda: _eqx_served_state(lambda served, _, stacked: served.from_serving(stacked())),
+         TypeError, ".from_serving", "is stacked, not served"),
+    case("equinox from_serving given another model's eqx.nn.State",
+         lambda: _eqx_served_state(_eqx_other_state), ValueError, ".from_serving",
+         "holds no values for the Stack's eqx.nn.StateIndex es", "stack.to_serving(state)"),
+    case("equinox served eqx.nn.State Stack called without its State",
+         lambda: _eqx_served_state(lambda served, *_: served(X4[0], {})), TypeError,
+         "takes the eqx.nn.State converted with it", "got dict"),
     case("equinox served Stack given its stacked eqx.nn.State", _eqx_stacked_state, TypeError,
          "is not its serving layout", "`stack, state = stack.to_serving(state)`"),
     case("equinox served layer reshaped", _eqx_reshaped, TypeError, "served layer 2",
