@@ -422,7 +422,7 @@ class Stack(eqx.nn.StatefulLayer):
         return (out, new if served else _state.updated(state, new, pattern)) if stateful else out
 
     def _check_depth(self, params: tuple, pattern: bool, counts: list[int], who: str) -> None:
-        _kit.refuse_serving(who, "Stack.to_layers()", layers=params if pattern else params[0])
+        _kit.refuse_serving(who, "Stack.to_serving()", layers=params if pattern else params[0])
         fix = (
             "Stacked layers come from building the Stack or from `Stack.from_layers("
             "[block_0, ..., block_{n-1}])`; a replaced array keeps the layer axis, e.g. "

@@ -327,7 +327,7 @@ ADAPTERS = [
          "`variables['params']` is in the serving layout", "`stackwise.flax.to_loop`"),
     case("equinox Stack holding a Serving inside its layers", _equinox, TypeError,
          "stackwise.equinox.Stack", "`layers.weight` is in the serving layout",
-         "`Stack.to_layers()`", "stackwise.to_serving"),
+         "`Stack.to_serving()`", "stackwise.to_serving"),
     case("equinox to_serving twice", lambda: _eqx_stack().to_serving().to_serving(),
          TypeError, "Stack(Linear, n=3).to_serving", "already in the serving layout",
          "stack.from_serving()"),
