@@ -5,7 +5,9 @@ per-layer blocks (:meth:`Stack.to_layers`' blocks, in layer order), and the Stac
 their arrays to the core's serving path (``Stacked.apply`` over a ``stackwise.Serving``): a
 Python loop over separate per-layer buffers, with a ``with_state=True`` cache converted
 by ``stackwise.to_serving`` and written in place in each layer's buffer when donated.
-``Stack.from_serving()`` stacks the blocks back, exactly.
+An ``eqx.nn.State`` converts with the Stack: each of its entries becomes a
+``stackwise.Serving`` of per-layer values, and each layer's block gets an ``eqx.nn.State``
+of its own buffers. ``Stack.from_serving()`` stacks the blocks (and State) back, exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ import equinox as eqx
 import stackwise
 from stackwise.equinox import _convert, _state
 
-__all__ = ["from_serving", "layer_states", "positions", "served", "to_serving", "unpack", "updated"]
+__all__ = [
+    "from_serving",
+    "layer_states",
+    "positions",
+    "served",
+    "stacked_blocks",
+    "to_serving",
+    "unpack",
+    "updated",
+]
 
 
 def served(layers: Any) -> bool:
@@ -29,6 +40,17 @@ def positions(layers: stackwise.Serving) -> tuple[tuple, bool]:
     """``(blocks, is_pattern)`` as ``Stack._blocks`` gives them: one block per position."""
     k = layers.pattern or 1
     return tuple(layers.layers[:k]), layers.pattern is not None
+
+
+def stacked_blocks(stack: Any, who: str) -> tuple:
+    """The stacked block of each position, for a method that takes the stacked State."""
+    if served(stack.layers):
+        raise TypeError(
+            f"{who}: the Stack is in the serving layout, and its State too; its blocks are "
+            "`stack[i]`, and `stack, state = stack.from_serving(state)` gives the stacked "
+            "ones, which `to_layers(state)` splits."
+        )
+    return stack._blocks()[0]
 
 
 def to_serving(stack: Any, state: Any, who: str) -> Any:

@@ -487,7 +487,7 @@ class Stack(eqx.nn.StatefulLayer):
         blocks = [self[i] for i in range(self.n)]
         if state is None:
             return blocks
-        stacked, _ = self._blocks()
+        stacked = _serving.stacked_blocks(self, f"{self._who()}.to_layers")
         return blocks, _state.unstack(state, stacked, self.n, f"{self._who()}.to_layers")
 
     def to_serving(self, state: eqx.nn.State | None = None) -> Any:
