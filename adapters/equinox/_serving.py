@@ -120,9 +120,7 @@ def from_serving(stack: Any, state: Any, who: str) -> Any:
     blocks, k = list(stack.layers.layers), stack.layers.pattern or 1
     _check_count(blocks, stack.n, who)
     _check_state_given(tuple(blocks[:k]), state, who, "from_serving")
-    stacked = [
-        _convert.stack_blocks(blocks[p::k], who, range(p, len(blocks), k)) for p in range(k)
-    ]
+    stacked = [_convert.stack_blocks(blocks[p::k], who, range(p, len(blocks), k)) for p in range(k)]
     new = eqx.tree_at(
         lambda s: s.layers, stack, tuple(stacked) if stack.layers.pattern else stacked[0]
     )
@@ -227,4 +225,3 @@ def unpack(layers: stackwise.Serving, n: int, who: str) -> tuple[stackwise.Servi
     parts = [eqx.partition(b, _convert.is_array) for b in blocks]
     params = stackwise.Serving([a for a, _ in parts], layers.pattern)
     return params, [s for _, s in parts[:k]]
-

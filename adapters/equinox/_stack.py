@@ -385,9 +385,7 @@ class Stack(eqx.nn.StatefulLayer):
         else:
             blocks, pattern = self._blocks()
             counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
-            states, takes_state = _state.layer_states(
-                state, blocks, pattern, counts, stateful, who
-            )
+            states, takes_state = _state.layer_states(state, blocks, pattern, counts, stateful, who)
             parts = [eqx.partition(b, eqx.is_array) for b in blocks]
             params, statics = tuple(p for p, _ in parts), [s for _, s in parts]
             self._check_depth(params, pattern, counts, who)
