@@ -221,9 +221,7 @@ def _equinox():
     import equinox as eqx
 
     stack = _eqx_stack()  # a Serving inside the stacked layers, not the layers themselves
-    eqx.tree_at(lambda s: s.layers.weight, stack, stackwise.to_serving(stack.layers.weight))(
-        X4[0]
-    )
+    eqx.tree_at(lambda s: s.layers.weight, stack, stackwise.to_serving(stack.layers.weight))(X4[0])
 
 
 def _eqx_reshaped():
