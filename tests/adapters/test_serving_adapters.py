@@ -132,6 +132,14 @@ def test_decode_writes_each_donated_cache_buffer_in_place(n):
     assert alias == sum(a.size * a.dtype.itemsize for a in leaves)
     undonated = jax.jit(_step).lower(served, cache, x, jnp.int32(3)).compile()
     assert undonated.memory_analysis().alias_size_in_bytes == 0
+    # The temporaries are the loop of `to_layers()`' blocks', byte for byte; the scanned
+    # Stack's are larger (a per-layer slice of each weight, the stacked cache written back).
+    loop = jax.jit(_loop, donate_argnums=1).lower(stack.to_layers(), cache.layers, x, 3)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp == loop.compile().memory_analysis().temp_size_in_bytes
+    stacked = stackwise.from_serving(cache)
+    scan = jax.jit(_step, donate_argnums=1).lower(stack, stacked, x, jnp.int32(3)).compile()
+    assert scan.memory_analysis().temp_size_in_bytes > temp
 
 
 def test_stateless_stack_with_per_layer_inputs_and_keys():
