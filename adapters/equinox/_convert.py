@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from stackwise import _kit
 from stackwise.equinox import _state
 
-__all__ = ["layer_of", "stack_blocks"]
+__all__ = ["first_difference", "layer_of", "stack_blocks"]
 
 
 # --------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def _expand(a: Any, b: Any, path: str) -> Any:
     ]
 
 
-def _first_difference(a: Any, b: Any, arrays: bool = True) -> tuple | None:
+def first_difference(a: Any, b: Any, arrays: bool = True) -> tuple | None:
     """Where and how two blocks differ in anything but array values, or None.
 
     With ``arrays=False`` array shapes and dtypes are not compared: a first pass over
@@ -89,7 +89,7 @@ def stack_blocks(blocks: Sequence[Any], who: str, numbers: Sequence[int]) -> Any
     arrays = [arrays0]
     for i, block in zip(numbers[1:], blocks[1:]):
         block = _state.unmarked(block)
-        found = _first_difference(first, block, arrays=False) or _first_difference(first, block)
+        found = first_difference(first, block, arrays=False) or first_difference(first, block)
         a, static = eqx.partition(block, is_array)
         if found is None and jax.tree.structure(static) != jax.tree.structure(static0):
             found = "<root>", "another structure or other static fields"

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import stackwise
 from stackwise import _kit
-from stackwise.equinox import _convert, _quax, _state
+from stackwise.equinox import _convert, _quax, _serving, _state
 
 __all__ = ["Stack", "layer_index"]
 
@@ -361,7 +361,8 @@ class Stack(eqx.nn.StatefulLayer):
         return (self.layers if pattern else (self.layers,)), pattern
 
     def _who(self) -> str:
-        blocks, pattern = self._blocks()
+        served = _serving.served(self.layers)
+        blocks, pattern = _serving.positions(self.layers) if served else self._blocks()
         return _kit.stack_name("equinox", list(blocks) if pattern else blocks[0], self.n)
 
     def is_stateful(self) -> bool:
@@ -374,23 +375,29 @@ class Stack(eqx.nn.StatefulLayer):
 
     def __call__(self, x: Any, *args: Any, key: Any = None, **kwargs: Any) -> Any:
         """Runs the layers: ``stack(x, *args, key=None, **kwargs)``; see :class:`Stack`."""
-        (blocks, pattern), who = self._blocks(), self._who()
-        stateful, state = self.is_stateful(), None
-        if stateful:
+        who, stateful, state = self._who(), self.is_stateful(), None
+        if stateful:  # (served: the layers are run by the core's serving loop)
             state, args, kwargs = _state.take(args, kwargs, self.with_state, who)
-        counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
-        states, takes_state = _state.layer_states(state, blocks, pattern, counts, stateful, who)
-        parts = [eqx.partition(b, eqx.is_array) for b in blocks]
-        params = tuple(p for p, _ in parts)
-        self._check_depth(params, pattern, counts, who)
-        _kit.warn_unrematted(params, self.remat, who)
+        if _serving.served(self.layers):
+            params, statics = _serving.unpack(self.layers, self.n, who)
+            pattern = self.layers.pattern is not None
+            states, takes_state = _serving.layer_states(state, self.layers, stateful, who)
+        else:
+            blocks, pattern = self._blocks()
+            counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
+            states, takes_state = _state.layer_states(state, blocks, pattern, counts, stateful, who)
+            parts = [eqx.partition(b, eqx.is_array) for b in blocks]
+            params, statics = tuple(p for p, _ in parts), [s for _, s in parts]
+            self._check_depth(params, pattern, counts, who)
+            _kit.warn_unrematted(params, self.remat, who)
+            if not _quax.holds_values(params):
+                _quax.check_outer(params, pattern, self.remat or self.nested, who)
+            params = params if pattern else params[0]
         quaxed = _quax.holds_values(params)
-        if not quaxed:
-            _quax.check_outer(params, pattern, self.remat or self.nested, who)
         eqx_state = isinstance(state, eqx.nn.State)
         applies = [
             _layer_apply(static, takes, eqx_state, quaxed, who)
-            for (_, static), takes in zip(parts, takes_state)
+            for static, takes in zip(statics, takes_state)
         ]
         layers = stackwise.stack(
             None,
@@ -407,11 +414,13 @@ class Stack(eqx.nn.StatefulLayer):
             _check_key(key, who)
             extras["key"] = stackwise.per_layer_keys(key)
         call = _kit.CallArgs(args, kwargs)
-        out, new = layers.apply(params if pattern else params[0], states, x, extras, call)
-        return (out, _state.updated(state, new, pattern)) if stateful else out
+        out, new = layers.apply(params, states, x, extras, call)
+        served = _serving.served(self.layers)
+        new = _serving.updated(state, new, self.layers) if served else new
+        return (out, new if served else _state.updated(state, new, pattern)) if stateful else out
 
     def _check_depth(self, params: tuple, pattern: bool, counts: list[int], who: str) -> None:
-        _kit.refuse_serving(who, "Stack.to_layers()", layers=params if pattern else params[0])
+        _kit.refuse_serving(who, "Stack.to_serving()", layers=params if pattern else params[0])
         fix = (
             "Stacked layers come from building the Stack or from `Stack.from_layers("
             "[block_0, ..., block_{n-1}])`; a replaced array keeps the layer axis, e.g. "
@@ -441,6 +450,8 @@ class Stack(eqx.nn.StatefulLayer):
         """
         who = self._who()
         i = _kit.layer_number(i, self.n, who, "i")
+        if _serving.served(self.layers):
+            return self.layers.layers[i]
         blocks, pattern = self._blocks()
         counts = [len(range(p, self.n, len(blocks))) for p in range(len(blocks))]
         self._check_depth(tuple(_convert.arrays(b) for b in blocks), pattern, counts, who)
@@ -474,8 +485,33 @@ class Stack(eqx.nn.StatefulLayer):
         blocks = [self[i] for i in range(self.n)]
         if state is None:
             return blocks
-        stacked, _ = self._blocks()
+        stacked = _serving.stacked_blocks(self, f"{self._who()}.to_layers")
         return blocks, _state.unstack(state, stacked, self.n, f"{self._who()}.to_layers")
+
+    def to_serving(self, state: eqx.nn.State | None = None) -> Any:
+        """This Stack in the serving layout: ``layers`` a ``stackwise.Serving`` of the n
+        blocks of :meth:`to_layers`, run as a Python loop over their own buffers (the
+        core's :func:`stackwise.to_serving` path). A ``with_state=True`` cache goes in the
+        same layout (``stackwise.to_serving(cache)``); an ``eqx.nn.State`` converts with the
+        Stack, ``stack, state = stack.to_serving(state)`` (each entry a ``Serving``). Caches
+        are written in place when donated. Outputs equal the loop of :meth:`to_layers`'
+        blocks bit for bit. TypeError: already served; ValueError: ``fsdp`` or ``nested``.
+
+        >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
+        >>> from functools import partial
+        >>> stack = stackwise.equinox.Stack(
+        ...     partial(eqx.nn.Linear, 4, 4), n=3, key=jax.random.key(0))
+        >>> served = stack.to_serving()
+        >>> served.layers
+        Serving(3 layers)
+        >>> bool(jnp.allclose(served(jnp.ones(4)), stack(jnp.ones(4)), atol=1e-6))
+        True
+        """
+        return _serving.to_serving(self, state, f"{self._who()}.to_serving")
+
+    def from_serving(self, state: eqx.nn.State | None = None) -> Any:
+        """The stacked Stack (and State) of :meth:`to_serving`'s, exactly."""
+        return _serving.from_serving(self, state, f"{self._who()}.from_serving")
 
     @classmethod
     def from_layers(

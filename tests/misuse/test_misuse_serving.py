@@ -206,15 +206,116 @@ def _flax():
     Model().apply(served, X4)
 
 
-def _equinox():
+def _eqx_stack(**options):
     from functools import partial
 
     import equinox as eqx
 
     import stackwise.equinox
 
-    stack = stackwise.equinox.Stack(partial(eqx.nn.Linear, 4, 4), 3, key=jax.random.key(0))
-    eqx.tree_at(lambda s: s.layers, stack, stackwise.to_serving(stack.layers))(X4[0])
+    linear = partial(eqx.nn.Linear, 4, 4)
+    return stackwise.equinox.Stack(linear, 3, key=jax.random.key(0), **options)
+
+
+def _equinox():
+    import equinox as eqx
+
+    stack = _eqx_stack()  # a Serving inside the stacked layers, not the layers themselves
+    eqx.tree_at(lambda s: s.layers.weight, stack, stackwise.to_serving(stack.layers.weight))(X4[0])
+
+
+def _eqx_reshaped():
+    import equinox as eqx
+
+    served = _eqx_stack().to_serving()
+    eqx.tree_at(lambda s: s.layers.layers[2].weight, served, jnp.ones((4, 5)))(X4[0])
+
+
+def _eqx_short():
+    import equinox as eqx
+
+    served = _eqx_stack().to_serving()
+    short = stackwise.Serving(served.layers.layers[:2])
+    eqx.tree_at(lambda s: s.layers, served, short)(X4[0])
+
+
+def _eqx_state_index():
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, _ = make(partial_batchnorm(), 2, key=jax.random.key(0))
+    stack.to_serving()
+
+
+def _eqx_state():
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    return make(partial_batchnorm(), 2, key=jax.random.key(0))[1]
+
+
+def partial_batchnorm():
+    import equinox as eqx
+
+    def normed(key):
+        linear = eqx.nn.Linear(4, 4, key=key)
+        return eqx.nn.Sequential([linear, eqx.nn.BatchNorm(4, "b", mode="batch")])
+
+    return normed
+
+
+def _eqx_stacked_state():
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, state = make(partial_batchnorm(), 2, key=jax.random.key(0))
+    served, _ = stack.to_serving(state)  # (which makes `state` stale, as Equinox's update)
+    stacked = make(partial_batchnorm(), 2, key=jax.random.key(0))[1]
+    jax.vmap(served, axis_name="b", in_axes=(0, None))(X4, stacked)
+
+
+def _eqx_served_state(call):
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    make = eqx.nn.make_with_state(stackwise.equinox.Stack)
+    stack, state = make(partial_batchnorm(), 2, key=jax.random.key(0))
+    served, served_state = stack.to_serving(state)
+    call(served, served_state, lambda: make(partial_batchnorm(), 2, key=jax.random.key(0))[1])
+
+
+def _eqx_other_state(served, served_state, stacked):
+    import equinox as eqx
+
+    other = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "b", mode="batch")[1]
+    served.from_serving(other)
+
+
+def _eqx_stacked_cache():
+    from functools import partial
+
+    import equinox as eqx
+
+    import stackwise.equinox
+
+    class Cached(eqx.Module):
+        w: jax.Array
+
+        def __init__(self, *, key):
+            self.w = jnp.ones((3, 3))
+
+        def __call__(self, x, cache, pos):
+            return _decode({"w": self.w}, cache, x, pos)
+
+    stack = stackwise.equinox.Stack(partial(Cached), N, with_state=True, key=jax.random.key(0))
+    stack.to_serving()(X, CACHE, 0)  # the cache left stacked
 
 
 ADAPTERS = [
@@ -222,8 +323,44 @@ ADAPTERS = [
          "`params['stack/linear']` is in the serving layout", "`stackwise.haiku.to_loop`"),
     case("flax Stack given served variables", _flax, TypeError, "stackwise.flax.Stack",
          "`variables['params']` is in the serving layout", "`stackwise.flax.to_loop`"),
-    case("equinox Stack given served layers", _equinox, TypeError, "stackwise.equinox.Stack",
-         "`layers` is in the serving layout", "`Stack.to_layers()`", "stackwise.to_serving"),
+    case("equinox Stack holding a Serving inside its layers", _equinox, TypeError,
+         "stackwise.equinox.Stack", "`layers.weight` is in the serving layout",
+         "`Stack.to_serving()`", "stackwise.to_serving"),
+    case("equinox to_serving twice", lambda: _eqx_stack().to_serving().to_serving(),
+         TypeError, "Stack(Linear, n=3).to_serving", "already in the serving layout",
+         "stack.from_serving()"),
+    case("equinox from_serving of a stacked Stack", lambda: _eqx_stack().from_serving(),
+         TypeError, "Stack(Linear, n=3).from_serving", "not in the serving layout",
+         "stack.to_serving()"),
+    case("equinox to_serving of an fsdp Stack", lambda: _eqx_stack(fsdp="data").to_serving(),
+         ValueError, "`fsdp='data'`", "Build the Stack without `fsdp`"),
+    case("equinox to_serving of eqx.nn.State blocks without the state", _eqx_state_index,
+         TypeError, ".to_serving", "eqx.nn.StateIndex", "`stack, state = "
+         "stack.to_serving(state)`", "got NoneType"),
+    case("equinox to_serving given a state its blocks do not hold",
+         lambda: _eqx_stack().to_serving(_eqx_state()), TypeError, ".to_serving",
+         "no block holds an eqx.nn.StateIndex", "stackwise.to_serving(cache)"),
+    case("equinox from_serving given the stacked eqx.nn.State",
+         lambda: _eqx_served_state(lambda served, _, stacked: served.from_serving(stacked())),
+         TypeError, ".from_serving", "is stacked, not served"),
+    case("equinox from_serving given another model's eqx.nn.State",
+         lambda: _eqx_served_state(_eqx_other_state), ValueError, ".from_serving",
+         "holds no values for the Stack's eqx.nn.StateIndex es", "stack.to_serving(state)"),
+    case("equinox served eqx.nn.State Stack called without its State",
+         lambda: _eqx_served_state(lambda served, *_: served(X4[0], {})), TypeError,
+         "takes the eqx.nn.State converted with it", "got dict"),
+    case("equinox to_layers(state) of a served Stack",
+         lambda: _eqx_served_state(lambda served, state, _: served.to_layers(state)), TypeError,
+         ".to_layers", "in the serving layout", "stack.from_serving(state)"),
+    case("equinox served Stack given its stacked eqx.nn.State", _eqx_stacked_state, TypeError,
+         "is not its serving layout", "`stack, state = stack.to_serving(state)`"),
+    case("equinox served layer reshaped", _eqx_reshaped, TypeError, "served layer 2",
+         "differs from layer 0 at `.weight`", "stack.to_serving()"),
+    case("equinox served layers of another depth", _eqx_short, ValueError,
+         "holds 2 blocks, but the Stack has n=3", "stack.to_serving()"),
+    case("equinox served Stack given a stacked cache", _eqx_stacked_cache, TypeError,
+         "the params are in the serving layout", "but the state are stacked",
+         "stackwise.to_serving(state)"),
 ]  # fmt: skip
 
 
