@@ -1,4 +1,5 @@
-"""One attention layer with a KV cache, the decoding layer the state and serving tests share."""
+"""What the state and serving tests share: one attention layer with a KV cache, and a decode
+driver (a prompt, then token by token)."""
 
 import jax
 import jax.numpy as jnp
@@ -30,3 +31,18 @@ def attention_layer(b: int, t: int, d: int, heads: int):
         return x + o @ params["out"], {"k": ck, "v": cv}
 
     return init, attend
+
+
+def decode(step, params, cache, prompt, steps):
+    """``step(params, cache, x, pos) -> (y, cache)`` on ``prompt`` at position 0, then
+    ``steps`` tokens one at a time (each the tanh of the last output); every call's output,
+    and the last cache."""
+    ys = []
+    y, cache = step(params, cache, prompt, jnp.int32(0))
+    ys.append(y)
+    x = y[:, -1:]
+    for pos in range(prompt.shape[1], prompt.shape[1] + steps):
+        y, cache = step(params, cache, x, jnp.int32(pos))
+        ys.append(y)
+        x = jnp.tanh(y)
+    return ys, cache

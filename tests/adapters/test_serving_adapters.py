@@ -10,7 +10,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import pytest
-from _attention import attention_layer
+from _attention import attention_layer, decode
 from _trees import assert_trees_bitwise, assert_trees_close
 
 import stackwise
@@ -64,16 +64,15 @@ def _loop(blocks, caches, x, pos):
     return x, caches
 
 
-def _decode(step, model, cache, prompt, steps=3):
-    ys = []
-    y, cache = step(model, cache, prompt, jnp.int32(0))
-    ys.append(y)
-    x = y[:, -1:]
-    for pos in range(prompt.shape[1], prompt.shape[1] + steps):
-        y, cache = step(model, cache, x, jnp.int32(pos))
-        ys.append(y)
-        x = jnp.tanh(y)
-    return ys, cache
+def _decode(step, params, cache, prompt):
+    return decode(step, params, cache, prompt, steps=3)
+
+
+def _assert_decoded(ys, ys_loop, ys_scan):
+    """The served outputs: bitwise the loop's, within the shared bound of the scan's."""
+    for y, y_loop, y_scan in zip(ys, ys_loop, ys_scan, strict=True):
+        assert_trees_bitwise(y, y_loop)
+        assert_trees_close(y, y_scan)
 
 
 @pytest.mark.parametrize(
@@ -97,13 +96,9 @@ def test_served_stack_equals_the_loop_of_its_blocks_and_the_scan(n, k, options):
     ys_loop, caches = _decode(jax.jit(_loop), blocks, caches, prompt)
     if options.get("reverse"):
         caches = caches[::-1]
-    for y, y_loop in zip(ys, ys_loop):
-        assert_trees_bitwise(y, y_loop)
     assert_trees_bitwise(served_cache.layers, tuple(caches))
-
     ys_scan, scan_cache = _decode(jax.jit(_step), stack, cache, prompt)
-    for y, y_scan in zip(ys, ys_scan):
-        assert_trees_close(y, y_scan)
+    _assert_decoded(ys, ys_loop, ys_scan)
     assert_trees_close(stackwise.from_serving(served_cache), scan_cache)
 
 
@@ -187,12 +182,9 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
         return _loop([_kit.layer_params(block, "loop") for block in blocks], caches, x, pos)
 
     ys_loop, caches = _decode(jax.jit(loop), model.to_layers(), caches, prompt)
-    for y, y_loop in zip(ys, ys_loop):
-        assert_trees_bitwise(y, y_loop)
     assert_trees_bitwise(served_cache.layers, tuple(caches))
     ys_scan, _ = _decode(jax.jit(_step), model, cache, prompt)
-    for y, y_scan in zip(ys, ys_scan):
-        assert_trees_close(y, y_scan)
+    _assert_decoded(ys, ys_loop, ys_scan)
     assert_trees_bitwise(served.from_serving(), model)
 
 
@@ -245,8 +237,6 @@ def test_eqx_state_cache_serves_as_the_loop_of_its_blocks(k):
 
     ys, served_state = _decode(jax.jit(_step, donate_argnums=1), served, served_state, prompt)
     ys_loop, states = _decode(jax.jit(loop), blocks, states, prompt)
-    for y, y_loop in zip(ys, ys_loop):
-        assert_trees_bitwise(y, y_loop)
     back, stacked_state = served.from_serving(served_state)
     assert_trees_bitwise(back, stack)
     _, per_layer = back.to_layers(stacked_state)
@@ -254,8 +244,7 @@ def test_eqx_state_cache_serves_as_the_loop_of_its_blocks(k):
         assert_trees_bitwise(per_layer[i], states[i])
 
     ys_scan, scan_state = _decode(jax.jit(_step), stack, state, prompt)
-    for y, y_scan in zip(ys, ys_scan):
-        assert_trees_close(y, y_scan)
+    _assert_decoded(ys, ys_loop, ys_scan)
     assert_trees_close(jax.tree.leaves(stacked_state), jax.tree.leaves(scan_state))
 
 

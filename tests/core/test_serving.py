@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _attention import attention_layer
+from _attention import attention_layer, decode
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,17 +33,8 @@ def _loop(apply, per_layer, states, x, *args, reverse=False):
     return x, new
 
 
-def _decode(step, params, cache, prompt, steps=4):
-    """A prompt, then token by token; the outputs of every call."""
-    ys = []
-    y, cache = step(params, cache, prompt, jnp.int32(0))
-    ys.append(y)
-    x = y[:, -1:]
-    for pos in range(prompt.shape[1], prompt.shape[1] + steps):
-        y, cache = step(params, cache, x, jnp.int32(pos))
-        ys.append(y)
-        x = jnp.tanh(y)
-    return ys, cache
+def _decode(step, params, cache, prompt):
+    return decode(step, params, cache, prompt, steps=4)
 
 
 @pytest.mark.parametrize(
