@@ -17,6 +17,7 @@ from typing import Any
 import equinox as eqx
 
 import stackwise
+from stackwise import _kit
 from stackwise.equinox import _convert, _state
 
 __all__ = [
@@ -61,14 +62,11 @@ def to_serving(stack: Any, state: Any, who: str) -> Any:
             f"{who}: the Stack is already in the serving layout (its `layers` are a "
             "`stackwise.Serving`); convert once. `stack.from_serving()` stacks it back."
         )
-    for option in ("fsdp", "nested"):
-        if getattr(stack, option):
-            raise ValueError(
-                f"{who}: the Stack was built with `{option}={getattr(stack, option)!r}`, "
-                "which runs stacked layers only; the serving layout runs each layer's "
-                f"whole params in a Python loop. Build the Stack without `{option}` (e.g. "
-                f"`Stack.from_layers(stack.to_layers(), ...)` with the other options) first."
-            )
+    _kit.refuse_unservable(
+        stack.fsdp, stack.nested, who,
+        ". Build the Stack without `{option}` (e.g. `Stack.from_layers(stack.to_layers(), "
+        "...)` with the other options) first.",
+    )
     blocks, k = stack._blocks()[0], len(stack.layers) if isinstance(stack.layers, tuple) else None
     _check_state_given(blocks, state, who, "to_serving")
     layers = stackwise.Serving(stack.to_layers(), pattern=k)

@@ -186,24 +186,27 @@ def refuse(who: str, runs: str, fix: str = "", **values: Any) -> None:
             )
 
 
-def _options(options: Options, where: str) -> None:
-    """Refuses the options that have no serving form, naming the option and the fix."""
-    fix = (
-        "build the stack you serve with without it (the same init and apply), e.g. "
+def refuse_unservable(fsdp: Any, nested: Any, where: str, fix: str | None = None) -> None:
+    """Refuses the options that have no serving form, naming the option and the fix
+    (``fix``: what follows the reason, ``{option}`` the option's name; the core's by
+    default)."""
+    fix = fix or (
+        ", so build the stack you serve with without it (the same init and apply), e.g. "
         "`stackwise.stack(init, apply, n, with_state=True)`, or run the stacked params "
-        "(`stackwise.from_serving(params)`)"
+        "(`stackwise.from_serving(params)`)."
     )
-    if options.fsdp:
+    if fsdp:
         raise ValueError(
-            f"{where}: the stack was built with `fsdp={options.fsdp!r}`, which gathers each "
+            f"{where}: the stack was built with `fsdp={fsdp!r}`, which gathers each "
             "layer's sharded slice of stacked params inside the scan; the serving layout "
-            f"(`stackwise.to_serving`) keeps each layer's params whole, so {fix}."
+            "(`stackwise.to_serving`) keeps each layer's params whole"
+            + fix.format(option="fsdp")
         )
-    if options.nested:
+    if nested:
         raise ValueError(
-            f"{where}: the stack was built with `nested={options.nested!r}`, grouped remat "
+            f"{where}: the stack was built with `nested={nested!r}`, grouped remat "
             "for training over stacked params; the serving layout (`stackwise.to_serving`) "
-            f"runs the layers as a Python loop with no groups, so {fix}."
+            "runs the layers as a Python loop with no groups" + fix.format(option="nested")
         )
 
 
@@ -216,7 +219,7 @@ def layers_of(
     the stack's k when built with a pattern, else None. Either tree may be None (no
     params, no state); otherwise both must be :class:`Serving` s of the stack's n layers.
     """
-    _options(options, where)
+    refuse_unservable(options.fsdp, options.nested, where)
     for what, tree in (("params", params), ("state", state)):
         found = [] if isinstance(tree, Serving) else _found(tree)
         if found:
