@@ -107,12 +107,11 @@ def _aligned(shape: tuple, dtype: Any) -> np.ndarray:
 
 
 def abstract(kind: str, block: int, shape: tuple, dtype: Any) -> Quantized:
-    """The :class:`Quantized` node's shapes for a float leaf of ``shape``, without data."""
-    n, rows, cols = shape
-    packed = rows if kind == "int8" else -(-rows // 2)
-    codes = jax.ShapeDtypeStruct((n, packed, cols), np.int8 if kind == "int8" else np.uint8)
-    scale = jax.ShapeDtypeStruct((n, rows // block, cols), np.float32)
-    return Quantized(codes, scale, kind, np.dtype(dtype).name, rows)
+    """The :class:`Quantized` node's shapes for a float leaf of ``shape``, without data (the
+    quantizer's own, traced)."""
+    floats = jax.ShapeDtypeStruct(shape, dtype)
+    codes, scale = jax.eval_shape(lambda w: quantize_rows(w, kind, block), floats)
+    return Quantized(codes, scale, kind, np.dtype(dtype).name, shape[-2])
 
 
 def build(layer: Callable[[int], np.ndarray], kind: str, block: int, shape: tuple,
