@@ -88,11 +88,6 @@ def pure_jax_params(params, names, jax_template, jax_names, k: int):
         return stackwise.load_checkpoint(str(folder), jax_template, jax_names, pattern=pattern)
 
 
-def loss_fn(lm: lm_models.LM, params, inputs, targets):
-    logits, _ = lm.apply(params, inputs, jnp.arange(inputs.shape[1], dtype=jnp.int32))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
 def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batches, val,
              optimizer, check, log=print) -> tuple[lm_models.LM, Any, dict]:
     """Fine-tunes adapters on the pure-JAX model's pre-trained ``params`` (frozen) for
@@ -155,7 +150,7 @@ def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[An
     tx = stackwise.optax.layerwise(optimizer, stackwise.lora.layer_axes(trainable))
 
     def loss(trainable, inputs, targets):
-        return loss_fn(lm, stackwise.lora.combine(trainable, frozen), inputs, targets)
+        return lm_models.loss_fn(lm, stackwise.lora.combine(trainable, frozen), inputs, targets)
 
     @jax.jit
     def step(trainable, opt_state, key):

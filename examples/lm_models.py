@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import stackwise
 
@@ -241,6 +242,14 @@ def _ln_init(d):
 
 def _ln(p, x):
     return layer_norm(x, p["scale"], p["bias"])
+
+
+def loss_fn(lm: LM, params, inputs, targets):
+    """The mean next-token cross-entropy (nats) of ``lm`` on ``inputs`` predicting
+    ``targets`` (both int32 ``[batch, length]``): what training and fine-tuning minimise."""
+    positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
+    logits, _ = lm.apply(params, inputs, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def build_jax(config: Config, *, adapted: bool = False) -> LM:

@@ -782,12 +782,6 @@ def refuse_to_overwrite(path: pathlib.Path, saved: dict, run: dict) -> Checkpoin
 # Training.
 
 
-def loss_fn(lm: lm_models.LM, params, inputs, targets):
-    positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
-    logits, _ = lm.apply(params, inputs, positions)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-
 OPTIMIZERS = {
     "adamw": lambda lr: optax.adamw(lr, 0.9, 0.99),
     "lamb": lambda lr: optax.lamb(lr, 0.9, 0.99),
@@ -858,11 +852,13 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
 
     def step(params, opt_state, key):
         inputs, targets = sample_batch(key, train_data, args.batch, args.seq_len)
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(lm, p, inputs, targets))(params)
+        loss, grads = jax.value_and_grad(
+            lambda p: lm_models.loss_fn(lm, p, inputs, targets)
+        )(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    evaluate = jax.jit(lambda params: loss_fn(lm, params, *val))
+    evaluate = jax.jit(lambda params: lm_models.loss_fn(lm, params, *val))
     params, opt_state, key = state["params"], state["opt_state"], state["rng"]
     log_every = max(1, args.steps // 8)
     save_every = args.save_every or log_every

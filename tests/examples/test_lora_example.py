@@ -103,7 +103,7 @@ def check_finetuned(result: dict, ckpt: pathlib.Path, quantize: str | None) -> N
     assert result["lora_loss_after"] < result["lora_loss_before"]
     wrapped_lm = lm_models.build_jax(config, adapted=True)
     wrapped = {**params, "blocks": stackwise.lora.attach(base, adapters)}
-    loss = lm_finetune.loss_fn(wrapped_lm, wrapped, *val)
+    loss = lm_models.loss_fn(wrapped_lm, wrapped, *val)
     assert float(loss) == pytest.approx(result["lora_loss_after"], rel=1e-5)
     # Merged (into the dequantized base) against wrapped: the same logits, up to the order
     # of the sums; and not the base's.
