@@ -40,7 +40,7 @@ def example():
                                                      seq_len=8))
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 11)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    grads = jax.jit(jax.grad(lambda p: module.loss_fn(lm, p, inputs, targets)))
+    grads = jax.jit(jax.grad(lambda p: lm_models.loss_fn(lm, p, inputs, targets)))
     return module, lm, lm.init(jax.random.key(0)), grads
 
 
