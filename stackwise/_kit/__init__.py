@@ -26,6 +26,8 @@ Conversions between a Stack and its loop:
   :func:`assemble`, :func:`check_given` (one model's leaves matched to another's).
 LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.finetune`):
   :func:`layer_params` (one layer's float weights, inside the scan), :func:`warn_unrematted`.
+A Stack's variables in the serving layout, leaf-wise (:mod:`stackwise._kit.serving`):
+  ``_kit.serving.split`` / ``join`` (convert), ``gather`` / ``scatter`` (at the call).
 A per-layer function over stacked leaves (the qwix bridges):
   :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`.
 """
@@ -59,6 +61,7 @@ from stackwise._core.trees import moveaxis as moveaxis
 from stackwise._core.trees import named_leaves as named_leaves
 from stackwise._core.trees import stack_abstract as stack_abstract
 from stackwise._core.trees import take as take
+from stackwise._kit import serving as serving
 from stackwise._kit.contract import Prebuilt as Prebuilt
 from stackwise._kit.contract import at_layer as at_layer
 from stackwise._kit.contract import block_name as block_name
