@@ -149,8 +149,8 @@ QUANTIZED = {"int8_rows": ("int8", None, (None, "data", "model")),
 
 
 def _quantized(out, counted, reads, target, names, mesh) -> dict:
-    """Each :data:`QUANTIZED` load's bytes read here (``reads``' new entries); the codes and scales, gathered whole,
-    into ``quantized_<i>.npz``."""
+    """Each :data:`QUANTIZED` load's bytes read here (``reads``' new entries); the codes and
+    scales, gathered whole, into ``quantized_<i>.npz``."""
     from jax.sharding import NamedSharding, SingleDeviceSharding
     from jax.sharding import PartitionSpec as P
 
