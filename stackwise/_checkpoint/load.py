@@ -516,7 +516,9 @@ def load_checkpoint(
         time: the host holds its codes, scales and one layer's floats. Its codes take
         the float leaf's sharding (a ``NamedSharding`` spec must divide the packed
         4-bit rows too), its scales the same spec, their input axis left whole where
-        the blocks do not divide it. Every process reads each such layer whole.
+        the blocks do not divide it. Each process reads only what its devices' shards
+        are made of: their layers and columns, and whole blocks of rows (all the rows,
+        with one scale per column).
 
     Returns:
       The target with every array leaf loaded, as a ``jax.Array`` with its
@@ -554,14 +556,8 @@ def load_checkpoint(
     out = [
         leaf if plan is None
         else _build(ckpt, plan) if choice is None
-        else quantized.build(lambda j, plan=plan: _layer(ckpt, plan, j), *choice, plan.shape,
-                             plan.dtype, plan.sharding, plan.path, _LOAD)
+        else quantized.build(lambda index, plan=plan: _fill(ckpt, plan, [index])[0], *choice,
+                             plan.shape, plan.dtype, plan.sharding, plan.path, _LOAD)
         for leaf, plan, choice in zip(leaves, plans, chosen)
     ]
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _layer(ckpt: Checkpoint, plan: _Plan, j: int) -> np.ndarray:
-    """Layer j of a stacked leaf, whole, on the host: ``(1, ...)``, as the leaf holds it."""
-    index = (slice(j, j + 1),) + (slice(None),) * (len(plan.shape) - 1)
-    return _fill(ckpt, plan, [index])[0]

@@ -3,14 +3,16 @@
 A target leaf to quantize is read one layer at a time (the loader's own reading, transposes
 and casts included), each layer quantized alone by the quantizer of
 :func:`stackwise.quant.quantize` and its float values dropped before the next is read, so
-the float model never sits whole in memory: the host holds the leaf's codes and scales
-(the result) and one layer's floats. The codes and scales are then placed as the float leaf
+the float model never sits whole in memory: the host holds the codes and scales of this
+process's shards (the result) and one layer's floats. Each process reads only the region
+its shards are made of (:func:`_region`). The codes and scales are then placed as the float leaf
 would have been: the same ``NamedSharding`` spec (the scales' input axis split only where
 their blocks divide it), the same device, or replicated alike.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -89,12 +91,53 @@ def _spec(sharding: NamedSharding, shape: tuple, path: str, what: str, who: str,
     return PartitionSpec(*entries)
 
 
-def _place(host: np.ndarray, sharding: Sharding, path: str, who: str,
-           strict: bool) -> jax.Array:
+def _place(host: np.ndarray, origin: tuple, shape: tuple, sharding: Sharding, path: str,
+           who: str, strict: bool) -> jax.Array:
+    """The array of ``shape`` placed by ``sharding`` (its spec as :func:`_spec` makes it),
+    whose part from ``origin`` on is ``host``: every shard this process holds lies there."""
     if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, _spec(sharding, host.shape, path, "", who,
-                                                      strict))
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        sharding = NamedSharding(sharding.mesh, _spec(sharding, shape, path, "", who, strict))
+
+    def shard(index: tuple) -> np.ndarray:
+        return host[tuple(slice(a - o, b - o) for (a, b, _), o in
+                          zip((s.indices(d) for s, d in zip(index, shape)), origin))]
+
+    return jax.make_array_from_callback(shape, sharding, shard, dtype=host.dtype)
+
+
+def _extent(sharding: Sharding, shape: tuple, path: str, who: str,
+            strict: bool) -> list[tuple[int, int]] | None:
+    """Per axis, ``(start, stop)`` spanning the shards of an array of ``shape`` that this
+    process's devices hold, as :func:`_place` shards it; None when they hold none."""
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, _spec(sharding, shape, path, "", who, strict))
+    indices = list(sharding.addressable_devices_indices_map(shape).values())
+    if not indices:
+        return None
+    spans = [[s.indices(d)[:2] for s, d in zip(tuple(index) + (slice(None),) * len(shape),
+                                                shape)] for index in indices]
+    return [(min(s[d][0] for s in spans), max(s[d][1] for s in spans))
+            for d in range(len(shape))]
+
+
+def _region(node: Quantized, block: int, sharding: Sharding, path: str,
+            who: str) -> tuple | None:
+    """The float leaf's slices that this process's shards of the codes and scales are made
+    of (None: it holds none). Each column, and each block of ``block`` rows, is quantized on
+    its own, so the region keeps the shards' layers and columns, and their rows rounded out
+    to whole blocks (whole 4-bit byte pairs too): quantizing it alone gives their bits."""
+    codes = _extent(sharding, node.codes.shape, path, who, True)
+    scale = _extent(sharding, node.scale.shape, path, who, False)
+    if codes is None:
+        return None
+    pack = 1 if node.kind == "int8" else 2
+    rows = (min(codes[1][0] * pack, scale[1][0] * block),
+            max(codes[1][1] * pack, scale[1][1] * block))
+    step = math.lcm(pack, block)
+    rows = (rows[0] // step * step, min(-(-rows[1] // step) * step, node.rows))
+    return tuple(slice(a, b) for a, b in (
+        (min(codes[0][0], scale[0][0]), max(codes[0][1], scale[0][1])), rows,
+        (min(codes[2][0], scale[2][0]), max(codes[2][1], scale[2][1]))))
 
 
 def _aligned(shape: tuple, dtype: Any) -> np.ndarray:
@@ -114,16 +157,29 @@ def abstract(kind: str, block: int, shape: tuple, dtype: Any) -> Quantized:
     return Quantized(codes, scale, kind, np.dtype(dtype).name, shape[-2])
 
 
-def build(layer: Callable[[int], np.ndarray], kind: str, block: int, shape: tuple,
+def build(read: Callable[[tuple], np.ndarray], kind: str, block: int, shape: tuple,
           dtype: Any, sharding: Sharding, path: str, who: str) -> Quantized:
-    """The :class:`Quantized` leaf, ``layer(j)`` giving layer j's floats ``(1, in, out)``."""
+    """The :class:`Quantized` leaf, ``read(index)`` giving the float leaf's slices at
+    ``index`` (one layer at a time). Only the region this process's shards are made of is
+    read (:func:`_region`): on several hosts each reads and quantizes its own layers,
+    columns and blocks of rows."""
     node = abstract(kind, block, shape, dtype)
-    codes = _aligned(node.codes.shape, node.codes.dtype)
-    scale = _aligned(node.scale.shape, node.scale.dtype)
-    for j in range(shape[0]):
-        floats = layer(j)
+    region = _region(node, block, sharding, path, who)
+    pack = 1 if kind == "int8" else 2
+    if region is None:  # none of this process's devices holds a shard
+        region = (slice(0, 0),) * 3
+    layers, rows, cols = region
+    corner = ((layers.start, rows.start // pack, cols.start),
+              (layers.start, rows.start // block, cols.start))
+    sizes = (layers.stop - layers.start, cols.stop - cols.start)
+    codes = _aligned((sizes[0], -(-(rows.stop - rows.start) // pack), sizes[1]),
+                     node.codes.dtype)
+    scale = _aligned((sizes[0], (rows.stop - rows.start) // block, sizes[1]), node.scale.dtype)
+    for j in range(layers.start, layers.stop):
+        floats = read((slice(j, j + 1), rows, cols))
         c, s = quantize_rows(floats, kind, block)
         del floats  # the next layer is read once this one's floats are gone
-        codes[j], scale[j] = np.asarray(c)[0], np.asarray(s)[0]
-    return Quantized(_place(codes, sharding, path, who, True),
-                     _place(scale, sharding, path, who, False), kind, node.dtype, node.rows)
+        codes[j - layers.start], scale[j - layers.start] = np.asarray(c)[0], np.asarray(s)[0]
+    return Quantized(_place(codes, corner[0], node.codes.shape, sharding, path, who, True),
+                     _place(scale, corner[1], node.scale.shape, sharding, path, who, False),
+                     kind, node.dtype, node.rows)

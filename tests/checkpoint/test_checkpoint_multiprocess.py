@@ -86,6 +86,7 @@ def _process(out: pathlib.Path) -> dict:
 
     counted = stackwise.Checkpoint(ckpt.kind, ckpt.where, ckpt.tensors, {}, read)
     params = stackwise.load_checkpoint(counted, target, names, shardings=shardings)
+    read_bytes = sum(reads)
     loaded = {"source": params}
     for name in ("one_safetensors", "one_orbax"):  # what one process saved
         loaded[name] = stackwise.load_checkpoint(out / name, target, names, shardings=shardings)
@@ -114,10 +115,12 @@ def _process(out: pathlib.Path) -> dict:
     theirs = NamedSharding(Mesh(np.array(jax.devices()[4:]), ("d",)), P())
     alone = jax.make_array_from_callback((2, 3), theirs, lambda i: np.ones((2, 3), np.float32)[i],
                                          dtype=np.float32)
+    quantized_reads = _quantized(out, counted, reads, target, names, mesh)
     return {
+        "quantized_reads": quantized_reads,
         "process": pid,
         "devices": [jax.local_device_count(), jax.device_count()],
-        "read_bytes": sum(reads),
+        "read_bytes": read_bytes,
         "shard_bytes": sum(shards.values()),
         "default": [len(default.addressable_shards), str(default.dtype), list(default.shape)],
         "written": [os.path.relpath(p, out) for p in written],
@@ -132,6 +135,42 @@ def _process(out: pathlib.Path) -> dict:
                 {"w": alone}, {"w": "w"}, out / "never")),
         },
     }
+
+
+#: Quantizing while loading the up projection (E=8 rows, F=16 columns, N=4 layers), by
+#: (kind, block size, spec): per-channel scales need a column's every row, so with the rows
+#: across the processes each reads them all; blocks of 4 rows let each read its own rows
+#: only, and the layers across the processes each its own layers. On process 0's first
+#: device alone (spec None), process 1 reads nothing.
+QUANTIZED = {"int8_rows": ("int8", None, (None, "data", "model")),
+             "nf4_blocks": ("nf4", 4, (None, "data", "model")),
+             "int4_layers": ("int4", None, ("data", None, "model")),
+             "int8_one_device": ("int8", None, None)}
+
+
+def _quantized(out, counted, reads, target, names, mesh) -> dict:
+    """Each :data:`QUANTIZED` load's bytes read here (``reads``' new entries); the codes and
+    scales, gathered whole, into ``quantized_<i>.npz``."""
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    read, loaded = {}, {}
+    for label, (kind, block, spec) in QUANTIZED.items():
+        start = len(reads)
+        sharding = (SingleDeviceSharding(jax.devices()[0]) if spec is None
+                    else NamedSharding(mesh, P(*spec)))
+        node = stackwise.load_checkpoint(
+            counted, {"up": target["blocks"]["up"]}, {"up": names["blocks"]["up"]},
+            shardings={"up": sharding},
+            quantize=stackwise.quant.Scheme(kind, block_size=block))["up"]
+        read[label] = sum(reads[start:])
+        loaded[label] = node if spec is None else jax.jit(  # gathered onto every device
+            lambda t: t, out_shardings=NamedSharding(mesh, P()))(node)
+    np.savez(out / f"quantized_{jax.process_index()}.npz", **{
+        f"{label}.{field}": np.asarray(getattr(node, field).addressable_data(0))
+        for label, node in loaded.items() for field in ("codes", "scale")
+        if getattr(node, field).addressable_shards})
+    return read
 
 
 def _main() -> None:
@@ -177,6 +216,7 @@ def run(tmp_path_factory):
     return {
         "out": out, "one": one, "arrays": arrays, "one_written": one_written, "views": views,
         "loaded": [dict(np.load(out / f"process_{i}.npz")) for i in range(2)],
+        "quantized": [dict(np.load(out / f"quantized_{i}.npz")) for i in range(2)],
         "two_safetensors": stackwise.load_checkpoint(out / "two_safetensors", target, names),
         "two_orbax": stackwise.load_checkpoint(out / "two_orbax", target, names),
         "paths": [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(one)],
@@ -200,6 +240,24 @@ def test_each_process_reads_only_its_devices_shards(run):
         assert view["read_bytes"] == view["shard_bytes"]  # a replica on 4 devices read once
         assert view["read_bytes"] == (whole - replicated) // 2 + replicated
     assert sum(v["read_bytes"] for v in views) == whole + replicated
+
+
+def test_quantizing_while_loading_reads_only_what_the_processs_shards_are_made_of(run):
+    up = run["one"]["blocks"]["up"]  # bfloat16 (N, E, F), loaded whole in this process
+    whole = up.nbytes
+    expected = {"int8_rows": [whole, whole],  # each column's scale needs its every row
+                "nf4_blocks": [whole // 2, whole // 2],  # each its own blocks of rows
+                "int4_layers": [whole // 2, whole // 2],  # each its own layers
+                "int8_one_device": [whole, 0]}  # process 0's device alone
+    for label, (kind, block, _) in QUANTIZED.items():
+        want = stackwise.quant.quantize({"up": up}, kind, block_size=block)["up"]
+        assert [v["quantized_reads"][label] for v in run["views"]] == expected[label], label
+        holders = run["quantized"][:1] if label == "int8_one_device" else run["quantized"]
+        assert "int8_one_device.codes" not in run["quantized"][1]  # no shard on process 1
+        for loaded in holders:  # the same bits as quantizing the one-process load
+            for field in ("codes", "scale"):
+                got, ref = loaded[f"{label}.{field}"], np.asarray(getattr(want, field))
+                assert got.dtype == ref.dtype and np.array_equal(got, ref), (label, field)
 
 
 def test_unsharded_leaves_are_on_process_0s_first_device(run):
