@@ -9,13 +9,14 @@ the result must have, which the caller knows (qwix's abstract quantized tree).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["holds_qwix", "map_layers", "map_params", "qwix_fix"]
+__all__ = ["holds_qwix", "map_layers", "map_params", "qwix_dequantized_bytes", "qwix_fix"]
 
 #: How many leading layer axes a leaf may have: none, a Stack's, a Stack's in a Stack.
 _AXES = (0, 1, 2)
@@ -102,10 +103,31 @@ def map_params(
     return out
 
 
+def _is_qwix(value: Any) -> bool:
+    return type(value).__module__.split(".")[0] == "qwix"
+
+
 def holds_qwix(tree: Any) -> bool:
     """Whether ``tree`` holds a qwix object (a quantized weight), without importing qwix."""
-    is_qwix = lambda v: type(v).__module__.split(".")[0] == "qwix"  # noqa: E731
-    return any(is_qwix(v) for v in jax.tree.leaves(tree, is_leaf=is_qwix))
+    return any(_is_qwix(v) for v in jax.tree.leaves(tree, is_leaf=_is_qwix))
+
+
+def _is_qarray(value: Any) -> bool:
+    return _is_qwix(value) and type(value).__name__ == "QArray"
+
+
+def qwix_dequantized_bytes(tree: Any) -> int:
+    """The bytes of ``tree``'s qwix-quantized weights once dequantized, all layers together.
+
+    A qwix ``QArray`` dequantizes to its codes' shape (``qvalue.shape``) in its scales' dtype
+    (``QArray.dtype``), whatever its qtype (int8 or packed 4-bit): as many bytes as the float
+    weight it replaces. qwix's static activation scales (no ``QArray``) count nothing.
+    """
+    return sum(
+        math.prod(v.qvalue.shape) * jnp.dtype(v.scale.dtype).itemsize
+        for v in jax.tree.leaves(tree, is_leaf=_is_qarray)
+        if _is_qarray(v)
+    )
 
 
 def qwix_fix(bridge: str) -> str:
