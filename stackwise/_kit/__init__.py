@@ -27,7 +27,8 @@ Conversions between a Stack and its loop:
 LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.finetune`):
   :func:`layer_params` (one layer's float weights, inside the scan), :func:`warn_unrematted`.
 A per-layer function over stacked leaves (the qwix bridges):
-  :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`.
+  :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`,
+  :func:`qwix_dequantized_bytes`, :func:`map_stats` (SRQ statistics, per layer).
 """
 
 from stackwise._core.checks import check_depth as check_depth
@@ -59,6 +60,7 @@ from stackwise._core.trees import moveaxis as moveaxis
 from stackwise._core.trees import named_leaves as named_leaves
 from stackwise._core.trees import stack_abstract as stack_abstract
 from stackwise._core.trees import take as take
+from stackwise._kit.calibrated import map_stats as map_stats
 from stackwise._kit.contract import Prebuilt as Prebuilt
 from stackwise._kit.contract import at_layer as at_layer
 from stackwise._kit.contract import block_name as block_name
@@ -74,6 +76,7 @@ from stackwise._kit.finetune import warn_unrematted as warn_unrematted
 from stackwise._kit.layered import holds_qwix as holds_qwix
 from stackwise._kit.layered import map_layers as map_layers
 from stackwise._kit.layered import map_params as map_params
+from stackwise._kit.layered import qwix_dequantized_bytes as qwix_dequantized_bytes
 from stackwise._kit.layered import qwix_fix as qwix_fix
 from stackwise._kit.matching import Leaf as Leaf
 from stackwise._kit.matching import assemble as assemble

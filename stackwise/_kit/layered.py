@@ -43,41 +43,52 @@ def _mapped(fn: Callable, expected: Any, k: int) -> Callable:
         inner = _mapped(fn, _per_layer(expected, 1), k - 1)
         if vmap:
             return jax.vmap(inner)(value)
-        outs = [inner(value[i], vmap=False) for i in range(value.shape[0])]
+        depth = jax.tree.leaves(value)[0].shape[0]
+        outs = [inner(jax.tree.map(lambda a: a[i], value), vmap=False) for i in range(depth)]
         return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     return layer
 
 
-def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: str) -> Any:
+def map_layers(
+    fn: Callable, value: Any, expected: Any, who: str, name: str, *, axes: int | None = None
+) -> Any:
     """``fn(layer_value, layer_expected)`` for each layer of ``value``.
 
     ``expected`` is what the result must look like, stacked (a tree of arrays or
-    ``jax.ShapeDtypeStruct`` s); ``fn`` gets each layer's slice of ``value`` and the matching
-    per-layer abstract ``expected``. The layer axes are the fewest (0, 1 or 2) for which
-    ``fn``'s result has ``expected``'s shapes.
+    ``jax.ShapeDtypeStruct`` s); ``fn`` gets each layer's slice of ``value`` (an array, or a
+    tree of arrays with the same layer axes) and the matching per-layer abstract
+    ``expected``. The layer axes are ``axes`` if given, else the fewest (0, 1 or 2) for
+    which ``fn``'s result has ``expected``'s shapes (found abstractly, so ``fn`` must trace).
 
     Raises:
       ValueError: no number of layer axes gives ``expected``'s shapes (``value`` comes from
         another model or depth), naming ``name``.
     """
     want = _shapes(expected)
-    abstract = jax.ShapeDtypeStruct(value.shape, value.dtype)
-    for k in _AXES:
-        if k > value.ndim:
-            break
-        layer = _mapped(fn, expected, k)
-        try:
-            got = _shapes(jax.eval_shape(layer, abstract))
-        except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
-            continue
-        if got == want:
-            return layer(value, vmap=False)
+    if axes is not None:
+        out = _mapped(fn, expected, axes)(value, vmap=False)
+        if _shapes(out) == want:
+            return out
+    else:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), value)
+        for k in _AXES:
+            if k > min(len(shape) for shape in _shapes(value)):
+                break
+            layer = _mapped(fn, expected, k)
+            try:
+                got = _shapes(jax.eval_shape(layer, abstract))
+            except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
+                continue
+            if got == want:
+                return layer(value, vmap=False)
+    shapes = _shapes(value)
     raise ValueError(
-        f"{who}: `{name}` of shape {tuple(value.shape)} does not give the expected shapes "
-        f"{want} with 0, 1 or 2 leading layer axes mapped over. Give the params of the model "
-        "the expected (abstract) tree was built from: the same layers and depth n, stacked "
-        "as that model's Stacks hold them."
+        f"{who}: `{name}` of shape{'' if len(shapes) == 1 else 's'} "
+        f"{', '.join(map(str, shapes))} does not give the expected shapes "
+        f"{want} with {'0, 1 or 2' if axes is None else axes} leading layer axes mapped over. "
+        "Give the params of the model the expected (abstract) tree was built from: the same "
+        "layers and depth n, stacked as that model's Stacks hold them."
     )
 
 
