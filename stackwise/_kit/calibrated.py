@@ -55,9 +55,10 @@ def _check_calibrated(stat: dict, name: str, who: str) -> int:
     count = np.asarray(stat["count"])
     empty = [tuple(int(i) for i in at) for at in np.argwhere(count == 0)]
     if empty:
-        where = "it" if count.ndim == 0 else f"layer(s) {', '.join(map(str, empty))} of it"
+        layers = ", ".join(str(at[0] if len(at) == 1 else at) for at in empty)
+        where = f" in layer(s) {layers}" if count.ndim else ""
         raise ValueError(
-            f"{who}: `quant_stats` entry `{name}` holds no calibration at {where} (count 0). "
+            f"{who}: `quant_stats` entry `{name}` holds no calibration{where} (count 0). "
             "Run the QAT model on calibration data first, with the statistics updated "
             "(linen: `apply(..., mutable=['quant_stats'])`; NNX: call the model, outside "
             "`nnx.eval_shape`), then pass its `quant_stats`."

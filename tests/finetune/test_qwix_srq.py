@@ -111,6 +111,29 @@ def test_linen_srq_equals_the_loop(calibration):
     assert_close(y, loop_srq.apply({"params": loop_params}, X), BOUND, what="outputs")
 
 
+def test_linen_srq_outside_the_stack_is_qwix_s():
+    """An activation quantized outside any Stack has one statistic (count a scalar): its
+    scale is qwix's own; the Stack's are per layer."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(D, name="embed")(x)
+            return stackwise.flax.Stack(LinenBlock, n=N, name="layers")(x)
+
+    rule = _rule()
+    floats = Model().init(KEY, X)["params"]
+    stats = _linen_calibrated(Model(), rule, floats)
+    assert stats["embed"]["dot_general0_lhs"]["count"].shape == ()
+    _, abstract = _linen_srq(Model(), rule)
+    ours = stackwise.flax.quantize_params(floats, abstract, stats)
+    theirs = qwix.quantize_params(
+        {"embed": floats["embed"]}, {"embed": abstract["embed"]}, {"embed": stats["embed"]}
+    )
+    assert_trees_bitwise(ours["embed"], theirs["embed"])
+    assert ours["layers"]["up"]["dot_general0_lhs_scale"].array.shape == (N, 1, 1)
+
+
 # ------------------------------------------------------------------ NNX
 
 # qwix 0.1.8's QAT (providers/qt.py) sets `quant_stat.value`, which flax 0.12 deprecates (the
