@@ -13,7 +13,6 @@ layer gets the scale its own block gets in a loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 

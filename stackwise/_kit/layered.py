@@ -44,7 +44,7 @@ def _mapped(fn: Callable, expected: Any, k: int) -> Callable:
         if vmap:
             return jax.vmap(inner)(value)
         depth = jax.tree.leaves(value)[0].shape[0]
-        outs = [inner(jax.tree.map(lambda a: a[i], value), vmap=False) for i in range(depth)]
+        outs = [inner(jax.tree.map(lambda a, i=i: a[i], value), vmap=False) for i in range(depth)]
         return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     return layer
