@@ -64,8 +64,11 @@ def quantize_params(
     >>> rule = qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
     ...                    act_static_scale=True)
     >>> qat = qwix.quantize_model(make(), qwix.QtProvider([rule]), x)
-    >>> for batch in (x, 2 * x):                                   # calibration
-    ...     _ = qat(batch)
+    >>> import warnings
+    >>> with warnings.catch_warnings():  # qwix 0.1.8's QAT sets flax's deprecated `.value`
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     for batch in (x, 2 * x):                               # calibration
+    ...         _ = qat(batch)
     >>> stats = nnx.to_pure_dict(nnx.state(qat, qwix.QuantStat))
     >>> stats["layers"]["dot_general0_lhs"]["count"]
     Array([2, 2, 2], dtype=int32)
