@@ -158,12 +158,14 @@ def dequantized_bytes(params: Any) -> int:
 
 
 def warn_unrematted(
-    params: Any, remat: Any, who: str, count: Callable[[Any], int] = dequantized_bytes
+    params: Any, remat: Any, who: str, count: Callable[[Any], int] = dequantized_bytes,
+    stacklevel: int = 3,
 ) -> None:
     """Warns when ``remat=False`` would keep every layer's dequantized weights, giving bytes.
 
     ``count(params)``: the bytes of the params' weights once dequantized (by default those
     of :class:`stackwise.quant.Quantized` nodes; the adapter kit adds qwix's).
+    ``stacklevel``: as ``warnings.warn``'s, counted from here (3: the stack's caller).
     """
     if remat is not False:
         return
@@ -175,7 +177,7 @@ def warn_unrematted(
             f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model. "
             "Keep the default remat (or any policy) to hold one layer at a time; "
             "without gradients (decoding) remat changes nothing, so keep it there too.",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 

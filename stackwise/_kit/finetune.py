@@ -58,4 +58,5 @@ def warn_unrematted(params: Any, remat: Any, who: str, graph: Any = None) -> Non
     layer.warn_unrematted(
         params, remat, who,
         count=lambda p: layer.dequantized_bytes(p) + qwix_dequantized_bytes(qwix_tree),
+        stacklevel=4,  # the caller of the Stack that calls this
     )
