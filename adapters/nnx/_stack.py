@@ -413,7 +413,7 @@ class Stack(nnx.Module):
             "index": stackwise.layer_index(),
             "streams": [_inside.draw(b, paths) for b, paths in zip(blocks, outside)],
         }
-        _kit.warn_unrematted(params, self.remat, who)
+        _kit.warn_unrematted(params, self.remat, who, graph=blocks)  # qwix: in the graph
         out, new_rest = layers.apply(params, rest, x, extras, _kit.CallArgs(args, kwargs))
         for pos, new in enumerate(new_rest if self.pattern else [new_rest]):
             if grown[pos] is None:

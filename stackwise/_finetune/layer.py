@@ -151,16 +151,25 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     return functools.wraps(apply)(wrapped)
 
 
-def _dequantized_bytes(params: Any) -> int:
+def dequantized_bytes(params: Any) -> int:
+    """The bytes of the params' :class:`stackwise.quant.Quantized` weights once dequantized."""
     return sum(v.nbytes_dequantized for v in jax.tree.leaves(params, is_leaf=is_quantized)
                if is_quantized(v))
 
 
-def warn_unrematted(params: Any, remat: Any, who: str) -> None:
-    """Warns when ``remat=False`` would keep every layer's dequantized weights, giving bytes."""
+def warn_unrematted(
+    params: Any, remat: Any, who: str, count: Callable[[Any], int] = dequantized_bytes,
+    stacklevel: int = 3,
+) -> None:
+    """Warns when ``remat=False`` would keep every layer's dequantized weights, giving bytes.
+
+    ``count(params)``: the bytes of the params' weights once dequantized (by default those
+    of :class:`stackwise.quant.Quantized` nodes; the adapter kit adds qwix's).
+    ``stacklevel``: as ``warnings.warn``'s, counted from here (3: the stack's caller).
+    """
     if remat is not False:
         return
-    held = _dequantized_bytes(params)
+    held = count(params)
     if held:
         warnings.warn(
             f"{who}: remat=False with a quantized base keeps every "
@@ -168,7 +177,7 @@ def warn_unrematted(params: Any, remat: Any, who: str) -> None:
             f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model. "
             "Keep the default remat (or any policy) to hold one layer at a time; "
             "without gradients (decoding) remat changes nothing, so keep it there too.",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 

@@ -29,7 +29,8 @@ LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.
 A Stack's variables in the serving layout, leaf-wise (:mod:`stackwise._kit.serving`):
   ``_kit.serving.split`` / ``join`` (convert), ``gather`` / ``scatter`` (at the call).
 A per-layer function over stacked leaves (the qwix bridges):
-  :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`.
+  :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`,
+  :func:`qwix_dequantized_bytes`, :func:`map_stats` (SRQ statistics, per layer).
 """
 
 from stackwise._core.checks import check_depth as check_depth
@@ -62,6 +63,7 @@ from stackwise._core.trees import named_leaves as named_leaves
 from stackwise._core.trees import stack_abstract as stack_abstract
 from stackwise._core.trees import take as take
 from stackwise._kit import serving as serving
+from stackwise._kit.calibrated import map_stats as map_stats
 from stackwise._kit.contract import Prebuilt as Prebuilt
 from stackwise._kit.contract import at_layer as at_layer
 from stackwise._kit.contract import block_name as block_name
@@ -77,6 +79,7 @@ from stackwise._kit.finetune import warn_unrematted as warn_unrematted
 from stackwise._kit.layered import holds_qwix as holds_qwix
 from stackwise._kit.layered import map_layers as map_layers
 from stackwise._kit.layered import map_params as map_params
+from stackwise._kit.layered import qwix_dequantized_bytes as qwix_dequantized_bytes
 from stackwise._kit.layered import qwix_fix as qwix_fix
 from stackwise._kit.matching import Leaf as Leaf
 from stackwise._kit.matching import assemble as assemble

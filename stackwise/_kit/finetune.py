@@ -14,8 +14,10 @@ from typing import Any
 
 import jax
 
-from stackwise._finetune.layer import is_node, materialise, warn_unrematted
+from stackwise._finetune import layer
+from stackwise._finetune.layer import is_node, materialise
 from stackwise._finetune.lora import Adapted
+from stackwise._kit.layered import qwix_dequantized_bytes
 
 __all__ = ["layer_params", "warn_unrematted"]
 
@@ -42,3 +44,19 @@ def layer_params(params: Any, who: str) -> Any:
                 "on the core's `stackwise.lora.stack(apply, n)`."
             )
     return materialise(params)
+
+
+def warn_unrematted(params: Any, remat: Any, who: str, graph: Any = None) -> None:
+    """Warns when ``remat=False`` would keep every layer's dequantized weights, giving bytes.
+
+    The core's warning (``stackwise.lora.stack``'s), counting both the core's quantized
+    nodes in ``params`` and qwix's quantized weights (``QArray`` s) in ``graph``, or in
+    ``params`` when ``graph`` is None: an NNX Stack passes its blocks there, since qwix's
+    ``QArray`` s are graph nodes of the module, not leaves of its ``nnx.State``.
+    """
+    qwix_tree = params if graph is None else graph
+    layer.warn_unrematted(
+        params, remat, who,
+        count=lambda p: layer.dequantized_bytes(p) + qwix_dequantized_bytes(qwix_tree),
+        stacklevel=4,  # the caller of the Stack that calls this
+    )

@@ -9,13 +9,14 @@ the result must have, which the caller knows (qwix's abstract quantized tree).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["holds_qwix", "map_layers", "map_params", "qwix_fix"]
+__all__ = ["holds_qwix", "map_layers", "map_params", "qwix_dequantized_bytes", "qwix_fix"]
 
 #: How many leading layer axes a leaf may have: none, a Stack's, a Stack's in a Stack.
 _AXES = (0, 1, 2)
@@ -42,41 +43,52 @@ def _mapped(fn: Callable, expected: Any, k: int) -> Callable:
         inner = _mapped(fn, _per_layer(expected, 1), k - 1)
         if vmap:
             return jax.vmap(inner)(value)
-        outs = [inner(value[i], vmap=False) for i in range(value.shape[0])]
+        depth = jax.tree.leaves(value)[0].shape[0]
+        outs = [inner(jax.tree.map(lambda a, i=i: a[i], value), vmap=False) for i in range(depth)]
         return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     return layer
 
 
-def map_layers(fn: Callable, value: jax.Array, expected: Any, who: str, name: str) -> Any:
+def map_layers(
+    fn: Callable, value: Any, expected: Any, who: str, name: str, *, axes: int | None = None
+) -> Any:
     """``fn(layer_value, layer_expected)`` for each layer of ``value``.
 
     ``expected`` is what the result must look like, stacked (a tree of arrays or
-    ``jax.ShapeDtypeStruct`` s); ``fn`` gets each layer's slice of ``value`` and the matching
-    per-layer abstract ``expected``. The layer axes are the fewest (0, 1 or 2) for which
-    ``fn``'s result has ``expected``'s shapes.
+    ``jax.ShapeDtypeStruct`` s); ``fn`` gets each layer's slice of ``value`` (an array, or a
+    tree of arrays with the same layer axes) and the matching per-layer abstract
+    ``expected``. The layer axes are ``axes`` if given, else the fewest (0, 1 or 2) for
+    which ``fn``'s result has ``expected``'s shapes (found abstractly, so ``fn`` must trace).
 
     Raises:
       ValueError: no number of layer axes gives ``expected``'s shapes (``value`` comes from
         another model or depth), naming ``name``.
     """
     want = _shapes(expected)
-    abstract = jax.ShapeDtypeStruct(value.shape, value.dtype)
-    for k in _AXES:
-        if k > value.ndim:
-            break
-        layer = _mapped(fn, expected, k)
-        try:
-            got = _shapes(jax.eval_shape(layer, abstract))
-        except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
-            continue
-        if got == want:
-            return layer(value, vmap=False)
+    if axes is not None:
+        out = _mapped(fn, expected, axes)(value, vmap=False)
+        if _shapes(out) == want:
+            return out
+    else:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), value)
+        for k in _AXES:
+            if k > min(len(shape) for shape in _shapes(value)):
+                break
+            layer = _mapped(fn, expected, k)
+            try:
+                got = _shapes(jax.eval_shape(layer, abstract))
+            except (TypeError, ValueError, IndexError):  # this k does not fit value's shape
+                continue
+            if got == want:
+                return layer(value, vmap=False)
+    shapes = _shapes(value)
     raise ValueError(
-        f"{who}: `{name}` of shape {tuple(value.shape)} does not give the expected shapes "
-        f"{want} with 0, 1 or 2 leading layer axes mapped over. Give the params of the model "
-        "the expected (abstract) tree was built from: the same layers and depth n, stacked "
-        "as that model's Stacks hold them."
+        f"{who}: `{name}` of shape{'' if len(shapes) == 1 else 's'} "
+        f"{', '.join(map(str, shapes))} does not give the expected shapes "
+        f"{want} with {'0, 1 or 2' if axes is None else axes} leading layer axes mapped over. "
+        "Give the params of the model the expected (abstract) tree was built from: the same "
+        "layers and depth n, stacked as that model's Stacks hold them."
     )
 
 
@@ -102,10 +114,31 @@ def map_params(
     return out
 
 
+def _is_qwix(value: Any) -> bool:
+    return type(value).__module__.split(".")[0] == "qwix"
+
+
 def holds_qwix(tree: Any) -> bool:
     """Whether ``tree`` holds a qwix object (a quantized weight), without importing qwix."""
-    is_qwix = lambda v: type(v).__module__.split(".")[0] == "qwix"  # noqa: E731
-    return any(is_qwix(v) for v in jax.tree.leaves(tree, is_leaf=is_qwix))
+    return any(_is_qwix(v) for v in jax.tree.leaves(tree, is_leaf=_is_qwix))
+
+
+def _is_qarray(value: Any) -> bool:
+    return _is_qwix(value) and type(value).__name__ == "QArray"
+
+
+def qwix_dequantized_bytes(tree: Any) -> int:
+    """The bytes of ``tree``'s qwix-quantized weights once dequantized, all layers together.
+
+    A qwix ``QArray`` dequantizes to its codes' shape (``qvalue.shape``) in its scales' dtype
+    (``QArray.dtype``), whatever its qtype (int8 or packed 4-bit): as many bytes as the float
+    weight it replaces. qwix's static activation scales (no ``QArray``) count nothing.
+    """
+    return sum(
+        math.prod(v.qvalue.shape) * jnp.dtype(v.scale.dtype).itemsize
+        for v in jax.tree.leaves(tree, is_leaf=_is_qarray)
+        if _is_qarray(v)
+    )
 
 
 def qwix_fix(bridge: str) -> str:

@@ -146,6 +146,8 @@ def test_lora_and_qlora_equal_the_loop(qtype):
     _check_against_loop(Block, _lora(qtype), stackwise.DEFAULT_REMAT)
 
 
+# The Stack warns of remat=False on a quantized base (tests/finetune/test_qwix_remat.py).
+@pytest.mark.filterwarnings("ignore:.*remat=False with a quantized base:UserWarning")
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", [None, "int8", "nf4"])
 def test_lora_and_qlora_equal_the_loop_without_remat(qtype):

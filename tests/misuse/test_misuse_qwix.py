@@ -85,6 +85,50 @@ def _nnx_layers_apart_with_qwix_rngs():
     stack.to_layers()
 
 
+def _srq_rule(static=True):
+    return qwix.QtRule(module_path=".*", weight_qtype="int8", act_qtype="int8",
+                       act_static_scale=static)
+
+
+def _linen_stats(n=3, calibrate=True):
+    qat = qwix.quantize_model(_linen(n), qwix.QtProvider([_srq_rule()]))
+    variables = qat.init(KEY, X)  # count 0 in every layer until calibrated
+    if not calibrate:
+        return variables["quant_stats"]
+    return qat.apply(variables, X, mutable=["quant_stats"])[1]["quant_stats"]
+
+
+def _linen_srq_bridge(stats, static=True):
+    srq = qwix.quantize_model(_linen(), qwix.PtqProvider([_srq_rule(static)]))
+    abstract = jax.eval_shape(srq.init, KEY, X)["params"]
+    stackwise.flax.quantize_params(_linen().init(KEY, X)["params"], abstract, stats)
+
+
+def _linen_srq_uncalibrated():
+    _linen_srq_bridge(_linen_stats(calibrate=False))
+
+
+def _linen_srq_without_static_scales():
+    _linen_srq_bridge(_linen_stats(), static=False)
+
+
+def _linen_srq_other_depth():
+    _linen_srq_bridge(_linen_stats(n=2))
+
+
+def _linen_srq_not_statistics():
+    _linen_srq_bridge({"dot_general0_lhs": {"absmax": jnp.ones((3, 1, 1))}})
+
+
+def _nnx_srq_uncalibrated():
+    qat = qwix.quantize_model(_nnx(), qwix.QtProvider([_srq_rule()]), X)  # not run since
+    stats = nnx.to_pure_dict(nnx.state(qat, qwix.QuantStat))
+    abstract = nnx.eval_shape(
+        lambda: qwix.quantize_model(_nnx(), qwix.PtqProvider([_srq_rule()]), X)
+    )
+    stackwise.nnx.quantize_params(nnx.to_pure_dict(nnx.state(_nnx(), nnx.Param)), abstract, stats)
+
+
 CASES = [
     case(
         "linen: qwix.quantize_params' stacked params given to a Stack",
@@ -142,6 +186,44 @@ CASES = [
         ValueError,
         "qwix_rngs",
         "set_attributes(qwix_rngs=None)",
+    ),
+    case(
+        "linen bridge: SRQ statistics never calibrated",
+        _linen_srq_uncalibrated,
+        ValueError,
+        "`dot_general0_lhs`",
+        "layer(s) 0, 1, 2",
+        "count 0",
+        "mutable=['quant_stats']",
+    ),
+    case(
+        "linen bridge: SRQ statistics for a model without static scales",
+        _linen_srq_without_static_scales,
+        ValueError,
+        "`dot_general0_lhs_scale`",
+        "act_static_scale=True",
+    ),
+    case(
+        "linen bridge: SRQ statistics of another depth",
+        _linen_srq_other_depth,
+        ValueError,
+        "`dot_general0_lhs` of shapes (2,), (2, 1, 1)",
+        "same layers and depth n",
+    ),
+    case(
+        "linen bridge: quant_stats that are not qwix's statistics",
+        _linen_srq_not_statistics,
+        ValueError,
+        "`dot_general0_lhs` has ['absmax']",
+        "variables['quant_stats']",
+    ),
+    case(
+        "nnx bridge: SRQ statistics never calibrated",
+        _nnx_srq_uncalibrated,
+        ValueError,
+        "`layers.dot_general0_lhs`",
+        "count 0",
+        "call the model",
     ),
 ]
 
