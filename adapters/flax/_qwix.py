@@ -14,6 +14,7 @@ import flax.linen as nn
 from flax import traverse_util
 
 from stackwise import _kit
+from stackwise.flax._convert import refuse_served
 
 __all__ = ["quantize_params"]
 
@@ -64,11 +65,15 @@ def quantize_params(
       (stacked weights quantized per layer), the rest unchanged.
 
     Raises:
+      TypeError: ``params`` in the serving layout (quantize the stacked params, then
+        serve them: :func:`stackwise.flax.to_serving`).
       ValueError: a param is not in ``abstract_quantized_params`` (unless
         ``allow_extra_params``), or does not quantize to the shapes given there with 0, 1
         or 2 leading layer axes (params of another model or depth).
     """
     import qwix  # only now: qwix stays optional
+
+    refuse_served(params, _WHO, "params")
 
     abstract = nn.meta.unbox(abstract_quantized_params)
     out = _kit.map_params(
