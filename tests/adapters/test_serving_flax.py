@@ -1,0 +1,214 @@
+"""The serving layout on the linen Stack (`stackwise.flax.to_serving`): every stacked leaf a
+`stackwise.Serving` of its layers, run by the core's serving loop. Against the loop of the
+same blocks over `stackwise.flax.to_loop`'s variables (bitwise: the same arithmetic, layer
+by layer) and the stacked Stack (within tests/_tolerance.py's bound), for decoding with
+flax's own KV cache (`nn.MultiHeadDotProductAttention(decode=True)`, its `cache`
+collection) under `jax.jit` with the cache donated, with and without a pattern."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from _trees import assert_trees_bitwise, assert_trees_close
+
+import stackwise
+import stackwise.flax
+from stackwise import _kit
+
+B, T, D, HEADS = 2, 8, 16, 2
+KEY = jax.random.key(0)
+PROMPT = jax.random.normal(jax.random.key(1), (B, 4, D))
+
+
+class Block(nn.Module):
+    """A pre-norm decoder block with flax's own KV cache (the lm1b example's decoder)."""
+
+    scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + self.scale * nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)(h, h)
+        return x + nn.Dense(D)(jax.nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(x))))
+
+
+class Mix(nn.Module):
+    """A pattern's position without a cache."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(D)(x))
+
+
+def _kinds(k):
+    return [Block, Mix] if k == 2 else [Block]
+
+
+class Model(nn.Module):
+    n: int
+    k: int = 1
+    options: tuple = ()
+
+    @nn.compact
+    def __call__(self, x):
+        kinds = _kinds(self.k)
+        block = kinds if self.k > 1 else kinds[0]
+        return stackwise.flax.Stack(block, self.n, name="layers", **dict(self.options))(x)
+
+
+class Loop(nn.Module):
+    n: int
+    k: int = 1
+    reverse: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kinds = _kinds(self.k)
+        order = reversed(range(self.n)) if self.reverse else range(self.n)
+        for i in order:
+            x = kinds[i % self.k](name=f"layers_{i}")(x)
+        return x
+
+
+def _path(k):
+    return ["layers/Block_0", "layers/Mix_0"] if k == 2 else "layers"
+
+
+def _step(model):
+    """One decode step: ``(params, cache, x) -> (y, cache)``."""
+
+    def step(params, cache, x):
+        y, new = model.apply({"params": params, "cache": cache}, x, mutable=["cache"])
+        return y, new["cache"]
+
+    return step
+
+
+def _decode(step, variables):
+    """The prompt token by token (flax's cache takes one position a call); each output."""
+    cache, ys = variables["cache"], []
+    for t in range(PROMPT.shape[1]):
+        y, cache = step(variables["params"], cache, PROMPT[:, t : t + 1])
+        ys.append(y)
+    return ys, cache
+
+
+@pytest.mark.parametrize(
+    "n, k, options",
+    [(4, 1, {}), (3, 1, {"remat": False, "reverse": True}), (5, 2, {"unroll": 2})],
+    ids=["plain", "reverse", "pattern"],
+)
+def test_served_decode_equals_the_loop_of_its_blocks_and_the_stack(n, k, options):
+    model = Model(n, k, tuple(options.items()))
+    variables = model.init(KEY, jnp.zeros((B, T, D)))
+    served = stackwise.flax.to_serving(variables, _path(k))
+    kernel = jax.tree.leaves(served["params"], is_leaf=_kit.serving.is_serving)[0]
+    assert isinstance(kernel, stackwise.Serving) and len(kernel) == len(range(0, n, k))
+    ys, cache = _decode(jax.jit(_step(model), donate_argnums=1), served)
+    assert all(isinstance(v, stackwise.Serving) for v in jax.tree.leaves(
+        cache, is_leaf=_kit.serving.is_serving))  # fmt: skip
+
+    loop = stackwise.flax.to_loop(variables, _path(k))
+    ys_loop, cache_loop = _decode(jax.jit(_step(Loop(n, k, options.get("reverse", False)))), loop)
+    ys_stack, cache_stack = _decode(jax.jit(_step(model)), variables)
+    for y, y_loop, y_stack in zip(ys, ys_loop, ys_stack, strict=True):
+        assert_trees_bitwise(y, y_loop)
+        assert_trees_close(y, y_stack)
+    back = stackwise.flax.from_serving({"cache": cache}, _path(k))
+    assert_trees_bitwise(stackwise.flax.to_loop(back, _path(k))["cache"], cache_loop)
+    assert_trees_close(back["cache"], cache_stack)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_round_trip_is_exact_in_every_collection(k):
+    variables = Model(5, k).init(KEY, jnp.zeros((B, T, D)))
+    served = stackwise.flax.to_serving(variables, _path(k))
+    layers = stackwise.flax.to_loop(variables, _path(k))
+    for i in range(0, 5, k):  # layer i of the Block position: its Serving's entry i // k
+        at = lambda tree, i=i: jax.tree.map(  # noqa: E731
+            lambda s: s.layers[i // k], tree, is_leaf=_kit.serving.is_serving
+        )
+        for col in ("params", "cache"):
+            position = served[col]["layers"]["Block_0"] if k > 1 else served[col]["layers"]
+            assert_trees_bitwise(at(position), layers[col][f"layers_{i}"])
+    assert_trees_bitwise(stackwise.flax.from_serving(served, _path(k)), variables)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_decode_writes_each_donated_cache_buffer_in_place(n):
+    """Every layer's cache buffer aliased to its output; the temporaries are the loop's,
+    byte for byte, and below the stacked Stack's (a slice of each weight, the stacked
+    cache written back)."""
+    variables = Model(n).init(KEY, jnp.zeros((B, T, D)))
+    served = stackwise.flax.to_serving(variables, "layers")
+    x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
+
+    def compiled(model, variables, donate=True):
+        step = jax.jit(_step(model), donate_argnums=1 if donate else ())
+        lowered = step.lower(variables["params"], variables["cache"], x)
+        return lowered.compile().memory_analysis()
+
+    leaves = jax.tree.leaves(served["cache"])
+    assert len(leaves) == 3 * n  # each layer's keys, values and index: buffers of their own
+    got = compiled(Model(n), served)
+    assert got.alias_size_in_bytes == sum(a.size * a.dtype.itemsize for a in leaves)
+    assert compiled(Model(n), served, donate=False).alias_size_in_bytes == 0
+    loop = compiled(Loop(n), stackwise.flax.to_loop(variables, "layers"))
+    assert got.temp_size_in_bytes == loop.temp_size_in_bytes
+    assert compiled(Model(n), variables).temp_size_in_bytes > got.temp_size_in_bytes
+
+
+class Sown(nn.Module):
+    """A block with a per-layer input, the layer index (or, in the loop, a given one), a
+    sown value and an auxiliary output."""
+
+    index: int | None = None
+
+    @nn.compact
+    def __call__(self, x, gate):
+        i = stackwise.flax.layer_index() if self.index is None else jnp.int32(self.index)
+        y = x + gate * jnp.tanh(nn.Dense(D)(x)) + i
+        self.sow("intermediates", "mean", y.mean())
+        return y, y.sum()
+
+
+class SownModel(nn.Module):
+    @nn.compact
+    def __call__(self, x, gates):
+        return stackwise.flax.Stack(Sown, 3, has_aux=True, name="layers")(x, gates)
+
+
+def test_no_state_aux_per_layer_inputs_and_sown_values():
+    """`mutable=False` runs the served params alone; `has_aux` outputs come back stacked
+    (as from the stacked Stack), sown values served (state, as a cache); all the loop's."""
+    x, gates = jnp.ones((B, D)), jnp.array([0.5, 1.0, 2.0])
+    model = SownModel()
+    variables = model.init(KEY, x, stackwise.per_layer(gates))
+    assert "intermediates" not in variables  # (sown at init only when mutable)
+    served = stackwise.flax.to_serving(variables, "layers")
+    run = jax.jit(lambda v: model.apply(v, x, stackwise.per_layer(gates)))
+    (y, sums) = run(served)
+
+    def loop(params):
+        h, sums, means = x, [], []
+        for i in range(3):
+            (h, s), sown = Sown(index=i).apply(
+                {"params": params[f"layers_{i}"]}, h, gates[i], mutable=["intermediates"]
+            )
+            sums.append(s)
+            means.append(sown["intermediates"]["mean"][0])
+        return h, jnp.stack(sums), means
+
+    y_loop, sums_loop, means_loop = jax.jit(loop)(
+        stackwise.flax.to_loop(variables, "layers")["params"]
+    )
+    assert_trees_bitwise((y, sums), (y_loop, sums_loop))
+    assert_trees_close((y, sums), run(variables))
+    (_, _), sown = model.apply(served, x, stackwise.per_layer(gates), mutable=["intermediates"])
+    mean = sown["intermediates"]["layers"]["mean"][0]
+    assert isinstance(mean, stackwise.Serving) and len(mean) == 3
+    assert_trees_bitwise(list(mean.layers), means_loop)
+    stacked = stackwise.flax.from_serving(sown, "layers")["intermediates"]["layers"]["mean"][0]
+    assert_trees_bitwise(stacked, jnp.stack(means_loop))
