@@ -97,8 +97,11 @@ def _decode(step, variables):
 
 @pytest.mark.parametrize(
     "n, k, options",
-    [(4, 1, {}), (3, 1, {"remat": False, "reverse": True}), (5, 2, {"unroll": 2})],
-    ids=["plain", "reverse", "pattern"],
+    [
+        pytest.param(4, 1, {}, id="plain"),
+        pytest.param(3, 1, {"remat": False, "reverse": True}, id="reverse", marks=pytest.mark.slow),
+        pytest.param(5, 2, {"unroll": 2}, id="pattern"),
+    ],
 )
 def test_served_decode_equals_the_loop_of_its_blocks_and_the_stack(n, k, options):
     model = Model(n, k, tuple(options.items()))
@@ -136,7 +139,7 @@ def test_round_trip_is_exact_in_every_collection(k):
     assert_trees_bitwise(stackwise.flax.from_serving(served, _path(k)), variables)
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_decode_writes_each_donated_cache_buffer_in_place(n):
     """Every layer's cache buffer aliased to its output; the temporaries are the loop's,
     byte for byte, and below the stacked Stack's (a slice of each weight, the stacked
@@ -212,3 +215,79 @@ def test_no_state_aux_per_layer_inputs_and_sown_values():
     assert_trees_bitwise(list(mean.layers), means_loop)
     stacked = stackwise.flax.from_serving(sown, "layers")["intermediates"]["layers"]["mean"][0]
     assert_trees_bitwise(stacked, jnp.stack(means_loop))
+
+
+def _loop_decode(params, cache, model=Block()):
+    """A Python loop of the block over per-layer variables (``to_loop``'s), each layer's
+    float weights built as the Stack builds them (``_kit.layer_params``)."""
+
+    def step(params, cache, x):
+        cache = dict(cache)
+        for i in range(len(cache)):
+            name = f"layers_{i}"
+            layer = {"params": _kit.layer_params(params[name], "loop"), "cache": cache[name]}
+            x, new = model.apply(layer, x, mutable=["cache"])
+            cache[name] = new["cache"]
+        return x, cache
+
+    return _decode(jax.jit(step), {"params": params, "cache": cache})
+
+
+@pytest.mark.parametrize("kind", ["int8", pytest.param("nf4", marks=pytest.mark.slow)])
+def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
+    """QLoRA weights (`stackwise.quant` codes, `stackwise.lora.attach(..., per_leaf=True)`)
+    served leaf by leaf: each layer's codes (nf4 still packed), scales and adapters its own
+    buffers; the loop over `to_loop`'s per-layer nodes is the same arithmetic."""
+    model = Model(4)
+    variables = model.init(KEY, jnp.zeros((B, T, D)))
+    base = stackwise.quant.quantize(variables["params"]["layers"], kind)
+    adapters = stackwise.lora.init(jax.random.key(5), base, rank=2)
+    adapters = jax.tree.map(lambda v: v + 0.05, adapters)
+    params = {"layers": stackwise.lora.attach(base, adapters, per_leaf=True)}
+    qlora = {"params": params, "cache": variables["cache"]}
+    served = stackwise.flax.to_serving(qlora, "layers")
+    kernel = served["params"]["layers"]["Dense_1"]["kernel"].base  # Dense(2 * D), per layer
+    assert isinstance(kernel.codes, stackwise.Serving)
+    packed = D // 2 if kind == "nf4" else D
+    assert kernel.codes.layers[0].shape == (packed, 2 * D)
+    ys, cache = _decode(jax.jit(_step(model), donate_argnums=1), served)
+
+    loop = stackwise.flax.to_loop(qlora, "layers")
+    ys_loop, cache_loop = _loop_decode(loop["params"], loop["cache"])
+    ys_stack, _ = _decode(jax.jit(_step(model)), qlora)
+    for y, y_loop, y_stack in zip(ys, ys_loop, ys_stack, strict=True):
+        assert_trees_bitwise(y, y_loop)
+        assert_trees_close(y, y_stack)
+    back = stackwise.flax.to_loop(stackwise.flax.from_serving({"cache": cache}, "layers"), "layers")
+    assert_trees_bitwise(back["cache"], cache_loop)
+    back = stackwise.flax.from_serving({"params": served["params"]}, "layers")  # (cache donated)
+    assert_trees_bitwise(back["params"], params)
+
+
+@pytest.mark.slow
+def test_qwix_quantized_params_serve_as_the_loop_of_qwix_blocks():
+    """qwix PTQ on the Stack (its weights quantized per layer by
+    `stackwise.flax.quantize_params`): each layer's int8 values and scales served, the
+    outputs those of a loop of the blocks that qwix quantized one by one."""
+    qwix = pytest.importorskip("qwix")
+    provider = qwix.PtqProvider([qwix.QtRule(module_path=".*", weight_qtype="int8")])
+    x0 = jnp.zeros((B, T, D))
+    floats = Model(3).init(KEY, x0)
+    qmodel, qloop = qwix.quantize_model(Model(3), provider), qwix.quantize_model(Loop(3), provider)
+    params = stackwise.flax.quantize_params(
+        floats["params"], jax.eval_shape(qmodel.init, KEY, x0)["params"]
+    )
+    quantized = {"params": params, "cache": floats["cache"]}
+    served = stackwise.flax.to_serving(quantized, "layers")
+    qvalue = served["params"]["layers"]["Dense_1"]["kernel"].array.qvalue
+    assert isinstance(qvalue, stackwise.Serving) and qvalue.layers[0].dtype == jnp.int8
+    ys, _ = _decode(jax.jit(_step(qmodel), donate_argnums=1), served)
+    loop = stackwise.flax.to_loop(floats, "layers")
+    loop_params = qwix.quantize_params(
+        loop["params"], jax.eval_shape(qloop.init, KEY, x0)["params"]
+    )
+    ys_loop, _ = _decode(jax.jit(_step(qloop)), {"params": loop_params, "cache": loop["cache"]})
+    ys_stack, _ = _decode(jax.jit(_step(qmodel)), quantized)
+    for y, y_loop, y_stack in zip(ys, ys_loop, ys_stack, strict=True):
+        assert_trees_bitwise(y, y_loop)
+        assert_trees_close(y, y_stack)
