@@ -291,3 +291,50 @@ def test_qwix_quantized_params_serve_as_the_loop_of_qwix_blocks():
     for y, y_loop, y_stack in zip(ys, ys_loop, ys_stack, strict=True):
         assert_trees_bitwise(y, y_loop)
         assert_trees_close(y, y_stack)
+
+
+class Boxed(nn.Module):
+    """A block whose params are partitioned (`nn.with_partitioning` and its logical twin)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        kernel = self.param("kernel", nn.with_partitioning(init, (None, "model")), (D, D))
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (D,))
+        return x + jnp.tanh(x @ kernel) * scale[None]
+
+
+class BoxedModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return stackwise.flax.Stack(Boxed, 3, layer_axis_name="layers", name="layers")(x)
+
+
+class BoxedLoop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = Boxed(name=f"layers_{i}")(x)
+        return x
+
+
+def test_partitioned_variables_keep_their_boxes_around_the_served_layers():
+    """A box stays around its `Serving` with the stacked names (the layer axis first): the
+    Stack drops the layer axis per layer, as in the stacked layout, also under a mesh and
+    logical rules (whose constraints then see per-layer names); back, bit for bit."""
+    x = jax.random.normal(jax.random.key(2), (B, D))
+    variables = BoxedModel().init(KEY, x)
+    served = stackwise.flax.to_serving(variables, "layers")
+    kernel = served["params"]["layers"]["kernel"]
+    assert isinstance(kernel, nn.Partitioned) and isinstance(kernel.value, stackwise.Serving)
+    assert kernel.names == ("layers", None, "model")
+    assert_trees_bitwise(stackwise.flax.from_serving(served, "layers"), variables)
+    assert jax.tree.structure(stackwise.flax.from_serving(served, "layers")) == jax.tree.structure(
+        variables
+    )
+    loop = stackwise.flax.to_loop(variables, "layers", layer_axis_name="layers")
+    y_loop = jax.jit(BoxedLoop().apply)(loop, x)
+    assert_trees_bitwise(jax.jit(BoxedModel().apply)(served, x), y_loop)
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh), nn.logical_axis_rules([("embed", "model")]):
+        assert_trees_bitwise(jax.jit(BoxedModel().apply)(served, x), y_loop)
