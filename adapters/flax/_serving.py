@@ -160,4 +160,3 @@ def _check_depths(depths: dict[int, dict[str, int]], k: int, who: str) -> None:
         counts[q] = next(iter(held.values()))
     if k > 1:
         _kit.pattern_depths(counts, k, who)
-

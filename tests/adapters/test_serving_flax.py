@@ -95,6 +95,10 @@ def _decode(step, variables):
     return ys, cache
 
 
+def _served_leaves(tree):
+    return jax.tree.leaves(tree, is_leaf=_kit.serving.is_serving)
+
+
 @pytest.mark.parametrize(
     "n, k, options",
     [
@@ -107,11 +111,10 @@ def test_served_decode_equals_the_loop_of_its_blocks_and_the_stack(n, k, options
     model = Model(n, k, tuple(options.items()))
     variables = model.init(KEY, jnp.zeros((B, T, D)))
     served = stackwise.flax.to_serving(variables, _path(k))
-    kernel = jax.tree.leaves(served["params"], is_leaf=_kit.serving.is_serving)[0]
+    kernel = _served_leaves(served["params"])[0]
     assert isinstance(kernel, stackwise.Serving) and len(kernel) == len(range(0, n, k))
     ys, cache = _decode(jax.jit(_step(model), donate_argnums=1), served)
-    assert all(isinstance(v, stackwise.Serving) for v in jax.tree.leaves(
-        cache, is_leaf=_kit.serving.is_serving))  # fmt: skip
+    assert all(_kit.serving.is_serving(v) for v in _served_leaves(cache))  # served back
 
     loop = stackwise.flax.to_loop(variables, _path(k))
     ys_loop, cache_loop = _decode(jax.jit(_step(Loop(n, k, options.get("reverse", False)))), loop)
@@ -217,7 +220,7 @@ def test_no_state_aux_per_layer_inputs_and_sown_values():
     assert_trees_bitwise(stacked, jnp.stack(means_loop))
 
 
-def _loop_decode(params, cache, model=Block()):
+def _loop_decode(params, cache):
     """A Python loop of the block over per-layer variables (``to_loop``'s), each layer's
     float weights built as the Stack builds them (``_kit.layer_params``)."""
 
@@ -226,7 +229,7 @@ def _loop_decode(params, cache, model=Block()):
         for i in range(len(cache)):
             name = f"layers_{i}"
             layer = {"params": _kit.layer_params(params[name], "loop"), "cache": cache[name]}
-            x, new = model.apply(layer, x, mutable=["cache"])
+            x, new = Block().apply(layer, x, mutable=["cache"])
             cache[name] = new["cache"]
         return x, cache
 
@@ -300,7 +303,9 @@ class Boxed(nn.Module):
     def __call__(self, x):
         init = nn.initializers.lecun_normal()
         kernel = self.param("kernel", nn.with_partitioning(init, (None, "model")), (D, D))
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (D,))
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (D,)
+        )
         return x + jnp.tanh(x @ kernel) * scale[None]
 
 
