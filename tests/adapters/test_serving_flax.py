@@ -10,8 +10,11 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _trees import assert_trees_bitwise, assert_trees_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stackwise
 import stackwise.flax
@@ -343,3 +346,69 @@ def test_partitioned_variables_keep_their_boxes_around_the_served_layers():
     mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh), nn.logical_axis_rules([("embed", "model")]):
         assert_trees_bitwise(jax.jit(BoxedModel().apply)(served, x), y_loop)
+
+
+class MixModel(nn.Module):
+    remat: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        return stackwise.flax.Stack(Mix, 3, remat=self.remat, name="layers")(x)
+
+
+class MixLoop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = Mix(name=f"layers_{i}")(x)
+        return x
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_gradients_through_served_params_are_the_loops(remat):
+    """The layout is for inference, but the loop it runs is differentiable (remat per
+    layer): the gradients, served like the params, are the loop's bit for bit."""
+    x = jax.random.normal(jax.random.key(2), (B, D))
+    variables = MixModel(remat).init(KEY, x)
+
+    def grad(model, params):
+        loss = lambda p: jnp.sum(jnp.sin(model.apply({"params": p}, x)))  # noqa: E731
+        return jax.jit(jax.grad(loss))(params)
+
+    g = grad(MixModel(remat), stackwise.flax.to_serving(variables, "layers")["params"])
+    assert all(_kit.serving.is_serving(v) for v in _served_leaves(g))
+    g_loop = grad(MixLoop(), stackwise.flax.to_loop(variables, "layers")["params"])
+    back = stackwise.flax.from_serving({"params": g}, "layers")
+    assert_trees_bitwise(stackwise.flax.to_loop(back, "layers")["params"], g_loop)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    k=st.integers(1, 3),
+    width=st.integers(1, 4),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int8]),
+)
+def test_round_trip_whatever_the_depth_pattern_and_dtypes(n, k, width, dtype):
+    """Any depth, pattern and dtypes: each position's leaves served as its own layers
+    (position p: layers p, p + k, ...), and back bit for bit."""
+    k = min(k, n)
+    paths = [f"stack/P_{p}" for p in range(k)] if k > 1 else "stack"
+    counts = [len(range(p, n, k)) for p in range(k)]
+    rng = np.random.default_rng(n * 100 + k * 10 + width)
+
+    def leaf(*shape):
+        return jnp.asarray(rng.normal(size=shape) * 10).astype(dtype)
+
+    positions = [{"w": leaf(c, width, 2), "b": leaf(c, 2)} for c in counts]
+    stack = {f"P_{p}": t for p, t in enumerate(positions)} if k > 1 else positions[0]
+    cache = {f"P_{p}": {"k": leaf(c, 3)} for p, c in enumerate(counts)} if k > 1 else {
+        "k": leaf(n, 3)}  # fmt: skip
+    variables = {"params": {"stack": stack, "head": leaf(width)}, "cache": {"stack": cache}}
+    served = stackwise.flax.to_serving(variables, paths)
+    assert_trees_bitwise(served["params"]["head"], variables["params"]["head"])
+    for p, c in enumerate(counts):
+        w = served["params"]["stack"][f"P_{p}"]["w"] if k > 1 else served["params"]["stack"]["w"]
+        assert len(w) == c
+        assert_trees_bitwise(w.layers[-1], positions[p]["w"][-1])
+    assert_trees_bitwise(stackwise.flax.from_serving(served, paths), variables)
