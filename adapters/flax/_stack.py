@@ -147,10 +147,9 @@ def _check_served_leaves(positions: list, who: str) -> None:
                 ):
                     raise TypeError(
                         f"{who}: `variables['{col}']{jax.tree_util.keystr(path)}` is a "
-                        "`stackwise.Serving` of "
-                        "per-layer trees (the core's layout, `stackwise.to_serving`); a "
-                        "Stack's served variables hold one per leaf, of its per-layer "
-                        "arrays. Convert the stacked variables with "
+                        "`stackwise.Serving` of per-layer trees (the core's layout, "
+                        "`stackwise.to_serving`); a Stack's served variables hold one per "
+                        "leaf, of its per-layer arrays. Convert the stacked variables with "
                         "`stackwise.flax.to_serving(variables, path)`."
                     )
 
@@ -232,6 +231,12 @@ class Stack(nn.Module):
     >>> y, sums
     (Array([6., 6.], dtype=float32), Array([2., 2., 4.], dtype=float32))
 
+    For decoding, :func:`stackwise.flax.to_serving` converts the Stack's variables once
+    into the serving layout (each stacked leaf a ``stackwise.Serving`` of its per-layer
+    arrays): the Stack then runs its layers as a Python loop over the separate buffers,
+    as a loop of the blocks does, and returns the collections it updates (a ``cache``)
+    served, each layer's buffer written in place when donated.
+
     Attributes:
       block: the layer: a linen ``nn.Module`` class, a ``functools.partial`` of
         one, or an instance used as a template (``Block(features=512)``). Called
@@ -254,9 +259,11 @@ class Stack(nn.Module):
 
     Raises:
       TypeError: ``block`` is not a linen module, the block changes its
-        input's shape or dtype, or it creates a variable that is not an array.
-      ValueError: ``n < 1``, or variables without a leading axis of length
-        ``n`` (the offending variables are listed).
+        input's shape or dtype, it creates a variable that is not an array, or
+        variables some of whose leaves are served and some stacked.
+      ValueError: ``n < 1``, variables without a leading axis of length
+        ``n`` (the offending variables are listed), served variables of another
+        depth, or served variables given to a Stack built with ``fsdp`` or ``nested``.
     """
 
     block: Any
@@ -287,10 +294,12 @@ class Stack(nn.Module):
         """The core's ``(params, state)`` in the serving layout (each a ``stackwise.Serving``
         of per-layer trees) of the positions' leaf-wise served variables."""
         _kit.refuse_unservable(
-            self.fsdp, self.nested, who,
+            self.fsdp,
+            self.nested,
+            who,
             ". Build the Stack you serve with without `{option}` (the same variables), or "
             "run the stacked variables (`stackwise.flax.from_serving(variables, path)`).",
-        )  # fmt: skip
+        )
         _check_served_leaves(positions, who)
         core = _kit.serving.gather(positions, self.n, pattern, who, "variables")
         mutable = self.scope.is_mutable_collection
