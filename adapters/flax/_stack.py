@@ -143,7 +143,7 @@ def _check_served_leaves(positions: list, who: str) -> None:
             flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_kit.serving.is_serving)
             for path, leaf in flat:
                 if _kit.serving.is_serving(leaf) and not all(
-                    isinstance(a, (jax.Array, np.ndarray)) for a in leaf.layers
+                    jax.tree_util.treedef_is_leaf(jax.tree.structure(a)) for a in leaf.layers
                 ):
                     raise TypeError(
                         f"{who}: `variables['{col}']{jax.tree_util.keystr(path)}` is a "
