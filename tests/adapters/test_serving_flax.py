@@ -412,3 +412,39 @@ def test_round_trip_whatever_the_depth_pattern_and_dtypes(n, k, width, dtype):
         assert len(w) == c
         assert_trees_bitwise(w.layers[-1], positions[p]["w"][-1])
     assert_trees_bitwise(stackwise.flax.from_serving(served, paths), variables)
+
+
+class Normed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False)(nn.Dense(D)(x))
+
+
+class NormedModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return stackwise.flax.Stack(Normed, 3, name="layers")(x)
+
+
+class NormedLoop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = Normed(name=f"layers_{i}")(x)
+        return x
+
+
+def test_every_mutable_collection_comes_back_served():
+    """`mutable=True`: the params and the `batch_stats` come back served, each layer's the
+    loop's, bit for bit."""
+    x = jax.random.normal(jax.random.key(2), (B * 3, D))
+    variables = NormedModel().init(KEY, x)
+    served = stackwise.flax.to_serving(variables, "layers")
+    y, new = jax.jit(lambda v: NormedModel().apply(v, x, mutable=True))(served)
+    assert set(new) == {"params", "batch_stats"}
+    assert all(_kit.serving.is_serving(v) for v in _served_leaves(new))
+    loop = stackwise.flax.to_loop(variables, "layers")
+    y_loop, new_loop = jax.jit(lambda v: NormedLoop().apply(v, x, mutable=True))(loop)
+    assert_trees_bitwise(y, y_loop)
+    back = stackwise.flax.to_loop(stackwise.flax.from_serving(new, "layers"), "layers")
+    assert_trees_bitwise(back, new_loop)
