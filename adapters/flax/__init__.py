@@ -20,6 +20,8 @@ from stackwise.flax._convert import to_loop as to_loop
 from stackwise.flax._convert import to_scan as to_scan
 from stackwise.flax._correspond import convert as convert
 from stackwise.flax._qwix import quantize_params as quantize_params
+from stackwise.flax._serving import from_serving as from_serving
+from stackwise.flax._serving import to_serving as to_serving
 from stackwise.flax._stack import Stack as Stack
 from stackwise.flax._stack import layer_index as layer_index
 
@@ -28,8 +30,10 @@ __all__ = [
     "convert",
     "from_loop",
     "from_scan",
+    "from_serving",
     "layer_index",
     "quantize_params",
     "to_loop",
     "to_scan",
+    "to_serving",
 ]

@@ -31,7 +31,17 @@ from flax.core.scope import in_filter
 from stackwise import _kit
 from stackwise.flax import _boxes
 
-__all__ = ["from_loop", "from_scan", "get", "put", "show", "to_loop", "to_scan", "variables_dict"]
+__all__ = [
+    "from_loop",
+    "from_scan",
+    "get",
+    "put",
+    "refuse_served",
+    "show",
+    "to_loop",
+    "to_scan",
+    "variables_dict",
+]
 
 Path = str | tuple[str, ...]
 Names = str | Sequence[str] | Callable[[int], str]
@@ -122,7 +132,8 @@ def put(tree: dict, path: tuple, value: Any, col: str, who: str) -> None:
     _copy_to(tree, path[:-1])[path[-1]] = value
 
 
-def variables_dict(variables: Any, who: str) -> dict[str, dict]:
+def variables_dict(variables: Any, who: str, served: bool = False) -> dict[str, dict]:
+    """``variables`` as a dict of dicts, checked; ``served``: may hold served leaves."""
     if not isinstance(variables, Mapping) or not all(
         isinstance(v, Mapping) for v in variables.values()
     ):
@@ -131,7 +142,22 @@ def variables_dict(variables: Any, who: str) -> dict[str, dict]:
             f"`{{collection: {{name: ...}}}}` as `init` returns it, got "
             f"{type(variables).__name__}."
         )
-    return {col: dict(tree) for col, tree in variables.items()}
+    out = {col: dict(tree) for col, tree in variables.items()}
+    if not served:
+        refuse_served(out, who, "variables")
+    return out
+
+
+def refuse_served(tree: Any, who: str, what: str) -> None:
+    """Refuses a tree holding a leaf in the serving layout where stacked ones go."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_kit.serving.is_serving)
+    for path, leaf in flat:
+        if _kit.serving.is_serving(leaf):
+            raise TypeError(
+                f"{who}: `{what}{jax.tree_util.keystr(path)}` is in the serving layout (a "
+                f"`stackwise.Serving`), but {who} takes a Stack's stacked {what}. Stack "
+                "them back first: `stackwise.flax.from_serving(variables, path)`."
+            )
 
 
 # --------------------------------------------------------------------------

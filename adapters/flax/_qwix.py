@@ -16,6 +16,7 @@ import flax.linen as nn
 from flax import traverse_util
 
 from stackwise import _kit
+from stackwise.flax._convert import refuse_served
 
 __all__ = ["quantize_params"]
 
@@ -94,6 +95,8 @@ def quantize_params(
       (stacked weights quantized per layer), the rest unchanged.
 
     Raises:
+      TypeError: ``params`` in the serving layout (quantize the stacked params, then
+        serve them: :func:`stackwise.flax.to_serving`).
       ValueError: a param is not in ``abstract_quantized_params`` (unless
         ``allow_extra_params``), or does not quantize to the shapes given there with 0, 1
         or 2 leading layer axes (params of another model or depth); a ``quant_stats``
@@ -101,6 +104,8 @@ def quantize_params(
         static scale in ``abstract_quantized_params`` or is of another depth.
     """
     import qwix  # only now: qwix stays optional
+
+    refuse_served(params, _WHO, "params")
 
     abstract = nn.meta.unbox(abstract_quantized_params)
     out = _kit.map_params(

@@ -82,7 +82,6 @@ def _path(col: str, path: tuple) -> str:
 
 
 def _check_depth(variables: dict, n: int, who: str) -> None:
-    _kit.refuse_serving(who, "stackwise.flax.to_loop", variables=variables)
     leaves = [
         (_path(col, path), leaf)
         for col, tree in variables.items()
@@ -126,6 +125,33 @@ def _check_stackable(variables: dict, who: str) -> None:
                     "collection) must be an array. Keep Python values as module "
                     "attributes, or store them as arrays, e.g. `jnp.asarray(...)`."
                 )
+
+
+def _split_mutable(trees: list, mutable: Callable[[str], bool], many: bool) -> tuple:
+    """``(params, state)``: each ``{collection: tree}`` of ``trees`` split into the
+    collections the call does not update and those it does; a tuple of each if ``many``."""
+    params = tuple({c: v for c, v in t.items() if not mutable(c)} for t in trees)
+    state = tuple({c: v for c, v in t.items() if mutable(c)} for t in trees)
+    return (params, state) if many else (params[0], state[0])
+
+
+def _check_served_leaves(positions: list, who: str) -> None:
+    """Each ``stackwise.Serving`` among served variables holds arrays (one per layer), not
+    the core's per-layer trees (``stackwise.to_serving`` of a subtree)."""
+    for position in positions:
+        for col, tree in position.items():
+            flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_kit.serving.is_serving)
+            for path, leaf in flat:
+                if _kit.serving.is_serving(leaf) and not all(
+                    jax.tree_util.treedef_is_leaf(jax.tree.structure(a)) for a in leaf.layers
+                ):
+                    raise TypeError(
+                        f"{who}: `variables['{col}']{jax.tree_util.keystr(path)}` is a "
+                        "`stackwise.Serving` of per-layer trees (the core's layout, "
+                        "`stackwise.to_serving`); a Stack's served variables hold one per "
+                        "leaf, of its per-layer arrays. Convert the stacked variables with "
+                        "`stackwise.flax.to_serving(variables, path)`."
+                    )
 
 
 @contextlib.contextmanager
@@ -205,6 +231,12 @@ class Stack(nn.Module):
     >>> y, sums
     (Array([6., 6.], dtype=float32), Array([2., 2., 4.], dtype=float32))
 
+    For decoding, :func:`stackwise.flax.to_serving` converts the Stack's variables once
+    into the serving layout (each stacked leaf a ``stackwise.Serving`` of its per-layer
+    arrays): the Stack then runs its layers as a Python loop over the separate buffers,
+    as a loop of the blocks does, and returns the collections it updates (a ``cache``)
+    served, each layer's buffer written in place when donated.
+
     Attributes:
       block: the layer: a linen ``nn.Module`` class, a ``functools.partial`` of
         one, or an instance used as a template (``Block(features=512)``). Called
@@ -227,9 +259,11 @@ class Stack(nn.Module):
 
     Raises:
       TypeError: ``block`` is not a linen module, the block changes its
-        input's shape or dtype, or it creates a variable that is not an array.
-      ValueError: ``n < 1``, or variables without a leading axis of length
-        ``n`` (the offending variables are listed).
+        input's shape or dtype, it creates a variable that is not an array, or
+        variables some of whose leaves are served and some stacked.
+      ValueError: ``n < 1``, variables without a leading axis of length
+        ``n`` (the offending variables are listed), served variables of another
+        depth, or served variables given to a Stack built with ``fsdp`` or ``nested``.
     """
 
     block: Any
@@ -256,6 +290,22 @@ class Stack(nn.Module):
     def _options(self, who: str) -> dict[str, Any]:
         return _kit.stack_options(who, self.n, vars(self))
 
+    def _served(self, positions: list, pattern: bool, who: str) -> tuple:
+        """The core's ``(params, state)`` in the serving layout (each a ``stackwise.Serving``
+        of per-layer trees) of the positions' leaf-wise served variables."""
+        _kit.refuse_unservable(
+            self.fsdp,
+            self.nested,
+            who,
+            ". Build the Stack you serve with without `{option}` (the same variables), or "
+            "run the stacked variables (`stackwise.flax.from_serving(variables, path)`).",
+        )
+        _check_served_leaves(positions, who)
+        core = _kit.serving.gather(positions, self.n, pattern, who, "variables")
+        mutable = self.scope.is_mutable_collection
+        params, state = _split_mutable(core.layers, mutable, True)
+        return stackwise.Serving(params, core.pattern), stackwise.Serving(state, core.pattern)
+
     @nn.compact
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the n layers: ``block(x, *args, **kwargs)`` each, in order."""
@@ -275,9 +325,11 @@ class Stack(nn.Module):
             variables if name is None else {c: t[name] for c, t in variables.items() if name in t}
             for name in names
         ]
+        served = not initializing and _kit.serving.served(variables)
         if not initializing:
             for p, position in enumerate(positions):
-                _check_depth(position, len(range(p, self.n, k)), who)
+                if not served:
+                    _check_depth(position, len(range(p, self.n, k)), who)
                 _check_box_names(position, self.layer_axis_name, who)
         # Every stream the caller provides, split per layer (deterministically).
         extras = {
@@ -323,21 +375,15 @@ class Stack(nn.Module):
             name=who,  # the core checks x's shape and dtype
             **self._options(who),
         )
-        params = [
-            {c: v for c, v in pos.items() if not scope.is_mutable_collection(c)}
-            for pos in positions
-        ]
-        state = [
-            {c: v for c, v in pos.items() if scope.is_mutable_collection(c)} for pos in positions
-        ]
-        if not pattern:
-            params, state = params[0], state[0]
+        if served:
+            params, state = self._served(positions, pattern, who)
         else:
-            params, state = tuple(params), tuple(state)
-        call = _kit.CallArgs(args, kwargs)
-        _kit.warn_unrematted(params, self.remat, who)
-        out, new = layers.apply(params, state, x, extras, call)
-        for name, position in zip(names, new if pattern else [new]):
+            params, state = _split_mutable(positions, scope.is_mutable_collection, pattern)
+            _kit.warn_unrematted(params, self.remat, who)
+        out, new = layers.apply(params, state, x, extras, _kit.CallArgs(args, kwargs))
+        if served:
+            new = _kit.serving.scatter(new, k)
+        for name, position in zip(names, new if pattern or served else [new]):
             for col, tree in position.items():
                 if name is not None:
                     self.put_variable(col, name, tree)

@@ -206,6 +206,86 @@ def _flax():
     Model().apply(served, X4)
 
 
+def _linen(n=3, **options):
+    import flax.linen as nn
+
+    import stackwise.flax
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return stackwise.flax.Stack(nn.Dense(4), n, name="layers", **options)(x)
+
+    return Model()
+
+
+def _linen_vars(n=3):
+    return _linen(n).init(jax.random.key(0), X4)
+
+
+def _linen_served(n=3):
+    import stackwise.flax
+
+    return stackwise.flax.to_serving(_linen_vars(n), "layers")
+
+
+def _linen_two_depths():
+    import stackwise.flax
+
+    variables = {**_linen_vars(), "cache": {"layers": {"k": jnp.zeros((2, 5))}}}
+    stackwise.flax.to_serving(variables, "layers")
+
+
+def _linen_pattern_depths():
+    import stackwise.flax
+
+    params = {"layers": {"A_0": {"w": jnp.ones((1, 2))}, "B_0": {"w": jnp.ones((3, 2))}}}
+    stackwise.flax.to_serving({"params": params}, ["layers/A_0", "layers/B_0"])
+
+
+def _linen_mixed():
+    import flax.linen as nn
+
+    import stackwise.flax
+
+    class Cached(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = self.variable("cache", "k", jnp.zeros, x.shape)
+            k.value = k.value + x
+            return nn.Dense(4)(x) + k.value
+
+    stack = stackwise.flax.Stack(Cached, 3)
+    variables = stack.init(jax.random.key(0), X4)
+    params = {"params": _kit_split(variables["params"])}
+    stack.apply({**params, "cache": variables["cache"]}, X4, mutable=["cache"])
+
+
+def _kit_split(tree):
+    from stackwise import _kit
+
+    return _kit.serving.split(tree, "test", "params")
+
+
+def _linen_convert():
+    import stackwise.flax
+
+    model = _linen()
+    stackwise.flax.convert(_linen_served(), model, model, X4)
+
+
+def _linen_qwix():
+    import qwix
+
+    import stackwise.flax
+
+    model = _linen()
+    ptq = qwix.quantize_model(model, qwix.PtqProvider(
+        [qwix.QtRule(module_path=".*", weight_qtype="int8")]))
+    abstract = jax.eval_shape(ptq.init, jax.random.key(0), X4)["params"]
+    stackwise.flax.quantize_params(_linen_served()["params"], abstract)
+
+
 def _eqx_stack(**options):
     from functools import partial
 
@@ -321,8 +401,48 @@ def _eqx_stacked_cache():
 ADAPTERS = [
     case("haiku Stack given served params", _haiku, TypeError, "stackwise.haiku.Stack",
          "`params['stack/linear']` is in the serving layout", "`stackwise.haiku.to_loop`"),
-    case("flax Stack given served variables", _flax, TypeError, "stackwise.flax.Stack",
-         "`variables['params']` is in the serving layout", "`stackwise.flax.to_loop`"),
+    case("flax Stack given the core's Serving of a subtree", _flax, TypeError,
+         "stackwise.flax.Stack", "`variables['params']` is a `stackwise.Serving` of per-layer "
+         "trees", "`stackwise.flax.to_serving(variables, path)`"),
+    case("flax to_serving twice",
+         lambda: stackwise.flax.to_serving(_linen_served(), "layers"), TypeError,
+         "stackwise.flax.to_serving", "`variables['params']['layers']['bias']` is already in "
+         "the serving layout", "convert a Stack's variables once"),
+    case("flax from_serving of stacked variables",
+         lambda: stackwise.flax.from_serving(_linen_vars(), "layers"), TypeError,
+         "stackwise.flax.from_serving", "`variables['params']['layers']['bias']` is one array",
+         "not in the serving layout", "`to_serving`"),
+    case("flax to_serving of a path in no collection",
+         lambda: stackwise.flax.to_serving(_linen_vars(), "decoder"), ValueError,
+         "stackwise.flax.to_serving", "no collection has 'decoder'", "the Stack's path"),
+    case("flax to_serving of collections of two depths", _linen_two_depths, ValueError,
+         "stackwise.flax.to_serving", "different numbers of layers", "params/layers: 3",
+         "cache/layers: 2"),
+    case("flax to_serving of a pattern's positions of no one depth", _linen_pattern_depths,
+         ValueError, "stackwise.flax.to_serving", "hold [1, 3] layers", "which no depth gives"),
+    case("flax Stack given served params and a stacked cache", _linen_mixed, TypeError,
+         "stackwise.flax.Stack", "`variables['cache']['k']` is one array", "while "
+         "`variables['params']['Dense_0']['bias']` is served", "`to_serving`"),
+    case("flax Stack given served variables of another depth",
+         lambda: _linen(n=4).apply(_linen_served(), X4), ValueError,
+         "`variables['params']['bias']` holds 3 layers", "(n=4) runs 4",
+         "convert this Stack's own stacked variables"),
+    case("flax Stack built with fsdp given served variables",
+         lambda: _linen(fsdp="data").apply(_linen_served(), X4), ValueError,
+         "`fsdp='data'`", "Build the Stack you serve with without `fsdp`",
+         "stackwise.flax.from_serving(variables, path)"),
+    case("flax Stack built with nested remat given served variables",
+         lambda: _linen(nested=True).apply(_linen_served(), X4), ValueError,
+         "`nested=True`", "without `nested`"),
+    case("flax to_loop of served variables",
+         lambda: stackwise.flax.to_loop(_linen_served(), "layers"), TypeError,
+         "stackwise.flax.to_loop", "`variables['params']['layers']['bias']` is in the serving "
+         "layout", "`stackwise.flax.from_serving(variables, path)`"),
+    case("flax convert of served variables", _linen_convert, TypeError,
+         "stackwise.flax.convert", "is in the serving layout", "stackwise.flax.from_serving"),
+    case("flax quantize_params of served params", _linen_qwix, TypeError,
+         "stackwise.flax.quantize_params", "`params['layers']['bias']` is in the serving "
+         "layout", "stackwise.flax.from_serving"),
     case("equinox Stack holding a Serving inside its layers", _equinox, TypeError,
          "stackwise.equinox.Stack", "`layers.weight` is in the serving layout",
          "`Stack.to_serving()`", "stackwise.to_serving"),
