@@ -95,7 +95,7 @@ def quantize_params(
       (stacked weights quantized per layer), the rest unchanged.
 
     Raises:
-      TypeError: ``params`` in the serving layout (quantize the stacked params, then
+      TypeError: ``params`` or ``quant_stats`` in the serving layout (quantize the stacked params, then
         serve them: :func:`stackwise.flax.to_serving`).
       ValueError: a param is not in ``abstract_quantized_params`` (unless
         ``allow_extra_params``), or does not quantize to the shapes given there with 0, 1
@@ -106,6 +106,7 @@ def quantize_params(
     import qwix  # only now: qwix stays optional
 
     refuse_served(params, _WHO, "params")
+    refuse_served(quant_stats, _WHO, "quant_stats")
 
     abstract = nn.meta.unbox(abstract_quantized_params)
     out = _kit.map_params(

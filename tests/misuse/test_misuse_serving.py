@@ -274,7 +274,7 @@ def _linen_convert():
     stackwise.flax.convert(_linen_served(), model, model, X4)
 
 
-def _linen_qwix():
+def _linen_qwix(served_stats=False):
     import qwix
 
     import stackwise.flax
@@ -283,6 +283,9 @@ def _linen_qwix():
     ptq = qwix.quantize_model(model, qwix.PtqProvider(
         [qwix.QtRule(module_path=".*", weight_qtype="int8")]))
     abstract = jax.eval_shape(ptq.init, jax.random.key(0), X4)["params"]
+    if served_stats:  # statistics are stacked per layer like params: served ones refused
+        floats = model.init(jax.random.key(0), X4)["params"]
+        stackwise.flax.quantize_params(floats, abstract, _linen_served()["params"])
     stackwise.flax.quantize_params(_linen_served()["params"], abstract)
 
 
@@ -442,6 +445,9 @@ ADAPTERS = [
          "stackwise.flax.convert", "is in the serving layout", "stackwise.flax.from_serving"),
     case("flax quantize_params of served params", _linen_qwix, TypeError,
          "stackwise.flax.quantize_params", "`params['layers']['bias']` is in the serving "
+         "layout", "stackwise.flax.from_serving"),
+    case("flax quantize_params of served quant_stats", lambda: _linen_qwix(True), TypeError,
+         "stackwise.flax.quantize_params", "`quant_stats['layers']['bias']` is in the serving "
          "layout", "stackwise.flax.from_serving"),
     case("equinox Stack holding a Serving inside its layers", _equinox, TypeError,
          "stackwise.equinox.Stack", "`layers.weight` is in the serving layout",
