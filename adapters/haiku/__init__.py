@@ -26,6 +26,8 @@ from stackwise.haiku._convert import from_loop as from_loop
 from stackwise.haiku._convert import to_layer_stack as to_layer_stack
 from stackwise.haiku._convert import to_loop as to_loop
 from stackwise.haiku._correspond import convert as convert
+from stackwise.haiku._serving import from_serving as from_serving
+from stackwise.haiku._serving import to_serving as to_serving
 from stackwise.haiku._stack import Stack as Stack
 from stackwise.haiku._stack import layer_index as layer_index
 
@@ -34,7 +36,9 @@ __all__ = [
     "convert",
     "from_layer_stack",
     "from_loop",
+    "from_serving",
     "layer_index",
     "to_layer_stack",
     "to_loop",
+    "to_serving",
 ]
