@@ -170,18 +170,18 @@ def from_serving(tree: Tree, path: str | Sequence[str]) -> dict[str, dict[str, A
 # At the Stack's call.
 
 
-def refuse_whole(tree: Mapping[str, Any], prefix: str, who: str, what: str) -> None:
-    """Refuses a module of the Stack's whose bundle is not a dict (a whole module put in
-    the core's serving layout, ``{module: stackwise.Serving}``): Haiku takes dicts only."""
-    for module, bundle in tree.items():
+def refuse_whole(params: Mapping[str, Any], prefix: str, who: str) -> None:
+    """Refuses a module of the Stack's whose params are not a dict (a whole module put in
+    the core's serving layout, ``{module: stackwise.Serving}``): Haiku's lift takes dicts.
+    (Haiku's own ``apply`` refuses such state before the Stack runs.)"""
+    for module, bundle in params.items():
         if module.startswith(prefix) and not isinstance(bundle, Mapping):
-            stack = prefix[:-1]
             raise TypeError(
-                f"{who}: `{what}[{module!r}]` is {_kit.describe(bundle)}, not a dict of "
-                f"{what}: Haiku keeps each module's {what} in a dict, so the Stack's serving "
-                "layout is leaf-wise (each stacked leaf a `stackwise.Serving`), not the "
-                "core's (a whole module's tree per layer). Convert the stacked dict with "
-                f"`stackwise.haiku.to_serving({what}, {stack!r})`."
+                f"{who}: `params[{module!r}]` is a {type(bundle).__name__} where Haiku keeps "
+                "the module's dict of params, so the Stack's serving layout is leaf-wise "
+                "(each stacked leaf a `stackwise.Serving`), not the core's (a whole "
+                "module's tree per layer). Convert the stacked dict with "
+                f"`stackwise.haiku.to_serving(params, {prefix[:-1]!r})`."
             )
 
 

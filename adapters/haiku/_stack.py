@@ -293,8 +293,7 @@ class Stack(hk.Module):
         """
         layers, prefix = self._layers, f"{self.module_name}/"
         if not hk.running_init():  # (Haiku's lift takes a dict per module)
-            _serving.refuse_whole(hk.get_params(), prefix, layers.who, "params")
-            _serving.refuse_whole(hk.get_current_state(), prefix, layers.who, "state")
+            _serving.refuse_whole(hk.get_params(), prefix, layers.who)
         call = _kit.CallArgs(args, kwargs)
         init_key = hk.maybe_next_rng_key() if hk.running_init() else None
         rng = hk.maybe_next_rng_key()
