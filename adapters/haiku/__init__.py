@@ -3,6 +3,8 @@
 The block keeps using ``hk.Linear``, ``hk.get_parameter``, ``hk.get_state`` and
 ``hk.next_rng_key`` as usual; the Stack scans it with :func:`stackwise.stack`
 and keeps one set of params (and state) per layer, stacked along axis 0.
+For decoding, :func:`to_serving` converts them once into per-layer buffers, which the
+same Stack runs as a loop of its layers (:func:`from_serving` converts back).
 
 >>> import haiku as hk, jax, jax.numpy as jnp, stackwise.haiku
 >>> class Block(hk.Module):

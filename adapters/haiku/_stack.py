@@ -3,7 +3,8 @@
 The adapter only turns the block into per-layer ``init``/``apply`` functions
 with :func:`haiku.transform_with_state`, stacks them with
 :func:`stackwise.stack` (which owns scan, remat, unroll and reverse) and lifts
-the stacked params and state into the enclosing Haiku transform.
+the stacked params and state into the enclosing Haiku transform. Params and state
+in the serving layout (``_serving.py``) go to the same stack's serving loop.
 """
 
 from __future__ import annotations
@@ -209,6 +210,13 @@ class Stack(hk.Module):
     >>> f.apply({}, None, jnp.ones(2), jnp.array([1.0, 2.0, 3.0]))
     (Array([6., 6.], dtype=float32), Array([ 2.,  4., 12.], dtype=float32))
 
+    Serving: params and state converted once by :func:`stackwise.haiku.to_serving`
+    (each stacked leaf a ``stackwise.Serving`` of its per-layer arrays) run as a Python
+    loop over the separate buffers, as the loop of blocks does: no per-layer slice of a
+    stacked weight, and a donated cache written in place in each layer's own buffer. The
+    new state comes back in that layout; :func:`stackwise.haiku.from_serving` stacks it
+    back. A Stack built with ``fsdp`` or ``nested`` refuses it.
+
     Args:
       block: what one layer is: an ``hk.Module`` subclass (built with no
         arguments), a ``functools.partial`` of one or any zero-argument
@@ -233,9 +241,12 @@ class Stack(hk.Module):
     Raises:
       TypeError: ``block`` is not a module class, factory or function; ``n``
         or an option has the wrong type; an argument the block does not
-        accept; a block that changes the carry's structure, shape or dtype.
+        accept; a block that changes the carry's structure, shape or dtype;
+        variables partly served and partly stacked, or a module's whole dict
+        replaced by a ``stackwise.Serving``.
       ValueError: ``n < 1``; params, state or ``per_layer`` inputs whose
-        leading axis is not ``n``.
+        leading axis is not ``n`` (served ones: that do not hold the Stack's layers);
+        served variables given a Stack built with ``fsdp`` or ``nested``.
     """
 
     def __init__(

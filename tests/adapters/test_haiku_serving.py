@@ -192,9 +192,7 @@ def test_per_layer_inputs_aux_and_rng_keys_serve_as_the_loop_and_the_scan():
         return y, jnp.stack(aux)
 
     loop_params = swh.to_loop(params, "stack/noisy", "noisy_{}")
-    per_layer = {
-        f"noisy_{i}": {"noisy/linear": loop_params[f"noisy_{i}/linear"]} for i in range(n)
-    }
+    per_layer = {f"noisy_{i}": {"noisy/linear": loop_params[f"noisy_{i}/linear"]} for i in range(n)}
     assert_trees_bitwise(got, jax.jit(loop)(per_layer))
     assert_trees_close(got, apply(params, key, x))
 
@@ -231,7 +229,9 @@ class Model(hk.Module):
     def __init__(self, loop: bool = False, name: str | None = None):
         super().__init__(name=name)
         self.embed = hk.Linear(D, name="embed")
-        self.layers = [Layer(name=f"layer_{i}") for i in range(3)] if loop else [swh.Stack(Layer, 3)]
+        self.layers = (
+            [Layer(name=f"layer_{i}") for i in range(3)] if loop else [swh.Stack(Layer, 3)]
+        )
 
     def __call__(self, x):
         x = self.embed(x)
@@ -301,7 +301,9 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
 def test_merged_adapters_serve_as_the_attached_ones():
     stacked, _, _ = _model(3, 1)
     params, state = stacked.init(jax.random.key(1), PROMPT, 0)
-    adapters = jax.tree.map(lambda v: v + 0.05, stackwise.lora.init(jax.random.key(5), params, rank=2))
+    adapters = jax.tree.map(
+        lambda v: v + 0.05, stackwise.lora.init(jax.random.key(5), params, rank=2)
+    )
     merged = swh.to_serving(stackwise.lora.merge(params, adapters), "stack")
     attached = stackwise.lora.attach(params, adapters, per_leaf=True)
     y, _ = stacked.apply(merged, swh.to_serving(state, "stack"), None, PROMPT, 0)
