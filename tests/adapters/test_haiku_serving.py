@@ -23,6 +23,7 @@ B, T, D, HEADS = 2, 16, 8, 2
 _, ATTEND = attention_layer(B, T, D, HEADS)
 CACHE_SHAPE = (B, T, HEADS, D // HEADS)
 PROMPT = jax.random.normal(jax.random.key(2), (B, 5, D))
+SLOW = pytest.mark.slow  # (a variant: the fast tier has the plain, pattern-2 and int8 cases)
 
 
 class Attend(hk.Module):
@@ -80,8 +81,12 @@ def _to_loop(tree, paths, k):
 
 @pytest.mark.parametrize(
     "n, k, options",
-    [(4, 1, {}), (3, 1, {"remat": False, "reverse": True}), (5, 2, {}), (6, 3, {"unroll": 2})],
-    ids=["plain", "reverse", "pattern-2", "pattern-3"],
+    [
+        pytest.param(4, 1, {}, id="plain"),
+        pytest.param(3, 1, {"remat": False, "reverse": True}, id="reverse", marks=SLOW),
+        pytest.param(5, 2, {}, id="pattern-2"),
+        pytest.param(6, 3, {"unroll": 2}, id="pattern-3", marks=SLOW),
+    ],
 )
 def test_served_stack_decodes_as_the_loop_of_its_blocks_and_the_scan(n, k, options):
     stacked, loop, paths = _model(n, k, **options)
@@ -104,6 +109,14 @@ def test_served_stack_decodes_as_the_loop_of_its_blocks_and_the_scan(n, k, optio
     back = swh.from_serving(served_state, paths)
     assert_trees_bitwise(_to_loop(back, paths, k), loop_state)
     assert_trees_close(back, scan_state)
+    if k == 1 and not options:  # hk.layer_stack of the same block, its state stacked too
+        layer_stack = hk.transform_with_state(
+            lambda x, pos: hk.layer_stack(n)(lambda x: Attend()(x, pos))(x)
+        )
+        ours = [swh.to_layer_stack(tree, "stack") for tree in (params, state)]
+        ys_theirs, theirs = _decode(jax.jit(_step(layer_stack)), *ours)
+        assert_trees_close(ys, ys_theirs)
+        assert_trees_close(swh.to_layer_stack(back, "stack"), theirs)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -125,6 +138,7 @@ def test_round_trip_is_exact_and_leaves_other_modules_alone(k):
     assert_trees_bitwise(swh.from_serving(swh.to_serving(state, paths), paths), state)
 
 
+@SLOW
 def test_a_pattern_with_positions_of_one_depth_converts_with_the_stacks_name():
     stacked, _, _ = _model(6, 3)
     params, state = stacked.init(jax.random.key(1), PROMPT, 0)
@@ -135,7 +149,7 @@ def test_a_pattern_with_positions_of_one_depth_converts_with_the_stacks_name():
     assert_trees_close(y, stacked.apply(params, state, None, PROMPT, 0)[0])
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=SLOW)])
 def test_decode_writes_each_donated_cache_buffer_in_place(n):
     stacked, loop, _ = _model(n, 1)
     params, state = stacked.init(jax.random.key(1), PROMPT, 0)
@@ -268,34 +282,42 @@ def test_a_stack_of_stacks_inside_a_module_inside_a_lifted_transform():
     assert_trees_close(got, jax.jit(f.apply)(params, None, x))
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
+@pytest.mark.parametrize(
+    "kind, k", [("int8", 1), pytest.param("nf4", 2, marks=SLOW)], ids=["int8", "nf4-pattern"]
+)
+def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind, k):
     """QLoRA weights on the served Stack: each layer's leaves hold their own codes (nf4 still
     packed) and adapters; the Haiku loop of the same blocks, each layer's float weights built
     as the Stack builds them (`_kit.layer_params`), is the same arithmetic."""
-    n = 4
-    stacked, loop, _ = _model(n, 1)
+    n = 5
+    stacked, loop, paths = _model(n, k)
     params, state = stacked.init(jax.random.key(1), PROMPT, 0)
     base = stackwise.quant.quantize(params, kind)
     adapters = stackwise.lora.init(jax.random.key(5), base, rank=2)
     adapters = jax.tree.map(lambda v: v + 0.05, adapters)
     model = stackwise.lora.attach(base, adapters, per_leaf=True)
-    served = swh.to_serving(model, "stack")
+    served = swh.to_serving(model, paths)
     qkv = served["stack/attend"]["qkv"]
-    assert isinstance(qkv.base.codes, stackwise.Serving) and len(qkv.base.codes) == n
+    assert isinstance(qkv.base.codes, stackwise.Serving) and len(qkv.base.codes) == len(
+        range(0, n, k)
+    )
     if kind == "nf4":  # one layer's codes, still packed
         assert qkv.base.codes.layers[0].shape == (D // 2, 3 * D)
     step = jax.jit(_step(stacked), donate_argnums=1)
-    ys, served_state = _decode(step, served, swh.to_serving(state, "stack"))
+    ys, served_state = _decode(step, served, swh.to_serving(state, paths))
 
-    per_layer = _kit.layer_params(swh.to_loop(model, "stack/attend", "layer_{}"), "loop")
-    ys_loop, loop_state = _decode(jax.jit(_step(loop)), per_layer, _to_loop(state, "stack", 1))
+    def loop_step(loop_params, state, x, pos):  # each layer's float weights, built in jit
+        return loop.apply(_kit.layer_params(loop_params, "loop"), state, None, x, pos)
+
+    loop_params, loop_state = _to_loop(model, paths, k), _to_loop(state, paths, k)
+    ys_loop, loop_state = _decode(jax.jit(loop_step), loop_params, loop_state)
     ys_scan, _ = _decode(jax.jit(_step(stacked)), model, state)
     for y, y_loop, y_scan in zip(ys, ys_loop, ys_scan, strict=True):
         assert_trees_bitwise(y, y_loop)
         assert_trees_close(y, y_scan)
-    assert_trees_bitwise(_to_loop(swh.from_serving(served_state, "stack"), "stack", 1), loop_state)
-    assert_trees_bitwise(swh.from_serving(served, "stack"), model)
+    back = swh.from_serving(served_state, paths)
+    assert_trees_bitwise(_to_loop(back, paths, k), loop_state)
+    assert_trees_bitwise(swh.from_serving(served, paths), model)
 
 
 def test_merged_adapters_serve_as_the_attached_ones():
