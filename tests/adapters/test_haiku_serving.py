@@ -11,9 +11,12 @@ from functools import partial
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _attention import attention_layer, decode
 from _trees import assert_trees_bitwise, assert_trees_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stackwise
 import stackwise.haiku as swh
@@ -72,7 +75,7 @@ def _step(f):
 
 def _decode(step, params, state):
     """`_attention.decode` over ``step(params, state, x, pos)``: the prompt, then 3 tokens."""
-    return decode(lambda p, s, x, pos: step(p, s, x, pos), params, state, PROMPT, steps=3)
+    return decode(step, params, state, PROMPT, steps=3)
 
 
 def _to_loop(tree, paths, k):
@@ -136,6 +139,39 @@ def test_round_trip_is_exact_and_leaves_other_modules_alone(k):
         assert_trees_bitwise(w.layers[i], params["stack/attend"]["qkv"][i])
     assert_trees_bitwise(swh.from_serving(served, paths), params)
     assert_trees_bitwise(swh.from_serving(swh.to_serving(state, paths), paths), state)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    k=st.integers(1, 3),
+    dtype=st.sampled_from(["float32", "bfloat16", "int8", "uint32"]),
+    shape=st.lists(st.integers(1, 3), max_size=2),
+)
+def test_conversion_is_exact_for_any_depth_pattern_dtype_and_shape(n, k, dtype, shape):
+    k = min(k, n)
+    counts = [len(range(p, n, k)) for p in range(k)]
+    rng = np.random.default_rng(n * 10 + k)
+
+    def leaf(count, extra=()):
+        bits = rng.integers(0, 2**8, (count, *extra, *shape), dtype=np.uint8).astype(dtype)
+        return jnp.asarray(bits)
+
+    tree = {"head": {"w": leaf(2)}}  # outside the Stack: kept as it is, whatever its shape
+    for p, count in enumerate(counts):
+        tree[f"stack/pos_{p}/linear"] = {"w": leaf(count, (2,)), "b": leaf(count)}
+        tree[f"stack/pos_{p}"] = {"cache": leaf(count, (3,))}
+    paths = [f"stack/pos_{p}" for p in range(k)] if k > 1 else "stack"
+    served = swh.to_serving(tree, paths)
+    assert served["head"] is tree["head"]
+    for module, bundle in tree.items():
+        for name, value in bundle.items():
+            if module != "head":
+                got = served[module][name]
+                assert isinstance(got, stackwise.Serving) and len(got) == value.shape[0]
+                for j, layer in enumerate(got.layers):
+                    assert_trees_bitwise(layer, value[j])
+    assert_trees_bitwise(swh.from_serving(served, paths), tree)
 
 
 @SLOW
