@@ -14,7 +14,7 @@ such params and state, the Stack regroups them into the core's per-layer trees
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,9 +26,10 @@ from stackwise.haiku._convert import Tree, check_paths, check_tree, positions_of
 __all__ = ["from_serving", "gather", "refuse_whole", "to_serving"]
 
 
-def _pattern_fix(paths: list[str]) -> str:
+def _fix(paths: list[str]) -> str:
+    """What a depth error says to do: with one path, how to convert a pattern."""
     if len(paths) > 1:
-        return "Each position's leaves come stacked from the Stack's `init`."
+        return ""  # (the kit's own: stacked variables come from the Stack's `init`)
     return (
         "Stacked variables come from the Stack's `init`. For a pattern of blocks (whose "
         "positions may hold different numbers of layers), pass `path` as the list of the "
@@ -37,7 +38,9 @@ def _pattern_fix(paths: list[str]) -> str:
     )
 
 
-def _convert(tree: Tree, path: str | Sequence[str], who: str, one) -> dict[str, dict[str, Any]]:
+def _each_position(
+    tree: Tree, path: str | Sequence[str], who: str, one: Callable[[dict, str], tuple[dict, int]]
+) -> dict[str, dict[str, Any]]:
     """``tree`` with ``one(position's modules, fix) -> (new modules, layers)`` applied to
     each position under ``path``; the positions' layer counts checked against a pattern."""
     check_tree(tree, who)
@@ -46,7 +49,7 @@ def _convert(tree: Tree, path: str | Sequence[str], who: str, one) -> dict[str, 
     for p, inside in enumerate(positions_of(tree, paths, who)[0]):
         if inside:  # (with a pattern: a kind of block with nothing in this tree)
             named = {paths[p] + rest: bundle for rest, bundle in inside.items()}
-            new_inside, counts[p] = one(named, _pattern_fix(paths))
+            new_inside, counts[p] = one(named, _fix(paths))
             new.update(new_inside)
     if len(paths) > 1:
         _kit.pattern_depths(counts, len(paths), who)
@@ -126,7 +129,7 @@ def to_serving(tree: Tree, path: str | Sequence[str]) -> dict[str, dict[str, Any
         served = _kit.serving.split(inside, who, "tree", fix)
         return served, _layers(served)
 
-    return _convert(tree, path, who, one)
+    return _each_position(tree, path, who, one)
 
 
 def from_serving(tree: Tree, path: str | Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -163,7 +166,7 @@ def from_serving(tree: Tree, path: str | Sequence[str]) -> dict[str, dict[str, A
         del fix  # (join names the leaves of other depths itself)
         return _kit.serving.join(inside, who, "tree"), _layers(inside)
 
-    return _convert(tree, path, who, one)
+    return _each_position(tree, path, who, one)
 
 
 # --------------------------------------------------------------------------
