@@ -3,6 +3,8 @@
 The block keeps using ``hk.Linear``, ``hk.get_parameter``, ``hk.get_state`` and
 ``hk.next_rng_key`` as usual; the Stack scans it with :func:`stackwise.stack`
 and keeps one set of params (and state) per layer, stacked along axis 0.
+For decoding, :func:`to_serving` converts them once into per-layer buffers, which the
+same Stack runs as a loop of its layers (:func:`from_serving` converts back).
 
 >>> import haiku as hk, jax, jax.numpy as jnp, stackwise.haiku
 >>> class Block(hk.Module):
@@ -26,6 +28,8 @@ from stackwise.haiku._convert import from_loop as from_loop
 from stackwise.haiku._convert import to_layer_stack as to_layer_stack
 from stackwise.haiku._convert import to_loop as to_loop
 from stackwise.haiku._correspond import convert as convert
+from stackwise.haiku._serving import from_serving as from_serving
+from stackwise.haiku._serving import to_serving as to_serving
 from stackwise.haiku._stack import Stack as Stack
 from stackwise.haiku._stack import layer_index as layer_index
 
@@ -34,7 +38,9 @@ __all__ = [
     "convert",
     "from_layer_stack",
     "from_loop",
+    "from_serving",
     "layer_index",
     "to_layer_stack",
     "to_loop",
+    "to_serving",
 ]

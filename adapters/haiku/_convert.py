@@ -25,7 +25,16 @@ from typing import Any
 
 from stackwise import _kit
 
-__all__ = ["check_tree", "from_layer_stack", "from_loop", "to_layer_stack", "to_loop"]
+__all__ = [
+    "check_paths",
+    "check_tree",
+    "from_layer_stack",
+    "from_loop",
+    "positions_of",
+    "refuse_served",
+    "to_layer_stack",
+    "to_loop",
+]
 
 Tree = Mapping[str, Mapping[str, Any]]
 Names = str | Sequence[str] | Callable[[int], str]
@@ -73,7 +82,25 @@ def check_tree(tree: Any, who: str) -> None:
         )
 
 
-def _paths(path: Any, who: str) -> list[str]:
+def refuse_served(tree: Tree, who: str, under: Sequence[str] | None = None) -> None:
+    """Refuses a leaf in the serving layout (a ``stackwise.Serving``) where stacked or loop
+    params and state go (in the modules ``under`` those names; all by default), naming it
+    and the way back."""
+    for module, bundle in tree.items():
+        if under is not None and not any(_inside(module, name) for name in under):
+            continue
+        for name, value in bundle.items():
+            if _kit.serving.served(value):
+                raise TypeError(
+                    f"{who}: `tree[{module!r}][{name!r}]` is in the serving layout (a "
+                    f"`stackwise.Serving` of per-layer arrays), but {who} converts stacked "
+                    "params and state. Stack the Stack's leaves back first: "
+                    "`stackwise.haiku.from_serving(tree, path)` (`path` as given to "
+                    "`stackwise.haiku.to_serving`)."
+                )
+
+
+def check_paths(path: Any, who: str) -> list[str]:
     """The stacked module name(s): one, or one per position of a pattern."""
     paths = [path] if isinstance(path, str) else path
     if (
@@ -182,7 +209,7 @@ def from_loop(
     """
     who = "stackwise.haiku.from_loop"
     check_tree(tree, who)
-    paths = _paths(path, who)
+    paths = check_paths(path, who)
     n = _kit.check_n(n, who)
     name_of = _kit.layer_names(names, who, plain=_haiku_name, example="'block'")
 
@@ -199,6 +226,7 @@ def from_loop(
     n = _kit.find_depth(exists, label, n, len(tree), who, fixed=fixed, pattern=k)
     loop_names = [name_of(i) for i in range(n)]
     _kit.check_distinct(loop_names, who)
+    refuse_served(tree, who, loop_names)
     per_layer, outside = [], dict(tree)
     for name in loop_names:
         inside, outside = _split(outside, name)
@@ -248,25 +276,19 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
     """
     who = "stackwise.haiku.to_loop"
     check_tree(tree, who)
-    paths = _paths(path, who)
+    paths = check_paths(path, who)
     k = len(paths)
-    outside, positions = dict(tree), {}
-    for p, prefix in enumerate(paths):
-        inside, outside = _split(outside, prefix)
+    found, outside = positions_of(tree, paths, who)
+    refuse_served(tree, who, paths)
+    positions = {}
+    for p, inside in enumerate(found):
         if not inside:
             continue  # with a pattern: a kind of block with nothing in this tree
         flat = _flat(inside)
         depth = _kit.depth_of(
-            flat, who, f"modules under {prefix!r}", leaf_name=_leaf_name(prefix)
+            flat, who, f"modules under {paths[p]!r}", leaf_name=_leaf_name(paths[p])
         )
         positions[p] = _kit.unstack_exact(flat, depth)
-    if not positions:
-        where = " or ".join(repr(prefix) for prefix in paths)
-        raise ValueError(
-            f"{who}: no module named {where} or under it; the tree has {_modules(tree)}."
-        )
-    if k > 1:
-        _check_none_left(outside, paths, who)
     span = _kit.pattern_depths({p: len(v) for p, v in positions.items()}, k, who)
     name_of = _kit.layer_names(names, who, plain=_haiku_name, example="'block'")
     _kit.check_names_count(names, span, who, "the stacked leaves hold")
@@ -279,6 +301,24 @@ def to_loop(tree: Tree, path: str | Sequence[str], names: Names) -> dict[str, di
     for (_, p, j), name in zip(layers, loop_names):
         new.update(_nested(positions[p][j], name))
     return _merge(outside, new, who)
+
+
+def positions_of(tree: Tree, paths: list[str], who: str) -> tuple[list[dict], dict]:
+    """``(inside, outside)``: each position's modules (keyed by the rest of their name
+    below it, as :func:`_split`) and all others, checked: something lies under one of
+    ``paths``, and with a pattern nothing else lies under its Stack."""
+    outside, found = dict(tree), []
+    for prefix in paths:
+        inside, outside = _split(outside, prefix)
+        found.append(inside)
+    if not any(found):
+        where = " or ".join(repr(prefix) for prefix in paths)
+        raise ValueError(
+            f"{who}: no module named {where} or under it; the tree has {_modules(tree)}."
+        )
+    if len(paths) > 1:
+        _check_none_left(outside, paths, who)
+    return found, outside
 
 
 def _check_none_left(outside: Tree, paths: list[str], who: str) -> None:
@@ -299,6 +339,7 @@ def _check_none_left(outside: Tree, paths: list[str], who: str) -> None:
 
 def _rename(tree: Tree, old: str, new: str, who: str) -> dict[str, dict[str, Any]]:
     check_tree(tree, who)
+    refuse_served(tree, who, [old])
     inside, outside = _split(tree, old)
     if not inside:
         raise ValueError(

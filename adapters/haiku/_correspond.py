@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise import _kit
-from stackwise.haiku._convert import check_tree
+from stackwise.haiku._convert import check_tree, refuse_served
 from stackwise.haiku._stack import Stack
 
 __all__ = ["convert"]
@@ -292,6 +292,7 @@ def convert(tree: Any, source: Any, target: Any, *args: Any, **kwargs: Any) -> A
 
     def one(sub: Tree, kind: str | None) -> dict[str, dict[str, Any]]:
         check_tree(sub, who)
+        refuse_served(sub, who)
         kind = kind or src.kind_of(sub)
         src.check(sub, kind)
         hint = (

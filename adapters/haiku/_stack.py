@@ -3,7 +3,8 @@
 The adapter only turns the block into per-layer ``init``/``apply`` functions
 with :func:`haiku.transform_with_state`, stacks them with
 :func:`stackwise.stack` (which owns scan, remat, unroll and reverse) and lifts
-the stacked params and state into the enclosing Haiku transform.
+the stacked params and state into the enclosing Haiku transform. Params and state
+in the serving layout (``_serving.py``) go to the same stack's serving loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 
 import stackwise
 from stackwise import _kit
+from stackwise.haiku import _serving
 
 __all__ = ["Stack", "layer_index"]
 
@@ -208,6 +210,13 @@ class Stack(hk.Module):
     >>> f.apply({}, None, jnp.ones(2), jnp.array([1.0, 2.0, 3.0]))
     (Array([6., 6.], dtype=float32), Array([ 2.,  4., 12.], dtype=float32))
 
+    Serving: params and state converted once by :func:`stackwise.haiku.to_serving`
+    (each stacked leaf a ``stackwise.Serving`` of its per-layer arrays) run as a Python
+    loop over the separate buffers, as the loop of blocks does: no per-layer slice of a
+    stacked weight, and a donated cache written in place in each layer's own buffer. The
+    new state comes back in that layout; :func:`stackwise.haiku.from_serving` stacks it
+    back. A Stack built with ``fsdp`` or ``nested`` refuses it.
+
     Args:
       block: what one layer is: an ``hk.Module`` subclass (built with no
         arguments), a ``functools.partial`` of one or any zero-argument
@@ -232,9 +241,12 @@ class Stack(hk.Module):
     Raises:
       TypeError: ``block`` is not a module class, factory or function; ``n``
         or an option has the wrong type; an argument the block does not
-        accept; a block that changes the carry's structure, shape or dtype.
+        accept; a block that changes the carry's structure, shape or dtype;
+        variables partly served and partly stacked, or a module's whole dict
+        replaced by a ``stackwise.Serving``.
       ValueError: ``n < 1``; params, state or ``per_layer`` inputs whose
-        leading axis is not ``n``.
+        leading axis is not ``n`` (served ones: that do not hold the Stack's layers);
+        served variables given a Stack built with ``fsdp`` or ``nested``.
     """
 
     def __init__(
@@ -291,9 +303,8 @@ class Stack(hk.Module):
           stacked along a leading ``n`` axis (a tuple per position for a pattern).
         """
         layers, prefix = self._layers, f"{self.module_name}/"
-        if not hk.running_init():
-            given = {k: v for k, v in hk.get_params().items() if k.startswith(prefix)}
-            _kit.refuse_serving(layers.who, "stackwise.haiku.to_loop", params=given)
+        if not hk.running_init():  # (Haiku's lift takes a dict per module)
+            _serving.refuse_whole(hk.get_params(), prefix, layers.who)
         call = _kit.CallArgs(args, kwargs)
         init_key = hk.maybe_next_rng_key() if hk.running_init() else None
         rng = hk.maybe_next_rng_key()
@@ -359,8 +370,8 @@ class _Layers:
             blocks = [b if kind == "factory" else _as_module(b) for b, kind in zip(blocks, kinds)]
             kinds = ["factory"] * len(blocks)
         self.blocks, self.kinds, self.who, self.has_aux = blocks, kinds, who, options["has_aux"]
-        self.remat = options["remat"]
-        k = len(blocks)
+        self.remat, self.fsdp, self.nested = options["remat"], options["fsdp"], options["nested"]
+        self.n, k = n, len(blocks)
         self.counts = [len(range(p, n, k)) for p in range(k)]
         self.transformed = [hk.transform_with_state(self._one_layer(p)) for p in range(k)]
         one = (lambda fns: fns) if self.pattern else (lambda fns: fns[0])
@@ -442,8 +453,11 @@ class _Layers:
         return out, _merge(params), _merge(initial), _merge(state)
 
     def apply(self, params, state, x, extras, call, module_name) -> tuple[Any, dict]:
-        """``(out, new_state)``: the scanned layers on the lifted params and state."""
+        """``(out, new_state)``: the scanned layers on the lifted params and state; served
+        ones (:func:`stackwise.haiku.to_serving`) run as a loop of the layers."""
         params, state = self._positions(params), self._positions(state)
+        if _kit.serving.served((params, state)):
+            return self._serve(params, state, x, extras, call, module_name)
         fix = (
             "Stacked params and state come from this model's `init`; convert those of a "
             "Python loop of blocks with `stackwise.haiku.from_loop`, of `hk.layer_stack` "
@@ -464,6 +478,21 @@ class _Layers:
             params, state = params[0], state[0]
         out, state = self.forward.apply(params, state, x, extras, call)
         return out, _merge(state) if self.pattern else state
+
+    def _serve(self, params, state, x, extras, call, module_name) -> tuple[Any, dict]:
+        """``(out, new_state)`` of the core's serving loop over the per-layer buffers; the
+        new state leaf-wise served again."""
+        _kit.refuse_unservable(
+            self.fsdp, self.nested, self.who,
+            ". Build the Stack you serve with without `{option}` (the same params and "
+            "state fit it), or run the stacked ones (`stackwise.haiku.from_serving`).",
+        )  # fmt: skip
+        params, state = (
+            _serving.gather(trees, self.n, self.pattern, module_name, self.who, what)
+            for trees, what in ((params, "params"), (state, "state"))
+        )
+        out, state = self.forward.apply(params, state, x, extras, call)
+        return out, _merge(_kit.serving.scatter(state, len(self.blocks)))
 
     def _positions(self, tree: dict) -> tuple[dict, ...]:
         """A lifted params/state dict split into one dict per pattern position."""

@@ -45,8 +45,11 @@ def served(tree: Any) -> bool:
     return any(is_serving(v) for _, v in _leaves(tree))
 
 
-def split(tree: Any, who: str, what: str) -> Any:
+def split(tree: Any, who: str, what: str, fix: str = "") -> Any:
     """``tree`` (every leaf stacked, one depth) with each leaf a ``Serving`` of its layers.
+
+    ``fix``: what the depth error says to do (the default: the Stack's ``init`` gives
+    stacked variables).
 
     Raises:
       TypeError: ``tree`` already holds a ``Serving`` (convert once).
@@ -60,7 +63,7 @@ def split(tree: Any, who: str, what: str) -> Any:
         )
     if not jax.tree.leaves(tree):
         return tree
-    n = checks.depth(tree, who, what, "Stacked variables come from the Stack's `init`.")
+    n = checks.depth(tree, who, what, fix or "Stacked variables come from the Stack's `init`.")
     return jax.tree.map(lambda leaf: Serving(convert.unstack_exact(leaf, n)), tree)
 
 

@@ -402,8 +402,9 @@ def _eqx_stacked_cache():
 
 
 ADAPTERS = [
-    case("haiku Stack given served params", _haiku, TypeError, "stackwise.haiku.Stack",
-         "`params['stack/linear']` is in the serving layout", "`stackwise.haiku.to_loop`"),
+    case("haiku Stack given whole modules in the core's serving layout", _haiku, TypeError,
+         "stackwise.haiku.Stack", "`params['stack/linear']` is a Serving",
+         "leaf-wise", "`stackwise.haiku.to_serving(params, 'stack')`"),
     case("flax Stack given the core's Serving of a subtree", _flax, TypeError,
          "stackwise.flax.Stack", "`variables['params']` is a `stackwise.Serving` of per-layer "
          "trees", "`stackwise.flax.to_serving(variables, path)`"),
@@ -493,4 +494,159 @@ ADAPTERS = [
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", ADAPTERS)
 def test_misuse_serving_in_adapters(call, error, words):
+    assert_refused(call, error, words)
+
+
+# --------------------------------------------------------------------------
+# The Haiku Stack's leaf-wise serving layout (`stackwise.haiku.to_serving` / `from_serving`).
+
+
+def _hk_model(n=3, block=None, **options):
+    """``(transform, params, state)``: a Stack of ``n`` layers with a cache in Haiku state."""
+    import haiku as hk
+
+    import stackwise.haiku
+
+    def cached(x):
+        cache = hk.get_state("cache", (2, 4), init=jnp.zeros)
+        hk.set_state("cache", cache + x)
+        return x + hk.Linear(4)(x) + cache.sum(0, keepdims=True)
+
+    block = block or cached
+    f = hk.transform_with_state(lambda x: stackwise.haiku.Stack(block, n, **options)(x))
+    params, state = f.init(jax.random.key(0), X4)
+    return f, params, state
+
+
+def _hk_pattern(n):
+    import haiku as hk
+
+    return _hk_model(n, [lambda x: hk.Linear(4)(x), lambda x: x + hk.Linear(4)(x)])
+
+
+def _hk(name):
+    import stackwise.haiku
+
+    return getattr(stackwise.haiku, name)
+
+
+def _hk_served_with_stacked_state():
+    f, params, state = _hk_model()
+    f.apply(_hk("to_serving")(params, "stack"), state, None, X4)
+
+
+def _hk_mixed_params():
+    f, params, state = _hk_model()
+    served = _hk("to_serving")(params, "stack")
+    served["stack/linear"] = {**served["stack/linear"],
+                                     "b": params["stack/linear"]["b"]}
+    f.apply(served, _hk("to_serving")(state, "stack"), None, X4)
+
+
+def _hk_other_depth():
+    f, _, _ = _hk_model(3)
+    _, params, state = _hk_model(2)
+    to = _hk("to_serving")
+    f.apply(to(params, "stack"), to(state, "stack"), None, X4)
+
+
+def _hk_option(**options):
+    f, _, _ = _hk_model(3, **options)
+    _, params, state = _hk_model(3)
+    to = _hk("to_serving")
+    f.apply(to(params, "stack"), to(state, "stack"), None, X4)
+
+
+def _hk_served_tree():
+    return _hk("to_serving")(_hk_model()[1], "stack")
+
+
+def _hk_convert():
+    import haiku as hk
+
+    import stackwise.haiku
+
+    def model(x):
+        return stackwise.haiku.Stack(lambda: hk.Linear(4), 3)(x)
+
+    def loop(x):
+        for _ in range(3):
+            x = hk.Linear(4)(x)
+        return x
+
+    params = hk.transform(model).init(jax.random.key(0), X4)
+    stackwise.haiku.convert(_hk("to_serving")(params, "stack"), model, loop, X4)
+
+
+def _hk_uneven():
+    served = _hk_served_tree()
+    w = served["stack/linear"]["w"]
+    served["stack/linear"]["w"] = stackwise.Serving(w.layers[:2])
+    _hk("from_serving")(served, "stack")
+
+
+HAIKU = [
+    case("haiku to_serving twice", lambda: _hk("to_serving")(_hk_served_tree(), "stack"),
+         TypeError, "stackwise.haiku.to_serving", "`tree['stack/linear']['b']` is "
+         "already in the serving layout", "convert a Stack's variables once"),
+    case("haiku from_serving of stacked params",
+         lambda: _hk("from_serving")(_hk_model()[1], "stack"), TypeError,
+         "stackwise.haiku.from_serving", "`tree['stack/linear']['b']` is one array "
+         "float32[3, 4], not in the serving layout", "`to_serving`"),
+    case("haiku from_serving of leaves of different depths", _hk_uneven, ValueError,
+         "stackwise.haiku.from_serving", "different numbers of layers",
+         "`tree['stack/linear']['w']`: 2"),
+    case("haiku to_serving of a pattern whose positions differ in depth, by the Stack's name",
+         lambda: _hk("to_serving")(_hk_pattern(5)[1], "stack"), ValueError,
+         "stackwise.haiku.to_serving", "the same leading layer axis",
+         "pass `path` as the list of the positions' module names", "Stack.position_names"),
+    case("haiku to_serving of a pattern's positions of depths no n gives",
+         lambda: _hk("to_serving")({"stack/a/l": {"w": jnp.ones((1, 2))},
+                                    "stack/b/l": {"w": jnp.ones((3, 2))}},
+                                   ["stack/a", "stack/b"]),
+         ValueError, "stackwise.haiku.to_serving",
+         "the 2 pattern positions hold [1, 3] layers, which no depth gives"),
+    case("haiku to_serving with nothing under path",
+         lambda: _hk("to_serving")(_hk_model()[1], "stack_1"), ValueError,
+         "no module named 'stack_1'", "'stack/linear'"),
+    case("haiku to_serving with a path that is not a name",
+         lambda: _hk("to_serving")(_hk_model()[1], 3), TypeError, "`path` must be",
+         "'stack/block'"),
+    case("haiku to_serving of a tree that is not a Haiku dict",
+         lambda: _hk("to_serving")(PARAMS, "stack"), TypeError,
+         "`tree` must be a Haiku params or state dict"),
+    case("haiku served params with a stacked cache", _hk_served_with_stacked_state, TypeError,
+         "stackwise.haiku.Stack", "`state['stack/~']['cache']` is one array",
+         "not in the serving layout", "Convert them all with the adapter's `to_serving`"),
+    case("haiku served params with a stacked leaf among them", _hk_mixed_params, TypeError,
+         "`params['stack/linear']['b']` is one array float32[3, 4]",
+         "while `params['stack/linear']['w']` is served"),
+    case("haiku served variables of another depth", _hk_other_depth, ValueError,
+         "`params['stack/linear']['b']` holds 2 layers", "(n=3) runs 3",
+         "convert this Stack's own stacked variables"),
+    case("haiku served variables given a Stack built with fsdp",
+         lambda: _hk_option(fsdp="data"), ValueError, "`fsdp='data'`",
+         "Build the Stack you serve with without `fsdp`", "stackwise.haiku.from_serving"),
+    case("haiku served variables given a Stack built with nested remat",
+         lambda: _hk_option(nested=True), ValueError, "`nested=True`",
+         "Build the Stack you serve with without `nested`"),
+    case("haiku to_loop of served params",
+         lambda: _hk("to_loop")(_hk_served_tree(), "stack", "block"), TypeError,
+         "stackwise.haiku.to_loop", "`tree['stack/linear']['b']` is in the serving "
+         "layout", "`stackwise.haiku.from_serving(tree, path)`"),
+    case("haiku from_loop of served loop params",
+         lambda: _hk("from_loop")({"block/linear": {"w": stackwise.to_serving(PARAMS["w"])}},
+                                  "stack/block", "block"), TypeError,
+         "stackwise.haiku.from_loop", "`tree['block/linear']['w']` is in the serving layout"),
+    case("haiku to_layer_stack of served params",
+         lambda: _hk("to_layer_stack")(_hk_served_tree(), "stack"), TypeError,
+         "stackwise.haiku.to_layer_stack", "is in the serving layout"),
+    case("haiku convert of served params", _hk_convert, TypeError,
+         "stackwise.haiku.convert", "`tree['stack/linear']['b']` is in the serving layout"),
+]  # fmt: skip
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", HAIKU)
+def test_misuse_serving_in_haiku(call, error, words):
     assert_refused(call, error, words)
