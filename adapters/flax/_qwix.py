@@ -95,8 +95,8 @@ def quantize_params(
       (stacked weights quantized per layer), the rest unchanged.
 
     Raises:
-      TypeError: ``params`` or ``quant_stats`` in the serving layout (quantize the stacked params, then
-        serve them: :func:`stackwise.flax.to_serving`).
+      TypeError: ``params`` or ``quant_stats`` in the serving layout (quantize the stacked
+        params, then serve them: :func:`stackwise.flax.to_serving`).
       ValueError: a param is not in ``abstract_quantized_params`` (unless
         ``allow_extra_params``), or does not quantize to the shapes given there with 0, 1
         or 2 leading layer axes (params of another model or depth); a ``quant_stats``

@@ -108,6 +108,7 @@ def _check_not_quantized(tree: Any, where: str) -> None:
 
 
 def _resolve(stacked: Which, tree: Any, where: str) -> tuple[list[int], list[Position | None]]:
+    _kit.stacked_only(where, params=tree)
     _check_not_quantized(tree, where)
     pairs = jax.tree_util.tree_leaves_with_path(tree)
     names = [jax.tree_util.keystr(p) or "<root>" for p, _ in pairs]

@@ -27,6 +27,7 @@ from stackwise._checkpoint.names import (
 )
 from stackwise._checkpoint.read import INDEX, SAFETENSORS_DTYPES, need
 from stackwise._core import checks, trees
+from stackwise._core.served import stacked_only
 
 __all__ = ["save_orbax", "save_safetensors"]
 
@@ -241,6 +242,7 @@ def save_safetensors(
       RuntimeError: on several hosts, on the other processes when process
         0's write failed.
     """
+    stacked_only(_SAVE, params=params)
     pattern, max_file_bytes = _check_options(pattern, max_file_bytes, "max_file_bytes",
                                              overwrite, _SAVE)
     safetensors_numpy = need("safetensors.numpy", "safetensors", _SAVE)
@@ -439,6 +441,7 @@ def save_orbax(
       OSError: the final rename fails (on several hosts, on process 0;
         RuntimeError on the others).
     """
+    stacked_only(_ORBAX, params=params)
     pattern, max_group_bytes = _check_options(pattern, max_group_bytes, "max_group_bytes",
                                               overwrite, _ORBAX)
     need("orbax.checkpoint", "orbax", _ORBAX)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from stackwise._core import checks, convert, trees
+from stackwise._core.served import stacked_only
 
 __all__ = ["slice_layers", "stack_layers", "unstack_layers"]
 
@@ -51,6 +52,7 @@ def unstack_layers(stacked: Any, *, pattern: int | None = None) -> list[Any]:
 
 def unstack(stacked: Any, pattern: Any, who: str) -> list[Any]:
     """:func:`unstack_layers` as ``who`` (its messages name ``who``)."""
+    stacked_only(who, stacked=stacked)
     k = convert.check_pattern(pattern, who)
     fix = "Stacked params come from `Stacked.init` or `stackwise.stack_layers`."
     if k is None:
@@ -108,6 +110,7 @@ def restack(layers: Sequence[Any], pattern: Any, who: str) -> Any:
     """:func:`stack_layers` as ``who`` (its messages name ``who``)."""
     k = convert.check_pattern(pattern, who)
     layers = _layer_list(layers, who)
+    stacked_only(who, layers=layers)
     if k is None:
         return convert.stack_exact(layers, who)
     if len(layers) < k:
@@ -182,6 +185,7 @@ def slice_layers(
       ValueError: an empty or out-of-range slice, or leaves of different depths.
     """
     who = "stackwise.slice_layers"
+    stacked_only(who, stacked=stacked)
     k = convert.check_pattern(pattern, who)
     start = checks.integer(start, who, "start")
     stop = None if stop is None else checks.integer(stop, who, "stop")

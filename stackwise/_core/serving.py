@@ -14,59 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from stackwise._core import layout, trees
 from stackwise._core.options import Options
+from stackwise._core.served import Serving, in_use, refuse
+from stackwise._core.served import found as _found
 
 __all__ = ["Serving", "from_serving", "in_use", "layers_of", "refuse", "to_serving"]
-
-
-@jax.tree_util.register_pytree_with_keys_class
-class Serving:
-    """Params or state in the serving layout: one tree per layer, in layer order.
-
-    Made by :func:`stackwise.to_serving` from a stacked tree; ``Stacked.apply`` runs it as
-    a Python loop over the layers (see :func:`stackwise.to_serving`). A pytree: its
-    children are the n per-layer trees (paths ``[i]...``), so ``jax.jit`` donates each
-    layer's buffers separately.
-
-    Attributes:
-      layers: the n per-layer trees, layer 0 first (each leaf without the layer axis).
-      pattern: None, or the pattern's length k it was made with (``to_serving(...,
-        pattern=k)``): layer i then has position ``i % k``'s structure.
-    """
-
-    __slots__ = ("layers", "pattern")
-
-    def __init__(self, layers: tuple[Any, ...] | list[Any], pattern: int | None = None):
-        self.layers = tuple(layers)
-        self.pattern = pattern
-
-    def tree_flatten_with_keys(self):
-        keys = [jax.tree_util.SequenceKey(i) for i in range(len(self.layers))]
-        return list(zip(keys, self.layers)), self.pattern
-
-    @classmethod
-    def tree_unflatten(cls, pattern: int | None, children: Any) -> Serving:
-        return cls(children, pattern)
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __repr__(self) -> str:
-        kind = f", pattern={self.pattern}" if self.pattern is not None else ""
-        return f"Serving({len(self.layers)} layers{kind})"
-
-
-def _is_serving(value: Any) -> bool:
-    return isinstance(value, Serving)
-
-
-def _found(tree: Any) -> list[str]:
-    """The paths of the :class:`Serving` nodes inside ``tree`` (the root's is ``""``)."""
-    nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_serving)
-    return [jax.tree_util.keystr(path) for path, v in nodes if isinstance(v, Serving)]
 
 
 def to_serving(tree: Any, *, pattern: int | None = None) -> Serving:
@@ -165,25 +118,6 @@ def from_serving(serving: Serving) -> Any:
             f"got {trees.describe(serving)}; a stacked tree is already in the stacked layout."
         )
     return layout.restack(list(serving.layers), serving.pattern, who)
-
-
-def in_use(*values: Any) -> bool:
-    """Whether any of ``values`` is, or holds, a :class:`Serving`."""
-    return any(_found(v) for v in values)
-
-
-def refuse(who: str, runs: str, fix: str = "", **values: Any) -> None:
-    """Refuses a :class:`Serving` in any of ``values`` (named by their keyword) where only
-    stacked trees go: ``runs`` says what ``who`` does with them, ``fix`` what to do
-    (default: pass the stacked tree back)."""
-    for what, value in values.items():
-        found = _found(value)
-        if found:
-            at = what + (found[0] if found[0] else "")
-            raise TypeError(
-                f"{who}: `{at}` is in the serving layout (a `stackwise.Serving`), but {runs}. "
-                + (fix or f"Pass the stacked tree: `stackwise.from_serving({what})`.")
-            )
 
 
 def refuse_unservable(fsdp: Any, nested: Any, where: str, fix: str | None = None) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from stackwise._core import checks
 from stackwise._core.options import check_bool
+from stackwise._core.served import stacked_only
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
@@ -130,6 +131,7 @@ def init(
         positive, or a target that is not 2-D per layer.
     """
     who = "stackwise.lora.init"
+    stacked_only(who, params=params)
     key = checks.prng_key(key, who)
     rank = _rank(rank, who)
     alpha = float(rank) if alpha is None else alpha
@@ -239,6 +241,7 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False) -> Any:
         ``per_leaf`` not a bool.
     """
     who = "stackwise.lora.attach"
+    stacked_only(who, base=base, adapters=adapters)
     per_leaf = check_bool(per_leaf, "per_leaf", who)
     found = set()
     paired = pairs(base, adapters, who)
@@ -281,6 +284,7 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
     """
     who = "stackwise.lora.stack_adapters"
     adapters = list(adapters)
+    stacked_only(who, **{f"adapters[{i}]": a for i, a in enumerate(adapters)})
     if not adapters:
         raise ValueError(f"{who}: give at least one adapter tree.")
     for i, other in enumerate(adapters[1:], 1):
@@ -312,6 +316,7 @@ def add(w: jax.Array, d: jax.Array, sign: int = 1) -> jax.Array:
 
 
 def _merged(base: Any, adapters: Any, sign: int, who: str) -> Any:
+    stacked_only(who, base=base, adapters=adapters)
     out = []
     for path, leaf, lw in pairs(base, adapters, who):
         if lw is None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stackwise._core.served import stacked_only
 from stackwise._finetune.lora import LoraWeights, is_lora
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import leaf_paths, select
@@ -141,6 +142,7 @@ def save_peft(
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
     """
     who = "stackwise.lora.save_peft"
+    stacked_only(who, adapters=adapters)
     modules = _check_modules(modules, who)
     out_in = _check_layout(layout, who)
     tensors, ranks = {}, set()

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core import checks
+from stackwise._core.served import stacked_only
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
 __all__ = ["KINDS", "Quantized", "Scheme", "as_scheme", "block_size_of", "check_block_size",
@@ -314,6 +315,7 @@ def quantize(
       TypeError: a ``block_size`` that is not an int.
     """
     who = "stackwise.quant.quantize"
+    stacked_only(who, params=params)
     check_kind(kind, who)
     block_size = check_block_size(block_size, who)
     leaves = leaf_paths(params, is_leaf=is_quantized)

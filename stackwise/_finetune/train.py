@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from stackwise._core.served import stacked_only
 from stackwise._finetune.lora import is_lora
 from stackwise._finetune.quant import is_quantized
 
@@ -104,4 +105,5 @@ def layer_axes(tree: Any) -> Any:
     >>> jax.tree.leaves(stackwise.lora.layer_axes(stackwise.lora.stack_adapters([one, one])))
     [2, 2]
     """
+    stacked_only("stackwise.lora.layer_axes", tree=tree)
     return _per_leaf(tree, lambda leaf, lw: 2 if lw.a.ndim == 4 else 1, lambda v: 1)

@@ -8,7 +8,8 @@ or the contract's own, re-exported here; the adapters' shared contract is
 The running layer and messages:
   :func:`at_layer`, :func:`current_layer_index`, :func:`block_name`, :func:`stack_name`,
   :func:`refuse_serving` (the core's serving layout is not an adapter's),
-  :func:`refuse_unservable` (options without a serving form, for an adapter that serves).
+  :func:`refuse_unservable` (options without a serving form, for an adapter that serves),
+  :func:`stacked_only` (a ``stackwise.Serving`` refused where stacked trees go).
 A Stack's options and call:
   :data:`OPTION_NAMES`, :func:`stack_options`, :func:`check_bool`,
   :func:`check_layer_axis_name`, :class:`CallArgs`, :func:`is_per_layer`.
@@ -55,6 +56,7 @@ from stackwise._core.options import OPTION_NAMES as OPTION_NAMES
 from stackwise._core.options import check_bool as check_bool
 from stackwise._core.options import check_layer_axis_name as check_layer_axis_name
 from stackwise._core.options import stack_options as stack_options
+from stackwise._core.served import stacked_only as stacked_only
 from stackwise._core.serving import refuse_unservable as refuse_unservable
 from stackwise._core.trees import describe as describe
 from stackwise._core.trees import is_abstract as is_abstract

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from stackwise._core import checks, trees
 from stackwise._core.gather import entry_axes
+from stackwise._core.served import stacked_only
 from stackwise._sharding.specs import stacked_spec
 
 __all__ = ["fsdp_specs", "shard_stacked"]
@@ -184,6 +185,7 @@ def fsdp_specs(
         ``base`` / ``stacked`` do not match the params.
     """
     where = "stackwise.fsdp_specs"
+    stacked_only(where, params=params)
     mesh = checks.mesh(mesh, where)
     axes = checks.axis_names(axis, where, "axis", mesh=mesh)
     min_size = checks.integer(min_size, where, "min_size", minimum=0)
@@ -287,6 +289,7 @@ def shard_stacked(
         no axes, or ``specs`` / ``stacked`` trees that do not match ``params``.
     """
     where = "stackwise.shard_stacked"
+    stacked_only(where, params=params)
     mesh = checks.mesh(mesh, where)
     if isinstance(mesh, AbstractMesh):
         raise TypeError(
