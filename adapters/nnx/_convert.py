@@ -114,15 +114,32 @@ def show(path: tuple) -> str:
 
 
 def flatten(tree: Any, who: str) -> tuple[dict[tuple, Any], bool]:
-    """``({path: leaf}, is_state)``: an ``nnx.State`` or a nested dict, flattened."""
+    """``({path: leaf}, is_state)``: an ``nnx.State`` or a nested dict, flattened (a
+    served Stack's variables refused: see :func:`refuse_served`)."""
     if isinstance(tree, nnx.State):
-        return dict(nnx.to_flat_state(tree)), True
-    if isinstance(tree, Mapping):
-        return traverse_util.flatten_dict(dict(tree)), False
+        flat = dict(nnx.to_flat_state(tree))
+    elif isinstance(tree, Mapping):
+        flat = traverse_util.flatten_dict(dict(tree))
+    if isinstance(tree, (nnx.State, Mapping)):
+        refuse_served(flat, who)
+        return flat, isinstance(tree, nnx.State)
     raise TypeError(
         f"{who}: `tree` must be an `nnx.State` (e.g. `nnx.state(model)`) or a nested dict "
         f"of arrays (`nnx.to_pure_dict`), got {type(tree).__name__}."
     )
+
+
+def refuse_served(flat: dict[tuple, Any], who: str) -> None:
+    """Refuses a state holding a served Stack's variables (``stackwise.Serving`` values):
+    ``who`` converts stacked ones."""
+    for path, v in flat.items():
+        if _kit.serving.served(raw_value(v)):
+            raise TypeError(
+                f"{who}: `{show(path)}` is in the serving layout (a `stackwise.Serving`, from "
+                f"`Stack.to_serving()`), but {who} takes a Stack's stacked variables. Call "
+                "`stack.from_serving()` on the model's served Stacks first, then pass its state "
+                "again (`nnx.state(model)`)."
+            )
 
 
 def unflatten(flat: dict[tuple, Any], is_state: bool) -> Any:

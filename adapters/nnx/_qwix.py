@@ -12,6 +12,7 @@ from typing import Any
 from flax import nnx, traverse_util
 
 from stackwise import _kit
+from stackwise.nnx._convert import refuse_served
 
 __all__ = ["quantize_params"]
 
@@ -68,8 +69,10 @@ def quantize_params(
     """
     import qwix  # only now: qwix stays optional
 
+    flat = traverse_util.flatten_dict(params)
+    refuse_served(flat, _WHO)
     out = _kit.map_params(
-        traverse_util.flatten_dict(params),
+        flat,
         lambda path: _lookup(abstract_quantized_model, path),
         lambda w, a: qwix.quantize_params({"w": w}, {"w": a})["w"],
         _WHO, sep=".", where="the quantized model", allow_extra=allow_extra_params,
