@@ -305,6 +305,7 @@ def from_loop(
       A new state of the input's kind (``nnx.State`` or dict).
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: no layer found, a gap, more layers than ``n``, layers that
         differ in variables, shapes or metadata, or a Stack's block that
         already exists in the state.
@@ -378,6 +379,7 @@ def to_loop(
       A new state of the input's kind.
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: no Stack block at ``path`` (or a pattern's block given as
         one path), leaves without a common leading axis, positions whose
         depths no n gives, variables under a pattern Stack at none of the
@@ -552,6 +554,7 @@ def from_scan(
       A new state of the input's kind.
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: nothing at ``path``, a variable no int axis matches, or an
         ``out_sharding`` whose layer axis has another name.
     """

@@ -150,6 +150,9 @@ class Stack(nnx.Module):
     caches) is updated and written back stacked. An
     ``nnx.Rngs`` argument is split per layer, so every layer draws
     independent randomness (and the stream's count advances once).
+    For decoding, :meth:`to_serving` converts the Stack in place to per-layer
+    buffers (each Variable a ``stackwise.Serving``), which it then runs as a
+    loop of the layers, each cache written in its own buffer.
 
     Raises:
       TypeError: ``make_block`` not callable or not returning an

@@ -322,3 +322,30 @@ def test_qwix_ptq_kernels_serve_per_layer():
     assert isinstance(codes, stackwise.Serving) and codes.layers[1].dtype == jnp.int8
     call = nnx.jit(lambda m, x: m(x))
     assert_trees_bitwise(call(model, x), call(loop, x))
+
+
+class Grows(nnx.Module):
+    """Adds a param on its first call, as a transformation adding adapters does."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.linear(x)
+        if not hasattr(self, "extra"):
+            self.extra = nnx.Param(jnp.mean(x, 0, keepdims=True))
+        return x + self.extra[...]
+
+
+def test_a_param_added_inside_a_served_layer_is_kept_per_layer():
+    stack = stackwise.nnx.Stack(Grows, 3, rngs=nnx.Rngs(0))
+    loop = Loop(stack.to_layers())
+    stack.to_serving()
+    x = jax.random.normal(jax.random.key(7), (B, D))
+    call = nnx.jit(lambda m, x: m(x))
+    y = call(stack, x)
+    assert_trees_bitwise(y, call(loop, x))
+    assert isinstance(stack.layers.extra.get_value(), stackwise.Serving)
+    assert_trees_bitwise(call(stack, x), y)  # kept: not re-created
+    for i, block in enumerate(loop.blocks):
+        assert_trees_bitwise(stack[i].extra[...], block.extra[...])
