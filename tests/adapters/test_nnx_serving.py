@@ -164,7 +164,8 @@ def test_nnx_jit_runs_a_model_holding_a_served_stack():
 
 
 def test_round_trip_is_exact_and_nnx_sees_per_layer_buffers():
-    stack = _stack(4, layer_axis_name=None)
+    stack = _stack(4)
+    stack.layers.mlp.kernel.set_metadata(out_sharding=(None, None, "model"))  # kept
     before = nnx.state(stack)
     served = _served(stack)
     kernel = served.layers.mlp.kernel
@@ -306,20 +307,30 @@ def test_quantized_and_lora_params_serve_one_layer_at_a_time(kind):
         assert_trees_bitwise(nnx.state(model[i], nnx.Cache), nnx.state(block, nnx.Cache))
 
 
-def test_qwix_ptq_kernels_serve_per_layer():
-    """qwix's PTQ model (its int8 kernels kept stacked by the Stack) served, against qwix's
-    PTQ of the loop of the same float blocks given the Stack's per-layer codes."""
+@pytest.mark.parametrize("kind", ["ptq", "qlora"])
+def test_qwix_models_serve_per_layer(kind):
+    """qwix's PTQ model (its int8 kernels kept stacked by the Stack) and its QLoRA model (its
+    `qwix_rngs` set from outside, left as it is), served, against qwix's treatment of the
+    loop of the same float blocks given the Stack's per-layer params."""
     qwix = pytest.importorskip("qwix")
-    provider = qwix.PtqProvider([qwix.QtRule(module_path=".*", weight_qtype="int8")])
     x = jax.random.normal(jax.random.key(6), (B, D))
     floats = stackwise.nnx.Stack(Mix, 3, rngs=nnx.Rngs(0))
-    loop = qwix.quantize_model(Loop(floats.to_layers()), provider, x)
-    model = qwix.quantize_model(floats, provider, x)
+    if kind == "ptq":
+        provider = qwix.PtqProvider([qwix.QtRule(module_path=".*", weight_qtype="int8")])
+        treat = lambda m: qwix.quantize_model(m, provider, x)  # noqa: E731
+    else:
+        provider = qwix.LoraProvider(module_path=".*", rank=2, alpha=2.0, weight_qtype="int8")
+        treat = lambda m: qwix.apply_lora_to_model(m, provider, x, rngs=nnx.Rngs(1))  # noqa: E731
+    loop, model = treat(Loop(floats.to_layers())), treat(floats)
+    nnx.update(model, jax.tree.map(lambda v: v + 0.1, nnx.state(model, nnx.LoRAParam)))
     for i, block in enumerate(loop.blocks):
         nnx.update(block, nnx.state(model[i], nnx.Param))
     model.to_serving()
-    codes = model.layers.linear.kernel.array.qvalue.get_value()  # qwix's int8 codes
-    assert isinstance(codes, stackwise.Serving) and codes.layers[1].dtype == jnp.int8
+    if kind == "ptq":
+        codes = model.layers.linear.kernel.array.qvalue.get_value()  # qwix's int8 codes
+        assert isinstance(codes, stackwise.Serving) and codes.layers[1].dtype == jnp.int8
+    else:
+        assert isinstance(model.layers.linear.kernel_lora_a.get_value(), stackwise.Serving)
     call = nnx.jit(lambda m, x: m(x))
     assert_trees_bitwise(call(model, x), call(loop, x))
 
