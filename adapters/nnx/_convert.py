@@ -130,15 +130,15 @@ def flatten(tree: Any, who: str) -> tuple[dict[tuple, Any], bool]:
 
 
 def refuse_served(flat: dict[tuple, Any], who: str) -> None:
-    """Refuses a state holding a served Stack's variables (``stackwise.Serving`` values):
-    ``who`` converts stacked ones."""
+    """Refuses a state (or a model's) holding a served Stack's variables
+    (``stackwise.Serving`` values): ``who`` converts stacked ones."""
     for path, v in flat.items():
         if _kit.serving.served(raw_value(v)):
             raise TypeError(
                 f"{who}: `{show(path)}` is in the serving layout (a `stackwise.Serving`, from "
                 f"`Stack.to_serving()`), but {who} takes a Stack's stacked variables. Call "
-                "`stack.from_serving()` on the model's served Stacks first, then pass its state "
-                "again (`nnx.state(model)`)."
+                "`stack.from_serving()` on the model's served Stacks first (and take its state "
+                "again: `nnx.state(model)`)."
             )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from flax import nnx
 
 from stackwise import _kit
-from stackwise.nnx._convert import BLOCK, flatten, raw_value, show, unflatten
+from stackwise.nnx._convert import BLOCK, flatten, raw_value, refuse_served, show, unflatten
 from stackwise.nnx._stack import Stack
 
 __all__ = ["convert"]
@@ -48,6 +48,7 @@ class _Model:
             if isinstance(node, Stack):
                 stacks[tuple(path) + (BLOCK,)] = len(node.layers) if node.pattern else 1
         self.flat = dict(nnx.to_flat_state(nnx.state(model)))
+        refuse_served(self.flat, who)
         self.paths = list(self.flat)
         self.groups = []  # each leaf's layer root: its Stack's block, or pattern position
         self.leaves = []

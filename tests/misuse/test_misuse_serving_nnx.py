@@ -88,6 +88,10 @@ NNX = [
     case("nnx convert of a served Stack's state",
          lambda: stackwise.nnx.convert(_state_of_served(), _stack, _stack), TypeError,
          "stackwise.nnx.convert", "in the serving layout", "stack.from_serving()"),
+    case("nnx convert onto a served Stack",
+         lambda: stackwise.nnx.convert(nnx.state(_stack()), _stack, _served()), TypeError,
+         "stackwise.nnx.convert", "`layers.bias` is in the serving layout",
+         "stack.from_serving()"),
     case("nnx quantize_params of a served Stack's params", _quantize_served, TypeError,
          "stackwise.nnx.quantize_params", "in the serving layout", "stack.from_serving()"),
 ]  # fmt: skip
