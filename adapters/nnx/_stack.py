@@ -314,7 +314,8 @@ class Stack(nnx.Module):
             self._check_depth(rest, len(range(p, self.n, len(blocks))), who, from_qwix)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        blocks, who, k = self._blocks(), self._who(), len(self._blocks())
+        blocks = self._blocks()
+        who, k = self._who(), len(blocks)
         # RNG streams set on a block from outside (qwix's `qwix_rngs`): split per layer.
         outside = [_inside.outside_streams(block) for block in blocks]
         self._check_layers(outside)
