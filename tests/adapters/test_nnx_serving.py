@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import pytest
 from _trees import assert_trees_bitwise, assert_trees_close
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stackwise
 import stackwise.nnx
@@ -181,6 +183,40 @@ def test_round_trip_is_exact_and_nnx_sees_per_layer_buffers():
     served.from_serving()
     assert_trees_bitwise(nnx.state(served), before)
     assert jax.tree.structure(nnx.state(served)) == jax.tree.structure(before)
+
+
+@settings(max_examples=5, deadline=None)
+@given(n=st.integers(1, 5), k=st.integers(1, 2), d=st.integers(1, 4), t=st.integers(1, 3))
+def test_any_shapes_serve_as_the_loop_and_convert_back_exactly(n, k, d, t):
+    """Widths, cache lengths, depths and patterns vary: the served calls write each layer's
+    cache as the loop's blocks do, and `from_serving` gives the stacked Stack back."""
+
+    class Writes(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(d, d, rngs=rngs)
+            self.cache = nnx.Cache(jnp.zeros((t, d)))
+
+        def __call__(self, x):
+            y = jnp.tanh(self.linear(x))
+            self.cache[...] = jnp.roll(self.cache[...], 1, 0).at[0].set(y[0])
+            return x + y
+
+    k = min(k, n)
+    stack = stackwise.nnx.Stack([Writes] * k if k > 1 else Writes, n, rngs=nnx.Rngs(n))
+    before = nnx.state(stack)
+    loop = Loop(stack.to_layers())
+    served = _served(stack)
+    call = nnx.jit(lambda m, x: m(x))
+    x = jnp.linspace(-1.0, 1.0, 2 * d).reshape(2, d)
+    for _ in range(2):
+        assert_trees_bitwise(call(served, x), call(loop, x))
+    for i, block in enumerate(loop.blocks):
+        assert_trees_bitwise(nnx.state(served[i]), nnx.state(block))
+    served.from_serving()
+    assert jax.tree.structure(nnx.state(served)) == jax.tree.structure(before)
+    stack.to_serving()
+    stack.from_serving()
+    assert_trees_bitwise(nnx.state(stack), before)
 
 
 def _is_var(v):
