@@ -58,13 +58,35 @@ def _position_trees(stack: Any) -> list[dict]:
 
 
 def check(stack: Any, who: str) -> None:
-    """A served Stack's Variables: all served, each position's holding its layers.
+    """A served Stack's Variables: all served, each position's holding its layers, every
+    layer of one shape and dtype (the core runs one block per position).
 
     Raises:
-      TypeError: a stacked Variable among served ones (``_kit.serving.gather``).
+      TypeError: a stacked Variable among served ones (``_kit.serving.gather``), or a
+        served Variable whose layers differ in shape or dtype.
       ValueError: a Variable serving another number of layers than its position runs.
     """
-    _kit.serving.gather(_position_trees(stack), stack.n, stack.pattern, who, "layers")
+    trees = _position_trees(stack)
+    _kit.serving.gather(trees, stack.n, stack.pattern, who, "layers")
+    for tree in trees:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=_kit.serving.is_serving
+        )[0]:
+            kinds = [(tuple(a.shape), str(a.dtype)) for a in leaf.layers]
+            other = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), None)
+            if other is not None:
+                raise TypeError(
+                    f"{who}: the served `layers{jax.tree_util.keystr(path)}` holds layers of "
+                    f"other shapes or dtypes: {_describe(kinds[other])} in its layer {other}, "
+                    f"{_describe(kinds[0])} in its layer 0. Each layer's buffer keeps the shape "
+                    "and dtype it was converted with; set values of that shape (the served "
+                    "calls' own state, `nnx.update`), or rebuild the Stack."
+                )
+
+
+def _describe(kind: tuple) -> str:
+    shape, dtype = kind
+    return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
 def to_serving(stack: Any, who: str) -> None:

@@ -566,8 +566,9 @@ class Stack(nnx.Module):
         the served calls wrote (caches, statistics) is stacked with the rest.
 
         Raises:
-          TypeError: the Stack is not in the serving layout, or one of its Variables is
-            stacked while others are served (named).
+          TypeError: the Stack is not in the serving layout, one of its Variables is
+            stacked while others are served, or a served layer's buffer changed shape or
+            dtype (named).
           ValueError: a served Variable holds another number of layers (named).
         """
         _serving.from_serving(self, f"{self._who()}.from_serving")

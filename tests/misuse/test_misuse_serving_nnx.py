@@ -42,6 +42,15 @@ def _shallow(call):
     call(stack)
 
 
+def _reshaped(call):
+    """A served Stack with one layer's buffer of a Variable set to another shape."""
+    stack = _served()
+    layers = list(stack.layers.kernel.get_value().layers)
+    layers[2] = jnp.ones((4, 5))
+    stack.layers.kernel.set_value(stackwise.Serving(layers))
+    call(stack)
+
+
 def _unstacked():
     stack = _stack()
     stack.layers.bias.set_value(jnp.zeros((4,)))  # the layer axis lost
@@ -81,6 +90,12 @@ NNX = [
          "convert this Stack's own stacked variables"),
     case("nnx layer of a served variable of another depth",
          lambda: _shallow(lambda s: s[0]), ValueError, "`layers['kernel']` holds 2 layers"),
+    case("nnx served layer of another shape", lambda: _reshaped(lambda s: s(X)), TypeError,
+         "the served `layers['kernel']` holds layers of other shapes", "float32[4, 5] in its "
+         "layer 2", "float32[4, 4] in its layer 0", "rebuild the Stack"),
+    case("nnx from_serving of a layer of another shape",
+         lambda: _reshaped(lambda s: s.from_serving()), TypeError, f"{WHO}.from_serving",
+         "holds layers of other shapes"),
     case("nnx to_loop of a served Stack's state",
          lambda: stackwise.nnx.to_loop(_state_of_served(), "layers"), TypeError,
          "stackwise.nnx.to_loop", "`layers.bias` is in the serving layout",
