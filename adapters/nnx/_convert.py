@@ -114,15 +114,32 @@ def show(path: tuple) -> str:
 
 
 def flatten(tree: Any, who: str) -> tuple[dict[tuple, Any], bool]:
-    """``({path: leaf}, is_state)``: an ``nnx.State`` or a nested dict, flattened."""
+    """``({path: leaf}, is_state)``: an ``nnx.State`` or a nested dict, flattened (a
+    served Stack's variables refused: see :func:`refuse_served`)."""
     if isinstance(tree, nnx.State):
-        return dict(nnx.to_flat_state(tree)), True
-    if isinstance(tree, Mapping):
-        return traverse_util.flatten_dict(dict(tree)), False
+        flat = dict(nnx.to_flat_state(tree))
+    elif isinstance(tree, Mapping):
+        flat = traverse_util.flatten_dict(dict(tree))
+    if isinstance(tree, (nnx.State, Mapping)):
+        refuse_served(flat, who)
+        return flat, isinstance(tree, nnx.State)
     raise TypeError(
         f"{who}: `tree` must be an `nnx.State` (e.g. `nnx.state(model)`) or a nested dict "
         f"of arrays (`nnx.to_pure_dict`), got {type(tree).__name__}."
     )
+
+
+def refuse_served(flat: dict[tuple, Any], who: str) -> None:
+    """Refuses a state (or a model's) holding a served Stack's variables
+    (``stackwise.Serving`` values): ``who`` converts stacked ones."""
+    for path, v in flat.items():
+        if _kit.serving.served(raw_value(v)):
+            raise TypeError(
+                f"{who}: `{show(path)}` is in the serving layout (a `stackwise.Serving`, from "
+                f"`Stack.to_serving()`), but {who} takes a Stack's stacked variables. Call "
+                "`stack.from_serving()` on the model's served Stacks first (and take its state "
+                "again: `nnx.state(model)`)."
+            )
 
 
 def unflatten(flat: dict[tuple, Any], is_state: bool) -> Any:
@@ -288,6 +305,7 @@ def from_loop(
       A new state of the input's kind (``nnx.State`` or dict).
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: no layer found, a gap, more layers than ``n``, layers that
         differ in variables, shapes or metadata, or a Stack's block that
         already exists in the state.
@@ -361,6 +379,7 @@ def to_loop(
       A new state of the input's kind.
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: no Stack block at ``path`` (or a pattern's block given as
         one path), leaves without a common leading axis, positions whose
         depths no n gives, variables under a pattern Stack at none of the
@@ -535,6 +554,7 @@ def from_scan(
       A new state of the input's kind.
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: nothing at ``path``, a variable no int axis matches, or an
         ``out_sharding`` whose layer axis has another name.
     """

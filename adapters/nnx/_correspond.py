@@ -16,7 +16,7 @@ from typing import Any
 from flax import nnx
 
 from stackwise import _kit
-from stackwise.nnx._convert import BLOCK, flatten, raw_value, show, unflatten
+from stackwise.nnx._convert import BLOCK, flatten, raw_value, refuse_served, show, unflatten
 from stackwise.nnx._stack import Stack
 
 __all__ = ["convert"]
@@ -48,6 +48,7 @@ class _Model:
             if isinstance(node, Stack):
                 stacks[tuple(path) + (BLOCK,)] = len(node.layers) if node.pattern else 1
         self.flat = dict(nnx.to_flat_state(nnx.state(model)))
+        refuse_served(self.flat, who)
         self.paths = list(self.flat)
         self.groups = []  # each leaf's layer root: its Stack's block, or pattern position
         self.leaves = []
@@ -192,6 +193,7 @@ def convert(tree: Any, source: Any, target: Any) -> Any:
       bitwise (stacked or sliced). Load it with ``nnx.update(target, state)``.
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: the state is not the source's (the differing variables are
         listed), or the models do not correspond one to one (the first
         difference is shown).

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import stackwise
+from stackwise import _kit
 
 __all__ = [
     "draw",
@@ -34,11 +35,14 @@ __all__ = [
 
 
 def outside_streams(block: nnx.Module) -> list[tuple]:
-    """The paths of the block's RNG streams whose key has no layer axis (set from outside)."""
+    """The paths of the block's RNG streams whose key has no layer axis (set from outside;
+    a served Stack's own streams hold a ``stackwise.Serving`` of per-layer keys)."""
     return [
         path
         for path, node in nnx.iter_graph(block)
-        if isinstance(node, nnx.RngStream) and jnp.ndim(node.key.get_raw_value()) == 0
+        if isinstance(node, nnx.RngStream)
+        and not _kit.serving.is_serving(key := node.key.get_raw_value())
+        and jnp.ndim(key) == 0
     ]
 
 

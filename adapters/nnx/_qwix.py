@@ -14,6 +14,7 @@ from typing import Any
 from flax import nnx, traverse_util
 
 from stackwise import _kit
+from stackwise.nnx._convert import refuse_served
 
 __all__ = ["quantize_params"]
 
@@ -95,6 +96,7 @@ def quantize_params(
       A pure dict of the quantized params, for ``nnx.update(quantized_model, ...)``.
 
     Raises:
+      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
       ValueError: a param is not in the quantized model (unless ``allow_extra_params``),
         or does not quantize to its shapes there with 0, 1 or 2 leading layer axes (params
         of another model or depth); a ``quant_stats`` entry is not qwix's statistics,
@@ -103,8 +105,10 @@ def quantize_params(
     """
     import qwix  # only now: qwix stays optional
 
+    flat = traverse_util.flatten_dict(params)
+    refuse_served(flat, _WHO)
     out = _kit.map_params(
-        traverse_util.flatten_dict(params),
+        flat,
         lambda path: _lookup(abstract_quantized_model, path),
         lambda w, a: qwix.quantize_params({"w": w}, {"w": a})["w"],
         _WHO, sep=".", where="the quantized model", allow_extra=allow_extra_params,

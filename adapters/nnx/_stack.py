@@ -11,13 +11,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import errors as flax_errors
 from flax import nnx
 
 import stackwise
 from stackwise import _kit
-from stackwise.nnx import _compare, _inside, _view
+from stackwise.nnx import _axis, _compare, _inside, _serving, _view
 
 __all__ = ["Stack", "layer_index"]
 
@@ -48,58 +47,6 @@ def layer_index() -> jax.Array:
       RuntimeError: called outside a block run by :class:`Stack`.
     """
     return _kit.current_layer_index("nnx")
-
-
-# --------------------------------------------------------------------------
-# Sharding metadata: the layer axis is prepended to every variable's
-# `out_sharding` (the metadata `nnx.with_partitioning` sets) outside the
-# layers, and removed inside them, where each variable holds one layer.
-
-
-def _variables(tree: Any) -> list[tuple[Any, nnx.Variable]]:
-    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
-    return [
-        (path, v)
-        for path, v in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_var)
-        if is_var(v)
-    ]
-
-
-def _add_layer_axis(state: Any, axis_name: str | None) -> None:
-    for _, v in _variables(state):
-        sharding = v.get_metadata("out_sharding", None)
-        if sharding:
-            v.set_metadata(out_sharding=(axis_name, *sharding))
-
-
-def _remove_layer_axis(state: Any) -> None:
-    for _, v in _variables(state):
-        sharding = v.get_metadata("out_sharding", None)
-        if sharding:
-            v.set_metadata(out_sharding=tuple(sharding)[1:])
-
-
-def _shard_eagerly(state: Any) -> Any:
-    """Recreates variables with sharding metadata, so ``nnx.use_eager_sharding``
-    places the stacked values by their stacked spec (as block creation does)."""
-
-    def recreate(v):
-        if isinstance(v, nnx.Variable) and v.get_metadata("out_sharding", None):
-            if v.get_metadata("eager_sharding", False):
-                return type(v)(v.get_raw_value(), **v.get_metadata())
-        return v
-
-    return jax.tree.map(recreate, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
-def _path(path) -> str:
-    """``(DictKey('lin'), DictKey('kernel'), GetAttrKey('value'))`` -> ``lin.kernel``."""
-    parts = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-        if name != "value" or not isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(str(name))
-    return ".".join(parts) or "<root>"
 
 
 def _unused(*args: Any) -> None:
@@ -203,6 +150,9 @@ class Stack(nnx.Module):
     caches) is updated and written back stacked. An
     ``nnx.Rngs`` argument is split per layer, so every layer draws
     independent randomness (and the stream's count advances once).
+    For decoding, :meth:`to_serving` converts the Stack in place to per-layer
+    buffers (each Variable a ``stackwise.Serving``), which it then runs as a
+    loop of the layers, each cache written in its own buffer.
 
     Raises:
       TypeError: ``make_block`` not callable or not returning an
@@ -321,7 +271,7 @@ class Stack(nnx.Module):
                     )
                 graphdef, params, rest = nnx.split(block, nnx.Param, ...)
                 graphdefs[p] = graphdef
-                _add_layer_axis((params, rest), self.layer_axis_name)
+                _axis.add((params, rest), self.layer_axis_name)
                 return params, rest
 
             return one
@@ -339,7 +289,7 @@ class Stack(nnx.Module):
         if not self.pattern:
             params, rest = (params,), (rest,)
         return [
-            nnx.merge(graphdefs[p], _shard_eagerly(params[p]), _shard_eagerly(rest[p]))
+            nnx.merge(graphdefs[p], _axis.shard_eagerly(params[p]), _axis.shard_eagerly(rest[p]))
             for p in range(len(makers))
         ]
 
@@ -350,8 +300,12 @@ class Stack(nnx.Module):
     def _check_layers(self, outside: list | None = None) -> None:
         """Every variable of the stacked block(s) has the layer axis of its pattern
         position first (ValueError naming those that do not). ``outside[p]``: paths of
-        position p's RNG streams set from outside, which have none (see ``_inside``)."""
+        position p's RNG streams set from outside, which have none (see ``_inside``).
+        In the serving layout: every variable served, with its position's layers."""
         blocks, who = self._blocks(), self._who()
+        if _serving.served(self):
+            _serving.check(self, who)
+            return
         for p, block in enumerate(blocks):
             skip = _inside.outside_filter(outside[p] if outside else [])
             _, _, params, rest = nnx.split(block, skip, nnx.Param, ...)
@@ -361,41 +315,15 @@ class Stack(nnx.Module):
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         blocks = self._blocks()
-        who = self._who()
+        who, k = self._who(), len(blocks)
         # RNG streams set on a block from outside (qwix's `qwix_rngs`): split per layer.
         outside = [_inside.outside_streams(block) for block in blocks]
         self._check_layers(outside)
+        serving = _serving.served(self)
         filters = [_inside.outside_filter(paths) for paths in outside]
         split = [nnx.split(b, nnx.Param, f, ...) for b, f in zip(blocks, filters)]
-        grown: list = [None] * len(blocks)  # a position's new graphdef, if it grew
-
-        def one(pos):
-            graphdef, _, streams, _ = split[pos]
-
-            def apply(p, s, x, extras, call):
-                _remove_layer_axis((p, s))
-                p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
-                fresh = jax.tree.map(lambda a: a, streams)  # this trace's own variables
-                block = nnx.merge(graphdef, p, fresh, s)
-                _inside.rekey(block, outside[pos], extras["streams"][pos])
-                before = nnx.graphdef(block)
-                args, kwargs = _inside.join_rngs_args(call.args, call.kwargs)
-                with _kit.at_layer(extras["index"]):
-                    out = block(x, *args, **kwargs)
-                new_graphdef = _inside.grown(before, block)
-                _, new_params, _, new_rest = nnx.split(block, nnx.Param, filters[pos], ...)
-                _add_layer_axis(new_rest, self.layer_axis_name)
-                if new_graphdef is None:
-                    return out, new_rest
-                # The layer added or replaced variables (qwix's LoRA params, quantized
-                # kernels): every variable leaves it, to be stacked as a new block.
-                grown[pos] = new_graphdef
-                _add_layer_axis(new_params, self.layer_axis_name)
-                return out, (new_params, new_rest)
-
-            return apply
-
-        applies = [one(pos) for pos in range(len(blocks))]
+        grown: list = [None] * k  # a position's new graphdef, if it grew
+        applies = [self._layer_apply(split[p], filters[p], outside[p], p, grown) for p in range(k)]
         layers = stackwise.stack(
             None,
             applies if self.pattern else applies[0],
@@ -405,17 +333,22 @@ class Stack(nnx.Module):
             **{name: getattr(self, name) for name in _kit.OPTION_NAMES},
         )
         args, kwargs = _inside.split_rngs_args(args, kwargs)
-        params = tuple(params for _, params, _, _ in split)
-        rest = tuple(rest for _, _, _, rest in split)
-        if not self.pattern:
-            params, rest = params[0], rest[0]
+        params = [params for _, params, _, _ in split]
+        rest = [rest for _, _, _, rest in split]
+        if serving:  # per-layer buffers: the core's Python loop of the layers
+            params = _serving.gather(params, self, who, "params")
+            rest = _serving.gather(rest, self, who, "variables")
+        else:
+            params, rest = (tuple(params), tuple(rest)) if self.pattern else (params[0], rest[0])
+            _kit.warn_unrematted(params, self.remat, who, graph=blocks)  # qwix: in the graph
         extras = {
             "index": stackwise.layer_index(),
             "streams": [_inside.draw(b, paths) for b, paths in zip(blocks, outside)],
         }
-        _kit.warn_unrematted(params, self.remat, who, graph=blocks)  # qwix: in the graph
         out, new_rest = layers.apply(params, rest, x, extras, _kit.CallArgs(args, kwargs))
-        for pos, new in enumerate(new_rest if self.pattern else [new_rest]):
+        if serving:
+            new_rest = _kit.serving.scatter(new_rest, k)
+        for pos, new in enumerate(new_rest if self.pattern or serving else [new_rest]):
             if grown[pos] is None:
                 nnx.update(blocks[pos], new)
                 continue
@@ -427,11 +360,40 @@ class Stack(nnx.Module):
                 self.layers = rebuilt
         return out
 
+    def _layer_apply(self, split: tuple, keep: Any, outside: list, pos: int, grown: list):
+        """Position ``pos``'s layer for the core: ``apply(params, state, x, extras, call)``
+        merges one layer's block, runs it and returns its new state (its graph grown:
+        ``(params, state)``, and ``grown[pos]`` its new graphdef)."""
+        graphdef, _, streams, _ = split
+        who = self._who()
+
+        def apply(p, s, x, extras, call):
+            _axis.remove((p, s))
+            p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
+            fresh = jax.tree.map(lambda a: a, streams)  # this trace's own variables
+            block = nnx.merge(graphdef, p, fresh, s)
+            _inside.rekey(block, outside, extras["streams"][pos])
+            before = nnx.graphdef(block)
+            args, kwargs = _inside.join_rngs_args(call.args, call.kwargs)
+            with _kit.at_layer(extras["index"]):
+                out = block(x, *args, **kwargs)
+            new_graphdef = _inside.grown(before, block)
+            _, new_params, _, new_rest = nnx.split(block, nnx.Param, keep, ...)
+            _axis.add(new_rest, self.layer_axis_name)
+            if new_graphdef is None:
+                return out, new_rest
+            # The layer added or replaced variables (qwix's LoRA params, quantized
+            # kernels): every variable leaves it, to be stacked as a new block.
+            grown[pos] = new_graphdef
+            _axis.add(new_params, self.layer_axis_name)
+            return out, (new_params, new_rest)
+
+        return apply
+
     def _check_depth(self, state: Any, n: int, who: str, from_qwix: bool = False) -> None:
-        _kit.refuse_serving(who, "Stack.to_layers()", variables=state)
         is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         leaves = [
-            (f"{_path(path)} ({type(v).__name__})", a)
+            (f"{_compare.path_name(path)} ({type(v).__name__})", a)
             for path, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_var)
             for _, a in jax.tree_util.tree_leaves_with_path(v)
         ]
@@ -477,8 +439,8 @@ class Stack(nnx.Module):
         for p, block in enumerate(stacked):
             graphdef, state = nnx.split(block)
             for j, i in enumerate(range(p, self.n, k)):
-                layer = jax.tree.map(lambda a, j=j: _kit.take(a, j), state)
-                _remove_layer_axis(layer)
+                layer = _serving.take(state, j)  # stacked or served
+                _axis.remove(layer)
                 blocks[i] = nnx.merge(graphdef, layer)
         return blocks
 
@@ -524,7 +486,7 @@ class Stack(nnx.Module):
         _kit.check_layer_axis_name(layer_axis_name, who)
         blocks = _kit.check_built(blocks, pattern, nnx.Module, "an nnx.Module", who)
         stacked = [
-            _stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
+            _compare.stack_blocks(blocks, range(p, len(blocks), pattern), layer_axis_name, who)
             for p in range(pattern)
         ]
         return cls(
@@ -535,43 +497,78 @@ class Stack(nnx.Module):
             **options,
         )
 
+    # ----------------------------------------------------------------------
+    # The serving layout: per-layer buffers, converted once (see `_serving`).
 
-def _stack_blocks(blocks: list, indices: range, layer_axis_name: Any, who: str) -> nnx.Module:
-    """Blocks ``indices`` (one position's) as one stacked block, checked against the first."""
-    first_i = indices[0]
-    graphdef, first = nnx.split(blocks[first_i])
-    states = [first]
-    for i in indices[1:]:
-        block = blocks[i]
-        g, state = nnx.split(block)
-        found = _compare.first_difference(blocks[first_i], block, arrays=False)
-        if found is None and (
-            g != graphdef or jax.tree.structure(state) != jax.tree.structure(first)
-        ):
-            found = "<root>", "another structure or other static attributes"
-        if found is not None:
-            at, how = found
-            raise TypeError(
-                f"{who}: block {i} ({type(block).__name__}) differs in structure or static "
-                f"attributes from block {first_i} at `{at}`: {how}. Every layer of a position "
-                "must be built the same way, with the same arguments (only the rngs "
-                "differing); for repeating kinds of blocks, pass `pattern=k`."
-            )
-        found = _compare.first_difference(block, blocks[first_i])
-        if found is not None:
-            at, how = found
-            raise TypeError(
-                f"{who}: block {i} has variables of other shapes or dtypes than block "
-                f"{first_i}: `{at}` is {how} (block {i} vs block {first_i}); every layer's "
-                "variable must have one shape "
-                "and dtype to be stacked."
-            )
-        states.append(state)
-    for i, state in zip(indices, states):
-        for path, a in jax.tree_util.tree_leaves_with_path(state):
-            _kit.exact_dtype(a, who, f"{_path(path)} of block {i}")
-    stacked = jax.tree.map(
-        lambda *a: _kit.stack_abstract(a) if _kit.is_abstract(a[0]) else jnp.stack(a), *states
-    )
-    _add_layer_axis(stacked, layer_axis_name)
-    return nnx.merge(graphdef, _shard_eagerly(stacked))
+    def to_serving(self) -> None:
+        """Converts the Stack to the serving layout, in place: every Variable's value a
+        ``stackwise.Serving`` of its n per-layer arrays.
+
+        Calling the Stack then runs its layers as a Python loop over separate buffers
+        (the core's serving path): no layer slices a stacked weight, and each layer's
+        ``nnx.Cache`` (any non-``Param`` Variable) is written in its own buffer, in place
+        when donated, so decoding costs what a loop of :meth:`to_layers`' blocks costs,
+        with the same outputs. In place, as NNX updates a module (``nnx.update``): the
+        Variables keep their types and metadata, each converted on its own (the stacked
+        copy of one Variable at a time is held). :meth:`from_serving` converts back.
+
+        >>> import functools, jax, jax.numpy as jnp, stackwise.nnx
+        >>> from flax import nnx
+        >>> class Cached(nnx.Module):           # writes x at `pos` of its own cache
+        ...     def __init__(self, rngs):
+        ...         self.linear = nnx.Linear(4, 4, rngs=rngs)
+        ...         self.cache = nnx.Cache(jnp.zeros((5, 4)))
+        ...     def __call__(self, x, pos):
+        ...         self.cache[...] = jax.lax.dynamic_update_slice(self.cache[...], x, (pos, 0))
+        ...         return x + self.linear(self.cache[...].sum(0, keepdims=True))
+        >>> stack = stackwise.nnx.Stack(Cached, n=3, rngs=nnx.Rngs(0))
+        >>> loop = stack.to_layers()            # the loop of blocks it serves like
+        >>> stack.to_serving()
+        >>> stack.layers.cache.get_value()
+        Serving(3 layers)
+        >>> graphdef, params, cache = nnx.split(stack, nnx.Param, nnx.Cache)
+        >>> len(jax.tree.leaves(cache))         # one buffer per layer
+        3
+        >>> @functools.partial(jax.jit, donate_argnums=1)     # each cache written in place
+        ... def step(params, cache, x, pos):
+        ...     model = nnx.merge(graphdef, params, cache)
+        ...     return model(x, pos), nnx.state(model, nnx.Cache)
+        >>> x = jnp.ones((1, 4))
+        >>> y, cache = step(params, cache, x, 0)
+        >>> y_loop = x
+        >>> for block in loop:
+        ...     y_loop = block(y_loop, 0)
+        >>> bool(jnp.allclose(y, y_loop))
+        True
+        >>> nnx.update(stack, cache)
+        >>> stack.from_serving()
+        >>> stack.layers.cache.shape
+        (3, 5, 4)
+
+        Under ``nnx.jit`` the served Stack is called as any module. ``stack[i]`` and
+        :meth:`to_layers` give its layers as blocks; ``has_aux``, patterns,
+        :func:`stackwise.per_layer` and ``nnx.Rngs`` arguments, ``reverse``, LoRA and
+        quantized params (``stackwise.lora.attach(..., per_leaf=True)``,
+        ``stackwise.quant.quantize``: each layer's codes stay packed in its buffer) work as
+        stacked. ``unroll`` changes nothing; ``remat`` applies per layer.
+
+        Raises:
+          TypeError: the Stack is already in the serving layout.
+          ValueError: a Stack built with ``fsdp`` or ``nested`` (no serving form), or
+            variables without the layer axis (named).
+        """
+        _serving.to_serving(self, f"{self._who()}.to_serving")
+
+    def from_serving(self) -> None:
+        """Converts a served Stack back to the stacked layout, in place, bit for bit.
+
+        The inverse of :meth:`to_serving` (the example there shows both); the new state
+        the served calls wrote (caches, statistics) is stacked with the rest.
+
+        Raises:
+          TypeError: the Stack is not in the serving layout, one of its Variables is
+            stacked while others are served, or a served layer's buffer changed shape or
+            dtype (named).
+          ValueError: a served Variable holds another number of layers (named).
+        """
+        _serving.from_serving(self, f"{self._who()}.from_serving")

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 from flax import nnx
 
 from stackwise import _kit
+from stackwise.nnx import _axis, _serving
 
 __all__ = ["iter_layers", "layer", "num_layers"]
 
@@ -25,18 +25,6 @@ __all__ = ["iter_layers", "layer", "num_layers"]
 def num_layers(stack: Any) -> int:
     """The number of layers, ``len(stack)``."""
     return stack.n
-
-
-def _slice(i: int) -> Any:
-    return lambda a: _kit.take(a, i)
-
-
-def _without_layer_axis(state: Any) -> None:
-    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
-    for v in jax.tree.leaves(state, is_leaf=is_var):
-        spec = v.get_metadata("out_sharding", None) if is_var(v) else None
-        if spec:
-            v.set_metadata(out_sharding=tuple(spec)[1:])
 
 
 def layer(stack: Any, i: int) -> nnx.Module:
@@ -76,8 +64,8 @@ def layer(stack: Any, i: int) -> nnx.Module:
     blocks = stack._blocks()  # one stacked block per pattern position
     k = len(blocks)
     graphdef, state = nnx.split(blocks[i % k])
-    one = jax.tree.map(_slice(i // k), state)
-    _without_layer_axis(one)
+    one = _serving.take(state, i // k)  # stacked or served
+    _axis.remove(one)
     return nnx.merge(graphdef, one)
 
 

@@ -175,8 +175,8 @@ def test_misuse_serving(call, error, words):
 
 # --------------------------------------------------------------------------
 # The adapters run their framework's stacked variables only: a Serving put in their
-# params is refused with the framework's exact loop conversion as the fix. (NNX refuses it
-# by itself: `nnx.merge` takes no Serving in place of a State.)
+# params is refused with the framework's exact loop conversion as the fix. (NNX's served
+# Stack: tests/misuse/test_misuse_serving_nnx.py.)
 
 X4 = jnp.ones((1, 4))
 
