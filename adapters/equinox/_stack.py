@@ -582,8 +582,7 @@ def _layer_apply(
     """A position's layer for :func:`stackwise.stack`: its block, from the layer's arrays
     (quaxified when they hold quax values, so that the scan and remat see plain arrays)."""
 
-    def apply(params, state, x, extras, call):
-        block = _kit.layer_params(eqx.combine(params, static), who)  # LoRA / quantized
+    def run(block, x, state, extras, call):
         block = _quax.layer(block) if quaxed else block
         kwargs = call.kwargs if extras["key"] is None else {**call.kwargs, "key": extras["key"]}
         with _kit.at_layer(extras["index"]):
@@ -593,5 +592,9 @@ def _layer_apply(
         if eqx_state:
             _state.check_returned(out, who)
         return out
+
+    def apply(params, state, x, extras, call):
+        # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+        return _kit.run_layer(run, eqx.combine(params, static), x, state, extras, call, who=who)
 
     return apply

@@ -414,10 +414,13 @@ class _Layers:
         return one_layer
 
     def _apply(self, p: int) -> Callable:
-        def apply(params, state, x, extras, call):
-            params = _kit.layer_params(params, self.who)  # LoRA / quantized: float weights
+        def block(params, x, state, extras, call):
             with _kit.at_layer(extras["index"]):
                 return self.transformed[p].apply(params, state, extras["rng"], x, call)
+
+        def apply(params, state, x, extras, call):
+            # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+            return _kit.run_layer(block, params, x, state, extras, call, who=self.who)
 
         return apply
 

@@ -374,8 +374,13 @@ class Stack(nnx.Module):
 
             def apply(p, s, x, extras, call):
                 _remove_layer_axis((p, s))
-                p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
-                fresh = jax.tree.map(lambda a: a, streams)  # this trace's own variables
+                # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+                return _kit.run_layer(run, p, x, s, extras, call, who=who)
+
+            def run(p, x, s, extras, call):
+                # This trace's own variables (under a batch's vmap, one level inside the
+                # scan's), so that the block may update them.
+                fresh, s = jax.tree.map(lambda a: a, (streams, s))
                 block = nnx.merge(graphdef, p, fresh, s)
                 _inside.rekey(block, outside[pos], extras["streams"][pos])
                 before = nnx.graphdef(block)
