@@ -64,7 +64,12 @@ def _layer_weights(base: Any, adapters: Any) -> Any:
 
 
 def materialise(params: Any) -> Any:
-    """One layer's params as its ``apply`` expects them: floats, adapters merged in."""
+    """One layer's params as its ``apply`` expects them: floats, adapters merged in.
+
+    Params without an adapted or quantized node come back as they are (the same object).
+    """
+    if not any(is_node(v) for v in jax.tree.leaves(params, is_leaf=is_node)):
+        return params
     return jax.tree.map(
         lambda v: _layer_weights(v.base, v.adapters) if isinstance(v, Adapted)
         else dequantize(v) if is_quantized(v) else v,
