@@ -4,9 +4,9 @@
 group j of x's leading axis with adapter j, on the one base: equal to each adapter alone on
 its group's rows (itself equal to a loop of the block: test_adapters.py), for outputs and
 the adapters' gradients of a loss summed over the groups; with a float, int8 or nf4 base, a
-pattern, and every remat, unroll and reverse. State the groups share (an RNG count, running
-averages read only) is kept; random keys reach every group alike. The compiled program holds
-the base once and one adapted layer per group."""
+pattern, and every remat, unroll, nesting and reverse. State the groups share (an RNG count,
+running averages read only) is kept; random keys reach every group alike. The compiled
+program holds the base once and one adapted layer per group."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ CASES = {  # (base, Stack options)
     "float-default": (None, {}),
     "int8-default": ("int8", {}),
     "nf4-no-remat": ("nf4", {"remat": False}),
-    "float-remat-unroll": (None, {"remat": True, "unroll": 2}),
+    "float-remat-unroll-nested": (None, {"remat": True, "unroll": 2, "nested": 2}),
     "int8-policy-reverse": ("int8", {"remat": POLICY, "reverse": True}),
 }
 
