@@ -180,7 +180,8 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
 
     A batch of g adapters (:func:`stackwise.lora.stack_adapters`) runs in one call: ``x``
     has g on its leading axis and group j uses adapter j (the other arguments reach every
-    group whole). Each layer then builds g adapted weights at a time from one base.
+    group whole; a ``has_aux`` aux gains g after the layer axis). Each layer then builds g
+    adapted weights at a time from one base.
 
     >>> other = jax.tree.map(lambda v: -v, adapters)
     >>> batch = stackwise.lora.stack_adapters([adapters, other])
