@@ -137,6 +137,20 @@ def test_batch_of_adapters_equals_each_adapter_alone():
     assert_trees_close(grads, stackwise.lora.stack_adapters(jax.grad(loss_each)(each)))
 
 
+def test_a_batch_with_aux_gives_each_group_its_aux():
+    base = _base(3)
+    each = [trained(stackwise.lora.init(jax.random.key(s), base, rank=2, targets=UV), seed=s)
+            for s in range(2)]
+    layers = stackwise.lora.stack(lambda p, x: (apply(p, x), jnp.sum(apply(p, x))), 3,
+                                  has_aux=True)
+    xs = _x(lead=(2,))
+    ys, aux = layers.apply(stackwise.lora.attach(base, stackwise.lora.stack_adapters(each)), xs)
+    assert aux.shape == (3, 2)  # (n, g)
+    for j, ad in enumerate(each):
+        y, want = layers.apply(stackwise.lora.attach(base, ad), xs[j])
+        assert_trees_close((ys[j], aux[:, j]), (y, want))
+
+
 def _own_error(p, x):
     raise ValueError("the layer's own error")
 
