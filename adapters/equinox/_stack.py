@@ -263,19 +263,8 @@ class Stack(eqx.nn.StatefulLayer):
     Stack runs each layer quaxified inside its scan and remat (call it directly or through
     :func:`stackwise.equinox.quaxify`); ``stackwise.lora.attach(stack, adapters,
     per_leaf=True)`` and ``stackwise.quant.quantize(stack)`` are Stacks whose layers build
-    their float weights one at a time (``docs/finetune.md``). A batch of g adapters
-    (``stackwise.lora.stack_adapters``) runs group j of the Stack's input with adapter j on
-    the one base; a block sees one example, so map the rows outside, the groups first:
-
-    >>> ad = stackwise.lora.init(jax.random.key(1), stack, rank=2)
-    >>> other = jax.tree.map(lambda v: v + 0.1, ad)
-    >>> batch = stackwise.lora.attach(stack, stackwise.lora.stack_adapters([ad, other]),
-    ...                               per_leaf=True)
-    >>> xs = jnp.ones((2, 5, 8))                                # (g, rows, d)
-    >>> ys = jax.vmap(batch, in_axes=1, out_axes=1)(xs)
-    >>> alone = stackwise.lora.attach(stack, other, per_leaf=True)
-    >>> bool(jnp.allclose(ys[1], jax.vmap(alone)(xs[1]), atol=1e-6))
-    True
+    their float weights one at a time; a batch of adapters runs group j of the input's
+    leading axis with adapter j, the rows mapped outside (``docs/finetune.md``).
 
     Args:
       block: ``module = block(key)``: a function of a PRNG key that builds one block, an
@@ -605,8 +594,7 @@ def _layer_apply(
             _state.check_returned(out, who)
         return out
 
-    def apply(params, state, x, extras, call):
-        # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+    def apply(params, state, x, extras, call):  # LoRA / quantized; a batch: group j, adapter j
         return _kit.run_layer(run, eqx.combine(params, static), x, state, extras, call, who=who)
 
     return apply
