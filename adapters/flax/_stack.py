@@ -205,6 +205,14 @@ class Stack(nn.Module):
     >>> y, sums
     (Array([6., 6.], dtype=float32), Array([2., 2., 4.], dtype=float32))
 
+    LoRA and quantized weights (``docs/finetune.md``): ``params`` may hold
+    ``stackwise.lora.attach(base, adapters, per_leaf=True)`` and
+    ``stackwise.quant.quantize`` leaves. A batch of g adapters
+    (``stackwise.lora.stack_adapters``) runs group j of ``x``'s leading axis
+    with adapter j; every group gets the same RNG keys, and a mutable
+    collection a group updates from its rows (``batch_stats`` in training) is
+    refused, one that every group leaves alike is kept.
+
     Attributes:
       block: the layer: a linen ``nn.Module`` class, a ``functools.partial`` of
         one, or an instance used as a template (``Block(features=512)``). Called
