@@ -181,6 +181,13 @@ class Stack(hk.Module):
     ``stackwise.layer_index()`` its index (see also :func:`layer_index`,
     callable inside the block).
 
+    LoRA and quantized weights (``docs/finetune.md``): the params may hold
+    ``stackwise.lora.attach(..., per_leaf=True)`` and ``stackwise.quant.quantize``
+    leaves. A batch of g adapters (``stackwise.lora.stack_adapters``) runs group
+    j of ``x``'s leading axis with adapter j; every group gets the same ``rng``,
+    and state a group updates from its rows (``hk.BatchNorm`` in training) is
+    refused.
+
     Init runs layer by layer, as the loop does: layer i is initialised on
     the output of layer i - 1 and then run on it. Its init key is the i-th of
     ``jax.random.split(hk.next_rng_key(), n)`` (as in :func:`stackwise.stack`),

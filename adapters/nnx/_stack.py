@@ -204,6 +204,13 @@ class Stack(nnx.Module):
     ``nnx.Rngs`` argument is split per layer, so every layer draws
     independent randomness (and the stream's count advances once).
 
+    LoRA and quantized weights (``docs/finetune.md``): the ``nnx.Param`` s may
+    hold ``stackwise.lora.attach(..., per_leaf=True)`` and
+    ``stackwise.quant.quantize`` leaves. A batch of g adapters
+    (``stackwise.lora.stack_adapters``) runs group j of ``x``'s leading axis
+    with adapter j; every group draws the same keys, and a variable a group
+    updates from its rows (batch statistics in training) is refused.
+
     Raises:
       TypeError: ``make_block`` not callable or not returning an
         ``nnx.Module``, ``n`` not an int, or a block that changes the shape
