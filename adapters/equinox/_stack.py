@@ -263,7 +263,8 @@ class Stack(eqx.nn.StatefulLayer):
     Stack runs each layer quaxified inside its scan and remat (call it directly or through
     :func:`stackwise.equinox.quaxify`); ``stackwise.lora.attach(stack, adapters,
     per_leaf=True)`` and ``stackwise.quant.quantize(stack)`` are Stacks whose layers build
-    their float weights one at a time (``docs/finetune.md``).
+    their float weights one at a time; a batch of adapters runs group j of the input's
+    leading axis with adapter j, the rows mapped outside (``docs/finetune.md``).
 
     Args:
       block: ``module = block(key)``: a function of a PRNG key that builds one block, an
@@ -582,8 +583,7 @@ def _layer_apply(
     """A position's layer for :func:`stackwise.stack`: its block, from the layer's arrays
     (quaxified when they hold quax values, so that the scan and remat see plain arrays)."""
 
-    def apply(params, state, x, extras, call):
-        block = _kit.layer_params(eqx.combine(params, static), who)  # LoRA / quantized
+    def run(block, x, state, extras, call):
         block = _quax.layer(block) if quaxed else block
         kwargs = call.kwargs if extras["key"] is None else {**call.kwargs, "key": extras["key"]}
         with _kit.at_layer(extras["index"]):
@@ -593,5 +593,8 @@ def _layer_apply(
         if eqx_state:
             _state.check_returned(out, who)
         return out
+
+    def apply(params, state, x, extras, call):  # LoRA / quantized; a batch: group j, adapter j
+        return _kit.run_layer(run, eqx.combine(params, static), x, state, extras, call, who=who)
 
     return apply

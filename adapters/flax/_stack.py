@@ -237,6 +237,14 @@ class Stack(nn.Module):
     as a loop of the blocks does, and returns the collections it updates (a ``cache``)
     served, each layer's buffer written in place when donated.
 
+    LoRA and quantized weights (``docs/finetune.md``): ``params`` may hold
+    ``stackwise.lora.attach(base, adapters, per_leaf=True)`` and
+    ``stackwise.quant.quantize`` leaves. A batch of g adapters
+    (``stackwise.lora.stack_adapters``) runs group j of ``x``'s leading axis
+    with adapter j; every group gets the same RNG keys, and a mutable
+    collection a group updates from its rows (``batch_stats`` in training) is
+    refused, one that every group leaves alike is kept.
+
     Attributes:
       block: the layer: a linen ``nn.Module`` class, a ``functools.partial`` of
         one, or an instance used as a template (``Block(features=512)``). Called
@@ -340,13 +348,8 @@ class Stack(nn.Module):
         def one(block):
             block = fresh_block(block, who)
 
-            def layer(p, s, x, extras, call):
-                # Gathered (FSDP) params go in unboxed: a block's `self.param` would
-                # otherwise constrain them back to the sharded layout their names give
-                # under `nn.logical_axis_rules` (an assertion on explicit mesh axes).
-                params = unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
-                params = _kit.layer_params(params, who)  # LoRA / quantized: float weights
-                layer_vars = {**params, **meta.remove_axis(s, 0, axis_params)}
+            def run(params, x, s, extras, call):
+                layer_vars = {**params, **s}
                 args, kwargs, rngs = call.args, call.kwargs, extras["rngs"]
                 with _kit.at_layer(extras["index"]), _param_added(who):
                     if initializing:
@@ -357,7 +360,16 @@ class Stack(nn.Module):
                         out, new = block.apply(
                             layer_vars, x, *args, rngs=rngs, mutable=mutable, **kwargs
                         )
-                new = dict(new)
+                return out, dict(new)
+
+            def layer(p, s, x, extras, call):
+                # Gathered (FSDP) params go in unboxed: a block's `self.param` would
+                # otherwise constrain them back to the sharded layout their names give
+                # under `nn.logical_axis_rules` (an assertion on explicit mesh axes).
+                params = unbox(p) if self.fsdp else meta.remove_axis(p, 0, axis_params)
+                s = meta.remove_axis(s, 0, axis_params)
+                # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+                out, new = _kit.run_layer(run, params, x, s, extras, call, who=who)
                 _check_stackable(new, who)
                 return out, meta.add_axis(new, 0, axis_params)
 

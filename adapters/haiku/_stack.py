@@ -183,6 +183,13 @@ class Stack(hk.Module):
     ``stackwise.layer_index()`` its index (see also :func:`layer_index`,
     callable inside the block).
 
+    LoRA and quantized weights (``docs/finetune.md``): the params may hold
+    ``stackwise.lora.attach(..., per_leaf=True)`` and ``stackwise.quant.quantize``
+    leaves. A batch of g adapters (``stackwise.lora.stack_adapters``) runs group
+    j of ``x``'s leading axis with adapter j; every group gets the same ``rng``,
+    and state a group updates from its rows (``hk.BatchNorm`` in training) is
+    refused.
+
     Init runs layer by layer, as the loop does: layer i is initialised on
     the output of layer i - 1 and then run on it. Its init key is the i-th of
     ``jax.random.split(hk.next_rng_key(), n)`` (as in :func:`stackwise.stack`),
@@ -425,10 +432,13 @@ class _Layers:
         return one_layer
 
     def _apply(self, p: int) -> Callable:
-        def apply(params, state, x, extras, call):
-            params = _kit.layer_params(params, self.who)  # LoRA / quantized: float weights
+        def block(params, x, state, extras, call):
             with _kit.at_layer(extras["index"]):
                 return self.transformed[p].apply(params, state, extras["rng"], x, call)
+
+        def apply(params, state, x, extras, call):
+            # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+            return _kit.run_layer(block, params, x, state, extras, call, who=self.who)
 
         return apply
 

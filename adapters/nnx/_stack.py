@@ -154,6 +154,13 @@ class Stack(nnx.Module):
     buffers (each Variable a ``stackwise.Serving``), which it then runs as a
     loop of the layers, each cache written in its own buffer.
 
+    LoRA and quantized weights (``docs/finetune.md``): the ``nnx.Param`` s may
+    hold ``stackwise.lora.attach(..., per_leaf=True)`` and
+    ``stackwise.quant.quantize`` leaves. A batch of g adapters
+    (``stackwise.lora.stack_adapters``) runs group j of ``x``'s leading axis
+    with adapter j; every group draws the same keys, and a variable a group
+    updates from its rows (batch statistics in training) is refused.
+
     Raises:
       TypeError: ``make_block`` not callable or not returning an
         ``nnx.Module``, ``n`` not an int, or a block that changes the shape
@@ -369,8 +376,13 @@ class Stack(nnx.Module):
 
         def apply(p, s, x, extras, call):
             _axis.remove((p, s))
-            p = _kit.layer_params(p, who)  # LoRA / quantized: float weights
-            fresh = jax.tree.map(lambda a: a, streams)  # this trace's own variables
+            # LoRA / quantized: float weights; a batch of adapters: one group per adapter.
+            return _kit.run_layer(run, p, x, s, extras, call, who=who)
+
+        def run(p, x, s, extras, call):
+            # This trace's own variables (under a batch's vmap, one level inside the
+            # scan's), so that the block may update them.
+            fresh, s = jax.tree.map(lambda a: a, (streams, s))
             block = nnx.merge(graphdef, p, fresh, s)
             _inside.rekey(block, outside, extras["streams"][pos])
             before = nnx.graphdef(block)

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
 from stackwise._finetune.lora import Adapted, LoraWeights, add, delta
 from stackwise._finetune.quant import dequantize, is_quantized
+from stackwise._upstream import jax as jax_ties
 
-__all__ = ["stack_adapted", "wrap"]
+__all__ = ["materialise", "run_layer", "stack_adapted", "wrap"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -63,7 +64,12 @@ def _layer_weights(base: Any, adapters: Any) -> Any:
 
 
 def materialise(params: Any) -> Any:
-    """One layer's params as its ``apply`` expects them: floats, adapters merged in."""
+    """One layer's params as its ``apply`` expects them: floats, adapters merged in.
+
+    Params without an adapted or quantized node come back as they are (the same object).
+    """
+    if not any(is_node(v) for v in jax.tree.leaves(params, is_leaf=is_node)):
+        return params
     return jax.tree.map(
         lambda v: _layer_weights(v.base, v.adapters) if isinstance(v, Adapted)
         else dequantize(v) if is_quantized(v) else v,
@@ -82,6 +88,68 @@ def _groups(params: Any, who: str) -> int | None:
             "in one layer needs the same batch of adapters."
         )
     return found.pop() if found else None
+
+
+def _check_rows(x: Any, groups: int, who: str) -> None:
+    """Every leaf of ``x`` has the batch's g on its leading axis."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(x):
+        shape = tuple(jnp.shape(leaf))
+        if not shape or shape[0] != groups:
+            raise ValueError(
+                f"{who}: the params hold a batch of {groups} adapters "
+                "(`stackwise.lora.stack_adapters`), which runs group j of `x` (its leading "
+                f"axis) with adapter j, but `x`{jax.tree_util.keystr(path)} has shape "
+                f"{shape}. Give `x` with g={groups} first (rows grouped in order: "
+                f"`x.reshape({groups}, -1, *x.shape[1:])`), or attach one adapter "
+                "(`jax.tree.map(lambda v: v[j], batch)` takes adapter j)."
+            )
+
+
+def _refuse_kept(path: str, groups: int, who: str) -> ValueError:
+    return ValueError(
+        f"{who}: with a batch of {groups} adapters the layer's new state{path} comes out "
+        "different for each group: it is updated from a group's rows (batch statistics, "
+        "a KV cache, sown intermediates), and a layer holds one state for all groups. Run "
+        "without updating it (e.g. `use_running_average=True`, no mutable collections), "
+        "run the adapters one at a time (`jax.tree.map(lambda v: v[j], batch)` takes "
+        "adapter j), or merge each into a base (`stackwise.lora.merge`)."
+    )
+
+
+def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: str) -> Any:
+    """``(out, kept) = block(float_params, x, *args)`` on one layer's adapted params.
+
+    ``params`` is the layer's slice (:class:`Adapted` and quantized nodes anywhere in it);
+    ``block`` gets it as float weights (:func:`materialise`). With a batch of g adapters
+    (:func:`stackwise.lora.stack_adapters`), ``block`` runs under ``jax.vmap`` over the
+    groups: the adapters' ``a`` and ``b`` and ``x``'s leaves on their leading axis, the
+    base, the rest of ``params`` and ``args`` unbatched, so the base is shared, never
+    copied per group (each group builds its own adapted weight); ``out`` has g leading.
+    ``kept`` (the layer's new state) is the one value every group gives: state that a
+    group updates from its own rows is refused. Random keys in ``params`` or ``args``
+    reach every group alike.
+
+    Raises:
+      ValueError: adapters of two batch sizes in one layer, ``x`` without g on every
+        leaf's leading axis, or a ``kept`` leaf that differs by group.
+    """
+    groups = _groups(params, who)
+    if groups is None:
+        return block(materialise(params), x, *args)
+    _check_rows(x, groups, who)
+    axes = jax.tree.map(
+        lambda v: Adapted(None, 0, v.groups) if isinstance(v, Adapted) else None,
+        params, is_leaf=is_node,
+    )
+    each = jax.vmap(lambda p, x: block(materialise(p), x, *args),
+                    in_axes=(axes, 0), out_axes=(0, None))
+    try:
+        return each(params, x)
+    except ValueError as e:
+        path = jax_ties.unbatched_output_path(e)
+        if path is None or not path.startswith("[1]"):
+            raise
+        raise _refuse_kept(path[3:], groups, who) from None
 
 
 def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[..., Any]:
@@ -112,17 +180,28 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
 
     A batch of g adapters (:func:`stackwise.lora.stack_adapters`) runs in one call: ``x``
     has g on its leading axis and group j uses adapter j (the other arguments reach every
-    group whole). Each layer then builds g adapted weights at a time.
+    group whole; a ``has_aux`` aux gains g after the layer axis). Each layer then builds g
+    adapted weights at a time from one base.
+
+    >>> other = jax.tree.map(lambda v: -v, adapters)
+    >>> batch = stackwise.lora.stack_adapters([adapters, other])
+    >>> out = layers.apply(stackwise.lora.attach(base, batch), jnp.stack([x, x]))
+    >>> alone = layers.apply(stackwise.lora.attach(base, other), x)
+    >>> out.shape, bool(jnp.allclose(out[1], alone, atol=1e-6))
+    ((2, 2, 4), True)
 
     Args:
       apply: ``apply(layer_params, x, *args, **kwargs)`` of one layer (with
         ``with_state``: ``apply(layer_params, state, x, ...)``).
-      with_state: the layer takes and returns state (as ``stackwise.stack``'s flag).
+      with_state: the layer takes and returns state (as ``stackwise.stack``'s flag). With
+        a batch, the state is one for all groups: a layer that updates it from a group's
+        rows is refused (one that leaves it, or updates it alike for every group, runs).
 
     Raises:
       TypeError: ``apply`` is not callable.
-      ValueError (when the layer runs): a batch of adapters with ``with_state``, or
-        attached adapters of two batch sizes in one layer.
+      ValueError (when the layer runs): attached adapters of two batch sizes in one
+        layer; with a batch, ``x`` without g on its leading axis, or state that differs
+        by group.
     """
     who = "stackwise.lora.wrap"
     if not callable(apply):
@@ -130,23 +209,13 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
                         f"{type(apply).__name__}.")
 
     def wrapped(params, *args, **kwargs):
-        groups = _groups(params, who)
-        if groups is None:
-            return apply(materialise(params), *args, **kwargs)
         if with_state:
-            raise ValueError(
-                f"{who}: a batch of {groups} adapters runs each group's layer on its own "
-                "rows, which a layer with state (one state for the whole batch) cannot "
-                "do; run the adapters one at a time, or merge each into a base "
-                "(`stackwise.lora.merge`)."
-            )
-        x, rest = args[0], args[1:]
-        axes = jax.tree.map(
-            lambda v: Adapted(None, 0, v.groups) if isinstance(v, Adapted) else None,
-            params, is_leaf=is_node,
-        )
-        return jax.vmap(lambda p, x: apply(materialise(p), x, *rest, **kwargs),
-                        in_axes=(axes, 0))(params, x)
+            state, x, *rest = args
+            out, state = run_layer(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
+                                   params, x, state, who=who)
+            return out, state
+        x, *rest = args
+        return run_layer(lambda p, x: (apply(p, x, *rest, **kwargs), ()), params, x, who=who)[0]
 
     return functools.wraps(apply)(wrapped)
 

@@ -271,7 +271,9 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
     """A batch of adapters of one base: every ``a`` / ``b`` gains a leading axis g.
 
     Attached (:func:`attach`), layer ``i`` of example group ``j`` uses adapter ``j``: the
-    stack's input ``x`` then has g on its leading axis.
+    stack's input ``x`` then has g on its leading axis. It runs on
+    :func:`stackwise.lora.stack` and, attached with ``per_leaf=True``, on every framework
+    Stack (``docs/finetune.md``), the base shared by the groups, never copied.
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> base = {"w": jnp.ones((3, 4, 4))}

@@ -26,7 +26,8 @@ Conversions between a Stack and its loop:
   :func:`check_names_count`, :func:`common_prefix`, and :class:`Leaf`, :func:`correspond`,
   :func:`assemble`, :func:`check_given` (one model's leaves matched to another's).
 LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.finetune`):
-  :func:`layer_params` (one layer's float weights, inside the scan), :func:`warn_unrematted`.
+  :func:`run_layer` (a block on one layer's float weights, a batch of adapters under vmap),
+  :func:`warn_unrematted`.
 A Stack's variables in the serving layout, leaf-wise (:mod:`stackwise._kit.serving`):
   ``_kit.serving.split`` / ``join`` (convert), ``gather`` / ``scatter`` (at the call).
 A per-layer function over stacked leaves (the qwix bridges):
@@ -76,7 +77,7 @@ from stackwise._kit.contract import first_difference as first_difference
 from stackwise._kit.contract import refuse_serving as refuse_serving
 from stackwise._kit.contract import same_value as same_value
 from stackwise._kit.contract import stack_name as stack_name
-from stackwise._kit.finetune import layer_params as layer_params
+from stackwise._kit.finetune import run_layer as run_layer
 from stackwise._kit.finetune import warn_unrematted as warn_unrematted
 from stackwise._kit.layered import holds_qwix as holds_qwix
 from stackwise._kit.layered import map_layers as map_layers

@@ -3,47 +3,22 @@
 An adapter's params (a Haiku dict, an Equinox module) may hold, in place of a stacked
 weight, a :class:`stackwise.lora.Adapted` node (``stackwise.lora.attach(..., per_leaf=True)``)
 or a :class:`stackwise.quant.Quantized` one (``stackwise.quant.quantize``). The scan slices
-them per layer like any params; each adapter calls :func:`layer_params` on its layer's slice
-right before the block runs, so that the block sees float weights built one layer at a time
-(dequantized, ``W + scale * a @ b``), as ``stackwise.lora.wrap`` does for the core's layers.
+them per layer like any params; each adapter runs its block through :func:`run_layer` on its
+layer's slice, so that the block sees float weights built one layer at a time (dequantized,
+``W + scale * a @ b``), and a batch of g adapters (``stackwise.lora.stack_adapters``) runs
+group j of ``x``'s leading axis with adapter j on the one shared base, as
+``stackwise.lora.wrap`` does for the core's layers (the same function).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from stackwise._finetune import layer
-from stackwise._finetune.layer import is_node, materialise
-from stackwise._finetune.lora import Adapted
+from stackwise._finetune.layer import run_layer
 from stackwise._kit.layered import qwix_dequantized_bytes
 
-__all__ = ["layer_params", "warn_unrematted"]
-
-
-def layer_params(params: Any, who: str) -> Any:
-    """One layer's params with every LoRA / quantized node made its float weight.
-
-    Params without such nodes come back as they are (the same object).
-
-    Raises:
-      ValueError: a batch of adapters (``stackwise.lora.stack_adapters``): a framework's
-        block runs one adapter over the whole input.
-    """
-    nodes = jax.tree.leaves(params, is_leaf=is_node)
-    if not any(is_node(v) for v in nodes):
-        return params
-    for v in nodes:
-        if isinstance(v, Adapted) and v.groups is not None:
-            raise ValueError(
-                f"{who}: the params hold a batch of {v.groups} adapters "
-                "(`stackwise.lora.stack_adapters`); a framework's Stack runs one adapter "
-                "over the whole input. Attach one adapter at a time "
-                "(`jax.tree.map(lambda v: v[j], batch)` takes adapter j), or run the batch "
-                "on the core's `stackwise.lora.stack(apply, n)`."
-            )
-    return materialise(params)
+__all__ = ["run_layer", "warn_unrematted"]
 
 
 def warn_unrematted(params: Any, remat: Any, who: str, graph: Any = None) -> None:

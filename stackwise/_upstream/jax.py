@@ -1,6 +1,6 @@
 """stackwise's ties to JAX internals, each read from jax 0.10.2 and guarded.
 
-stackwise relies on JAX beyond its public API in two places:
+stackwise relies on JAX beyond its public API in three places:
 
 - :func:`eval_jaxpr` copies JAX's jaxpr evaluation loop, so that a stacked layer's state
   updates written with ``lax.dynamic_update_slice`` are found (:mod:`stackwise._core.inplace`;
@@ -10,17 +10,23 @@ stackwise relies on JAX beyond its public API in two places:
   policies that match primitives by name: the gathered params (``reshard``, ``all_gather``,
   the ``name`` of :func:`jax.ad_checkpoint.checkpoint_name`) and the slices a pipeline stage
   takes of its stacks (``dynamic_slice``, ``slice``, ``squeeze``) are never saved.
+- :func:`unbatched_output_path` reads ``jax.vmap``'s refusal of an output that varies along
+  the mapped axis where ``out_axes`` says None, so that a batch of LoRA adapters can name
+  the layer's state that differs by group (:mod:`stackwise._finetune.layer`).
 
 Each tie has a probe (:data:`TIES`). :func:`check` runs one and raises
 :class:`UpstreamChanged` naming the tie (the fast tier does, in
 ``tests/core/test_upstream_jax.py``); :func:`holds` runs it once, at first use, and when it
 fails warns and makes the code take an exact path: the layer's state returned whole
 (slower), or a policy that saves nothing (more recomputation). Never a different result.
+(:func:`unbatched_output_path` only reads an error: if its tie breaks, the error passes on
+as JAX wrote it, a refusal all the same.)
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,6 +45,7 @@ __all__ = [
     "holds",
     "unless_all_gathered",
     "unless_resharded",
+    "unbatched_output_path",
     "unless_sliced",
     "update_slice_parts",
 ]
@@ -52,6 +59,7 @@ RESHARD = "jax.reshard's primitive"
 ALL_GATHER = "lax.all_gather's primitive"
 NAME = "checkpoint_name's primitive"
 SLICES = "the slicing primitives"
+VMAP_OUT_AXES = "vmap's refusal of a batched output under out_axes=None"
 
 
 class UpstreamChanged(RuntimeError):
@@ -229,6 +237,27 @@ def unless_sliced(keep: Callable, shapes: set) -> Callable[..., bool]:
 
 
 # --------------------------------------------------------------------------
+# vmap's refusal of a batched output (jax 0.10.2: jax/_src/api.py, `vmap_f` turns a
+# `batching.SpecMatchError` into this ValueError).
+
+_UNBATCHED = re.compile(
+    r"at vmap out_axes(?P<path>.*), got axis spec None but output was batched on axis \d+"
+)
+
+
+def unbatched_output_path(error: BaseException) -> str | None:
+    """The output's path (``keystr``) if ``error`` is ``jax.vmap``'s refusal of an output
+    that varies along the mapped axis where ``out_axes`` says None; else None.
+
+    Mirrors jax 0.10.2's message ``"at vmap out_axes{keystr(path)}, got axis spec None
+    but output was batched on axis {axis}"``. If the wording changes, the error is not
+    recognised and passes on as JAX raised it: still a refusal, with JAX's words.
+    """
+    found = _UNBATCHED.fullmatch(str(error)) if isinstance(error, ValueError) else None
+    return found["path"] if found else None
+
+
+# --------------------------------------------------------------------------
 # The probes: each checks its tie directly, on small jaxprs.
 
 
@@ -374,6 +403,18 @@ def _probe_update_slice() -> None:
     _expect(UPDATE_SLICE, found == want, f"its operands read as {found}, not {want}")
 
 
+def _probe_vmap_out_axes() -> None:
+    """Traced only: a batched output where out_axes says None is refused, the message read."""
+    mapped = jax.vmap(lambda v: (v, {"kept": v * 2.0}), out_axes=(0, None))
+    try:
+        jax.eval_shape(mapped, _shape(3))
+    except ValueError as e:
+        path = unbatched_output_path(e)
+        _expect(VMAP_OUT_AXES, path == "[1]['kept']", f"its message read {str(e)!r}")
+        return
+    _expect(VMAP_OUT_AXES, False, "a batched output passed where out_axes said None")
+
+
 def _shape(*shape: int, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -398,6 +439,7 @@ TIES: dict[str, Callable[[], None]] = {
     ALL_GATHER: _probe_all_gather,
     NAME: _probe_name,
     SLICES: _probe_slices,
+    VMAP_OUT_AXES: _probe_vmap_out_axes,
 }
 
 

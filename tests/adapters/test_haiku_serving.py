@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import stackwise
 import stackwise.haiku as swh
 from stackwise import _kit
+from stackwise._finetune.layer import materialise
 
 B, T, D, HEADS = 2, 16, 8, 2
 _, ATTEND = attention_layer(B, T, D, HEADS)
@@ -324,7 +325,8 @@ def test_a_stack_of_stacks_inside_a_module_inside_a_lifted_transform():
 def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind, k):
     """QLoRA weights on the served Stack: each layer's leaves hold their own codes (nf4 still
     packed) and adapters; the Haiku loop of the same blocks, each layer's float weights built
-    as the Stack builds them (`_kit.layer_params`), is the same arithmetic."""
+    as the Stack builds them (`materialise`, which `_kit.run_layer` calls), is the same
+    arithmetic."""
     n = 5
     stacked, loop, paths = _model(n, k)
     params, state = stacked.init(jax.random.key(1), PROMPT, 0)
@@ -343,7 +345,7 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind, k):
     ys, served_state = _decode(step, served, swh.to_serving(state, paths))
 
     def loop_step(loop_params, state, x, pos):  # each layer's float weights, built in jit
-        return loop.apply(_kit.layer_params(loop_params, "loop"), state, None, x, pos)
+        return loop.apply(materialise(loop_params), state, None, x, pos)
 
     loop_params, loop_state = _to_loop(model, paths, k), _to_loop(state, paths, k)
     ys_loop, loop_state = _decode(jax.jit(loop_step), loop_params, loop_state)

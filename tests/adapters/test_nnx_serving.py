@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import stackwise
 import stackwise.nnx
-from stackwise import _kit
+from stackwise._finetune.layer import materialise
 
 B, T, D, HEADS = 2, 8, 8, 2
 
@@ -310,7 +310,7 @@ class Cached(nnx.Module):
 def test_quantized_and_lora_params_serve_one_layer_at_a_time(kind):
     """The Stack's own per-leaf LoRA over a quantized (or a merged float) base: each layer's
     buffer holds its own codes (nf4 still packed); the loop's blocks get their float
-    weights as the Stack builds them (`_kit.layer_params`)."""
+    weights as the Stack builds them (`materialise`, which `_kit.run_layer` calls)."""
     n = 4
     graphdef, base, rest = nnx.split(
         stackwise.nnx.Stack(Cached, n, rngs=nnx.Rngs(0)), nnx.Param, ...
@@ -334,7 +334,7 @@ def test_quantized_and_lora_params_serve_one_layer_at_a_time(kind):
 
     def floats(block):
         g, p, r = nnx.split(block, nnx.Param, ...)
-        return nnx.merge(g, _kit.layer_params(p, "loop"), r)
+        return nnx.merge(g, materialise(p), r)
 
     loop = Loop([floats(b) for b in blocks])
     ys_loop = [nnx.jit(lambda m, x: m(x))(loop, x) for x in xs]

@@ -166,7 +166,7 @@ def test_stateless_stack_with_per_layer_inputs_and_keys():
 def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
     """QLoRA weights on the served Stack: each layer's block holds its own codes (nf4 still
     packed) and adapters; the loop of `to_layers()`' blocks, each block's float weights
-    built as the Stack builds them (`_kit.layer_params`), is the same arithmetic."""
+    built as the Stack builds them (`_kit.run_layer`), is the same arithmetic."""
     stack, cache, caches = _model(4, 1)
     base = stackwise.quant.quantize(stack, kind)
     adapters = stackwise.lora.init(jax.random.key(5), base, rank=2)
@@ -179,7 +179,10 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
         assert served[0].qkv.base.codes.shape == (D // 2, 3 * D)
 
     def loop(blocks, caches, x, pos):
-        return _loop([_kit.layer_params(block, "loop") for block in blocks], caches, x, pos)
+        def floats(block):  # the block as run_layer hands it to the layer
+            return _kit.run_layer(lambda b, x: (b, ()), block, None, who="loop")[0]
+
+        return _loop([floats(block) for block in blocks], caches, x, pos)
 
     ys_loop, caches = _decode(jax.jit(loop), model.to_layers(), caches, prompt)
     assert_trees_bitwise(served_cache.layers, tuple(caches))

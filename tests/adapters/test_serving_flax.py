@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import stackwise
 import stackwise.flax
 from stackwise import _kit
+from stackwise._finetune.layer import materialise
 
 B, T, D, HEADS = 2, 8, 16, 2
 KEY = jax.random.key(0)
@@ -225,13 +226,14 @@ def test_no_state_aux_per_layer_inputs_and_sown_values():
 
 def _loop_decode(params, cache):
     """A Python loop of the block over per-layer variables (``to_loop``'s), each layer's
-    float weights built as the Stack builds them (``_kit.layer_params``)."""
+    float weights built as the Stack builds them (``materialise``, which ``_kit.run_layer``
+    calls)."""
 
     def step(params, cache, x):
         cache = dict(cache)
         for i in range(len(cache)):
             name = f"layers_{i}"
-            layer = {"params": _kit.layer_params(params[name], "loop"), "cache": cache[name]}
+            layer = {"params": materialise(params[name]), "cache": cache[name]}
             x, new = Block().apply(layer, x, mutable=["cache"])
             cache[name] = new["cache"]
         return x, cache

@@ -6,109 +6,25 @@ written out by hand, for outputs and the adapters' gradients (`stackwise.lora.sp
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
-from collections.abc import Callable
-from typing import Any
 
-import equinox as eqx
-import flax.linen as nn
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import pytest
+from _frameworks import FRAMEWORKS, KEY, D, EqxBlock, N, _haiku
 from _trees import assert_trees_close
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stackwise
 import stackwise.equinox
-import stackwise.flax
 import stackwise.haiku
-import stackwise.nnx
 
-D, N, R = 6, 3, 2
-KEY = jax.random.key(0)
+R = 2
 X = jax.random.normal(jax.random.key(1), (4, D))
 REMATS = {"default": stackwise.DEFAULT_REMAT, "none": False}
 
-
-@dataclasses.dataclass
-class Framework:
-    """One adapter's Stack: its stacked params, the Stack run on params, and the block run
-    on one layer's params (the loop's layer)."""
-
-    base: Any
-    run_stack: Callable[[Any, jax.Array], jax.Array]
-    run_block: Callable[[Any, jax.Array], jax.Array]
-
-
-def _haiku(remat, n=N, d=D) -> Framework:
-    def block(x):
-        return x + jnp.tanh(hk.Linear(d)(x))
-
-    stacked = hk.transform(lambda x: stackwise.haiku.Stack(block, n=n, remat=remat)(x))
-    one = hk.transform(block)
-    return Framework(
-        stacked.init(KEY, jnp.ones((1, d))),
-        lambda p, x: stacked.apply(p, None, x),
-        lambda p, x: one.apply({k.split("/", 1)[1]: v for k, v in p.items()}, None, x),
-    )
-
-
-class LinenBlock(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
-
-
-def _linen(remat, n=N, d=D) -> Framework:
-    stack = stackwise.flax.Stack(LinenBlock, n=n, remat=remat)
-    return Framework(
-        stack.init(KEY, jnp.ones((1, d)))["params"],
-        lambda p, x: stack.apply({"params": p}, x),
-        lambda p, x: LinenBlock().apply({"params": p}, x),
-    )
-
-
-class NnxBlock(nnx.Module):
-    def __init__(self, rngs, d=D):
-        self.linear = nnx.Linear(d, d, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.linear(x))
-
-
-def _nnx(remat, n=N, d=D) -> Framework:
-    make = functools.partial(NnxBlock, d=d)
-    graphdef, params, rest = nnx.split(
-        stackwise.nnx.Stack(make, n=n, rngs=nnx.Rngs(0), remat=remat), nnx.Param, ...
-    )
-    block_def, _ = nnx.split(make(nnx.Rngs(1)))
-    return Framework(
-        params,
-        lambda p, x: nnx.merge(graphdef, p, rest)(x),
-        lambda p, x: nnx.merge(block_def, p["layers"])(x),
-    )
-
-
-class EqxBlock(eqx.Module):
-    linear: eqx.nn.Linear
-
-    def __init__(self, d=D, *, key):
-        self.linear = eqx.nn.Linear(d, d, key=key)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.linear(x))
-
-
-def _equinox(remat, n=N, d=D) -> Framework:
-    stack = stackwise.equinox.Stack(functools.partial(EqxBlock, d), n=n, key=KEY, remat=remat)
-    return Framework(stack, lambda p, x: jax.vmap(p)(x), lambda p, x: jax.vmap(p.layers)(x))
-
-
-FRAMEWORKS = {"haiku": _haiku, "linen": _linen, "nnx": _nnx, "equinox": _equinox}
 is_lora = lambda v: isinstance(v, stackwise.lora.LoraWeights)  # noqa: E731
 none_or_lora = lambda v: v is None or is_lora(v)  # noqa: E731
 is_quantized = lambda v: isinstance(v, stackwise.quant.Quantized)  # noqa: E731
@@ -216,15 +132,6 @@ def test_nf4_base_in_an_equinox_pattern():
         p, j = i % 2, i // 2
         want = jax.vmap(_layer(base.layers[p], adapters.layers[p], j))(want)
     assert_trees_close(jax.vmap(params)(X), want)
-
-
-def test_a_batch_of_adapters_is_refused_by_a_framework_stack():
-    fw = _haiku(stackwise.DEFAULT_REMAT)
-    one = stackwise.lora.init(jax.random.key(2), fw.base, rank=R)
-    batch = stackwise.lora.attach(fw.base, stackwise.lora.stack_adapters([one, one]),
-                                  per_leaf=True)
-    with pytest.raises(ValueError, match="a batch of 2 adapters"):
-        fw.run_stack(batch, X)
 
 
 def _temp_mib(framework: str, n: int, d: int = 256) -> float:

@@ -102,6 +102,15 @@ def test_with_state_equals_loop():
         y_loop, _ = counted(layer_params(base, adapters, i), state[i], y_loop)
     assert_trees_close(y, y_loop)
     np.testing.assert_array_equal(new_state, state + 1)
+    # A batch: the counter, updated alike by every group, is kept once; each group's rows
+    # are those of its adapter alone.
+    other = trained(adapters, seed=3)
+    batch = stackwise.lora.stack_adapters([adapters, other])
+    xs = jnp.stack([_x(), _x(seed=2)])
+    ys, new_state = layers.apply(stackwise.lora.attach(base, batch), state, xs)
+    np.testing.assert_array_equal(new_state, state + 1)
+    for y, ad, x in zip(ys, (adapters, other), xs):
+        assert_trees_close(y, layers.apply(stackwise.lora.attach(base, ad), state, x)[0])
 
 
 def test_batch_of_adapters_equals_each_adapter_alone():
@@ -126,6 +135,41 @@ def test_batch_of_adapters_equals_each_adapter_alone():
     grads = jax.grad(loss)(batch)
     assert grads["u"].a.shape == (g, n, D, 2)
     assert_trees_close(grads, stackwise.lora.stack_adapters(jax.grad(loss_each)(each)))
+
+
+def test_a_batch_with_aux_gives_each_group_its_aux():
+    base = _base(3)
+    each = [trained(stackwise.lora.init(jax.random.key(s), base, rank=2, targets=UV), seed=s)
+            for s in range(2)]
+    layers = stackwise.lora.stack(lambda p, x: (apply(p, x), jnp.sum(apply(p, x))), 3,
+                                  has_aux=True)
+    xs = _x(lead=(2,))
+    ys, aux = layers.apply(stackwise.lora.attach(base, stackwise.lora.stack_adapters(each)), xs)
+    assert aux.shape == (3, 2)  # (n, g)
+    for j, ad in enumerate(each):
+        y, want = layers.apply(stackwise.lora.attach(base, ad), xs[j])
+        assert_trees_close((ys[j], aux[:, j]), (y, want))
+
+
+def _own_error(p, x):
+    raise ValueError("the layer's own error")
+
+
+def _own_unbatched_vmap(p, x):  # JAX refuses the layer's own vmap, as it would anywhere
+    return x + jax.vmap(lambda r: r * 2.0, out_axes=None)(x)
+
+
+@pytest.mark.parametrize(("layer", "message"), [
+    (_own_error, "the layer's own error"),
+    (_own_unbatched_vmap, "at vmap out_axes, got axis spec None"),
+], ids=["raised", "vmap"])
+def test_errors_of_the_layer_pass_through_a_batch_unchanged(layer, message):
+    """Only the batch's own refusal (state that differs by group) is reworded."""
+    base = _base(2)
+    batch = stackwise.lora.stack_adapters([stackwise.lora.init(KEY, base, rank=2, targets=UV)] * 2)
+    with pytest.raises(ValueError, match=message) as info:
+        stackwise.lora.stack(layer, 2).apply(stackwise.lora.attach(base, batch), _x(lead=(2,)))
+    assert "stackwise" not in str(info.value)
 
 
 def test_adapters_share_one_base_without_a_copy():

@@ -59,11 +59,18 @@ def _mixed_batches():
     stackwise.lora.attach(base, {"u": batch["u"], "v": one["v"]})
 
 
-def _batch_with_state():
+def _batch_updating_state():
+    """A state updated from each group's rows (a running sum): one state cannot hold g."""
     batch = stackwise.lora.stack_adapters([_adapters(), _adapters()])
-    layers = stackwise.lora.stack(lambda p, s, x: (x @ p["w"].T @ p["w"], s), N,
+    layers = stackwise.lora.stack(lambda p, s, x: (x @ p["w"].T @ p["w"], s + jnp.sum(x)), N,
                                   with_state=True)
-    layers.apply(stackwise.lora.attach(BASE, batch), None, jnp.ones((2, 1, 6)))
+    layers.apply(stackwise.lora.attach(BASE, batch), jnp.zeros(N), jnp.ones((2, 1, 6)))
+
+
+def _batch_without_groups_first():
+    batch = stackwise.lora.stack_adapters([_adapters()] * 3)
+    layers = stackwise.lora.stack(lambda p, x: x @ p["w"].T @ p["w"], N)
+    layers.apply(stackwise.lora.attach(BASE, batch), jnp.ones((2, 1, 6)))
 
 
 def _two_batch_sizes_in_a_layer():
@@ -138,8 +145,11 @@ LORA = [
     case("an adapter on a vector", _adapter_on_a_vector, ValueError, "not (n, in, out)"),
     case("a batch mixed with one adapter", _mixed_batches, ValueError, "mix batch sizes",
          "stack_adapters"),
-    case("a batch of adapters with state", _batch_with_state, ValueError, "with state",
-         "stackwise.lora.merge"),
+    case("a batch of adapters updating one state", _batch_updating_state, ValueError,
+         "stackwise.lora.wrap", "batch of 2 adapters", "new state", "different for each group",
+         "v[j]", "stackwise.lora.merge"),
+    case("a batch of 3 adapters on x of 2 groups", _batch_without_groups_first, ValueError,
+         "batch of 3 adapters", "`x` has shape (2, 1, 6)", "g=3", "x.reshape(3, -1"),
     case("two batch sizes in one layer", _two_batch_sizes_in_a_layer, ValueError,
          "batch sizes [2, 3]"),
     case("merging a batch", _merge_a_batch, ValueError, "batch of 2 adapters", "v[j]"),
