@@ -323,8 +323,16 @@ def check_depth(leaves: Iterable[tuple[str, Any]], n: int, who: str, what: str, 
 # What a layer returns, and where params sit.
 
 
-def carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
-    """Raises if a layer changed the carry's structure, shape or dtype."""
+def _spec(leaf: Any) -> tuple:
+    """A traced leaf's sharding spec over explicit mesh axes (part of its type), padded with
+    None to its rank; all None outside explicit axes."""
+    spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None) or ()
+    return tuple(spec) + (None,) * (jnp.ndim(leaf) - len(spec))
+
+
+def carry(old: Any, new: Any, who: str, has_aux: bool, scanned: bool = True) -> None:
+    """Raises if a layer changed the carry's structure, shape or dtype, or (``scanned``: a
+    scan's carry, whose type holds its sharding over explicit mesh axes) its sharding."""
     old_def, new_def = jax.tree_util.tree_structure(old), jax.tree_util.tree_structure(new)
     if old_def != new_def:
         hint = (
@@ -354,6 +362,16 @@ def carry(old: Any, new: Any, who: str, has_aux: bool) -> None:
                 f"{who}: a layer changed carry leaf `{leaf}` from "
                 f"{a_type.name}{list(a_shape)} to {b_type.name}{list(b_shape)}; "
                 f"every layer must return x with the shape and dtype it received: {fix}."
+            )
+        if scanned and _spec(a) != _spec(b):
+            leaf = "x" + jax.tree_util.keystr(path)
+            raise TypeError(
+                f"{who}: a layer changed the sharding of carry leaf `{leaf}` from "
+                f"{PartitionSpec(*_spec(a))} to {PartitionSpec(*_spec(b))} (explicit mesh "
+                "axes make it part of the type, and the scan feeds each layer's x to the "
+                "next as one type). Reshard it back before the layer returns, e.g. "
+                f"`jax.sharding.reshard({leaf}, {PartitionSpec(*_spec(a))})`, or give the "
+                f"stack x sharded as the layer returns it ({PartitionSpec(*_spec(b))})."
             )
 
 

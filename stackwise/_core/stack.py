@@ -473,7 +473,7 @@ class Run:
                     "Return `(x, aux)`, or build the stack without `has_aux`.",
                 )
             new_x, aux = out if has_aux else (out, None)
-            checks.carry(x, new_x, who, has_aux)
+            checks.carry(x, new_x, who, has_aux, scanned=not (self.python_loop or serving))
             return new_x, (per_layer, aux)
 
         return _remat(layer, self.options, self.python_loop or serving)

@@ -241,7 +241,42 @@ def _case_layer_axis_and_errors():
     }
 
 
+def _case_explicit_carry():
+    """Explicit mesh axes put x's sharding in its type: a layer that returns x sharded
+    otherwise cannot be scanned (refused, naming the leaf and the reshard), while a Python
+    loop (``unroll=True``) passes it on as a loop does, and the fix runs."""
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+
+    def apply(w, x):  # its output split over "model" along the features
+        return jnp.tanh(x @ w)
+
+    def resharded(w, x):  # the fix the error gives
+        return jax.sharding.reshard(apply(w, x), P())
+
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jax.random.normal(jax.random.key(0), (3, 8, 8)) / 3,
+                           NamedSharding(mesh, P(None, None, "model")))
+        x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P()))
+        try:
+            stackwise.stack(None, apply, 3).apply(w, x)
+            refused = "no error"
+        except TypeError as e:
+            refused = str(e)
+        loop = x
+        for i in range(3):
+            loop = apply(w[i], loop)
+        unrolled = stackwise.stack(None, apply, 3, unroll=True).apply(w, x)
+        fixed = stackwise.stack(None, resharded, 3).apply(w, x)
+        return {"refused": refused,
+                "unrolled": float(jnp.abs(unrolled - loop).max()),
+                "unrolled_spec": str(jax.typeof(unrolled).sharding.spec),
+                "fixed": float(jnp.abs(fixed - loop).max()),
+                "fixed_spec": str(jax.typeof(fixed).sharding.spec)}
+
+
 _CASES = {
+    "explicit_carry": _case_explicit_carry,
     "fsdp_explicit": lambda: _case_fsdp(AxisType.Explicit),
     "fsdp_auto": lambda: _case_fsdp(AxisType.Auto),
     "fsdp_tensor_parallel": _case_fsdp_tensor_parallel,
@@ -334,6 +369,15 @@ def test_layer_axis_over_stages(multi_device):
     # The circular layout: (V, n/V, ...), stage s holding layers s, s+4 (chunks s, s+S).
     assert r["circular"] == [[2, 4, D, 2 * D], "P(None, 'stage', None, 'data')",
                              [[2, 1, D, D]]]
+
+
+def test_a_layer_resharding_its_carry_under_explicit_axes(multi_device):
+    r = _result(multi_device, "explicit_carry")
+    assert "stackwise.stack: a layer changed the sharding of carry leaf `x` from " in r["refused"]
+    assert "P(None, None) to P(None, 'model')" in r["refused"]
+    assert "`jax.sharding.reshard(x, P(None, None))`" in r["refused"]
+    assert r["unrolled"] == 0.0 and r["unrolled_spec"] == "P(None, 'model')"  # a loop's
+    assert r["fixed"] == 0.0 and r["fixed_spec"] == "P(None, None)"
 
 
 def test_whole_models_and_full_specs(multi_device):
