@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _nnx import Loop
 from _references import NNX_D, Block, make, scan_model, stacked
 from _tolerance import assert_close as assert_within
 from _trees import STACK_BOUND
@@ -19,19 +20,6 @@ import stackwise.nnx
 from stackwise.bench import program_fingerprint
 
 D, B = NNX_D, 3  # features and batch: distinct, so params and activations differ in type
-
-
-class Loop(nnx.Module):
-    """The reference: a Python loop over separately held blocks."""
-
-    def __init__(self, blocks, reverse=False):
-        self.blocks = nnx.List(blocks)
-        self.reverse = reverse
-
-    def __call__(self, x):
-        for block in reversed(self.blocks) if self.reverse else self.blocks:
-            x = block(x)
-        return x
 
 
 def plain(tree):

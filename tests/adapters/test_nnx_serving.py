@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from _nnx import Loop
 from _trees import assert_trees_bitwise, assert_trees_close
 from flax import nnx
 from hypothesis import given, settings
@@ -47,16 +48,6 @@ class Mix(nnx.Module):
 
     def __call__(self, x):
         return x + 0.5 * jnp.tanh(self.linear(x))
-
-
-class Loop(nnx.Module):
-    def __init__(self, blocks):
-        self.blocks = nnx.List(blocks)
-
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def _stack(n, k=1, **options):

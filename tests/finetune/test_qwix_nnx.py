@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _nnx import Loop
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
 from flax import nnx
@@ -68,16 +69,6 @@ class Model(nnx.Module):
 
     def __call__(self, x):
         return self.layers(x)
-
-
-class Loop(nnx.Module):
-    def __init__(self, blocks):
-        self.blocks = nnx.List(blocks)
-
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def _lora(qtype):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _nnx import Loop as NnxLoop
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
 from flax import nnx, traverse_util
@@ -158,16 +159,6 @@ class NnxModel(nnx.Module):
 
     def __call__(self, x):
         return self.layers(x)
-
-
-class NnxLoop(nnx.Module):
-    def __init__(self, blocks):
-        self.blocks = nnx.List(blocks)
-
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def _nnx_calibrated(model, rule):
