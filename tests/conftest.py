@@ -60,3 +60,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if function in seen:
                 item.add_marker(pytest.mark.slow)
             seen.add(function)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's caches of compiled programs after each test module.
+
+    XLA:CPU maps each compiled program's machine code into memory of its own (about six
+    memory maps a program), and JAX's caches keep every program alive for the life of the
+    process; op-by-op calls, one program per primitive and shape, fill them fastest. An xdist
+    worker of the whole suite reached 64,719 maps, and at Linux's default limit of 65,530
+    (``vm.max_map_count``) the next compile's ``mmap`` fails and XLA dies of a segmentation
+    fault (seen in CI, in whichever test came next). Cleared, a worker's maps stay those of one
+    module's programs. A program that two modules both use is compiled again in the second.
+    """
+    yield
+    jax.clear_caches()
