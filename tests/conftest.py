@@ -68,11 +68,12 @@ def _release_compiled_programs():
 
     XLA:CPU maps each compiled program's machine code into memory of its own (about six
     memory maps a program), and JAX's caches keep every program alive for the life of the
-    process; op-by-op calls, one program per primitive and shape, fill them fastest. An xdist
-    worker of the whole suite reached 64,719 maps, and at Linux's default limit of 65,530
-    (``vm.max_map_count``) the next compile's ``mmap`` fails and XLA dies of a segmentation
-    fault (seen in CI, in whichever test came next). Cleared, a worker's maps stay those of one
-    module's programs. A program that two modules both use is compiled again in the second.
+    process; op-by-op calls, one program per primitive and shape, fill them fastest. The test
+    files of one xdist worker of the whole suite, run in one process, reached 64,719 maps; at
+    Linux's default limit of 65,530 (``vm.max_map_count``) the next compile's ``mmap`` fails and
+    XLA dies of a segmentation fault (seen in CI and here, in whichever test came next). Cleared
+    after each module, the same files peaked at 12,806 maps. A program that two modules both use
+    is compiled again in the second.
     """
     yield
     jax.clear_caches()
