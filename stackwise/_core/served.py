@@ -82,8 +82,6 @@ def refuse(who: str, runs: str, fix: str = "", **values: Any) -> None:
             )
 
 
-
-
 def stacked_only(who: str, **values: Any) -> None:
     """Refuses a :class:`Serving` anywhere in ``values`` (named by keyword) given to ``who``,
     a function over stacked trees: it would take each per-layer array's first axis for the
