@@ -87,7 +87,9 @@ def quantize_params(
         ``jax.eval_shape(qmodel.init, key, x)["params"]``.
       quant_stats: for SRQ, the QAT model's ``variables["quant_stats"]`` after calibration
         (stacked per layer inside a Stack): each activation's static scale is computed by
-        qwix from each layer's own statistics, as its block's in a loop.
+        qwix from each layer's own statistics, as its block's in a loop. On the CPU,
+        applying SRQ inside a Stack needs jaxlib >= 0.10.2 (0.10.0's XLA:CPU fails to
+        compile qwix's SRQ dot inside any ``lax.scan`` for some shapes).
       allow_extra_params: skip params that the quantized model does not have, as qwix's.
 
     Returns:

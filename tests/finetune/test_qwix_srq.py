@@ -17,6 +17,7 @@ import pytest
 from _nnx import Loop as NnxLoop
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
+from _versions import EXACT_SCALES, SRQ_IN_SCAN, SRQ_IN_SCAN_WHY, assert_same_quantization
 from flax import nnx, traverse_util
 
 import stackwise
@@ -173,6 +174,9 @@ def _nnx_loop_layout(tree):
 
 
 @_QAT_VALUE
+@pytest.mark.skipif(not (EXACT_SCALES and SRQ_IN_SCAN), reason=(
+    "jax < 0.10.2 rounds a fake-quantization scale inside the scan 1 ulp from the loop's, "
+    "which flips a code and so the statistics downstream; and " + SRQ_IN_SCAN_WHY))
 def test_nnx_srq_equals_the_loop():
     rule = _rule()
     floats = nnx.to_pure_dict(nnx.state(NnxModel(), nnx.Param))
@@ -219,7 +223,7 @@ def test_nnx_srq_equals_qwix_converting_the_qat_stack():
     assert len(scales) == 2  # up's and down's inputs
     for k in scales:
         np.testing.assert_array_max_ulp(flat.pop(k), flat_theirs.pop(k), maxulp=1)
-    assert_trees_bitwise(flat, flat_theirs)
+    assert_same_quantization(flat, flat_theirs)  # the weights: bitwise on jax >= 0.10.2
 
 
 def test_the_bridges_without_statistics_are_unchanged():
