@@ -20,6 +20,10 @@ from _trees import assert_trees_bitwise
 JAX = tuple(int(v) for v in jax.__version__.split(".")[:3])
 #: Scales (and so codes) computed inside a scan are bitwise a loop's.
 EXACT_SCALES = JAX >= (0, 10, 2)
+EXACT_SCALES_WHY = (
+    "jax < 0.10.2 rounds a fake-quantization scale inside the scan 1 ulp from the loop's, "
+    "which flips a code and so what is computed downstream of it (tests/_versions.py)"
+)
 #: qwix SRQ compiles inside any lax.scan on XLA:CPU.
 SRQ_IN_SCAN = JAX >= (0, 10, 2) or jax.default_backend() != "cpu"
 SRQ_IN_SCAN_WHY = (

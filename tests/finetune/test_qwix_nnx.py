@@ -13,7 +13,7 @@ import pytest
 from _nnx import Loop
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
-from _versions import EXACT_SCALES, assert_same_quantization
+from _versions import EXACT_SCALES, EXACT_SCALES_WHY, assert_same_quantization
 from flax import nnx
 
 import stackwise
@@ -225,9 +225,7 @@ def _qat():
 # warning is attributed to flax, so the module filter in pyproject does not catch it).
 @pytest.mark.filterwarnings("ignore:'.value' setter is now deprecated:DeprecationWarning")
 @pytest.mark.slow
-@pytest.mark.skipif(not EXACT_SCALES, reason=(
-    "jax < 0.10.2 rounds a fake-quantization scale inside the scan 1 ulp from the loop's, "
-    "which flips a code (tests/_versions.py)"))
+@pytest.mark.skipif(not EXACT_SCALES, reason=EXACT_SCALES_WHY)
 def test_qat_equals_the_loop():
     """Fake-quantized training: the activation statistics qwix creates inside each layer
     are kept stacked (one per layer); outputs, gradients and statistics are the loop's."""

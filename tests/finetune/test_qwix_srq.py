@@ -17,7 +17,13 @@ import pytest
 from _nnx import Loop as NnxLoop
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
-from _versions import EXACT_SCALES, SRQ_IN_SCAN, SRQ_IN_SCAN_WHY, assert_same_quantization
+from _versions import (
+    EXACT_SCALES,
+    EXACT_SCALES_WHY,
+    SRQ_IN_SCAN,
+    SRQ_IN_SCAN_WHY,
+    assert_same_quantization,
+)
 from flax import nnx, traverse_util
 
 import stackwise
@@ -174,9 +180,8 @@ def _nnx_loop_layout(tree):
 
 
 @_QAT_VALUE
-@pytest.mark.skipif(not (EXACT_SCALES and SRQ_IN_SCAN), reason=(
-    "jax < 0.10.2 rounds a fake-quantization scale inside the scan 1 ulp from the loop's, "
-    "which flips a code and so the statistics downstream; and " + SRQ_IN_SCAN_WHY))
+@pytest.mark.skipif(not (EXACT_SCALES and SRQ_IN_SCAN),
+                    reason=f"{EXACT_SCALES_WHY}; and {SRQ_IN_SCAN_WHY}")
 def test_nnx_srq_equals_the_loop():
     rule = _rule()
     floats = nnx.to_pure_dict(nnx.state(NnxModel(), nnx.Param))
