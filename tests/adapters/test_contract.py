@@ -15,7 +15,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 import pytest
-from _programs import barrier_operand_types
+from _programs import barrier_operand_types, put_on_host
 from _trees import assert_trees_close
 
 import stackwise
@@ -629,6 +629,21 @@ def test_remat_puts_no_params_through_barriers(fw):
     # Inside a scan no barrier is needed at all, nested or not.
     assert "optimization_barrier" not in lowered()
     assert "optimization_barrier" not in lowered(nested=True)
+
+
+def test_a_policy_offloads_each_layers_carry_to_host_memory(fw):
+    """``stackwise.CARRY_NAME`` names the carry in every adapter's Stack, so a policy that
+    offloads it by name moves each layer's input to host memory (tests/core/test_offload.py
+    checks the gradients; on the CPU the offload changes nothing but the memory space)."""
+    offload = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[stackwise.CARRY_NAME],
+        offload_src="device", offload_dst="pinned_host")
+    params, apply = fw.stack(["dense"], 3, remat=offload)
+    loss = jax.grad(lambda p: jnp.sum(apply(p, X) ** 2))
+    assert set(put_on_host(jax.make_jaxpr(loss)(params).jaxpr)) == {
+        ("device_put", (B, D)), ("scan", (3, B, D))}
+    _, plain = fw.stack(["dense"], 3, remat=False)
+    assert_trees_close(jax.jit(loss)(params), jax.grad(lambda p: jnp.sum(plain(p, X) ** 2))(params))
 
 
 def test_without_remat_it_compiles_to_the_frameworks_own_tool(fw):
