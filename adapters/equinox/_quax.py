@@ -27,8 +27,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-__all__ = ["QUAX_MIRRORS", "QuaxChanged", "Tie", "check_outer", "holds_values", "layer",
-           "quaxify", "tie"]
+__all__ = [
+    "QUAX_MIRRORS",
+    "QuaxChanged",
+    "Tie",
+    "check_outer",
+    "holds_values",
+    "layer",
+    "quaxify",
+    "tie",
+]
 
 
 def _quax() -> Any:
