@@ -9,19 +9,34 @@ values. quax is imported only when a stack's params hold a quax value, so only o
 user has imported quax.
 
 Under an outer ``quax.quaxify`` the stack's params are quax's tracers instead, which the
-stack cannot open: :func:`quaxify` keeps the stacks out of the outer one.
+stack cannot open: :func:`quaxify` keeps the stacks out of the outer one. Telling those
+tracers' values apart (to refuse them under remat with that fix) reads quax's private
+types: the one tie to quax, dated (:data:`QUAX_MIRRORS`), probed on first use (:func:`tie`)
+and refused with :class:`QuaxChanged`, naming both releases, if it no longer holds.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
-__all__ = ["check_outer", "holds_values", "layer", "quaxify"]
+__all__ = [
+    "QUAX_MIRRORS",
+    "QuaxChanged",
+    "Tie",
+    "check_outer",
+    "holds_values",
+    "layer",
+    "quaxify",
+    "tie",
+]
 
 
 def _quax() -> Any:
@@ -47,18 +62,85 @@ def layer(block: Any) -> Any:
     return _quax().quaxify(block)
 
 
-# Tie to quax's internals (quax 0.4.6): `quax.quaxify` wraps each leaf it is given in a
-# `quax._trace._QuaxTracer` whose `.value` is the quax value, `_DenseArrayValue` for a
-# plain array. tests/adapters/test_equinox_quax.py fails if that changes.
+# --------------------------------------------------------------------------
+# The one tie to quax's internals, dated and guarded as stackwise/_upstream/ does.
+
+#: The quax release the tie below was read from and checked against.
+QUAX_MIRRORS = "0.4.6"
+
+
+#: Where the tie's private types live in quax 0.4.6: (module, name).
+NAMES = {"tracer": ("quax._trace", "_QuaxTracer"), "dense": ("quax._values", "_DenseArrayValue")}
+
+
+class Tie(NamedTuple):
+    """quax's private types that tell an outer ``quax.quaxify``'s values apart."""
+
+    tracer: type  # quax._trace._QuaxTracer: the leaf quaxify passes, its quax value at `.value`
+    dense: type  # quax._values._DenseArrayValue: the `.value` of a plain array's tracer
+
+
+class QuaxChanged(RuntimeError):
+    """The tie to quax's internals no longer holds with the installed quax."""
+
+    def __init__(self, detail: str):
+        version = getattr(_quax(), "__version__", "of unknown version")
+        super().__init__(
+            f"stackwise.equinox: quax changed under stackwise: the tie to quax's tracer "
+            f"(`quax._trace._QuaxTracer`, `.value`, `quax._values._DenseArrayValue`; "
+            f"adapters/equinox/_quax.py, written against quax {QUAX_MIRRORS}; quax "
+            f"{version} is installed) no longer holds: {detail}. It tells a Stack run with "
+            "remat under `quax.quaxify` which values it can run; call "
+            "`stackwise.equinox.quaxify(model)(x)` in place of `quax.quaxify(model)(x)`, "
+            "which needs no tie, or pin quax to the release named."
+        )
+
+
+@functools.cache
+def _probed() -> Tie | str:
+    """The tie's types, checked on a probe (traced only); a str says why it fails."""
+    quax = _quax()
+    try:
+        tie = Tie(**{k: getattr(importlib.import_module(m), n) for k, (m, n) in NAMES.items()})
+        zero = quax.zero.Zero((2,), jnp.float32)
+        seen = []
+
+        def probe(x, z):
+            seen.extend([z, z + x])  # a quax value's tracer; a plain result's tracer
+            return x
+
+        shape = jax.ShapeDtypeStruct((2,), jnp.float32)
+        jax.eval_shape(lambda x: quax.quaxify(probe)(x, zero), shape)
+    except Exception as e:  # a name moved, or quaxify no longer runs the probe
+        return f"its probe raised {type(e).__name__}: {e}"
+    kinds = [(type(t).__name__, type(getattr(t, "value", None)).__name__) for t in seen]
+    ok = (
+        all(isinstance(t, tie.tracer) for t in seen)
+        and seen[0].value is zero
+        and type(seen[1].value) is tie.dense
+    )
+    return tie if ok else f"quaxify passed {kinds}, not its tracers of a Zero and of a plain array"
+
+
+def tie() -> Tie:
+    """The tie's types, probed on first use; :class:`QuaxChanged` if it no longer holds."""
+    found = _probed()
+    if isinstance(found, str):
+        raise QuaxChanged(found)
+    return found
+
+
 def _hidden_value(leaf: Any) -> bool:
     """A leaf that is an outer ``quax.quaxify``'s tracer of a value other than an array."""
     if not (isinstance(leaf, jax.core.Tracer) and type(leaf).__module__.startswith("quax.")):
-        return False
-    value = getattr(leaf, "value", None)
+        return False  # (only quax's tracers come from its modules: no tie is read)
+    types = tie()
+    if not isinstance(leaf, types.tracer):
+        return False  # another quax tracer than quaxify's: quax speaks for it
     # A LoraArray made with `allow_materialise=True` is materialised by quax inside the
     # remat, one layer at a time: it runs (as the sum of the weights), so it is let through.
-    allowed = getattr(value, "allow_materialise", False) is True
-    return type(value).__name__ != "_DenseArrayValue" and not allowed
+    allowed = getattr(leaf.value, "allow_materialise", False) is True
+    return type(leaf.value) is not types.dense and not allowed
 
 
 def check_outer(params: tuple, pattern: bool, remat: Any, who: str) -> None:

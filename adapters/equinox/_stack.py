@@ -343,10 +343,7 @@ class Stack(eqx.nn.StatefulLayer):
         key: jax.Array | None,
     ):
         who = _kit.stack_name("equinox", block, n)
-        options = _kit.stack_options(who, n, locals())
-        self.n = n
-        for name, value in options.items():  # static fields of the module
-            setattr(self, name, value)
+        _kit.hold_options(self, who, n, locals())
         self.with_state = _kit.check_bool(with_state, "with_state", who)
         if isinstance(block, _kit.Prebuilt):
             self.layers = block.layers

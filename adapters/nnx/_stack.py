@@ -184,10 +184,7 @@ class Stack(nnx.Module):
         layer_axis_name: str | None = None,
     ):
         who = _kit.stack_name("nnx", make_block, n)
-        options = _kit.stack_options(who, n, locals())
-        self.n = n
-        for name, value in options.items():  # static attributes of the module
-            setattr(self, name, value)
+        _kit.hold_options(self, who, n, locals())
         self.layer_axis_name = _kit.check_layer_axis_name(layer_axis_name, who)
         if isinstance(make_block, _kit.Prebuilt):
             self.pattern = isinstance(make_block.layers, (list, tuple))

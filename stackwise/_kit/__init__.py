@@ -11,7 +11,7 @@ The running layer and messages:
   :func:`refuse_unservable` (options without a serving form, for an adapter that serves),
   :func:`stacked_only` (a ``stackwise.Serving`` refused where stacked trees go).
 A Stack's options and call:
-  :data:`OPTION_NAMES`, :func:`stack_options`, :func:`check_bool`,
+  :data:`OPTION_NAMES`, :func:`stack_options`, :func:`hold_options`, :func:`check_bool`,
   :func:`check_layer_axis_name`, :class:`CallArgs`, :func:`is_per_layer`.
 ``Stack.from_layers``:
   :class:`Prebuilt`, :func:`check_built`, :func:`check_built_options`,
@@ -74,6 +74,7 @@ from stackwise._kit.contract import check_built as check_built
 from stackwise._kit.contract import check_built_options as check_built_options
 from stackwise._kit.contract import current_layer_index as current_layer_index
 from stackwise._kit.contract import first_difference as first_difference
+from stackwise._kit.contract import hold_options as hold_options
 from stackwise._kit.contract import refuse_serving as refuse_serving
 from stackwise._kit.contract import same_value as same_value
 from stackwise._kit.contract import stack_name as stack_name

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core import checks, convert, serving, trees
+from stackwise._core.options import stack_options
 
 __all__ = [
     "Prebuilt",
@@ -29,6 +30,7 @@ __all__ = [
     "check_built_options",
     "current_layer_index",
     "first_difference",
+    "hold_options",
     "same_value",
     "stack_name",
 ]
@@ -89,6 +91,17 @@ def block_name(block: Any) -> str:
 def stack_name(framework: str, block: Any, n: Any) -> str:
     """``stackwise.haiku.Stack(Block, n=4)``: how messages name an adapter's stack."""
     return f"stackwise.{framework}.Stack({block_name(block)}, n={n!r})"
+
+
+def hold_options(module: Any, who: str, n: Any, arguments: Mapping[str, Any]) -> None:
+    """Checks a Stack's options among its constructor's ``arguments`` (its ``locals()``),
+    then sets ``n`` and each of :data:`~stackwise._core.options.OPTION_NAMES` on ``module``:
+    how a Stack that is its own pytree (Equinox's static fields, NNX's static attributes)
+    keeps them."""
+    checked = stack_options(who, n, dict(arguments))
+    module.n = n
+    for name, value in checked.items():
+        setattr(module, name, value)
 
 
 # --------------------------------------------------------------------------

@@ -359,7 +359,7 @@ def kept_policy(options: Options) -> Callable[..., bool]:
 
 
 def unless_sliced(keep: Callable[..., bool], shapes: set) -> Callable[..., bool]:
-    """``keep``, except that a slice of an operand of one of ``shapes`` is never saved
-    (a row of a block, a chunk of a stack; matched by primitive name:
-    :func:`stackwise._upstream.jax.unless_sliced`)."""
+    """``keep``, except that rows taken of an operand of one of ``shapes`` are never saved
+    (a row of a block, a chunk of a stack; matched by primitive, its params and the
+    operand's shape: :func:`stackwise._upstream.jax.unless_sliced`)."""
     return jax_ties.unless_sliced(keep, shapes)

@@ -4,7 +4,7 @@ Lowest layer of the package, below :mod:`stackwise._core`; it imports nothing of
 
 - :mod:`.jax`: what stackwise relies on in JAX beyond its public API: the jaxpr evaluation
   loop that finds a layer's in-place state updates, and the primitive names the remat
-  policies match (``reshard``, ``all_gather``, ``name``, the slices).
+  policies match (``reshard``, ``all_gather``, ``name``, the slices and their params).
 
 Each tie is a function that names the version it mirrors, what it relies on and what breaks
 if upstream changes. Each has a probe that the fast tier runs (``tests/core/test_upstream_*``)

@@ -9,7 +9,8 @@ stackwise relies on JAX beyond its public API in three places:
 - :func:`unless_resharded`, :func:`unless_all_gathered` and :func:`unless_sliced` build remat
   policies that match primitives by name: the gathered params (``reshard``, ``all_gather``,
   the ``name`` of :func:`jax.ad_checkpoint.checkpoint_name`) and the slices a pipeline stage
-  takes of its stacks (``dynamic_slice``, ``slice``, ``squeeze``) are never saved.
+  takes of its stacks (``dynamic_slice``, ``slice``, ``squeeze`` taking leading rows of an
+  operand of a stack's shape, read from their params) are never saved.
 - :func:`unbatched_output_path` reads ``jax.vmap``'s refusal of an output that varies along
   the mapped axis where ``out_axes`` says None, so that a batch of LoRA adapters can name
   the layer's state that differs by group (:mod:`stackwise._finetune.layer`).
@@ -45,6 +46,7 @@ __all__ = [
     "holds",
     "unless_all_gathered",
     "unless_resharded",
+    "takes_rows",
     "unbatched_output_path",
     "unless_sliced",
     "update_slice_parts",
@@ -58,7 +60,7 @@ UPDATE_SLICE = "dynamic_update_slice's operands"
 RESHARD = "jax.reshard's primitive"
 ALL_GATHER = "lax.all_gather's primitive"
 NAME = "checkpoint_name's primitive"
-SLICES = "the slicing primitives"
+SLICES = "the slicing primitives and their params"
 VMAP_OUT_AXES = "vmap's refusal of a batched output under out_axes=None"
 
 
@@ -224,16 +226,55 @@ def unless_all_gathered(keep: Callable, name: str) -> Callable[..., bool]:
 SLICE_PRIMITIVES = ("dynamic_slice", "slice", "squeeze")
 
 
-def unless_sliced(keep: Callable, shapes: set) -> Callable[..., bool]:
-    """``keep``, except that a slice of an operand of one of ``shapes`` is never saved.
+def takes_rows(name: str, shape: tuple, params: dict) -> bool:
+    """Whether a ``name`` equation with ``params`` takes rows of its operand, of ``shape``,
+    along the leading axis, the rest whole
+    (``v[i]``, ``v[a:b]``, ``lax.dynamic_slice_in_dim(v, i, k)``, or the squeeze of a row).
 
-    Relies on the slices of :data:`SLICE_PRIMITIVES` (jax 0.10.2). If a slice binds another
-    primitive, a chunk of the params would be saved at every tick; the probe then makes
-    this a policy that saves nothing.
+    Reads jax 0.10.2's params: ``dynamic_slice``'s ``slice_sizes``; ``slice``'s
+    ``start_indices``, ``limit_indices`` and ``strides`` (None or ones); ``squeeze``'s
+    ``dimensions``. The probe checks each reading on the four takes.
     """
-    return _refusing(
-        keep, (SLICES,), lambda p, a, k: p.name in SLICE_PRIMITIVES and tuple(a[0].shape) in shapes
-    )
+    if not shape:
+        return False
+    if name == "dynamic_slice":
+        return tuple(params["slice_sizes"])[1:] == shape[1:]
+    if name == "slice":
+        strides = params["strides"]
+        return (
+            tuple(params["start_indices"])[1:] == (0,) * (len(shape) - 1)
+            and tuple(params["limit_indices"])[1:] == shape[1:]
+            and (strides is None or all(s == 1 for s in strides))
+        )
+    if name == "squeeze":
+        return tuple(params["dimensions"]) == (0,) and shape[0] == 1
+    return False
+
+
+def unless_sliced(keep: Callable, shapes: set) -> Callable[..., bool]:
+    """``keep``, except that rows taken of an operand of one of ``shapes`` are never saved.
+
+    A remat policy sees an equation's primitive, its operands' avals and its params, not
+    where an operand came from: so a slice of a stack is recognised by what it takes (rows
+    along the leading axis, the rest whole: :func:`takes_rows`) of an operand of a stack's
+    shape. Another value of exactly a stack's shape whose rows are taken the same way is
+    not saved either: the backward pass takes them again (never a different value). A
+    slice along another axis, or of another shape, is kept as ``keep`` says.
+    (``jax.ad_checkpoint.checkpoint_name`` is no exact alternative: it names the slice's
+    output in an equation of its own, and the slice's equation would still be saved.)
+
+    Relies on the slices of :data:`SLICE_PRIMITIVES` and their params (jax 0.10.2). If a
+    slice binds another primitive or its params change, a chunk of the params would be
+    saved at every tick; the probe then makes this a policy that saves nothing.
+    """
+
+    def refuse(prim: Any, avals: tuple, params: dict) -> bool:
+        if prim.name not in SLICE_PRIMITIVES:
+            return False
+        shape = tuple(avals[0].shape)
+        return shape in shapes and takes_rows(prim.name, shape, params)
+
+    return _refusing(keep, (SLICES,), refuse)
 
 
 # --------------------------------------------------------------------------
@@ -326,6 +367,16 @@ def _probe_slices() -> None:
             bool(on_stack) and on_stack <= set(SLICE_PRIMITIVES),
             f"{what} of a (4, 3) stack binds {sorted(on_stack)}, not only {list(SLICE_PRIMITIVES)}",
         )
+        rows = [n for n, s, k in asked if n in SLICE_PRIMITIVES and takes_rows(n, s[0], k)]
+        _expect(SLICES, bool(rows), f"{what}: no equation read as rows taken, of {asked}")
+    columns = {
+        "lax.dynamic_slice_in_dim(axis=1)": lambda v: jax.lax.dynamic_slice_in_dim(v, 1, 2, 1),
+        "v[:, 1:3]": lambda v: v[:, 1:3],
+    }
+    for what, take in columns.items():
+        asked = _asked(lambda v, take=take: jnp.sin(take(v)), _shape(4, 3))
+        read = [n for n, s, k in asked if n in SLICE_PRIMITIVES and takes_rows(n, s[0], k)]
+        _expect(SLICES, not read, f"{what} read as rows taken: {read}")
 
 
 def _probe_fn(cache: Any, new: Any, i: Any) -> tuple:

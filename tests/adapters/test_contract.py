@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from _programs import barrier_operand_types, put_on_host
 from _trees import assert_trees_close
 
 import stackwise
+from stackwise._kit import OPTION_NAMES
 from stackwise.bench import program_fingerprint
 
 D, B, T = 4, 2, 128  # width, batch, cache length
@@ -707,3 +709,14 @@ def test_the_compiled_decode_step_updates_the_donated_cache_in_place(fw, n):
 def test_importing_the_adapter_module_gives_its_public_names(fw):
     module = importlib.import_module(f"stackwise.{fw.name}")
     assert {"Stack", "layer_index"} <= set(module.__all__)
+
+
+def test_each_stack_takes_the_cores_options_with_their_types_and_defaults(fw):
+    # Each Stack spells the core's options in its own signature (linen: its fields), so that
+    # help() and type checkers show them; written there again, they must not drift.
+    def options(f):
+        parameters = inspect.signature(f).parameters
+        return {k: (str(parameters[k].annotation), parameters[k].default) for k in OPTION_NAMES}
+
+    stack = importlib.import_module(f"stackwise.{fw.name}").Stack
+    assert options(stack if fw.name == "flax" else stack.__init__) == options(stackwise.stack)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import stackwise
 import stackwise.equinox as swe
+from stackwise.equinox import _quax
 
 quax = pytest.importorskip("quax")
 from quax.examples.lora import LoraArray, loraify  # noqa: E402
@@ -251,6 +252,37 @@ def test_quax_quaxify_around_the_stack_works_without_remat_and_is_refused_with_i
     # LoraArrays that allow materialising run under quax's own quaxify, materialised per layer.
     model, blocks, head = _model(allow_materialise=True)
     assert_trees_close(quax.quaxify(model)(X), quax.quaxify(head)(_loop(blocks, X)))
+
+
+# The one tie to quax's internals (adapters/equinox/_quax.py): it holds with the installed
+# quax; with a name moved, quax's own quaxify around a rematted Stack is refused naming both
+# releases (and stackwise.equinox.quaxify, which needs no tie, still runs).
+
+
+def test_the_quax_tie_holds_with_the_installed_quax():
+    _quax._probed.cache_clear()
+    found = _quax.tie()  # raises QuaxChanged if quax changed
+    assert found == (quax._trace._QuaxTracer, quax._values._DenseArrayValue)
+
+
+@pytest.mark.parametrize("moved", ["tracer", "tie"])
+def test_a_moved_quax_name_is_refused_naming_both_releases(monkeypatch, moved):
+    model, blocks, head = _model()
+    if moved == "tracer":  # as if quax had renamed its tracer
+        monkeypatch.setitem(_quax.NAMES, "tracer", ("quax._trace", "_Moved"))
+        detail = "its probe raised AttributeError: .*_Moved"
+    else:  # as if a plain array's tracer held another type: the probe sees it does not
+        monkeypatch.setitem(_quax.NAMES, "dense", ("quax", "ArrayValue"))
+        detail = "quaxify passed"
+    _quax._probed.cache_clear()
+    try:
+        message = rf"written against quax {_quax.QUAX_MIRRORS}; quax {quax.__version__} .*{detail}"
+        with pytest.raises(_quax.QuaxChanged, match=message):
+            quax.quaxify(model)(X)
+        assert_trees_close(swe.quaxify(model)(X), quax.quaxify(head)(_loop(blocks, X)))
+    finally:
+        monkeypatch.undo()
+        _quax._probed.cache_clear()
 
 
 # --------------------------------------------------------------------------

@@ -266,6 +266,36 @@ def test_unless_sliced_saves_all_but_the_slice_and_nothing_if_broken(monkeypatch
     assert_trees_close(grads, jax.grad(sliced, (0, 1))(stack, x))
 
 
+def split(stack, x):
+    a = jnp.sin(x)  # an activation of exactly the stack's shape, split along its last axis
+    rows = jax.lax.dynamic_slice_in_dim(stack, 1, 2)  # rows of the stack
+    return jnp.sum(a[:, 1:] * a[:, :2]) + jnp.sum(jnp.sin(rows) * a[:2, ::-1])
+
+
+def test_unless_sliced_saves_a_same_shaped_value_sliced_along_another_axis(capsys):
+    # A policy sees operands' shapes, not where they came from: the activation's columns
+    # are not a stack's rows (another axis), so `everything` saves them; the rows are not.
+    stack, x = jnp.arange(12.0).reshape(4, 3) / 10, jnp.ones((4, 3))
+    checkpointed = jax.checkpoint(split, policy=jax_ties.unless_sliced(everything, {(4, 3)}))
+    lines = saved(checkpointed, stack, x, capsys=capsys)
+    assert sum("f32[4,2] output of slice" in line for line in lines) == 2, lines
+    assert not any("dynamic_slice" in line for line in lines), lines
+    assert_trees_close(jax.grad(checkpointed, (0, 1))(stack, x), jax.grad(split, (0, 1))(stack, x))
+
+
+def test_takes_rows_reads_the_leading_axis_only():
+    take = jax_ties.takes_rows
+    assert take("dynamic_slice", (4, 3), {"slice_sizes": (2, 3)})
+    assert not take("dynamic_slice", (4, 3), {"slice_sizes": (4, 2)})
+    whole = {"start_indices": (1, 0), "limit_indices": (3, 3), "strides": None}
+    assert take("slice", (4, 3), whole)
+    assert not take("slice", (4, 3), {**whole, "strides": (2, 1)})
+    assert not take("slice", (4, 3), {**whole, "start_indices": (1, 1)})
+    assert take("squeeze", (1, 3), {"dimensions": (0,)})
+    assert not take("squeeze", (3, 1), {"dimensions": (1,)})
+    assert not take("reshape", (4, 3), {}) and not take("slice", (), whole)
+
+
 def gathered(v):
     g = jax.lax.all_gather(jnp.cos(v), "i", axis=0, tiled=True)
     return jnp.sum(jnp.sin(g) * jnp.sin(checkpoint_name(v * 2.0, "tag")))
