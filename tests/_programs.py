@@ -75,9 +75,7 @@ def assert_no_copy_per_layer(shallow, deep, leaves_shallow, leaves_deep) -> None
     assert logical > 0 and b.temp_size_in_bytes - a.temp_size_in_bytes < grown / 2, (a, b)
 
 
-def temp_growth(compile_at, shallow: int, deep: int) -> int:
-    """How much the temp bytes of ``compile_at(depth)`` (a compiled program) grow from depth
-    ``shallow`` to ``deep``: what the program keeps per layer, less what it holds once (a
-    backend's fixed buffers, which cancel)."""
-    return (compile_at(deep).memory_analysis().temp_size_in_bytes
-            - compile_at(shallow).memory_analysis().temp_size_in_bytes)
+def temp_bytes(compiled) -> int:
+    """The temp bytes of a compiled program, as its backend counts them (compare them only
+    with another program's on the same backend, or on the CPU: see above)."""
+    return compiled.memory_analysis().temp_size_in_bytes
