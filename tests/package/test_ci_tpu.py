@@ -66,8 +66,8 @@ def test_a_log_without_counts_is_a_failed_record(tmp_path):
 
 def test_the_script_refuses_to_run_from_the_checkout_or_without_a_directory():
     script = str(ROOT / ".ci" / "tpu")
-    inside = subprocess.run([script, str(ROOT / "unused")], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
+    inside = subprocess.run([script, str(ROOT / "unused")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
     assert inside.returncode == 2 and "run it from outside the checkout" in inside.stderr
     assert not (ROOT / "unused").exists()  # refused before it made anything
     bare = subprocess.run([script], cwd="/", capture_output=True, text=True, timeout=60)
