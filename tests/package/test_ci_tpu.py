@@ -39,13 +39,13 @@ def test_the_counts_are_read_from_pytests_last_summary_line():
 
 
 def test_the_record_names_the_machine_the_counts_and_the_summary():
-    env = {"TIER_STATUS": "124", "TIER_SECONDS": "470", "TIER_LIMIT": "470", "TIER_COUNT": "445",
+    env = {"TIER_STATUS": "124", "TIER_SECONDS": "450", "TIER_LIMIT": "450", "TIER_COUNT": "445",
            "TIER_ARGS": "", "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PLATFORMS": "tpu"}
     now = datetime.datetime(2026, 12, 5, 23, 0, tzinfo=datetime.timezone.utc)
     text = RECORD.record(env, STOPPED, now)
     assert text.startswith("## 2026-12-05 23:00 UTC\n")
     assert "jax 0.10" in text and "jaxlib " in text and "libtpu " in text
-    assert "- result: 5 passed, 0 failed, 0 skipped, 1 errors; 470 s of a 470 s limit; " \
+    assert "- result: 5 passed, 0 failed, 0 skipped, 1 errors; 450 s of a 450 s limit; " \
            "stopped at the limit" in text
     assert "(445 tests)" in text and "matmul precision: highest" in text
     text = RECORD.record({**env, "TIER_STATUS": "1", "TIER_ARGS": "tests/core"}, FINISHED, now)
@@ -58,7 +58,7 @@ def test_a_log_without_counts_is_a_failed_record(tmp_path):
     log = tmp_path / "pytest.log"
     log.write_text("Segmentation fault\n")
     env = dict(os.environ, TIER_LOG=str(log), TIER_STATUS="139", TIER_SECONDS="3",
-               TIER_LIMIT="470", TIER_COUNT="1", TIER_ARGS="")
+               TIER_LIMIT="450", TIER_COUNT="1", TIER_ARGS="")
     out = subprocess.run([sys.executable, "-P", str(ROOT / ".ci" / "tpu_record.py")], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "no summary line" in out.stderr and not out.stdout
