@@ -152,10 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from stackwise.bench.measure import FAILED, run_benchmark
     from stackwise.bench.plot import write_plot
-    from stackwise.bench.report import machine, print_report, write_csv, write_markdown
+    from stackwise.bench.report import backend, machine, print_report, write_csv, write_markdown
 
     log = functools.partial(print, file=sys.stderr)
-    log(f"stackwise-bench: jax {jax.__version__} on {machine()}")
+    log(f"stackwise-bench: {backend()}; {machine()}")
     start = time.perf_counter()
     try:
         results, notes = run_benchmark(cfg, progress=not args.no_progress, log=log)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.metadata
 import math
 import os
 import platform
@@ -21,12 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+from jaxlib import version as jaxlib_version
 
 from stackwise.bench import workloads
 from stackwise.bench.config import BenchConfig, Result
 
 __all__ = [
     "FRAMEWORK_NAMES",
+    "backend",
     "machine",
     "print_report",
     "print_table",
@@ -101,8 +104,10 @@ def print_report(
     file: Any = None,
     *,
     wide: bool = False,
+    where: str | None = None,
 ) -> None:
-    """Prints, per block, its title and one table per framework, then the notes.
+    """Prints, per block, its title (with the backend that measured) and one table per
+    framework, then the notes.
 
     Args:
       results: what :func:`~stackwise.bench.run_benchmark` returned (or :func:`read_csv`).
@@ -110,10 +115,12 @@ def print_report(
       cfg: the run's configuration (for the blocks' sizes in the titles).
       file: where to print (default: stdout).
       wide: every column (adds the trace time and the program size), however wide.
+      where: the backend named in each title (default: this process's, :func:`backend`).
     """
     file = file or sys.stdout
+    where = where or backend()
     for block in dict.fromkeys(r.block for r in results):
-        _say(workloads.title(block, cfg), file)
+        _say(f"{workloads.title(block, cfg)} [on {where}]", file)
         mine = [r for r in results if r.block == block]
         grad = workloads.BLOCKS[block].grad
         for framework in dict.fromkeys(r.framework for r in mine):
@@ -214,15 +221,16 @@ _SAMPLES = ("compile_samples", "step_samples")  # written as space-separated sec
 
 
 def write_csv(results: Sequence[Result], path: str) -> None:
-    """Writes one row per result, with the jax version and the machine on each."""
-    where = machine()
+    """Writes one row per result, with the jax version, the machine and the backend on each."""
+    where, measured_on = machine(), backend()
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*_FIELDS, "jax", "machine"])
+        writer = csv.DictWriter(f, fieldnames=[*_FIELDS, "jax", "machine", "backend"])
         writer.writeheader()
         for r in results:
             row = dataclasses.asdict(r)
             row.update({k: " ".join(f"{v:.6g}" for v in row[k]) for k in _SAMPLES})
-            writer.writerow({**row, "jax": jax.__version__, "machine": where})
+            writer.writerow({**row, "jax": jax.__version__, "machine": where,
+                             "backend": measured_on})
 
 
 def read_csv(path: str) -> list[Result]:
@@ -250,12 +258,15 @@ def read_csv(path: str) -> list[Result]:
     return out
 
 
-def write_markdown(results: Sequence[Result], cfg: BenchConfig, path: str) -> None:
-    """Writes every column of every block's table as Markdown (for docs)."""
+def write_markdown(results: Sequence[Result], cfg: BenchConfig, path: str,
+                   *, where: str | None = None) -> None:
+    """Writes every column of every block's table as Markdown (for docs), each titled with
+    the backend that measured (``where``; default: this process's, :func:`backend`)."""
     headers = [c.header for c in _COLUMNS]
+    where = where or backend()
     lines = []
     for block in dict.fromkeys(r.block for r in results):
-        lines += [f"**{workloads.title(block, cfg)}**", ""]
+        lines += [f"**{workloads.title(block, cfg)}** (on {where})", ""]
         lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         lines += ["| " + " | ".join(c.cell(r) for c in _COLUMNS) + " |"
                   for r in results if r.block == block]
@@ -275,4 +286,26 @@ def machine() -> str:
         pass
     devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
     return f"{cpu}, {os.cpu_count()} cores, {devices}"
+
+
+def backend() -> str:
+    """The backend that measures, its devices and the versions, for every table's header,
+    e.g. ``tpu: 1 x TPU v5 lite; jax 0.10.2, jaxlib 0.10.2, libtpu 0.0.21`` (libtpu where it is
+    installed).
+
+    >>> import jax
+    >>> from stackwise.bench.report import backend
+    >>> backend().startswith(jax.default_backend() + ": ")
+    True
+    """
+    devices = jax.devices()
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    versions = [f"jax {jax.__version__}", f"jaxlib {jaxlib_version.__version__}"]
+    for name in ("libtpu", "libtpu-nightly"):
+        try:
+            versions.append(f"libtpu {importlib.metadata.version(name)}")
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"{jax.default_backend()}: {len(devices)} x {kinds}; " + ", ".join(versions)
 

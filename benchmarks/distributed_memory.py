@@ -1,7 +1,8 @@
 """Per-device memory of FSDP and of pipelines on 8 simulated CPU devices, from the compiler.
 
 Usage: ``python benchmarks/distributed_memory.py [--markdown out.md]`` (sets
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` itself).
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``JAX_PLATFORMS=cpu`` itself, a
+TPU host's too: ``benchmarks/_devices.py``).
 
 Every figure is ``jax.jit(jax.grad(loss)).lower(...).compile().memory_analysis()``
 of one device's program: what XLA allocates, independent of the machine's load.
@@ -21,8 +22,8 @@ params per stage), batch 64, remat=True; temp for M = 4, 8, 16 microbatches.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+
+from _devices import header, simulate_cpu_devices  # benchmarks/_devices.py
 
 MIB = 2**20
 
@@ -145,16 +146,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args()
-    if "jax" in sys.modules:
-        raise RuntimeError("run this as a script: it must set XLA_FLAGS before importing jax")
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    simulate_cpu_devices(8)
 
     import jax
     import jax.numpy as jnp
 
     import stackwise
 
-    lines = ["**FSDP, per device (MiB), 8 devices, 16 MiB of params**", "",
+    lines = [header("**FSDP, per device (MiB), 8 devices, 16 MiB of params**"), "",
              "| axes | entry point | remat | params | grads | temp | total | bound | /bound |",
              "|---|---|---|---|---|---|---|---|---|"]
     reference = ["", "Replicated (data parallel) for reference:", "",
@@ -180,7 +179,8 @@ def main() -> None:
             lines.append(f"| {axes} | {name} | {remat} | {params:.2f} | {grads:.2f} | "
                          f"{temp:.2f} | {total:.2f} | {bound:.2f} | {total / bound:.2f} |")
     lines += reference
-    lines += ["", "**Pipeline backward temp (MiB) against M, 0.5 MiB of params per stage**", "",
+    lines += ["", header("**Pipeline backward temp (MiB) against M, 0.5 MiB of params per "
+                         "stage**"), "",
               "| schedule | M=4 | M=8 | M=16 | M=16 / M=4 |", "|---|---|---|---|---|"]
     prows = _pipeline_rows(jax, jnp, stackwise)
     for schedule in ("gpipe", "circular"):

@@ -68,6 +68,7 @@ import optax  # noqa: E402
 
 import stackwise  # noqa: E402
 import stackwise.optax  # noqa: E402
+from stackwise.bench.report import backend  # noqa: E402
 
 OPTIMIZERS = {
     "adamw (elementwise)": lambda: optax.adamw(1e-3, weight_decay=0.1),
@@ -156,7 +157,7 @@ def markdown(rows, args, load) -> str:
     head = (f"# Optimizer step on stacked params: n={args.n}, D={args.d}, H={args.hidden}\n\n"
             f"`python benchmarks/optimizer_step.py {' '.join(sys.argv[1:])}`: {args.rounds} "
             f"rounds; Python {platform.python_version()}, jax {jax.__version__}, optax "
-            f"{optax.__version__}, {os.cpu_count()} cores, {jax.default_backend()}; load "
+            f"{optax.__version__}, {os.cpu_count()} cores, on {backend()}; load "
             f"average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after ("
             + ("the machine is shared: loaded, so " if load[0] > (os.cpu_count() or 1) else
                "otherwise idle; ")

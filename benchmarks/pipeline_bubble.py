@@ -1,7 +1,8 @@
 """Bubble fraction of the GPipe, circular and 1F1B schedules, measured against the theory.
 
 Usage: ``python benchmarks/pipeline_bubble.py [--stages 4] [--rounds 9] [--markdown out.md]``
-(sets ``XLA_FLAGS=--xla_force_host_platform_device_count=S`` itself); the 1F1B
+(sets ``XLA_FLAGS=--xla_force_host_platform_device_count=S`` and ``JAX_PLATFORMS=cpu`` itself,
+a TPU host's too: ``benchmarks/_devices.py``); the 1F1B
 training step and GPipe's: ``--gpipe --circular --gpipe-step 1 2 4 8 16 --1f1b 1 2 4
 8 16 --memory 4 8 16 32``; interleaved 1F1B (``--repeats`` chunks per stage, M a
 multiple of S): ``--1f1b-interleaved 4 8 16``.
@@ -48,12 +49,12 @@ but the share of ticks that are bubble is the schedule's.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
 import statistics
-import sys
 import time
+
+from _devices import header, simulate_cpu_devices  # benchmarks/_devices.py
 
 
 def _tick_loop_trips(hlo: str) -> list[int]:
@@ -120,9 +121,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args()
-    if "jax" in sys.modules:
-        raise RuntimeError("run this as a script: it must set XLA_FLAGS before importing jax")
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.stages}")
+    simulate_cpu_devices(args.stages)
 
     import jax
     import jax.numpy as jnp
@@ -212,8 +211,8 @@ def main() -> None:
         f"rows per microbatch, {S} simulated {jax.devices()[0].platform} devices, "
         f"{args.rounds} rounds of the fastest of {args.calls} calls ({args.clock} clock); "
         f"circular and 1f1b-interleaved V={V}; "
-        "gpipe and circular: the forward pass; gpipe-step, 1f1b and 1f1b-interleaved: a "
-        "training step (value_and_grad of the mean squared error, remat=False)",
+        + header("gpipe and circular: the forward pass; gpipe-step, 1f1b and 1f1b-interleaved: "
+                 "a training step (value_and_grad of the mean squared error, remat=False)"),
         "",
         "| schedule | M | ticks (program) | r(M) median [min, max] | bubble measured | "
         "bubble theory |",
@@ -250,7 +249,8 @@ def main() -> None:
     ):
         both = sorted(set(dict(series).get(a, [])) & set(dict(series).get(b, [])))
         if both:
-            lines += [f"| M | {a} / {b} step, median [min, max] | theory |", "|---|---|---|"]
+            lines += [header(f"{a} / {b}") + ":", "",
+                      f"| M | {a} / {b} step, median [min, max] | theory |", "|---|---|---|"]
             for M in both:
                 r = [x / y for x, y in zip(times[a, M], times[b, M])]
                 lines.append(f"| {M} | {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] "
@@ -258,8 +258,9 @@ def main() -> None:
             lines += ["", f"Theory: {what}.", ""]
     if args.memory:
         lines += [
-            f"Compiled temp memory (MiB) of the training step, remat=True, {args.microbatch} "
-            "rows per microbatch (the batch grows with M), gradients of the params:",
+            header(f"Compiled temp memory (MiB) of the training step, remat=True, "
+                   f"{args.microbatch} rows per microbatch (the batch grows with M), gradients "
+                   "of the params") + ":",
             "",
             "| schedule | " + " | ".join(f"M={M}" for M in args.memory) + " | last / first |",
             "|---|" + "---|" * (len(args.memory) + 1),

@@ -1,7 +1,8 @@
 """Per-device memory of one pipelined decode step with a donated KV cache, from the compiler.
 
 Usage: ``python benchmarks/pipeline_decode_memory.py [--markdown out.md]`` (sets
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` itself).
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``JAX_PLATFORMS=cpu`` itself, a
+TPU host's too: ``benchmarks/_devices.py``).
 
 Every figure is ``jax.jit(apply, donate_argnums=1).lower(...).compile().memory_analysis()``
 of one device's program: what XLA allocates, independent of the machine's load.
@@ -19,7 +20,8 @@ is the unpipelined stack on one device, for scale.
 from __future__ import annotations
 
 import argparse
-import os
+
+from _devices import header, simulate_cpu_devices  # benchmarks/_devices.py
 
 MIB = 2**20
 
@@ -48,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args()
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    simulate_cpu_devices(8)
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -90,7 +92,7 @@ def main() -> None:
     share = sum(a.nbytes for a in jax.tree.leaves(cache))
     rows.append(("stackwise.stack, one device", share, m.alias_size_in_bytes, m.temp_size_in_bytes))
     lines = [
-        "**One decode step, per device (MiB), a donated 32 MiB KV cache**",
+        header("**One decode step, per device (MiB), a donated 32 MiB KV cache**"),
         "",
         "| pipeline | cache | aliased | temp |",
         "|---|---|---|---|",

@@ -1,7 +1,8 @@
 """Per-device memory and gathers of FSDP inside pipeline stages, 8 simulated CPU devices.
 
 Usage: ``python benchmarks/pipeline_fsdp_memory.py [--markdown out.md]`` (sets
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` itself).
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and ``JAX_PLATFORMS=cpu`` itself, a
+TPU host's too: ``benchmarks/_devices.py``).
 
 8 layers of ``x + tanh(x @ w + b)``, width 256 (2 MiB of params, 0.5 MiB per stage),
 on a ``(stage=4, data=2)`` mesh, batch 64, ``remat=True``. Each schedule (GPipe;
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from _devices import header, simulate_cpu_devices  # benchmarks/_devices.py
 
 MIB = 2**20
 
@@ -74,7 +77,7 @@ def _rows():
 
 def _markdown(rows) -> str:
     lines = [
-        "**FSDP inside 4 pipeline stages: per device (MiB), 8 devices, 2 MiB of params**",
+        header("**FSDP inside 4 pipeline stages: per device (MiB), 8 devices, 2 MiB of params**"),
         "",
         "| schedule | stage params | params | grads | temp M=4 | temp M=8 | temp M=16 "
         "| gathers of w: outside / inside the tick loop | bound (total/8) | params / bound |",
@@ -100,7 +103,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(8)
     main()

@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         print(json.dumps(worker(pathlib.Path(args.worker), args.rounds, args.seed, values)))
         return 0
 
-    from stackwise.bench.report import machine, print_table
+    from stackwise.bench.report import backend, machine, print_table
     from stackwise.bench.stats import median_interval
 
     start = time.perf_counter()
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
         f"`python benchmarks/state_before_after.py --repeats {args.repeats} --rounds "
         f"{args.rounds}` ({minutes:.0f} min): {args.repeats} subprocesses per version, "
         f"alternating; Python {platform.python_version()}, "
-        f"jax {runs['after'][0]['_versions']['jax']}, {machine()}; load average "
+        f"jax {runs['after'][0]['_versions']['jax']}, {machine()}, on {backend()}; load average "
         f"{load[0]:.1f} before, {load_after[0]:.1f} after.",
         *(["", args.note] if args.note else []),
         "",

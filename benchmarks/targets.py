@@ -16,6 +16,7 @@ median misses but the interval reaches the limit (the miss is not significant), 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import sys
 from collections.abc import Sequence
@@ -149,6 +150,15 @@ def _interval(row: Result, ref: Result, timing: str, limit: float | None):
     return median, limit, low, high
 
 
+def measured_on(path: str) -> str:
+    """Where the CSV at ``path`` was measured: its ``backend`` column (stackwise-bench writes
+    the backend, its devices and the versions on every row), else, in CSVs written before it
+    had one, its ``machine`` column."""
+    with open(path, newline="") as f:
+        row = next(csv.DictReader(f), None) or {}
+    return row.get("backend") or row.get("machine") or "a machine the CSV does not name"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", help="a CSV written by stackwise-bench (--csv)")
@@ -164,10 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not found:
         print(f"{args.csv}: no rows that a target compares (see FRAMEWORKS and targets()).")
         return 1
-    print_table(f"Targets ({args.csv}; ratios measured within that run)",
+    where = measured_on(args.csv)
+    print_table(f"Targets ({args.csv}, on {where}; ratios measured within that run)",
                 ["what", "measured", "target", "met"], [cells(t) for t in found])
     if args.markdown:
-        lines = ["| what | measured | target | met |", "|---|---|---|---|"]
+        lines = [f"Targets, on {where}:", "", "| what | measured | target | met |",
+                 "|---|---|---|---|"]
         lines += ["| " + " | ".join(cells(t, no="**no**")) + " |" for t in found]
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")

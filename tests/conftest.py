@@ -7,6 +7,7 @@ parametrized test whose every case is cheap and matters on its own (the doctests
 module) is marked ``@pytest.mark.every_case`` and runs whole in the fast tier.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -40,14 +41,33 @@ def _xla_knows(flag: str) -> bool:
     return os.environ[key] == "1"
 
 
-FLAGS = [flag for flag in FLAGS if "fusion_emitters" not in flag or _xla_knows(flag)]
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *FLAGS]))
+def _runs_on_cpu() -> bool:
+    """Whether JAX will run the tests on its CPU backend, known before JAX starts: the first
+    platform that ``JAX_PLATFORMS`` names, or, unset, whether no accelerator's plugin (libtpu,
+    JAX's CUDA and ROCm plugins) is installed. The flags above are XLA:CPU's, but XLA_FLAGS
+    reach every backend's compiler: on a TPU, ``--xla_backend_optimization_level=0`` would
+    compile the programs under test unoptimised (the TPU tier, .ci/tpu, sets JAX_PLATFORMS)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
+    return not any(importlib.util.find_spec(name) for name in plugins)
+
+
+if _runs_on_cpu():
+    FLAGS = [flag for flag in FLAGS if "fusion_emitters" not in flag or _xla_knows(flag)]
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *FLAGS]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # Implicit rank promotion hides shape bugs in layer code; make it an error.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# The tests' tolerances are float32's (tests/_tolerance.py); a TPU's default multiplies float32
+# matrices in bfloat16 passes. Off the CPU (where every precision is float32's), 'highest'
+# unless JAX_DEFAULT_MATMUL_PRECISION says otherwise.
+if not _runs_on_cpu() and not os.environ.get("JAX_DEFAULT_MATMUL_PRECISION"):
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -743,7 +743,11 @@ def test_missing_equinox_gives_an_install_hint():
         except ImportError as e:
             print(e)
         """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # -P: the package that the tests import, never a `stackwise/` source folder in the working
+    # directory (`-c` puts it first on the path; run from a checkout whose package is installed
+    # from a wheel, as on the TPU host, that folder has no `stackwise.equinox`).
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.strip() == (
         "`stackwise.equinox` needs equinox: pip install 'stackwise[equinox]'"
     ), out.stderr

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _programs import on_cpu
 from _references import Counted, loop_of
 from _trees import assert_trees_close, assert_trees_equal
 from hypothesis import given, settings
@@ -321,15 +322,20 @@ def test_remat_cuts_the_memory_of_the_backward_pass():
             h = jnp.tanh(hk.Linear(4 * x.shape[-1])(x))
             return x + hk.Linear(x.shape[-1])(jnp.sin(h))
 
-    def temp_bytes(remat):
-        f = hk.transform(lambda x: swh.Stack(Wider, 8, remat=remat)(x))
+    def temp_bytes(remat, n=8):
+        f = hk.transform(lambda x: swh.Stack(Wider, n, remat=remat)(x))
         x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
         params = jax.eval_shape(f.init, KEY, x)
         grad = jax.jit(jax.grad(lambda p, x: loss(f.apply(p, None, x))))
         return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
-    # Without remat every layer's hidden activations are kept for the backward pass.
-    assert temp_bytes(True) < 0.5 * temp_bytes(False)
+    # Without remat every layer's hidden activations are kept for the backward pass: with it,
+    # what each layer adds to the temporaries (from 8 layers to 16: a backend's fixed buffers
+    # cancel, tests/_programs.py) is less than half as much.
+    remat, plain = temp_bytes(True), temp_bytes(False)
+    assert temp_bytes(True, 16) - remat < 0.5 * (temp_bytes(False, 16) - plain)
+    if on_cpu():  # and in XLA:CPU's totals, whose fixed part is small
+        assert remat < 0.5 * plain
 
 
 # --------------------------------------------------------------------------

@@ -14,6 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _attention import attention_layer, decode
+from _programs import (
+    aliased_inputs,
+    assert_aliases_exactly,
+    assert_no_copy_per_layer,
+    nbytes,
+    on_cpu,
+)
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -188,26 +195,35 @@ def test_a_pattern_with_positions_of_one_depth_converts_with_the_stacks_name():
 
 @pytest.mark.parametrize("n", [4, pytest.param(8, marks=SLOW)])
 def test_decode_writes_each_donated_cache_buffer_in_place(n):
-    stacked, loop, _ = _model(n, 1)
-    params, state = stacked.init(jax.random.key(1), PROMPT, 0)
-    served, served_state = swh.to_serving(params, "stack"), swh.to_serving(state, "stack")
     x, pos = jax.ShapeDtypeStruct((B, 1, D), jnp.float32), jnp.int32(3)
-    donated = jax.jit(_step(stacked), donate_argnums=1)
-    compiled = donated.lower(served, served_state, x, pos).compile()
-    leaves = jax.tree.leaves(served_state)
+
+    def program(n, donate=True):
+        stacked, loop, _ = _model(n, 1)
+        params, state = stacked.init(jax.random.key(1), PROMPT, 0)
+        served, served_state = swh.to_serving(params, "stack"), swh.to_serving(state, "stack")
+        step = jax.jit(_step(stacked), donate_argnums=1 if donate else ())
+        compiled = step.lower(served, served_state, x, pos).compile()
+        return compiled, jax.tree.leaves(served_state), (stacked, loop, step, params, state)
+
+    compiled, leaves, (stacked, loop, donated, params, state) = program(n)
     assert len(leaves) == 2 * n  # each layer's keys and values, buffers of their own
-    alias = compiled.memory_analysis().alias_size_in_bytes
-    assert alias == sum(a.size * a.dtype.itemsize for a in leaves)
-    undonated = jax.jit(_step(stacked)).lower(served, served_state, x, pos).compile()
+    assert_aliases_exactly(compiled, leaves)
+    undonated = program(n, donate=False)[0]
+    assert aliased_inputs(undonated) == []
     assert undonated.memory_analysis().alias_size_in_bytes == 0
-    # The temporaries are the Haiku loop's, byte for byte; the scanned Stack's are larger
-    # (a per-layer slice of each weight, the stacked cache written back).
-    loop_args = (_to_loop(params, "stack", 1), _to_loop(state, "stack", 1), x, pos)
-    loop_compiled = jax.jit(_step(loop), donate_argnums=1).lower(*loop_args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp == loop_compiled.memory_analysis().temp_size_in_bytes
-    scan = donated.lower(params, state, x, pos).compile()
-    assert scan.memory_analysis().temp_size_in_bytes > temp
+    shallow, shallow_leaves, _ = program(n // 2)
+    assert_no_copy_per_layer(shallow, compiled, shallow_leaves, leaves)
+    if on_cpu():  # XLA:CPU's figures: unpadded bytes, the loop's schedule (tests/_programs.py)
+        alias = compiled.memory_analysis().alias_size_in_bytes
+        assert alias == nbytes(leaves)
+        # The temporaries are the Haiku loop's, byte for byte; the scanned Stack's are larger
+        # (a per-layer slice of each weight, the stacked cache written back).
+        loop_args = (_to_loop(params, "stack", 1), _to_loop(state, "stack", 1), x, pos)
+        loop_compiled = jax.jit(_step(loop), donate_argnums=1).lower(*loop_args).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp == loop_compiled.memory_analysis().temp_size_in_bytes
+        scan = donated.lower(params, state, x, pos).compile()
+        assert scan.memory_analysis().temp_size_in_bytes > temp
 
 
 class Noisy(hk.Module):

@@ -343,7 +343,7 @@ def test_errors_name_the_block_and_variable():
 
 def run_python(code, **env):
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-P", "-c", textwrap.dedent(code)],  # -P: as test_equinox.py's
         capture_output=True,
         text=True,
         env={**os.environ, **env},

@@ -11,6 +11,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _attention import attention_layer, decode
+from _programs import (
+    aliased_inputs,
+    assert_aliases_exactly,
+    assert_no_copy_per_layer,
+    nbytes,
+    on_cpu,
+)
 from _trees import assert_trees_bitwise, assert_trees_close
 
 import stackwise
@@ -117,24 +124,33 @@ def test_round_trip_is_exact(k):
 
 @pytest.mark.parametrize("n", [4, 8])
 def test_decode_writes_each_donated_cache_buffer_in_place(n):
-    stack, cache, _ = _model(n, 1)
-    served, cache = stack.to_serving(), stackwise.to_serving(cache)
     x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
-    compiled = jax.jit(_step, donate_argnums=1).lower(served, cache, x, jnp.int32(3)).compile()
+
+    def program(n, donate=True):
+        stack, cache, _ = _model(n, 1)
+        served, cache = stack.to_serving(), stackwise.to_serving(cache)
+        step = jax.jit(_step, donate_argnums=1 if donate else ())
+        return step.lower(served, cache, x, jnp.int32(3)).compile(), stack, cache
+
+    compiled, stack, cache = program(n)
     leaves = jax.tree.leaves(cache)
     assert len(leaves) == 2 * n
-    alias = compiled.memory_analysis().alias_size_in_bytes
-    assert alias == sum(a.size * a.dtype.itemsize for a in leaves)
-    undonated = jax.jit(_step).lower(served, cache, x, jnp.int32(3)).compile()
+    assert_aliases_exactly(compiled, leaves)
+    undonated = program(n, donate=False)[0]
+    assert aliased_inputs(undonated) == []
     assert undonated.memory_analysis().alias_size_in_bytes == 0
-    # The temporaries are the loop of `to_layers()`' blocks', byte for byte; the scanned
-    # Stack's are larger (a per-layer slice of each weight, the stacked cache written back).
-    loop = jax.jit(_loop, donate_argnums=1).lower(stack.to_layers(), cache.layers, x, 3)
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp == loop.compile().memory_analysis().temp_size_in_bytes
-    stacked = stackwise.from_serving(cache)
-    scan = jax.jit(_step, donate_argnums=1).lower(stack, stacked, x, jnp.int32(3)).compile()
-    assert scan.memory_analysis().temp_size_in_bytes > temp
+    shallow, _, shallow_cache = program(n // 2)
+    assert_no_copy_per_layer(shallow, compiled, jax.tree.leaves(shallow_cache), leaves)
+    if on_cpu():  # XLA:CPU's figures: unpadded bytes, the loop's schedule (tests/_programs.py)
+        assert compiled.memory_analysis().alias_size_in_bytes == nbytes(leaves)
+        # The temporaries are the loop of `to_layers()`' blocks', byte for byte; the scanned
+        # Stack's are larger (a per-layer slice of each weight, the stacked cache written back).
+        loop = jax.jit(_loop, donate_argnums=1).lower(stack.to_layers(), cache.layers, x, 3)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp == loop.compile().memory_analysis().temp_size_in_bytes
+        stacked = stackwise.from_serving(cache)
+        scan = jax.jit(_step, donate_argnums=1).lower(stack, stacked, x, jnp.int32(3)).compile()
+        assert scan.memory_analysis().temp_size_in_bytes > temp
 
 
 def test_stateless_stack_with_per_layer_inputs_and_keys():
@@ -259,5 +275,6 @@ def test_a_donated_eqx_state_cache_is_written_in_place():
     assert len(leaves) == 2 * 6  # each layer's keys and values, buffers of their own
     x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
     compiled = jax.jit(_step, donate_argnums=1).lower(served, state, x, jnp.int32(3)).compile()
-    alias = compiled.memory_analysis().alias_size_in_bytes
-    assert alias == sum(a.size * a.dtype.itemsize for a in leaves)
+    assert_aliases_exactly(compiled, leaves)
+    if on_cpu():  # XLA:CPU's bytes are the arrays' own (tests/_programs.py)
+        assert compiled.memory_analysis().alias_size_in_bytes == nbytes(leaves)

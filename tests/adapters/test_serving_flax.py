@@ -12,6 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _programs import (
+    aliased_inputs,
+    assert_aliases_exactly,
+    assert_no_copy_per_layer,
+    nbytes,
+    on_cpu,
+)
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -148,26 +155,38 @@ def test_round_trip_is_exact_in_every_collection(k):
 
 @pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_decode_writes_each_donated_cache_buffer_in_place(n):
-    """Every layer's cache buffer aliased to its output; the temporaries are the loop's,
-    byte for byte, and below the stacked Stack's (a slice of each weight, the stacked
-    cache written back)."""
-    variables = Model(n).init(KEY, jnp.zeros((B, T, D)))
-    served = stackwise.flax.to_serving(variables, "layers")
+    """Every layer's cache buffer aliased to its output, and no copy of it; on XLA:CPU the
+    temporaries are the loop's, byte for byte, and below the stacked Stack's (a slice of each
+    weight, the stacked cache written back)."""
     x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
 
     def compiled(model, variables, donate=True):
         step = jax.jit(_step(model), donate_argnums=1 if donate else ())
         lowered = step.lower(variables["params"], variables["cache"], x)
-        return lowered.compile().memory_analysis()
+        return lowered.compile()
 
-    leaves = jax.tree.leaves(served["cache"])
+    def served(n):
+        variables = Model(n).init(KEY, jnp.zeros((B, T, D)))
+        return variables, stackwise.flax.to_serving(variables, "layers")
+
+    variables, serving = served(n)
+    leaves = jax.tree.leaves(serving["cache"])
     assert len(leaves) == 3 * n  # each layer's keys, values and index: buffers of their own
-    got = compiled(Model(n), served)
-    assert got.alias_size_in_bytes == sum(a.size * a.dtype.itemsize for a in leaves)
-    assert compiled(Model(n), served, donate=False).alias_size_in_bytes == 0
-    loop = compiled(Loop(n), stackwise.flax.to_loop(variables, "layers"))
-    assert got.temp_size_in_bytes == loop.temp_size_in_bytes
-    assert compiled(Model(n), variables).temp_size_in_bytes > got.temp_size_in_bytes
+    program = compiled(Model(n), serving)
+    assert_aliases_exactly(program, leaves)
+    undonated = compiled(Model(n), serving, donate=False)
+    assert aliased_inputs(undonated) == []
+    assert undonated.memory_analysis().alias_size_in_bytes == 0
+    shallow = served(n // 2)[1]
+    assert_no_copy_per_layer(compiled(Model(n // 2), shallow), program,
+                             jax.tree.leaves(shallow["cache"]), leaves)
+    if on_cpu():  # XLA:CPU's figures: unpadded bytes, the loop's schedule (tests/_programs.py)
+        got = program.memory_analysis()
+        assert got.alias_size_in_bytes == nbytes(leaves)
+        loop = compiled(Loop(n), stackwise.flax.to_loop(variables, "layers")).memory_analysis()
+        assert got.temp_size_in_bytes == loop.temp_size_in_bytes
+        scan = compiled(Model(n), variables).memory_analysis()
+        assert scan.temp_size_in_bytes > got.temp_size_in_bytes
 
 
 class Sown(nn.Module):

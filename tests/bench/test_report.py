@@ -1,6 +1,7 @@
 """stackwise.bench.report: tables that fit a 100-column terminal, CSV written and read back
 (including the CSVs in benchmarks/results/, written by earlier versions), Markdown."""
 
+import csv
 import dataclasses
 import io
 import math
@@ -90,3 +91,34 @@ def test_markdown_has_every_column(tmp_path):
     header = next(line for line in text.splitlines() if line.startswith("| n |"))
     assert header.count("|") == 18  # 17 columns
     assert "| 48 | stackwise.haiku.Stack remat | layer |" in text
+
+
+def test_every_table_names_the_backend_and_the_versions(tmp_path):
+    import importlib.metadata
+
+    import jax
+    from jaxlib import version
+
+    from stackwise.bench.report import backend
+
+    where = backend()
+    assert where.startswith(f"{jax.default_backend()}: {jax.device_count()} x ")
+    assert f"jax {jax.__version__}, jaxlib {version.__version__}" in where
+    try:
+        assert f"libtpu {importlib.metadata.version('libtpu')}" in where
+    except importlib.metadata.PackageNotFoundError:
+        assert "libtpu" not in where  # named where it is installed
+    rows = _rows()
+    blocks = list(dict.fromkeys(r.block for r in rows))
+    out = io.StringIO()
+    print_report(rows, [], BenchConfig(), out)
+    assert out.getvalue().replace("\n  ", " ").count(f"[on {where}]") == len(blocks)
+    write_markdown(rows, BenchConfig(), str(tmp_path / "out.md"))
+    titles = [ln for ln in (tmp_path / "out.md").read_text().splitlines() if ln.startswith("**")]
+    assert len(titles) == len(blocks) and all(t.endswith(f"** (on {where})") for t in titles)
+    write_markdown(rows, BenchConfig(), str(tmp_path / "tpu.md"), where="tpu: 1 x TPU v5 lite")
+    assert "** (on tpu: 1 x TPU v5 lite)" in (tmp_path / "tpu.md").read_text()
+    write_csv(rows[:1], str(tmp_path / "one.csv"))
+    with open(tmp_path / "one.csv", newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert row["backend"] == where

@@ -1,5 +1,6 @@
 """benchmarks/targets.py: the project's pass/fail targets, read from a stackwise-bench CSV."""
 
+import csv
 import pathlib
 import subprocess
 import sys
@@ -7,7 +8,8 @@ import sys
 import pytest
 from _scripts import load_script
 
-from stackwise.bench import Result, read_csv
+from stackwise.bench import Result, read_csv, write_csv
+from stackwise.bench.report import backend
 
 BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
 
@@ -61,3 +63,23 @@ def test_script(tmp_path, targets):
         cells = targets.cells(t, no="**no**")
         assert "| " + " | ".join(cells) + " |" in lines, t.what
         assert t.what in out.stdout
+
+
+def test_the_table_names_where_the_csv_was_measured(tmp_path, targets):
+    saved = BENCHMARKS / "results/mlp.csv"  # written before the CSVs had a backend column
+    with open(saved, newline="") as f:
+        machine = next(csv.DictReader(f))["machine"]
+    assert targets.measured_on(str(saved)) == machine
+    rows = read_csv(str(saved))
+    write_csv(rows, str(tmp_path / "now.csv"))  # names this process's backend
+    md = tmp_path / "t.md"
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "targets.py"), str(tmp_path / "now.csv"),
+         "--markdown", str(md)], capture_output=True, text=True, check=True,
+    )
+    where = backend()
+    assert targets.measured_on(str(tmp_path / "now.csv")) == where
+    assert f"on {where};" in " ".join(out.stdout.split())  # (a terminal table wraps it)
+    assert md.read_text().startswith(f"Targets, on {where}:\n")
+    (tmp_path / "empty.csv").write_text("block,n\n")
+    assert targets.measured_on(str(tmp_path / "empty.csv")) == "a machine the CSV does not name"

@@ -2,7 +2,8 @@
 
 A layer that writes its cache with `lax.dynamic_update_slice` gets the cache
 updated in place in the stacked state; the compiled decode step reads and writes
-the donated cache without a copy (checked in `memory_analysis`, not timed).
+the donated cache without a copy (checked in the compiled module's aliases and in
+`memory_analysis`, not timed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _attention import attention_layer
+from _programs import assert_aliases_exactly, assert_no_copy_per_layer, nbytes, on_cpu
 from _trees import assert_trees_close
 
 import stackwise
@@ -69,13 +71,18 @@ def _decode_program(n):
 @pytest.mark.parametrize("n", [24, 48])
 def test_decode_step_updates_the_donated_cache_without_a_copy(n):
     compiled, cache = _decode_program(n)
-    cache_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
-    memory = compiled.memory_analysis()
-    # The new cache is the donated input's buffer...
-    assert memory.alias_size_in_bytes == cache_bytes
-    # ...and nothing of the cache's size is allocated on the way: about one
-    # layer's slices (what the attention reads), not a copy of the cache.
-    assert memory.temp_size_in_bytes <= 0.1 * cache_bytes
+    leaves = jax.tree.leaves(cache)
+    # The new cache is the donated input's buffer (the compiled module's aliases)...
+    assert_aliases_exactly(compiled, leaves)
+    # ...and nothing of the cache's size is allocated on the way: the temporaries do not grow
+    # with the cache (a copy of it would grow them by its bytes).
+    shallow, shallow_cache = _decode_program(n // 2)
+    assert_no_copy_per_layer(shallow, compiled, jax.tree.leaves(shallow_cache), leaves)
+    if on_cpu():  # XLA:CPU's bytes are the arrays' own (tests/_programs.py): exact figures
+        memory = compiled.memory_analysis()
+        assert memory.alias_size_in_bytes == nbytes(leaves)
+        # about one layer's slices (what the attention reads), not a copy of the cache
+        assert memory.temp_size_in_bytes <= 0.1 * nbytes(leaves)
 
 
 def test_the_old_arrangement_would_fail_the_memory_check():
@@ -85,13 +92,18 @@ def test_the_old_arrangement_would_fail_the_memory_check():
         y, new = attend(params, cache, x, pos)
         return y, jax.tree.map(lambda a: a * 1.0 + 0.0 * jnp.sum(x), new)
 
-    n = 8
-    layers = stackwise.stack(init, rewrite, n, with_state=True)
-    params, cache = jax.eval_shape(layers.init, jax.random.key(0))
-    x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
-    compiled = jax.jit(layers.apply, donate_argnums=1).lower(params, cache, x, 3).compile()
-    cache_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
-    assert compiled.memory_analysis().temp_size_in_bytes > 0.5 * cache_bytes
+    def program(n):
+        layers = stackwise.stack(init, rewrite, n, with_state=True)
+        params, cache = jax.eval_shape(layers.init, jax.random.key(0))
+        x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
+        compiled = jax.jit(layers.apply, donate_argnums=1).lower(params, cache, x, 3).compile()
+        return compiled, jax.tree.leaves(cache)
+
+    (shallow, shallow_leaves), (compiled, leaves) = program(4), program(8)
+    with pytest.raises(AssertionError):
+        assert_no_copy_per_layer(shallow, compiled, shallow_leaves, leaves)
+    if on_cpu():
+        assert compiled.memory_analysis().temp_size_in_bytes > 0.5 * nbytes(leaves)
 
 
 def test_writes_inside_jitted_helpers_chains_and_untouched_leaves():

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _frameworks import FRAMEWORKS, D
+from _programs import on_cpu
 from _reference import trained
 from _trees import assert_trees_close
 from flax import nnx
@@ -236,8 +237,11 @@ def test_the_base_is_held_once_and_each_group_adds_one_layer(framework):
     temps = {}
     for g in (2, 4):
         memory, trainable, frozen = _compiled(framework, g, n, d)
-        assert memory.argument_size_in_bytes == trainable + frozen
+        if on_cpu():  # XLA:CPU's argument bytes are the arrays' own (a TPU pads a (d, 4) leaf)
+            assert memory.argument_size_in_bytes == trainable + frozen
         assert trainable == g * n * 2 * d * 4 * 4  # a (d, 4) and b (4, d) per group and layer
         temps[g] = memory.temp_size_in_bytes
     per_group = (temps[4] - temps[2]) / 2
-    assert 0.5 * layer < per_group < 1.5 * layer, (temps, layer)
+    assert per_group < n * layer / 2, (temps, layer)  # no float copy of the base per group
+    if on_cpu():  # and on XLA:CPU, about one layer's adapted weight (tests/_programs.py)
+        assert 0.5 * layer < per_group < 1.5 * layer, (temps, layer)

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from _reference import D, H, apply, assert_stack_is_loop, gate, init, layer_params, loop, trained
+from _programs import on_cpu
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -174,21 +175,29 @@ def test_errors_of_the_layer_pass_through_a_batch_unchanged(layer, message):
 
 def test_adapters_share_one_base_without_a_copy():
     """Two adapters on one base in one jitted program: the base is an argument once, and the
-    program's temporaries hold far less than a copy of it (one layer's adapted weight each)."""
-    n, d = 8, 128
-    base = {"w": jax.random.normal(KEY, (n, d, d))}
-    one, two = (trained(stackwise.lora.init(jax.random.key(s), base, rank=4)) for s in (1, 2))
-    layers = stackwise.lora.stack(lambda p, x: jnp.tanh(x @ p["w"]), n)
-    assert stackwise.lora.attach(base, one).base["w"] is base["w"]
+    program's temporaries hold far less than a copy of it (one layer's adapted weight each):
+    from 4 layers to 8 they grow by less than half of what the base grows."""
+    d = 128
 
-    def both(base, one, two, x):
-        return (layers.apply(stackwise.lora.attach(base, one), x),
-                layers.apply(stackwise.lora.attach(base, two), x))
+    def program(n):
+        base = {"w": jax.random.normal(KEY, (n, d, d))}
+        one, two = (trained(stackwise.lora.init(jax.random.key(s), base, rank=4)) for s in (1, 2))
+        layers = stackwise.lora.stack(lambda p, x: jnp.tanh(x @ p["w"]), n)
+        assert stackwise.lora.attach(base, one).base["w"] is base["w"]
 
-    x = jnp.ones((2, d))
-    memory = jax.jit(both).lower(base, one, two, x).compile().memory_analysis()
+        def both(base, one, two, x):
+            return (layers.apply(stackwise.lora.attach(base, one), x),
+                    layers.apply(stackwise.lora.attach(base, two), x))
+
+        x = jnp.ones((2, d))
+        return jax.jit(both).lower(base, one, two, x).compile().memory_analysis(), base
+
+    (shallow, _), (memory, base) = program(4), program(8)
     base_bytes = base["w"].nbytes
-    assert memory.temp_size_in_bytes < base_bytes / 2, memory
+    grown = memory.temp_size_in_bytes - shallow.temp_size_in_bytes
+    assert grown < (base_bytes / 2) / 2, memory  # (the base grows by half its bytes)
+    if on_cpu():  # and XLA:CPU's total, whose fixed part is small (tests/_programs.py)
+        assert memory.temp_size_in_bytes < base_bytes / 2, memory
 
 
 @pytest.mark.slow

@@ -1,0 +1,74 @@
+""".ci/tpu, the TPU tier (run by hand on a TPU host, never in CI): its record of a run
+(.ci/tpu_record.py) read from pytest's output, and the script's refusals, on the CPU."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from _scripts import load_script
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RECORD = load_script(ROOT / ".ci" / "tpu_record.py", "tpu_record")
+
+FINISHED = """\
+........F.s
+=========================== short test summary info ============================
+FAILED tests/core/test_state.py::test_x - AssertionError: assert 1 == 2
+SKIPPED [1] tests/core/test_serving.py:9: needs torch
+1 failed, 9 passed, 1 skipped, 3 deselected in 12.34s
+"""
+STOPPED = """\
+.....E
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+(to show a full traceback on KeyboardInterrupt use --full-trace)
+=================== 5 passed, 1 error in 469.90s (0:07:49) ====================
+"""
+
+
+def test_the_counts_are_read_from_pytests_last_summary_line():
+    assert RECORD.counts(FINISHED) == {"passed": 9, "failed": 1, "skipped": 1, "errors": 0,
+                                       "xfailed": 0, "xpassed": 0, "deselected": 3}
+    assert RECORD.counts(STOPPED)["passed"] == 5 and RECORD.counts(STOPPED)["errors"] == 1
+    with pytest.raises(ValueError, match="no summary line"):
+        RECORD.counts("Fatal Python error: Aborted\n")
+
+
+def test_the_record_names_the_machine_the_counts_and_the_summary():
+    env = {"TIER_STATUS": "124", "TIER_SECONDS": "450", "TIER_LIMIT": "450", "TIER_COUNT": "445",
+           "TIER_ARGS": "", "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PLATFORMS": "tpu"}
+    now = datetime.datetime(2026, 12, 5, 23, 0, tzinfo=datetime.timezone.utc)
+    text = RECORD.record(env, STOPPED, now)
+    assert text.startswith("## 2026-12-05 23:00 UTC\n")
+    assert "jax 0.10" in text and "jaxlib " in text and "libtpu " in text
+    assert "- result: 5 passed, 0 failed, 0 skipped, 1 errors; 450 s of a 450 s limit; " \
+           "stopped at the limit" in text
+    assert "(445 tests)" in text and "matmul precision: highest" in text
+    text = RECORD.record({**env, "TIER_STATUS": "1", "TIER_ARGS": "tests/core"}, FINISHED, now)
+    assert "stopped" not in text and "3 deselected" in text
+    assert "`tests/core` (445 arguments)" in text
+    assert "FAILED tests/core/test_state.py::test_x" in text and "SKIPPED [1]" in text
+
+
+def test_a_log_without_counts_is_a_failed_record(tmp_path):
+    log = tmp_path / "pytest.log"
+    log.write_text("Segmentation fault\n")
+    env = dict(os.environ, TIER_LOG=str(log), TIER_STATUS="139", TIER_SECONDS="3",
+               TIER_LIMIT="450", TIER_COUNT="1", TIER_ARGS="")
+    out = subprocess.run([sys.executable, "-P", str(ROOT / ".ci" / "tpu_record.py")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no summary line" in out.stderr and not out.stdout
+
+
+def test_the_script_refuses_to_run_from_the_checkout_or_without_a_directory():
+    script = str(ROOT / ".ci" / "tpu")
+    inside = subprocess.run([script, str(ROOT / "unused")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert inside.returncode == 2 and "run it from outside the checkout" in inside.stderr
+    assert not (ROOT / "unused").exists()  # refused before it made anything
+    bare = subprocess.run([script], cwd="/", capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0 and "usage: .ci/tpu OUT_DIR" in bare.stderr

@@ -1,0 +1,44 @@
+"""tests/conftest.py's settings by backend, decided before JAX starts: XLA:CPU's compile flags
+on the CPU only (XLA_FLAGS reach every backend's compiler), float32 matmuls at 'highest' off it.
+Checked in subprocesses that load the conftest and start no backend (no TPU needed)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+CONFTEST = pathlib.Path(__file__).with_name("conftest.py")
+READ = (
+    "import importlib.util, json, os, sys\n"
+    f"spec = importlib.util.spec_from_file_location('tests_conftest', {str(CONFTEST)!r})\n"
+    "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+    "import jax\n"
+    "print(json.dumps([os.environ.get('XLA_FLAGS', ''),"
+    " jax.config.jax_default_matmul_precision]))\n"
+)
+
+
+def _settings(platforms, precision=None):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")}
+    env["JAX_PLATFORMS"] = platforms
+    if precision:
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = precision
+    out = subprocess.run([sys.executable, "-c", READ], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("platforms", ["tpu", "tpu,cpu", "cuda"])
+def test_off_the_cpu_no_cpu_flags_and_highest_precision(platforms):
+    assert _settings(platforms) == ["", "highest"]
+    assert _settings(platforms, precision="bfloat16") == ["", "bfloat16"]  # as asked
+
+
+@pytest.mark.parametrize("platforms", ["cpu", "cpu,tpu"])
+def test_on_the_cpu_its_flags_and_the_default_precision(platforms):
+    flags, precision = _settings(platforms)
+    assert "--xla_backend_optimization_level=0" in flags and precision is None
