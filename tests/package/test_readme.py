@@ -80,6 +80,9 @@ def test_the_two_commands_use_separate_environments():
     example, tests = setup_commands()
     assert example.startswith("python3 -m venv .venv-example && . .venv-example/bin/activate")
     assert example.endswith("python examples/transformer_lm.py")
+    # Editable: a non-editable install is shadowed, in the clone's root, by its `stackwise/`
+    # folder, which holds no adapters (tests/misuse/test_misuse_install.py).
+    assert "&& pip install -e '.[all]' &&" in example
     assert tests.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
     # The first command's description says how long it runs and how to shorten it.
     setup = README.read_text().split("## Set up")[1].split("```bash")[0]
