@@ -69,6 +69,9 @@ def test_the_first_screen_says_what_and_why():
         assert tool in first, tool
     # Its figures name their machine and the command that measured them.
     assert "Intel Xeon" in first and "stackwise-bench --blocks decode" in first
+    # The decode a user gets (stacked), the loop's (the serving layout), on the CPU and the TPU.
+    for said in ("the decode you get by default", "`stackwise.to_serving`", "TPU v5e"):
+        assert said in " ".join(first.split()), said
 
 
 def setup_commands() -> list[str]:
