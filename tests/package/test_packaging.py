@@ -27,7 +27,8 @@ import zipfile
 
 import pytest
 
-pytestmark = pytest.mark.slow  # builds an sdist and a wheel; see "Fast tests" in README.md
+# Builds an sdist and a wheel: see `docs/contributing.md`, "Fast tests".
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Folders of the source tree shipped in the sdist besides the wheel's sources (MANIFEST.in).
