@@ -119,10 +119,9 @@ class _NotInstalled:
             else:
                 why = (
                     f"stackwise was imported from the source folder {here}, which shadows the "
-                    f"installed stackwise in {installed}: {_shadowing_entry(here)} comes earlier "
-                    "on sys.path, and a source folder holds no adapters or benchmark. Run from "
-                    "another folder, or install this checkout editable from its root: "
-                    f"`pip install -e .` (or {extra})."
+                    f"installed stackwise in {installed}: {_shadowing_entry(here)}, and a "
+                    "source folder holds no adapters or benchmark. Or install this checkout "
+                    f"editable from its root: `pip install -e .` (or {extra})."
                 )
             raise ModuleNotFoundError(f"No module named {fullname!r}: {why}", name=fullname)
         return None
@@ -153,13 +152,19 @@ def _installed_elsewhere(here: str) -> str | None:
 
 
 def _shadowing_entry(here: str) -> str:
-    """How the folder that holds ``here`` came onto ``sys.path``, in words."""
+    """Which ``sys.path`` entry put ``here`` first, in words, and how to take it away."""
     import os
 
     parent = os.path.dirname(os.path.realpath(here))
     if parent == os.path.realpath(os.getcwd()):
-        return f"its folder {parent}, the current directory,"
-    return f"its folder {parent}"
+        return (
+            f"its folder {parent}, the current directory, comes earlier on sys.path (run from "
+            "another folder)"
+        )
+    return (
+        f"its folder {parent} comes earlier on sys.path (a script there, or an entry of "
+        "PYTHONPATH: move the script, or drop the entry)"
+    )
 
 
 _EXTRAS = {"nnx": "flax", "bench": "all"}

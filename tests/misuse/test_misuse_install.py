@@ -110,8 +110,8 @@ ROWS = [
         ModuleNotFoundError,
         "imported from the source folder {root}/stackwise, which shadows the installed "
         "stackwise in {tmp}/site/stackwise",
-        "its folder {root}, the current directory, comes earlier on sys.path",
-        "Run from another folder",
+        "its folder {root}, the current directory, comes earlier on sys.path (run from "
+        "another folder)",
         "`pip install -e .`",
     ),
     case(
@@ -126,12 +126,13 @@ ROWS = [
         (_wheel, SCRIPT, "{tmp}"),
         ModuleNotFoundError,
         "shadows the installed stackwise in {tmp}/site/stackwise",
-        "its folder {root} comes earlier on sys.path",
+        "its folder {root} comes earlier on sys.path (a script there, or an entry of PYTHONPATH",
         "`pip install -e '.[all]'`",
     ),
 ]
 
 
+@pytest.mark.every_case  # (each a subprocess of 0.1 s, without JAX)
 @pytest.mark.parametrize(("call", "error", "words"), ROWS)
 def test_the_source_folder_without_an_install_says_which_case_and_the_fix(
     call, error, words, tmp_path
