@@ -96,23 +96,75 @@ def __dir__() -> list[str]:
 class _NotInstalled:
     """The last entry of ``sys.meta_path``: asked only after every other finder found nothing,
     and only for ``stackwise.<submodule>``, it turns Python's bare "No module named" into
-    the fix. That happens where ``stackwise/`` is imported from a source checkout that is not
-    installed: the adapters (``adapters/<framework>/``) and the benchmark (``bench/``) become
-    ``stackwise.<name>`` only through an install. It finds nothing and reads no file."""
+    the fix. The adapters (``adapters/<framework>/``) and the benchmark (``bench/``) become
+    ``stackwise.<name>`` only through an install, so this happens where ``stackwise/`` is
+    imported from a source folder: either a checkout that is not installed, or one that shadows
+    an installed stackwise (the folder comes earlier on ``sys.path``, as the current directory
+    does: a non-editable install run from the clone's root). It finds nothing."""
 
     @staticmethod
     def find_spec(fullname: str, path=None, target=None):
         del path, target  # (it finds nothing)
         package, _, name = fullname.partition(".")
         if package == __name__ and name in _LAZY_SUBMODULES:
-            raise ModuleNotFoundError(
-                f"No module named {fullname!r}: stackwise was imported from {__path__[0]}, "
-                "a source checkout that is not installed, so its adapters and benchmark are not "
-                "on the path. Install it from the checkout's root: `pip install -e .` (or "
-                f"`pip install -e '.[{_EXTRAS.get(name, 'all')}]'`).",
-                name=fullname,
-            )
+            here = __path__[0]
+            installed = _installed_elsewhere(here)
+            extra = f"`pip install -e '.[{_EXTRAS.get(name, name)}]'`"
+            if installed is None:
+                why = (
+                    f"stackwise was imported from {here}, a source checkout that is not "
+                    "installed, so its adapters and benchmark are not on the path. Install it "
+                    f"from the checkout's root: `pip install -e .` (or {extra})."
+                )
+            else:
+                why = (
+                    f"stackwise was imported from the source folder {here}, which shadows the "
+                    f"installed stackwise in {installed}: {_shadowing_entry(here)}, and a "
+                    "source folder holds no adapters or benchmark. Or install this checkout "
+                    f"editable from its root: `pip install -e .` (or {extra})."
+                )
+            raise ModuleNotFoundError(f"No module named {fullname!r}: {why}", name=fullname)
         return None
+
+
+def _installed_elsewhere(here: str) -> str | None:
+    """The folder of an installed stackwise other than ``here``, or None: what the
+    distributions on ``sys.path`` hold (a wheel's ``stackwise/__init__.py``) or point to (an
+    editable install's checkout). Read only when an import has already failed."""
+    import json
+    import os
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    for dist in metadata.distributions(name=__name__):
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        if url.get("dir_info", {}).get("editable"):
+            folder = os.path.join(unquote(urlparse(url["url"]).path), __name__)
+        elif any(f.as_posix() == f"{__name__}/__init__.py" for f in dist.files or ()):
+            folder = os.path.dirname(str(dist.locate_file(f"{__name__}/__init__.py")))
+        else:
+            continue
+        if os.path.isfile(os.path.join(folder, "__init__.py")) and not os.path.samefile(
+            folder, here
+        ):
+            return os.path.realpath(folder)
+    return None
+
+
+def _shadowing_entry(here: str) -> str:
+    """Which ``sys.path`` entry put ``here`` first, in words, and how to take it away."""
+    import os
+
+    parent = os.path.dirname(os.path.realpath(here))
+    if parent == os.path.realpath(os.getcwd()):
+        return (
+            f"its folder {parent}, the current directory, comes earlier on sys.path (run from "
+            "another folder)"
+        )
+    return (
+        f"its folder {parent} comes earlier on sys.path (a script there, or an entry of "
+        "PYTHONPATH: move the script, or drop the entry)"
+    )
 
 
 _EXTRAS = {"nnx": "flax", "bench": "all"}

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.slow  # see "Fast tests" in README.md
+pytestmark = pytest.mark.slow  # see `docs/contributing.md`, "Fast tests"
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "conversion.md"
 

@@ -27,7 +27,8 @@ import zipfile
 
 import pytest
 
-pytestmark = pytest.mark.slow  # builds an sdist and a wheel; see "Fast tests" in README.md
+# Builds an sdist and a wheel: see `docs/contributing.md`, "Fast tests".
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Folders of the source tree shipped in the sdist besides the wheel's sources (MANIFEST.in).
@@ -169,7 +170,7 @@ def test_sdist_contents(built):
 def test_installed_package_imports_from_anywhere(built):
     """`pip install .` (not editable), then import the package and every adapter, outside the
     repository (from its root, the checkout's `stackwise/` shadows the installed one, and its
-    adapters then say `pip install -e .`: tests/package/test_import.py). `-S` (no `site`, so
+    adapters then say so: the next test). `-S` (no `site`, so
     no `.pth` files) keeps out an editable install of stackwise in this environment, whose
     import hook would find the adapters anyway; the dependencies come from the environment's
     site-packages, on PYTHONPATH after the install.
@@ -189,6 +190,17 @@ def test_installed_package_imports_from_anywhere(built):
     for name, file in files.items():
         rel = name.replace(".", "/") + "/__init__.py"
         assert pathlib.Path(file) == built["site"] / rel
+
+
+def test_the_installed_package_shadowed_by_the_checkout_says_so(built):
+    # The README's old trap, with the real wheel: installed, then run in the checkout's root.
+    site_packages = [p for p in sys.path if p.endswith("site-packages")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(built["site"]), *site_packages]))
+    code = "import stackwise\ntry:\n    stackwise.haiku\nexcept ImportError as e:\n    print(e)\n"
+    out = run(sys.executable, "-S", "-c", code, cwd=ROOT, env=env)
+    assert f"the source folder {ROOT / 'stackwise'}, which shadows the installed" in out, out
+    assert f"stackwise in {pathlib.Path(built['site']).resolve() / 'stackwise'}" in out, out
+    assert "the current directory" in out and "`pip install -e '.[haiku]'`" in out, out
 
 
 def test_installed_files_equal_the_source_tree(built):

@@ -69,6 +69,9 @@ def test_the_first_screen_says_what_and_why():
         assert tool in first, tool
     # Its figures name their machine and the command that measured them.
     assert "Intel Xeon" in first and "stackwise-bench --blocks decode" in first
+    # The decode a user gets (stacked), the loop's (the serving layout), on the CPU and the TPU.
+    for said in ("the decode you get by default", "`stackwise.to_serving`", "TPU v5e"):
+        assert said in " ".join(first.split()), said
 
 
 def setup_commands() -> list[str]:
@@ -80,6 +83,9 @@ def test_the_two_commands_use_separate_environments():
     example, tests = setup_commands()
     assert example.startswith("python3 -m venv .venv-example && . .venv-example/bin/activate")
     assert example.endswith("python examples/transformer_lm.py")
+    # Editable: a non-editable install is shadowed, in the clone's root, by its `stackwise/`
+    # folder, which holds no adapters (tests/misuse/test_misuse_install.py).
+    assert "&& pip install -e '.[all]' &&" in example
     assert tests.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
     # The first command's description says how long it runs and how to shorten it.
     setup = README.read_text().split("## Set up")[1].split("```bash")[0]
