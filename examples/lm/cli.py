@@ -81,6 +81,31 @@ def positive(value: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of ``argv`` (default: the command line's), with the defaults that depend on
+    others filled in and ``args.given``, the run flags given; refuses those no run can use
+    (``p.error``: exit status 2)."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
+        args.pattern = ",".join(kind.strip() for kind in args.pattern.split(","))
+    args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
+    if args.checkpoint is None:
+        args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}"
+    # Absolute, once: orbax and tensorstore's `file://` take no path relative to the cwd.
+    args.checkpoint = args.checkpoint.absolute()
+    if args.lora is not None:
+        args.lora_alpha = float(args.lora) if args.lora_alpha is None else args.lora_alpha
+        if args.adapters is None:
+            tail = f"_qlora_{args.quantize}" if args.quantize else "_lora"
+            args.adapters = args.checkpoint.with_name(args.checkpoint.name + tail)
+    check_args(p, args)
+    check_lora_args(p, args)
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags: first the run's (None by default: ``settle_args`` fills
+    them from a checkpoint's run or the defaults), then the others."""
     p = argparse.ArgumentParser(description=lm.__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     d = RUN_DEFAULTS
@@ -114,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=pathlib.Path,
         help=f"a UTF-8 text to learn (default: {DEFAULT_TEXT.relative_to(EXAMPLES.parent)})",
     )
+    add_other_flags(p)
+    return p
+
+
+def add_other_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that are not the run's: memory, sampling, checkpoints, modes, fine-tuning."""
     p.add_argument("--remat", action="store_true", help="rematerialise each block (less memory)")
     p.add_argument("--sample-len", type=int, default=400, help="characters to generate")
     p.add_argument("--prompt", default="\n", help="text the sample starts from")
@@ -168,22 +199,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "folder name + _lora, or _qlora_<kind> with --quantize)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
-        args.pattern = ",".join(kind.strip() for kind in args.pattern.split(","))
-    args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
-    if args.checkpoint is None:
-        args.checkpoint = CHECKPOINTS / f"lm_{args.framework or RUN_DEFAULTS['framework']}"
-    # Absolute, once: orbax and tensorstore's `file://` take no path relative to the cwd.
-    args.checkpoint = args.checkpoint.absolute()
-    if args.lora is not None:
-        args.lora_alpha = float(args.lora) if args.lora_alpha is None else args.lora_alpha
-        if args.adapters is None:
-            tail = f"_qlora_{args.quantize}" if args.quantize else "_lora"
-            args.adapters = args.checkpoint.with_name(args.checkpoint.name + tail)
-    check_args(p, args)
-    check_lora_args(p, args)
-    return args
 
 
 def unwritable_parent(path: pathlib.Path) -> pathlib.Path | None:

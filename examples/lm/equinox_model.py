@@ -21,21 +21,24 @@ import stackwise.equinox
 from lm.model import LM, Config, attention, cached_attention, one_or_list, rope, stacked_cache
 
 
-def build(config: Config) -> LM:
-    """The LM in Equinox (see ``model.py``: the same model in every framework)."""
+def dense(d_in, d_out, key, scale=1.0, bias=True):
+    """An eqx.nn.Linear with N(0, scale^2 / d_in) weights and zero bias."""
+    linear = eqx.nn.Linear(d_in, d_out, use_bias=bias, key=key)
+    weight = jax.random.normal(key, (d_out, d_in)) * (scale / math.sqrt(d_in))
+    linear = eqx.tree_at(lambda m: m.weight, linear, weight)
+    return eqx.tree_at(lambda m: m.bias, linear, jnp.zeros(d_out)) if bias else linear
+
+
+def per_token(layer, x):
+    """Equinox layers act on one vector: map over ``[batch, length]``."""
+    return jax.vmap(jax.vmap(layer))(x)
+
+
+def modules(config: Config) -> tuple[type, list]:
+    """The model's Equinox modules for ``config``: the Model, and the block of each pattern
+    position."""
     c = config
     d, hidden, depth_scale = c.d_model, c.hidden, c.depth_scale
-
-    def dense(d_in, d_out, key, scale=1.0, bias=True):
-        """An eqx.nn.Linear with N(0, scale^2 / d_in) weights and zero bias."""
-        linear = eqx.nn.Linear(d_in, d_out, use_bias=bias, key=key)
-        weight = jax.random.normal(key, (d_out, d_in)) * (scale / math.sqrt(d_in))
-        linear = eqx.tree_at(lambda m: m.weight, linear, weight)
-        return eqx.tree_at(lambda m: m.bias, linear, jnp.zeros(d_out)) if bias else linear
-
-    def per_token(layer, x):
-        """Equinox layers act on one vector: map over ``[batch, length]``."""
-        return jax.vmap(jax.vmap(layer))(x)
 
     class Block(eqx.Module):
         ln1: eqx.nn.LayerNorm
@@ -95,6 +98,14 @@ def build(config: Config) -> LM:
         def __call__(self, tokens, positions, cache=None):
             x, cache = self.blocks(per_token(self.embed, tokens), cache, positions)
             return per_token(self.head, per_token(self.ln_f, x)), cache
+
+    return Model, kinds
+
+
+def build(config: Config) -> LM:
+    """The LM in Equinox (see ``model.py``: the same model in every framework)."""
+    c = config
+    Model, kinds = modules(c)
 
     # Pure functions over the params: the model's arrays (`eqx.filter`; the rest is None), joined
     # with its static rest (built once, abstractly) inside every call.

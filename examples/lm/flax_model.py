@@ -28,17 +28,22 @@ from lm.model import (
 )
 
 
-def build(config: Config) -> LM:
-    """The LM in Flax linen (see ``model.py``: the same model in every framework)."""
+def dense(d_out, name, scale=1.0, bias=True):
+    """An ``nn.Dense`` with N(0, scale**2 / fan_in) weights and zero bias."""
+    kernel_init = nn.initializers.variance_scaling(scale**2, "fan_in", "normal")
+    return nn.Dense(d_out, use_bias=bias, kernel_init=kernel_init, name=name)
+
+
+def norm(name):
+    """A LayerNorm with a scale and a bias, eps 1e-5 (as in every framework here)."""
+    return nn.LayerNorm(epsilon=1e-5, use_fast_variance=False, name=name)
+
+
+def modules(config: Config) -> tuple[type, list]:
+    """The model's Flax linen modules for ``config``: the Model, and the block of each pattern
+    position."""
     c = config
     d, hidden, depth_scale = c.d_model, c.hidden, c.depth_scale
-
-    def dense(d_out, name, scale=1.0, bias=True):
-        kernel_init = nn.initializers.variance_scaling(scale**2, "fan_in", "normal")
-        return nn.Dense(d_out, use_bias=bias, kernel_init=kernel_init, name=name)
-
-    def norm(name):
-        return nn.LayerNorm(epsilon=1e-5, use_fast_variance=False, name=name)
 
     class Block(nn.Module):
         window = c.seq_len  # how many positions back a query sees: all the context
@@ -91,6 +96,13 @@ def build(config: Config) -> LM:
                 x = blocks(x, positions, decode)
             return dense(c.vocab, "head")(norm("ln_f")(x))
 
+    return Model, kinds
+
+
+def build(config: Config) -> LM:
+    """The LM in Flax linen (see ``model.py``: the same model in every framework)."""
+    c = config
+    Model, kinds = modules(c)
     model = Model()
     # Where the stacked blocks' params are: "blocks", or with a pattern each position's
     # (linen's names of the blocks: "blocks/Local_0", "blocks/Local_1", "blocks/Global_0").

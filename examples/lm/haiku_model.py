@@ -26,17 +26,33 @@ from lm.model import (
 )
 
 
-def build(config: Config) -> LM:
-    """The LM in Haiku (see ``model.py``: the same model in every framework)."""
+def dense(d_out, name, scale=1.0, bias=True):
+    """An ``hk.Linear`` with N(0, scale**2 / fan_in) weights and zero bias."""
+    w_init = hk.initializers.VarianceScaling(scale**2, "fan_in", "normal")
+    return hk.Linear(d_out, with_bias=bias, w_init=w_init, name=name)
+
+
+def norm(name):
+    """A LayerNorm with a scale and an offset, eps 1e-5 (as in every framework here)."""
+    return hk.LayerNorm(-1, create_scale=True, create_offset=True, eps=1e-5, name=name)
+
+
+def haiku_names(names):
+    """The names Haiku gives modules named ``names`` made in order: a repeated name
+    ``n`` becomes ``n``, ``n_1``, ``n_2``, ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        out.append(name if name not in seen else f"{name}_{seen[name]}")
+        seen[name] = seen.get(name, 0) + 1
+    return out
+
+
+def modules(config: Config) -> tuple[type, list[type]]:
+    """The model's Haiku modules for ``config``: the Model, and the block of each pattern
+    position."""
     c = config
     d, hidden, depth_scale = c.d_model, c.hidden, c.depth_scale
-
-    def dense(d_out, name, scale=1.0, bias=True):
-        w_init = hk.initializers.VarianceScaling(scale**2, "fan_in", "normal")
-        return hk.Linear(d_out, with_bias=bias, w_init=w_init, name=name)
-
-    def norm(name):
-        return hk.LayerNorm(-1, create_scale=True, create_offset=True, eps=1e-5, name=name)
 
     class Block(hk.Module):
         window = c.seq_len  # how many positions back a query sees: all the context
@@ -88,18 +104,14 @@ def build(config: Config) -> LM:
                 x = blocks(x, positions, decode)
             return dense(c.vocab, "head")(norm("ln_f")(x))
 
+    return Model, kinds
+
+
+def build(config: Config) -> LM:
+    """The LM in Haiku (see ``model.py``: the same model in every framework)."""
+    c = config
+    Model, kinds = modules(c)
     model = hk.transform_with_state(lambda *a: Model(name="lm")(*a))
-
-    def haiku_names(names):
-        """The names Haiku gives modules named ``names`` made in order: a repeated name
-        ``n`` becomes ``n``, ``n_1``, ``n_2``, ..."""
-        seen: dict[str, int] = {}
-        out = []
-        for name in names:
-            out.append(name if name not in seen else f"{name}_{seen[name]}")
-            seen[name] = seen.get(name, 0) + 1
-        return out
-
     kind_names = [kind.__name__.lower() for kind in kinds]
     # The stacked blocks' modules ("lm/blocks/block/qkv", ...): the path of each pattern
     # position, and of each layer of the loop ("lm/block", "lm/block_1", ...).

@@ -262,15 +262,12 @@ def loss_fn(lm: LM, params, inputs, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def build_jax(config: Config, *, adapted: bool = False) -> LM:
-    """The pure-JAX LM. ``adapted=True``: its blocks also take ``stackwise.lora.attach(base,
-    adapters)`` params, the base float or quantized (``stackwise.quant``): each block is
-    ``stackwise.lora.wrap``-ped, so it builds its own float weights from its own slice of the
-    base and the adapters, inside the scan (``finetune.py`` fine-tunes with it)."""
-    c = config
-    d, hidden, depth_scale = c.d_model, c.hidden, c.depth_scale
+def block_init(config: Config):
+    """A pure-JAX block's init: ``params, state = init(key)`` (its state, the KV cache, comes
+    from ``init_cache``)."""
+    d, hidden, depth_scale = config.d_model, config.hidden, config.depth_scale
 
-    def block_init(key):
+    def init(key):
         k_qkv, k_out, k_up, k_down = jax.random.split(key, 4)
         params = {
             "ln1": _ln_init(d),
@@ -284,27 +281,42 @@ def build_jax(config: Config, *, adapted: bool = False) -> LM:
         }
         return params, None  # (params, state): the state is the KV cache, made by init_cache
 
-    def block_apply(window):
-        def apply(p, cache, x, positions):
-            """One block: ``x, cache = apply(p, cache, x, positions)``; cache may be None."""
-            b, length, _ = x.shape
-            qkv = (_ln(p["ln1"], x) @ p["qkv"]).reshape(b, length, 3, c.heads, c.head_dim)
-            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
-            if cache is None:
-                att = attention(q, k, v, positions, positions, window)
-            else:
-                att, ck, cv = cached_attention(q, k, v, positions, cache["k"], cache["v"], window)
-                cache = {"k": ck, "v": cv}
-            x = x + att.reshape(b, length, d) @ p["out"]
-            h = _ln(p["ln2"], x) @ p["up"]
-            h = jax.nn.gelu(h + _row(p["up_bias"], h)) @ p["down"]
-            return x + h + _row(p["down_bias"], h), cache
+    return init
 
-        return apply
+
+def block_apply(config: Config, window: int):
+    """A pure-JAX block that attends ``window`` positions back: ``x, cache = apply(p, cache,
+    x, positions)``; cache may be None."""
+    c, d = config, config.d_model
+
+    def apply(p, cache, x, positions):
+        b, length, _ = x.shape
+        qkv = (_ln(p["ln1"], x) @ p["qkv"]).reshape(b, length, 3, c.heads, c.head_dim)
+        q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+        if cache is None:
+            att = attention(q, k, v, positions, positions, window)
+        else:
+            att, ck, cv = cached_attention(q, k, v, positions, cache["k"], cache["v"], window)
+            cache = {"k": ck, "v": cv}
+        x = x + att.reshape(b, length, d) @ p["out"]
+        h = _ln(p["ln2"], x) @ p["up"]
+        h = jax.nn.gelu(h + _row(p["up_bias"], h)) @ p["down"]
+        return x + h + _row(p["down_bias"], h), cache
+
+    return apply
+
+
+def build_jax(config: Config, *, adapted: bool = False) -> LM:
+    """The pure-JAX LM. ``adapted=True``: its blocks also take ``stackwise.lora.attach(base,
+    adapters)`` params, the base float or quantized (``stackwise.quant``): each block is
+    ``stackwise.lora.wrap``-ped, so it builds its own float weights from its own slice of the
+    base and the adapters, inside the scan (``finetune.py`` fine-tunes with it)."""
+    c = config
+    d = c.d_model
 
     # One block function per pattern position (its attention window); layer i runs
     # applies[i % k].
-    applies = [block_apply(window) for window in c.windows]
+    applies = [block_apply(c, window) for window in c.windows]
     if adapted:  # (plain params pass through a wrapped block unchanged)
         applies = [stackwise.lora.wrap(f, with_state=True) for f in applies]
     k = len(applies)
@@ -312,7 +324,7 @@ def build_jax(config: Config, *, adapted: bool = False) -> LM:
     # The blocks: one stack (a pattern stack for k > 1). Its state is the per-layer KV cache
     # (None when training).
     blocks = stackwise.stack(
-        one_or_list(c, [block_init] * k),
+        one_or_list(c, [block_init(c)] * k),
         one_or_list(c, applies),
         c.layers,
         remat=c.remat,

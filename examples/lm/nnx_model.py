@@ -20,22 +20,27 @@ import stackwise.nnx
 from lm.model import LM, Config, attention, cached_attention, one_or_list, rope, stacked_cache
 
 
-def build(config: Config) -> LM:
-    """The LM in Flax NNX (see ``model.py``: the same model in every framework)."""
+def dense(d_in, d_out, rngs, scale=1.0, bias=True):
+    """An ``nnx.Linear`` with N(0, scale**2 / fan_in) weights and zero bias."""
+    kernel_init = nnx.initializers.variance_scaling(scale**2, "fan_in", "normal")
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
+
+
+def norm(d, rngs):
+    """A LayerNorm of width ``d`` with a scale and a bias, eps 1e-5."""
+    return nnx.LayerNorm(d, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+
+
+def modules(config: Config) -> tuple[type, list]:
+    """The model's Flax NNX modules for ``config``: the Model, and the block of each pattern
+    position."""
     c = config
     d, hidden, depth_scale = c.d_model, c.hidden, c.depth_scale
-
-    def dense(d_in, d_out, rngs, scale=1.0, bias=True):
-        kernel_init = nnx.initializers.variance_scaling(scale**2, "fan_in", "normal")
-        return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=kernel_init, rngs=rngs)
-
-    def norm(rngs):
-        return nnx.LayerNorm(d, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
 
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs, window: int = c.seq_len):
             self.window = window  # how many positions back a query sees (static)
-            self.ln1, self.ln2 = norm(rngs), norm(rngs)
+            self.ln1, self.ln2 = norm(d, rngs), norm(d, rngs)
             self.qkv = dense(d, 3 * d, rngs, bias=False)
             self.out = dense(d, d, rngs, depth_scale, bias=False)
             self.up = dense(d, hidden, rngs)
@@ -67,12 +72,21 @@ def build(config: Config) -> LM:
             self.blocks = stackwise.nnx.Stack(
                 one_or_list(c, kinds), c.layers, rngs=rngs, remat=c.remat
             )
-            self.ln_f = norm(rngs)
+            self.ln_f = norm(d, rngs)
             self.head = dense(d, c.vocab, rngs)
 
         def __call__(self, tokens, positions, decode: bool = False):
             x = self.blocks(self.embed(tokens), positions, decode)
             return self.head(self.ln_f(x))
+
+    return Model, kinds
+
+
+def build(config: Config) -> LM:
+    """The LM in Flax NNX (see ``model.py``: the same model in every framework)."""
+    c = config
+    Model, kinds = modules(c)
+    d = c.d_model
 
     # Pure functions over the params as a plain dict: split a module once (abstractly) into a
     # static graph definition and its state, and merge them back inside every call.
@@ -115,7 +129,8 @@ def build(config: Config) -> LM:
 
     # The loop's modules, one by one: the model's embedding, norm and head, and a Block.
     embed_split = abstract(lambda rngs: nnx.Embed(c.vocab, d, rngs=rngs))
-    norm_split, head_split = abstract(norm), abstract(lambda rngs: dense(d, c.vocab, rngs))
+    norm_split = abstract(functools.partial(norm, d))
+    head_split = abstract(lambda rngs: dense(d, c.vocab, rngs))
     block_splits = [abstract(kind) for kind in kinds]
 
     def loop_apply(loop_params, tokens):
