@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import stackwise.equinox
-from lm.model import LM, Config, attention, cached_attention, one_or_list, rope, stacked_cache
+from lm.model import LM, Config, one_or_list, self_attention, stacked_cache
 
 
 def dense(d_in, d_out, key, scale=1.0, bias=True):
@@ -60,18 +60,9 @@ def modules(config: Config) -> tuple[type, list]:
 
         def __call__(self, x, cache, positions):
             """``x, cache = block(x, cache, positions)``; ``cache`` is None when training."""
-            b, length, _ = x.shape
             qkv = per_token(self.qkv, per_token(self.ln1, x))
-            qkv = qkv.reshape(b, length, 3, c.heads, c.head_dim)
-            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
-            if cache is None:
-                att = attention(q, k, v, positions, positions, self.window)
-            else:
-                att, ck, cv = cached_attention(
-                    q, k, v, positions, cache["k"], cache["v"], self.window
-                )
-                cache = {"k": ck, "v": cv}
-            x = x + per_token(self.out, att.reshape(b, length, d))
+            att, cache = self_attention(qkv, c.heads, positions, self.window, cache)
+            x = x + per_token(self.out, att)
             h = jax.nn.gelu(per_token(self.up, per_token(self.ln2, x)))
             return x + per_token(self.down, h), cache
 

@@ -16,16 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import stackwise.flax
-from lm.model import (
-    LM,
-    Config,
-    attention,
-    cache_shape,
-    cached_attention,
-    one_or_list,
-    rope,
-    zeros_like_shapes,
-)
+from lm.model import LM, Config, cache_shape, one_or_list, self_attention, zeros_like_shapes
 
 
 def dense(d_out, name, scale=1.0, bias=True):
@@ -50,19 +41,16 @@ def modules(config: Config) -> tuple[type, list]:
 
         @nn.compact
         def __call__(self, x, positions, decode: bool):
-            b, length, _ = x.shape
             qkv = dense(3 * d, "qkv", bias=False)(norm("ln1")(x))
-            qkv = qkv.reshape(b, length, 3, c.heads, c.head_dim)
-            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+            cache = None
+            if decode:  # the `cache` collection, which the Stack keeps per layer
+                shape = cache_shape(c, x.shape[0])
+                held = {name: self.variable("cache", name, jnp.zeros, shape) for name in ("k", "v")}
+                cache = {name: variable.value for name, variable in held.items()}
+            att, cache = self_attention(qkv, c.heads, positions, self.window, cache)
             if decode:
-                cache_k = self.variable("cache", "k", jnp.zeros, cache_shape(c, b))
-                cache_v = self.variable("cache", "v", jnp.zeros, cache_shape(c, b))
-                att, cache_k.value, cache_v.value = cached_attention(
-                    q, k, v, positions, cache_k.value, cache_v.value, self.window
-                )
-            else:
-                att = attention(q, k, v, positions, positions, self.window)
-            x = x + dense(d, "out", depth_scale, bias=False)(att.reshape(b, length, d))
+                held["k"].value, held["v"].value = cache["k"], cache["v"]
+            x = x + dense(d, "out", depth_scale, bias=False)(att)
             h = nn.gelu(dense(hidden, "up")(norm("ln2")(x)))
             return x + dense(d, "down", depth_scale)(h)
 

@@ -14,16 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import stackwise.haiku
-from lm.model import (
-    LM,
-    Config,
-    attention,
-    cache_shape,
-    cached_attention,
-    one_or_list,
-    rope,
-    zeros_like_shapes,
-)
+from lm.model import LM, Config, cache_shape, one_or_list, self_attention, zeros_like_shapes
 
 
 def dense(d_out, name, scale=1.0, bias=True):
@@ -58,22 +49,16 @@ def modules(config: Config) -> tuple[type, list[type]]:
         window = c.seq_len  # how many positions back a query sees: all the context
 
         def __call__(self, x, positions, decode: bool):
-            b, length, _ = x.shape
             qkv = dense(3 * d, "qkv", bias=False)(norm("ln1")(x))
-            qkv = qkv.reshape(b, length, 3, c.heads, c.head_dim)
-            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+            cache = None
+            if decode:  # Haiku state, which the Stack keeps per layer
+                shape = cache_shape(c, x.shape[0])
+                cache = {name: hk.get_state(name, shape, init=jnp.zeros) for name in ("k", "v")}
+            att, cache = self_attention(qkv, c.heads, positions, self.window, cache)
             if decode:
-                shape = cache_shape(c, b)
-                cache_k = hk.get_state("k", shape, init=jnp.zeros)
-                cache_v = hk.get_state("v", shape, init=jnp.zeros)
-                att, cache_k, cache_v = cached_attention(
-                    q, k, v, positions, cache_k, cache_v, self.window
-                )
-                hk.set_state("k", cache_k)
-                hk.set_state("v", cache_v)
-            else:
-                att = attention(q, k, v, positions, positions, self.window)
-            x = x + dense(d, "out", depth_scale, bias=False)(att.reshape(b, length, d))
+                hk.set_state("k", cache["k"])
+                hk.set_state("v", cache["v"])
+            x = x + dense(d, "out", depth_scale, bias=False)(att)
             h = jax.nn.gelu(dense(hidden, "up")(norm("ln2")(x)))
             return x + dense(d, "down", depth_scale)(h)
 

@@ -198,6 +198,24 @@ def cached_attention(q, k, v, positions, cache_k, cache_v, window: int | None = 
     return out, cache_k, cache_v
 
 
+def self_attention(qkv, heads: int, positions, window: int, cache=None):
+    """A block's attention, from its fused projection ``qkv [b, length, 3 * d]``: split into
+    ``heads``, queries and keys rotated (RoPE), each query attending to the ``window``
+    positions up to its own, among the tokens themselves (``cache=None``: training) or in the
+    cache they are written into (``cache = {"k", "v"}``: decoding). Returns ``(out [b,
+    length, d], cache)``; every framework's block calls it."""
+    b, length, width = qkv.shape
+    qkv = qkv.reshape(b, length, 3, heads, width // (3 * heads))
+    q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
+    if cache is None:
+        out = attention(q, k, v, positions, positions, window)
+    else:
+        out, cache_k, cache_v = cached_attention(q, k, v, positions, cache["k"], cache["v"],
+                                                 window)
+        cache = {"k": cache_k, "v": cache_v}
+    return out.reshape(b, length, width // 3), cache
+
+
 def layer_norm(x, scale, bias, eps: float = 1e-5):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
@@ -287,18 +305,11 @@ def block_init(config: Config):
 def block_apply(config: Config, window: int):
     """A pure-JAX block that attends ``window`` positions back: ``x, cache = apply(p, cache,
     x, positions)``; cache may be None."""
-    c, d = config, config.d_model
 
     def apply(p, cache, x, positions):
-        b, length, _ = x.shape
-        qkv = (_ln(p["ln1"], x) @ p["qkv"]).reshape(b, length, 3, c.heads, c.head_dim)
-        q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
-        if cache is None:
-            att = attention(q, k, v, positions, positions, window)
-        else:
-            att, ck, cv = cached_attention(q, k, v, positions, cache["k"], cache["v"], window)
-            cache = {"k": ck, "v": cv}
-        x = x + att.reshape(b, length, d) @ p["out"]
+        qkv = _ln(p["ln1"], x) @ p["qkv"]
+        att, cache = self_attention(qkv, config.heads, positions, window, cache)
+        x = x + att @ p["out"]
         h = _ln(p["ln2"], x) @ p["up"]
         h = jax.nn.gelu(h + _row(p["up_bias"], h)) @ p["down"]
         return x + h + _row(p["down_bias"], h), cache

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import stackwise.nnx
-from lm.model import LM, Config, attention, cached_attention, one_or_list, rope, stacked_cache
+from lm.model import LM, Config, one_or_list, self_attention, stacked_cache
 
 
 def dense(d_in, d_out, rngs, scale=1.0, bias=True):
@@ -47,16 +47,13 @@ def modules(config: Config) -> tuple[type, list]:
             self.down = dense(hidden, d, rngs, depth_scale)
 
         def __call__(self, x, positions, decode: bool = False):
-            b, length, _ = x.shape
-            qkv = self.qkv(self.ln1(x)).reshape(b, length, 3, c.heads, c.head_dim)
-            q, k, v = rope(qkv[:, :, 0], positions), rope(qkv[:, :, 1], positions), qkv[:, :, 2]
-            if decode:  # the cache variables are set by `init_cache` below
-                att, self.cache_k[...], self.cache_v[...] = cached_attention(
-                    q, k, v, positions, self.cache_k[...], self.cache_v[...], self.window
-                )
-            else:
-                att = attention(q, k, v, positions, positions, self.window)
-            x = x + self.out(att.reshape(b, length, d))
+            # The cache variables are set by `init_cache` below.
+            cache = {"k": self.cache_k[...], "v": self.cache_v[...]} if decode else None
+            att, cache = self_attention(self.qkv(self.ln1(x)), c.heads, positions, self.window,
+                                        cache)
+            if decode:
+                self.cache_k[...], self.cache_v[...] = cache["k"], cache["v"]
+            x = x + self.out(att)
             return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
 
     # The block of each pattern position (its window); with one kind, the plain Block.
