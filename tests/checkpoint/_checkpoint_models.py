@@ -1,4 +1,4 @@
-"""The checkpoint tests' model: the example's LM (examples/lm_models.py, the same numerics in
+"""The checkpoint tests' model: the example's LM (examples/lm/model.py, the same numerics in
 all five frameworks), saved as a Hugging Face-style per-layer checkpoint.
 
 The names are Hugging Face's (a Phi-3-like fused ``qkv_proj``): layer i's tensors are
@@ -22,20 +22,10 @@ import numpy as np
 import stackwise
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
-import lm_models  # noqa: E402
+from lm import model as lm_models  # noqa: E402
+from lm.checkpoints import HF_MODULES as MODULES  # noqa: E402  (the example's -> Hugging Face's)
 
 FRAMEWORKS = ("jax", "haiku", "flax", "nnx", "equinox")
-MODULES = {  # the example's module names -> Hugging Face's
-    "ln1": "model.layers.{}.input_layernorm",
-    "qkv": "model.layers.{}.self_attn.qkv_proj",
-    "out": "model.layers.{}.self_attn.o_proj",
-    "ln2": "model.layers.{}.post_attention_layernorm",
-    "up": "model.layers.{}.mlp.up_proj",
-    "down": "model.layers.{}.mlp.down_proj",
-    "embed": "model.embed_tokens",
-    "ln_f": "model.norm",
-    "head": "lm_head",
-}
 WEIGHT = {"w", "kernel", "weight", "scale", "embeddings", "embedding"}
 BIAS = {"b", "bias", "offset"}
 LINEAR = {"qkv", "out", "up", "down", "head"}

@@ -1,4 +1,4 @@
-"""Tests of examples/transformer_lm.py and examples/lm_models.py.
+"""Tests of the example, examples/transformer_lm.py: its package examples/lm/.
 
 Smoke runs (a few training steps of a tiny model, a checkpoint round trip, the Python-loop layout
 and KV-cached decoding against the full forward, a short sample) for each framework; resuming
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _scripts import load_example
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TINY = "--layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --sample-len 12 --quiet"
@@ -58,14 +59,14 @@ def env(tmp_path_factory) -> dict:
 DRIVER = """
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import transformer_lm
+from lm import cli
 results = []
 for argv, ctrl_c_at in json.loads(sys.argv[2]):
     def log(line, at=ctrl_c_at):
         print(line)
         if at is not None and line.startswith(f"step {at:5d} "):
             os.kill(os.getpid(), signal.SIGINT)
-    results.append(transformer_lm.main(argv.split(), log=log))
+    results.append(cli.main(argv.split(), log=log))
 print(json.dumps(results))
 """
 
@@ -83,14 +84,6 @@ def run_example(env: dict, *runs: str | tuple[str, int]) -> list[dict]:
     output = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, f"the example failed:\n{output}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def load_example():
-    """The example as a module, for its pure helpers and errors."""
-    spec = importlib.util.spec_from_file_location("transformer_lm", EXAMPLES / "transformer_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # (it puts examples/ on sys.path, for lm_models)
-    return module
 
 
 def checkpoint_arrays(path) -> dict:
@@ -162,7 +155,7 @@ def test_adapter_frameworks(framework, adapter_runs):
         pytest.skip(f"stackwise.{framework} or its framework is not installed")
     result, ckpt, export, loaded = adapter_runs[framework]
     check_run(result, framework, 3)
-    assert load_example().read_meta(ckpt)["run"]["framework"] == framework
+    assert load_example().checkpoints.read_meta(ckpt)["run"]["framework"] == framework
     # The export: the same Hugging Face-style checkpoint as the pure-JAX model's (names,
     # torch's (out, in) shapes), whatever the framework's own names and layouts; sampled from
     # (stackwise.load_checkpoint into the framework's params), the same model.
@@ -207,7 +200,7 @@ def test_pattern_trains_checkpoints_and_samples(tmp_path, env):
         f"--load-safetensors {export} --sample-len 12 --quiet",
     )
     check_run(result, "jax", 3)
-    run = load_example().read_meta(ckpt)["run"]
+    run = load_example().checkpoints.read_meta(ckpt)["run"]
     assert (run["pattern"], run["window"], run["layers"]) == ("local,local,global", 4, 4)
     arrays = checkpoint_arrays(ckpt)  # position p of the pattern holds layers p, p + 3: 2, 1, 1
     depths = [arrays[f"['params']['blocks'][{p}]['qkv']"].shape[0] for p in range(3)]
@@ -297,14 +290,14 @@ def test_ctrl_c_saves_and_exits_without_a_traceback(tmp_path, env):
     assert "Traceback" not in err
     stopped = re.search(r"stopped at step (\d+) of 1000000: saved (\S+)\. .*--resume", out)
     assert stopped and pathlib.Path(stopped.group(2)) == ckpt, out
-    assert load_example().read_meta(ckpt)["step"] == int(stopped.group(1))
+    assert load_example().checkpoints.read_meta(ckpt)["step"] == int(stopped.group(1))
 
 
 def test_restore_without_a_checkpoint_says_to_train_first(tmp_path, capsys):
     missing = tmp_path / "none"
     # The command line's own function, in-process (the misuse catalogue, tests/misuse, has the
     # other refusals).
-    assert load_example().cli(["--restore", "--checkpoint", str(missing)]) == 2
+    assert load_example().cli.cli(["--restore", "--checkpoint", str(missing)]) == 2
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
     assert f"error: --restore: there is no checkpoint at {missing}. Train first" in stderr
@@ -312,8 +305,8 @@ def test_restore_without_a_checkpoint_says_to_train_first(tmp_path, capsys):
 
 def test_default_checkpoint_is_in_examples_checkpoints():
     lm = load_example()
-    assert lm.parse_args([]).checkpoint == EXAMPLES / "checkpoints" / "lm_jax"
-    assert lm.parse_args(["--framework", "nnx"]).checkpoint.name == "lm_nnx"
+    assert lm.cli.parse_args([]).checkpoint == EXAMPLES / "checkpoints" / "lm_jax"
+    assert lm.cli.parse_args(["--framework", "nnx"]).checkpoint.name == "lm_nnx"
 
 
 @pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
@@ -342,8 +335,8 @@ def test_checkpoint_errors_name_what_to_do(trained, flags, message):
     before = files_of(trained["ckpt"])
     tiny = TINY.replace("--layers 2 ", "") if "--layers" in flags else TINY
     argv = f"{tiny} {flags} --checkpoint {trained['ckpt']}".split()
-    with pytest.raises(lm.CheckpointError, match=message) as error:
-        lm.main(argv)
+    with pytest.raises(lm.cli.CheckpointError, match=message) as error:
+        lm.cli.main(argv)
     assert "\n" not in str(error.value)  # one line
     assert files_of(trained["ckpt"]) == before  # never overwritten
 
@@ -355,8 +348,8 @@ def files_of(folder: pathlib.Path) -> dict:
 @pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
 def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
     lm = load_example()
-    args = lm.parse_args(["--restore", "--checkpoint", str(trained["ckpt"])])
-    lm.settle_args(args, lm.read_meta(trained["ckpt"]), lm.MODEL_FIELDS)
+    args = lm.cli.parse_args(["--restore", "--checkpoint", str(trained["ckpt"])])
+    lm.run.settle_args(args, lm.checkpoints.read_meta(trained["ckpt"]), lm.cli.MODEL_FIELDS)
     assert (args.layers, args.d_model, args.heads, args.seq_len) == (2, 32, 2, 16)
     assert (args.pattern, args.window) == ("global", 16)
 
@@ -364,12 +357,12 @@ def test_restore_takes_the_flags_left_out_from_the_checkpoint(trained):
 @pytest.mark.slow  # the `trained` fixture: five runs of the example, ~20 s
 def test_a_checkpoint_from_before_patterns_and_optimizers_is_global_adamw(trained, tmp_path):
     lm = load_example()
-    meta = lm.read_meta(trained["ckpt"])
+    meta = lm.checkpoints.read_meta(trained["ckpt"])
     for field in ("pattern", "window", "optimizer"):
         del meta["run"][field]
     old = tmp_path / "old"
-    lm.save_checkpoint(old, {"x": np.zeros(1)}, meta)
-    assert lm.read_meta(old)["run"] == lm.read_meta(trained["ckpt"])["run"]
+    lm.checkpoints.save_checkpoint(old, {"x": np.zeros(1)}, meta)
+    assert lm.checkpoints.read_meta(old)["run"] == lm.checkpoints.read_meta(trained["ckpt"])["run"]
 
 
 def test_checkpoint_format_and_errors(tmp_path):
@@ -377,47 +370,50 @@ def test_checkpoint_format_and_errors(tmp_path):
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     params = {"blocks": {"w": w}, "head": np.ones(2, np.float32)}
     path = tmp_path / "ckpt"
-    meta = {"format": lm.FORMAT, "run": {}, "step": 0, "val_loss": 1.0, "chars": "ab"}
+    meta = {"format": lm.cli.FORMAT, "run": {}, "step": 0, "val_loss": 1.0, "chars": "ab"}
     for step in range(5):  # the last 3 steps kept (--keep)
-        lm.save_checkpoint(path, {**params, "head": params["head"] * step}, {**meta, "step": step})
+        lm.checkpoints.save_checkpoint(path, {**params, "head": params["head"] * step},
+                                       {**meta, "step": step})
     assert sorted(p.name for p in path.iterdir()) == ["2", "3", "4"]
     arrays = checkpoint_arrays(path)  # orbax reads it: one array per leaf, by its path
     assert sorted(arrays) == ["['blocks']['w']", "['head']"]
     np.testing.assert_array_equal(arrays["['head']"], params["head"] * 4)
-    assert lm.read_meta(path) == {**meta, "step": 4, "run": lm.OLD_RUN_FIELDS}
+    assert lm.checkpoints.read_meta(path) == {**meta, "step": 4, "run": lm.cli.OLD_RUN_FIELDS}
     assert {"meta", "state"} <= {p.name for p in (path / "4").iterdir()}  # the two items
-    restored = lm.load_checkpoint(path, jax.eval_shape(lambda: params))
+    restored = lm.checkpoints.load_checkpoint(path, jax.eval_shape(lambda: params))
     np.testing.assert_array_equal(restored["blocks"]["w"], params["blocks"]["w"])
 
     deeper = {"blocks": {"w": np.zeros((4, 2), np.float32)}, "head": np.ones(2, np.float32)}
     shallower = r"ckpt/4: blocks/w is float32\[3, 2\], the model expects float32\[4, 2\].*--layers"
-    with pytest.raises(lm.CheckpointError, match=shallower):
-        lm.load_checkpoint(path, deeper)
+    with pytest.raises(lm.cli.CheckpointError, match=shallower):
+        lm.checkpoints.load_checkpoint(path, deeper)
     half = {"blocks": {"w": np.zeros((3, 2), jnp.bfloat16)}, "head": np.ones(2, np.float32)}
-    with pytest.raises(lm.CheckpointError, match=r"float32\[3, 2\], the model expects bfloat16"):
-        lm.load_checkpoint(path, half)  # (orbax alone would cast it)
-    with pytest.raises(lm.CheckpointError, match=r"no array other"):
-        lm.load_checkpoint(path, {**params, "other": np.zeros(2, np.float32)})
-    with pytest.raises(lm.CheckpointError, match=r"has an array head this model lacks"):
-        lm.load_checkpoint(path, {"blocks": params["blocks"]})
-    lm.clear_checkpoint(path)  # (--overwrite, at its first save)
+    with pytest.raises(lm.cli.CheckpointError,
+                       match=r"float32\[3, 2\], the model expects bfloat16"):
+        lm.checkpoints.load_checkpoint(path, half)  # (orbax alone would cast it)
+    with pytest.raises(lm.cli.CheckpointError, match=r"no array other"):
+        lm.checkpoints.load_checkpoint(path, {**params, "other": np.zeros(2, np.float32)})
+    with pytest.raises(lm.cli.CheckpointError, match=r"has an array head this model lacks"):
+        lm.checkpoints.load_checkpoint(path, {"blocks": params["blocks"]})
+    lm.checkpoints.clear_checkpoint(path)  # (--overwrite, at its first save)
     assert list(path.iterdir()) == []
 
 
 def test_bad_prompt_and_framework():
     lm = load_example()
     with pytest.raises(ValueError, match="not in the training text"):
-        lm.encode("abc", "abz")
+        lm.data.encode("abc", "abz")
     with pytest.raises(SystemExit):  # argparse rejects it with a usage message
-        lm.parse_args(["--framework", "torch"])
+        lm.cli.parse_args(["--framework", "torch"])
     with pytest.raises(SystemExit):  # one of --resume, --restore, --overwrite
-        lm.parse_args(["--resume", "--overwrite"])
+        lm.cli.parse_args(["--resume", "--overwrite"])
     with pytest.raises(SystemExit):
-        lm.parse_args(["--steps", "0"])
+        lm.cli.parse_args(["--steps", "0"])
     with pytest.raises(SystemExit):
-        lm.parse_args(["--text", "no/such/file.txt"])
-    with pytest.raises(lm.UsageError, match=r"--d-model 36 must be a multiple of 2 \* --heads = 8"):
-        lm.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused"])
+        lm.cli.parse_args(["--text", "no/such/file.txt"])
+    with pytest.raises(lm.cli.UsageError,
+                       match=r"--d-model 36 must be a multiple of 2 \* --heads = 8"):
+        lm.cli.main(["--d-model", "36", "--heads", "4", "--checkpoint", "unused"])
 
 
 @pytest.mark.parametrize(
@@ -431,12 +427,12 @@ def test_bad_prompt_and_framework():
 )
 def test_bad_pattern(flags, message):
     lm = load_example()
-    with pytest.raises(lm.UsageError, match=message):
-        lm.main([*flags.split(), "--checkpoint", "unused"])
+    with pytest.raises(lm.cli.UsageError, match=message):
+        lm.cli.main([*flags.split(), "--checkpoint", "unused"])
     # A global-only model does not use the window: it is not checked against --seq-len.
-    args = lm.parse_args(["--window", "99"])
-    lm.settle_args(args, None, ())
-    assert lm.parse_pattern(args) == ("global",)
+    args = lm.cli.parse_args(["--window", "99"])
+    lm.run.settle_args(args, None, ())
+    assert lm.run.parse_pattern(args) == ("global",)
 
 
 # --------------------------------------------------------------------------
@@ -485,8 +481,7 @@ def same_model_report(check_loop_and_cache: bool = False, **sizes) -> dict:
     asked, the stacked params in the Python loop's layout, and KV-cached decoding (a prefill,
     then token by token), against the full forward (the smoke runs check those for the
     default model)."""
-    sys.path.insert(0, str(EXAMPLES))
-    import lm_models
+    lm_models = load_example().model
 
     config = lm_models.Config(**{"vocab": 11, "layers": 3, "d_model": 16, "heads": 2, **sizes})
     tokens = jax.random.randint(jax.random.key(1), (2, config.seq_len), 0, config.vocab)
@@ -546,13 +541,13 @@ def reports(env) -> dict:
     pytest.importorskip("stackwise.flax")
     pytest.importorskip("stackwise.equinox")
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_examples as t; "
+        "import json, sys; sys.path[:0] = sys.argv[1:3]; import test_examples as t; "
         "print(json.dumps({'default': t.same_model_report(seq_len=8), "
         "'pattern': t.same_model_report(True, **t.PATTERN)}))"
     )
-    here = str(pathlib.Path(__file__).parent)
+    here = str(pathlib.Path(__file__).parent)  # (and tests/, for _scripts)
     proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code, here],
+        [sys.executable, "-W", "error", "-c", code, here, str(pathlib.Path(here).parent)],
         capture_output=True,
         text=True,
         env=env,
@@ -589,8 +584,7 @@ def test_pattern_stack_equals_loop_and_cached_decoding(reports, framework):
 
 @pytest.mark.slow
 def test_local_blocks_see_only_their_window(reports):
-    sys.path.insert(0, str(EXAMPLES))
-    import lm_models
+    lm_models = load_example().model
 
     # The mask: a query at t sees the keys at t - window + 1 .. t.
     window, length = 3, 7
@@ -607,40 +601,39 @@ def test_the_command_line_offers_what_the_example_has():
     # The command line names its choices without importing JAX; they are the models' and
     # the optimizers' own, and the run time it announces is the docstring's figure.
     lm = load_example()
-    import lm_models
 
-    assert lm.FRAMEWORKS == lm_models.FRAMEWORKS
-    assert lm.OPTIMIZER_NAMES == tuple(lm.OPTIMIZERS)
-    assert f"{lm.DEFAULT_RUN_S} s on 2 idle CPU cores" in " ".join(lm.__doc__.split())
+    assert lm.cli.FRAMEWORKS == lm.model.FRAMEWORKS
+    assert lm.cli.OPTIMIZER_NAMES == tuple(lm.train.OPTIMIZERS)
+    assert f"{lm.cli.DEFAULT_RUN_S} s on 2 idle CPU cores" in " ".join(lm.__doc__.split())
 
 
 def test_the_run_is_announced_with_its_length_before_it_starts():
     lm = load_example()
-    args = lm.parse_args([])
-    lm.settle_args(args, None, ())
-    assert lm.announce(args, 0) == (
-        f"training 1600 steps (1 to 1600; --steps N to change): {lm.DEFAULT_RUN_S} s from start "
-        "to sample on 2 idle CPU cores, more on a busy machine; the estimate from this "
+    args = lm.cli.parse_args([])
+    lm.run.settle_args(args, None, ())
+    assert lm.run.announce(args, 0) == (
+        f"training 1600 steps (1 to 1600; --steps N to change): {lm.cli.DEFAULT_RUN_S} s from "
+        "start to sample on 2 idle CPU cores, more on a busy machine; the estimate from this "
         "machine's steps follows the compile")
     args.steps = 200  # another run: no measured figure, the estimate comes from the steps
-    assert lm.announce(args, 50) == (
+    assert lm.run.announce(args, 50) == (
         "training 150 steps (51 to 200; --steps N to change): the estimate from this "
         "machine's steps follows the compile")
 
 
 def test_the_estimate_comes_from_the_steps_after_the_first():
     lm = load_example()
-    estimate = lm.Estimate(start=4, steps=100)  # the first step, 5, starts the clock
+    estimate = lm.train.Estimate(start=4, steps=100)  # the first step, 5, starts the clock
     lines = [estimate.after(i, jnp.zeros(())) for i in range(5, 100)]
-    assert [i for i, line in zip(range(5, 100), lines) if line] == [5 + lm.Estimate.WINDOW]
+    assert [i for i, line in zip(range(5, 100), lines) if line] == [5 + lm.train.Estimate.WINDOW]
     assert re.fullmatch(r"\d+ ms a step: about \d+ s for the 85 steps left, plus validations "
-                        r"and saves", lines[lm.Estimate.WINDOW])
-    assert not any(lm.Estimate(0, 20).after(i, 0.0) for i in range(1, 21))  # too short
+                        r"and saves", lines[lm.train.Estimate.WINDOW])
+    assert not any(lm.train.Estimate(0, 20).after(i, 0.0) for i in range(1, 21))  # too short
 
 
 def test_a_relative_checkpoint_path_is_made_absolute(tmp_path, monkeypatch):
     # orbax and tensorstore's `file://` take no path relative to the cwd: a relative
     # --checkpoint once made every restore report the checkpoint as damaged.
     monkeypatch.chdir(tmp_path)
-    args = load_example().parse_args(["--checkpoint", "ck"])
+    args = load_example().cli.parse_args(["--checkpoint", "ck"])
     assert args.checkpoint == tmp_path / "ck" and args.checkpoint.is_absolute()

@@ -17,14 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _scripts import load_example
 from _tolerance import assert_close, reassociation_bound
-from test_examples import TINY, checkpoint_arrays, env, load_example, run_example
+from test_examples import TINY, checkpoint_arrays, env, run_example
 
 import stackwise
 
 __all__ = ["env"]  # (the fixture, shared with test_examples)
 
-#: The adapted leaves and their modules in a transformers layer (examples/lm_finetune.py's).
+#: The adapted leaves and their modules in a transformers layer (examples/lm/finetune.py's).
 MODULES = {"['qkv']": "self_attn.qkv_proj", "['out']": "self_attn.o_proj",
            "['up']": "mlp.up_proj", "['down']": "mlp.down_proj"}
 
@@ -54,7 +55,7 @@ def runs(tmp_path_factory, env) -> dict:
 
 
 def digest(adapters) -> str:
-    """examples/lm_finetune.py's digest of adapters: their shapes, dtypes and bytes."""
+    """examples/lm/finetune.py's digest of adapters: their shapes, dtypes and bytes."""
     sha = hashlib.sha256()
     for leaf in jax.tree.leaves(adapters):
         leaf = np.asarray(leaf)
@@ -64,10 +65,10 @@ def digest(adapters) -> str:
 
 def restored(ckpt: pathlib.Path):
     """The checkpoint's pure-JAX model: its config and params (as the example reads them)."""
-    example = load_example()  # (it puts examples/ on sys.path)
-    import lm_models
+    example = load_example()
+    lm_models = example.model
 
-    meta = example.read_meta(ckpt)
+    meta = example.checkpoints.read_meta(ckpt)
     run = meta["run"]
     config = lm_models.Config(vocab=len(meta["chars"]), layers=run["layers"],
                               d_model=run["d_model"], heads=run["heads"],
@@ -76,15 +77,14 @@ def restored(ckpt: pathlib.Path):
     arrays = checkpoint_arrays(ckpt)
     params = jax.tree_util.tree_map_with_path(
         lambda path, _: jnp.asarray(arrays["['params']" + jax.tree_util.keystr(path)]), template)
-    chars, data, _ = example.load_text(run["text"])
-    val = example.val_windows(data[int(0.9 * len(data)):], run["seq_len"])
+    chars, data, _ = example.data.load_text(run["text"])
+    val = example.data.val_windows(data[int(0.9 * len(data)):], run["seq_len"])
     return config, params, val
 
 
 def check_finetuned(result: dict, ckpt: pathlib.Path, quantize: str | None) -> None:
     config, params, val = restored(ckpt)
-    import lm_finetune  # (examples/, on sys.path once the example is loaded)
-    import lm_models
+    lm_finetune, lm_models = load_example().finetune, load_example().model
 
     base = params["blocks"]
     if quantize:
@@ -129,7 +129,7 @@ def test_lora_fine_tunes_the_checkpoint_and_saves_peft_adapters(runs):
     check_finetuned(runs["lora"], runs["ckpt"], None)
     # Before the first step the adapters change nothing: the checkpoint's own validation loss.
     assert runs["lora"]["lora_loss_before"] == pytest.approx(
-        load_example().read_meta(runs["ckpt"])["val_loss"], rel=1e-6)
+        load_example().checkpoints.read_meta(runs["ckpt"])["val_loss"], rel=1e-6)
     assert runs["lora"]["loop_diff"] <= 1e-4 and runs["lora"]["cache_diff"] <= 1e-4
     assert runs["lora"]["serving_diff"] <= 1e-4  # merged, sampled in the serving layout
     assert len(runs["lora"]["sample"]) == 1 + 12
@@ -152,7 +152,7 @@ def test_lora_of_another_framework_and_a_pattern_in_layer_order(runs):
     assert result["lora_loss_after"] < result["lora_loss_before"]
     # Carried over into the pure-JAX model, the params give the Equinox model's loss.
     assert result["lora_loss_before"] == pytest.approx(
-        load_example().read_meta(runs["other"])["val_loss"], rel=1e-5)
+        load_example().checkpoints.read_meta(runs["other"])["val_loss"], rel=1e-5)
     folder = runs["other"].with_name(runs["other"].name + "_lora")
     from safetensors.numpy import load_file
 
@@ -165,4 +165,4 @@ def test_lora_of_another_framework_and_a_pattern_in_layer_order(runs):
 
 def test_the_command_line_offers_the_quantizers_stackwise_has():
     # --quantize's choices are named without importing JAX; they are stackwise.quant's kinds.
-    assert load_example().QUANT_KINDS == stackwise.quant.KINDS
+    assert load_example().cli.QUANT_KINDS == stackwise.quant.KINDS

@@ -3,7 +3,7 @@ mistypes at 2 a.m. would try them.
 
 Each is refused before any work (training and sampling are replaced by functions that fail the
 test if called) with an error that names the flag (or the file at fault), exit status 2 and no
-traceback. The command runs in-process: `cli(argv)`, whose argparse errors exit.
+traceback. The command runs in-process: `lm.cli.cli(argv)`, whose argparse errors exit.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from _scripts import load_script
+from _scripts import load_example
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 #: A tiny model (the same as tests/examples' smoke runs) with a context of 16.
 TINY = "--layers 2 --d-model 32 --heads 2 --seq-len 16 --batch 2 --steps 3 --quiet".split()
 TEXT = "the quick brown fox jumps over the lazy dog\n" * 20
@@ -161,7 +160,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def lm():
-    return load_script(EXAMPLES / "transformer_lm.py")  # (it puts examples/ on sys.path)
+    return load_example()  # (the package examples/lm)
 
 
 @pytest.fixture(scope="module")
@@ -177,19 +176,19 @@ def files(lm, tmp_path_factory) -> pathlib.Path:
     (tmp / "junk").mkdir()
     (tmp / "junk" / "notes.txt").write_text("not a checkpoint")
     # A checkpoint of the tiny run (zeros: the values do not matter here), to damage.
-    args = lm.parse_args([*TINY, "--text", str(tmp / "tiny.txt")])
-    lm.settle_args(args, None, ())
-    chars, _, sha256 = lm.load_text(args.text)
-    import lm_models
+    args = lm.cli.parse_args([*TINY, "--text", str(tmp / "tiny.txt")])
+    lm.run.settle_args(args, None, ())
+    chars, _, sha256 = lm.data.load_text(args.text)
+    lm_models = lm.model
 
     config = lm_models.Config(vocab=len(chars), layers=2, d_model=32, heads=2, seq_len=16)
     model = lm_models.build("jax", config)
-    run = lm.run_identity(args, sha256)
+    run = lm.run.run_identity(args, sha256)
     state = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype),
-                         lm.state_template(model, args, run))
-    meta = {"format": lm.FORMAT, "run": run, "step": 3, "val_loss": 1.0, "chars": chars}
+                         lm.run.state_template(model, args, run))
+    meta = {"format": lm.cli.FORMAT, "run": run, "step": 3, "val_loss": 1.0, "chars": chars}
     for name in ("badmeta", "emptymeta", "truncated", "damaged"):
-        lm.save_checkpoint(tmp / name, state, meta)
+        lm.checkpoints.save_checkpoint(tmp / name, state, meta)
     (tmp / "badmeta" / "3" / "meta" / "metadata").write_text("{not json")
     (tmp / "emptymeta" / "3" / "meta" / "metadata").write_text("")
     for name, file in [("truncated", "manifest.ocdbt"), ("damaged", "_METADATA")]:
@@ -197,17 +196,18 @@ def files(lm, tmp_path_factory) -> pathlib.Path:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     params = dict(state["params"])
     del params["head"]
-    lm.save_checkpoint(tmp / "short", {**state, "params": params}, meta)
-    lm.save_checkpoint(tmp / "nometa", state, {k: v for k, v in meta.items() if k != "chars"})
+    lm.checkpoints.save_checkpoint(tmp / "short", {**state, "params": params}, meta)
+    lm.checkpoints.save_checkpoint(tmp / "nometa", state,
+                                   {k: v for k, v in meta.items() if k != "chars"})
     # An --export of the tiny run with one tensor missing.
     from safetensors.numpy import save_file
 
     (tmp / "export").mkdir()
     save_file({"model.embed_tokens.weight": np.zeros((len(chars), 32), np.float32)},
               str(tmp / "export" / "model.safetensors"))
-    (tmp / "export" / lm.EXPORT_META).write_text(json.dumps(meta))
+    (tmp / "export" / lm.cli.EXPORT_META).write_text(json.dumps(meta))
     (tmp / "badexport").mkdir()
-    (tmp / "badexport" / lm.EXPORT_META).write_text("{")
+    (tmp / "badexport" / lm.cli.EXPORT_META).write_text("{")
     return tmp
 
 
@@ -218,14 +218,15 @@ def no_work(lm, monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("the example started working on a command it should refuse")
 
-    for name in ("train", "generate", "cached_vs_full", "fine_tune"):
-        monkeypatch.setattr(lm, name, started)
+    for module, name in [(lm.train, "train"), (lm.sample, "generate"),
+                         (lm.sample, "cached_vs_full"), (lm.finetune, "fine_tune")]:
+        monkeypatch.setattr(module, name, started)
 
 
 def refused(lm, argv: list[str], capsys) -> str:
     """The error of ``cli(argv)``, which must exit with status 2, without a traceback."""
     try:
-        code = lm.cli(argv)
+        code = lm.cli.cli(argv)
     except SystemExit as e:  # argparse's errors
         code = e.code
     err = capsys.readouterr().err
@@ -256,12 +257,12 @@ def snapshot(folder: pathlib.Path) -> dict:
 
 
 def test_a_diverged_run_is_stopped_naming_the_flag(lm):
-    args = lm.parse_args(["--lr", "10"])
-    lm.check_finite(2.5, 7, args)  # a number: training goes on
+    args = lm.cli.parse_args(["--lr", "10"])
+    lm.train.check_finite(2.5, 7, args)  # a number: training goes on
     for loss in (float("nan"), float("inf")):
-        with pytest.raises(lm.UsageError, match=r"diverged: .* at step 7; pass a smaller --lr "
+        with pytest.raises(lm.cli.UsageError, match=r"diverged: .* at step 7; pass a smaller --lr "
                            r"than 10\.0 \(the default is 0\.002\) and --overwrite"):
-            lm.check_finite(loss, 7, args)
+            lm.train.check_finite(loss, 7, args)
 
 
 def test_a_framework_that_is_not_installed_gets_the_install_hint(

@@ -8,18 +8,15 @@ change of its update where the gradient is near zero, which would drown what is 
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 
 import jax
 import optax
 import pytest
-from _scripts import load_script
+from _scripts import load_example
 from _tolerance import LAMBDA, check, compare
 
 pytestmark = pytest.mark.slow  # compiles the LM's step and Muon's orthogonalisation
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 STEPS = 2
 # The stacked model's params within LOOP_BOUND * eps * (the leaf's largest magnitude) of the loop
 # model's (tests/_tolerance.py): the same optimizer arithmetic, batched or not, each step's update
@@ -31,11 +28,10 @@ LOOP_BOUND = math.ceil(STEPS * (1 + 0.1 * LAMBDA * math.sqrt(16 * 64)))
 
 @pytest.fixture(scope="module")
 def example():
-    """The example module, and one tiny LM with its jitted gradient function, shared by the
+    """The example's package, and one tiny LM with its jitted gradient function, shared by the
     optimizers (one compile of the gradients)."""
-    module = load_script(EXAMPLES / "transformer_lm.py", "transformer_lm_optax")
-    # (it puts examples/ on sys.path, for lm_models)
-    lm_models = sys.modules["lm_models"]
+    module = load_example()
+    lm_models = module.model
     lm = lm_models.build(FRAMEWORK, lm_models.Config(vocab=11, layers=2, d_model=16, heads=2,
                                                      seq_len=8))
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 11)
@@ -53,9 +49,10 @@ FRAMEWORK = "jax"
 @pytest.mark.parametrize("optimizer", ["muon", "lamb"])
 def test_first_steps_equal_the_loop_model(example, optimizer):
     t, lm, params, grads = example
-    args = t.parse_args(["--optimizer", optimizer, "--steps", "10", "--lr", "1e-2"])
-    t.settle_args(args, None, t.RUN_DEFAULTS)
-    stacked_tx, loop_tx = t.make_optimizer(args), t.make_optimizer(args, layerwise=False)
+    args = t.cli.parse_args(["--optimizer", optimizer, "--steps", "10", "--lr", "1e-2"])
+    t.run.settle_args(args, None, t.cli.RUN_DEFAULTS)
+    stacked_tx = t.train.make_optimizer(args)
+    loop_tx = t.train.make_optimizer(args, layerwise=False)
 
     def step_of(tx, layout=lambda g: g):
         @jax.jit

@@ -73,3 +73,19 @@ def test_help_and_a_bad_argument_answer_before_jax_is_imported(command):
 @pytest.mark.parametrize("command", BENCH, ids=" ".join)
 def test_stackwise_bench_answers_before_jax_is_imported(command):
     check(command, BENCH_HEAVY)
+
+
+#: The modules of the example's package: none is a command.
+EXAMPLE_MODULES = sorted(p.name for p in (ROOT / "examples" / "lm").glob("*.py")
+                         if p.name != "__init__.py")
+
+
+@pytest.mark.every_case  # (each well under a second)
+@pytest.mark.parametrize("module", EXAMPLE_MODULES)
+def test_a_module_of_the_example_run_by_mistake_names_the_command(module):
+    # `python examples/lm/train.py --help` neither pretends to be a command nor imports JAX: it
+    # says which command to run.
+    code, out, modules = imported([f"examples/lm/{module}"], "--help")
+    assert code == 1 and "usage:" not in out, out[-2000:]
+    assert "not a command; the command is: python examples/transformer_lm.py" in out, out
+    assert not modules & set(HEAVY), f"it imported {sorted(modules & set(HEAVY))}"

@@ -52,9 +52,10 @@ def test_readme_framework_example_runs(framework):
 
 
 def test_the_example_run_time_is_one_figure_everywhere():
-    # The README, the example's --help (its docstring) and the tuning page: the same seconds.
+    # The README, the example's --help (its package's docstring) and the tuning page: the same
+    # seconds.
     pattern = r"(\d+) s on 2 idle CPU cores"
-    pages = [README, ROOT / "examples" / "transformer_lm.py", ROOT / "docs" / "example-tuning.md"]
+    pages = [README, ROOT / "examples" / "lm" / "__init__.py", ROOT / "docs" / "example-tuning.md"]
     figures = {page.name: re.findall(pattern, " ".join(page.read_text().split())) for page in pages}
     assert all(len(found) == 1 for found in figures.values()), figures
     assert len({found[0] for found in figures.values()}) == 1, figures

@@ -28,6 +28,10 @@ over through the Hugging Face-style names all five share (``hf_names``), bitwise
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run by mistake: not a command
+    raise SystemExit(f"{__file__} is a module of the example's package, not a command; the "
+                     "command is: python examples/transformer_lm.py (--help lists its flags)")
+
 import argparse
 import dataclasses
 import hashlib
@@ -39,12 +43,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import lm_models
 import numpy as np
 import optax
 
 import stackwise
 import stackwise.optax
+from lm import model as lm_model
+from lm.checkpoints import hf_names
+from lm.data import sample_batch
+from lm.train import check_finite, make_optimizer
 
 #: The adapted leaves of a block, with their modules in a Llama-like transformers layer (the
 #: names of the example's --export; PEFT's adapter files use them).
@@ -54,6 +61,27 @@ MODULES = {
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
 }
+
+
+def fine_tune(args: argparse.Namespace, config: lm_model.Config, params, names, train_data, val,
+              result: dict, log=print) -> tuple[lm_model.LM, Any]:
+    """``--lora``: the checkpoint's ``params`` (of ``--framework``'s model, named ``names``)
+    fine-tuned in the pure-JAX model (:func:`finetune`); returns the model and params to
+    sample, and adds the run's record to ``result``."""
+    pattern = config.pattern
+    if args.framework != "jax":  # the same params, read into the pure-JAX model's layout
+        jax_template = jax.eval_shape(lm_model.build_jax(config).init, jax.random.key(0))
+        params = pure_jax_params(params, names, jax_template,
+                                 hf_names("jax", jax_template, pattern), len(pattern))
+        log(f"fine-tuning the {args.framework} checkpoint in the pure-JAX model (the same "
+            "params, through the Hugging Face-style names)")
+    lm, params, record = finetune(
+        args, config, params,
+        batches=lambda key: sample_batch(key, train_data, args.batch, args.seq_len),
+        val=val, optimizer=make_optimizer(args, layerwise=False),
+        check=lambda loss, step: check_finite(loss, step, args), log=log)
+    result.update(record)
+    return lm, params
 
 
 def is_target(path: str, shape: tuple) -> bool:
@@ -88,8 +116,8 @@ def pure_jax_params(params, names, jax_template, jax_names, k: int):
         return stackwise.load_checkpoint(str(folder), jax_template, jax_names, pattern=pattern)
 
 
-def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batches, val,
-             optimizer, check, log=print) -> tuple[lm_models.LM, Any, dict]:
+def finetune(args: argparse.Namespace, config: lm_model.Config, params, *, batches, val,
+             optimizer, check, log=print) -> tuple[lm_model.LM, Any, dict]:
     """Fine-tunes adapters on the pure-JAX model's pre-trained ``params`` (frozen) for
     ``args.steps`` steps; saves them to ``args.adapters``; returns the model and params to
     sample with (merged, or the quantized base with its adapters) and a record of the run.
@@ -100,7 +128,7 @@ def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batc
     k = len(config.pattern)
     # Every block rematerialised while training: its float (dequantized, adapted) weights are
     # rebuilt in the backward pass, one layer at a time, instead of kept for every layer.
-    lm = lm_models.build_jax(dataclasses.replace(config, remat=True), adapted=True)
+    lm = lm_model.build_jax(dataclasses.replace(config, remat=True), adapted=True)
     base = params["blocks"]
     if args.quantize:
         base = per_position(lambda b: stackwise.quant.quantize(b, args.quantize, is_target),
@@ -119,7 +147,7 @@ def finetune(args: argparse.Namespace, config: lm_models.Config, params, *, batc
     # The merged model (into the dequantized base, for a quantized one) against the wrapped.
     floats = per_position(stackwise.quant.dequantize, base, k=k)
     merged = {**params, "blocks": per_position(stackwise.lora.merge, floats, adapters, k=k)}
-    plain = lm_models.build_jax(config)
+    plain = lm_model.build_jax(config)
     window = val[0][:1]
     positions = jnp.arange(window.shape[1])
     wrapped_logits, _ = jax.jit(lm.apply)(model, window, positions)
@@ -150,7 +178,7 @@ def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[An
     tx = stackwise.optax.layerwise(optimizer, stackwise.lora.layer_axes(trainable))
 
     def loss(trainable, inputs, targets):
-        return lm_models.loss_fn(lm, stackwise.lora.combine(trainable, frozen), inputs, targets)
+        return lm_model.loss_fn(lm, stackwise.lora.combine(trainable, frozen), inputs, targets)
 
     @jax.jit
     def step(trainable, opt_state, key):
