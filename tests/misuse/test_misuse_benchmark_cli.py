@@ -1,6 +1,7 @@
-"""Misuses of the checkpoint benchmark's command line (`benchmarks/checkpoint_load.py`).
+"""Misuses of the benchmarks' command lines (`benchmarks/checkpoint_load.py`, `optimizer_step.py`,
+`tpu_decode_hlo.py`, `offload_memory.py`).
 
-Each is refused by argument parsing, before a checkpoint is written: exit status 2 and a
+Each is refused by argument parsing, before a checkpoint is written or JAX runs: exit status 2 and a
 message naming the flag. The parser runs in-process: `parse_args(argv)`.
 """
 
@@ -58,3 +59,41 @@ def test_optimizer_step_sizes_are_positive_integers(tmp_path, capsys, flag, valu
     script = load_script(OPTIMIZER_STEP)  # (imports JAX and optax; the parser runs first)
     assert_cli_refused(script.parse_args, [flag, value], flag,
                        f"expected a positive integer, got {value!r}", capsys)
+
+
+TPU_DECODE_HLO = SCRIPT.parent / "tpu_decode_hlo.py"
+OFFLOAD_MEMORY = SCRIPT.parent / "offload_memory.py"
+
+#: (script, argv, the flag the message names, a part of the message): the TPU-compiled tables'
+#: flags, refused by the parser before JAX or libtpu is imported.
+TPU_TABLE_CASES = [
+    (TPU_DECODE_HLO, ["--n", "0"], "--n", "expected a positive integer, got '0'"),
+    (TPU_DECODE_HLO, ["--heads", "two"], "--heads", "expected a positive integer, got 'two'"),
+    (TPU_DECODE_HLO, ["--shapes", "512:1024"], "--shapes",
+     "expected D:T:B triples of positive integers, comma-separated (e.g. 512:1024:8), got "
+     "'512:1024'"),
+    (TPU_DECODE_HLO, ["--shapes", "512:0:8"], "--shapes", "got '512:0:8'"),
+    (TPU_DECODE_HLO, ["--dtypes", "float32,float16"], "--dtypes",
+     "expected float32 and/or bfloat16, comma-separated, got 'float16'"),
+    (TPU_DECODE_HLO, ["--heads", "3", "--shapes", "512:64:1"], "--heads",
+     "3 heads do not divide D=512 of --shapes"),
+    (OFFLOAD_MEMORY, ["--shapes", "24:1024:x"], "--shapes",
+     "expected n:d:batch triples of positive integers"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize(("path", "argv", "flag", "message"), TPU_TABLE_CASES,
+                         ids=[f"{c[0].stem} {' '.join(c[1])}" for c in TPU_TABLE_CASES])
+def test_tpu_tables_refuse(path, capsys, monkeypatch, argv, flag, message):
+    monkeypatch.syspath_prepend(str(path.parent))  # (offload_memory.py imports its sibling)
+    assert_cli_refused(load_script(path).parse_args, argv, flag, message, capsys)
+
+
+def test_tpu_tables_parse_their_flags(monkeypatch):
+    monkeypatch.syspath_prepend(str(TPU_DECODE_HLO.parent))
+    args = load_script(TPU_DECODE_HLO).parse_args(
+        ["--n", "48", "--shapes", "256:512:8,1024:4096:1", "--heads", "4", "--dtypes", "bfloat16"])
+    assert (args.n, args.shapes, args.heads, args.dtypes) == (
+        48, [(256, 512, 8), (1024, 4096, 1)], 4, ["bfloat16"])
+    assert load_script(OFFLOAD_MEMORY).parse_args(["--shapes", "2:8:4"]).shapes == [(2, 8, 4)]

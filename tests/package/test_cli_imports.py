@@ -32,7 +32,7 @@ COMMANDS = [
     *[
         [f"benchmarks/{p.name}"]
         for p in sorted((ROOT / "benchmarks").glob("*.py"))
-        if p.name != "core.py"
+        if p.name != "core.py" and not p.name.startswith("_")  # (_devices.py: a module)
     ],
 ]
 BENCH = [["-m", "stackwise.bench"], ["benchmarks/core.py"]]

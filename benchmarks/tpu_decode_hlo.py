@@ -1,0 +1,295 @@
+"""Where a scanned decode step's time goes on a TPU, read from the compiled program.
+
+Compiles one decoding step (one token, n attention layers, the KV cache donated: the
+``decode`` block of ``stackwise-bench``) for a TPU v5e and reads XLA's optimized HLO: which
+buffers the size of one layer's cache the program makes inside its loop over the layers
+(a dynamic slice of the stacked cache, a copy into another layout), in which memory (HBM,
+or XLA's memory space 1: on a TPU the on-chip VMEM), the bytes they hold per token, the
+stacked weights converted to bfloat16 before the loop, and the compiler's temp memory.
+Nothing runs, so no chip is needed: on a machine without one, libtpu compiles for a v5e
+described by name (compile-only devices). Install the libtpu that JAX's ``tpu`` extra pins
+(``pip install 'libtpu==0.0.42.*'`` for jax 0.10.2) and run
+
+    TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost JAX_PLATFORMS=cpu \\
+        python benchmarks/tpu_decode_hlo.py --markdown benchmarks/results/tpu_decode_hlo.md
+
+(on a TPU host, leave out the three variables: it compiles for the chip it has). Rows:
+
+- ``loop``: a Python loop over per-layer params and caches (what a loop model runs, and
+  what ``stackwise.to_serving`` gives ``Stacked.apply``: the same program);
+- ``stackwise``: ``stackwise.stack(..., with_state=True)``, the scanned form;
+- ``lax.scan, cache in carry``: a hand-written scan slicing layer i's cache out of the carry
+  and writing it back;
+- ``lax.scan, writes into the carry``: a hand-written scan whose layer writes its new keys
+  and values straight into the stacked cache in the carry and reads its slice of it, with
+  the default layout of the cache and with ``Layout.AUTO`` (the compiler picks the layout
+  the cache is kept in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+
+
+def positive(value: str) -> int:
+    """An argparse type: an integer of 1 or more."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def triples(names: str):
+    """An argparse type: comma-separated ``a:b:c`` triples of positive integers, named by
+    ``names`` (e.g. ``"D:T:B"``) in the message."""
+
+    def parse(value: str) -> list[tuple[int, int, int]]:
+        out = []
+        for item in value.split(","):
+            parts = item.split(":")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise argparse.ArgumentTypeError(
+                    f"expected {names} triples of positive integers, comma-separated "
+                    f"(e.g. 512:1024:8), got {item!r} in {value!r}")
+            out.append(tuple(int(p) for p in parts))
+        return out
+
+    return parse
+
+
+def dtypes(value: str) -> list[str]:
+    """An argparse type: float32 and/or bfloat16, comma-separated."""
+    names = value.split(",")
+    for name in names:
+        if name not in ("float32", "bfloat16"):
+            raise argparse.ArgumentTypeError(
+                f"expected float32 and/or bfloat16, comma-separated, got {name!r}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=positive, default=24, help="layers (default 24)")
+    p.add_argument("--shapes", type=triples("D:T:B"),
+                   default="256:512:8,512:1024:8,1024:1024:8,512:2048:32,2048:8192:1",
+                   help="D:T:B triples (model width, cache positions, batch), comma-separated")
+    p.add_argument("--heads", type=positive, default=8, help="attention heads (head size D/heads)")
+    p.add_argument("--dtypes", type=dtypes, default="float32,bfloat16",
+                   help="params' and cache's dtypes")
+    p.add_argument("--markdown", default="", help="also write the table to this file")
+    args = p.parse_args(argv)
+    for d, _, _ in args.shapes:
+        if d % args.heads:
+            p.error(f"argument --heads: {args.heads} heads do not divide D={d} of --shapes")
+    return args
+
+
+def tpu_device():
+    """The attached TPU, or a compile-only v5e (libtpu, no chip)."""
+    import jax
+    from jax.experimental import topologies
+
+    if jax.default_backend() == "tpu":
+        return jax.devices()[0]
+    topology = topologies.get_topology_desc(
+        platform="tpu", topology_name="v5e:1x1", chips_per_host_bounds=[1, 1, 1])
+    return topology.devices[0]
+
+
+def compiled_for(dev) -> str:
+    """What the programs were compiled for, and with which jax, jaxlib and libtpu."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import jax
+    import jaxlib
+
+    try:
+        libtpu = version("libtpu")
+    except PackageNotFoundError:  # a TPU host whose libtpu came another way
+        libtpu = "unknown"
+    attached = "attached" if jax.default_backend() == "tpu" else "compile-only"
+    return (f"Compiled for {dev.device_kind} ({attached}), jax {jax.__version__}, jaxlib "
+            f"{jaxlib.__version__}, libtpu {libtpu}")
+
+
+def variants(n: int, d: int, heads: int):
+    """name -> (step, params kind, cache kind, cache layout AUTO?)."""
+    import jax
+    import jax.numpy as jnp
+
+    import stackwise
+
+    def linear(p, h):
+        return h @ p["w"] + p["b"]
+
+    def attend(q, k_cache, v_cache, pos):
+        b, t, h, dh = q.shape
+        logits = jnp.einsum("bthd,bshd->bhts", q, k_cache) / math.sqrt(dh)
+        seen = jnp.arange(k_cache.shape[1])[None, :] <= (pos + jnp.arange(t))[:, None]
+        weights = jax.nn.softmax(jnp.where(seen, logits, jnp.finfo(logits.dtype).min), -1)
+        return jnp.einsum("bhts,bshd->bthd", weights, v_cache).reshape(b, t, h * dh)
+
+    def qkv_of(p, h):
+        b, t, _ = h.shape
+        return (a.reshape(b, t, heads, d // heads) for a in jnp.split(linear(p["qkv"], h), 3, -1))
+
+    def layer(p, cache, h, pos):  # the bench's decode layer
+        q, k, v = qkv_of(p, h)
+        k_cache, v_cache = (
+            jax.lax.dynamic_update_slice_in_dim(cache[c], new.astype(cache[c].dtype), pos, 1)
+            for c, new in (("k", k), ("v", v)))
+        return h + linear(p["out"], attend(q, k_cache, v_cache, pos)), {"k": k_cache, "v": v_cache}
+
+    def loop(ps, caches, h, pos):
+        new = []
+        for p, c in zip(ps, caches):
+            h, c = layer(p, c, h, pos)
+            new.append(c)
+        return h, new
+
+    stacked = stackwise.stack(None, layer, n, with_state=True, remat=False)
+    unrolled = stackwise.stack(None, layer, n, with_state=True, remat=False, unroll=True)
+
+    def carry(ps, cache, h, pos):
+        def body(carry, inputs):
+            (h, cache), (p, i) = carry, inputs
+            mine = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), cache)
+            h, mine = layer(p, mine, h, pos)
+            cache = jax.tree.map(lambda a, c: jax.lax.dynamic_update_index_in_dim(a, c, i, 0),
+                                 cache, mine)
+            return (h, cache), None
+
+        return jax.lax.scan(body, (h, cache), (ps, jnp.arange(n)))[0]
+
+    def writes_into_carry(ps, cache, h, pos):
+        def body(carry, inputs):
+            (h, k_all, v_all), (p, i) = carry, inputs
+            q, k, v = qkv_of(p, h)
+            zero = jnp.zeros((), jnp.int32)
+            at = (i, zero, pos, zero, zero)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+            y = attend(q, jax.lax.dynamic_index_in_dim(k_all, i, 0, False),
+                       jax.lax.dynamic_index_in_dim(v_all, i, 0, False), pos)
+            return (h + linear(p["out"], y), k_all, v_all), None
+
+        (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache["k"], cache["v"]), (ps, jnp.arange(n)))
+        return h, {"k": k_all, "v": v_all}
+
+    return {
+        "loop (= serving layout)": (loop, "layers", False),
+        "stackwise": (stacked.apply, "stacked", False),
+        "stackwise, unroll=True": (unrolled.apply, "stacked", False),
+        "stackwise, to_serving": (stacked.apply, "served", False),
+        "lax.scan, cache in carry": (carry, "stacked", False),
+        "lax.scan, writes into the carry": (writes_into_carry, "stacked", False),
+        "the same, Layout.AUTO cache": (writes_into_carry, "stacked", True),
+    }
+
+
+def per_layer_buffers(hlo: str, one_layer: str) -> list[str]:
+    """The instructions that make a buffer the size of one layer's cache: a fusion holding a
+    dynamic slice, or a copy (a change of layout)."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*%(\S+) = (\w+\[[\d,]+\])\{([^}]*)\} (copy|fusion)\(", line)
+        if not m:
+            continue
+        name, shape, layout, op = m.groups()
+        minor_to_major, _, tiling = layout.partition(":")
+        dims = shape.split("[")[1].rstrip("]").split(",")
+        if ",".join(d for d in dims if d != "1") != one_layer:
+            continue
+        if op == "copy" or "dynamic-slice" in name:
+            # S(1): XLA's alternate memory space, the TPU's on-chip VMEM; else HBM
+            found.append(f"{op} {{{minor_to_major}}} {'VMEM' if 'S(1)' in tiling else 'HBM'}")
+    return found
+
+
+def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.layout import Format, Layout
+
+    import stackwise
+
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    dt = jnp.dtype(dtype)
+
+    def sds(shape, dtype=dt):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def params(lead):
+        return {"qkv": {"w": sds((*lead, d, 3 * d)), "b": sds((*lead, 3 * d))},
+                "out": {"w": sds((*lead, d, d)), "b": sds((*lead, d))}}
+
+    cache_shape = (b, t, heads, d // heads)
+    one_layer = ",".join(str(s) for s in cache_shape if s != 1)
+    layer_cache_bytes = math.prod(cache_shape) * dt.itemsize
+    h, pos = sds((b, 1, d)), jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
+    rows = []
+    for name, (step, kind, auto) in variants(n, d, heads).items():
+        if kind in ("layers", "served"):
+            ps = [params(()) for _ in range(n)]
+            cache = [{"k": sds(cache_shape), "v": sds(cache_shape)} for _ in range(n)]
+            if kind == "served":
+                ps, cache = stackwise.Serving(ps), stackwise.Serving(cache)
+            jitted = jax.jit(step, donate_argnums=1)
+        else:
+            ps = params((n,))
+            cache = {"k": sds((n, *cache_shape)), "v": sds((n, *cache_shape))}
+            fmt = Format(Layout.AUTO, sharding) if auto else sharding
+            cache_fmt = {"k": fmt, "v": fmt}
+            jitted = jax.jit(step, donate_argnums=1,
+                             in_shardings=(sharding, cache_fmt, sharding, sharding),
+                             out_shardings=(sharding, cache_fmt))
+        compiled = jitted.trace(ps, cache, h, pos).lower().compile()
+        hlo, memory = compiled.as_text(), compiled.memory_analysis()
+        buffers = per_layer_buffers(hlo, one_layer)
+        rows.append({
+            "variant": name, "dtype": dtype, "D": d, "T": t, "B": b,
+            "per-layer cache buffers in the loop": len(buffers),
+            "their MiB/token": n * len(buffers) * layer_cache_bytes / 2**20,
+            "cache MiB": 2 * n * layer_cache_bytes / 2**20,
+            "args MiB": memory.argument_size_in_bytes / 2**20,
+            "temp MiB": memory.temp_size_in_bytes / 2**20,
+            "bf16 weights made": len(re.findall(r"= bf16\[\d+,\d+,\d+\]\{[^}]*\} convert\(", hlo)),
+            "made": ", ".join(buffers) or "-",
+        })
+    return rows
+
+
+def table(rows: list[dict], header: str) -> str:
+    cols = list(rows[0])
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v)
+                                       for v in r.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dev = tpu_device()
+    rows = []
+    for d, t, b in args.shapes:
+        for dtype in args.dtypes:
+            rows += measure(args.n, d, t, b, args.heads, dtype, dev)
+    header = (f"{compiled_for(dev)}; n={args.n}, {args.heads} heads; "
+              f"`{' '.join(['python benchmarks/tpu_decode_hlo.py', *sys.argv[1:]])}`")
+    out = table(rows, header)
+    print(out)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
