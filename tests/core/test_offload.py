@@ -80,17 +80,20 @@ def test_each_layers_carry_goes_to_host_memory(inputs):
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason="host and device memory are one "
                     "on the CPU; .ci/tpu runs this on the chip")
 def test_on_a_tpu_the_carries_leave_the_device_memory():
-    n, d, batch = 12, 512, 2048
-    params = {"w": jnp.zeros((n, d, d))}
-    x = jnp.zeros((batch, d))
+    """Compiled for a v5e (benchmarks/offload_memory.py, no chip needed), at these sizes: the
+    saved carries take 384 MiB of device temp at 'highest' (192 MiB at the default precision,
+    where XLA keeps them in bfloat16 for the backward's bfloat16 matmuls); offloaded, the host
+    holds the 384 MiB of float32 carries and the device about one layer's (16.5-16.8 MiB)."""
+    n, d, batch = 24, 1024, 4096
+    params = {"w": jax.ShapeDtypeStruct((n, d, d), jnp.float32)}
+    x = jax.ShapeDtypeStruct((batch, d), jnp.float32)
     memory = {}
     for name, remat in {"save": SAVE, "offload": OFFLOAD}.items():
         layers = stackwise.stack(init, apply, n, remat=remat)
         step = jax.jit(jax.grad(lambda p, x, layers=layers: layers.apply(p, x).sum()))
         memory[name] = step.lower(params, x).compile().memory_analysis()
-    carries = n * batch * d * 4
+    carries, one_layer = n * batch * d * 4, batch * d * 4
     assert memory["save"].host_temp_size_in_bytes == 0
+    assert memory["save"].temp_size_in_bytes >= carries / 2  # on the device, bfloat16 at least
     assert memory["offload"].host_temp_size_in_bytes == carries
-    # what leaves the device is the carries, less one layer's in flight
-    saved = memory["save"].temp_size_in_bytes - memory["offload"].temp_size_in_bytes
-    assert saved >= carries * (n - 2) / n, (saved, carries)
+    assert memory["offload"].temp_size_in_bytes <= 2 * one_layer  # about one layer's in flight
