@@ -126,12 +126,13 @@ def variants(n: int, d: int, heads: int):
     import stackwise
 
     def linear(p, h):
-        return h @ p["w"] + p["b"]
+        return h @ p["w"] + p["b"][None, None, :]
 
     def attend(q, k_cache, v_cache, pos):
         b, t, h, dh = q.shape
         logits = jnp.einsum("bthd,bshd->bhts", q, k_cache) / math.sqrt(dh)
-        seen = jnp.arange(k_cache.shape[1])[None, :] <= (pos + jnp.arange(t))[:, None]
+        positions = jnp.arange(k_cache.shape[1])[None, None, None, :]
+        seen = positions <= (pos + jnp.arange(t))[None, None, :, None]
         weights = jax.nn.softmax(jnp.where(seen, logits, jnp.finfo(logits.dtype).min), -1)
         return jnp.einsum("bhts,bshd->bthd", weights, v_cache).reshape(b, t, h * dh)
 
@@ -249,11 +250,18 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev) -> list
             jitted = jax.jit(step, donate_argnums=1,
                              in_shardings=(sharding, cache_fmt, sharding, sharding),
                              out_shardings=(sharding, cache_fmt))
-        compiled = jitted.trace(ps, cache, h, pos).lower().compile()
+        row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b}
+        try:
+            compiled = jitted.trace(ps, cache, h, pos).lower().compile()
+        except jax.errors.JaxRuntimeError as e:  # the compiler's plan exceeds the chip's HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            rows.append({**row, "made": "does not fit: " + str(e).split(": ", 1)[-1][:120]})
+            continue
         hlo, memory = compiled.as_text(), compiled.memory_analysis()
         buffers = per_layer_buffers(hlo, one_layer)
         rows.append({
-            "variant": name, "dtype": dtype, "D": d, "T": t, "B": b,
+            **row,
             "per-layer cache buffers in the loop": len(buffers),
             "their MiB/token": n * len(buffers) * layer_cache_bytes / 2**20,
             "cache MiB": 2 * n * layer_cache_bytes / 2**20,
@@ -266,11 +274,14 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev) -> list
 
 
 def table(rows: list[dict], header: str) -> str:
-    cols = list(rows[0])
+    """A Markdown table of ``rows`` under ``header``: the columns of the longest row (a row
+    that did not compile has fewer; its missing cells are blank)."""
+    cols = list(max(rows, key=len))
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
+        cells = (r.get(c, "") for c in cols)
         lines.append("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v)
-                                       for v in r.values()) + " |")
+                                       for v in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,83 @@
+"""benchmarks/tpu_decode_hlo.py and offload_memory.py: the tables they read from compiled
+programs, checked on the CPU (what they report for a TPU needs libtpu: their docstrings say how
+to run them without a chip)."""
+
+import pathlib
+
+import jax
+import pytest
+from _scripts import load_script
+
+BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def decode_hlo():
+    return load_script(BENCHMARKS / "tpu_decode_hlo.py")
+
+
+def test_every_decode_variant_compiles_and_is_read(decode_hlo):
+    rows = decode_hlo.measure(2, 16, 8, 1, 2, "float32", jax.devices()[0])
+    assert [r["variant"] for r in rows] == list(decode_hlo.variants(2, 16, 2))
+    for row in rows:
+        assert row["cache MiB"] == 2 * 2 * 8 * 16 * 4 / 2**20
+        assert row["per-layer cache buffers in the loop"] == len(row["made"].split(", ")) or (
+            row["made"] == "-" and row["per-layer cache buffers in the loop"] == 0)
+    table = decode_hlo.table(rows, "header")
+    assert table.splitlines()[0] == "header" and len(table.splitlines()) == 4 + len(rows)
+
+
+def test_a_layer_sized_copy_or_slice_is_found_and_another_size_is_not(decode_hlo):
+    hlo = "\n".join([
+        "  %copy.1 = f32[1,8,1024,8,64]{4,3,1,2,0:T(8,128)S(1)} copy(%x)",
+        "  %constant_dynamic-slice_fusion.2 = f32[1,8,1024,8,64]{2,4,3,1,0:T(8,128)} fusion(%y)",
+        "  %fusion.3 = f32[1,8,1024,8,64]{2,4,3,1,0} fusion(%z)",  # no slice in its name
+        "  %copy.4 = f32[8,1,512]{2,1,0} copy(%w)",  # another size
+    ])
+    assert decode_hlo.per_layer_buffers(hlo, "8,1024,8,64") == [
+        "copy {4,3,1,2,0} VMEM", "fusion {2,4,3,1,0} HBM"]
+
+
+def test_a_program_over_the_chips_memory_is_a_row_that_says_so(decode_hlo, monkeypatch):
+    class TooBig:
+        def __init__(self, fn, **kw):
+            pass
+
+        def trace(self, *args):
+            return self
+
+        def lower(self):
+            return self
+
+        def compile(self):
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                "HLO temporaries (18.14G) exceeds available HBM (15.75G).")
+
+    monkeypatch.setattr(jax, "jit", TooBig)
+    rows = decode_hlo.measure(2, 16, 8, 1, 2, "float32", jax.devices()[0])
+    assert all(r["made"].startswith("does not fit: Ran out of memory on HBM") for r in rows)
+    assert "| does not fit" in decode_hlo.table(rows, "header")
+
+
+def test_another_compile_error_is_raised(decode_hlo, monkeypatch):
+    class Broken:
+        def __init__(self, fn, **kw):
+            pass
+
+        def trace(self, *args):
+            raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(jax, "jit", Broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        decode_hlo.measure(2, 16, 8, 1, 2, "float32", jax.devices()[0])
+
+
+def test_offload_memory_rows(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # (it imports tpu_decode_hlo, its sibling)
+    offload = load_script(BENCHMARKS / "offload_memory.py")
+    rows = offload.measure(3, 8, 4, jax.devices()[0])
+    assert [r["remat"] for r in rows] == [
+        "no remat", "remat=True", "save the carries", "offload the carries"]
+    assert {r["carries MiB"] for r in rows} == {3 * 4 * 8 * 4 / 2**20}
+    assert {r["host temp MiB"] for r in rows} == {0.0}  # one memory on the CPU
