@@ -24,8 +24,8 @@ from stackwise._core.served import stacked_only
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["Adapted", "LoraWeights", "attach", "float_dtype", "init", "merge", "plain_tree",
-           "stack_adapters", "unmerge"]
+__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init", "merge",
+           "plain_tree", "stack_adapters", "unmerge"]
 
 
 @dataclass(frozen=True)
@@ -233,8 +233,8 @@ def _float_base(path: str, leaf: Any, who: str) -> None:
         )
 
 
-def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
-    """The batch size g (None for one adapter) after checking ``lw`` against the base leaf."""
+def float_adapter(path: str, lw: LoraWeights, who: str) -> None:
+    """Refuses an adapter whose ``a`` or ``b`` is quantized or integer."""
     for name, v in (("a", lw.a), ("b", lw.b)):
         kind = None if is_quantized(v) else checks.leaf_dtype(v)
         if kind is None or not jnp.issubdtype(kind, jnp.floating):
@@ -244,6 +244,11 @@ def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None
                 "what trains): quantize the base alone, then attach, "
                 "`stackwise.lora.attach(stackwise.quant.quantize(base), adapters)`."
             )
+
+
+def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
+    """The batch size g (None for one adapter) after checking ``lw`` against the base leaf."""
+    float_adapter(path, lw, who)
     _float_base(path, leaf, who)
     shape = tuple(leaf.shape)
     a, b = tuple(lw.a.shape), tuple(lw.b.shape)

@@ -28,7 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core.served import stacked_only
-from stackwise._finetune.lora import LoraWeights, float_dtype, is_lora, plain_tree
+from stackwise._finetune.lora import (
+    LoraWeights,
+    float_adapter,
+    float_dtype,
+    is_lora,
+    plain_tree,
+)
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import leaf_paths, select
 
@@ -259,6 +265,7 @@ def save_peft(
             "give one module name per adapted leaf."
         )
     for path, lw in found.items():
+        float_adapter(path, lw, who)
         if lw.a.ndim != 3:
             raise ValueError(
                 f"{who}: adapter {path} is a batch of {lw.a.shape[0]} adapters; save one: "

@@ -362,6 +362,8 @@ PEFT = [
     case("save: a base model that is not a name", _save_as(
         MODULES, base_model_name_or_path=3), TypeError, "`base_model_name_or_path`",
         "give a str", "int 3"),
+    case("save: quantized adapters", _save_as(MODULES, _quantized_adapters), TypeError,
+         "stackwise.lora.save_peft: adapter ['w']'s `a` is quantized"),
     case("save: the attached tree", _save_as(
         MODULES, lambda: stackwise.lora.attach(BASE, _adapters())), TypeError,
         "`adapters` holds base and adapters attached at <root>", "`params.adapters`"),
