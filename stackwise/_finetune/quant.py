@@ -292,8 +292,8 @@ def _finite_layers(w: jax.Array) -> jax.Array:
 
 def _finite(path: str, leaf: Any, who: str) -> None:
     """Refuses a concrete weight holding NaN or inf: its block's scale would mean nothing."""
-    if isinstance(leaf, jax.core.Tracer):  # inside jit: the scales carry it (NaN or inf)
-        return
+    if isinstance(leaf, jax.core.Tracer) or not getattr(leaf, "is_fully_addressable", True):
+        return  # inside jit, or other processes' shards: the scales carry it (NaN or inf)
     bad = np.flatnonzero(~np.asarray(_finite_layers(leaf)))
     if bad.size:
         raise ValueError(
