@@ -148,7 +148,7 @@ def init(
       rank: r, at most ``min(in, out)`` of every target.
       alpha: the scale's numerator (``scale = alpha / rank``); default ``rank`` (scale 1).
       targets: a predicate ``(path, per_layer_shape) -> bool``, leaf paths, or None for
-        every leaf that is 2-D per layer.
+        every float (or quantized) leaf that is 2-D per layer: integer leaves are no target.
       dtype: the adapters' dtype; default the base leaf's float dtype (float32 for a
         quantized leaf).
 

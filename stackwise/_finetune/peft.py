@@ -74,7 +74,7 @@ def _check_modules(modules: Any, who: str) -> dict[str, str]:
                 f"{who}: `modules` maps {path} to {module!r}, not a module name; give the "
                 "module's dotted name within a layer, e.g. 'self_attn.q_proj'."
             )
-        if parts[-1] in ("weight", "bias") or parts[-1].startswith("lora_"):
+        if parts[-1] in ("weight", "bias", "lora_A", "lora_B"):
             raise ValueError(
                 f"{who}: `modules` maps {path} to {module!r}, a tensor's name, not a module's; "
                 "PEFT names the module the adapter sits on (its weight is the module's "
