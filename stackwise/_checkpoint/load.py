@@ -35,6 +35,7 @@ from stackwise._checkpoint import quantized
 from stackwise._checkpoint.names import (
     Tensor,
     check_layout,
+    check_no_finetune_nodes,
     check_not_prng_key,
     check_template,
     is_array,
@@ -201,6 +202,7 @@ def _closest(name: str, ckpt: Checkpoint) -> str:
 def _plans(ckpt, target, names, shardings, pattern, who) -> list[_Plan | None]:
     if pattern is not None:
         pattern = checks.integer(pattern, who, "pattern", minimum=1)
+    check_no_finetune_nodes(target, "target", who)
     given = placements(shardings, target, who)
     plans, used, seen = [], set(), {}
     for (keys, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(target), given):

@@ -157,6 +157,35 @@ def check_not_prng_key(leaf: Any, path: str, who: str) -> None:
 
 
 
+def check_no_finetune_nodes(tree: Any, arg: str, who: str) -> None:
+    """Refuses a quantized weight or an attached base and adapters in ``tree``: a checkpoint
+    names float weights, one tensor per name, which these nodes are not."""
+    from stackwise._finetune.lora import Adapted
+    from stackwise._finetune.quant import is_quantized
+
+    node = lambda v: isinstance(v, Adapted) or is_quantized(v)  # noqa: E731
+    loading = who == "stackwise.load_checkpoint"
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=node):
+        path = jax.tree_util.keystr(keys) or "<root>"
+        if isinstance(leaf, Adapted):
+            raise TypeError(
+                f"{who}: `{arg}` holds a base and its adapters attached at {path} "
+                "(`stackwise.lora.attach`); a checkpoint holds the base alone: give the "
+                "tree given to `attach` (`params.base` of a whole-tree attach), and "
+                + ("load" if loading else "save") + " the adapters with `stackwise.lora."
+                + ("load_peft`." if loading else "save_peft` (PEFT's adapter folder).")
+            )
+        if node(leaf):
+            raise TypeError(
+                f"{who}: `{arg}` holds a quantized weight ({leaf.kind}) at {path}; a "
+                "checkpoint holds float weights. "
+                + ("Give the float target and `quantize=` to quantize as it loads, e.g. "
+                   f"`quantize={leaf.kind!r}`." if loading else
+                   "Save the float params (before `stackwise.quant.quantize`), and quantize "
+                   "again as they load (`load_checkpoint(..., quantize=)`).")
+            )
+
+
 def is_array(leaf: Any) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 

@@ -19,6 +19,7 @@ from stackwise._checkpoint import hosts, staging
 from stackwise._checkpoint.names import (
     Tensor,
     check_layout,
+    check_no_finetune_nodes,
     check_not_prng_key,
     check_template,
     is_array,
@@ -97,6 +98,7 @@ def _rows(params: Any, names: Any, pattern: int | None, who: str,
           dtypes: set[str] | None = None) -> list[_Row]:
     """Every tensor to save, by layer (the leaves outside the stack first), each name once;
     every leaf's name, layout, transforms and dtype (one of ``dtypes``) checked."""
+    check_no_finetune_nodes(params, "params", who)
     rows, tensors = [], {}
     flat = [(jax.tree_util.keystr(p) or "<root>", p, a)
             for p, a in jax.tree_util.tree_leaves_with_path(params) if is_array(a)]

@@ -9,6 +9,7 @@ the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,8 @@ from stackwise._core.served import stacked_only
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["Adapted", "LoraWeights", "attach", "init", "merge", "stack_adapters", "unmerge"]
+__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init", "merge",
+           "plain_tree", "stack_adapters", "unmerge"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,35 @@ def _rank(rank: Any, who: str) -> int:
     return checks.integer(rank, who, "rank", minimum=1)
 
 
+def float_dtype(dtype: Any, who: str) -> Any:
+    """``dtype`` (the adapters') if None or a floating dtype, else an error naming it."""
+    if dtype is None:
+        return None
+    try:
+        kind = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(f"{who}: `dtype` must be a dtype or None, got {dtype!r}.") from None
+    if not jnp.issubdtype(kind, jnp.floating):
+        raise ValueError(
+            f"{who}: `dtype` is {kind.name}; adapters are trained floats, and integers would "
+            "truncate them: give a float dtype (float32, bfloat16) or None."
+        )
+    return kind
+
+
+def plain_tree(tree: Any, arg: str, who: str) -> None:
+    """Refuses an :class:`Adapted` node in ``tree`` (a base or adapters wanted alone)."""
+    for path, leaf in leaf_paths(tree, is_leaf=lambda v: isinstance(v, Adapted)):
+        if isinstance(leaf, Adapted):
+            raise TypeError(
+                f"{who}: `{arg}` holds base and adapters attached at {path} "
+                "(`stackwise.lora.attach`); give the "
+                + ("adapters alone: `params.adapters`, or the tree from `stackwise.lora.init`."
+                   if arg == "adapters" else
+                   "base alone (`params.base`), and attach the adapters afterwards.")
+            )
+
+
 def init(
     key: jax.Array,
     params: Any,
@@ -117,7 +148,7 @@ def init(
       rank: r, at most ``min(in, out)`` of every target.
       alpha: the scale's numerator (``scale = alpha / rank``); default ``rank`` (scale 1).
       targets: a predicate ``(path, per_layer_shape) -> bool``, leaf paths, or None for
-        every leaf that is 2-D per layer.
+        every float (or quantized) leaf that is 2-D per layer: integer leaves are no target.
       dtype: the adapters' dtype; default the base leaf's float dtype (float32 for a
         quantized leaf).
 
@@ -125,10 +156,11 @@ def init(
       A tree shaped like ``params``: :class:`LoraWeights` at targets, None elsewhere.
 
     Raises:
-      TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, or ``alpha`` is
-        not a number.
+      TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, ``alpha`` is
+        not a number, or ``params`` holds a base and adapters attached.
       ValueError: ``rank`` larger than a target's ``in`` or ``out``, ``alpha`` not
-        positive, or a target that is not 2-D per layer.
+        positive and finite, a ``dtype`` that is not a float, or a target that is not 2-D
+        per layer or is an integer leaf (the default targets skip those).
     """
     who = "stackwise.lora.init"
     stacked_only(who, params=params)
@@ -137,15 +169,22 @@ def init(
     alpha = float(rank) if alpha is None else alpha
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.number)):
         raise TypeError(f"{who}: `alpha` must be a number, got {type(alpha).__name__}.")
-    if not alpha > 0:
-        raise ValueError(f"{who}: `alpha` must be positive, got {alpha}.")
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(
+            f"{who}: `alpha` must be positive and finite, got {alpha}; the update is scaled "
+            "by alpha / rank (PEFT's lora_alpha, e.g. 2 * rank)."
+        )
+    dtype = float_dtype(dtype, who)
+    plain_tree(params, "params", who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
-    chosen = select(leaves, targets, who, lambda p, leaf: len(np.shape(leaf)) == 3)
+    chosen = select(leaves, targets, who, lambda p, leaf: len(np.shape(leaf)) == 3 and (
+        is_quantized(leaf) or jnp.issubdtype(checks.leaf_dtype(leaf), jnp.floating)))
     out = []
     for j, ((path, leaf), take) in enumerate(zip(leaves, chosen)):
         if not take:
             out.append(None)
             continue
+        _float_base(path, leaf, who)
         n, d_in, d_out = leaf.shape
         if rank > min(d_in, d_out):
             raise ValueError(
@@ -154,8 +193,8 @@ def init(
                 "nothing. Give a smaller `rank`, or leave this leaf out of `targets`."
             )
         kind = np.dtype(leaf.dtype) if is_quantized(leaf) else checks.leaf_dtype(leaf)
-        own = dtype or (kind if jnp.issubdtype(kind, jnp.floating) and not is_quantized(leaf)
-                        else jnp.float32)
+        own = dtype if dtype is not None else (
+            jnp.float32 if is_quantized(leaf) else kind)
         keys = jax.random.split(jax.random.fold_in(key, j), n)
         a = _uniform(keys, (d_in, rank), own, 1.0 / np.sqrt(d_in))
         out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha)))
@@ -183,8 +222,34 @@ def pairs(base: Any, adapters: Any, who: str) -> list[tuple[str, Any, Any]]:
     return [(path, leaf, sub) for (path, leaf), sub in zip(leaves, subs)]
 
 
+def _float_base(path: str, leaf: Any, who: str) -> None:
+    """Refuses an integer base leaf: its weight plus an update would be rounded."""
+    if not is_quantized(leaf) and not jnp.issubdtype(checks.leaf_dtype(leaf), jnp.floating):
+        raise ValueError(
+            f"{who}: base leaf {path} is of dtype {np.dtype(checks.leaf_dtype(leaf)).name}; "
+            "an adapter's update added to integers would be rounded away. Adapt float "
+            "weights (or quantized ones, `stackwise.quant.quantize`): leave it out of "
+            "`targets`."
+        )
+
+
+def float_adapter(path: str, lw: LoraWeights, who: str) -> None:
+    """Refuses an adapter whose ``a`` or ``b`` is quantized or integer."""
+    for name, v in (("a", lw.a), ("b", lw.b)):
+        kind = None if is_quantized(v) else checks.leaf_dtype(v)
+        if kind is None or not jnp.issubdtype(kind, jnp.floating):
+            got = "quantized" if kind is None else f"of dtype {np.dtype(kind).name}"
+            raise TypeError(
+                f"{who}: adapter {path}'s `{name}` is {got}; adapters are float (they are "
+                "what trains): quantize the base alone, then attach, "
+                "`stackwise.lora.attach(stackwise.quant.quantize(base), adapters)`."
+            )
+
+
 def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
     """The batch size g (None for one adapter) after checking ``lw`` against the base leaf."""
+    float_adapter(path, lw, who)
+    _float_base(path, leaf, who)
     shape = tuple(leaf.shape)
     a, b = tuple(lw.a.shape), tuple(lw.b.shape)
     if len(a) not in (3, 4) or len(b) != len(a):

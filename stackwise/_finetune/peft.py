@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import shutil
+import stat
+import string
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core.served import stacked_only
-from stackwise._finetune.lora import LoraWeights, is_lora
+from stackwise._finetune.lora import (
+    LoraWeights,
+    float_adapter,
+    float_dtype,
+    is_lora,
+    plain_tree,
+)
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import leaf_paths, select
 
@@ -48,6 +57,7 @@ def _safetensors(who: str) -> Any:
 
 
 def _check_modules(modules: Any, who: str) -> dict[str, str]:
+    """``modules`` checked: one module (not a weight) per leaf, no module named twice."""
     if not isinstance(modules, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) and v for k, v in modules.items()
     ):
@@ -56,7 +66,57 @@ def _check_modules(modules: Any, who: str) -> dict[str, str]:
             "the transformers model, e.g. `{\"['attn']['q']\": 'self_attn.q_proj'}`; got "
             f"{modules!r:.80}."
         )
+    seen: dict[str, str] = {}
+    for path, module in modules.items():
+        parts = module.split(".")
+        if not all(part.isidentifier() or part.isdigit() for part in parts):
+            raise ValueError(
+                f"{who}: `modules` maps {path} to {module!r}, not a module name; give the "
+                "module's dotted name within a layer, e.g. 'self_attn.q_proj'."
+            )
+        if parts[-1] in ("weight", "bias", "lora_A", "lora_B"):
+            raise ValueError(
+                f"{who}: `modules` maps {path} to {module!r}, a tensor's name, not a module's; "
+                "PEFT names the module the adapter sits on (its weight is the module's "
+                "`.weight`): give "
+                + (repr(".".join(parts[:-1])) if parts[:-1]
+                   else "the module, e.g. 'self_attn.q_proj'") + "."
+            )
+        if module in seen:
+            pattern = path.startswith("[") and path[1:2].isdigit()
+            raise ValueError(
+                f"{who}: `modules` maps both {seen[module]} and {path} to {module!r}; a layer's "
+                "module holds one adapter, so one would overwrite the other in the file. Give "
+                "each leaf its own module"
+                + (" (a pattern's positions, which number their layers each from 0, cannot "
+                   "share a module name in one file)." if pattern else ".")
+            )
+        seen[module] = path
     return dict(modules)
+
+
+def _check_layers(layers: Any, who: str) -> str:
+    """``layers`` checked to name layer i by one field, ``{i}`` or ``{}``."""
+    if not isinstance(layers, str):
+        raise TypeError(
+            f"{who}: `layers` names layer i with `{{i}}`, e.g. {LAYERS!r}; got "
+            f"{type(layers).__name__} {layers!r}."
+        )
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(layers) if f is not None]
+    except ValueError as e:
+        fields = [f"unbalanced braces ({e})"]
+    if fields not in (["i"], [""]):
+        raise ValueError(
+            f"{who}: `layers` is {layers!r}, with fields {fields}; it must name layer i by "
+            f"one `{{i}}` (or `{{}}`), e.g. {LAYERS!r}: without it every layer would get the "
+            "same tensor names, and a file would keep the last layer only."
+        )
+    return layers
+
+
+def _layer(layers: str, i: int) -> str:
+    return layers.format(i, i=i)
 
 
 def _check_layout(layout: Any, who: str) -> bool:
@@ -67,6 +127,18 @@ def _check_layout(layout: Any, who: str) -> bool:
             "core, Haiku, linen, NNX) or 'out_in' for `W @ x` (Equinox's and torch's Linear)."
         )
     return layout == "out_in"
+
+
+def _check_base_model(value: Any, who: str) -> str | None:
+    """``base_model_name_or_path`` as PEFT's config holds it: a str (a path's) or None."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, (str, type(None))):
+        raise TypeError(
+            f"{who}: `base_model_name_or_path` is written to PEFT's config: give a str (a "
+            f"hub name or a folder) or None, got {type(value).__name__} {value!r}."
+        )
+    return value
 
 
 def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | None) -> dict:
@@ -93,6 +165,39 @@ def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | Non
         "revision": None,
     }
 
+
+def _write(directory: str, tensors: dict, config: dict, overwrite: bool, who: str) -> None:
+    """The adapter folder written whole in a staging holder next to it, then moved in place."""
+    if os.path.exists(directory) and not overwrite:
+        raise FileExistsError(
+            f"{who}: {directory} exists; pass `overwrite=True` to replace it, or another folder."
+        )
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    # A private (0700) holder; the folder and files in it are made as any other, their
+    # modes from the umask (0755 and 0644 under 022), so a job of another user can read them.
+    stage = tempfile.mkdtemp(prefix=".stackwise-peft-", dir=parent)
+    new = os.path.join(stage, "adapter")
+    try:
+        os.mkdir(new)
+        with open(os.path.join(new, CONFIG), "w") as f:
+            json.dump(config, f, indent=2)
+        weights = os.path.join(new, WEIGHTS)
+        _safetensors(who).save_file(tensors, weights, metadata={"format": "pt"})
+        # safetensors writes 0600 whatever the umask: give it the config's mode, open()'s.
+        os.chmod(weights, stat.S_IMODE(os.stat(os.path.join(new, CONFIG)).st_mode))
+        if os.path.exists(directory):
+            old = os.path.join(stage, "old")
+            os.replace(directory, old)
+            try:
+                os.replace(new, directory)
+            except OSError:  # put the old folder back: all or nothing
+                os.replace(old, directory)
+                raise
+        else:
+            os.replace(new, directory)
+    finally:
+        shutil.rmtree(stage)
 
 def save_peft(
     directory: str | os.PathLike,
@@ -136,15 +241,22 @@ def save_peft(
       The file names written, sorted.
 
     Raises:
-      TypeError: ``modules`` is not a mapping of paths to module names.
+      TypeError: ``modules`` is not a mapping of paths to module names, ``layers`` not a
+        str, ``base_model_name_or_path`` not a str, path or None, or ``adapters`` attached.
       ValueError: an adapted leaf without a module, a module for a leaf without an adapter,
-        a batch of adapters, or adapters of several ranks or alphas (PEFT's config has one).
+        two leaves on one module, a module named as a weight (``...q_proj.weight``),
+        ``layers`` without one ``{i}`` (or ``{}``), a batch of adapters, or adapters of
+        several ranks or alphas (PEFT's config has one). Every name is checked before
+        anything is written.
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
     """
     who = "stackwise.lora.save_peft"
     stacked_only(who, adapters=adapters)
+    plain_tree(adapters, "adapters", who)
     modules = _check_modules(modules, who)
+    layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
+    base_model_name_or_path = _check_base_model(base_model_name_or_path, who)
     tensors, ranks = {}, set()
     found = {path: lw for path, lw in leaf_paths(adapters, is_leaf=is_lora) if is_lora(lw)}
     if set(found) != set(modules):
@@ -153,6 +265,7 @@ def save_peft(
             "give one module name per adapted leaf."
         )
     for path, lw in found.items():
+        float_adapter(path, lw, who)
         if lw.a.ndim != 3:
             raise ValueError(
                 f"{who}: adapter {path} is a batch of {lw.a.shape[0]} adapters; save one: "
@@ -161,7 +274,7 @@ def save_peft(
         ranks.add((lw.rank, lw.alpha))
         a, b = np.asarray(lw.a), np.asarray(lw.b)
         for i in range(a.shape[0]):
-            name = f"{layers.format(i=i)}.{modules[path]}"
+            name = f"{_layer(layers, i)}.{modules[path]}"
             lora_a, lora_b = (b[i], a[i]) if out_in else (a[i].T, b[i].T)
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
@@ -172,34 +285,7 @@ def save_peft(
         )
     (r, alpha), = ranks
     config = _config(r, alpha, modules, base_model_name_or_path)
-    directory = os.fspath(directory)
-    if os.path.exists(directory) and not overwrite:
-        raise FileExistsError(
-            f"{who}: {directory} exists; pass `overwrite=True` to replace it, or another folder."
-        )
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".stackwise-peft-", dir=parent)
-    try:
-        _safetensors(who).save_file(tensors, os.path.join(stage, WEIGHTS),
-                                    metadata={"format": "pt"})
-        with open(os.path.join(stage, CONFIG), "w") as f:
-            json.dump(config, f, indent=2)
-        if os.path.exists(directory):
-            old = tempfile.mkdtemp(prefix=".stackwise-peft-old-", dir=parent)
-            os.replace(directory, os.path.join(old, "adapter"))
-            try:
-                os.replace(stage, directory)
-            except OSError:  # put the old folder back: all or nothing
-                os.replace(os.path.join(old, "adapter"), directory)
-                raise
-            finally:
-                shutil.rmtree(old)
-        else:
-            os.replace(stage, directory)
-    finally:
-        if os.path.exists(stage):
-            shutil.rmtree(stage)
+    _write(os.fspath(directory), tensors, config, overwrite, who)
     return sorted([CONFIG, WEIGHTS])
 
 
@@ -223,7 +309,24 @@ def _read_config(directory: str, who: str) -> dict:
             f"{who}: {path} lacks {missing}: not a PEFT adapter config (PEFT's LoRA config "
             "has `peft_type`, `r`, `lora_alpha`, `target_modules`)."
         )
+    r, alpha = config["r"], config["lora_alpha"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{who}: {path} has r={r!r}; PEFT's rank is an int of at least 1.")
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or not (alpha > 0 and math.isfinite(alpha))):
+        raise ValueError(
+            f"{who}: {path} has lora_alpha={alpha!r}; PEFT's `lora_alpha` is a finite "
+            "positive number (the update is scaled by lora_alpha / r)."
+        )
+    for field in ("modules_to_save", "layers_to_transform", "layers_pattern"):
+        if config.get(field):
+            raise ValueError(
+                f"{who}: {path} has {field}={config[field]!r}, which stackwise does not "
+                f"support: it loads LoRA adapters on every layer's `modules` ({field}=None)."
+            )
     unsupported = {
+        "bias": ("none", config.get("bias", "none")),
+        "lora_bias": (False, config.get("lora_bias", False)),
         "peft_type": ("LORA", config.get("peft_type")),
         "use_dora": (False, config.get("use_dora", False)),
         "use_rslora": (False, config.get("use_rslora", False)),
@@ -234,10 +337,35 @@ def _read_config(directory: str, who: str) -> dict:
     for field, (want, got) in unsupported.items():
         if got != want:
             raise ValueError(
-                f"{who}: {path} has {field}={got!r}; stackwise loads plain LoRA adapters "
-                f"({field}={want!r}), one rank and alpha for every module."
+                f"{who}: {path} has {field}={got!r}, which stackwise does not support: it "
+                f"loads plain LoRA adapters ({field}={want!r}), one rank and alpha for every "
+                "module."
             )
     return config
+
+
+def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, r: int, out_in: bool,
+               used: set, who: str) -> tuple[jax.Array, jax.Array]:
+    """Layer i's ``lora_A.T`` and ``lora_B.T`` (``names[i]``'s), stacked, each checked."""
+    _, d_in, d_out = leaf.shape
+    if out_in:
+        d_in, d_out = d_out, d_in
+    a, b = [], []
+    for name in names:
+        for key, want, into in ((f"{name}.lora_A.weight", (r, d_in), a),
+                                (f"{name}.lora_B.weight", (d_out, r), b)):
+            got = tensors.get(key)
+            if got is None or got.shape != want:
+                found = "missing" if got is None else f"of shape {got.shape}"
+                raise ValueError(
+                    f"{who}: {key} is {found}, expected {want} for {path} (base "
+                    f"{leaf.shape}, r={r}): PEFT files from another model? Check "
+                    "`modules`, `layers` and that the base is the one the adapter was "
+                    "trained on."
+                )
+            used.add(key)
+            into.append(got.T)
+    return jnp.asarray(np.stack(a)), jnp.asarray(np.stack(b))
 
 
 def load_peft(
@@ -265,44 +393,35 @@ def load_peft(
     Raises:
       FileNotFoundError: a file is missing.
       ValueError: a config stackwise does not load (DoRA, rsLoRA, per-module ranks, another
-        PEFT type), or weights from another model: a layer or module missing, shapes that do
-        not fit the base's leaves, or tensors left over (more layers, other modules).
-      TypeError: ``modules`` is not a mapping of paths to module names.
+        PEFT type, ``bias``, ``modules_to_save``, ``layers_to_transform``, an ``r`` or
+        ``lora_alpha`` out of range), weights from another model (a layer or module
+        missing, shapes that do not fit the base's leaves, or tensors left over: more
+        layers, other modules), ``modules`` or ``layers`` as for saving, or an integer
+        ``dtype``.
+      TypeError: ``modules`` is not a mapping of paths to module names, or ``base`` is
+        served or attached.
     """
     who = "stackwise.lora.load_peft"
+    stacked_only(who, base=base)
+    plain_tree(base, "base", who)
     modules = _check_modules(modules, who)
+    layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
+    dtype = float_dtype(dtype, who)
     directory = os.fspath(directory)
     config = _read_config(directory, who)
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     tensors = _safetensors(who).load_file(os.path.join(directory, WEIGHTS))
     leaves = leaf_paths(base, is_leaf=is_quantized)
-    chosen = select(leaves, list(modules), who, lambda p, leaf: False)
+    chosen = select(leaves, list(modules), who, lambda p, leaf: False, arg="modules")
     used, out = set(), []
     for (path, leaf), take in zip(leaves, chosen):
         if not take:
             out.append(None)
             continue
-        n, d_in, d_out = leaf.shape
-        if out_in:
-            d_in, d_out = d_out, d_in
-        a, b = [], []
-        for i in range(n):
-            name = f"{layers.format(i=i)}.{modules[path]}"
-            for key, want, into in ((f"{name}.lora_A.weight", (r, d_in), a),
-                                    (f"{name}.lora_B.weight", (d_out, r), b)):
-                got = tensors.get(key)
-                if got is None or got.shape != want:
-                    found = "missing" if got is None else f"of shape {got.shape}"
-                    raise ValueError(
-                        f"{who}: {key} is {found}, expected {want} for {path} (base "
-                        f"{leaf.shape}, r={r}): PEFT files from another model? Check "
-                        "`modules`, `layers` and that the base is the one the adapter was "
-                        "trained on."
-                    )
-                used.add(key)
-                into.append(got.T)
-        a, b = jnp.asarray(np.stack(a)), jnp.asarray(np.stack(b))
+        a, b = _read_leaf(tensors, [f"{_layer(layers, i)}.{modules[path]}"
+                                     for i in range(leaf.shape[0])], path, leaf, r, out_in,
+                          used, who)
         if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
             a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
         if dtype is not None:

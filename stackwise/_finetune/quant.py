@@ -23,7 +23,7 @@ import numpy as np
 
 from stackwise._core import checks
 from stackwise._core.served import stacked_only
-from stackwise._finetune.targets import Targets, leaf_paths, select
+from stackwise._finetune.targets import Targets, check_targets, leaf_paths, select
 
 __all__ = ["KINDS", "Quantized", "Scheme", "as_scheme", "block_size_of", "check_block_size",
            "check_float", "check_kind", "dequantize", "is_float_matrix", "is_quantized",
@@ -95,15 +95,17 @@ def _quantize_layer(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax
     rows, cols = w.shape
     w = w.astype(jnp.float32).reshape(rows // block, block, cols)
     absmax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
+    # A zero block gets scale 1 (its codes 0); a NaN or inf in a block makes its scale NaN
+    # or inf, so the block dequantizes to non-finite numbers, never to finite wrong ones.
     if kind == "nf4":
-        scale = jnp.where(absmax > 0, absmax, 1.0)
+        scale = jnp.where(absmax == 0, 1.0, absmax)
         x = w / scale
         # The nearest NF4 value's index: how many midpoints lie below x (searchsorted's,
         # as 15 compares fused into one pass: no temporaries of 15 per weight).
         codes = sum((x > m).astype(jnp.uint8) for m in (NF4[1:] + NF4[:-1]) / 2)
     else:
         limit = _LIMIT[kind]
-        scale = jnp.where(absmax > 0, absmax / limit, 1.0)
+        scale = jnp.where(absmax == 0, 1.0, absmax / limit)
         codes = jnp.clip(jnp.round(w / scale), -limit, limit).astype(jnp.int8)
         codes = codes if kind == "int8" else (codes + 8).astype(jnp.uint8)
     return codes.reshape(rows, cols), scale[:, 0, :]
@@ -209,6 +211,7 @@ def as_scheme(value: Any, who: str) -> Scheme:
             f"{type(value).__name__} {value!r}."
         )
     check_kind(value.kind, who, "quantize")
+    check_targets(value.targets, who)
     check_block_size(value.block_size, who)
     return value
 
@@ -267,6 +270,39 @@ def check_float(path: str, leaf: Any, who: str) -> np.dtype:
     return np.dtype(dtype)
 
 
+def _no_adapters(params: Any, who: str) -> None:
+    """Refuses adapters (alone or attached) in ``params``: they stay float, they train."""
+    from stackwise._finetune.lora import Adapted, LoraWeights  # lora imports this module
+
+    node = lambda v: isinstance(v, (Adapted, LoraWeights))  # noqa: E731
+    for path, leaf in leaf_paths(params, is_leaf=node):
+        if node(leaf):
+            raise TypeError(
+                f"{who}: `params` holds LoRA adapters at {path}; adapters stay float (they "
+                "are what trains). Quantize the base alone, then attach: "
+                "`stackwise.lora.attach(stackwise.quant.quantize(base), adapters)`."
+            )
+
+
+@jax.jit
+def _finite_layers(w: jax.Array) -> jax.Array:
+    """Whether each layer of ``w (n, in, out)`` is finite (one fused pass, no temporaries)."""
+    return jnp.isfinite(w).all(axis=(-2, -1))
+
+
+def _finite(path: str, leaf: Any, who: str) -> None:
+    """Refuses a concrete weight holding NaN or inf: its block's scale would mean nothing."""
+    if isinstance(leaf, jax.core.Tracer) or not getattr(leaf, "is_fully_addressable", True):
+        return  # inside jit, or other processes' shards: the scales carry it (NaN or inf)
+    bad = np.flatnonzero(~np.asarray(_finite_layers(leaf)))
+    if bad.size:
+        raise ValueError(
+            f"{who}: target leaf {path} holds NaN or inf (layers {bad.tolist()[:8]}); "
+            "scaled by its absmax, every weight sharing its scale would be lost. Find where "
+            "the non-finite weights come from, or leave the leaf out of `targets`."
+        )
+
+
 def quantize(
     params: Any, kind: str = "int8", targets: Targets = None, *, block_size: int | None = None
 ) -> Any:
@@ -310,14 +346,17 @@ def quantize(
 
     Raises:
       ValueError: an unknown ``kind``, a target that is not 2-D per layer, not floating,
-        already quantized, or no target at all; a ``block_size`` below 1 or not dividing a
+        already quantized, holding NaN or inf (eager; under ``jit`` its block's scale is
+        non-finite), or no target at all; a ``block_size`` below 1 or not dividing a
         target's ``in``.
-      TypeError: a ``block_size`` that is not an int.
+      TypeError: a ``block_size`` that is not an int, ``targets`` of another type (an int
+        given as the third argument), or adapters in ``params`` (quantize the base alone).
     """
     who = "stackwise.quant.quantize"
     stacked_only(who, params=params)
     check_kind(kind, who)
     block_size = check_block_size(block_size, who)
+    _no_adapters(params, who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
     chosen = select(leaves, targets, who, is_float_matrix)
     blocks = [block_size_of(block_size, leaf.shape[-2], path, who) if take else None
@@ -328,6 +367,7 @@ def quantize(
             out.append(leaf)
             continue
         dtype = check_float(path, leaf, who)
+        _finite(path, leaf, who)
         codes, scale = quantize_rows(jnp.asarray(leaf), kind, block)
         out.append(Quantized(codes, scale, kind, dtype.name, leaf.shape[-2]))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)

@@ -26,16 +26,33 @@ def leaf_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[
     ]
 
 
+def check_targets(targets: Any, who: str) -> Targets:
+    """``targets`` if it is None, a predicate, a path or a sequence of paths; else TypeError."""
+    if targets is None or callable(targets) or isinstance(targets, str):
+        return targets
+    if isinstance(targets, Sequence) and all(isinstance(t, str) for t in targets):
+        return targets
+    hint = (f" An int as the third argument: `block_size` is keyword-only, "
+            f"`block_size={targets}`." if isinstance(targets, int) else "")
+    raise TypeError(
+        f"{who}: `targets` must be None, a predicate `(path, shape) -> bool` or leaf paths "
+        f"(\"['attn']['q']\"), got {type(targets).__name__} {targets!r:.60}.{hint}"
+    )
+
+
 def select(
     leaves: list[tuple[str, Any]],
     targets: Targets,
     who: str,
     default: Callable[[str, Any], bool],
+    arg: str = "targets",
 ) -> list[bool]:
     """One bool per leaf: whether it is a target, each target checked to be 2-D per layer.
 
-    ``default(path, leaf)`` decides when ``targets`` is None.
+    ``default(path, leaf)`` decides when ``targets`` is None; ``arg`` is what the caller
+    calls the targets in its messages.
     """
+    targets = check_targets(targets, who)
     paths = [p for p, _ in leaves]
     if targets is None:
         chosen = [default(p, leaf) for p, leaf in leaves]
@@ -53,17 +70,17 @@ def select(
     else:
         wanted = [targets] if isinstance(targets, str) else list(targets)
         unknown = [w for w in wanted if w not in paths]
-        if unknown or not all(isinstance(w, str) for w in wanted):
+        if unknown:
             raise ValueError(
-                f"{who}: `targets` names {unknown or wanted!r}, which are not leaf paths of "
+                f"{who}: `{arg}` names {unknown!r}, which are not leaf paths of "
                 f"the params; the leaves are {paths}. Name them as `jax.tree_util.keystr` "
-                "writes them, e.g. \"['attn']['q']\", or pass a predicate `(path, shape) -> "
-                "bool`."
+                "writes them, e.g. \"['attn']['q']\""
+                + (", or pass a predicate `(path, shape) -> bool`." if arg == "targets" else ".")
             )
         chosen = [p in wanted for p in paths]
     if not any(chosen):
         raise ValueError(
-            f"{who}: `targets` chose no leaf of the params (leaves: {paths}); name the "
+            f"{who}: `{arg}` chose no leaf of the params (leaves: {paths}); name the "
             "weights to adapt, e.g. `targets=lambda path, shape: len(shape) == 2`."
         )
     for (path, leaf), take in zip(leaves, chosen):
@@ -72,7 +89,7 @@ def select(
             raise ValueError(
                 f"{who}: target leaf {path} has shape {shape}, {list(shape[1:])} per layer; "
                 "a target must be a 2-D (in, out) weight per layer (stacked: (n, in, out)). "
-                "Reshape it to (in, out) inside the layer's params, or leave it out of "
-                "`targets`."
+                f"Reshape it to (in, out) inside the layer's params, or leave it out of "
+                f"`{arg}`."
             )
     return chosen

@@ -322,3 +322,16 @@ def test_the_backward_pass_keeps_no_adapted_weight():
     layer_mib = 256 * 256 * 4 / 2**20
     assert _grad_temp_mib(16, True) - _grad_temp_mib(4, True) < layer_mib / 2
     assert _grad_temp_mib(16, False) - _grad_temp_mib(4, False) > 10 * layer_mib
+
+
+def test_the_default_targets_leave_integer_leaves_alone():
+    """An int32 table stacked with the weights is no target by default: it gets no adapter,
+    and merging leaves it bitwise (an update rounded into integers would change it)."""
+    table = jnp.arange(3 * 4 * 4, dtype=jnp.int32).reshape(3, 4, 4)
+    base = {"w": jnp.ones((3, 4, 4)), "table": table}
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2))
+    assert adapters["table"] is None and adapters["w"] is not None
+    merged = stackwise.lora.merge(base, adapters)
+    assert merged["table"] is table
+    np.testing.assert_array_equal(
+        merged["w"], base["w"] + adapters["w"].scale * adapters["w"].a @ adapters["w"].b)

@@ -182,8 +182,9 @@ def test_a_failed_rename_puts_the_old_adapter_back(tmp_path, monkeypatch):
     real = os.replace
 
     def replace(src, dst):
-        if os.path.basename(os.fspath(src)).startswith(".stackwise-peft-") and "old" not in str(
-                src):
+        src = os.fspath(src)  # the new folder, staged in a private .stackwise-peft-* holder
+        if os.path.basename(os.path.dirname(src)).startswith(".stackwise-peft-") and (
+                os.path.basename(src) == "adapter"):
             raise OSError("rename refused")
         return real(src, dst)
 
@@ -201,3 +202,45 @@ def test_without_safetensors_the_message_says_what_to_install(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install 'stackwise\[safetensors\]'"):
         stackwise.lora.save_peft(tmp_path / "a", _adapters(_base()), MODULES)
+
+
+def test_layers_takes_a_bare_field_and_base_model_a_path(tmp_path):
+    """`{}` names layer i as `{i}` does (as every other stackwise name takes it), and a
+    `pathlib.Path` base model is written to the config as its str."""
+    base = _base()
+    adapters = _adapters(base)
+    stackwise.lora.save_peft(tmp_path / "i", adapters, MODULES)
+    stackwise.lora.save_peft(tmp_path / "bare", adapters, MODULES,
+                             layers="base_model.model.model.layers.{}",
+                             base_model_name_or_path=tmp_path / "llama")
+    one, two = (safetensors_numpy.load_file(tmp_path / f / "adapter_model.safetensors")
+                for f in ("i", "bare"))
+    assert sorted(one) == sorted(two) and len(one) == 2 * 2 * N
+    assert all((one[k] == two[k]).all() for k in one)
+    config = json.loads((tmp_path / "bare" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "llama")
+    back = stackwise.lora.load_peft(tmp_path / "bare", base, MODULES,
+                                    layers="base_model.model.model.layers.{}")
+    np.testing.assert_array_equal(back["q"].a, adapters["q"].a)
+
+
+@pytest.mark.parametrize("umask, folder, file", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)],
+                         ids=["umask 022", "umask 027"])
+def test_the_folder_and_files_take_the_umask_s_modes(tmp_path, umask, folder, file):
+    """As any folder and file made under the umask (not the 0700/0600 of a private staging
+    folder, or of safetensors' writer): a serving job of another user can read them."""
+    import stat
+
+    adapters = _adapters(_base())
+    old = os.umask(umask)
+    try:
+        stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES)
+        stackwise.lora.save_peft(tmp_path / "b", adapters, MODULES)
+        stackwise.lora.save_peft(tmp_path / "b", adapters, MODULES, overwrite=True)
+    finally:
+        os.umask(old)
+    for name in ("a", "b"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == folder
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            assert stat.S_IMODE(os.stat(tmp_path / name / f).st_mode) == file
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]

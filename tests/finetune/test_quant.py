@@ -287,3 +287,18 @@ def test_blockwise_packed_codes_stay_packed_until_inside_the_layer():
     assert not _unpacks(jaxpr.eqns)
     assert any(_unpacks(e.params["jaxpr"].jaxpr.eqns) for e in jaxpr.eqns
                if e.primitive.name == "scan")
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_a_non_finite_weight_under_jit_spoils_its_own_column_only(kind):
+    """Traced, quantize cannot refuse a NaN (eager, it does: tests/misuse): its column's scale
+    is NaN, so that column dequantizes to NaN, never to finite wrong numbers, and every other
+    column is bitwise the quantization of the weight without it."""
+    w = jax.random.normal(KEY, (2, 4, 3))
+    bad = w.at[1, 2, 0].set(jnp.nan)
+    got = stackwise.quant.dequantize(jax.jit(lambda p: stackwise.quant.quantize(p, kind))(
+        {"w": bad})["w"])
+    want = stackwise.quant.dequantize(stackwise.quant.quantize({"w": w}, kind)["w"])
+    assert bool(jnp.isnan(got[1, :, 0]).all())
+    np.testing.assert_array_equal(got[1, :, 1:], want[1, :, 1:])
+    np.testing.assert_array_equal(got[0], want[0])

@@ -65,7 +65,45 @@ CASES = [
          "not leaf paths", "['q']", "keystr"),
     case("a predicate choosing nothing", _load(Scheme("int8", lambda p, s: False)),
          ValueError, "chose no leaf"),
+    case("a block size as a Scheme's second field", _load(Scheme("nf4", 64)), TypeError,
+         "`targets` must be None", "got int 64", "`block_size=64`"),
 ]
+
+#: The stacked base as floats, quantized, and attached to its adapters (whole and per leaf).
+BASE = {"w": jnp.ones((N, 6, 4)), "n": jnp.ones((N, 6))}
+QUANTIZED = stackwise.quant.quantize(BASE, targets=["['w']"])
+ADAPTERS = stackwise.lora.init(jax.random.key(0), BASE, rank=2, targets=["['w']"])
+WN = {"w": NAMES["w"], "n": NAMES["n"]}
+
+
+def _into(tree):
+    return lambda tmp_path: stackwise.load_checkpoint(_unread(), jax.eval_shape(lambda: tree), WN)
+
+
+def _save(saver, tree):
+    return lambda tmp_path: getattr(stackwise, saver)(tree, WN, tmp_path / "ckpt")
+
+
+FINETUNED = [
+    case("loading into a quantized target", _into(QUANTIZED), TypeError,
+         "`target` holds a quantized weight (int8) at ['w']", "`quantize='int8'`"),
+    case("loading into base and adapters attached", _into(stackwise.lora.attach(
+        BASE, ADAPTERS)), TypeError, "`target` holds a base and its adapters attached at <root>",
+        "`params.base`", "stackwise.lora.load_peft"),
+    *[case(f"{saver} of a quantized tree", _save(saver, QUANTIZED), TypeError,
+           f"stackwise.{saver}: `params` holds a quantized weight (int8) at ['w']",
+           "Save the float params", "quantize=") for saver in ("save_safetensors", "save_orbax")],
+    case("saving base and adapters attached per leaf", _save("save_safetensors",
+         stackwise.lora.attach(BASE, ADAPTERS, per_leaf=True)), TypeError,
+         "attached at ['w']", "the tree given to `attach`", "stackwise.lora.save_peft"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", FINETUNED)
+def test_a_quantized_or_attached_tree_is_refused(call, error, words, tmp_path):
+    assert_refused(lambda: call(tmp_path), error, words)
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.every_case

@@ -94,6 +94,22 @@ def _combine_mismatched():
     stackwise.lora.combine(trainable, {"w": frozen.base["w"]})
 
 
+INTS = {"w": BASE["w"], "i": jnp.ones((N, 4, 6), jnp.int32)}
+
+
+def _quantized_adapters():
+    """Adapters whose `a` went through the quantizer (built by hand: quantize refuses them)."""
+    lw = _adapters()["w"]
+    a = stackwise.quant.quantize({"a": lw.a})["a"]
+    return {"w": stackwise.lora.LoraWeights(a, lw.b, lw.alpha), "c": None, "t": None}
+
+
+def _merge_into_ints():
+    """Adapters made on the float base, merged into a base whose leaf is int32."""
+    adapters = stackwise.lora.init(KEY, {"w": BASE["w"], "i": BASE["w"]}, rank=2)
+    stackwise.lora.merge(INTS, adapters)
+
+
 def _stack_unlike_adapters():
     stackwise.lora.stack_adapters(
         [_adapters(), stackwise.lora.init(KEY, BASE, rank=1, targets=W)])
@@ -108,6 +124,24 @@ LORA = [
          TypeError, "`rank` must be an int"),
     case("alpha negative", lambda: _adapters(alpha=-1.0), ValueError, "`alpha` must be positive"),
     case("alpha a string", lambda: _adapters(alpha="8"), TypeError, "`alpha` must be a number"),
+    case("alpha infinite", lambda: _adapters(alpha=float("inf")), ValueError,
+         "`alpha` must be positive and finite", "got inf", "alpha / rank"),
+    case("adapters of an int dtype", lambda: _adapters(dtype=jnp.int32), ValueError,
+         "`dtype` is int32", "give a float dtype"),
+    case("an int leaf as a target", lambda: stackwise.lora.init(KEY, INTS, rank=2,
+         targets=["['i']"]), ValueError, "base leaf ['i'] is of dtype int32", "rounded away",
+         "leave it out of `targets`"),
+    case("merging into an int leaf", _merge_into_ints, ValueError, "stackwise.lora.merge",
+         "base leaf ['i'] is of dtype int32", "rounded away"),
+    case("attaching quantized adapters", lambda: stackwise.lora.attach(
+        BASE, _quantized_adapters()), TypeError, "adapter ['w']'s `a` is quantized",
+        "stackwise.lora.attach(stackwise.quant.quantize(base), adapters)"),
+    case("merging quantized adapters", lambda: stackwise.lora.merge(
+        BASE, _quantized_adapters()), TypeError, "stackwise.lora.merge",
+        "adapter ['w']'s `a` is quantized"),
+    case("adapters for an attached tree", lambda: stackwise.lora.init(
+        KEY, stackwise.lora.attach(BASE, _adapters()), rank=2), TypeError,
+        "`params` holds base and adapters attached at <root>", "`params.base`"),
     case("a seed for a key", lambda: stackwise.lora.init(0, BASE, rank=2, targets=W),
          TypeError, "`key`", "jax.random.key"),
     case("target not 2-D per layer",
@@ -184,6 +218,18 @@ QUANT = [
          TypeError, "`block_size` must be an int", "float"),
     case("a block size as a bool", lambda: stackwise.quant.quantize(BASE, block_size=True),
          TypeError, "`block_size` must be an int"),
+    case("a block size as the third argument", lambda: stackwise.quant.quantize(
+        BASE, "nf4", 2), TypeError, "`targets` must be None", "got int 2",
+        "`block_size` is keyword-only, `block_size=2`"),
+    case("quantizing base and adapters attached", lambda: stackwise.quant.quantize(
+        stackwise.lora.attach(BASE, _adapters()), targets=W), TypeError,
+        "holds LoRA adapters at <root>", "Quantize the base alone, then attach",
+        "stackwise.lora.attach(stackwise.quant.quantize(base), adapters)"),
+    case("quantizing adapters", lambda: stackwise.quant.quantize(_adapters()), TypeError,
+         "holds LoRA adapters at ['w']", "adapters stay float"),
+    case("a NaN weight", lambda: stackwise.quant.quantize(
+        {"w": BASE["w"].at[1, 0, 0].set(jnp.nan)}), ValueError,
+        "target leaf ['w'] holds NaN or inf (layers [1])", "leave the leaf out of `targets`"),
 ]
 
 
@@ -263,6 +309,17 @@ def _load_config_text(text):
     return call
 
 
+def _save_as(modules, adapters=None, base=BASE, **kw):
+    def call(tmp_path):
+        stackwise.lora.save_peft(tmp_path / "a", _adapters(base) if adapters is None
+                                 else adapters(), modules, **kw)
+    return call
+
+
+TWO = {"u": BASE["w"], "v": BASE["w"]}
+PATTERN = (BASE, BASE)  # a pattern of two positions, each a stack of N layers
+
+
 def _save_twice(tmp_path):
     _saved(tmp_path)
     _saved(tmp_path)
@@ -278,6 +335,63 @@ PEFT = [
     case("save: a batch", _save_batch, ValueError, "batch of 2 adapters", "v[j]"),
     case("save: two ranks", _save_two_ranks, ValueError, "several (rank, alpha) pairs"),
     case("save: over an adapter", _save_twice, FileExistsError, "overwrite=True"),
+    case("save: layers without {i}", _save_as(MODULES, layers="model.layers"), ValueError,
+         "`layers` is 'model.layers'", "one `{i}`", "a file would keep the last layer only"),
+    case("save: layers of two fields", _save_as(MODULES, layers="m.{i}.{j}"), ValueError,
+         "`layers` is 'm.{i}.{j}', with fields ['i', 'j']"),
+    case("save: layers with unbalanced braces", _save_as(MODULES, layers="m.{i"), ValueError,
+         "unbalanced braces"),
+    case("save: layers not a str", _save_as(MODULES, layers=3), TypeError,
+         "`layers` names layer i", "int 3"),
+    case("save: two leaves to one module", _save_as(
+        {"['u']": "self_attn.q_proj", "['v']": "self_attn.q_proj"},
+        lambda: stackwise.lora.init(KEY, TWO, rank=2)), ValueError,
+        "maps both ['u'] and ['v'] to 'self_attn.q_proj'", "one would overwrite the other",
+        "its own module."),
+    case("save: a pattern's positions to one module", _save_as(
+        {"[0]['w']": "self_attn.q_proj", "[1]['w']": "self_attn.q_proj"},
+        lambda: stackwise.lora.init(KEY, PATTERN, rank=2, targets=["[0]['w']", "[1]['w']"])),
+        ValueError, "maps both [0]['w'] and [1]['w']", "a pattern's positions"),
+    case("save: a module named as its weight", _save_as({"['w']": "self_attn.q_proj.weight"}),
+         ValueError, "'self_attn.q_proj.weight', a tensor's name, not a module's",
+         "give 'self_attn.q_proj'"),
+    case("save: a module named 'weight'", _save_as({"['w']": "weight"}), ValueError,
+         "'weight', a tensor's name", "e.g. 'self_attn.q_proj'"),
+    case("save: a module name that is not one", _save_as({"['w']": "q proj"}), ValueError,
+         "maps ['w'] to 'q proj', not a module name"),
+    case("save: a base model that is not a name", _save_as(
+        MODULES, base_model_name_or_path=3), TypeError, "`base_model_name_or_path`",
+        "give a str", "int 3"),
+    case("save: quantized adapters", _save_as(MODULES, _quantized_adapters), TypeError,
+         "stackwise.lora.save_peft: adapter ['w']'s `a` is quantized"),
+    case("save: the attached tree", _save_as(
+        MODULES, lambda: stackwise.lora.attach(BASE, _adapters())), TypeError,
+        "`adapters` holds base and adapters attached at <root>", "`params.adapters`"),
+    case("load: layers without {i}", lambda t: stackwise.lora.load_peft(
+        _saved(t), BASE, MODULES, layers="model.layers"), ValueError, "one `{i}`"),
+    case("load: an int dtype", lambda t: stackwise.lora.load_peft(
+        _saved(t), BASE, MODULES, dtype=jnp.int8), ValueError, "`dtype` is int8",
+        "would truncate", "give a float dtype"),
+    case("load: a dtype that is not one", lambda t: stackwise.lora.load_peft(
+        _saved(t), BASE, MODULES, dtype="float33"), TypeError,
+        "`dtype` must be a dtype or None", "'float33'"),
+    case("load: lora_alpha null", _load_with({"lora_alpha": None}), ValueError,
+         "lora_alpha=None", "finite positive number"),
+    case("load: lora_alpha infinite", _load_with({"lora_alpha": float("inf")}), ValueError,
+         "lora_alpha=inf"),
+    case("load: r a string", _load_with({"r": "2"}), ValueError, "r='2'", "an int of at least 1"),
+    case("load: bias all", _load_with({"bias": "all"}), ValueError, "bias='all'",
+         "stackwise does not support"),
+    case("load: modules_to_save", _load_with({"modules_to_save": ["lm_head"]}), ValueError,
+         "modules_to_save=['lm_head']", "stackwise does not support"),
+    case("load: layers_to_transform", _load_with({"layers_to_transform": [0, 1]}), ValueError,
+         "layers_to_transform=[0, 1]", "stackwise does not support"),
+    case("load: into a served base", lambda t: stackwise.lora.load_peft(
+        _saved(t), stackwise.to_serving(BASE), MODULES), TypeError,
+        "`base` is in the serving layout", "stackwise.from_serving(tree)"),
+    case("load: into the attached tree", lambda t: stackwise.lora.load_peft(
+        _saved(t), stackwise.lora.attach(BASE, _adapters()), MODULES), TypeError,
+        "`base` holds base and adapters attached", "`params.base`"),
     case("load: no such folder",
          lambda t: stackwise.lora.load_peft(t / "none", BASE, MODULES), FileNotFoundError,
          "adapter_config.json", "save_pretrained"),
@@ -302,7 +416,7 @@ PEFT = [
          "lacks ['peft_type', 'r', 'lora_alpha']"),
     case("load: a module not in the base",
          lambda t: stackwise.lora.load_peft(_saved(t), BASE, {"['x']": "q_proj"}), ValueError,
-         "not leaf paths"),
+         "`modules` names [\"['x']\"]", "not leaf paths"),
     case("save: an unknown weight layout",
          lambda t: stackwise.lora.save_peft(t / "a", _adapters(), MODULES, layout="torch"),
          ValueError, "`layout` is 'torch'", "'in_out'", "'out_in'"),
