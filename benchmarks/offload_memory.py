@@ -7,8 +7,9 @@ carry entering each layer (``save_only_these_names(stackwise.CARRY_NAME)``) and 
 offloads it to the host's pinned memory instead (``save_and_offload_only_these_names``).
 Compiled for a TPU v5e, the table gives the device's temp memory (HBM) and the host's
 temp memory from ``compile().memory_analysis()``, beside what the carries weigh (n x batch
-x d float32). Nothing runs: on a machine without a chip, libtpu compiles for a v5e described
-by name, as in ``tpu_decode_hlo.py`` (its docstring says how):
+x d float32), at the default matmul precision (a TPU's: bfloat16 passes) and at 'highest'.
+Nothing runs: on a machine without a chip, libtpu compiles for a v5e described by name, as in
+``tpu_decode_hlo.py`` (its docstring says how):
 
     TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost JAX_PLATFORMS=cpu \\
         python benchmarks/offload_memory.py --markdown benchmarks/results/offload_memory.md
@@ -20,6 +21,7 @@ That the offloaded program computes the same gradients is a test
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 # benchmarks/tpu_decode_hlo.py, next to this script
@@ -58,12 +60,14 @@ def measure(n: int, d: int, batch: int, dev) -> list[dict]:
     x = jax.ShapeDtypeStruct((batch, d), jnp.float32, sharding=sharding)
     carries = n * batch * d * 4 / 2**20
     rows = []
-    for name, remat in remats.items():
+    for precision, (name, remat) in itertools.product(("default", "highest"), remats.items()):
         layers = stackwise.stack(None, apply, n, remat=remat)
         step = jax.jit(jax.grad(lambda p, x, layers=layers: layers.apply(p, x).sum()))
-        memory = step.trace(params, x).lower().compile().memory_analysis()
+        with jax.default_matmul_precision(None if precision == "default" else precision):
+            memory = step.trace(params, x).lower().compile().memory_analysis()
         rows.append({
-            "remat": name, "n": n, "d": d, "batch": batch, "carries MiB": carries,
+            "matmuls": precision, "remat": name, "n": n, "d": d, "batch": batch,
+            "carries MiB": carries,
             "device temp MiB": memory.temp_size_in_bytes / 2**20,
             "host temp MiB": memory.host_temp_size_in_bytes / 2**20,
         })

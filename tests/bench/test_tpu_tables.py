@@ -77,7 +77,8 @@ def test_offload_memory_rows(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # (it imports tpu_decode_hlo, its sibling)
     offload = load_script(BENCHMARKS / "offload_memory.py")
     rows = offload.measure(3, 8, 4, jax.devices()[0])
-    assert [r["remat"] for r in rows] == [
-        "no remat", "remat=True", "save the carries", "offload the carries"]
+    assert [(r["matmuls"], r["remat"]) for r in rows] == [
+        (precision, remat) for precision in ("default", "highest")
+        for remat in ("no remat", "remat=True", "save the carries", "offload the carries")]
     assert {r["carries MiB"] for r in rows} == {3 * 4 * 8 * 4 / 2**20}
     assert {r["host temp MiB"] for r in rows} == {0.0}  # one memory on the CPU
