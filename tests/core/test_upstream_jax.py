@@ -278,7 +278,9 @@ def test_unless_sliced_saves_a_same_shaped_value_sliced_along_another_axis(capsy
     stack, x = jnp.arange(12.0).reshape(4, 3) / 10, jnp.ones((4, 3))
     checkpointed = jax.checkpoint(split, policy=jax_ties.unless_sliced(everything, {(4, 3)}))
     lines = saved(checkpointed, stack, x, capsys=capsys)
-    assert sum("f32[4,2] output of slice" in line for line in lines) == 2, lines
+    # (the two columns' slices: jax 0.10.2 lists them as outputs of `slice`, 0.10.0 of the
+    # `reduce_precision` it places after them)
+    assert sum(line.startswith("f32[4,2] output of ") for line in lines) == 2, lines
     assert not any("dynamic_slice" in line for line in lines), lines
     assert_trees_close(jax.grad(checkpointed, (0, 1))(stack, x), jax.grad(split, (0, 1))(stack, x))
 
