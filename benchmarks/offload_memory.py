@@ -25,7 +25,7 @@ import itertools
 import sys
 
 # benchmarks/tpu_decode_hlo.py, next to this script
-from tpu_decode_hlo import compiled_for, table, tpu_device, triples
+from tpu_decode_hlo import compiled_for, report, tpu_device, triples
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,13 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n, d, batch in args.shapes:
         rows += measure(n, d, batch, dev)
-    header = (f"{compiled_for(dev)}; "
-              f"`{' '.join(['python benchmarks/offload_memory.py', *sys.argv[1:]])}`")
-    out = table(rows, header)
-    print(out)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(out)
+    report(rows, compiled_for(dev), args.markdown)
     return 0
 
 

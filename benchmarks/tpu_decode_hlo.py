@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
 import re
 import sys
 
@@ -292,14 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     for d, t, b in args.shapes:
         for dtype in args.dtypes:
             rows += measure(args.n, d, t, b, args.heads, dtype, dev)
-    header = (f"{compiled_for(dev)}; n={args.n}, {args.heads} heads; "
-              f"`{' '.join(['python benchmarks/tpu_decode_hlo.py', *sys.argv[1:]])}`")
-    out = table(rows, header)
-    print(out)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(out)
+    report(rows, f"{compiled_for(dev)}; n={args.n}, {args.heads} heads", args.markdown)
     return 0
+
+
+def report(rows: list[dict], machine: str, markdown: str) -> None:
+    """Prints the table under ``machine`` and the command that ran (and writes it to
+    ``markdown``, a file's path, unless empty)."""
+    command = " ".join(["python", f"benchmarks/{pathlib.Path(sys.argv[0]).name}", *sys.argv[1:]])
+    out = table(rows, f"{machine}; `{command}`")
+    print(out)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(out)
 
 
 if __name__ == "__main__":

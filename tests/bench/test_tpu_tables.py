@@ -82,3 +82,15 @@ def test_offload_memory_rows(monkeypatch):
         for remat in ("no remat", "remat=True", "save the carries", "offload the carries")]
     assert {r["carries MiB"] for r in rows} == {3 * 4 * 8 * 4 / 2**20}
     assert {r["host temp MiB"] for r in rows} == {0.0}  # one memory on the CPU
+
+
+def test_report_prints_and_writes_the_table_with_the_command(decode_hlo, tmp_path, capsys,
+                                                              monkeypatch):
+    monkeypatch.setattr("sys.argv", ["benchmarks/offload_memory.py", "--shapes", "2:8:4"])
+    out = tmp_path / "t.md"
+    decode_hlo.report([{"a": 1.25}], "machine", str(out))
+    text = out.read_text()
+    assert text.startswith("machine; `python benchmarks/offload_memory.py --shapes 2:8:4`\n")
+    assert "| 1.2 |" in text and capsys.readouterr().out.strip() == text.strip()
+    decode_hlo.report([{"a": 1.0}], "machine", "")  # printed only
+    assert "| 1.0 |" in capsys.readouterr().out
