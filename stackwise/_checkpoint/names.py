@@ -175,7 +175,7 @@ def check_no_finetune_nodes(tree: Any, arg: str, who: str) -> None:
                 + ("load" if loading else "save") + " the adapters with `stackwise.lora."
                 + ("load_peft`." if loading else "save_peft` (PEFT's adapter folder).")
             )
-        if node(leaf):
+        if is_quantized(leaf):
             raise TypeError(
                 f"{who}: `{arg}` holds a quantized weight ({leaf.kind}) at {path}; a "
                 "checkpoint holds float weights. "
