@@ -13,7 +13,13 @@ described by name (compile-only devices). Install the libtpu that JAX's ``tpu`` 
     TPU_ACCELERATOR_TYPE=v5litepod-1 TPU_WORKER_HOSTNAMES=localhost JAX_PLATFORMS=cpu \\
         python benchmarks/tpu_decode_hlo.py --markdown benchmarks/results/tpu_decode_hlo.md
 
-(on a TPU host, leave out the three variables: it compiles for the chip it has). Rows:
+(on a TPU host, leave out the three variables: it compiles for the chip it has). On a host
+with the chip, ``--time R`` also runs each program: the median over R rounds of the time per
+decoding step (16 tokens a round, the cache donated from step to step), its ratio to the
+loop's, tokens per second (B per step) and the share of the HBM bandwidth it reaches: the
+bytes every step must read (the program's arguments: the weights and the whole cache) over
+819 GB/s (a v5e's), divided by the measured time. ``--profile DIR`` writes a
+``jax.profiler`` trace of the timed rounds. Rows:
 
 - ``loop``: a Python loop over per-layer params and caches (what a loop model runs, and
   what ``stackwise.to_serving`` gives ``Stacked.apply``: the same program);
@@ -29,6 +35,7 @@ described by name (compile-only devices). Install the libtpu that JAX's ``tpu`` 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
 import re
@@ -44,6 +51,13 @@ def positive(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return number
+
+
+def nonnegative(value: str) -> int:
+    """An argparse type: an integer of 0 or more."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {value!r}")
+    return int(value)
 
 
 def triples(names: str):
@@ -83,8 +97,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=positive, default=8, help="attention heads (head size D/heads)")
     p.add_argument("--dtypes", type=dtypes, default="float32,bfloat16",
                    help="params' and cache's dtypes")
+    p.add_argument("--variants", default="", metavar="TEXT[,TEXT...]",
+                   help="only the variants whose name contains one of these (default: all)")
+    p.add_argument("--time", type=nonnegative, default=0, metavar="R",
+                   help="also time each program, R rounds (needs the chip attached; default 0)")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help="with --time, write a jax.profiler trace of the timed rounds to DIR")
     p.add_argument("--markdown", default="", help="also write the table to this file")
     args = p.parse_args(argv)
+    if args.profile and not args.time:
+        p.error("argument --profile: traces the timed rounds, so it needs --time R (R >= 1)")
     for d, _, _ in args.shapes:
         if d % args.heads:
             p.error(f"argument --heads: {args.heads} heads do not divide D={d} of --shapes")
@@ -214,7 +236,16 @@ def per_layer_buffers(hlo: str, one_layer: str) -> list[str]:
     return found
 
 
-def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev) -> list[dict]:
+#: A v5e chip's HBM bandwidth, bytes per second (the share column's denominator).
+HBM_BYTES_PER_S = 819e9
+#: Decoding steps per timed round.
+TOKENS_PER_ROUND = 16
+
+
+def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, rounds: int = 0,
+            only: tuple[str, ...] = ()) -> list[dict]:
+    """One row per variant (those whose name contains one of ``only``, all if empty): the
+    compiled program's facts, and with ``rounds`` its time per step on ``dev``."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.layout import Format, Layout
@@ -237,6 +268,8 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev) -> list
     h, pos = sds((b, 1, d)), jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
     rows = []
     for name, (step, kind, auto) in variants(n, d, heads).items():
+        if only and not any(o in name for o in only):
+            continue
         if kind in ("layers", "served"):
             ps = [params(()) for _ in range(n)]
             cache = [{"k": sds(cache_shape), "v": sds(cache_shape)} for _ in range(n)]
@@ -271,7 +304,60 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev) -> list
             "bf16 weights made": len(re.findall(r"= bf16\[\d+,\d+,\d+\]\{[^}]*\} convert\(", hlo)),
             "made": ", ".join(buffers) or "-",
         })
+        if rounds:
+            step_s = time_steps(compiled, (ps, cache, h, pos), rounds)
+            rows[-1].update({
+                "ms/step": step_s * 1e3,
+                "tokens/s": b / step_s,
+                "HBM share": memory.argument_size_in_bytes / HBM_BYTES_PER_S / step_s,
+            })
+    if rounds:  # each row's time over the loop's (the first variant, when it ran)
+        loop = next((r for r in rows if r["variant"].startswith("loop") and "ms/step" in r), None)
+        for r in rows:
+            if loop and "ms/step" in r:
+                r["/loop"] = r["ms/step"] / loop["ms/step"]
     return rows
+
+
+def time_steps(compiled, shapes: tuple, rounds: int) -> float:
+    """The median over ``rounds`` of the seconds per call of ``compiled`` (a decoding step
+    ``(params, cache, h, pos) -> (h, cache)`` with the cache donated), on inputs of
+    ``shapes`` placed as the program wants them (its input formats: a ``Layout.AUTO`` cache
+    in the layout the compiler chose). Each round decodes :data:`TOKENS_PER_ROUND` tokens at
+    positions 1, 2, ..., feeding each step the cache the last one returned."""
+    import statistics
+    import time
+
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def value(s):
+        if jax.numpy.issubdtype(s.dtype, jax.numpy.integer):
+            return np.zeros(s.shape, s.dtype)
+        return (rng.standard_normal(s.shape) / math.sqrt(s.shape[-1])).astype(s.dtype)
+
+    ps, cache, h, pos = shapes
+    ps, cache, h, pos = jax.device_put(  # (the cache starts empty: zeros)
+        (jax.tree.map(value, ps), jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), cache),
+         value(h), value(pos)), compiled.input_formats[0])
+    positions = [jax.device_put(np.int32(i), pos.sharding) for i in range(TOKENS_PER_ROUND + 1)]
+    out, cache = compiled(ps, cache, h, positions[0])  # (one warm-up call)
+    jax.block_until_ready(cache)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(1, TOKENS_PER_ROUND + 1):
+            out, cache = compiled(ps, cache, h, positions[i])
+        jax.block_until_ready((out, cache))
+        times.append((time.perf_counter() - start) / TOKENS_PER_ROUND)
+    return statistics.median(times)
+
+
+def number(v: float) -> str:
+    """A float with three significant digits or one decimal, whichever is longer."""
+    return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def table(rows: list[dict], header: str) -> str:
@@ -281,19 +367,37 @@ def table(rows: list[dict], header: str) -> str:
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = (r.get(c, "") for c in cols)
-        lines.append("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v)
+        lines.append("| " + " | ".join(number(v) if isinstance(v, float) else str(v)
                                        for v in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    import contextlib
+
+    import jax
+
     args = parse_args(argv)
     dev = tpu_device()
+    if args.time and jax.default_backend() != "tpu":
+        raise SystemExit("--time runs the programs, so it needs a TPU attached; this host "
+                         f"compiles for {dev.device_kind} without one (JAX's backend is "
+                         f"{jax.default_backend()!r}). Leave out --time here.")
+    only = tuple(v for v in args.variants.split(",") if v)
+    trace = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
     rows = []
-    for d, t, b in args.shapes:
-        for dtype in args.dtypes:
-            rows += measure(args.n, d, t, b, args.heads, dtype, dev)
-    report(rows, f"{compiled_for(dev)}; n={args.n}, {args.heads} heads", args.markdown)
+    with trace:
+        for d, t, b in args.shapes:
+            for dtype in args.dtypes:
+                new = measure(args.n, d, t, b, args.heads, dtype, dev, rounds=args.time,
+                              only=only)
+                for row in new:  # (as they come: a run cut short keeps what it measured)
+                    print(json.dumps(row), flush=True)
+                rows += new
+    timed = (f"; timed: median of {args.time} rounds of {TOKENS_PER_ROUND} steps, HBM share "
+             f"= argument bytes / {HBM_BYTES_PER_S / 1e9:.0f} GB/s / step time"
+             if args.time else "")
+    report(rows, f"{compiled_for(dev)}; n={args.n}, {args.heads} heads{timed}", args.markdown)
     return 0
 
 

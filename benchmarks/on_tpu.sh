@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The measurements of issue 38 on a TPU host, in as few runs as the chip's time allows: each
+# PART writes what it measured under OUT_DIR, within its own time limit, so that a part cut
+# short loses only itself. Run from the checkout's root on the TPU host, after
+# ../shared/tpu/prepare made .tpu/ here (and ship .tpu/ with the checkout):
+#
+#     benchmarks/on_tpu.sh OUT_DIR PART [PART...]
+#
+# PARTs: main (the README's main command, as a new user runs it), decode (benchmarks/
+# tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
+# program's facts), decode48 (the same at n=48, one size), profile (a jax.profiler trace of the loop and the scanned decode at one
+# size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24 and
+# 48), tier (.ci/tpu), train (benchmarks/tpu_train.py, when present). Copy what belongs in
+# benchmarks/results/ from OUT_DIR by hand, with the date.
+set -uo pipefail
+out=${1:?"usage: benchmarks/on_tpu.sh OUT_DIR PART [PART...]"}
+shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+source "$root/.tpu/install.sh"
+python3 -c 'import jax; print(jax.devices(), jax.__version__)' | tee "$out/device.txt"
+
+part() {  # part NAME SECONDS COMMAND...: runs COMMAND from the checkout's root, logged and timed
+    local name=$1 seconds=$2
+    shift 2
+    local begin=$SECONDS
+    (cd "$root" && timeout -s INT -k 20 "$seconds" "$@") > "$out/$name.log" 2>&1
+    echo "part $name: exit $? after $((SECONDS - begin)) s (limit $seconds s)" | tee -a "$out/parts.txt"
+}
+
+for what in "$@"; do
+    case $what in
+    main)
+        part main 170 python3 examples/transformer_lm.py ;;
+    decode)
+        part decode 290 python3 benchmarks/tpu_decode_hlo.py --time 5 \
+            --shapes 256:512:8,512:1024:8,1024:2048:8,512:2048:32,2048:8192:1 \
+            --markdown "$out/tpu_decode.md" ;;
+    decode48)
+        part decode48 90 python3 benchmarks/tpu_decode_hlo.py --time 5 --n 48 \
+            --shapes 512:1024:8 --markdown "$out/tpu_decode48.md" ;;
+    profile)
+        part profile 150 python3 benchmarks/tpu_decode_hlo.py --time 1 --shapes 512:1024:8 \
+            --dtypes float32 --variants loop,stackwise --profile /tmp/decode-profile
+        find /tmp/decode-profile -name '*.xplane.pb' -exec sh -c 'gzip -c "$1" > "$2"' _ {} "$out/decode.xplane.pb.gz" \; ;;
+    bench-decode)
+        part bench-decode 120 python3 -P -m stackwise.bench --blocks decode --decode-n 24 \
+            --rounds 5 --csv '' --plot '' --no-progress --markdown "$out/bench_decode.md" ;;
+    tier)
+        (cd /tmp && PYTEST_ADDOPTS="--durations=120" \
+            STACKWISE_TPU_TIER_SECONDS=${STACKWISE_TPU_TIER_SECONDS:-450} \
+            "$root/.ci/tpu" "$out/tier") > "$out/tier.log" 2>&1
+        echo "part tier: exit $?" | tee -a "$out/parts.txt" ;;
+    train)
+        part train 400 python3 benchmarks/tpu_train.py --markdown "$out/tpu_train.md" ;;
+    *)
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, train)" >&2
+        exit 2 ;;
+    esac
+done
