@@ -322,3 +322,24 @@ def test_a_pattern_s_file_is_the_loop_model_s(tmp_path):
     assert one.keys() == other.keys()
     for name in one:
         np.testing.assert_array_equal(one[name], other[name])
+
+
+def test_one_stack_of_a_tuple_of_trees_saves_in_a_dict(tmp_path):
+    """A tuple of trees without `pattern=` is refused (a pattern's params look the same); one
+    stack whose params are a tuple of trees saves as the refusal says, in a dict, as the same
+    stack's dict of trees does."""
+    base = _base()
+    adapters = _adapters(base)
+    as_tuple = ({"q": adapters["q"]}, {"down": adapters["down"]})
+    with pytest.raises(TypeError, match="pass `pattern=2`"):
+        stackwise.lora.save_peft(tmp_path / "t", as_tuple, {"[0]['q']": "self_attn.q_proj",
+                                                            "[1]['down']": "mlp.down_proj"})
+    stackwise.lora.save_peft(tmp_path / "t", {"layers": as_tuple},
+                             {"['layers'][0]['q']": "self_attn.q_proj",
+                              "['layers'][1]['down']": "mlp.down_proj"})
+    stackwise.lora.save_peft(tmp_path / "d", adapters, MODULES)
+    one, other = (safetensors_numpy.load_file(tmp_path / f / "adapter_model.safetensors")
+                  for f in ("t", "d"))
+    assert one.keys() == other.keys()
+    for name in one:
+        np.testing.assert_array_equal(one[name], other[name])
