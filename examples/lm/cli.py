@@ -280,6 +280,11 @@ def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--adapters {args.adapters}: it would replace the pre-trained --checkpoint "
                 f"{args.checkpoint} or hold it; give a folder beside it, e.g. --adapters "
                 f"{args.checkpoint}_lora")
+    if args.adapters.exists() and not args.adapters.is_dir():  # --overwrite or not: a folder
+        p.error(f"--adapters {args.adapters}: a file, not a folder; PEFT adapters are a folder "
+                "(adapter_config.json + adapter_model.safetensors), and a file is never "
+                "replaced: give a folder path, e.g. --adapters "
+                f"{args.adapters.with_name(args.adapters.stem + '_adapters')}")
     if holds_files(args.adapters) and not args.overwrite:
         p.error(f"--adapters {args.adapters}: already holds files; pass --overwrite to "
                 "replace them, or --adapters DIR for another folder")

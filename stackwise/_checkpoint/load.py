@@ -540,7 +540,8 @@ def load_checkpoint(
         ``quantize``: an unknown kind, a target that is not a floating
         leaf 2-D per layer, a block size that does not divide its inputs,
         or a mesh that does not divide the packed codes. Every check runs
-        before anything is read.
+        before anything is read; a target layer holding NaN or inf is
+        refused as it is read (scaled by its absmax, its block would be lost).
       TypeError: a dtype that differs without a ``Tensor(..., dtype=)``, a
         bad transform, or ``shardings`` that are not Shardings (a
         ``PartitionSpec`` or a ``Mesh``: ``NamedSharding(mesh, spec)``); a

@@ -27,6 +27,7 @@ from stackwise._finetune.quant import (
     block_size_of,
     check_float,
     is_float_matrix,
+    non_finite,
     quantize_rows,
 )
 from stackwise._finetune.targets import leaf_paths, select
@@ -162,7 +163,8 @@ def build(read: Callable[[tuple], np.ndarray], kind: str, block: int, shape: tup
     """The :class:`Quantized` leaf, ``read(index)`` giving the float leaf's slices at
     ``index`` (one layer at a time). Only the region this process's shards are made of is
     read (:func:`_region`): on several hosts each reads and quantizes its own layers,
-    columns and blocks of rows."""
+    columns and blocks of rows. A layer holding NaN or inf is refused as
+    :func:`stackwise.quant.quantize` refuses it (its blocks' scales tell)."""
     node = abstract(kind, block, shape, dtype)
     region = _region(node, block, sharding, path, who)
     pack = 1 if kind == "int8" else 2
@@ -179,6 +181,10 @@ def build(read: Callable[[tuple], np.ndarray], kind: str, block: int, shape: tup
         floats = read((slice(j, j + 1), rows, cols))
         c, s = quantize_rows(floats, kind, block)
         del floats  # the next layer is read once this one's floats are gone
+        if not np.isfinite(s).all():  # a NaN or inf weight gives its block that scale
+            raise non_finite(path, [j], who, "load it as floats: leave it out of the "
+                             "scheme's targets, `quantize=stackwise.quant.Scheme(kind, "
+                             "targets)`")
         codes[j - layers.start], scale[j - layers.start] = np.asarray(c)[0], np.asarray(s)[0]
     return Quantized(_place(codes, corner[0], node.codes.shape, sharding, path, who, True),
                      _place(scale, corner[1], node.scale.shape, sharding, path, who, False),

@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import string
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stackwise._core import convert
 from stackwise._core.served import stacked_only
 from stackwise._finetune.lora import (
     LoraWeights,
@@ -56,17 +58,18 @@ def _safetensors(who: str) -> Any:
         ) from None
 
 
-def _check_modules(modules: Any, who: str) -> dict[str, str]:
-    """``modules`` checked: one module (not a weight) per leaf, no module named twice."""
+def _check_modules(modules: Any, k: int | None, who: str) -> dict[str, str]:
+    """``modules`` checked: one module (not a weight) per leaf, no module named twice in one
+    stack (with ``pattern=k``, in one position: positions hold different layers)."""
     if not isinstance(modules, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) and v for k, v in modules.items()
+        isinstance(path, str) and isinstance(v, str) and v for path, v in modules.items()
     ):
         raise TypeError(
             f"{who}: `modules` maps each adapted leaf's path to its module in a layer of "
             "the transformers model, e.g. `{\"['attn']['q']\": 'self_attn.q_proj'}`; got "
             f"{modules!r:.80}."
         )
-    seen: dict[str, str] = {}
+    seen: dict[tuple[int, str], str] = {}
     for path, module in modules.items():
         parts = module.split(".")
         if not all(part.isidentifier() or part.isdigit() for part in parts):
@@ -82,17 +85,86 @@ def _check_modules(modules: Any, who: str) -> dict[str, str]:
                 + (repr(".".join(parts[:-1])) if parts[:-1]
                    else "the module, e.g. 'self_attn.q_proj'") + "."
             )
-        if module in seen:
-            pattern = path.startswith("[") and path[1:2].isdigit()
+        key = (_position(path) if k else 0, module)
+        if key in seen:
             raise ValueError(
-                f"{who}: `modules` maps both {seen[module]} and {path} to {module!r}; a layer's "
+                f"{who}: `modules` maps both {seen[key]} and {path} to {module!r}; a layer's "
                 "module holds one adapter, so one would overwrite the other in the file. Give "
                 "each leaf its own module"
-                + (" (a pattern's positions, which number their layers each from 0, cannot "
-                   "share a module name in one file)." if pattern else ".")
+                + (" (of one pattern position; positions hold different layers, so they "
+                   "may share module names)." if k else ".")
             )
-        seen[module] = path
+        seen[key] = path
     return dict(modules)
+
+
+def _position(path: str) -> int | None:
+    """The pattern position of a leaf of a pattern's tuple of trees, from its path (None for
+    a path that names no position: not a leaf's, refused where leaves are matched)."""
+    m = re.match(r"\[(\d+)\]", path)
+    return int(m.group(1)) if m else None
+
+
+def _check_pattern(tree: Any, pattern: Any, arg: str, who: str) -> int | None:
+    """k for a pattern's k stacked trees (``pattern=k``), None for one stack; a tuple of
+    trees without ``pattern`` (a pattern's params, whose layers it would misnumber) refused."""
+    k = convert.check_pattern(pattern, who)
+    kind = type(tree).__name__
+    if k is None:
+        is_node = lambda v: is_lora(v) or is_quantized(v)  # noqa: E731
+        if isinstance(tree, (tuple, list)) and len(tree) > 1 and not all(
+                jax.tree_util.treedef_is_leaf(jax.tree.structure(t, is_leaf=is_node))
+                for t in tree):
+            n = len(tree)
+            raise TypeError(
+                f"{who}: `{arg}` is a {kind} of {n} trees, as a pattern's params are "
+                f"(position p holding layers p, p+{n}, ...): pass `pattern={n}`, so that row "
+                f"j of position p is the file's layer p + j*{n}, the model's layer index; "
+                "without it each position would be numbered from 0, as the wrong layers. "
+                f"(For one stack whose params are a {kind} of trees, put them in a dict, "
+                f"`{{'layers': {arg}}}`, and start `modules`' paths with ['layers'].)"
+            )
+        return None
+    if not isinstance(tree, (tuple, list)) or len(tree) != k:
+        got = f"a {kind} of {len(tree)} trees" if isinstance(tree, (tuple, list)) else kind
+        raise TypeError(
+            f"{who}: with pattern={k}, `{arg}` must be a tuple of {k} stacked trees (position "
+            f"p holding layers p, p+{k}, ...), as `Stacked.init` returns a pattern's params; "
+            f"got {got}."
+        )
+    return k
+
+
+def _layer_numbers(depths: dict[str, int], k: int | None, arg: str,
+                   who: str) -> dict[str, list[int]]:
+    """Each adapted leaf's transformers layer per row, ``depths`` its rows: row j of one
+    stack is layer j; with ``pattern=k``, row j of position p's leaf is layer p + j*k.
+    Checked: one depth per stack (per position), and positions' depths that a model has."""
+    groups: dict[int, dict[str, int]] = {}
+    for path, depth in depths.items():
+        groups.setdefault(_position(path) if k else 0, {})[path] = depth
+    for p, group in groups.items():
+        if len(set(group.values())) > 1:
+            where = f" of pattern position {p}" if k else ""
+            raise ValueError(
+                f"{who}: the adapted leaves{where} of `{arg}` hold different numbers of layers "
+                f"({', '.join(f'{path}: {d}' for path, d in group.items())}); a stack's leaves "
+                "hold one row per layer: give adapters made for one model "
+                "(`stackwise.lora.init` of its stacked params)."
+            )
+    if k:
+        counts = {p: next(iter(group.values())) for p, group in sorted(groups.items())}
+        if not any(all(len(range(p, n, k)) == c for p, c in counts.items())
+                   for n in range(1, k * max(counts.values()) + 1)):
+            raise ValueError(
+                f"{who}: with pattern={k}, the pattern positions of `{arg}` hold "
+                + ", ".join(f"position {p}: {c}" for p, c in counts.items())
+                + f" layers, which no depth gives: position p of {k} holds layers p, p+{k}, "
+                f"... (of n layers, len(range(p, n, {k}))). Give the positions' trees in "
+                "order, as `Stacked.init` returns them."
+            )
+    return {path: [(_position(path) if k else 0) + j * (k or 1) for j in range(d)]
+            for path, d in depths.items()}
 
 
 def _check_layers(layers: Any, who: str) -> str:
@@ -207,6 +279,7 @@ def save_peft(
     base_model_name_or_path: str | None = None,
     layers: str = LAYERS,
     layout: str = "in_out",
+    pattern: int | None = None,
     overwrite: bool = False,
 ) -> list[str]:
     """Writes stacked adapters as a PEFT LoRA adapter folder, all or nothing.
@@ -235,6 +308,10 @@ def save_peft(
         core, Haiku, linen, NNX; ``a (in, r)``, ``b (r, out)``) or ``"out_in"`` (``W @ x``:
         torch's and Equinox's ``Linear``; ``a (out, r)``, ``b (r, in)``, so ``lora_A`` is
         ``b`` and ``lora_B`` is ``a``). Files written from either are PEFT's same layout.
+      pattern: None for one stack, or k for a pattern's adapters (a tuple of k trees,
+        position p holding layers p, p+k, ...: ``stackwise.lora.init`` of ``Stacked.init``'s
+        params): row j of position p is written as layer ``p + j*k``, the model's layer
+        index, so positions may share module names (``self_attn.q_proj`` in every layer).
       overwrite: replace an adapter folder already at ``directory``.
 
     Returns:
@@ -242,18 +319,23 @@ def save_peft(
 
     Raises:
       TypeError: ``modules`` is not a mapping of paths to module names, ``layers`` not a
-        str, ``base_model_name_or_path`` not a str, path or None, or ``adapters`` attached.
+        str, ``base_model_name_or_path`` not a str, path or None, ``adapters`` attached,
+        ``pattern`` not a positive int, a tuple of trees (a pattern's) without ``pattern``,
+        or not k trees with it.
       ValueError: an adapted leaf without a module, a module for a leaf without an adapter,
-        two leaves on one module, a module named as a weight (``...q_proj.weight``),
-        ``layers`` without one ``{i}`` (or ``{}``), a batch of adapters, or adapters of
-        several ranks or alphas (PEFT's config has one). Every name is checked before
-        anything is written.
+        two leaves on one module (of one pattern position), a module named as a weight
+        (``...q_proj.weight``), ``layers`` without one ``{i}`` (or ``{}``), a batch of
+        adapters, adapted leaves of one stack (or position) with different numbers of
+        layers, pattern positions whose depths no model has, or adapters of several ranks
+        or alphas (PEFT's config has one). Every name is checked before anything is
+        written.
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
     """
     who = "stackwise.lora.save_peft"
     stacked_only(who, adapters=adapters)
     plain_tree(adapters, "adapters", who)
-    modules = _check_modules(modules, who)
+    k = _check_pattern(adapters, pattern, "adapters", who)
+    modules = _check_modules(modules, k, who)
     layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
     base_model_name_or_path = _check_base_model(base_model_name_or_path, who)
@@ -271,10 +353,13 @@ def save_peft(
                 f"{who}: adapter {path} is a batch of {lw.a.shape[0]} adapters; save one: "
                 "`jax.tree.map(lambda v: v[j], adapters)` takes adapter j."
             )
+    numbers = _layer_numbers({path: lw.a.shape[0] for path, lw in found.items()}, k,
+                             "adapters", who)
+    for path, lw in found.items():
         ranks.add((lw.rank, lw.alpha))
         a, b = np.asarray(lw.a), np.asarray(lw.b)
-        for i in range(a.shape[0]):
-            name = f"{_layer(layers, i)}.{modules[path]}"
+        for i, layer in enumerate(numbers[path]):
+            name = f"{_layer(layers, layer)}.{modules[path]}"
             lora_a, lora_b = (b[i], a[i]) if out_in else (a[i].T, b[i].T)
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
@@ -375,6 +460,7 @@ def load_peft(
     *,
     layers: str = LAYERS,
     layout: str = "in_out",
+    pattern: int | None = None,
     dtype: Any = None,
 ) -> Any:
     """A PEFT LoRA adapter folder as stacked adapters for ``base`` (see :func:`save_peft`).
@@ -385,6 +471,8 @@ def load_peft(
       modules: each leaf path to adapt -> its module within a layer, as for saving.
       layers: the name of layer ``{i}``, PEFT's prefix included.
       layout: ``"in_out"`` or ``"out_in"``, how ``base`` stores its weights (as for saving).
+      pattern: None for one stack, or k for a pattern's base (a tuple of k stacked trees):
+        row j of position p reads layer ``p + j*k`` of the file, as for saving.
       dtype: the adapters' dtype; default the file's.
 
     Returns:
@@ -398,13 +486,15 @@ def load_peft(
         missing, shapes that do not fit the base's leaves, or tensors left over: more
         layers, other modules), ``modules`` or ``layers`` as for saving, or an integer
         ``dtype``.
-      TypeError: ``modules`` is not a mapping of paths to module names, or ``base`` is
-        served or attached.
+      TypeError: ``modules`` is not a mapping of paths to module names, ``base`` is
+        served or attached, ``pattern`` not a positive int, a tuple of trees (a pattern's)
+        without ``pattern``, or not k trees with it.
     """
     who = "stackwise.lora.load_peft"
     stacked_only(who, base=base)
     plain_tree(base, "base", who)
-    modules = _check_modules(modules, who)
+    k = _check_pattern(base, pattern, "base", who)
+    modules = _check_modules(modules, k, who)
     layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
     dtype = float_dtype(dtype, who)
@@ -414,14 +504,15 @@ def load_peft(
     tensors = _safetensors(who).load_file(os.path.join(directory, WEIGHTS))
     leaves = leaf_paths(base, is_leaf=is_quantized)
     chosen = select(leaves, list(modules), who, lambda p, leaf: False, arg="modules")
+    numbers = _layer_numbers({path: leaf.shape[0] for (path, leaf), take in zip(leaves, chosen)
+                              if take}, k, "base", who)
     used, out = set(), []
     for (path, leaf), take in zip(leaves, chosen):
         if not take:
             out.append(None)
             continue
         a, b = _read_leaf(tensors, [f"{_layer(layers, i)}.{modules[path]}"
-                                     for i in range(leaf.shape[0])], path, leaf, r, out_in,
-                          used, who)
+                                     for i in numbers[path]], path, leaf, r, out_in, used, who)
         if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
             a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
         if dtype is not None:

@@ -296,11 +296,18 @@ def _finite(path: str, leaf: Any, who: str) -> None:
         return  # inside jit, or other processes' shards: the scales carry it (NaN or inf)
     bad = np.flatnonzero(~np.asarray(_finite_layers(leaf)))
     if bad.size:
-        raise ValueError(
-            f"{who}: target leaf {path} holds NaN or inf (layers {bad.tolist()[:8]}); "
-            "scaled by its absmax, every weight sharing its scale would be lost. Find where "
-            "the non-finite weights come from, or leave the leaf out of `targets`."
-        )
+        raise non_finite(path, bad.tolist(), who)
+
+
+def non_finite(path: str, layers: list[int], who: str,
+               targets: str = "leave the leaf out of `targets`") -> ValueError:
+    """The error for a target leaf whose ``layers`` hold NaN or inf, as :func:`quantize` and
+    ``load_checkpoint(quantize=)`` raise it."""
+    return ValueError(
+        f"{who}: target leaf {path} holds NaN or inf (layers {layers[:8]}); scaled by its "
+        "absmax, every weight sharing its scale would be lost. Find where the non-finite "
+        f"weights come from, or {targets}."
+    )
 
 
 def quantize(

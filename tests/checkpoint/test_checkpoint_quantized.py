@@ -130,6 +130,27 @@ def test_a_cast_and_a_pattern(tmp_path):
     np.testing.assert_array_equal(got[1]["w"].scale[1], alone.scale[0])
 
 
+def test_a_non_finite_weight_is_refused_as_quantize_refuses_it():
+    """A NaN in layer 2 of `down`: quantizing it as it loads is refused as quantizing the float
+    load is (the same leaf, layer and words); loading it as floats, the way the message gives,
+    quantizes the rest bitwise as `quantize` does and keeps the NaN where it was."""
+    arrays = _checkpoint()
+    arrays["model.layers.2.mlp.down_proj.weight"][5, 1] = np.nan
+    arrays["model.layers.1.input_layernorm.weight"][0] = np.inf  # not a target: as loaded
+    floats = stackwise.load_checkpoint(arrays, _target(), _names())
+    with pytest.raises(ValueError) as after:
+        stackwise.quant.quantize(floats, "nf4")
+    with pytest.raises(ValueError) as loading:
+        stackwise.load_checkpoint(arrays, _target(), _names(), quantize="nf4")
+    said = [str(e.value).split(": ", 1)[1].split("; ")[0] for e in (after, loading)]
+    assert said[0] == said[1] == "target leaf ['blocks']['down'] holds NaN or inf (layers [2])"
+    pick = ["['blocks']['up']", "['blocks']['gate']"]
+    got = stackwise.load_checkpoint(arrays, _target(), _names(),
+                                    quantize=stackwise.quant.Scheme("nf4", pick))
+    assert_bitwise(got, stackwise.quant.quantize(floats, "nf4", pick))
+    assert np.isnan(got["blocks"]["down"][2, 1, 5]) and np.isinf(got["blocks"]["norm"][1, 0])
+
+
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(kind=st.sampled_from(stackwise.quant.KINDS), n=st.integers(1, 4),

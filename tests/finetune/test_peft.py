@@ -244,3 +244,102 @@ def test_the_folder_and_files_take_the_umask_s_modes(tmp_path, umask, folder, fi
         for f in ("adapter_config.json", "adapter_model.safetensors"):
             assert stat.S_IMODE(os.stat(tmp_path / name / f).st_mode) == file
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def _pattern_model(n=5):
+    """A pattern of two kinds of layer, a b a b a, as its loop's per-layer params (layer i
+    of kind i % 2) and the stacked model of them: both kinds have `q`, only the second `up`."""
+    keys = iter(jax.random.split(jax.random.key(3), 2 * n))
+    loop = [{"q": jax.random.normal(next(keys), (D, D)) / D} if i % 2 == 0 else
+            {"q": jax.random.normal(next(keys), (D, D)) / D,
+             "up": jax.random.normal(next(keys), (D, D)) / D} for i in range(n)]
+
+    def apply_a(p, x):
+        return x + jnp.tanh(x @ p["q"])
+
+    def apply_b(p, x):
+        return x + jnp.tanh(x @ p["q"]) @ p["up"]
+
+    return loop, (apply_a, apply_b)
+
+
+PATTERN_MODULES = {"[0]['q']": "self_attn.q_proj", "[1]['q']": "self_attn.q_proj",
+                   "[1]['up']": "mlp.up_proj"}
+
+
+def test_a_pattern_s_file_names_the_model_s_layers(tmp_path):
+    """With `pattern=2`, the file's layer i is the adapter the stacked pattern model applies at
+    its layer i: a loop over the loop model's layers, each adapted with its file tensors
+    (torch's layout), gives the stacked model's outputs; positions share `self_attn.q_proj`,
+    each layer once; and `load_peft(pattern=2)` reads it back bitwise."""
+    n = 5
+    loop, kinds = _pattern_model(n)
+    base = stackwise.stack_layers(loop, pattern=2)      # positions of 3 and 2 layers
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2, alpha=4.0,
+                                           targets=list(PATTERN_MODULES)))
+    stackwise.lora.save_peft(tmp_path / "a", adapters, PATTERN_MODULES, pattern=2)
+    tensors = safetensors_numpy.load_file(tmp_path / "a" / "adapter_model.safetensors")
+    names = {f"base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
+             for i in range(n) for module, leaves in (("self_attn.q_proj", ("q",)),
+                                                       ("mlp.up_proj", ("up",)))
+             for leaf in leaves if leaf in loop[i] for ab in "AB"}
+    assert set(tensors) == names  # every layer of the loop, once: q on 0-4, up on 1 and 3
+
+    x = jax.random.normal(jax.random.key(4), (2, D))
+    stacked = stackwise.lora.stack(list(kinds), n).apply(
+        tuple(map(stackwise.lora.attach, base, adapters)), x)
+    scale = adapters[0]["q"].scale
+    y = x
+    for i, layer in enumerate(loop):  # the loop model, layer i adapted from the file alone
+        adapted = {}
+        for leaf, w in layer.items():
+            module = {"q": "self_attn.q_proj", "up": "mlp.up_proj"}[leaf]
+            name = f"base_model.model.model.layers.{i}.{module}"
+            a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+            adapted[leaf] = w + scale * (a.T @ b.T)      # torch: W^T + s B A, as (in, out)
+        y = kinds[i % 2](adapted, y)
+    np.testing.assert_allclose(stacked, y, rtol=1e-5, atol=1e-5)
+
+    back = stackwise.lora.load_peft(tmp_path / "a", base, PATTERN_MODULES, pattern=2)
+    assert jax.tree.structure(back) == jax.tree.structure(adapters)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+def test_a_pattern_s_file_is_the_loop_model_s(tmp_path):
+    """The same adapters unstacked into the loop's layer order and saved as one stack give the
+    same file, tensor for tensor (the example's way before `pattern=`)."""
+    loop, _ = _pattern_model(4)
+    loop = [{"q": layer["q"]} for layer in loop]  # one structure, so that it stacks as one
+    base = stackwise.stack_layers(loop, pattern=2)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2))
+    modules = {"[0]['q']": "self_attn.q_proj", "[1]['q']": "self_attn.q_proj"}
+    stackwise.lora.save_peft(tmp_path / "pattern", adapters, modules, pattern=2)
+    in_order = jax.tree.map(lambda *v: jnp.stack(v),
+                            *stackwise.unstack_layers(adapters, pattern=2))
+    stackwise.lora.save_peft(tmp_path / "loop", in_order, {"['q']": "self_attn.q_proj"})
+    one, other = (safetensors_numpy.load_file(tmp_path / f / "adapter_model.safetensors")
+                  for f in ("pattern", "loop"))
+    assert one.keys() == other.keys()
+    for name in one:
+        np.testing.assert_array_equal(one[name], other[name])
+
+
+def test_one_stack_of_a_tuple_of_trees_saves_in_a_dict(tmp_path):
+    """A tuple of trees without `pattern=` is refused (a pattern's params look the same); one
+    stack whose params are a tuple of trees saves as the refusal says, in a dict, as the same
+    stack's dict of trees does."""
+    base = _base()
+    adapters = _adapters(base)
+    as_tuple = ({"q": adapters["q"]}, {"down": adapters["down"]})
+    with pytest.raises(TypeError, match="pass `pattern=2`"):
+        stackwise.lora.save_peft(tmp_path / "t", as_tuple, {"[0]['q']": "self_attn.q_proj",
+                                                            "[1]['down']": "mlp.down_proj"})
+    stackwise.lora.save_peft(tmp_path / "t", {"layers": as_tuple},
+                             {"['layers'][0]['q']": "self_attn.q_proj",
+                              "['layers'][1]['down']": "mlp.down_proj"})
+    stackwise.lora.save_peft(tmp_path / "d", adapters, MODULES)
+    one, other = (safetensors_numpy.load_file(tmp_path / f / "adapter_model.safetensors")
+                  for f in ("t", "d"))
+    assert one.keys() == other.keys()
+    for name in one:
+        np.testing.assert_array_equal(one[name], other[name])

@@ -112,6 +112,34 @@ def test_refused(call, error, words):
     assert_refused(call, error, words)
 
 
+def _load_non_finite(value, quantize, layer=1):
+    """The checkpoint above with one weight of ``layer``'s `w` set to ``value``."""
+    w = CKPT[f"layers.{layer}.w"].copy()
+    w[2, 3] = value
+    ckpt = {**CKPT, f"layers.{layer}.w": w}
+    return lambda: stackwise.load_checkpoint(ckpt, TARGET, NAMES, quantize=quantize)
+
+
+#: A NaN or inf weight refused as `stackwise.quant.quantize` refuses it (its message's kind),
+#: naming the leaf and the layer, with the way to load it as floats.
+NON_FINITE = [
+    case("a NaN weight", _load_non_finite(np.nan, "int8"), ValueError,
+         "stackwise.load_checkpoint: target leaf ['w'] holds NaN or inf (layers [1])",
+         "every weight sharing its scale would be lost", "load it as floats",
+         "stackwise.quant.Scheme(kind, targets)"),
+    case("an inf weight in blocks", _load_non_finite(np.inf, Scheme("nf4", W, 2), layer=2),
+         ValueError, "target leaf ['w'] holds NaN or inf (layers [2])"),
+    case("a -inf weight", _load_non_finite(-np.inf, "int4", layer=0), ValueError,
+         "target leaf ['w'] holds NaN or inf (layers [0])"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", NON_FINITE)
+def test_a_non_finite_weight_is_refused(call, error, words):
+    assert_refused(call, error, words)
+
+
 def test_the_default_targets_skip_ints_and_vectors():
     """What the rows above refuse by name, the default leaves alone: int and 1-D leaves."""
     got = stackwise.load_checkpoint(CKPT, TARGET, NAMES, quantize="int4")

@@ -147,6 +147,11 @@ CASES = [
     (["--lora", "4", "--export", "{tmp}/out"], "--lora", "not allowed with --export"),
     (["--lora", "4", "--adapters", "{tmp}/junk"], "--adapters",
      "already holds files; pass --overwrite to replace them"),
+    (["--lora", "4", "--adapters", "{tmp}/tiny.txt"], "--adapters {tmp}/tiny.txt",
+     "a file, not a folder; PEFT adapters are a folder (adapter_config.json + "
+     "adapter_model.safetensors)"),
+    (["--lora", "4", "--adapters", "{tmp}/tiny.txt", "--overwrite"], "--adapters",
+     "a file is never replaced: give a folder path, e.g. --adapters {tmp}/tiny_adapters"),
     (["--lora", "4", "--adapters", "{tmp}/tiny.txt/out"], "--adapters {tmp}/tiny.txt/out",
      "cannot write there ({tmp}/tiny.txt is not a writable folder)"),
     (["--lora", "4", "--checkpoint", "{tmp}/short", "--adapters", "{tmp}/short", "--overwrite"],
@@ -249,6 +254,23 @@ def test_misuse_is_refused_naming_the_flag(lm, files, no_work, capsys, argv, nam
     error = refused(lm, [*TINY, *argv], capsys)
     assert names.format(tmp=files) in error and message.format(tmp=files) in error, error
     assert snapshot(files) == before  # nothing written, nothing replaced
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_adapters_naming_a_file_never_suggests_overwrite(lm, files, no_work, capsys, overwrite):
+    """--adapters naming a regular file is refused with or without --overwrite (a file is never
+    replaced by the adapters' folder), its message never suggests --overwrite, and the folder
+    it suggests is taken, as a new folder and, holding adapters, with --overwrite."""
+    base = [*TINY, "--text", str(files / "tiny.txt"), "--checkpoint", str(files / "none"),
+            "--lora", "4"]
+    error = refused(lm, [*base, "--adapters", str(files / "tiny.txt"), *overwrite], capsys)
+    assert f"--adapters {files / 'tiny.txt'}: a file, not a folder" in error, error
+    assert "--overwrite" not in error, error
+    suggested = error.rsplit("--adapters ", 1)[1].strip()
+    args = lm.cli.parse_args([*base, "--adapters", suggested, *overwrite])
+    assert args.adapters == pathlib.Path(suggested) and not args.adapters.exists()
+    args = lm.cli.parse_args([*base, "--adapters", str(files / "junk"), "--overwrite"])
+    assert args.adapters == files / "junk"  # an existing folder: replaced, when asked
 
 
 def snapshot(folder: pathlib.Path) -> dict:

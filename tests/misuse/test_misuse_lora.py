@@ -348,10 +348,6 @@ PEFT = [
         lambda: stackwise.lora.init(KEY, TWO, rank=2)), ValueError,
         "maps both ['u'] and ['v'] to 'self_attn.q_proj'", "one would overwrite the other",
         "its own module."),
-    case("save: a pattern's positions to one module", _save_as(
-        {"[0]['w']": "self_attn.q_proj", "[1]['w']": "self_attn.q_proj"},
-        lambda: stackwise.lora.init(KEY, PATTERN, rank=2, targets=["[0]['w']", "[1]['w']"])),
-        ValueError, "maps both [0]['w'] and [1]['w']", "a pattern's positions"),
     case("save: a module named as its weight", _save_as({"['w']": "self_attn.q_proj.weight"}),
          ValueError, "'self_attn.q_proj.weight', a tensor's name, not a module's",
          "give 'self_attn.q_proj'"),
@@ -430,6 +426,76 @@ PEFT = [
 @pytest.mark.parametrize("call, error, words", PEFT)
 def test_refused_peft(call, error, words, tmp_path):
     assert_refused(lambda: call(tmp_path), error, words)
+
+
+# A pattern's adapters (a tuple of k stacked trees, position p holding layers p, p+k, ...):
+# `pattern=k` numbers position p's row j as layer p + j*k; every name checked first.
+PATTERN_W = ["[0]['w']", "[1]['w']"]
+PATTERN_MODULES = {"[0]['w']": "self_attn.q_proj", "[1]['w']": "self_attn.q_proj"}
+
+
+def _pattern_adapters(base=PATTERN):
+    return stackwise.lora.init(KEY, base, rank=2, targets=PATTERN_W)
+
+
+def _pattern_saved(tmp_path):
+    folder = tmp_path / "adapter"
+    stackwise.lora.save_peft(folder, _pattern_adapters(), PATTERN_MODULES, pattern=2)
+    return folder
+
+
+def _uneven(n0, n1):
+    """A pattern whose positions hold n0 and n1 layers."""
+    return (jax.tree.map(lambda v: v[:n0], BASE), jax.tree.map(lambda v: v[:n1], BASE))
+
+
+def _save_uneven_depths(tmp_path):
+    one = _adapters()
+    short = _adapters(jax.tree.map(lambda v: v[:2], BASE))
+    stackwise.lora.save_peft(tmp_path / "a", {"u": one["w"], "v": short["w"]},
+                             {"['u']": "q_proj", "['v']": "v_proj"})
+
+
+PEFT_PATTERN = [
+    case("save: a pattern without pattern=", _save_as(PATTERN_MODULES, _pattern_adapters),
+         TypeError, "`adapters` is a tuple of 2 trees", "pass `pattern=2`",
+         "numbered from 0, as the wrong layers"),
+    case("load: a pattern without pattern=", lambda t: stackwise.lora.load_peft(
+        _pattern_saved(t), PATTERN, PATTERN_MODULES), TypeError,
+        "`base` is a tuple of 2 trees", "pass `pattern=2`"),
+    case("save: pattern not an int", _save_as(PATTERN_MODULES, _pattern_adapters,
+                                              pattern="2"), TypeError,
+         "`pattern` must be None or the number k", "str '2'"),
+    case("save: pattern of another length", _save_as(PATTERN_MODULES, _pattern_adapters,
+                                                     pattern=3), TypeError,
+         "with pattern=3, `adapters` must be a tuple of 3 stacked trees",
+         "got a tuple of 2 trees"),
+    case("load: pattern= for one stack", lambda t: stackwise.lora.load_peft(
+        _saved(t), BASE, MODULES, pattern=2), TypeError,
+        "with pattern=2, `base` must be a tuple of 2 stacked trees", "got dict"),
+    case("save: two leaves of one position to one module", _save_as(
+        {"[0]['u']": "self_attn.q_proj", "[0]['v']": "self_attn.q_proj"},
+        lambda: stackwise.lora.init(KEY, (TWO, TWO), rank=2, targets=["[0]['u']", "[0]['v']"]),
+        pattern=2), ValueError, "maps both [0]['u'] and [0]['v'] to 'self_attn.q_proj'",
+        "of one pattern position"),
+    case("save: leaves of one stack of different depths", _save_uneven_depths, ValueError,
+         "hold different numbers of layers (['u']: 3, ['v']: 2)", "`stackwise.lora.init`"),
+    case("save: positions in the wrong order", _save_as(
+        PATTERN_MODULES, lambda: _pattern_adapters(_uneven(2, 3)), pattern=2), ValueError,
+        "position 0: 2, position 1: 3 layers, which no depth gives", "in order"),
+    case("load: positions no model has", lambda t: stackwise.lora.load_peft(
+        _pattern_saved(t), _uneven(3, 1), PATTERN_MODULES, pattern=2), ValueError,
+        "position 0: 3, position 1: 1 layers, which no depth gives"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", PEFT_PATTERN)
+def test_refused_peft_pattern_before_writing(call, error, words, tmp_path):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert_refused(lambda: call(tmp_path), error, words)
+    after = sorted(p.name for p in tmp_path.iterdir())
+    assert after == before or after == ["adapter"]  # (a load's own folder, saved first)
 
 
 def _model():
