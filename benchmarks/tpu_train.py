@@ -12,8 +12,10 @@ the repository root:
 
     python benchmarks/tpu_train.py --markdown benchmarks/results/tpu_train.md
 
-(d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 12 rows, about 4
-minutes). ``--tiny`` runs the same rows at toy sizes on any backend in seconds. Rows, each at
+(d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 12 rows; not yet timed
+on a chip: the compiles dominate). Compiled for a v5e without a chip (libtpu's compile-only
+devices), the loop without remat fits in 7.6 GiB, the three scans without remat do not (19-20
+GiB of temporaries: their rows say so), and with the dots policy all fit in 4-5.6 GiB. ``--tiny`` runs the same rows at toy sizes on any backend in seconds. Rows, each at
 remat ``off``, ``dots`` (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``:
 stackwise's default, the matmul outputs saved) and ``full`` (nothing but each block's
 input saved):
