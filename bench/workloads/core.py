@@ -9,6 +9,7 @@ comparisons (their Haiku, linen and NNX rows are in the modules named after them
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,14 @@ def mlp(cfg: BenchConfig, notes: list[str]) -> list[Case]:
 def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
     """The pre-LN causal self-attention + MLP block, written in pure JAX."""
     del notes
+    return _variants(*transformer_block(cfg), slices=False, checkpoint=False)
+
+
+def transformer_block(cfg: BenchConfig) -> tuple[Callable, Callable, Callable]:
+    """The pure-JAX transformer block of ``cfg``'s ``tf_*`` sizes: ``(layer_init, layer,
+    inputs)``, with ``layer(p, x) -> x``, ``layer_init(key) -> p`` (what ``stackwise.stack``
+    is given) and ``inputs(n) -> (stacked params, x)`` (from numpy: no compiles). The
+    ``transformer`` block's rows, and ``benchmarks/tpu_train.py``'s, run it."""
     d, hidden, heads = cfg.tf_d, cfg.tf_hidden, cfg.tf_heads
 
     def dense(key, m, k):
@@ -169,7 +178,7 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
         }
         return device(stacked), transformer_input(cfg)
 
-    return _variants(layer_init, layer, inputs, slices=False, checkpoint=False)
+    return layer_init, layer, inputs
 
 
 def decode(cfg: BenchConfig, notes: list[str]) -> list[Case]:

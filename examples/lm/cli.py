@@ -60,6 +60,17 @@ EXPORT_META = "transformer_lm.json"
 LORA_STEPS = 200
 #: --quantize's choices: stackwise.quant.KINDS (named here: the command line imports no JAX).
 QUANT_KINDS = ("int8", "int4", "nf4")
+#: --compute-dtype's choices: the dtype the training step computes in (params stay float32).
+COMPUTE_DTYPES = ("float32", "bfloat16")
+#: --preset's sizes: flags a user would type, each overridden by the same flag given. "v5e":
+#: a model that fills one TPU v5e chip (15.7 GiB): 16 blocks of d_model 1024 (201M params in
+#: the blocks), context 1024, batch 8, bfloat16 compute on float32 params, each block
+#: rematerialised (without, the scanned blocks' saved activations need ~19 GiB at this size,
+#: as compiled for a v5e). Not yet measured on a TPU.
+PRESETS = {
+    "v5e": {"layers": 16, "d_model": 1024, "heads": 16, "seq_len": 1024, "batch": 8,
+            "steps": 600, "lr": 3e-4, "compute_dtype": "bfloat16", "remat": True},
+}
 
 
 class UsageError(Exception):
@@ -86,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     (``p.error``: exit status 2)."""
     p = parser()
     args = p.parse_args(argv)
+    for field, value in PRESETS.get(args.preset, {}).items():
+        if getattr(args, field) in (None, False):  # (a flag given wins over the preset)
+            setattr(args, field, value)
+    if args.compute_dtype is None:
+        args.compute_dtype = COMPUTE_DTYPES[0]
     if args.pattern is not None:  # one spelling, as checkpoints keep it: "local,local,global"
         args.pattern = ",".join(kind.strip() for kind in args.pattern.split(","))
     args.given = {field for field in (*RUN_DEFAULTS, "text") if getattr(args, field) is not None}
@@ -146,6 +162,20 @@ def parser() -> argparse.ArgumentParser:
 def add_other_flags(p: argparse.ArgumentParser) -> None:
     """The flags that are not the run's: memory, sampling, checkpoints, modes, fine-tuning."""
     p.add_argument("--remat", action="store_true", help="rematerialise each block (less memory)")
+    p.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_DTYPES,
+        help="the training step's compute dtype: bfloat16 casts the float32 params and\n"
+        "activations to bfloat16 in the forward and backward pass; the gradients, the\n"
+        "optimizer, evaluation and sampling stay float32 (default: float32)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        help="a model of a given size in one flag; the flags you give override it. v5e: one\n"
+        "TPU v5e chip: --layers 16 --d-model 1024 --heads 16 --seq-len 1024 --batch 8\n"
+        "--steps 600 --lr 3e-4 --compute-dtype bfloat16 --remat",
+    )
     p.add_argument("--sample-len", type=int, default=400, help="characters to generate")
     p.add_argument("--prompt", default="\n", help="text the sample starts from")
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")

@@ -158,7 +158,7 @@ def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     freqs = 10_000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [length, half]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    cos, sin = (f(angles)[None, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
@@ -277,6 +277,7 @@ def loss_fn(lm: LM, params, inputs, targets):
     ``targets`` (both int32 ``[batch, length]``): what training and fine-tuning minimise."""
     positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
     logits, _ = lm.apply(params, inputs, positions)
+    logits = logits.astype(jnp.float32)  # (bfloat16 compute: the loss in float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 

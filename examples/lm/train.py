@@ -45,6 +45,16 @@ def make_optimizer(args: argparse.Namespace, *, layerwise: bool = True):
     return stackwise.optax.layerwise(tx, stacked=lambda path: "blocks" in path)
 
 
+def in_compute_dtype(params, dtype: str):
+    """``params`` with their floating leaves cast to ``dtype`` (``--compute-dtype``): the
+    model then computes in it, and the gradients come back float32 through the cast."""
+    if dtype == "float32":
+        return params
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a,
+        params)
+
+
 class StopOnCtrlC:
     """While active, the first Ctrl-C asks the training loop to stop after the current step
     (it then saves); a second one interrupts at once (KeyboardInterrupt)."""
@@ -93,7 +103,7 @@ def train(lm, state, start: int, train_data, val, args, save, log=print) -> tupl
     def step(params, opt_state, key):
         inputs, targets = sample_batch(key, train_data, args.batch, args.seq_len)
         loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(lm, p, inputs, targets)
+            lambda p: loss_fn(lm, in_compute_dtype(p, args.compute_dtype), inputs, targets)
         )(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

@@ -1,5 +1,5 @@
 """Misuses of the benchmarks' command lines (`benchmarks/checkpoint_load.py`, `optimizer_step.py`,
-`tpu_decode_hlo.py`, `offload_memory.py`).
+`tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`).
 
 Each is refused by argument parsing, before a checkpoint is written or JAX runs: exit status 2 and a
 message naming the flag. The parser runs in-process: `parse_args(argv)`.
@@ -63,6 +63,7 @@ def test_optimizer_step_sizes_are_positive_integers(tmp_path, capsys, flag, valu
 
 TPU_DECODE_HLO = SCRIPT.parent / "tpu_decode_hlo.py"
 OFFLOAD_MEMORY = SCRIPT.parent / "offload_memory.py"
+TPU_TRAIN = SCRIPT.parent / "tpu_train.py"
 
 #: (script, argv, the flag the message names, a part of the message): the TPU-compiled tables'
 #: flags, refused by the parser before JAX or libtpu is imported.
@@ -79,6 +80,15 @@ TPU_TABLE_CASES = [
      "3 heads do not divide D=512 of --shapes"),
     (OFFLOAD_MEMORY, ["--shapes", "24:1024:x"], "--shapes",
      "expected n:d:batch triples of positive integers"),
+    *((TPU_TRAIN, [flag, value], flag, f"expected a positive integer, got {value!r}")
+      for flag in ("--d", "--heads", "--hidden", "--n", "--seq", "--batch", "--rounds")
+      for value in ("0", "1.5")),
+    (TPU_TRAIN, ["--heads", "3"], "--heads", "3 heads do not divide --d 1024"),
+    (TPU_TRAIN, ["--tiny", "--d", "33"], "--heads", "2 heads do not divide --d 33"),
+    (TPU_TRAIN, ["--peak", "0"], "--peak", "expected a positive TFLOP/s, got 0.0"),
+    (TPU_TRAIN, ["--peak", "nan"], "--peak", "expected a positive TFLOP/s, got nan"),
+    (TPU_TRAIN, ["--variants", "nnx"], "--variants",
+     "'nnx' matches no row; the rows are: loop, remat off; stackwise, remat off"),
 ]
 
 

@@ -33,6 +33,9 @@ CASES = [
     (["--lr", "-2e-3"], "--lr", "expected one argument"),  # (argparse: "-2e-3", a flag?)
     (["--lr", "nan"], "--lr", "expected a positive learning rate"),
     (["--lr", "inf"], "--lr", "expected a positive learning rate"),
+    (["--preset", "tpu"], "--preset", "invalid choice: 'tpu'"),
+    (["--compute-dtype", "float16"], "--compute-dtype",
+     "invalid choice: 'float16'"),
     (["--steps", "0"], "--steps", "expected a positive integer"),
     (["--steps", "-3"], "--steps", "expected a positive integer"),
     (["--steps", "1.5"], "--steps", "expected a positive integer"),
