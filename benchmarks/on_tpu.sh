@@ -9,9 +9,10 @@
 # PARTs: main (the README's main command, as a new user runs it), decode (benchmarks/
 # tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
 # program's facts), decode48 (the same at n=48, one size), profile (a jax.profiler trace of the loop and the scanned decode at one
-# size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24 and
-# 48), tier (.ci/tpu), train (benchmarks/tpu_train.py, when present). Copy what belongs in
-# benchmarks/results/ from OUT_DIR by hand, with the date.
+# size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24), tier
+# (.ci/tpu), tier-backend (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py, when present). Copy what belongs in
+# benchmarks/results/ from OUT_DIR by hand, with the date. At the end every log and the tier's
+# folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most).
 set -uo pipefail
 out=${1:?"usage: benchmarks/on_tpu.sh OUT_DIR PART [PART...]"}
 shift
@@ -52,10 +53,23 @@ for what in "$@"; do
             STACKWISE_TPU_TIER_SECONDS=${STACKWISE_TPU_TIER_SECONDS:-450} \
             "$root/.ci/tpu" "$out/tier") > "$out/tier.log" 2>&1
         echo "part tier: exit $?" | tee -a "$out/parts.txt" ;;
+    tier-backend)  # the tests that asserted XLA:CPU's facts, and their neighbours
+        (cd /tmp && STACKWISE_TPU_TIER_SECONDS=150 "$root/.ci/tpu" "$out/tier" -m "not slow" \
+            -k "memory or place or copy or alias or install_hint" "$root/tests/core" \
+            "$root/tests/adapters") > "$out/tier.log" 2>&1
+        echo "part tier-backend: exit $?" | tee -a "$out/parts.txt" ;;
     train)
-        part train 400 python3 benchmarks/tpu_train.py --markdown "$out/tpu_train.md" ;;
+        part train-dots 170 python3 benchmarks/tpu_train.py --variants "remat dots" \
+            --markdown "$out/tpu_train_dots.md"
+        part train-off 100 python3 benchmarks/tpu_train.py --variants "remat off" --batch 4 \
+            --markdown "$out/tpu_train_off_b4.md"
+        part train-full 120 python3 benchmarks/tpu_train.py --variants "remat full" \
+            --markdown "$out/tpu_train_full.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, train)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier-backend, train)" >&2
         exit 2 ;;
     esac
 done
+(cd "$out" && find . -maxdepth 1 \( -name '*.log' -o -name tier \) | sed 's#^\./##' \
+    | tar -czf logs.tar.gz -T - --remove-files)
+ls "$out"

@@ -17,8 +17,8 @@ described by name (compile-only devices). Install the libtpu that JAX's ``tpu`` 
 with the chip, ``--time R`` also runs each program: the median over R rounds of the time per
 decoding step (16 tokens a round, the cache donated from step to step), its ratio to the
 loop's, tokens per second (B per step) and the share of the HBM bandwidth it reaches: the
-bytes every step must read (the program's arguments: the weights and the whole cache) over
-819 GB/s (a v5e's), divided by the measured time. ``--profile DIR`` writes a
+bytes every step must read (the weights and the whole cache, unpadded) over 819 GB/s (a
+v5e's), divided by the measured time. ``--profile DIR`` writes a
 ``jax.profiler`` trace of the timed rounds. Rows:
 
 - ``loop``: a Python loop over per-layer params and caches (what a loop model runs, and
@@ -39,6 +39,7 @@ import json
 import math
 import pathlib
 import re
+import shlex
 import sys
 
 
@@ -309,7 +310,8 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
             rows[-1].update({
                 "ms/step": step_s * 1e3,
                 "tokens/s": b / step_s,
-                "HBM share": memory.argument_size_in_bytes / HBM_BYTES_PER_S / step_s,
+                "HBM share": touched_bytes(n, d, dt.itemsize, layer_cache_bytes)
+                / HBM_BYTES_PER_S / step_s,
             })
     if rounds:  # each row's time over the loop's (the first variant, when it ran)
         loop = next((r for r in rows if r["variant"].startswith("loop") and "ms/step" in r), None)
@@ -317,6 +319,13 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
             if loop and "ms/step" in r:
                 r["/loop"] = r["ms/step"] / loop["ms/step"]
     return rows
+
+
+def touched_bytes(n: int, d: int, itemsize: int, layer_cache_bytes: int) -> int:
+    """The bytes a decoding step must read at least: every layer's weights (``qkv`` and
+    ``out``: ``4 d^2 + 4 d`` values) and its whole K and V caches (attention reads every
+    position; the masked ones too), unpadded."""
+    return n * ((4 * d * d + 4 * d) * itemsize + 2 * layer_cache_bytes)
 
 
 def time_steps(compiled, shapes: tuple, rounds: int) -> float:
@@ -395,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(row), flush=True)
                 rows += new
     timed = (f"; timed: median of {args.time} rounds of {TOKENS_PER_ROUND} steps, HBM share "
-             f"= argument bytes / {HBM_BYTES_PER_S / 1e9:.0f} GB/s / step time"
+             f"= (weights + cache bytes) / {HBM_BYTES_PER_S / 1e9:.0f} GB/s / step time"
              if args.time else "")
     report(rows, f"{compiled_for(dev)}; n={args.n}, {args.heads} heads{timed}", args.markdown)
     return 0
@@ -404,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(rows: list[dict], machine: str, markdown: str) -> None:
     """Prints the table under ``machine`` and the command that ran (and writes it to
     ``markdown``, a file's path, unless empty)."""
-    command = " ".join(["python", f"benchmarks/{pathlib.Path(sys.argv[0]).name}", *sys.argv[1:]])
+    command = shlex.join(["python", f"benchmarks/{pathlib.Path(sys.argv[0]).name}", *sys.argv[1:]])
     out = table(rows, f"{machine}; `{command}`")
     print(out)
     if markdown:

@@ -284,7 +284,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     notes: list[str] = []
     found = builds(args, notes)
-    rows = [measure(name, found[name], args) for name in args.rows if name in found]
+    rows = []
+    for name in args.rows:
+        if name in found:
+            rows.append(measure(name, found[name], args))
+            print(rows[-1], flush=True)  # (as they come: a run cut short keeps what it measured)
     rows = with_ratios(rows)
     report(rows, title(args) + "".join(f"\n\nNote: {n}" for n in notes), args.markdown)
     return rows
