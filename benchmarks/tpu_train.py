@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.rows:
         if name in found:
             rows.append(measure(name, found[name], args))
-            print(rows[-1], flush=True)  # (as they come: a run cut short keeps what it measured)
+            print(rows[-1], file=sys.stderr, flush=True)  # (a run cut short keeps these)
     rows = with_ratios(rows)
     report(rows, title(args) + "".join(f"\n\nNote: {n}" for n in notes), args.markdown)
     return rows

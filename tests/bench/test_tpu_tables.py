@@ -27,6 +27,19 @@ def test_every_decode_variant_compiles_and_is_read(decode_hlo):
     assert table.splitlines()[0] == "header" and len(table.splitlines()) == 4 + len(rows)
 
 
+def test_timed_rows_run_each_program_and_compare_it_with_the_loop(decode_hlo):
+    only = ("loop", "to_serving", "AUTO")  # (the loop, and a cache in the compiler's layout)
+    rows = decode_hlo.measure(2, 16, 8, 2, 2, "float32", jax.devices()[0], rounds=1, only=only)
+    assert [r["variant"] for r in rows] == [
+        "loop (= serving layout)", "stackwise, to_serving", "the same, Layout.AUTO cache"]
+    for row in rows:
+        assert row["ms/step"] > 0 and row["tokens/s"] == pytest.approx(2e3 / row["ms/step"])
+        touched = 2 * (4 * 16 * 16 + 4 * 16) * 4 + 2 * 2 * (2 * 8 * 16 * 4)
+        assert row["HBM share"] == pytest.approx(touched / 819e9 / (row["ms/step"] / 1e3))
+        assert row["/loop"] == pytest.approx(row["ms/step"] / rows[0]["ms/step"])
+    assert decode_hlo.measure(2, 16, 8, 2, 2, "float32", jax.devices()[0], only=("nothing",)) == []
+
+
 def test_a_layer_sized_copy_or_slice_is_found_and_another_size_is_not(decode_hlo):
     hlo = "\n".join([
         "  %copy.1 = f32[1,8,1024,8,64]{4,3,1,2,0:T(8,128)S(1)} copy(%x)",
@@ -91,6 +104,6 @@ def test_report_prints_and_writes_the_table_with_the_command(decode_hlo, tmp_pat
     decode_hlo.report([{"a": 1.25}], "machine", str(out))
     text = out.read_text()
     assert text.startswith("machine; `python benchmarks/offload_memory.py --shapes 2:8:4`\n")
-    assert "| 1.2 |" in text and capsys.readouterr().out.strip() == text.strip()
-    decode_hlo.report([{"a": 1.0}], "machine", "")  # printed only
-    assert "| 1.0 |" in capsys.readouterr().out
+    assert "| 1.25 |" in text and capsys.readouterr().out.strip() == text.strip()
+    decode_hlo.report([{"a": 1234.56}], "machine", "")  # printed only
+    assert "| 1234.6 |" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 its header) and its stack computing the loop's loss and gradients (what it times on a TPU)."""
 
 import pathlib
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkey
     text = (tmp_path / "t.md").read_text()
     header, _, table_head, rule, *lines = text.splitlines()
     assert f"(on {jax.default_backend()}: " in header
-    assert header.endswith(f"`python benchmarks/tpu_train.py {' '.join(argv)}`")
+    assert header.endswith(f"`{shlex.join(['python', 'benchmarks/tpu_train.py', *argv])}`")
     assert table_head == "| " + " | ".join(COLUMNS) + " |" and len(lines) == len(rows)
     assert text.strip() == capsys.readouterr().out.strip()
 

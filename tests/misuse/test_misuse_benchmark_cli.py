@@ -78,6 +78,10 @@ TPU_TABLE_CASES = [
      "expected float32 and/or bfloat16, comma-separated, got 'float16'"),
     (TPU_DECODE_HLO, ["--heads", "3", "--shapes", "512:64:1"], "--heads",
      "3 heads do not divide D=512 of --shapes"),
+    (TPU_DECODE_HLO, ["--time", "-1"], "--time", "expected an integer of 0 or more, got '-1'"),
+    (TPU_DECODE_HLO, ["--time", "2.5"], "--time", "expected an integer of 0 or more, got '2.5'"),
+    (TPU_DECODE_HLO, ["--profile", "/tmp/p"], "--profile",
+     "traces the timed rounds, so it needs --time R (R >= 1)"),
     (OFFLOAD_MEMORY, ["--shapes", "24:1024:x"], "--shapes",
      "expected n:d:batch triples of positive integers"),
     *((TPU_TRAIN, [flag, value], flag, f"expected a positive integer, got {value!r}")
