@@ -41,6 +41,26 @@ def _xla_knows(flag: str) -> bool:
     return os.environ[key] == "1"
 
 
+def _accelerator_plugins() -> list[str]:
+    """The accelerator plugins of JAX installed here (libtpu, JAX's CUDA and ROCm plugins)."""
+    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
+    return [name for name in plugins if importlib.util.find_spec(name)]
+
+
+def _workers_take_the_cpu(environ: dict, plugins: list[str]) -> bool:
+    """Whether this process is one of several pytest-xdist workers (the README's ``pytest -n
+    2``) on a host with an accelerator and no ``JAX_PLATFORMS``: one process holds a TPU, so a
+    second worker's first array would fail on a chip already in use. Such workers run on the
+    CPU, as CI does; the TPU tier (``.ci/tpu``) runs the chip's tests in one process."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    return (workers.isdigit() and int(workers) > 1 and bool(plugins)
+            and not environ.get("JAX_PLATFORMS", "").strip())
+
+
+if _workers_take_the_cpu(os.environ, _accelerator_plugins()):
+    os.environ["JAX_PLATFORMS"] = "cpu"  # (this worker's subprocesses inherit it)
+
+
 def _runs_on_cpu() -> bool:
     """Whether JAX will run the tests on its CPU backend, known before JAX starts: the first
     platform that ``JAX_PLATFORMS`` names, or, unset, whether no accelerator's plugin (libtpu,
@@ -50,8 +70,7 @@ def _runs_on_cpu() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
-    return not any(importlib.util.find_spec(name) for name in plugins)
+    return not _accelerator_plugins()
 
 
 if _runs_on_cpu():
@@ -68,6 +87,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # unless JAX_DEFAULT_MATMUL_PRECISION says otherwise.
 if not _runs_on_cpu() and not os.environ.get("JAX_DEFAULT_MATMUL_PRECISION"):
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Says so when several xdist workers will run on the CPU of a host with an accelerator."""
+    workers = getattr(config.option, "numprocesses", None)
+    environ = dict(os.environ, PYTEST_XDIST_WORKER_COUNT=str(workers or 0))
+    if isinstance(workers, int) and _workers_take_the_cpu(environ, _accelerator_plugins()):
+        return (f"stackwise: {workers} xdist workers cannot share one accelerator: they run "
+                "on the CPU (JAX_PLATFORMS=cpu); `.ci/tpu` runs the TPU tier on the chip")
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
