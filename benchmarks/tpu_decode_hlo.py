@@ -207,8 +207,29 @@ def variants(n: int, d: int, heads: int):
         (h, k_all, v_all), _ = jax.lax.scan(body, (h, cache["k"], cache["v"]), (ps, jnp.arange(n)))
         return h, {"k": k_all, "v": v_all}
 
+    def unrolled_writes(ps, cache, h, pos):
+        k_all, v_all = cache["k"], cache["v"]
+        zero = jnp.zeros((), jnp.int32)
+        for i in range(n):  # (a static layer index: static slices, no loop)
+            p = jax.tree.map(lambda a: a[i], ps)
+            q, k, v = qkv_of(p, h)
+            at = (jnp.int32(i), zero, pos, zero, zero)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), at)
+            h = h + linear(p["out"], attend(q, k_all[i], v_all[i], pos))
+        return h, {"k": k_all, "v": v_all}
+
+    def unrolled_set(ps, cache, h, pos):
+        for i in range(n):  # (a static layer index)
+            p = jax.tree.map(lambda a: a[i], ps)
+            h, mine = layer(p, jax.tree.map(lambda a: a[i], cache), h, pos)
+            cache = jax.tree.map(lambda a, c: a.at[i].set(c), cache, mine)
+        return h, cache
+
     return {
         "loop (= serving layout)": (loop, "layers", False),
+        "unrolled, set back": (unrolled_set, "stacked", False),
+        "unrolled, writes into the stacked cache": (unrolled_writes, "stacked", False),
         "stackwise": (stacked.apply, "stacked", False),
         "stackwise, unroll=True": (unrolled.apply, "stacked", False),
         "stackwise, to_serving": (stacked.apply, "served", False),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from stackwise._core import checks, inplace, serving, trees
+from stackwise._core import checks, inplace, serving, through, trees
 from stackwise._core.checks import check_depth
 from stackwise._core.gather import check_fsdp_axes, gather
 from stackwise._core.markers import PerLayer, split_markers
@@ -194,7 +194,10 @@ def stack(
         of it per iteration); ``True`` runs a Python loop over the layers
         instead (same params layout; each layer traced separately; runs
         eagerly under :func:`jax.disable_jit` for debugging, where ``remat`` is
-        then skipped).
+        then skipped). With ``with_state``, a layer that keeps its state's
+        layout (a KV cache) reads and writes its own row of the stacked state,
+        in place when it is donated: on a TPU the decode step you then compile
+        is the loop's, where a scan copies each layer's cache every token.
       reverse: run the last layer first. Per-layer inputs and outputs keep
         their layer order.
       has_aux: the layer returns ``(x, aux)``; ``Stacked.apply`` returns
@@ -378,6 +381,8 @@ class Run:
         return tree
 
     def __call__(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
+        if self.python_loop and self.with_state and self.group is None:
+            return self.through(params, state, x, xs, rebuild)
         k, reverse = self.k, self.options.reverse
         layers = [self._layer(p, rebuild) for p in range(k)]
         inputs = [(params[p], state[p], _position(xs, p, k)) for p in range(k)]
@@ -435,10 +440,38 @@ class Run:
         stacked = tuple(jax.tree.map(lambda *a: jnp.stack(a), *aux[p::k]) for p in range(k))
         return x, tuple(new_state), stacked
 
-    def _layer(self, p: int, rebuild, serving: bool = False) -> Callable:
+    def through(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
+        """``unroll=True`` with state: a Python loop of the layers over static indices. A
+        layer that keeps its state's layout (a KV cache) reads and writes its row of the
+        stacked state in place (:mod:`stackwise._core.through`: no copy of a layer's cache
+        when the state is donated); another's new states are stacked, as a scan's are."""
+        k, n = self.k, self.n
+        for record in self.records:  # (decided afresh for this call's state)
+            record.pop("through", None)
+        new_state, aux = list(state), [None] * n
+        rows: list[list] = [[None] * c for c in self.counts]  # (layers not written through)
+        for i in reversed(range(n)) if self.options.reverse else range(n):
+            p, j = i % k, i // k
+            row = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)  # noqa: E731
+            x, (out_state, aux[i]) = self._layer(p, rebuild, through=j)(
+                x, (row(params[p]), new_state[p], row(_position(xs, p, k))))
+            if self.records[p]["through"]:
+                new_state[p] = out_state
+            else:
+                rows[p][j] = out_state
+        for p in range(k):
+            if not self.records[p]["through"]:
+                new_state[p] = jax.tree.map(lambda *a: jnp.stack(a), *rows[p])
+        stacked = tuple(jax.tree.map(lambda *a: jnp.stack(a), *aux[p::k]) for p in range(k))
+        return x, tuple(new_state), stacked
+
+    def _layer(self, p: int, rebuild, serving: bool = False, through: int | None = None
+               ) -> Callable:
         """Position p's layer as a scan body ``x, (per_layer, aux)``, rematerialised.
 
-        ``serving``: a body of :meth:`serve`, whose ``per_layer`` is the new state whole."""
+        ``serving``: a body of :meth:`serve`, whose ``per_layer`` is the new state whole.
+        ``through``: a body of :meth:`through` for row ``through`` of the position's
+        stacked state, given and returned whole (``per_layer``)."""
         apply, record, who = self.applies[p], self.records[p], self.who
         has_aux = self.options.has_aux
 
@@ -460,6 +493,8 @@ class Run:
 
                 if serving:
                     out, per_layer = with_state(params, x, state)
+                elif through is not None:
+                    out, per_layer = self._write_through(p, with_state, params, x, state, through)
                 else:
                     out, treedef, updates, per_layer = inplace.call(with_state, (params, x), state)
                     record.update(treedef=treedef, updates=updates)
@@ -477,6 +512,20 @@ class Run:
             return new_x, (per_layer, aux)
 
         return _remat(layer, self.options, self.python_loop or serving)
+
+    def _write_through(self, p: int, fn: Callable, params: Any, x: Any, stacked: Any,
+                       j: int) -> tuple:
+        """``fn(params, x, row j of stacked)``: with the row written through into
+        ``stacked`` (:func:`through.call`), returning the stacked state, where the layer
+        keeps the state's layout (decided at position p's first layer, in
+        ``records[p]["through"]``); else returning the layer's new state."""
+        record = self.records[p]
+        if "through" not in record:
+            rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+            record["through"] = through.keeps_layout(fn, (params, x), rows)
+        if record["through"]:
+            return through.call(fn, (params, x), stacked, j)
+        return fn(params, x, jax.tree.map(lambda a: a[j], stacked))
 
     def _repeats(self, body: Callable, x: Any, xs: Any) -> tuple:
         """All whole repeats of the pattern, in checkpointed groups when ``nested``."""

@@ -97,12 +97,16 @@ def eval_jaxpr(
     args: list,
     inline: Callable[[list], bool],
     observe: Callable[[str, list, list], None],
+    bind: Callable[[str, list], list | None] | None = None,
+    materialize: Callable[[list], list] | None = None,
 ) -> list:
     """Evaluates ``jaxpr`` on ``args`` as :func:`jax.core.eval_jaxpr` does, equation by equation.
 
     A call equation (:data:`CALL_PRIMITIVES`) whose inputs ``inline`` accepts has its body
     evaluated here, recursively; every other equation is bound, then ``observe(primitive
-    name, inputs, outputs)`` sees it.
+    name, inputs, outputs)`` sees it. ``bind(primitive name, inputs)``, if given, may compute
+    an equation's outputs instead (a list), or return ``None``; then ``materialize``, if
+    given, makes the inputs that the primitive is bound to (``materialize(inputs)``).
 
     Mirrors jax 0.10.2's ``jax._src.core.eval_jaxpr``: ``Literal.val``, ``DropVar`` outputs,
     ``eqn.ctx.manager`` around ``primitive.bind(*ins, **primitive.get_bind_params(params))``,
@@ -122,8 +126,11 @@ def eval_jaxpr(
         ins = [read(v) for v in eqn.invars]
         body = _call_body(eqn)
         if body is not None and inline(ins):
-            outs = eval_jaxpr(body[0], body[1], ins, inline, observe)
+            outs = eval_jaxpr(body[0], body[1], ins, inline, observe, bind, materialize)
+        elif bind is not None and (found := bind(eqn.primitive.name, ins)) is not None:
+            outs = found
         else:
+            ins = materialize(ins) if materialize is not None else ins
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:

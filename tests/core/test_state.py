@@ -160,3 +160,82 @@ def test_state_under_grad_matches_the_loop():
     g = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, cache)
     g_loop = jax.grad(loss_loop, argnums=(0, 1))(params, cache)
     assert_trees_close(g, g_loop)
+
+
+# --------------------------------------------------------------------------
+# unroll=True: each layer's state written through into its row of the stacked state.
+
+
+def _unrolled_program(n):
+    layers = stackwise.stack(init, attend, n, with_state=True, unroll=True)
+    params, cache = jax.eval_shape(layers.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
+    step = jax.jit(layers.apply, donate_argnums=1)
+    return step.lower(params, cache, x, jnp.int32(3)).compile(), cache
+
+
+def test_an_unrolled_decode_writes_each_layers_row_of_the_donated_cache_in_place():
+    """The Python loop of layers reads and writes row i of the stacked cache (on a TPU v5e,
+    compiled, no copy of a layer's cache at all: benchmarks/results/tpu_decode_hlo.md), where
+    setting back an updated slice would copy every layer's cache."""
+    compiled, cache = _unrolled_program(16)
+    leaves = jax.tree.leaves(cache)
+    assert_aliases_exactly(compiled, leaves)
+    shallow, shallow_cache = _unrolled_program(8)
+    assert_no_copy_per_layer(shallow, compiled, jax.tree.leaves(shallow_cache), leaves)
+
+
+def _counting(params, state, x):
+    """A layer whose state is computed afresh (no update of a slice): the same layout."""
+    return x + state["seen"][:, None] * params, {"seen": state["seen"] + x.sum(-1)}
+
+
+def _growing(params, state, x):
+    """A layer whose new state has another layout than the state it was given."""
+    return x * params, {"seen": state["seen"], "sum": x.sum(-1)}
+
+
+def _returns_its_cache(params, cache, x, pos):
+    """Writes its cache, then also returns it in its output (read after the write)."""
+    y, cache = attend(params, cache, x, pos)
+    return y + cache["k"][:, :1].reshape(y.shape[0], 1, -1)[..., : y.shape[-1]], cache
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("layer", ["afresh", "new layout", "cache in the output", "pattern"])
+def test_unrolled_state_equals_the_scans(layer):
+    n, key, x = 5, jax.random.key(1), jax.random.normal(jax.random.key(2), (B, 1, D))
+    if layer in ("afresh", "new layout"):
+        fn = _counting if layer == "afresh" else _growing
+        params, state = jnp.linspace(0.5, 1.5, n), {"seen": jnp.ones((n, B))}
+        args = (x[:, 0],)
+        scanned = stackwise.stack(None, fn, n, with_state=True)
+        unrolled = stackwise.stack(None, fn, n, with_state=True, unroll=True)
+    else:
+        fn = _returns_its_cache if layer == "cache in the output" else attend
+        inits = init if layer != "pattern" else [init, init]
+        applies = fn if layer != "pattern" else [fn, _returns_its_cache]
+        scanned = stackwise.stack(inits, applies, n, with_state=True)
+        unrolled = stackwise.stack(inits, applies, n, with_state=True, unroll=True)
+        params, state = scanned.init(key)
+        state = jax.tree.map(lambda a: jax.random.normal(key, a.shape, a.dtype), state)
+        args = (x, jnp.int32(3))
+    expected = scanned.apply(params, state, *args)
+    got = jax.jit(unrolled.apply)(params, state, *args)
+    assert_trees_close(got, expected)
+    grads = [jax.grad(lambda p, s=s: s.apply(p, state, *args)[0].sum())(params)
+             for s in (scanned, unrolled)]
+    assert_trees_close(grads[1], grads[0])
+
+
+def test_unrolled_state_without_the_jaxpr_ties_slices_and_sets_back(monkeypatch):
+    """Where stackwise's ties to JAX's evaluation loop do not hold (a newer JAX), each layer
+    gets its row and its new row is set back: a copy per layer, the same values."""
+    from stackwise._core import through
+
+    monkeypatch.setattr(through, "_ties_hold", lambda: False)
+    layers = stackwise.stack(init, attend, 3, with_state=True, unroll=True)
+    params, cache = layers.init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (B, 1, D))
+    expected = stackwise.stack(init, attend, 3, with_state=True).apply(params, cache, x, 3)
+    assert_trees_close(layers.apply(params, cache, x, 3), expected)
