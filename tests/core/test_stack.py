@@ -381,6 +381,28 @@ def test_unrolled_remat_barriers_protect_activations_only():
         assert t not in ("5x7xf32", "1x7xf32"), f"a param or constant passes a barrier: {t}"
 
 
+@pytest.mark.parametrize("remat", [stackwise.DEFAULT_REMAT, True, False])
+def test_scanned_program_is_a_plain_checkpointed_scan(remat):
+    # The training step's program is exactly `lax.scan` of `jax.checkpoint(body,
+    # prevent_cse=False, policy=...)` written by hand: no extra loop, barrier, slice or
+    # convert (the stack's compile time is the hand-written scan's; what differs from
+    # nn.scan or hk.layer_stack on a TPU is their blocks, not the scan).
+    layers = stackwise.stack(init_layer, apply_layer, 4, remat=remat)
+    params, x = layers.init(jax.random.key(0)), jnp.ones((2, D))
+    body = lambda h, p: (apply_layer(p, h), None)  # noqa: E731
+    if remat is not False:
+        policy = None if remat is True else remat
+        body = jax.checkpoint(body, prevent_cse=False, policy=policy)
+
+    def program(apply):
+        step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
+        return step.lower(params, x).as_text(debug_info=False)
+
+    by_hand = program(lambda p, h: jax.lax.scan(body, h, p)[0])
+    assert "optimization_barrier" not in by_hand
+    assert program(layers.apply) == by_hand
+
+
 def test_carry_is_named_for_policies():
     # A policy that saves only the named carry behaves like plain remat.
     policy = jax.checkpoint_policies.save_only_these_names(stackwise.CARRY_NAME)
