@@ -186,7 +186,7 @@ def autostack(
 
     >>> stacked, f = stackwise.autostack(model, params, x)
     >>> print(f.found)
-    autostack: 4 blocks of 5 equations (equations 0-19 of 21) run as one scan, 2 param leaves stacked per block
+    autostack: 4 blocks of 4 equations (equations 0-15 of 17) run as one scan, 2 param leaves stacked per block
     >>> stacked["blocks"]["['layers'][0]['w']"].shape
     (4, 8, 8)
     >>> bool(jnp.allclose(jax.jit(f)(stacked, x), model(params, x), atol=1e-6))
