@@ -150,3 +150,23 @@ def test_mlp_property(n, d, w):
     x = jnp.ones((2, d)) * 0.3
     check_loop(mlp, params, x, n=n)
     np.testing.assert_equal(stackwise.autostack(mlp, params, x)[1].found.n, n)
+
+
+def test_blocks_inside_checkpoint_and_custom_vjp_calls():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+
+    clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+    @jax.checkpoint
+    def block(p, x):
+        return clip_grad(x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"])
+
+    def model(params, x):
+        for p in params["layers"]:
+            x = block(p, x)
+        return x @ params["head"]
+
+    f = check_loop(model, mlp_params(KEY, 4), X, n=4, period=1)
+    assert f.found.params == 3
