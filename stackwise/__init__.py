@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 #: (PEP 562), so ``import stackwise`` imports neither JAX nor a framework, and a command line
 #: of ``stackwise.bench`` answers ``--help`` at once; ``stackwise.stack`` then costs JAX's import.
 _PUBLIC = {
+    "autostack": "stackwise._autostack.api",
+    "Autostacked": "stackwise._autostack.api",
     "CARRY_NAME": "stackwise._core.stack",
     "Checkpoint": "stackwise._checkpoint.read",
     "CheckpointLayout": "stackwise._checkpoint.inspect",
@@ -37,6 +39,8 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:  # (what type checkers and IDEs read)
+    from stackwise._autostack.api import Autostacked as Autostacked
+    from stackwise._autostack.api import autostack as autostack
     from stackwise._checkpoint.inspect import CheckpointLayout as CheckpointLayout
     from stackwise._checkpoint.inspect import inspect_checkpoint as inspect_checkpoint
     from stackwise._checkpoint.load import load_checkpoint as load_checkpoint
@@ -183,11 +187,13 @@ del _install_last_resort
 __version__ = "0.1.0"
 
 __all__ = [
+    "Autostacked",
     "CARRY_NAME",
     "Checkpoint",
     "CheckpointLayout",
     "DEFAULT_REMAT",
     "Serving",
+    "autostack",
     "Stacked",
     "Tensor",
     "from_serving",

@@ -71,6 +71,12 @@ def _remat(remat: Any, who: str) -> tuple[bool, Callable[..., Any] | None]:
     return True, remat
 
 
+def check_remat(remat: Any, who: str) -> tuple[bool, Callable[..., Any] | None]:
+    """``remat`` (False/None, True or a checkpoint policy) as ``(rematted, policy)``, checked as
+    :func:`stackwise.stack` checks it (:func:`stackwise.autostack` shares it)."""
+    return _remat(remat, who)
+
+
 def check_layers(init: Any, apply: Any, who: str) -> tuple[tuple | None, tuple, bool]:
     """``stack``'s ``init`` and ``apply`` (functions, or a pattern of k each), checked.
 

@@ -104,7 +104,7 @@ def _evaluate(jaxpr: Any, consts: list, args: list) -> list:
         return [a.value() if isinstance(a, _Row) else a for a in ins]
 
     return jax_ties.eval_jaxpr(jaxpr, consts, args, inline, lambda *_: None,
-                               bind=bind, materialize=read)
+                               instead=bind, materialize=read)
 
 
 def _ties_hold() -> bool:

@@ -41,9 +41,11 @@ __all__ = [
     "SLICE_PRIMITIVES",
     "TIES",
     "UpstreamChanged",
+    "bind",
     "check",
     "eval_jaxpr",
     "holds",
+    "source_line",
     "unless_all_gathered",
     "unless_resharded",
     "takes_rows",
@@ -97,14 +99,14 @@ def eval_jaxpr(
     args: list,
     inline: Callable[[list], bool],
     observe: Callable[[str, list, list], None],
-    bind: Callable[[str, list], list | None] | None = None,
+    instead: Callable[[str, list], list | None] | None = None,
     materialize: Callable[[list], list] | None = None,
 ) -> list:
     """Evaluates ``jaxpr`` on ``args`` as :func:`jax.core.eval_jaxpr` does, equation by equation.
 
     A call equation (:data:`CALL_PRIMITIVES`) whose inputs ``inline`` accepts has its body
     evaluated here, recursively; every other equation is bound, then ``observe(primitive
-    name, inputs, outputs)`` sees it. ``bind(primitive name, inputs)``, if given, may compute
+    name, inputs, outputs)`` sees it. ``instead(primitive name, inputs)``, if given, may compute
     an equation's outputs instead (a list), or return ``None``; then ``materialize``, if
     given, makes the inputs that the primitive is bound to (``materialize(inputs)``).
 
@@ -126,20 +128,39 @@ def eval_jaxpr(
         ins = [read(v) for v in eqn.invars]
         body = _call_body(eqn)
         if body is not None and inline(ins):
-            outs = eval_jaxpr(body[0], body[1], ins, inline, observe, bind, materialize)
-        elif bind is not None and (found := bind(eqn.primitive.name, ins)) is not None:
+            outs = eval_jaxpr(body[0], body[1], ins, inline, observe, instead, materialize)
+        elif instead is not None and (found := instead(eqn.primitive.name, ins)) is not None:
             outs = found
         else:
             ins = materialize(ins) if materialize is not None else ins
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = bind(eqn, ins)
             observe(eqn.primitive.name, ins, outs)
         for v, out in zip(eqn.outvars, outs):
             if not isinstance(v, DropVar):
                 env[v] = out
     return [read(v) for v in jaxpr.outvars]
+
+
+def bind(eqn: Any, ins: list) -> list:
+    """One equation of a jaxpr bound on ``ins``, as :func:`eval_jaxpr`'s step does: its
+    outputs as a list (``eqn.ctx.manager`` around ``primitive.bind(*ins,
+    **primitive.get_bind_params(params))``; jax 0.10.2, checked by the evaluation loop's
+    probe). :mod:`stackwise._autostack` re-emits a traced model's equations with it."""
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def source_line(eqn: Any) -> str:
+    """Where the user's code made ``eqn``, as ``file:line (function)``, or "" when JAX's
+    private source-info summary (jax 0.10.2: ``jax._src.source_info_util.summarize``) is
+    gone: it only words an error message, so its loss loses no result."""
+    try:
+        from jax._src import source_info_util
+
+        return str(source_info_util.summarize(eqn.source_info))
+    except Exception:  # (words only)
+        return ""
 
 
 def _call_body(eqn: Any) -> tuple | None:

@@ -1,0 +1,294 @@
+"""``stackwise.autostack``: a loop model, traced once, run with its repeated blocks as one scan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from stackwise._autostack import diagnose
+from stackwise._autostack.find import Plan, candidates, follow
+from stackwise._autostack.run import evaluate
+from stackwise._autostack.signature import Signatures
+from stackwise._core.options import check_bool, check_remat
+
+__all__ = ["Autostacked", "Found", "autostack"]
+
+WHO = "stackwise.autostack"
+_FIX = ("Make the blocks the same computation on the same shapes (a per-layer difference can "
+        "be a value the blocks read, e.g. a traced layer index), or pass `best_effort=True` "
+        "to run `fn` unchanged.")
+
+
+class Found(NamedTuple):
+    """What :func:`autostack` found in ``fn``'s jaxpr.
+
+    Attributes:
+      n: the blocks stacked into the scan (0: nothing was stacked).
+      period: the equations of one block (a pattern of several layers is one block).
+      start: the index of block 0's first equation among the jaxpr's top-level equations.
+      stop: one past the last block's last equation.
+      equations: the top-level equations of ``fn``'s jaxpr.
+      params: the param leaves each block reads that are stacked (``"blocks"``).
+      why: why nothing was stacked (with ``best_effort=True``); "" otherwise.
+    """
+
+    n: int
+    period: int
+    start: int
+    stop: int
+    equations: int
+    params: int
+    why: str = ""
+
+    def __str__(self) -> str:
+        if not self.n:
+            return f"autostack: nothing stacked: {self.why}"
+        return (f"autostack: {self.n} blocks of {self.period} equations (equations "
+                f"{self.start}-{self.stop - 1} of {self.equations}) run as one scan, "
+                f"{self.params} param leaves stacked per block")
+
+
+class Autostacked:
+    """``fn`` with its run of repeated blocks as one scan, returned by :func:`autostack`.
+
+    ``out = f(stacked_params, *args)`` computes ``fn(params, *args)``; ``f.stack(params)``
+    and ``f.unstack(stacked_params)`` convert params (bitwise, every leaf moved); ``f.found``
+    says what was stacked (:class:`Found`).
+    """
+
+    def __init__(self, fn: Callable, found: Found, closed: Any = None, plan: Plan | None = None,
+                 trees: tuple = (), remat: tuple = (False, None)):
+        self.fn, self.found, self._closed, self._plan, self._remat = fn, found, closed, plan, remat
+        if plan is not None:
+            self._params_def, self._args_def, self._out_def, self._paths = trees
+            self._stacked_of = {}  # params-leaf index -> (slot, block)
+            for q, indices in enumerate(plan.params):
+                for i, index in enumerate(indices):
+                    self._stacked_of[index] = (q, i)
+            self._keys = [self._paths[indices[0]] for indices in plan.params]
+
+    def __repr__(self) -> str:
+        return f"<Autostacked {getattr(self.fn, '__name__', 'fn')}: {self.found}>"
+
+    def stack(self, params: Any) -> Any:
+        """``{"blocks": {path of block 0's leaf: the blocks' leaves stacked}, "rest": params
+        with those leaves as None}``: every leaf moved bitwise."""
+        if self._plan is None:
+            return params
+        leaves = self._leaves(params, "params", self._params_def)
+        blocks = {key: jax.numpy.stack([leaves[i] for i in indices])
+                  for key, indices in zip(self._keys, self._plan.params)}
+        rest = [None if i in self._stacked_of else leaf for i, leaf in enumerate(leaves)]
+        return {"blocks": blocks, "rest": jax.tree.unflatten(self._params_def, rest)}
+
+    def unstack(self, stacked_params: Any) -> Any:
+        """The params tree ``fn`` takes, from :meth:`stack`'s layout (bitwise)."""
+        if self._plan is None:
+            return stacked_params
+        blocks, rest = self._parts(stacked_params)
+        leaves = []
+        rest_leaves = iter(rest)
+        for i in range(self._params_def.num_leaves):
+            if i in self._stacked_of:
+                q, block = self._stacked_of[i]
+                leaves.append(blocks[q][block])
+            else:
+                leaves.append(next(rest_leaves))
+        return jax.tree.unflatten(self._params_def, leaves)
+
+    def __call__(self, stacked_params: Any, *args: Any) -> Any:
+        if self._plan is None:
+            return self.fn(stacked_params, *args)
+        blocks, rest = self._parts(stacked_params)
+        jaxpr = self._closed.jaxpr
+        env = dict(zip(jaxpr.constvars, self._closed.consts))
+        unstacked = [v for i, v in enumerate(jaxpr.invars[:self._params_def.num_leaves])
+                     if i not in self._stacked_of]
+        env.update(zip(unstacked, rest))
+        arg_leaves = self._leaves(args, "args", self._args_def)
+        invars = jaxpr.invars[self._params_def.num_leaves:]
+        for k, (v, leaf) in enumerate(zip(invars, arg_leaves)):
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else jax.numpy.result_type(leaf)
+            shape = tuple(jax.numpy.shape(leaf))
+            if shape != tuple(v.aval.shape) or (dtype != v.aval.dtype and not v.aval.weak_type):
+                raise TypeError(
+                    f"{WHO}: leaf {k} of `*args` is {dtype}{list(shape)}, but `fn` was traced "
+                    f"for {v.aval.dtype}{list(v.aval.shape)}: the program is specialised to the "
+                    "example's shapes; call `stackwise.autostack` again with an example of the "
+                    "new shape."
+                )
+        env.update(zip(invars, arg_leaves))
+        outs = evaluate(jaxpr, env, self._plan, blocks, self._remat)
+        return jax.tree.unflatten(self._out_def, outs)
+
+    def _leaves(self, tree: Any, what: str, treedef: Any) -> list:
+        leaves, got = jax.tree.flatten(tree)
+        if got != treedef:
+            raise TypeError(
+                f"{WHO}: `{what}` has the structure {got}, but `fn` was traced with {treedef}."
+            )
+        return leaves
+
+    def _parts(self, stacked_params: Any) -> tuple[list, list]:
+        if not (isinstance(stacked_params, dict) and set(stacked_params) == {"blocks", "rest"}):
+            raise TypeError(
+                f"{WHO}: `stacked_params` is the dict `{{'blocks': ..., 'rest': ...}}` that "
+                "`autostack` returns (or `f.stack(params)`); got "
+                f"{type(stacked_params).__name__}. For the params `fn` takes, call "
+                "`f(f.stack(params), ...)`."
+            )
+        blocks = stacked_params["blocks"]
+        if not isinstance(blocks, dict) or set(blocks) != set(self._keys):
+            raise TypeError(f"{WHO}: `stacked_params['blocks']` must hold the keys {self._keys}.")
+        rest = self._leaves(stacked_params["rest"], "stacked_params['rest']", self._rest_def())
+        return [blocks[key] for key in self._keys], rest
+
+    def _rest_def(self) -> Any:
+        placeholder = [None if i in self._stacked_of else 0
+                       for i in range(self._params_def.num_leaves)]
+        return jax.tree.structure(jax.tree.unflatten(self._params_def, placeholder))
+
+
+def autostack(
+    fn: Callable[..., Any],
+    params: Any,
+    *example_args: Any,
+    n: int | None = None,
+    remat: bool | Callable[..., Any] | None = None,
+    best_effort: bool = False,
+) -> tuple[Any, Autostacked]:
+    """Runs an unmodified loop model with its repeated blocks as one ``lax.scan``.
+
+    ``fn(params, *args)`` is traced once on the examples; the longest run of consecutive
+    blocks of top-level equations that are the same computation up to variable names
+    (the same primitives, params, shapes and dtypes, each block reading its own param
+    leaves, the previous block's values and values from before the run) is rewritten as a
+    scan over the blocks' stacked params. A literal that differs from block to block (the
+    ``i`` of ``fold_in(key, i)``) becomes a scanned input; a pattern of several different
+    layers repeating is found as one longer block.
+
+    The loop:
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> def model(params, x):
+    ...     for layer in params["layers"]:
+    ...         x = x + jnp.tanh(x @ layer["w"] + layer["b"])
+    ...     return x @ params["head"]
+    >>> keys = jax.random.split(jax.random.key(0), 5)
+    >>> params = {"layers": [{"w": jax.random.normal(k, (8, 8)) / 8, "b": jnp.zeros((1, 8))}
+    ...                      for k in keys[:4]], "head": jax.random.normal(keys[4], (8, 2))}
+    >>> x = jnp.ones((3, 8))
+
+    The same, as one scan over the 4 blocks:
+
+    >>> stacked, f = stackwise.autostack(model, params, x)
+    >>> print(f.found)
+    autostack: 4 blocks of 4 equations (equations 0-15 of 17) run as one scan, 2 param leaves stacked per block
+    >>> stacked["blocks"]["['layers'][0]['w']"].shape
+    (4, 8, 8)
+    >>> bool(jnp.allclose(jax.jit(f)(stacked, x), model(params, x), atol=1e-6))
+    True
+    >>> jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), f.unstack(stacked), params))
+    True
+
+    Args:
+      fn: ``out = fn(params, *args)``, a function of arrays (a Haiku ``apply``, a linen
+        ``Module.apply``, a pure function over a list of per-layer dicts).
+      params: a pytree of arrays: the layers' leaves are stacked, every other leaf is kept.
+      *example_args: the other arguments ``fn`` is traced with; ``f`` takes arguments of
+        the same structure, shapes and dtypes.
+      n: the number of blocks expected; when given, a run of another length is refused.
+      remat: rematerialise each block in the backward pass, as :func:`stackwise.stack`'s
+        ``remat``: ``None``/``False`` (store every residual, as the loop does), ``True`` or a
+        :mod:`jax.checkpoint_policies` policy. The carry entering each block is named
+        :data:`stackwise.CARRY_NAME`.
+      best_effort: where no run is found, or the loop is broken, return ``params`` as
+        given and ``fn`` unchanged (``f.found.why`` says why) instead of raising.
+
+    Returns:
+      ``(stacked_params, f)``: ``stacked_params`` is ``{"blocks": {path of block 0's
+      leaf: the n blocks' leaves stacked on a new leading axis}, "rest": params with those
+      leaves as None}``; ``f`` an :class:`Autostacked`: ``out = f(stacked_params, *args)``,
+      ``f.unstack(stacked_params)`` gives the params back bitwise, ``f.stack(params)``
+      converts fresh params, ``f.found`` says what was found.
+
+    Raises:
+      TypeError: ``fn`` not callable, ``params`` not a pytree of arrays, a non-bool
+        ``best_effort``, an unknown ``remat``, ``n`` not an int.
+      ValueError: ``n < 2``, ``params`` with no leaves, or no run of 2 or more blocks found,
+        a broken loop (the same block recurs apart from the run) or another number of blocks
+        than ``n``: the message names the first block that differs, its equation, and how.
+    """
+    if not callable(fn):
+        raise TypeError(f"{WHO}: `fn` must be callable, got {type(fn).__name__} {fn!r}. "
+                        "Call it as `stackwise.autostack(fn, params, *example_args)`.")
+    check_bool(best_effort, "best_effort", WHO)
+    rematted = check_remat(remat, WHO)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise TypeError(f"{WHO}: `n` must be None or an int (the blocks expected), got {n!r}.")
+    if n is not None and n < 2:
+        raise ValueError(f"{WHO}: `n` must be at least 2 (a run of blocks), got {n}.")
+    path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
+    if not path_leaves:
+        raise ValueError(f"{WHO}: `params` has no leaves; give the model's params as arrays.")
+    for path, leaf in path_leaves:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"{WHO}: `params` must be a pytree of arrays, but the leaf at "
+                f"`params{jax.tree_util.keystr(path)}` is {type(leaf).__name__} {leaf!r}; pass "
+                "Python values in `example_args`, or close over them in `fn`."
+            )
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, *example_args)
+    closed = _inline_whole(closed)
+    jaxpr = closed.jaxpr
+    sigs = Signatures()
+    eqns = jaxpr.eqns
+    ids = np.array([sigs.of(e) for e in eqns], dtype=np.int64)
+    readers: dict = {}
+    for r, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if hasattr(v, "count") or not hasattr(v, "val"):
+                readers.setdefault(v, []).append(r)
+    for v in jaxpr.outvars:
+        if not hasattr(v, "val"):
+            readers.setdefault(v, []).append(-1)
+    n_params, best, failures, top = len(path_leaves), None, {}, None
+    for cand in candidates(ids) if len(eqns) >= 2 else []:
+        covered, p, a, k = cand
+        if best is not None and covered <= best.period * best.count:
+            break
+        top = top or cand
+        plan, failure = follow(jaxpr, a, p, k, n_params, readers)
+        if failure is not None:
+            failures.setdefault((a + failure.block * p, p), failure.text)
+        if plan is not None and (best is None or plan.period * plan.count > best.period * best.count):
+            best = plan
+    if best is None:
+        problem = diagnose.no_run(eqns, ids, sigs, top, failures)
+    else:
+        problem = diagnose.broken(eqns, ids, sigs, best, n, failures)
+    if problem is not None:
+        if best_effort:
+            return params, Autostacked(fn, Found(0, 0, 0, 0, len(eqns), 0, problem))
+        raise ValueError(f"{WHO}: {problem}. {_FIX}")
+    paths = [jax.tree_util.keystr(path) for path, _ in path_leaves]
+    args_def = jax.tree.structure(example_args)
+    found = Found(best.count, best.period, best.start, best.stop, len(eqns), len(best.params))
+    trees = (params_def, args_def, jax.tree.structure(shapes), paths)
+    f = Autostacked(fn, found, closed, best, trees, rematted)
+    return f.stack(params), f
+
+
+def _inline_whole(closed: Any) -> Any:
+    """The body of a ``jax.jit`` that wraps the whole model (its one equation), else as is."""
+    eqns = closed.jaxpr.eqns
+    if len(eqns) == 1 and eqns[0].primitive.name in ("jit", "pjit") and not closed.consts:
+        eqn = eqns[0]
+        if list(eqn.invars) == list(closed.jaxpr.invars) and list(eqn.outvars) == list(
+            closed.jaxpr.outvars
+        ):
+            return _inline_whole(eqn.params["jaxpr"])
+    return closed

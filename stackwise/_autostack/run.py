@@ -1,0 +1,97 @@
+"""Re-emitting a traced model with its run of blocks as one ``lax.scan``.
+
+The equations before the run are bound as traced; the run becomes a scan whose body binds
+block 0's equations, each operand read from its role in the :class:`Plan` (the carry, the
+layer's params slice, a scanned input, a shared value, a literal, or an earlier output of
+the body); the equations after the run read the last block's values from the final carry
+and every other block's from the scan's stacked outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from stackwise._autostack.find import Plan
+from stackwise._core.stack import CARRY_NAME
+from stackwise._upstream import jax as jax_ties
+
+__all__ = ["evaluate"]
+
+
+def _read(env: dict, atom: Any) -> Any:
+    from jax.extend.core import Literal
+
+    return atom.val if isinstance(atom, Literal) else env[atom]
+
+
+def _stack_atoms(env: dict, atoms: tuple) -> Any:
+    from jax.extend.core import Literal
+
+    dtype = atoms[0].aval.dtype
+    if all(isinstance(a, Literal) for a in atoms):  # a constant of the program
+        return np.stack([np.asarray(a.val, dtype) for a in atoms])
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return jnp.stack([_read(env, a) for a in atoms])
+    return jnp.stack([jnp.asarray(_read(env, a), dtype) for a in atoms])
+
+
+def _bind_all(eqns: list, env: dict) -> None:
+    for eqn in eqns:
+        outs = jax_ties.bind(eqn, [_read(env, v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+
+
+def evaluate(jaxpr: Any, env: dict, plan: Plan, blocks: list, remat: tuple) -> list:
+    """The jaxpr's outputs, with ``env`` holding its constants and inputs (the stacked param
+    leaves apart: ``blocks``, one array per param slot of ``plan``)."""
+    eqns, s, p, k = jaxpr.eqns, plan.start, plan.period, plan.count
+    _bind_all(eqns[:s], env)
+    template = eqns[s:s + p]
+    init = []
+    for (j, o), atom in zip(plan.carry, plan.carry_init):
+        if atom is None:  # (read after the run only: the first block never reads it)
+            aval = template[j].outvars[o].aval
+            init.append(jnp.zeros(aval.shape, aval.dtype))
+        else:
+            init.append(_read(env, atom))
+    scanned = [_stack_atoms(env, atoms) for atoms in plan.scanned]
+    shared = [_read(env, atom) for atom in plan.shared]
+
+    def body(carry: list, xs: tuple) -> tuple[list, list]:
+        params, scanned = xs
+        sources = {
+            "carry": [checkpoint_name(c, CARRY_NAME) for c in carry],
+            "param": params,
+            "scan": scanned,
+            "shared": shared,
+        }
+        own: dict = {}
+        for j, eqn in enumerate(template):
+            ins = []
+            for role in plan.roles[j]:
+                if role[0] == "own":
+                    ins.append(own[role[1:]])
+                elif role[0] == "literal":
+                    ins.append(role[1].val)
+                else:
+                    ins.append(sources[role[0]][role[1]])
+            own.update(((j, o), out) for o, out in enumerate(jax_ties.bind(eqn, ins)))
+        return [own[c] for c in plan.carry], [own[y] for y in plan.ys]
+
+    rematted, policy = remat
+    if rematted:
+        body = jax.checkpoint(body, prevent_cse=False, policy=policy)
+    carry, ys = jax.lax.scan(body, init, (list(blocks), scanned), length=k)
+    last = s + (k - 1) * p
+    for (j, o), value in zip(plan.carry, carry):
+        env[eqns[last + j].outvars[o]] = value
+    for (j, o), stacked in zip(plan.ys, ys):
+        for i in range(k):
+            env[eqns[s + i * p + j].outvars[o]] = stacked[i]
+    _bind_all(eqns[s + k * p:], env)
+    return [_read(env, v) for v in jaxpr.outvars]

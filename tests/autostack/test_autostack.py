@@ -1,0 +1,172 @@
+"""stackwise.autostack on pure-function loop models: outputs and gradients equal the loop's,
+the params convert bitwise, and the program is flat in depth."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _models import llama, llama_block, llama_params, mlp, mlp_params
+from _trees import assert_trees_bitwise, assert_trees_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stackwise
+
+KEY = jax.random.key(0)
+X = jax.random.normal(jax.random.key(1), (4, 8))
+POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def check_loop(fn, params, *args, n=None, period=None, **options):
+    """autostack(fn) against fn: outputs and the grads of every param leaf, jitted; returns f."""
+    stacked, f = stackwise.autostack(fn, params, *args, **options)
+    if n is not None:
+        assert f.found.n == n, f.found
+    if period is not None:
+        assert f.found.period == period, f.found
+
+    def loss(g, p):
+        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(g(p, *args)))
+
+    assert_trees_close(jax.jit(f)(stacked, *args), fn(params, *args))
+    got = f.unstack(jax.jit(jax.grad(lambda p: loss(f, p)))(stacked))
+    assert_trees_close(got, jax.grad(lambda p: loss(fn, p))(params))
+    return f
+
+
+@pytest.mark.parametrize("remat", [None, True, POLICY])
+@pytest.mark.parametrize("n", [2, 5])
+def test_mlp_matches_the_loop(n, remat):
+    f = check_loop(mlp, mlp_params(KEY, n), X, n=n, remat=remat)
+    assert f.found.params == 3 and f.found.start == 0
+
+
+@pytest.mark.parametrize("n", [4, 5, 6])
+def test_llama_matches_the_loop(n):
+    tokens = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+    check_loop(llama, llama_params(KEY, n), tokens, n=n)
+
+
+def test_jitted_blocks_are_one_equation_each():
+    block = jax.jit(llama_block)
+
+    def model(params, x):
+        for p in params["layers"]:
+            x = block(p, x)
+        return x
+
+    params = llama_params(KEY, 4)
+    f = check_loop(model, params, jax.random.normal(KEY, (2, 5, 8)), n=4, period=1)
+    assert f.found.params == 9
+
+
+def test_a_jitted_model_is_looked_into():
+    f = check_loop(jax.jit(mlp), mlp_params(KEY, 3), X, n=3)
+    assert f.found.equations > 1
+
+
+def test_fold_in_layer_index_becomes_a_scanned_input():
+    def model(params, x, key):
+        for i, p in enumerate(params["layers"]):
+            noise = jax.random.normal(jax.random.fold_in(key, i), x.shape)
+            x = x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"] * (i + 0.5) + 0.01 * noise
+        return x @ params["head"]
+
+    f = check_loop(model, mlp_params(KEY, 4), X, jax.random.key(7), n=4)
+    assert len(f._plan.scanned) == 2  # the fold_in index and the per-layer scale
+    jaxpr = str(jax.make_jaxpr(f)(f.stack(mlp_params(KEY, 4)), X, jax.random.key(7)))
+    assert jaxpr.count("random_fold_in") == 1
+
+
+def test_a_period_of_two_different_blocks():
+    def model(params, x):
+        for i, p in enumerate(params["layers"]):
+            if i % 2 == 0:
+                x = x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+            else:
+                x = x * jax.nn.sigmoid(p["b"][:, :8]) + jnp.cos(x @ p["w"]) @ p["v"]
+        return x @ params["head"]
+
+    f = check_loop(model, mlp_params(KEY, 6), X, n=3)
+    assert f.found.period > 5 and f.found.params == 6
+
+
+def test_several_carries_and_per_layer_outputs():
+    def model(params, x):
+        hidden, total = [], 0.0
+        for p in params["layers"]:
+            x = x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+            total = total + jnp.mean(x**2)
+            hidden.append(x)
+        return x @ params["head"], total, hidden
+
+    f = check_loop(model, mlp_params(KEY, 4), X, n=4)
+    assert f._plan.ys  # the hidden states of every block but the last leave as stacked outputs
+
+
+def test_unstack_of_stack_is_bitwise_every_leaf():
+    params = llama_params(KEY, 5)
+    tokens = jnp.array([[1, 2, 3]])
+    stacked, f = stackwise.autostack(llama, params, tokens)
+    assert_trees_bitwise(f.unstack(stacked), params)
+    fresh = llama_params(jax.random.key(3), 5)
+    assert_trees_bitwise(f.unstack(f.stack(fresh)), fresh)
+    assert stacked["blocks"]["['layers'][0]['q']"].shape == (5, 8, 8)
+    assert stacked["rest"]["layers"][3] == dict.fromkeys(params["layers"][3])
+    assert stacked["rest"]["embed"] is params["embed"]
+
+
+def test_composes_with_vmap_and_grad():
+    params = mlp_params(KEY, 3)
+    stacked, f = stackwise.autostack(mlp, params, X)
+    xs = jax.random.normal(KEY, (5, 4, 8))
+    assert_trees_close(jax.vmap(f, (None, 0))(stacked, xs), jax.vmap(mlp, (None, 0))(params, xs))
+    got = jax.grad(lambda x: f(stacked, x).sum())(X)
+    assert_trees_close(got, jax.grad(lambda x: mlp(params, x).sum())(X))
+
+
+def _hlo_size(fn, params, x):
+    return len(jax.jit(fn).lower(params, x).as_text())
+
+
+def test_the_program_is_flat_in_depth():
+    tokens = jnp.array([[1, 2, 3, 4]])
+    sizes, loops = [], []
+    for n in (4, 16):
+        params = llama_params(KEY, n)
+        stacked, f = stackwise.autostack(llama, params, tokens)
+        sizes.append(_hlo_size(f, stacked, tokens))
+        loops.append(_hlo_size(llama, params, tokens))
+    assert sizes[1] < 1.1 * sizes[0], sizes
+    assert loops[1] > 2.5 * loops[0], loops
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(2, 6), d=st.sampled_from([4, 8]), w=st.integers(1, 12))
+def test_mlp_property(n, d, w):
+    params = mlp_params(jax.random.key(n * w), n, d=d, widths=[w] * n)
+    x = jnp.ones((2, d)) * 0.3
+    check_loop(mlp, params, x, n=n)
+    np.testing.assert_equal(stackwise.autostack(mlp, params, x)[1].found.n, n)
+
+
+def test_blocks_inside_checkpoint_and_custom_vjp_calls():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+
+    clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+    @jax.checkpoint
+    def block(p, x):
+        return clip_grad(x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"])
+
+    def model(params, x):
+        for p in params["layers"]:
+            x = block(p, x)
+        return x @ params["head"]
+
+    f = check_loop(model, mlp_params(KEY, 4), X, n=4, period=1)
+    assert f.found.params == 3

@@ -1,0 +1,83 @@
+"""The misuse catalogue of `stackwise.autostack`: one row per bad call, the error it must raise
+and words its message must hold (the argument or leaf, and the fix)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from _misuse import assert_refused, case
+
+import stackwise
+
+LAYERS = [{"w": jnp.eye(4) * 0.5} for _ in range(3)]
+X = jnp.ones((2, 4))
+
+
+def loop(params, x):
+    for p in params:
+        x = jnp.tanh(x @ p["w"])
+    return x
+
+
+def _made():
+    return stackwise.autostack(loop, LAYERS, X)
+
+
+def _call_other_shape():
+    stacked, f = _made()
+    f(stacked, jnp.ones((3, 4)))
+
+
+def _call_other_structure():
+    stacked, f = _made()
+    f(stacked, (X,))
+
+
+def _call_with_the_loop_params():
+    _, f = _made()
+    f(LAYERS, X)
+
+
+def _call_with_missing_blocks():
+    stacked, f = _made()
+    f({"blocks": {}, "rest": stacked["rest"]}, X)
+
+
+def _stack_other_params():
+    _, f = _made()
+    f.stack(LAYERS[:2])
+
+
+AUTOSTACK = [
+    case("fn not callable", lambda: stackwise.autostack("loop", LAYERS, X), TypeError,
+         "`fn` must be callable", "stackwise.autostack(fn, params"),
+    case("a params leaf that is not an array",
+         lambda: stackwise.autostack(loop, [{"w": 0.5}, {"w": 0.5}], X), TypeError,
+         "params[0]['w']", "example_args"),
+    case("no params", lambda: stackwise.autostack(loop, [], X), ValueError, "no leaves"),
+    case("n below 2", lambda: stackwise.autostack(loop, LAYERS, X, n=1), ValueError,
+         "`n` must be at least 2"),
+    case("n a float", lambda: stackwise.autostack(loop, LAYERS, X, n=3.0), TypeError, "`n`"),
+    case("best_effort not a bool",
+         lambda: stackwise.autostack(loop, LAYERS, X, best_effort="yes"), TypeError,
+         "`best_effort` must be True or False"),
+    case("remat=jax.checkpoint", lambda: stackwise.autostack(loop, LAYERS, X,
+                                                             remat=jax.checkpoint),
+         TypeError, "`remat`", "remat=True"),
+    case("n that is not the loop's", lambda: stackwise.autostack(loop, LAYERS, X, n=4),
+         ValueError, "`n=4` blocks were expected, but 3 were found"),
+    case("an argument of another shape", _call_other_shape, TypeError,
+         "float32[3, 4]", "call `stackwise.autostack` again"),
+    case("arguments of another structure", _call_other_structure, TypeError, "`args`"),
+    case("the loop's params instead of the stacked", _call_with_the_loop_params, TypeError,
+         "`stacked_params`", "f.stack(params)"),
+    case("stacked params without their blocks", _call_with_missing_blocks, TypeError,
+         "stacked_params['blocks']"),
+    case("stack of params of another structure", _stack_other_params, TypeError, "`params`"),
+]
+
+
+@pytest.mark.parametrize("call, error, words", AUTOSTACK)
+def test_refused(call, error, words):
+    assert_refused(call, error, words)
