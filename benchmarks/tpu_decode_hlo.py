@@ -403,11 +403,11 @@ def table(rows: list[dict], header: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # (before JAX is imported: --help answers at once)
     import contextlib
 
     import jax
 
-    args = parse_args(argv)
     dev = tpu_device()
     if args.time and jax.default_backend() != "tpu":
         raise SystemExit("--time runs the programs, so it needs a TPU attached; this host "

@@ -10,6 +10,7 @@ lazy import inside a function counts too. The layers, lowest first:
 - ``stackwise._pipeline`` and ``stackwise._checkpoint``: the core and sharding (not each other);
   the checkpoint also the quantizer of ``_finetune`` (``load_checkpoint(quantize=)``);
 - ``stackwise._kit``: the core and ``_finetune`` (it is what adapters see of them);
+- ``stackwise._autostack`` (``stackwise.autostack``, loop models run as a scan): the core;
 - the adapters (``adapters/<framework>/``, installed as ``stackwise.<framework>``): the kit,
   the public ``stackwise`` names and their own package; never a private module of the core.
 """
@@ -31,6 +32,7 @@ ALLOWED = {
     "_checkpoint": {"_core", "_upstream", "_sharding", "_checkpoint", "_finetune"},
     "_kit": {"_core", "_upstream", "_finetune", "_kit"},
     "_finetune": {"_core", "_upstream", "_finetune"},
+    "_autostack": {"_core", "_upstream", "_autostack"},
 }
 
 
