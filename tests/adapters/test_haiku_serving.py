@@ -149,6 +149,9 @@ def test_round_trip_is_exact_and_leaves_other_modules_alone(k):
     assert_trees_bitwise(swh.from_serving(swh.to_serving(state, paths), paths), state)
 
 
+# The random search (the fast tier's round trip:
+# test_round_trip_is_exact_and_leaves_other_modules_alone[1]).
+@SLOW
 @settings(max_examples=12, deadline=None)
 @given(
     n=st.integers(1, 7),

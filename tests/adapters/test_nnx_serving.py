@@ -195,6 +195,9 @@ def test_round_trip_is_exact_and_nnx_sees_per_layer_buffers():
     assert jax.tree.structure(nnx.state(served)) == jax.tree.structure(before)
 
 
+# The random search (the fast tier has test_round_trip_is_exact_and_nnx_sees_per_layer_buffers
+# and test_decode_equals_the_loop_of_its_blocks_and_the_stacked_stack[plain]).
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None)
 @given(n=st.integers(1, 5), k=st.integers(1, 2), d=st.integers(1, 4), t=st.integers(1, 3))
 def test_any_shapes_serve_as_the_loop_and_convert_back_exactly(n, k, d, t):

@@ -403,6 +403,8 @@ def test_gradients_through_served_params_are_the_loops(remat):
     assert_trees_bitwise(stackwise.flax.to_loop(back, "layers")["params"], g_loop)
 
 
+# The random search: the fast tier's round trip is test_round_trip_is_exact_in_every_collection[1].
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(
     n=st.integers(1, 5),
