@@ -23,6 +23,12 @@ v5e's), divided by the measured time. ``--profile DIR`` writes a
 
 - ``loop``: a Python loop over per-layer params and caches (what a loop model runs, and
   what ``stackwise.to_serving`` gives ``Stacked.apply``: the same program);
+- ``unrolled, set back``: a Python loop over static layer indices of the stacked params
+  and cache, each layer given its slice of the cache and its new slice set back
+  (``cache.at[i].set(...)``);
+- ``unrolled, writes into the stacked cache``: the same loop, each layer writing its new keys
+  and values into the stacked cache at ``(i, pos)`` and reading its row after (what
+  ``stackwise.stack(..., unroll=True)`` does for a layer that keeps its state's layout);
 - ``stackwise``: ``stackwise.stack(..., with_state=True)``, the scanned form;
 - ``lax.scan, cache in carry``: a hand-written scan slicing layer i's cache out of the carry
   and writing it back;
