@@ -201,7 +201,8 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
     (every call writes the whole new cache); a hand-written scan with the stacked cache
     in its carry, written at the layer's index (in place); ``stackwise.stack(...,
     with_state=True)`` on the stacked params and cache, and on the same converted once to
-    the serving layout (``stackwise.to_serving``: per-layer buffers, a Python loop). Forward
+    the serving layout (``stackwise.to_serving``: per-layer buffers, a Python loop), and
+    ``unroll=True`` (a Python loop writing each layer's row of the stacked cache). Forward
     only, so remat changes nothing: the stack runs without.
     """
     d, heads = cfg.dec_d, cfg.dec_heads
@@ -266,10 +267,10 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
 
         return params, cache, x, step
 
-    def with_stackwise(serving: bool) -> Build:
+    def with_stackwise(serving: bool, unroll: int | bool = 1) -> Build:
         def build(n):
             params, cache, x = inputs(n)
-            layers = stackwise.stack(None, layer, n, with_state=True, remat=False)
+            layers = stackwise.stack(None, layer, n, with_state=True, remat=False, unroll=unroll)
             if serving:  # the serving layout: per-layer buffers, converted once (in numpy)
                 host = jax.tree.map(np.asarray, (params, cache))
                 params, cache = device(tuple(stackwise.to_serving(t) for t in host))
@@ -283,6 +284,7 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
         Case("lax.scan (cache in carry)", "jax", "off", hand_scan_carry),
         Case("stackwise", "jax", "off", with_stackwise(False)),
         Case("stackwise serving layout", "jax", "off", with_stackwise(True)),
+        Case("stackwise unroll=True", "jax", "off", with_stackwise(False, unroll=True)),
     ]
 
 

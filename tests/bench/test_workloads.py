@@ -152,7 +152,7 @@ def test_the_harness_gives_each_step_the_state_the_last_one_returned():
     results, notes = run_benchmark(cfg, progress=False, log=notes.append)
     assert {r.variant for r in results} == {
         workloads.LOOP, workloads.SCAN, "lax.scan (cache in carry)", "stackwise",
-        "stackwise serving layout"}, notes
+        "stackwise serving layout", "stackwise unroll=True"}, notes
     layer_cache = CFG.dec_batch * CFG.dec_cache * CFG.dec_d  # [batch, length, heads, size]
     cache_bytes = 2 * 2 * layer_cache * 4  # k and v of 2 layers, float32
     for r in results:
