@@ -11,7 +11,6 @@ tests import them as the package ``upstream``, on their own directory's path).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import pathlib
 import sys
