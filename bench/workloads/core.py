@@ -33,8 +33,10 @@ from stackwise.bench.workloads.common import (
 )
 
 
-def _variants(layer_init, layer, inputs, *, slices: bool, checkpoint: bool) -> list[Case]:
-    """The rows of a pure-JAX block: loops, the hand-written scan(s), stackwise's remats.
+def _variants(layer_init, layer, inputs, *, slices: bool, checkpoint: bool,
+              autostack: bool = False) -> list[Case]:
+    """The rows of a pure-JAX block: loops, the hand-written scan(s), stackwise's remats,
+    and (``autostack``) the loop over separate params run by :func:`stackwise.autostack`.
 
     ``inputs(n) -> (stacked params, x)`` gives the values (from numpy: no compiles);
     ``layer_init`` is only what ``stackwise.stack`` is given.
@@ -59,6 +61,14 @@ def _variants(layer_init, layer, inputs, *, slices: bool, checkpoint: bool) -> l
             return mean_square(h)
 
         return stacked, x, loss
+
+    def autostacked(n):
+        """The loop over separate params, unmodified, through ``stackwise.autostack``: its
+        params are autostack's stacked layout. Tracing the loop and finding its run happen
+        here, in the build (not timed: the compile column is the program's, as for every row)."""
+        params, x, loss = loop_separate(n)
+        stacked, f = stackwise.autostack(loss, params, x, n=n)
+        return stacked, x, f
 
     def hand_scan(remat: bool) -> Build:
         def build(n):
@@ -91,6 +101,7 @@ def _variants(layer_init, layer, inputs, *, slices: bool, checkpoint: bool) -> l
         Case("stackwise default", "jax", "dots", with_stackwise()),
         Case("stackwise remat", "jax", "layer", with_stackwise(remat=True)),
         Case("stackwise nested", "jax", "nested", with_stackwise(remat=True, nested=True)),
+        *([Case("stackwise.autostack", "jax", "off", autostacked)] if autostack else []),
     ]
 
 
@@ -117,7 +128,7 @@ def mlp(cfg: BenchConfig, notes: list[str]) -> list[Case]:
         }
         return device(stacked), device(rng.standard_normal((batch, d), np.float32))
 
-    return _variants(layer_init, layer, inputs, slices=True, checkpoint=True)
+    return _variants(layer_init, layer, inputs, slices=True, checkpoint=True, autostack=True)
 
 
 def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
@@ -342,6 +353,14 @@ def pattern(cfg: BenchConfig, notes: list[str]) -> list[Case]:
             return mean_square(h)
 
         return layers, x, loss
+
+    def autostacked(n):
+        """The loop over separate params, unmodified, through ``stackwise.autostack``: its
+        params are autostack's stacked layout. Tracing the loop and finding its run happen
+        here, in the build (not timed: the compile column is the program's, as for every row)."""
+        params, x, loss = loop_separate(n)
+        stacked, f = stackwise.autostack(loss, params, x, n=n)
+        return stacked, x, f
 
     def hand_scan(remat: bool) -> Build:
         def build(n):

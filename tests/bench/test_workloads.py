@@ -24,6 +24,8 @@ FRAMEWORKS = [m for m in workloads.BLOCKS["transformer"].modules if m != "core"]
 DECODE_BOUND = reassociation_bound(depth=3 * 3, width=(
     CFG.dec_d, CFG.dec_d // CFG.dec_heads, CFG.dec_cache, CFG.dec_cache, CFG.dec_d))
 PATTERN_BOUND = reassociation_bound(depth=5, width=(CFG.d, CFG.pattern_hidden), summed=CFG.batch)
+# The mlp block: 5 layers of sums of d = 16 and hidden = 32 terms, grads summing 4 rows.
+MLP_BOUND = reassociation_bound(depth=5, width=(CFG.d, CFG.hidden), summed=CFG.batch)
 
 
 @pytest.mark.parametrize("block", list(workloads.BLOCKS))
@@ -142,6 +144,26 @@ def test_pattern_rows_compute_what_the_loop_computes():
         value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
         assert_close({"loss": value, "grads": grads}, {"loss": want, "grads": want_grads},
                      PATTERN_BOUND, what=case.name)
+
+
+def test_mlp_rows_compute_what_the_loop_computes():
+    """Every mlp row, the autostacked loop among them, gives the loop's loss and grads (the
+    grads in the stacked layout; autostack's ``{"blocks", "rest"}`` read by its paths)."""
+    n = 5
+    cases = [c for c in workloads.cases("mlp", CFG, []) if c.framework == "jax"]
+    assert cases[0].name == workloads.LOOP and cases[-1].name == "stackwise.autostack"
+    loop_params, x, loop_loss = cases[0].build(n)
+    want, loop_grads = jax.value_and_grad(loop_loss)(loop_params, x)
+    want_grads = stackwise.stack_layers(loop_grads)
+    for case in cases[1:]:
+        params, x, loss = case.build(n)
+        value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
+        if case.name == "stackwise.autostack":
+            assert loss.found.n == n, loss.found
+            grads = {k: grads["blocks"][f"[0]['{k}']"] for k in ("w1", "w2")}
+        assert jax.tree.structure(grads) == jax.tree.structure(want_grads), case.name
+        assert_close({"loss": value, "grads": grads}, {"loss": want, "grads": want_grads},
+                     MLP_BOUND, what=case.name)
 
 
 @pytest.mark.slow
