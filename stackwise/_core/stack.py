@@ -194,9 +194,9 @@ def stack(
         of it per iteration); ``True`` runs a Python loop over the layers
         instead (same params layout; each layer traced separately; runs
         eagerly under :func:`jax.disable_jit` for debugging, where ``remat`` is
-        then skipped). With ``with_state``, a layer that keeps its state's
-        layout (a KV cache) reads and writes its own row of the stacked state,
-        in place when it is donated: on a TPU the decode step you then compile
+        then skipped). With ``with_state``, a layer that updates its state
+        in place (a KV cache written with ``dynamic_update_slice``) reads and
+        writes its own row of the stacked state, in place when it is donated: on a TPU the decode step you then compile
         is the loop's, where a scan copies each layer's cache every token.
       reverse: run the last layer first. Per-layer inputs and outputs keep
         their layer order.
@@ -442,7 +442,7 @@ class Run:
 
     def through(self, params: tuple, state: tuple, x: Any, xs: list, rebuild) -> tuple:
         """``unroll=True`` with state: a Python loop of the layers over static indices. A
-        layer that keeps its state's layout (a KV cache) reads and writes its row of the
+        layer that updates its state in place (a KV cache) reads and writes its row of the
         stacked state in place (:mod:`stackwise._core.through`: no copy of a layer's cache
         when the state is donated); another's new states are stacked, as a scan's are."""
         k, n = self.k, self.n
@@ -517,7 +517,7 @@ class Run:
                        j: int) -> tuple:
         """``fn(params, x, row j of stacked)``: with the row written through into
         ``stacked`` (:func:`through.call`), returning the stacked state, where the layer
-        keeps the state's layout (decided at position p's first layer, in
+        updates its state in place (decided at position p's first layer, in
         ``records[p]["through"]``); else returning the layer's new state."""
         record = self.records[p]
         if "through" not in record:

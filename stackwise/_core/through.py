@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from stackwise._core import inplace
 from stackwise._upstream import jax as jax_ties
 
 __all__ = ["call", "keeps_layout"]
@@ -42,29 +43,35 @@ class _Row:
 
 
 def keeps_layout(fn: Callable, args: tuple, row_state: Any) -> bool:
-    """Whether ``fn(*args, state) -> (out, new_state)`` returns a state of the structure,
-    shapes and dtypes it was given (a KV cache does), so that each new leaf has a row of
-    the stacked state to go to; traced once, abstractly."""
+    """Whether ``fn(*args, state) -> (out, new_state)`` returns each state leaf as it came or
+    updated by ``dynamic_update_slice`` (a KV cache does), in the state's structure, so that
+    its rows can be written in place; traced once, abstractly. A leaf computed afresh
+    (BatchNorm statistics) is not: written through, each layer would take the whole stacked
+    state in and out, and under ``jax.grad`` with remat its residuals would hold one stacked
+    state per layer."""
     if not _ties_hold():
-        return True  # (call() then slices, runs and sets back: any state of that layout)
-    _, (_, new_state) = jax.make_jaxpr(fn, return_shape=True)(*args, row_state)
-    same = lambda a, b: a.shape == b.shape and a.dtype == b.dtype  # noqa: E731
-    return jax.tree.structure(new_state) == jax.tree.structure(row_state) and all(
-        same(a, b) for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(row_state)))
+        return False
+    found: dict = {}
+
+    def probe(*inputs):
+        *given, state = inputs
+        out, treedef, updates, _ = inplace.call(fn, tuple(given), state)
+        found.update(treedef=treedef, updates=updates)
+        return out
+
+    jax.make_jaxpr(probe)(*args, row_state)
+    return found["treedef"] == jax.tree.structure(row_state) and all(
+        u.kind in ("same", "write") and u.source == k for k, u in enumerate(found["updates"]))
 
 
 def call(fn: Callable, args: tuple, stacked: Any, index: int) -> tuple[Any, Any]:
     """``fn(*args, state) -> (out, new_state)`` run on row ``index`` of the stacked state
     ``stacked``; returns ``(out, new_stacked)``, the rows' updates written into the stacked
-    leaves (in place when the caller's stacked state is donated). The new state must keep
-    the state's layout (:func:`keeps_layout`)."""
+    leaves (in place when the caller's stacked state is donated). Only for a layer that
+    :func:`keeps_layout` says updates its rows."""
     leaves, treedef = jax.tree.flatten(stacked)
     rows = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
                                         for a in leaves])
-    if not _ties_hold():  # slice, run, set back: the same values, a copy of each row
-        mine = jax.tree.map(lambda a: jax.lax.index_in_dim(a, index, keepdims=False), stacked)
-        out, new = fn(*args, mine)
-        return out, jax.tree.map(lambda a, v: a.at[index].set(v), stacked, new)
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args, rows)
     views = [_Row(a, index, k) for k, a in enumerate(leaves)]
     flat = _evaluate(closed.jaxpr, closed.consts, [*jax.tree.leaves(args), *views])
