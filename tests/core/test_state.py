@@ -255,4 +255,5 @@ def test_unrolled_state_computed_afresh_is_not_written_through():
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
 
     grown = temp(32, True) - temp(8, True)
-    assert grown < 1.5 * (temp(32, 1) - temp(8, 1)) + 4096 * 4 * 24
+    linear = (32 - 8) * 4096 * 4  # the stacked state's own growth: a few of it at most
+    assert grown - (temp(32, 1) - temp(8, 1)) <= 2 * linear
