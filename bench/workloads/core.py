@@ -354,14 +354,6 @@ def pattern(cfg: BenchConfig, notes: list[str]) -> list[Case]:
 
         return layers, x, loss
 
-    def autostacked(n):
-        """The loop over separate params, unmodified, through ``stackwise.autostack``: its
-        params are autostack's stacked layout. Tracing the loop and finding its run happen
-        here, in the build (not timed: the compile column is the program's, as for every row)."""
-        params, x, loss = loop_separate(n)
-        stacked, f = stackwise.autostack(loss, params, x, n=n)
-        return stacked, x, f
-
     def hand_scan(remat: bool) -> Build:
         def build(n):
             positions, x = inputs(n)
