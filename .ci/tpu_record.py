@@ -3,8 +3,8 @@ benchmarks/results/tpu_tier.md, printed to stdout.
 
 .ci/tpu passes what it knows through the environment: TIER_STATUS (pytest's exit status),
 TIER_SECONDS (the run's wall time), TIER_LIMIT (the timeout), TIER_LOG (pytest's output),
-TIER_COUNT (how many tests or paths were selected) and TIER_ARGS (the PYTEST ARGS given, empty
-for the default selection). The machine is read here: the device, and the jax, jaxlib and
+TIER_COUNT (how many tests or paths were selected), TIER_SHARD (STACKWISE_TPU_TIER_SHARD, or
+empty) and TIER_ARGS (the PYTEST ARGS given, empty for the default selection). The machine is read here: the device, and the jax, jaxlib and
 libtpu versions.
 """
 
@@ -72,6 +72,8 @@ def record(env: dict[str, str], log: str, now: datetime.datetime) -> str:
     selection = (f"`{env['TIER_ARGS']}`" if env.get("TIER_ARGS") else
                  "the fast tier of tests/core, tests/adapters and tests/finetune, and the "
                  "decode, serving, remat and finetune modules whole")
+    if env.get("TIER_SHARD"):
+        selection += f", share {env['TIER_SHARD']} of its test files"
     result = ", ".join(f"{found[k]} {k}" for k in OUTCOMES if found[k] or k in OUTCOMES[:4])
     return "\n".join([
         f"## {now:%Y-%m-%d %H:%M} UTC",
@@ -84,7 +86,9 @@ def record(env: dict[str, str], log: str, now: datetime.datetime) -> str:
         f"- result: {result}; {seconds} s of a {limit} s limit"
         + ("; stopped at the limit (what ran is counted)" if stopped else "")
         + f"; exit status {status}",
-        "- command: `source .tpu/install.sh && cd /tmp && \"$OLDPWD\"/.ci/tpu \"$OUT\""
+        "- command: `source .tpu/install.sh && cd /tmp && "
+        + (f"STACKWISE_TPU_TIER_SHARD={env['TIER_SHARD']} " if env.get("TIER_SHARD") else "")
+        + "\"$OLDPWD\"/.ci/tpu \"$OUT\""
         + (f" {env['TIER_ARGS']}" if env.get("TIER_ARGS") else "") + "`",
         "",
         "```",

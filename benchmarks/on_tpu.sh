@@ -10,7 +10,7 @@
 # tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
 # program's facts), decode48 (the same at n=48, one size), profile (a jax.profiler trace of the loop and the scanned decode at one
 # size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24), tier
-# (.ci/tpu), tier-backend (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py, when present). Copy what belongs in
+# (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py, when present). Copy what belongs in
 # benchmarks/results/ from OUT_DIR by hand, with the date. At the end every log and the tier's
 # folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most).
 set -uo pipefail
@@ -34,13 +34,14 @@ for what in "$@"; do
     case $what in
     main)
         part main 170 python3 examples/transformer_lm.py ;;
-    decode)
-        part decode 290 python3 benchmarks/tpu_decode_hlo.py --time 5 \
-            --shapes 256:512:8,512:1024:8,1024:2048:8,512:2048:32,2048:8192:1 \
+    decode)  # the loop and stackwise's three decodes (scanned, unroll=True, serving layout)
+        part decode 240 python3 benchmarks/tpu_decode_hlo.py --time 5 --variants loop,stackwise \
+            --shapes 256:512:8,512:1024:8,1024:2048:8,512:2048:32,1024:4096:4,2048:8192:1 \
             --markdown "$out/tpu_decode.md" ;;
     decode48)
-        part decode48 90 python3 benchmarks/tpu_decode_hlo.py --time 5 --n 48 \
-            --shapes 512:1024:8 --markdown "$out/tpu_decode48.md" ;;
+        part decode48 100 python3 benchmarks/tpu_decode_hlo.py --time 5 --n 48 \
+            --variants loop,stackwise --shapes 512:1024:8,256:4096:16 \
+            --markdown "$out/tpu_decode48.md" ;;
     profile)
         part profile 150 python3 benchmarks/tpu_decode_hlo.py --time 1 --shapes 512:1024:8 \
             --dtypes float32 --variants loop,stackwise --profile /tmp/decode-profile
@@ -53,6 +54,12 @@ for what in "$@"; do
             STACKWISE_TPU_TIER_SECONDS=${STACKWISE_TPU_TIER_SECONDS:-450} \
             "$root/.ci/tpu" "$out/tier") > "$out/tier.log" 2>&1
         echo "part tier: exit $?" | tee -a "$out/parts.txt" ;;
+    tier1|tier2)  # half the tier's test files each, for calls shorter than the tier
+        (cd /tmp && PYTEST_ADDOPTS="--durations=60" STACKWISE_TPU_TIER_SHARD=${what#tier}/2 \
+            STACKWISE_TPU_TIER_SECONDS=${STACKWISE_TPU_TIER_SECONDS:-270} \
+            "$root/.ci/tpu" "$out/$what") > "$out/$what.log" 2>&1
+        echo "part $what: exit $?" | tee -a "$out/parts.txt"
+        cp "$out/$what/tpu_tier.md" "$out/${what}_record.md" 2>/dev/null ;;
     tier-backend)  # the tests that asserted XLA:CPU's facts, and their neighbours
         (cd /tmp && STACKWISE_TPU_TIER_SECONDS=150 "$root/.ci/tpu" "$out/tier" -m "not slow" \
             -k "memory or place or copy or alias or install_hint" "$root/tests/core" \
@@ -66,10 +73,10 @@ for what in "$@"; do
         part train-full 120 python3 benchmarks/tpu_train.py --variants "remat full" \
             --markdown "$out/tpu_train_full.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier-backend, train)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train)" >&2
         exit 2 ;;
     esac
 done
-(cd "$out" && find . -maxdepth 1 \( -name '*.log' -o -name tier \) | sed 's#^\./##' \
+(cd "$out" && find . -maxdepth 1 \( -name '*.log' -o -name 'tier*' -type d \) | sed 's#^\./##' \
     | tar -czf logs.tar.gz -T - --remove-files)
 ls "$out"

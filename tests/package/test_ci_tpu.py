@@ -52,6 +52,9 @@ def test_the_record_names_the_machine_the_counts_and_the_summary():
     assert "stopped" not in text and "3 deselected" in text
     assert "`tests/core` (445 arguments)" in text
     assert "FAILED tests/core/test_state.py::test_x" in text and "SKIPPED [1]" in text
+    text = RECORD.record({**env, "TIER_SHARD": "2/3"}, FINISHED, now)
+    assert "whole, share 2/3 of its test files (445 tests)" in text
+    assert "cd /tmp && STACKWISE_TPU_TIER_SHARD=2/3 \"$OLDPWD\"/.ci/tpu" in text
 
 
 def test_a_log_without_counts_is_a_failed_record(tmp_path):
@@ -72,3 +75,16 @@ def test_the_script_refuses_to_run_from_the_checkout_or_without_a_directory():
     assert not (ROOT / "unused").exists()  # refused before it made anything
     bare = subprocess.run([script], cwd="/", capture_output=True, text=True, timeout=60)
     assert bare.returncode != 0 and "usage: .ci/tpu OUT_DIR" in bare.stderr
+
+
+@pytest.mark.parametrize("shard, args, says", [
+    ("3/2", [], "is i/k with 1 <= i <= k (e.g. 1/2), got '3/2'"),
+    ("0/2", [], "got '0/2'"),
+    ("half", [], "got 'half'"),
+    ("1/2", ["tests/core"], "PYTEST ARGS replace it: give one or the other"),
+])
+def test_the_script_refuses_a_share_it_cannot_take(tmp_path, shard, args, says):
+    out = subprocess.run([str(ROOT / ".ci" / "tpu"), str(tmp_path / "out"), *args], cwd="/",
+                         env=dict(os.environ, STACKWISE_TPU_TIER_SHARD=shard),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and says in out.stderr
