@@ -35,8 +35,8 @@ for what in "$@"; do
     main)
         part main 170 python3 examples/transformer_lm.py ;;
     decode)  # the loop and stackwise's three decodes (scanned, unroll=True, serving layout)
-        part decode 240 python3 benchmarks/tpu_decode_hlo.py --time 5 --variants loop,stackwise \
-            --shapes 256:512:8,512:1024:8,1024:2048:8,512:2048:32,1024:4096:4,2048:8192:1 \
+        part decode ${DECODE_SECONDS:-240} python3 benchmarks/tpu_decode_hlo.py --time 5 --variants loop,stackwise \
+            --shapes ${DECODE_SHAPES:-256:512:8,512:1024:8,1024:2048:8,512:2048:32,1024:4096:4,2048:8192:1} \
             --markdown "$out/tpu_decode.md" ;;
     decode48)
         part decode48 100 python3 benchmarks/tpu_decode_hlo.py --time 5 --n 48 \
