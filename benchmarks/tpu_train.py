@@ -15,10 +15,11 @@ the repository root, one remat per run (``benchmarks/on_tpu.sh``'s ``train`` par
 
 (d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 6 rows a remat, 18 in
 all; on a v5e a scan compiles in 6-8 s, the loop in ~40 s, a step takes ~160 ms: the compiles
-dominate, ~4 minutes for the 6 rows of a remat at the default ``--compiles``).
+dominate, an estimated 3.5-4 minutes for the 6 rows of a remat at the default ``--compiles``).
 Compiled for a v5e without a chip (libtpu's compile-only devices), the loop without remat
-fits in 7.6 GiB, the scans without remat do not (19-20 GiB of temporaries: their rows say
-so; at batch 4 they fit), and with the dots policy all fit in 4-5.6 GiB. ``--tiny`` runs the
+fits in 7.6 GiB, the stack, ``nn.scan`` and ``hk.layer_stack`` without remat do not (19-20
+GiB of temporaries: their rows say so; at batch 4 they fit), and with the dots policy all
+fit in 4-5.6 GiB (the adapters' rows were not compiled so). ``--tiny`` runs the
 same rows at toy sizes on any backend in seconds. Rows, each at remat ``off``, ``dots``
 (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: stackwise's default, the
 matmul outputs saved) and ``full`` (nothing but each block's input saved):
@@ -32,12 +33,12 @@ matmul outputs saved) and ``full`` (nothing but each block's input saved):
 - ``nn.scan``: linen's ``nn.scan`` of linen's block, in ``nn.remat`` with the policy;
 - ``stackwise.flax.Stack``: the same linen block stacked by ``stackwise.flax.Stack(block,
   n, remat=...)`` (``False``, the policy, ``True``), on the ``nn.scan`` row's params (the
-  scanned block's variables, whose layout is the Stack's, under the Stack's name): its loss
-  equals ``nn.scan``'s;
+  scanned block's variables, whose layout is the Stack's, under the Stack's name): the same
+  block on the same params, so its loss is ``nn.scan``'s (at ``--tiny`` on the CPU, tested);
 - ``hk.layer_stack``: Haiku's, the Haiku block in ``hk.remat`` with the policy;
 - ``stackwise.haiku.Stack``: the same Haiku block stacked by ``stackwise.haiku.Stack``, on
   the ``hk.layer_stack`` row's params renamed by ``stackwise.haiku.from_layer_stack``: its
-  loss equals ``hk.layer_stack``'s.
+  loss is ``hk.layer_stack``'s (tested likewise).
 
 (linen's and Haiku's initialisers differ, so the two frameworks' losses differ, and differ
 from the loop's.) Every row compiles ``--compiles`` times (default 3; the loop's rows
