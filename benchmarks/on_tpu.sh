@@ -10,7 +10,10 @@
 # tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
 # program's facts), decode48 (the same at n=48, one size), profile (a jax.profiler trace of the loop and the scanned decode at one
 # size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24), tier
-# (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py, when present). Copy what belongs in
+# (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
+# (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
+# dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min). Copy
+# what belongs in
 # benchmarks/results/ from OUT_DIR by hand, with the date. At the end every log and the tier's
 # folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most).
 set -uo pipefail
@@ -65,15 +68,19 @@ for what in "$@"; do
             -k "memory or place or copy or alias or install_hint" "$root/tests/core" \
             "$root/tests/adapters") > "$out/tier.log" 2>&1
         echo "part tier-backend: exit $?" | tee -a "$out/parts.txt" ;;
-    train)
-        part train-dots 170 python3 benchmarks/tpu_train.py --variants "remat dots" \
+    train)  # at most 8 min: the 6 rows at dots, 3 compiles each (the loop's 1), ~3.5 min;
+        # at full the 5 without the loop (its row: benchmarks/results/tpu_train.md), ~2.5 min
+        part train-dots 280 python3 benchmarks/tpu_train.py --variants "remat dots" \
             --markdown "$out/tpu_train_dots.md"
-        part train-off 100 python3 benchmarks/tpu_train.py --variants "remat off" --batch 4 \
-            --markdown "$out/tpu_train_off_b4.md"
-        part train-full 120 python3 benchmarks/tpu_train.py --variants "remat full" \
+        part train-full 200 python3 benchmarks/tpu_train.py --remat full \
+            --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
             --markdown "$out/tpu_train_full.md" ;;
+    train-off)  # ~2 min, not in train: without remat at batch 4 (at 8 the scans do not fit)
+        part train-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 --compiles 1 \
+            --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
+            --markdown "$out/tpu_train_off_b4.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off)" >&2
         exit 2 ;;
     esac
 done

@@ -1,5 +1,6 @@
 """One training step of a transformer at the size of a TPU chip: the stack, the loop,
-``nn.scan`` and ``hk.layer_stack``, each with remat off, full, and saving the matmuls.
+``nn.scan``, ``hk.layer_stack`` and the adapters ``stackwise.flax.Stack`` and
+``stackwise.haiku.Stack``, each with remat off, full, and saving the matmuls.
 
 The model is ``stackwise-bench``'s ``transformer`` block (pre-LN causal attention + MLP,
 ``bench/workloads/``: the same builders) repeated n times, with the loss ``mean(y**2)``.
@@ -8,36 +9,59 @@ matmul, the attention and the norms run in bfloat16 (default matmul precision), 
 gradients come back float32 through the cast. A step is ``jit(value_and_grad(loss))`` and a
 plain SGD update ``p - lr * g`` of the float32 params, donated (updated in place): the
 framework's scan, not the optimizer, is what differs between the rows. Run on a TPU v5e from
-the repository root:
+the repository root, one remat per run (``benchmarks/on_tpu.sh``'s ``train`` part):
 
-    python benchmarks/tpu_train.py --markdown benchmarks/results/tpu_train.md
+    python benchmarks/tpu_train.py --variants "remat dots" --markdown tpu_train_dots.md
 
-(d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 12 rows; not yet timed
-on a chip: the compiles dominate). Compiled for a v5e without a chip (libtpu's compile-only
-devices), the loop without remat fits in 7.6 GiB, the three scans without remat do not (19-20
-GiB of temporaries: their rows say so), and with the dots policy all fit in 4-5.6 GiB. ``--tiny`` runs the same rows at toy sizes on any backend in seconds. Rows, each at
-remat ``off``, ``dots`` (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``:
-stackwise's default, the matmul outputs saved) and ``full`` (nothing but each block's
-input saved):
+(d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 6 rows a remat, 18 in
+all; on a v5e a scan compiles in 6-8 s, the loop in ~40 s, a step takes ~160 ms: the compiles
+dominate, an estimated 3.5-4 minutes for the 6 rows of a remat at the default ``--compiles``).
+Compiled for a v5e without a chip (libtpu's compile-only devices), the loop without remat
+fits in 7.6 GiB, the stack, ``nn.scan`` and ``hk.layer_stack`` without remat do not (19-20
+GiB of temporaries: their rows say so; at batch 4 they fit), and with the dots policy all
+fit in 4-5.6 GiB (the adapters' rows were not compiled so). ``--tiny`` runs the
+same rows at toy sizes on any backend in seconds. Rows, each at remat ``off``, ``dots``
+(``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: stackwise's default, the
+matmul outputs saved) and ``full`` (nothing but each block's input saved):
 
 - ``loop``: a Python loop over per-layer params, each block ``jax.checkpoint``-ed with the
-  policy (the loop the stack replaces; every ratio's reference);
+  policy (the loop the stack replaces; every ``/loop`` ratio's reference);
 - ``stackwise``: ``stackwise.stack(init, block, n, remat=...)`` on the same params (so its
-  loss equals the loop's: the ``loss`` column);
-- ``nn.scan``: linen's ``nn.scan`` of the block, in ``nn.remat`` with the policy;
-- ``hk.layer_stack``: Haiku's, the block in ``hk.remat`` with the policy.
+  loss equals the loop's: the ``loss`` column). Its block is the pure-JAX one, whose norms
+  reduce in bfloat16, unlike linen's and Haiku's ``LayerNorm`` (float32): compare it with
+  the loop, and the adapters' rows with the tools;
+- ``nn.scan``: linen's ``nn.scan`` of linen's block, in ``nn.remat`` with the policy;
+- ``stackwise.flax.Stack``: the same linen block stacked by ``stackwise.flax.Stack(block,
+  n, remat=...)`` (``False``, the policy, ``True``), on the ``nn.scan`` row's params (the
+  scanned block's variables, whose layout is the Stack's, under the Stack's name): the same
+  block on the same params, so its loss is ``nn.scan``'s (at ``--tiny`` on the CPU, tested);
+- ``hk.layer_stack``: Haiku's, the Haiku block in ``hk.remat`` with the policy;
+- ``stackwise.haiku.Stack``: the same Haiku block stacked by ``stackwise.haiku.Stack``, on
+  the ``hk.layer_stack`` row's params renamed by ``stackwise.haiku.from_layer_stack``: its
+  loss is ``hk.layer_stack``'s (tested likewise).
 
-Columns: **compile s**, one cold compile (caches cleared; tracing, lowering and XLA);
-**step ms**, the median of ``--rounds`` steps after two warm-up steps, each waited for
-(``block_until_ready``); their ratios to the loop's and to each tool's at the same remat;
-**model TFLOP**, counted: ``6 * (matmul params) * tokens`` plus the attention's
-``12 * n * seq**2 * d * batch`` (the full score matrix, as computed; remat's recomputation
-not counted); **XLA TFLOP**, the compiled program's own count
-(``compiled.cost_analysis()["flops"]``, recomputation included; XLA counts a loop's body
-once, whatever its trip count, so it is the model's only for the loop); **MFU**, model TFLOP
-/ (step s x ``--peak`` TFLOP/s, 197: a v5e's bfloat16 peak); **peak MiB**, from
-``compiled.memory_analysis()``: arguments + outputs - donated + temp; **loss**, the first
-step's.
+(linen's and Haiku's initialisers differ, so the two frameworks' losses differ, and differ
+from the loop's.) Every row compiles ``--compiles`` times (default 3; the loop's rows
+``--loop-compiles`` times, default 1), cold, interleaved: round r compiles every row still
+to compile once, in the table's order rotated by r (:func:`compile_order`), so that no row
+always goes first or second in the process; a row's steps run after its first compile.
+
+Columns: **compile s**, the median of the row's cold compiles (caches cleared before each;
+tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them
+in round order, seconds (one for the loop's rows by default: ~40 s each on a v5e, and no
+ratio is to the loop's compile); **step ms**, the median of ``--rounds`` steps after two
+warm-up steps, each waited for (``block_until_ready``); their ratios: **/tool**, an
+adapter's to its own framework's tool at the same remat (``stackwise.flax.Stack`` /
+``nn.scan``, ``stackwise.haiku.Stack`` / ``hk.layer_stack``; "-" on the other rows),
+**/loop** (step only), **/nn.scan** and **/hk.layer_stack**, every row's to those rows' at
+the same remat ("-" where either was not measured); **model TFLOP**, counted:
+``6 * (matmul params) * tokens`` plus the attention's ``12 * n * seq**2 * d * batch`` (the
+full score matrix, as computed; remat's recomputation not counted); **XLA TFLOP**, the
+compiled program's own count (``compiled.cost_analysis()["flops"]``, recomputation included;
+XLA counts a loop's body once, whatever its trip count, so it is the model's only for the
+loop); **MFU**, model TFLOP / (step s x ``--peak`` TFLOP/s, 197: a v5e's bfloat16 peak);
+**peak MiB**, from ``compiled.memory_analysis()``: arguments + outputs - donated + temp;
+**loss**, the first step's.
 """
 
 from __future__ import annotations
@@ -59,8 +83,12 @@ V5E_BF16_TFLOPS = 197.0
 CHIP = {"d": 1024, "heads": 16, "hidden": 4096, "n": 16, "seq": 1024, "batch": 8}
 #: ``--tiny``: the same rows in seconds, on any backend.
 TINY = {"d": 32, "heads": 2, "hidden": 64, "n": 3, "seq": 16, "batch": 2}
-#: The rows' families, in table order; the loop is every ratio's reference.
-FAMILIES = ("loop", "stackwise", "nn.scan", "hk.layer_stack")
+#: The rows' families, in table order (each adapter after its framework's tool); the loop is
+#: every ``/loop`` ratio's reference.
+FAMILIES = ("loop", "stackwise", "nn.scan", "stackwise.flax.Stack", "hk.layer_stack",
+            "stackwise.haiku.Stack")
+#: Each adapter's family -> its framework's tool, the reference of its ``/tool`` ratios.
+ADAPTERS = {"stackwise.flax.Stack": "nn.scan", "stackwise.haiku.Stack": "hk.layer_stack"}
 #: The remats, in table order, and the bench's names for them (``common.REMATS``).
 REMATS = {"off": "off", "dots": "dots", "full": "layer"}
 #: The SGD learning rate of the step (small: the params change little over the rounds).
@@ -84,9 +112,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help=f"{what} (default {CHIP[flag]}; --tiny: {TINY[flag]})")
     p.add_argument("--tiny", action="store_true", help="toy sizes: any backend, seconds")
     p.add_argument("--rounds", type=positive, default=5, help="timed steps per row (default 5)")
+    p.add_argument("--compiles", type=positive, default=3,
+                   help="cold compiles per row, interleaved; the compile column is their median "
+                        "(default 3; the loop's: --loop-compiles)")
+    p.add_argument("--loop-compiles", type=positive, default=1,
+                   help="cold compiles of the loop's rows (default 1: ~40 s each on a v5e at "
+                        "the chip's sizes, and no ratio is to the loop's compile; give "
+                        "--compiles' number to treat it as the others)")
     p.add_argument("--variants", default="",
-                   help="comma-separated parts of row names to run, e.g. 'stackwise,loop' or "
-                        "'remat off' (default: all 12)")
+                   help="comma-separated row selectors: a family's name (e.g. 'stackwise', "
+                        "'loop', 'nn.scan') picks that family's rows, any other text the rows "
+                        "whose name contains it, e.g. '.Stack' (the adapters) or 'remat off' "
+                        f"(default: all {len(variant_names())})")
+    p.add_argument("--remat", default="",
+                   help="comma-separated remats to keep of the rows --variants picks, of "
+                        f"{', '.join(REMATS)} (default: all)")
     p.add_argument("--peak", type=float, default=V5E_BF16_TFLOPS,
                    help=f"the chip's peak TFLOP/s for the MFU (default {V5E_BF16_TFLOPS:g}, "
                         "a v5e's bfloat16)")
@@ -100,12 +140,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"argument --heads: {args.heads} heads do not divide --d {args.d}")
     if not (math.isfinite(args.peak) and args.peak > 0):
         p.error(f"argument --peak: expected a positive TFLOP/s, got {args.peak!r}")
-    wanted = [w.strip().lower() for w in args.variants.split(",") if w.strip()]
-    args.rows = [v for v in variant_names() if not wanted or any(w in v for w in wanted)]
+    remats = [r.strip() for r in args.remat.split(",") if r.strip()]
+    if any(r not in REMATS for r in remats):
+        p.error(f"argument --remat: {args.remat!r} is not a comma-separated list of "
+                + ", ".join(REMATS))
+    args.rows = [v for v in select(variant_names(), args.variants)
+                 if not remats or v.split(", remat ")[1] in remats]
     if not args.rows:
-        p.error(f"argument --variants: {args.variants!r} matches no row; the rows are: "
+        also = f" at --remat {args.remat!r}" if remats else ""
+        p.error(f"argument --variants: {args.variants!r} matches no row{also}; the rows are: "
                 + "; ".join(variant_names()))
     return args
+
+
+def select(names: list[str], variants: str) -> list[str]:
+    """The rows of ``names`` that ``--variants`` picks: a part equal to a family's name picks
+    that family's rows, any other part the rows whose name contains it (case-insensitive);
+    nothing picks every row.
+
+    >>> names = variant_names()
+    >>> select(names, "stackwise, remat full")[:3]
+    ['stackwise, remat off', 'stackwise, remat dots', 'loop, remat full']
+    >>> [n.split(",")[0] for n in select(names, ".Stack") if n.endswith("off")]
+    ['stackwise.flax.Stack', 'stackwise.haiku.Stack']
+    """
+    wanted = [w.strip().lower() for w in variants.split(",") if w.strip()]
+    families = {f.lower() for f in FAMILIES}
+
+    def picks(name: str, w: str) -> bool:
+        family = name.split(", remat ")[0].lower()
+        return family == w if w in families else w in name.lower()
+
+    return [n for n in names if not wanted or any(picks(n, w) for w in wanted)]
+
+
+def compile_order(rows: list[str], compiles: dict[str, int]) -> list[list[str]]:
+    """The rows' cold compiles, round by round: round ``r`` compiles the rows in order
+    ``rows`` rotated left by ``r`` (so that no row always goes first, or second), leaving out
+    a row whose ``compiles[row]`` compiles are done.
+
+    >>> compile_order(["a", "b", "c"], {"a": 3, "b": 3, "c": 3})
+    [['a', 'b', 'c'], ['b', 'c', 'a'], ['c', 'a', 'b']]
+    >>> compile_order(["loop", "b", "c"], {"loop": 1, "b": 3, "c": 3})
+    [['loop', 'b', 'c'], ['b', 'c'], ['c', 'b']]
+    """
+    rounds = max((compiles[row] for row in rows), default=0)
+    rotated = [[rows[(r + i) % len(rows)] for i in range(len(rows))] for r in range(rounds)]
+    return [[row for row in order if compiles[row] > r] for r, order in enumerate(rotated)]
 
 
 def model_flops(d: int, hidden: int, n: int, seq: int, batch: int) -> float:
@@ -163,7 +244,91 @@ def builds(args: argparse.Namespace, notes: list[str]) -> dict[str, Callable[[in
             if case.name.startswith(prefix) and not case.tool and case.remat != "nested":
                 remat = next(r for r, bench in REMATS.items() if bench == case.remat)
                 found[f"{family}, remat {remat}"] = case.build
+    for family, tool in ADAPTERS.items():
+        try:
+            adapter = _ADAPTER_BUILDS[family]
+            for remat, bench in REMATS.items():
+                if f"{tool}, remat {remat}" in found:
+                    found[f"{family}, remat {remat}"] = adapter(
+                        cfg, bench, found[f"{tool}, remat {remat}"])
+        except ImportError as e:
+            notes.append(f"{family}: not importable ({e}); its rows are skipped")
     return found
+
+
+def same_layout(params: Any, expected: Any, who: str) -> None:
+    """Raises unless ``params`` has the tree and the leaves' shapes and dtypes of
+    ``expected`` (e.g. ``jax.eval_shape`` of the model's ``init``)."""
+    import jax
+
+    def spec(tree):
+        return jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+
+    if spec(params) != spec(expected):
+        raise ValueError(f"{who}: the tool's params converted are not the Stack's: "
+                         f"{spec(params)} != {spec(expected)}")
+
+
+def flax_stack(cfg: Any, remat: str, tool: Callable[[int], tuple]) -> Callable[[int], tuple]:
+    """``stackwise.flax.Stack`` of linen's block (the ``nn.scan`` row's, ``bench/workloads/
+    flax.py``) with ``remat`` (the bench's name), on the ``nn.scan`` row's params: the
+    scanned cell's block, whose layout (layer axis first) is the Stack's, under the Stack's
+    name."""
+    import functools
+
+    import flax.linen as nn
+    import jax
+
+    import stackwise.flax
+    from stackwise.bench.workloads import common
+    from stackwise.bench.workloads import flax as linen
+
+    block = functools.partial(linen.Block, cfg.tf_d, cfg.tf_hidden, cfg.tf_heads)
+
+    def build(n: int) -> tuple:
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return stackwise.flax.Stack(block, n=n, remat=common.stack_remat(remat))(x)
+
+        net = Model()
+        scanned, x, _ = tool(n)
+        (cell,) = scanned["params"]  # ScanCell_0 or ScanCheckpointCell_0
+        params = {"params": {"Stack_0": scanned["params"][cell]["Block_0"]}}
+        same_layout(params, jax.eval_shape(net.init, jax.random.key(0), x), "stackwise.flax")
+        return params, x, lambda p, h: common.mean_square(net.apply(p, h))
+
+    return build
+
+
+def haiku_stack(cfg: Any, remat: str, tool: Callable[[int], tuple]) -> Callable[[int], tuple]:
+    """``stackwise.haiku.Stack`` of Haiku's block (the ``hk.layer_stack`` row's, ``bench/
+    workloads/haiku.py``) with ``remat`` (the bench's name), on the ``hk.layer_stack`` row's
+    params, renamed by ``stackwise.haiku.from_layer_stack``."""
+    import functools
+
+    import haiku as hk
+    import jax
+
+    import stackwise.haiku
+    from stackwise.bench.workloads import common
+    from stackwise.bench.workloads import haiku as wh
+
+    block = functools.partial(wh.Block, cfg.tf_d, cfg.tf_hidden, cfg.tf_heads)
+
+    def build(n: int) -> tuple:
+        net = hk.without_apply_rng(hk.transform(
+            lambda x: stackwise.haiku.Stack(block, n=n, remat=common.stack_remat(remat))(x)))
+        stacked, x, _ = tool(n)
+        params = stackwise.haiku.from_layer_stack(stacked, "stack")
+        same_layout(params, jax.eval_shape(net.init, jax.random.key(0), x), "stackwise.haiku")
+        return params, x, lambda p, h: common.mean_square(net.apply(p, h))
+
+    return build
+
+
+#: An adapter's family -> ``adapter(cfg, bench remat, tool's build) -> build``.
+_ADAPTER_BUILDS = {"stackwise.flax.Stack": flax_stack, "stackwise.haiku.Stack": haiku_stack}
 
 
 def in_bfloat16(loss: Callable) -> Callable:
@@ -198,8 +363,31 @@ def out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e)
 
 
-def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace) -> dict:
-    """One row: compile once (cold), run ``WARMUP`` then ``args.rounds`` timed steps."""
+def abstract(tree: Any) -> Any:
+    """``tree``'s arrays as ``jax.ShapeDtypeStruct`` s: what a compile needs of them."""
+    import jax
+
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def cold_compile(loss: Callable, params: Any, x: Any) -> tuple[float, Any]:
+    """``(seconds, compiled)``: the step of ``loss`` traced, lowered and compiled for
+    ``params`` and ``x`` (shapes and dtypes) after every cache was cleared."""
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    start = time.perf_counter()
+    compiled = sgd_step(in_bfloat16(loss)).trace(params, x).lower().compile()
+    return time.perf_counter() - start, compiled
+
+
+def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace
+            ) -> tuple[dict, tuple | None]:
+    """One row's first round: build its params, compile (cold, for their shapes), run
+    ``WARMUP`` then ``args.rounds`` timed steps. Returns the row (its ``"compiles"``, the
+    compile's seconds) and ``(loss, params' and input's shapes)`` to compile it again, or
+    None where it does not fit the device."""
     import jax
 
     family, remat = name.split(", remat ")
@@ -207,10 +395,10 @@ def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace) 
     jax.clear_caches()
     gc.collect()
     params, x, loss = build(args.n)
+    shapes = (abstract(params), abstract(x))
     try:
-        start = time.perf_counter()
-        compiled = sgd_step(in_bfloat16(loss)).trace(params, x).lower().compile()
-        row["compile s"] = time.perf_counter() - start
+        seconds, compiled = cold_compile(loss, *shapes)
+        row["compiles"] = [seconds]
         times, first = [], None
         for i in range(WARMUP + args.rounds):
             start = time.perf_counter()
@@ -221,7 +409,7 @@ def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace) 
     except jax.errors.JaxRuntimeError as e:
         if not out_of_memory(e):
             raise
-        return {**row, "step ms": "does not fit: " + str(e).split(": ", 1)[-1][:100]}
+        return {**row, "step ms": "does not fit: " + str(e).split(": ", 1)[-1][:100]}, None
     step_s = statistics.median(times)
     flops = model_flops(args.d, args.hidden, args.n, args.seq, args.batch)
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -236,12 +424,39 @@ def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace) 
             - memory.alias_size_in_bytes + memory.temp_size_in_bytes) / 2**20,
         "loss": f"{first:.6g}",
     })
-    return row
+    return row, (loss, *shapes)
+
+
+def measure_all(found: dict[str, Callable[[int], tuple]], args: argparse.Namespace) -> list[dict]:
+    """The rows of ``args.rows`` that ``found`` builds, in rounds (:func:`compile_order`):
+    a row's first compile is :func:`measure`'s, its later ones only compile (cold) again; a
+    row that does not fit is not compiled again. Each row's ``"compile s"`` is the median of
+    its compiles, ``"compiles"`` their seconds in round order."""
+    names = [name for name in args.rows if name in found]
+    counts = {name: args.loop_compiles if name.startswith("loop, ") else args.compiles
+              for name in names}
+    rows: dict[str, dict] = {}
+    again: dict[str, tuple | None] = {}
+    for order in compile_order(names, counts):
+        for name in order:
+            if name not in rows:
+                rows[name], again[name] = measure(name, found[name], args)
+            elif again[name] is not None:
+                rows[name]["compiles"].append(cold_compile(*again[name])[0])
+            else:
+                continue
+            print(name, rows[name], file=sys.stderr, flush=True)  # (a run cut short keeps these)
+    for row in rows.values():
+        if "compiles" in row:
+            row["compile s"] = statistics.median(row["compiles"])
+            row["compiles"] = " ".join(f"{s:.3g}" for s in row["compiles"])
+    return [rows[name] for name in names]
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """The rows in table order, each with its compile and step ratios to the loop's and to
-    each tool's at the same remat (where both were measured)."""
+    """The rows in table order, each with its compile and step ratios to the loop's (step
+    only) and to each tool's at the same remat, and an adapter's to its own framework's tool
+    (``/tool``; "-" for the other rows), where both were measured."""
     by = {(r["variant"], r["remat"]): r for r in rows}
     out = []
     for remat in REMATS:
@@ -252,19 +467,23 @@ def with_ratios(rows: list[dict]) -> list[dict]:
             row = dict(row)
             for what in ("compile s", "step ms"):
                 key = what.split()[0]
-                for ref in ("loop", "nn.scan", "hk.layer_stack"):
+                for ref in ("loop", "nn.scan", "hk.layer_stack", "tool"):
                     if ref == "loop" and key == "compile":
                         continue  # (the loop traces n blocks: not the tools' measure)
-                    theirs = by.get((ref, remat), {}).get(what)
+                    theirs = by.get((ADAPTERS.get(family, "") if ref == "tool" else ref,
+                                     remat), {}).get(what)
                     if isinstance(row.get(what), float) and isinstance(theirs, float):
                         row[f"{key} /{ref}"] = f"{row[what] / theirs:.2f}"
                     else:
                         row[f"{key} /{ref}"] = "-"
             out.append(row)
-    order = ["variant", "remat", "compile s", "compile /nn.scan", "compile /hk.layer_stack",
-             "step ms", "step /loop", "step /nn.scan", "step /hk.layer_stack", "model TFLOP",
-             "XLA TFLOP", "MFU %", "peak MiB", "loss"]
-    return [{k: r[k] for k in order if k in r} for r in out]
+    return [{k: r[k] for k in COLUMNS if k in r} for r in out]
+
+
+#: The table's columns, in order (the docstring says what each is).
+COLUMNS = ["variant", "remat", "compile s", "compiles", "compile /tool", "compile /nn.scan",
+           "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
+           "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %", "peak MiB", "loss"]
 
 
 def title(args: argparse.Namespace) -> str:
@@ -284,12 +503,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     notes: list[str] = []
     found = builds(args, notes)
-    rows = []
-    for name in args.rows:
-        if name in found:
-            rows.append(measure(name, found[name], args))
-            print(rows[-1], file=sys.stderr, flush=True)  # (a run cut short keeps these)
-    rows = with_ratios(rows)
+    rows = with_ratios(measure_all(found, args))
     report(rows, title(args) + "".join(f"\n\nNote: {n}" for n in notes), args.markdown)
     return rows
 

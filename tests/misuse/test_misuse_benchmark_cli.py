@@ -85,14 +85,19 @@ TPU_TABLE_CASES = [
     (OFFLOAD_MEMORY, ["--shapes", "24:1024:x"], "--shapes",
      "expected n:d:batch triples of positive integers"),
     *((TPU_TRAIN, [flag, value], flag, f"expected a positive integer, got {value!r}")
-      for flag in ("--d", "--heads", "--hidden", "--n", "--seq", "--batch", "--rounds")
-      for value in ("0", "1.5")),
+      for flag in ("--d", "--heads", "--hidden", "--n", "--seq", "--batch", "--rounds",
+                   "--compiles", "--loop-compiles")
+      for value in ("0", "-1", "1.5")),
     (TPU_TRAIN, ["--heads", "3"], "--heads", "3 heads do not divide --d 1024"),
     (TPU_TRAIN, ["--tiny", "--d", "33"], "--heads", "2 heads do not divide --d 33"),
     (TPU_TRAIN, ["--peak", "0"], "--peak", "expected a positive TFLOP/s, got 0.0"),
     (TPU_TRAIN, ["--peak", "nan"], "--peak", "expected a positive TFLOP/s, got nan"),
     (TPU_TRAIN, ["--variants", "nnx"], "--variants",
      "'nnx' matches no row; the rows are: loop, remat off; stackwise, remat off"),
+    (TPU_TRAIN, ["--variants", ".Stack", "--remat", "layer"], "--remat",
+     "'layer' is not a comma-separated list of off, dots, full"),
+    (TPU_TRAIN, ["--variants", "nnx", "--remat", "dots"], "--variants",
+     "'nnx' matches no row at --remat 'dots'; the rows are: loop, remat off;"),
 ]
 
 
