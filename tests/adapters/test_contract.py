@@ -30,7 +30,7 @@ import stackwise
 from stackwise._kit import OPTION_NAMES
 from stackwise.bench import program_fingerprint
 
-D, B, T = 4, 2, 128  # width, batch, cache length
+D, B, T = 4, 2, 1024  # width, batch, cache length (long: see the decode test)
 X = jnp.linspace(-1.0, 1.0, B * D).reshape(B, D)
 KEY = jax.random.key(0)
 

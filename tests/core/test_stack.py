@@ -429,7 +429,8 @@ def _grad_program(n, **options):
         **options,
     )
     params = layers.init(jax.random.key(0))
-    x = jnp.ones((128, 256))
+    # (at 128 rows XLA:TPU counts 0 temp bytes in every variant, remat or not: 1024 there)
+    x = jnp.ones((128 if on_cpu() else 1024, 256))
     f = jax.jit(jax.grad(lambda p, x: jnp.sum(layers.apply(p, x)), argnums=(0, 1)))
     return f.lower(params, x).compile(), lambda: f(params, x)
 
@@ -445,8 +446,12 @@ def test_remat_and_nested_remat_lower_compiled_temp_memory():
     temps = {k: temp_bytes(compiled) for k, (compiled, _) in programs.items()}
     grows = {k: temps[k] - temp_bytes(_grad_program(n // 2, **o)[0]) for k, o in options.items()}
     assert grows["flat"] < grows["plain"] and grows["default"] < grows["plain"], grows
-    assert grows["nested"] < grows["flat"] / 2, grows
+    assert grows["nested"] <= grows["flat"], grows
     if on_cpu():  # and XLA:CPU's totals, whose fixed part is small (tests/_programs.py)
+        # Nested remat's sqrt(n) carries show on XLA:CPU. XLA:TPU (a v5e, libtpu 0.0.42.1,
+        # 2026-12-06) counts no temp bytes for the remat'ed programs at all, flat or nested
+        # (the program without remat: 100 MB at n=32, 336 MB at 64), so there it is not shown.
+        assert grows["nested"] < grows["flat"] / 2, grows
         assert temps["flat"] < temps["plain"] and temps["default"] < temps["plain"]
         assert temps["nested"] < temps["flat"] / 2, temps
     grads = {k: run() for k, (_, run) in programs.items()}

@@ -86,7 +86,8 @@ def test_decode_step_updates_the_donated_cache_without_a_copy(n):
 
 
 def test_the_old_arrangement_would_fail_the_memory_check():
-    """The check above can fail: a cache returned whole from every layer is copied."""
+    """The check above can fail: on XLA:CPU a cache returned whole from every layer is
+    copied."""
 
     def rewrite(params, cache, x, pos):  # the same values, but not a dynamic_update_slice
         y, new = attend(params, cache, x, pos)
@@ -99,11 +100,17 @@ def test_the_old_arrangement_would_fail_the_memory_check():
         compiled = jax.jit(layers.apply, donate_argnums=1).lower(params, cache, x, 3).compile()
         return compiled, jax.tree.leaves(cache)
 
+    if jax.default_backend() not in ("cpu", "tpu"):
+        pytest.skip("what XLA makes of this arrangement is known for XLA:CPU and XLA:TPU only")
     (shallow, shallow_leaves), (compiled, leaves) = program(4), program(8)
+    if not on_cpu():
+        # XLA:TPU (a v5e, libtpu 0.0.42.1, 2026-12-06) writes even this arrangement's new
+        # cache into the donated buffer: no copy for the check to catch, and it passes.
+        assert_no_copy_per_layer(shallow, compiled, shallow_leaves, leaves)
+        return
     with pytest.raises(AssertionError):
         assert_no_copy_per_layer(shallow, compiled, shallow_leaves, leaves)
-    if on_cpu():
-        assert compiled.memory_analysis().temp_size_in_bytes > 0.5 * nbytes(leaves)
+    assert compiled.memory_analysis().temp_size_in_bytes > 0.5 * nbytes(leaves)
 
 
 def test_writes_inside_jitted_helpers_chains_and_untouched_leaves():
