@@ -288,5 +288,5 @@ def stack_adapted(
         warn_unrematted(args[0], remat, "stackwise.lora.stack")
         return layers.apply(*args, **kwargs)
 
-    return Stacked(layers.init, checked_apply, n)
+    return Stacked(layers.init, checked_apply, n, layers.decode)
 

@@ -173,22 +173,29 @@ def test_state_under_grad_matches_the_loop():
 # unroll=True: each layer's state written through into its row of the stacked state.
 
 
-def _unrolled_program(n):
-    layers = stackwise.stack(init, attend, n, with_state=True, unroll=True)
+def _unrolled_program(n, how):
+    if how == "unroll=True":
+        layers = stackwise.stack(init, attend, n, with_state=True, unroll=True)
+        fn = layers.apply
+    else:  # Stacked.decode of a scanned (and nested) stack
+        fn = (layers := stackwise.stack(init, attend, n, with_state=True, nested=True)).decode
     params, cache = jax.eval_shape(layers.init, jax.random.key(0))
     x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
-    step = jax.jit(layers.apply, donate_argnums=1)
+    step = jax.jit(fn, donate_argnums=1)
     return step.lower(params, cache, x, jnp.int32(3)).compile(), cache
 
 
-def test_an_unrolled_decode_writes_each_layers_row_of_the_donated_cache_in_place():
+@pytest.mark.parametrize("how", ["unroll=True", "Stacked.decode"])
+def test_an_unrolled_decode_writes_each_layers_row_of_the_donated_cache_in_place(how):
     """The Python loop of layers reads and writes row i of the stacked cache (on a TPU v5e,
     compiled, no copy of a layer's cache at all: benchmarks/results/tpu_decode_hlo.md), where
     setting back an updated slice would copy every layer's cache."""
-    compiled, cache = _unrolled_program(16)
+    compiled, cache = _unrolled_program(16, how)
     leaves = jax.tree.leaves(cache)
     assert_aliases_exactly(compiled, leaves)
-    shallow, shallow_cache = _unrolled_program(8)
+    if how == "Stacked.decode":  # the loop's program: no while loop
+        assert " while(" not in compiled.as_text()
+    shallow, shallow_cache = _unrolled_program(8, how)
     assert_no_copy_per_layer(shallow, compiled, jax.tree.leaves(shallow_cache), leaves)
 
 
@@ -228,11 +235,12 @@ def test_unrolled_state_equals_the_scans(layer):
         state = jax.tree.map(lambda a: jax.random.normal(key, a.shape, a.dtype), state)
         args = (x, jnp.int32(3))
     expected = scanned.apply(params, state, *args)
-    got = jax.jit(unrolled.apply)(params, state, *args)
-    assert_trees_close(got, expected)
-    grads = [jax.grad(lambda p, s=s: s.apply(p, state, *args)[0].sum())(params)
-             for s in (scanned, unrolled)]
+    assert_trees_close(jax.jit(unrolled.apply)(params, state, *args), expected)
+    assert_trees_close(jax.jit(scanned.decode)(params, state, *args), expected)
+    grads = [jax.grad(lambda p, f=f: f(p, state, *args)[0].sum())(params)
+             for f in (scanned.apply, unrolled.apply, scanned.decode)]
     assert_trees_close(grads[1], grads[0])
+    assert_trees_close(grads[2], grads[0])
 
 
 def test_unrolled_state_without_the_jaxpr_ties_is_stacked_as_before(monkeypatch):

@@ -288,6 +288,21 @@ PIPELINE = [
         "batch is 4",
         "<root>: shape (2, 1)",
     ),
+    case(
+        "decode of a pipeline (it has none)",
+        lambda: stackwise.pipeline(None, _apply, 2, MESH, microbatches=1).decode(
+            {"w": jnp.ones((2, 2))}, jnp.ones((1, 2))),
+        TypeError,
+        "has no `decode`",
+        "stackwise.stack(..., unroll=True).apply",
+    ),
+    case(
+        "decode without state's arguments",
+        lambda: stackwise.stack(None, lambda p, s, x: (x, s), 2, with_state=True).decode(
+            jnp.ones(2), jnp.ones(2)),
+        TypeError,
+        "Stacked.decode is called as `apply(params, state, x",
+    ),
 ]
 
 
