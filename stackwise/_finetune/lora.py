@@ -2,7 +2,7 @@
 
 An adapter on a stacked weight ``W`` of shape ``(n, in, out)`` is a :class:`LoraWeights`
 pair ``a (n, in, r)``, ``b (n, r, out)``: layer i uses ``W[i] + scale * a[i] @ b[i]`` with
-``scale = alpha / r``. The adapters are a tree shaped like the base's params, with
+``scale = alpha / r`` (rsLoRA's ``alpha / sqrt(r)`` with ``rslora=True``). The adapters are a tree shaped like the base's params, with
 :class:`LoraWeights` at the target leaves and None elsewhere; :func:`attach` pairs them with
 the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
 """
@@ -24,8 +24,8 @@ from stackwise._core.served import stacked_only
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init", "merge",
-           "plain_tree", "stack_adapters", "unmerge"]
+__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init",
+           "lora_scale", "merge", "plain_tree", "scaled_update", "stack_adapters", "unmerge"]
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,20 @@ class LoraWeights:
     """One stacked weight's adapter: ``a (n, in, r)`` and ``b (n, r, out)``.
 
     A batch of g adapters (:func:`stack_adapters`) has ``a (g, n, in, r)``,
-    ``b (g, n, r, out)``. ``alpha`` is static: the update is ``(alpha / r) * a @ b``.
+    ``b (g, n, r, out)``. ``alpha`` and ``rslora`` are static: the update is
+    ``scale * a @ b``, ``scale = alpha / r``, or rank-stabilised LoRA's
+    ``alpha / sqrt(r)`` with ``rslora=True`` (PEFT's ``use_rslora``).
+
+    >>> import jax.numpy as jnp, stackwise
+    >>> a, b = jnp.ones((2, 8, 4)), jnp.zeros((2, 4, 8))
+    >>> stackwise.lora.LoraWeights(a, b, 8.0).scale, stackwise.lora.LoraWeights(a, b, 8.0, True).scale
+    (2.0, 4.0)
     """
 
     a: jax.Array
     b: jax.Array
     alpha: float = 1.0
+    rslora: bool = False
 
     @property
     def rank(self) -> int:
@@ -46,10 +54,17 @@ class LoraWeights:
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return lora_scale(self.alpha, self.rank, self.rslora)
 
 
-jax.tree_util.register_dataclass(LoraWeights, data_fields=["a", "b"], meta_fields=["alpha"])
+def lora_scale(alpha: float, rank: int, rslora: bool) -> float:
+    """PEFT's scaling, as its ``LoraLayer.update_layer`` computes it in Python floats:
+    ``alpha / r``, or ``alpha / math.sqrt(r)`` for rsLoRA."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+jax.tree_util.register_dataclass(LoraWeights, data_fields=["a", "b"],
+                                 meta_fields=["alpha", "rslora"])
 
 
 def is_lora(value: Any) -> bool:
@@ -126,6 +141,7 @@ def init(
     *,
     rank: int,
     alpha: float | None = None,
+    rslora: bool = False,
     targets: Targets = None,
     dtype: Any = None,
 ) -> Any:
@@ -147,6 +163,7 @@ def init(
         leaves with their own depth).
       rank: r, at most ``min(in, out)`` of every target.
       alpha: the scale's numerator (``scale = alpha / rank``); default ``rank`` (scale 1).
+      rslora: rank-stabilised LoRA's scale, ``alpha / sqrt(rank)`` (PEFT's ``use_rslora``).
       targets: a predicate ``(path, per_layer_shape) -> bool``, leaf paths, or None for
         every float (or quantized) leaf that is 2-D per layer: integer leaves are no target.
       dtype: the adapters' dtype; default the base leaf's float dtype (float32 for a
@@ -157,7 +174,8 @@ def init(
 
     Raises:
       TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, ``alpha`` is
-        not a number, or ``params`` holds a base and adapters attached.
+        not a number, ``rslora`` not a bool, or ``params`` holds a base and adapters
+        attached.
       ValueError: ``rank`` larger than a target's ``in`` or ``out``, ``alpha`` not
         positive and finite, a ``dtype`` that is not a float, or a target that is not 2-D
         per layer or is an integer leaf (the default targets skip those).
@@ -174,6 +192,7 @@ def init(
             f"{who}: `alpha` must be positive and finite, got {alpha}; the update is scaled "
             "by alpha / rank (PEFT's lora_alpha, e.g. 2 * rank)."
         )
+    rslora = check_bool(rslora, "rslora", who)
     dtype = float_dtype(dtype, who)
     plain_tree(params, "params", who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
@@ -197,7 +216,7 @@ def init(
             jnp.float32 if is_quantized(leaf) else kind)
         keys = jax.random.split(jax.random.fold_in(key, j), n)
         a = _uniform(keys, (d_in, rank), own, 1.0 / np.sqrt(d_in))
-        out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha)))
+        out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha), rslora))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)
 
@@ -370,9 +389,14 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
 # The adapted weight, and merging it into the base.
 
 
+def scaled_update(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """``scale * a @ b`` in the adapters' dtype (any leading axes)."""
+    return jnp.matmul(a, b) * jnp.asarray(scale, a.dtype)
+
+
 def delta(lw: LoraWeights) -> jax.Array:
     """``scale * a @ b`` in the adapters' dtype (any leading axes)."""
-    return jnp.matmul(lw.a, lw.b) * jnp.asarray(lw.scale, lw.a.dtype)
+    return scaled_update(lw.a, lw.b, lw.scale)
 
 
 def add(w: jax.Array, d: jax.Array, sign: int = 1) -> jax.Array:

@@ -39,6 +39,7 @@ from stackwise._finetune.lora import (
 )
 from stackwise._finetune.quant import is_quantized
 from stackwise._finetune.targets import leaf_paths, select
+from stackwise._upstream import peft as peft_rules
 
 __all__ = ["load_peft", "save_peft"]
 
@@ -213,7 +214,9 @@ def _check_base_model(value: Any, who: str) -> str | None:
     return value
 
 
-def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | None) -> dict:
+def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | None, *,
+            rslora: bool, dropout: float, rank_pattern: dict, alpha_pattern: dict,
+            layers_to_transform: list[int] | None) -> dict:
     """PEFT's ``LoraConfig`` fields, as ``LoraConfig.save_pretrained`` writes them."""
     return {
         "peft_type": "LORA",
@@ -222,18 +225,18 @@ def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | Non
         "r": r,
         "lora_alpha": alpha,
         "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values()}),
-        "lora_dropout": 0.0,
+        "lora_dropout": dropout,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": rslora,
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
-        "layers_to_transform": None,
+        "layers_to_transform": layers_to_transform,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
         "revision": None,
     }
 
@@ -271,6 +274,89 @@ def _write(directory: str, tensors: dict, config: dict, overwrite: bool, who: st
     finally:
         shutil.rmtree(stage)
 
+def _check_dropout(p: Any, who: str) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
+        raise ValueError(
+            f"{who}: `lora_dropout` is {p!r}; it is PEFT's dropout probability on the "
+            "adapters' input while PEFT trains, a number in [0, 1] (stackwise's training "
+            "applies none; the value is written for PEFT)."
+        )
+    return float(p)
+
+
+def _layers_left_out(found: dict, numbers: dict, names: dict, arrays: dict) -> set[int]:
+    """The model's layers where every adapter is zero (``a`` and ``b``: what ``load_peft``
+    gives a layer PEFT's ``layers_to_transform`` leaves out), to leave out of the file and
+    of ``layers_to_transform``; none when some are left, when all are, or when PEFT would
+    not read the layer index from the names (then the zeros are written: as exact)."""
+    rows: dict[int, list[tuple[str, int]]] = {}
+    for path in found:
+        for j, i in enumerate(numbers[path]):
+            rows.setdefault(i, []).append((path, j))
+    zero = {i for i, where in rows.items()
+            if all(not arrays[p][0][j].any() and not arrays[p][1][j].any() for p, j in where)}
+    if not zero or zero == set(rows):
+        return set()
+    config = {"layers_to_transform": sorted(set(rows) - zero), "layers_pattern": None,
+              "target_modules": sorted({n.rsplit(".", 1)[-1] for v in names.values()
+                                        for n in v})}
+    for path in found:
+        for i, name in zip(numbers[path], names[path]):
+            if peft_rules.adapted(config, peft_rules.strip_prefix(name)) == (i in zero):
+                return set()
+    return zero
+
+
+def _patterns(found: dict, names: dict, modules: dict) -> tuple[int, float, dict, dict]:
+    """``r`` and ``lora_alpha`` (the most common), and ``rank_pattern`` and
+    ``alpha_pattern`` for the modules of other ranks or alphas, checked to give each
+    written module its own as PEFT matches them (:mod:`stackwise._upstream.peft`)."""
+    def common(values):
+        counts: dict = {}
+        for v in values:
+            counts[v] = counts.get(v, 0) + 1
+        return max(sorted(counts), key=lambda v: counts[v])
+
+    r = common(lw.rank for lw in found.values())
+    alpha = common(lw.alpha for lw in found.values())
+    want = {peft_rules.strip_prefix(name): (lw.rank, lw.alpha)
+            for path, lw in found.items() for name in names[path]}
+
+    def build(per_layer: bool) -> tuple[dict, dict]:
+        ranks, alphas = {}, {}
+        for default, into, get in ((r, ranks, lambda lw: lw.rank),
+                                    (alpha, alphas, lambda lw: lw.alpha)):
+            by_module: dict[str, set] = {}
+            for path, lw in found.items():
+                by_module.setdefault(modules[path], set()).add(get(lw))
+            layer_keys, module_keys = {}, {}
+            for path, lw in found.items():
+                value = get(lw)
+                if value == default and len(by_module[modules[path]]) == 1:
+                    continue
+                if per_layer or len(by_module[modules[path]]) > 1:
+                    if value != default:
+                        for name in names[path]:
+                            layer_keys[re.escape(peft_rules.strip_prefix(name))] = value
+                else:
+                    module_keys[re.escape(modules[path])] = value
+            layer_keys.update(module_keys)
+            # The longest first: PEFT takes the first key that matches, and a key matches
+            # only names as long as itself or longer.
+            into.update(sorted(layer_keys.items(),
+                               key=lambda kv: -len(kv[0].replace("\\.", "."))))
+        return ranks, alphas
+
+    ranks, alphas = build(per_layer=False)
+    if all((peft_rules.pattern_value(ranks, r, key), peft_rules.pattern_value(
+            alphas, alpha, key)) == v for key, v in want.items()):
+        return r, alpha, ranks, alphas
+    # A module's name that ends another's (`q_proj`, `attn.q_proj`): one key per layer's
+    # module, each the whole name, which no other name ends with.
+    ranks, alphas = build(per_layer=True)
+    return r, alpha, ranks, alphas
+
+
 def save_peft(
     directory: str | os.PathLike,
     adapters: Any,
@@ -280,6 +366,7 @@ def save_peft(
     layers: str = LAYERS,
     layout: str = "in_out",
     pattern: int | None = None,
+    lora_dropout: float = 0.0,
     overwrite: bool = False,
 ) -> list[str]:
     """Writes stacked adapters as a PEFT LoRA adapter folder, all or nothing.
@@ -339,7 +426,7 @@ def save_peft(
     layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
     base_model_name_or_path = _check_base_model(base_model_name_or_path, who)
-    tensors, ranks = {}, set()
+    tensors = {}
     found = {path: lw for path, lw in leaf_paths(adapters, is_leaf=is_lora) if is_lora(lw)}
     if set(found) != set(modules):
         raise ValueError(
@@ -355,26 +442,99 @@ def save_peft(
             )
     numbers = _layer_numbers({path: lw.a.shape[0] for path, lw in found.items()}, k,
                              "adapters", who)
+    rslora = sorted({lw.rslora for lw in found.values()})
+    if len(rslora) > 1:
+        raise ValueError(
+            f"{who}: some adapters scale by alpha / r and others by alpha / sqrt(r) (rsLoRA); "
+            "PEFT's config holds one `use_rslora`: make them with one "
+            "`stackwise.lora.init(..., rslora=)`."
+        )
+    names = {path: [f"{_layer(layers, i)}.{modules[path]}" for i in numbers[path]]
+             for path in found}
+    arrays = {path: (np.asarray(lw.a), np.asarray(lw.b)) for path, lw in found.items()}
+    skip = _layers_left_out(found, numbers, names, arrays)
     for path, lw in found.items():
-        ranks.add((lw.rank, lw.alpha))
-        a, b = np.asarray(lw.a), np.asarray(lw.b)
-        for i, layer in enumerate(numbers[path]):
-            name = f"{_layer(layers, layer)}.{modules[path]}"
+        a, b = arrays[path]
+        for i, (layer, name) in enumerate(zip(numbers[path], names[path])):
+            if layer in skip:
+                continue
             lora_a, lora_b = (b[i], a[i]) if out_in else (a[i].T, b[i].T)
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
-    if len(ranks) != 1:
-        raise ValueError(
-            f"{who}: the adapters have several (rank, alpha) pairs {sorted(ranks)}; PEFT's "
-            "config holds one `r` and `lora_alpha`: make them with one `stackwise.lora.init`."
-        )
-    (r, alpha), = ranks
-    config = _config(r, alpha, modules, base_model_name_or_path)
+    r, alpha, rank_pattern, alpha_pattern = _patterns(found, names, modules)
+    kept = sorted({i for rows in numbers.values() for i in rows} - skip) if skip else None
+    config = _config(r, alpha, modules, base_model_name_or_path, rslora=rslora[0],
+                     dropout=_check_dropout(lora_dropout, who), rank_pattern=rank_pattern,
+                     alpha_pattern=alpha_pattern, layers_to_transform=kept)
     _write(os.fspath(directory), tensors, config, overwrite, who)
     return sorted([CONFIG, WEIGHTS])
 
 
+#: PEFT LoraConfig fields (peft 0.21.2) that change nothing in what a loaded adapter computes,
+#: accepted with any value: bookkeeping, the initialisers' own settings (``init_lora_weights``
+#: decides whether an initialiser changed the base), and settings of features refused below.
+INERT = {
+    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+    "inference_mode", "megatron_core", "qalora_group_size", "loftq_config", "eva_config",
+    "corda_config", "lora_ga_config", "runtime_config",
+    # The file's tensors say which modules are adapted (checked against `modules`).
+    "target_modules",
+    # Ties adapters of tied modules: modules_to_save, trainable tokens or an adapted tied
+    # embedding, none of which loads here (a layer's modules are not tied).
+    "ensure_weight_tying",
+}
+#: Fields ``load_peft`` reads, each checked in :func:`_read_config`.
+READ = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
+        "layers_to_transform", "layers_pattern", "exclude_modules", "lora_dropout", "bias",
+        "init_lora_weights"}
+#: Fields refused unless unset (None, False, empty): what each one is in PEFT.
+REFUSED = {
+    "use_dora": "DoRA: a trained magnitude per output channel beside the low-rank update",
+    "modules_to_save": "full trainable copies of whole modules (embeddings, heads, norms) "
+                       "saved beside the adapters",
+    "fan_in_fan_out": "base weights stored (in, out), as GPT-2's Conv1D",
+    "lora_bias": "a trained bias on lora_B",
+    "trainable_token_indices": "trained rows of the embedding",
+    "layer_replication": "layers repeated to deepen the model",
+    "target_parameters": "adapters on parameters, not modules (MoE experts)",
+    "alora_invocation_tokens": "Activated LoRA, on only after its invocation tokens",
+    "use_qalora": "QA-LoRA's pooled inputs",
+    "megatron_config": "Megatron's parallel layers",
+    "velora_config": "VeLoRA, a LoRA variant",
+    "monteclora_config": "MonteCLoRA, a LoRA variant",
+    "use_bdlora": "block-diagonal LoRA, a LoRA variant",
+    "arrow_config": "Arrow routing among adapters",
+    "kasa_config": "KaSA, a LoRA variant",
+}
+#: ``init_lora_weights`` values that only initialise A and B: the base is PEFT's as given.
+PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva")
+SUPPORTED = ("stackwise loads plain LoRA (W + scale * B A on each adapted module, scale "
+             "lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora)")
+
+
+def _refuse(who: str, path: str, field: str, got: Any, why: str) -> ValueError:
+    return ValueError(f"{who}: {path} has {field}={got!r}, which stackwise does not support: "
+                      f"{why}.")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_alpha(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            and math.isfinite(v))
+
+
+def _names(v: Any) -> bool:
+    """None, a str, or a list of str (PEFT's pattern and module lists)."""
+    return v is None or isinstance(v, str) or (
+        isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
 def _read_config(directory: str, who: str) -> dict:
+    """``adapter_config.json``, every field checked: read (rank, alpha, rsLoRA, patterns,
+    layers, exclusions, dropout, bias), inert, or refused by name."""
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, WEIGHTS)):
         raise FileNotFoundError(
@@ -394,51 +554,133 @@ def _read_config(directory: str, who: str) -> dict:
             f"{who}: {path} lacks {missing}: not a PEFT adapter config (PEFT's LoRA config "
             "has `peft_type`, `r`, `lora_alpha`, `target_modules`)."
         )
+    if config["peft_type"] != "LORA":
+        raise _refuse(who, path, "peft_type", config["peft_type"],
+                      f"{SUPPORTED}, peft_type='LORA'")
     r, alpha = config["r"], config["lora_alpha"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+    if not _is_int(r) or r < 1:
         raise ValueError(f"{who}: {path} has r={r!r}; PEFT's rank is an int of at least 1.")
-    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-            or not (alpha > 0 and math.isfinite(alpha))):
+    if not _is_alpha(alpha):
         raise ValueError(
             f"{who}: {path} has lora_alpha={alpha!r}; PEFT's `lora_alpha` is a finite "
             "positive number (the update is scaled by lora_alpha / r)."
         )
-    for field in ("modules_to_save", "layers_to_transform", "layers_pattern"):
-        if config.get(field):
-            raise ValueError(
-                f"{who}: {path} has {field}={config[field]!r}, which stackwise does not "
-                f"support: it loads LoRA adapters on every layer's `modules` ({field}=None)."
-            )
-    unsupported = {
-        "bias": ("none", config.get("bias", "none")),
-        "lora_bias": (False, config.get("lora_bias", False)),
-        "peft_type": ("LORA", config.get("peft_type")),
-        "use_dora": (False, config.get("use_dora", False)),
-        "use_rslora": (False, config.get("use_rslora", False)),
-        "fan_in_fan_out": (False, config.get("fan_in_fan_out", False)),
-        "rank_pattern": ({}, config.get("rank_pattern") or {}),
-        "alpha_pattern": ({}, config.get("alpha_pattern") or {}),
-    }
-    for field, (want, got) in unsupported.items():
-        if got != want:
-            raise ValueError(
-                f"{who}: {path} has {field}={got!r}, which stackwise does not support: it "
-                f"loads plain LoRA adapters ({field}={want!r}), one rank and alpha for every "
-                "module."
-            )
+    for field, got in config.items():
+        if field in READ or field in INERT:
+            continue
+        if field in REFUSED:
+            if got:
+                raise _refuse(who, path, field, got,
+                              f"{REFUSED[field]}; {SUPPORTED}, {field} unset")
+        elif got not in (None, False, "", [], {}):
+            raise _refuse(who, path, field, got,
+                          f"a field stackwise does not know (a newer PEFT's?); {SUPPORTED}, "
+                          "and refuses what it cannot apply exactly")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise _refuse(who, path, "use_rslora", config["use_rslora"], "it is true or false")
+    for field, check, what in (("rank_pattern", _is_int, "an int rank of at least 1"),
+                               ("alpha_pattern", _is_alpha, "a finite positive alpha")):
+        got = config.get(field) or {}
+        if not isinstance(got, dict) or not all(
+                isinstance(k, str) and check(v) and (v >= 1 if field == "rank_pattern" else True)
+                for k, v in got.items()):
+            raise _refuse(who, path, field, got,
+                          f"PEFT's {field} maps module-name patterns to {what} each")
+        for key in got:
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise _refuse(who, path, field, got, f"its key {key!r} is not a regular "
+                              f"expression ({e}), as PEFT matches it") from None
+    layers = config.get("layers_to_transform")
+    if not (layers is None or _is_int(layers) or (
+            isinstance(layers, list) and all(_is_int(i) for i in layers))):
+        raise _refuse(who, path, "layers_to_transform", layers,
+                      "PEFT's layers_to_transform is a layer index or a list of them")
+    for field in ("layers_pattern", "exclude_modules"):
+        if not _names(config.get(field)):
+            raise _refuse(who, path, field, config[field],
+                          f"PEFT's {field} is a str or a list of str")
+    if config.get("layers_pattern") and layers is None:
+        raise _refuse(who, path, "layers_pattern", config["layers_pattern"],
+                      "PEFT reads it only with layers_to_transform, and refuses it without")
+    dropout = config.get("lora_dropout", 0.0)
+    if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool)
+            and 0 <= dropout <= 1):
+        raise _refuse(who, path, "lora_dropout", dropout,
+                      "PEFT's lora_dropout is a probability in [0, 1]")
+    bias = config.get("bias", "none")
+    if bias not in ("none", "all", "lora_only"):
+        raise _refuse(who, path, "bias", bias, "PEFT's bias is 'none', 'all' or 'lora_only'")
+    init = config.get("init_lora_weights", True)
+    if init not in PLAIN_INITS:
+        raise _refuse(
+            who, path, "init_lora_weights", init,
+            "PEFT changed the base weights when it made this adapter (PiSSA, OLoRA, CorDA, "
+            "LoRA-GA and LoftQ train on a residual base; MiCA is a variant), so on the "
+            "original base it gives other outputs; in PEFT, save it with "
+            "`save_pretrained(..., path_initial_model_for_weight_conversion=...)` to convert "
+            f"it to plain LoRA. stackwise loads init_lora_weights {list(PLAIN_INITS)}")
     return config
 
 
-def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, r: int, out_in: bool,
-               used: set, who: str) -> tuple[jax.Array, jax.Array]:
-    """Layer i's ``lora_A.T`` and ``lora_B.T`` (``names[i]``'s), stacked, each checked."""
+def _check_bias(config: dict, tensors: dict, path: str, who: str) -> None:
+    """bias 'all' or 'lora_only' loads only where PEFT trained no bias (none in the file)."""
+    bias = config.get("bias", "none")
+    held = sorted(k for k in tensors if k.endswith(".bias"))
+    if bias != "none" and held:
+        raise _refuse(
+            who, path, "bias", bias,
+            f"the file holds {len(held)} trained biases (e.g. {held[0]}), and stackwise's "
+            "adapters are LoRA's A and B alone; it loads bias='none', or 'all' and "
+            "'lora_only' from a model without biases (a Llama), whose files hold none")
+
+
+def _leaf_rank(config: dict, keys: list[str], on: list[bool], path: str, cfg_path: str,
+               who: str) -> tuple[int, float]:
+    """The one (rank, alpha) PEFT gives the rows of a stacked leaf (the adapted ones; all of
+    them when none is): ``rank_pattern`` and ``alpha_pattern`` as PEFT matches them."""
+    r, alpha = config["r"], config["lora_alpha"]
+    got = {}
+    for key, adapted in zip(keys, on):
+        if adapted or not any(on):
+            got[key] = (peft_rules.pattern_value(config.get("rank_pattern") or {}, r, key),
+                        peft_rules.pattern_value(config.get("alpha_pattern") or {}, alpha, key))
+    pairs = sorted(set(got.values()))
+    if len(pairs) > 1:
+        field = ("rank_pattern" if len({p[0] for p in pairs}) > 1 else "alpha_pattern")
+        raise _refuse(
+            who, cfg_path, field, config.get(field),
+            f"it gives the layers of {path} several (rank, alpha) pairs ("
+            + ", ".join(f"{key}: {v}" for key, v in list(got.items())[:4])
+            + ", ...), and a stacked leaf holds one rank and alpha for all its layers; "
+            f"stackwise loads patterns that give every layer of a module one rank and alpha "
+            "(a key that names the module, e.g. 'q_proj', not one layer's)")
+    rank, alpha = pairs[0]
+    return int(rank), float(alpha)
+
+
+def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, config: dict,
+               cfg_path: str, out_in: bool, used: set, who: str) -> LoraWeights:
+    """Layer i's ``lora_A.T`` and ``lora_B.T`` (``names[i]``'s), stacked, each checked; a
+    layer PEFT leaves without an adapter (``layers_to_transform``, ``exclude_modules``) gets
+    zeros, which change nothing and take no gradient, as in PEFT."""
     _, d_in, d_out = leaf.shape
     if out_in:
         d_in, d_out = d_out, d_in
+    keys = [peft_rules.strip_prefix(name) for name in names]
+    on = [peft_rules.adapted(config, key) for key in keys]
+    r, alpha = _leaf_rank(config, keys, on, path, cfg_path, who)
+    kind = next((tensors[f"{name}.lora_A.weight"].dtype for name, adapted in zip(names, on)
+                 if adapted and f"{name}.lora_A.weight" in tensors),
+                next((v.dtype for v in tensors.values()), np.dtype(np.float32)))
     a, b = [], []
-    for name in names:
+    for name, adapted in zip(names, on):
         for key, want, into in ((f"{name}.lora_A.weight", (r, d_in), a),
                                 (f"{name}.lora_B.weight", (d_out, r), b)):
+            if not adapted:
+                into.append(np.zeros(want[::-1], kind))
+                continue
             got = tensors.get(key)
             if got is None or got.shape != want:
                 found = "missing" if got is None else f"of shape {got.shape}"
@@ -450,7 +692,10 @@ def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, r: int, ou
                 )
             used.add(key)
             into.append(got.T)
-    return jnp.asarray(np.stack(a)), jnp.asarray(np.stack(b))
+    a, b = jnp.asarray(np.stack(a)), jnp.asarray(np.stack(b))
+    if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
+        a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
+    return LoraWeights(a, b, alpha, bool(config.get("use_rslora", False)))
 
 
 def load_peft(
@@ -500,8 +745,9 @@ def load_peft(
     dtype = float_dtype(dtype, who)
     directory = os.fspath(directory)
     config = _read_config(directory, who)
-    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    cfg_path = os.path.join(directory, CONFIG)
     tensors = _safetensors(who).load_file(os.path.join(directory, WEIGHTS))
+    _check_bias(config, tensors, cfg_path, who)
     leaves = leaf_paths(base, is_leaf=is_quantized)
     chosen = select(leaves, list(modules), who, lambda p, leaf: False, arg="modules")
     numbers = _layer_numbers({path: leaf.shape[0] for (path, leaf), take in zip(leaves, chosen)
@@ -511,18 +757,19 @@ def load_peft(
         if not take:
             out.append(None)
             continue
-        a, b = _read_leaf(tensors, [f"{_layer(layers, i)}.{modules[path]}"
-                                     for i in numbers[path]], path, leaf, r, out_in, used, who)
-        if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
-            a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
+        lw = _read_leaf(tensors, [f"{_layer(layers, i)}.{modules[path]}" for i in numbers[path]],
+                        path, leaf, config, cfg_path, out_in, used, who)
         if dtype is not None:
-            a, b = a.astype(dtype), b.astype(dtype)
-        out.append(LoraWeights(a, b, alpha))
+            lw = LoraWeights(lw.a.astype(dtype), lw.b.astype(dtype), lw.alpha, lw.rslora)
+        out.append(lw)
     left = sorted(set(tensors) - used)
     if left:
+        skipped = [f for f in ("layers_to_transform", "exclude_modules") if config.get(f)]
         raise ValueError(
             f"{who}: {len(left)} tensors of {directory} fit no layer of the base (e.g. "
             f"{left[0]}): PEFT files from another model (more layers, or modules not in "
             "`modules`)? Give every adapted module in `modules`, and a base of as many layers."
+            + (f" (Or tensors of layers that the config's {' and '.join(skipped)} leave "
+               "without an adapter, which PEFT would not load either.)" if skipped else "")
         )
     return jax.tree.unflatten(jax.tree.structure(base, is_leaf=is_quantized), out)

@@ -7,6 +7,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _misuse import assert_refused, case
 
@@ -259,10 +260,10 @@ def _save_batch(tmp_path):
     stackwise.lora.save_peft(tmp_path / "a", batch, MODULES)
 
 
-def _save_two_ranks(tmp_path):
+def _save_two_scalings(tmp_path):
     base = {"u": BASE["w"], "v": BASE["w"]}
     one = stackwise.lora.init(KEY, base, rank=2, targets=["['u']"])
-    two = stackwise.lora.init(KEY, base, rank=1, targets=["['v']"])
+    two = stackwise.lora.init(KEY, base, rank=2, targets=["['v']"], rslora=True)
     stackwise.lora.save_peft(tmp_path / "a", {"u": one["u"], "v": two["v"]},
                              {"['u']": "q_proj", "['v']": "v_proj"})
 
@@ -285,6 +286,19 @@ def _load_onto_another_width(tmp_path):
 def _load_with(config):
     def call(tmp_path):
         stackwise.lora.load_peft(_saved(tmp_path, **config), BASE, MODULES)
+    return call
+
+
+def _load_with_tensor(config, name):
+    """A config edited as `_load_with`, and one more tensor in the file."""
+    def call(tmp_path):
+        from safetensors import numpy as safetensors_numpy
+
+        folder = _saved(tmp_path, **config)
+        path = folder / "adapter_model.safetensors"
+        tensors = safetensors_numpy.load_file(path)
+        safetensors_numpy.save_file({**tensors, name: np.zeros((6,), np.float32)}, path)
+        stackwise.lora.load_peft(folder, BASE, MODULES)
     return call
 
 
@@ -333,7 +347,8 @@ PEFT = [
          lambda t: stackwise.lora.save_peft(t / "a", _adapters(), {"['c']": "q_proj"}),
          ValueError, "one module name per adapted leaf"),
     case("save: a batch", _save_batch, ValueError, "batch of 2 adapters", "v[j]"),
-    case("save: two ranks", _save_two_ranks, ValueError, "several (rank, alpha) pairs"),
+    case("save: rsLoRA and plain LoRA", _save_two_scalings, ValueError,
+         "alpha / sqrt(r) (rsLoRA)", "one `use_rslora`", "rslora="),
     case("save: over an adapter", _save_twice, FileExistsError, "overwrite=True"),
     case("save: layers without {i}", _save_as(MODULES, layers="model.layers"), ValueError,
          "`layers` is 'model.layers'", "one `{i}`", "a file would keep the last layer only"),
@@ -376,12 +391,16 @@ PEFT = [
     case("load: lora_alpha infinite", _load_with({"lora_alpha": float("inf")}), ValueError,
          "lora_alpha=inf"),
     case("load: r a string", _load_with({"r": "2"}), ValueError, "r='2'", "an int of at least 1"),
-    case("load: bias all", _load_with({"bias": "all"}), ValueError, "bias='all'",
-         "stackwise does not support"),
+    case("load: bias all, with trained biases", _load_with_tensor(
+        {"bias": "all"}, "base_model.model.model.layers.0.self_attn.q_proj.bias"), ValueError,
+         "bias='all'", "stackwise does not support", "holds 1 trained biases",
+         "layers.0.self_attn.q_proj.bias", "loads bias='none'"),
     case("load: modules_to_save", _load_with({"modules_to_save": ["lm_head"]}), ValueError,
          "modules_to_save=['lm_head']", "stackwise does not support"),
-    case("load: layers_to_transform", _load_with({"layers_to_transform": [0, 1]}), ValueError,
-         "layers_to_transform=[0, 1]", "stackwise does not support"),
+    case("load: layers_to_transform, with the left-out layer's tensors",
+         _load_with({"layers_to_transform": [0, 1]}), ValueError,
+         "layers.2.self_attn.q_proj.lora_A.weight", "fit no layer",
+         "layers_to_transform leave without an adapter"),
     case("load: into a served base", lambda t: stackwise.lora.load_peft(
         _saved(t), stackwise.to_serving(BASE), MODULES), TypeError,
         "`base` is in the serving layout", "stackwise.from_serving(tree)"),
