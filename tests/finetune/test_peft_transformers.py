@@ -197,3 +197,125 @@ def test_a_folder_peft_saved_for_another_model_is_refused(tmp_path, other, words
     with pytest.raises(ValueError) as info:
         stackwise.lora.load_peft(tmp_path / "other", params["layers"], MODULES)
     assert words in str(info.value) and "another model" in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------
+# PEFT's LoraConfig fields, each both ways: a folder PEFT made loads with PEFT's logits, and
+# one stackwise made loads in PEFT with stackwise's. (docs/finetune.md's table names these.)
+
+#: LoraConfig settings PEFT makes adapters with; each loads in stackwise with PEFT's logits.
+PEFT_CONFIGS = {
+    "use_rslora": dict(use_rslora=True),
+    "rank_pattern, alpha_pattern": dict(rank_pattern={"v_proj": 2, "down_proj": 8},
+                                        alpha_pattern={"down_proj": 4}),
+    "rank_pattern, rsLoRA": dict(rank_pattern={r"mlp\.down_proj": 2}, use_rslora=True),
+    "layers_to_transform": dict(layers_to_transform=[0, 2]),
+    "layers_to_transform, an int": dict(layers_to_transform=1),
+    "layers_to_transform, layers_pattern": dict(layers_to_transform=[1, 2],
+                                                layers_pattern="layers"),
+    "exclude_modules": dict(exclude_modules=["model.layers.1.self_attn.q_proj"]),
+    "lora_dropout": dict(lora_dropout=0.25),
+    "bias all (a Llama has none)": dict(bias="all"),
+    "bias lora_only (a Llama has none)": dict(bias="lora_only"),
+    "init gaussian": dict(init_lora_weights="gaussian"),
+}
+
+
+def _peft_made(model, tmp_path, **extra):
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             **{"init_lora_weights": False, **extra})
+    peft_model = peft.get_peft_model(model, config).eval()
+    if extra.get("init_lora_weights") == "gaussian":  # B starts at zero: as if trained
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.1 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    return peft_model
+
+
+@pytest.mark.parametrize("extra", list(PEFT_CONFIGS.values()), ids=list(PEFT_CONFIGS))
+def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    peft_model = _peft_made(model, tmp_path, **extra)
+    adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
+    theirs = _peft_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
+    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
+        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
+    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+    # Each module's rank, scale and layers as PEFT built them.
+    for path, module in MODULES.items():
+        leaf = adapters[path[2:-2]]
+        for i in range(N):
+            torch_module = peft_model.base_model.model.model.layers[i]
+            for part in module.split("."):
+                torch_module = getattr(torch_module, part)
+            if "default" not in getattr(torch_module, "lora_A", {}):  # PEFT left it out
+                assert not np.asarray(leaf.a[i]).any() and not np.asarray(leaf.b[i]).any()
+                continue
+            assert leaf.rank == torch_module.r["default"]
+            assert leaf.scale == torch_module.scaling["default"]
+            np.testing.assert_array_equal(
+                np.asarray(leaf.a[i]), torch_module.lora_A["default"].weight.detach().numpy().T)
+
+
+def _ours(params, ranks=None, alphas=None, rslora=False, zero_layers=()):
+    """Adapters on MODULES with a rank and alpha per leaf, as if trained; the layers in
+    `zero_layers` all zero (what a layer without an adapter loads as)."""
+    ranks = ranks or {}
+    alphas = alphas or {}
+    adapters = {}
+    for j, path in enumerate(MODULES):
+        leaf = path[2:-2]
+        adapters[leaf] = stackwise.lora.init(
+            jax.random.key(j), params["layers"], rank=ranks.get(leaf, 4),
+            alpha=alphas.get(leaf, 8.0), rslora=rslora, targets=[path])[leaf]
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    adapters = jax.tree.map(lambda v: v + 0.2 * jax.random.normal(next(keys), v.shape),
+                            adapters)
+    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
+    adapters = jax.tree.map(lambda v: jnp.where(keep, v, 0.0), adapters)
+    return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
+
+
+#: Adapters stackwise makes, and the config fields save_peft writes for them.
+OURS = {
+    "rsLoRA": (dict(rslora=True), dict(use_rslora=True, r=4, lora_alpha=8.0)),
+    "a rank and alpha per module": (
+        dict(ranks={"v": 2, "down": 2}, alphas={"v": 3.0}),
+        dict(r=2, lora_alpha=8.0, rank_pattern={r"self_attn\.q_proj": 4},
+             alpha_pattern={r"self_attn\.v_proj": 3.0})),
+    "ranks per module, rsLoRA": (
+        dict(ranks={"q": 2}, rslora=True),
+        dict(use_rslora=True, rank_pattern={r"self_attn\.q_proj": 2})),
+    "layers without adapters": (dict(zero_layers=(1,)), dict(layers_to_transform=[0, 2])),
+    "lora_dropout": (dict(), dict(lora_dropout=0.25)),
+}
+
+
+@pytest.mark.parametrize("kw, fields", list(OURS.values()), ids=list(OURS))
+def test_a_config_stackwise_saved_gives_peft_the_stacked_model_s_logits(tmp_path, kw, fields):
+    import json
+
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    adapters = _ours(params, **kw)
+    dropout = fields.get("lora_dropout", 0.0)
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES, lora_dropout=dropout)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert {k: config[k] for k in fields} == fields
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
+                               _peft_logits(peft_model, TOKENS), **TOL)
+    if "layers_to_transform" in fields:  # PEFT put no adapter on layer 1
+        assert not hasattr(peft_model.base_model.model.model.layers[1].self_attn.q_proj,
+                           "lora_A")
+    lora_dropout = peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout
+    assert getattr(lora_dropout["default"], "p", 0.0) == dropout
+    # And back, bitwise.
+    back = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"], MODULES)
+    assert jax.tree.structure(back) == jax.tree.structure(adapters)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
