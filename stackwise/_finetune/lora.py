@@ -2,9 +2,10 @@
 
 An adapter on a stacked weight ``W`` of shape ``(n, in, out)`` is a :class:`LoraWeights`
 pair ``a (n, in, r)``, ``b (n, r, out)``: layer i uses ``W[i] + scale * a[i] @ b[i]`` with
-``scale = alpha / r`` (rsLoRA's ``alpha / sqrt(r)`` with ``rslora=True``). The adapters are a tree shaped like the base's params, with
-:class:`LoraWeights` at the target leaves and None elsewhere; :func:`attach` pairs them with
-the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
+``scale = alpha / r`` (``alpha / sqrt(r)`` with ``rslora=True``). The adapters are a tree
+shaped like the base's params, with :class:`LoraWeights` at the target leaves and None
+elsewhere; :func:`attach` pairs them with the base (which is never copied) for
+:func:`stackwise.lora.wrap` to run.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class LoraWeights:
 
     >>> import jax.numpy as jnp, stackwise
     >>> a, b = jnp.ones((2, 8, 4)), jnp.zeros((2, 4, 8))
-    >>> stackwise.lora.LoraWeights(a, b, 8.0).scale, stackwise.lora.LoraWeights(a, b, 8.0, True).scale
+    >>> LoraWeights = stackwise.lora.LoraWeights
+    >>> LoraWeights(a, b, 8.0).scale, LoraWeights(a, b, 8.0, rslora=True).scale
     (2.0, 4.0)
     """
 

@@ -372,7 +372,13 @@ def save_peft(
     """Writes stacked adapters as a PEFT LoRA adapter folder, all or nothing.
 
     The files are written in a staging folder next to ``directory`` and renamed into place
-    once both are whole.
+    once both are whole. The config says what PEFT needs to apply them as stackwise does:
+    ``use_rslora`` from the adapters' ``rslora``; the most common rank and alpha as ``r`` and
+    ``lora_alpha``, and each other module's in ``rank_pattern`` and ``alpha_pattern`` (keyed
+    by the module's name, or by each layer's module where pattern positions share a module
+    name with different ranks); and, where every adapter of some layers is zero (``a`` and
+    ``b``: what :func:`load_peft` gives a layer PEFT left without one), those layers left out
+    of the file and the rest in ``layers_to_transform``.
 
     >>> import jax, jax.numpy as jnp, stackwise, tempfile, os
     >>> base = {"q": jnp.ones((2, 8, 8))}
@@ -399,6 +405,9 @@ def save_peft(
         position p holding layers p, p+k, ...: ``stackwise.lora.init`` of ``Stacked.init``'s
         params): row j of position p is written as layer ``p + j*k``, the model's layer
         index, so positions may share module names (``self_attn.q_proj`` in every layer).
+      lora_dropout: PEFT's dropout on the adapters' input while PEFT trains, written to the
+        config for PEFT; stackwise's training applies none (each layer is given its adapted
+        weight, not the adapters' input).
       overwrite: replace an adapter folder already at ``directory``.
 
     Returns:
@@ -413,9 +422,9 @@ def save_peft(
         two leaves on one module (of one pattern position), a module named as a weight
         (``...q_proj.weight``), ``layers`` without one ``{i}`` (or ``{}``), a batch of
         adapters, adapted leaves of one stack (or position) with different numbers of
-        layers, pattern positions whose depths no model has, or adapters of several ranks
-        or alphas (PEFT's config has one). Every name is checked before anything is
-        written.
+        layers, pattern positions whose depths no model has, rsLoRA adapters beside plain
+        ones (PEFT's config holds one ``use_rslora``), or ``lora_dropout`` not a number in
+        [0, 1]. Every name is checked before anything is written.
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
     """
     who = "stackwise.lora.save_peft"
@@ -426,6 +435,7 @@ def save_peft(
     layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
     base_model_name_or_path = _check_base_model(base_model_name_or_path, who)
+    lora_dropout = _check_dropout(lora_dropout, who)
     tensors = {}
     found = {path: lw for path, lw in leaf_paths(adapters, is_leaf=is_lora) if is_lora(lw)}
     if set(found) != set(modules):
@@ -453,7 +463,7 @@ def save_peft(
              for path in found}
     arrays = {path: (np.asarray(lw.a), np.asarray(lw.b)) for path, lw in found.items()}
     skip = _layers_left_out(found, numbers, names, arrays)
-    for path, lw in found.items():
+    for path in found:
         a, b = arrays[path]
         for i, (layer, name) in enumerate(zip(numbers[path], names[path])):
             if layer in skip:
@@ -464,7 +474,7 @@ def save_peft(
     r, alpha, rank_pattern, alpha_pattern = _patterns(found, names, modules)
     kept = sorted({i for rows in numbers.values() for i in rows} - skip) if skip else None
     config = _config(r, alpha, modules, base_model_name_or_path, rslora=rslora[0],
-                     dropout=_check_dropout(lora_dropout, who), rank_pattern=rank_pattern,
+                     dropout=lora_dropout, rank_pattern=rank_pattern,
                      alpha_pattern=alpha_pattern, layers_to_transform=kept)
     _write(os.fspath(directory), tensors, config, overwrite, who)
     return sorted([CONFIG, WEIGHTS])
@@ -654,7 +664,7 @@ def _leaf_rank(config: dict, keys: list[str], on: list[bool], path: str, cfg_pat
             f"it gives the layers of {path} several (rank, alpha) pairs ("
             + ", ".join(f"{key}: {v}" for key, v in list(got.items())[:4])
             + ", ...), and a stacked leaf holds one rank and alpha for all its layers; "
-            f"stackwise loads patterns that give every layer of a module one rank and alpha "
+            "stackwise loads patterns that give every layer of a module one rank and alpha "
             "(a key that names the module, e.g. 'q_proj', not one layer's)")
     rank, alpha = pairs[0]
     return int(rank), float(alpha)
@@ -710,6 +720,31 @@ def load_peft(
 ) -> Any:
     """A PEFT LoRA adapter folder as stacked adapters for ``base`` (see :func:`save_peft`).
 
+    The config is read as PEFT applies it (``docs/finetune.md`` has every field): the
+    rank and alpha of each module from ``rank_pattern`` and ``alpha_pattern`` (PEFT's
+    keys, matched as PEFT matches them; one rank and alpha per stacked leaf), rsLoRA's
+    scale with ``use_rslora``, and zeros for the layers ``layers_to_transform`` (read with
+    ``layers_pattern``) or ``exclude_modules`` leave without an adapter: zeros change
+    nothing and take no gradient, as a layer without one. A field stackwise cannot apply
+    exactly is refused by name.
+
+    >>> import json, os, tempfile, numpy as np, jax.numpy as jnp, stackwise
+    >>> from safetensors.numpy import save_file
+    >>> folder = tempfile.mkdtemp()   # PEFT's files: layer 0 adapted, rsLoRA
+    >>> name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    >>> save_file({name.format("A"): np.ones((2, 8), np.float32),
+    ...            name.format("B"): np.ones((8, 2), np.float32)},
+    ...           os.path.join(folder, "adapter_model.safetensors"))
+    >>> config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "use_rslora": True,
+    ...           "layers_to_transform": [0], "target_modules": ["q_proj"]}
+    >>> with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+    ...     json.dump(config, f)
+    >>> base = {"q": jnp.ones((2, 8, 8))}
+    >>> adapters = stackwise.lora.load_peft(folder, base, {"['q']": "self_attn.q_proj"})
+    >>> adapters["q"].scale == 4 / 2**0.5, float(adapters["q"].b[0].sum()), float(
+    ...     adapters["q"].b[1].sum())    # layer 1: no adapter, zeros
+    (True, 16.0, 0.0)
+
     Args:
       directory: the adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
       base: the stacked base the adapters go on (float or quantized leaves).
@@ -725,9 +760,12 @@ def load_peft(
 
     Raises:
       FileNotFoundError: a file is missing.
-      ValueError: a config stackwise does not load (DoRA, rsLoRA, per-module ranks, another
-        PEFT type, ``bias``, ``modules_to_save``, ``layers_to_transform``, an ``r`` or
-        ``lora_alpha`` out of range), weights from another model (a layer or module
+      ValueError: a config stackwise does not load (another PEFT type, DoRA,
+        ``modules_to_save``, a ``bias`` other than 'none' with biases in the file, an
+        ``init_lora_weights`` that changed the base, any other field set that stackwise does
+        not apply, a pattern giving one stacked leaf's layers several ranks or alphas, an
+        ``r``, ``lora_alpha`` or other field out of PEFT's range), weights from another model
+        (a layer or module
         missing, shapes that do not fit the base's leaves, or tensors left over: more
         layers, other modules), ``modules`` or ``layers`` as for saving, or an integer
         ``dtype``.

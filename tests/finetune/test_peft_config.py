@@ -246,7 +246,8 @@ def test_a_layers_template_peft_reads_no_index_from_writes_the_zeros(tmp_path):
     base = _base()
     adapters = trained(stackwise.lora.init(jax.random.key(1), base, rank=2))
     adapters = jax.tree.map(lambda v: v.at[1].set(0.0), adapters)
-    stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES, layers="base_model.model.layers.{i}")
+    stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES,
+                             layers="base_model.model.layers.{i}")
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["layers_to_transform"] is None
     tensors = safetensors_numpy.load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
@@ -291,3 +292,21 @@ def test_settings_that_change_no_output_here_load(tmp_path, fields):
     adapters = stackwise.lora.load_peft(tmp_path / "a", base, MODULES)
     np.testing.assert_allclose(_stacked(base, adapters, X),
                                _loop(base, tensors, {k: 2.0 for k in _every(4)}, X), **TOL)
+
+
+def test_a_module_name_that_ends_another_s_gets_per_layer_keys(tmp_path):
+    """PEFT's key `q_proj` would match `attn.q_proj` too: its rank is written per layer, by the
+    module's whole name, and each module reads back its own (a wrong rank would not fit the
+    tensors' shapes)."""
+    base = {"q": _base()["q"], "attn_q": _base()["q"], "down": _base()["down"]}
+    ranks = {"q": 4, "attn_q": 2, "down": 2}
+    adapters = trained({k: stackwise.lora.init(jax.random.key(j), base, rank=ranks[k],
+                                               targets=[f"['{k}']"])[k]
+                        for j, k in enumerate(base)})
+    modules = {"['q']": "q_proj", "['attn_q']": "attn.q_proj", "['down']": "mlp.down_proj"}
+    stackwise.lora.save_peft(tmp_path / "a", adapters, modules)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["r"] == 2
+    assert config["rank_pattern"] == {rf"model\.layers\.{i}\.q_proj": 4 for i in range(N)}
+    back = stackwise.lora.load_peft(tmp_path / "a", base, modules)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)

@@ -127,6 +127,8 @@ LORA = [
     case("alpha a string", lambda: _adapters(alpha="8"), TypeError, "`alpha` must be a number"),
     case("alpha infinite", lambda: _adapters(alpha=float("inf")), ValueError,
          "`alpha` must be positive and finite", "got inf", "alpha / rank"),
+    case("rslora a string", lambda: _adapters(rslora="yes"), TypeError,
+         "`rslora` must be True or False", "str 'yes'"),
     case("adapters of an int dtype", lambda: _adapters(dtype=jnp.int32), ValueError,
          "`dtype` is int32", "give a float dtype"),
     case("an int leaf as a target", lambda: stackwise.lora.init(KEY, INTS, rank=2,
@@ -439,6 +441,71 @@ PEFT = [
          lambda t: stackwise.lora.load_peft(_saved(t), BASE, MODULES, layout=None), ValueError,
          "`layout` is None", "Equinox"),
 ]
+
+
+# PEFT's LoraConfig fields stackwise does not apply: each refused by name, with its value and
+# what stackwise loads (docs/finetune.md's table).
+REFUSED_FIELDS = {
+    "use_dora": True, "modules_to_save": ["lm_head"], "fan_in_fan_out": True,
+    "lora_bias": True, "trainable_token_indices": [0, 1], "layer_replication": [[0, 2]],
+    "target_parameters": ["experts.down_proj"], "alora_invocation_tokens": [5],
+    "use_qalora": True, "megatron_config": {"tp": 2}, "velora_config": {"rank": 2},
+    "monteclora_config": {"num_samples": 2}, "use_bdlora": {"nblocks": 2},
+    "arrow_config": {"top_k": 2}, "kasa_config": {"beta": 1.0},
+}
+PEFT_FIELDS = [
+    case(f"load: {field}", _load_with({field: value}), ValueError, f"{field}={value!r}",
+         "stackwise does not support", "stackwise loads plain LoRA", f"{field} unset")
+    for field, value in REFUSED_FIELDS.items()
+] + [
+    case("load: a field stackwise does not know", _load_with({"lora_magic": 3}), ValueError,
+         "lora_magic=3", "a field stackwise does not know", "stackwise loads plain LoRA"),
+    case("load: use_rslora a string", _load_with({"use_rslora": "yes"}), ValueError,
+         "use_rslora='yes'", "true or false"),
+    case("load: a rank_pattern rank of 0", _load_with({"rank_pattern": {"q_proj": 0}}),
+         ValueError, "rank_pattern={'q_proj': 0}", "an int rank of at least 1"),
+    case("load: a rank_pattern that is a list", _load_with({"rank_pattern": [["q_proj", 2]]}),
+         ValueError, "rank_pattern=[['q_proj', 2]]", "maps module-name patterns"),
+    case("load: an alpha_pattern alpha of inf",
+         _load_with({"alpha_pattern": {"q_proj": float("inf")}}), ValueError,
+         "alpha_pattern={'q_proj': inf}", "a finite positive alpha"),
+    case("load: a rank_pattern key that is no regex", _load_with({"rank_pattern": {"q(": 2}}),
+         ValueError, "rank_pattern={'q(': 2}", "its key 'q(' is not a regular expression"),
+    case("load: rank_pattern per layer", _load_with(
+        {"rank_pattern": {r"model\.layers\.1\.self_attn\.q_proj": 1}}), ValueError,
+        "rank_pattern=", "several (rank, alpha) pairs", "one rank and alpha for all its layers",
+        "e.g. 'q_proj', not one layer's"),
+    case("load: alpha_pattern per layer", _load_with(
+        {"alpha_pattern": {"layers.0.self_attn.q_proj": 1}}), ValueError,
+        "alpha_pattern={'layers.0.self_attn.q_proj': 1}", "several (rank, alpha) pairs",
+        "model.layers.0.self_attn.q_proj: (2, 1)"),
+    case("load: layers_to_transform a string", _load_with({"layers_to_transform": "0"}),
+         ValueError, "layers_to_transform='0'", "a layer index or a list of them"),
+    case("load: layers_pattern a number", _load_with(
+        {"layers_to_transform": [0], "layers_pattern": 3}), ValueError, "layers_pattern=3",
+        "a str or a list of str"),
+    case("load: exclude_modules a dict", _load_with({"exclude_modules": {"q_proj": 1}}),
+         ValueError, "exclude_modules={'q_proj': 1}", "a str or a list of str"),
+    case("load: layers_pattern alone", _load_with({"layers_pattern": "layers"}), ValueError,
+         "layers_pattern='layers'", "only with layers_to_transform"),
+    case("load: lora_dropout above 1", _load_with({"lora_dropout": 2}), ValueError,
+         "lora_dropout=2", "a probability in [0, 1]"),
+    case("load: bias of another kind", _load_with({"bias": "some"}), ValueError,
+         "bias='some'", "'none', 'all' or 'lora_only'"),
+    case("load: a PiSSA adapter", _load_with({"init_lora_weights": "pissa"}), ValueError,
+         "init_lora_weights='pissa'", "changed the base weights",
+         "path_initial_model_for_weight_conversion", "'gaussian'"),
+    case("save: lora_dropout above 1", _save_as(MODULES, lora_dropout=1.5), ValueError,
+         "`lora_dropout` is 1.5", "a number in [0, 1]", "stackwise's training applies none"),
+    case("save: lora_dropout a string", _save_as(MODULES, lora_dropout="0.1"), ValueError,
+         "`lora_dropout` is '0.1'"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", PEFT_FIELDS)
+def test_refused_peft_fields(call, error, words, tmp_path):
+    assert_refused(lambda: call(tmp_path), error, words)
 
 
 @pytest.mark.every_case
