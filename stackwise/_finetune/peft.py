@@ -8,6 +8,10 @@ A stacked adapter ``a (n, in, r)``, ``b (n, r, out)`` is layer i's ``lora_A = a[
 ``lora_B = b[i].T``: the transposes are exact, so a round trip is bitwise. With weights
 stored ``(out, in)`` (``layout="out_in"``: Equinox's ``Linear``) the adapter is ``a (n, out,
 r)``, ``b (n, r, in)``, and layer i's ``lora_A = b[i]``, ``lora_B = a[i]``.
+
+The config is read and written as PEFT applies it (rsLoRA, per-module ranks and alphas,
+layers without adapters, full copies of ``modules_to_save``); a field stackwise cannot apply
+exactly is refused by name (``docs/finetune.md`` has the table).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core import convert
+from stackwise._core.options import check_bool
 from stackwise._core.served import stacked_only
 from stackwise._finetune.lora import (
     LoraWeights,
@@ -216,7 +221,7 @@ def _check_base_model(value: Any, who: str) -> str | None:
 
 def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | None, *,
             rslora: bool, dropout: float, rank_pattern: dict, alpha_pattern: dict,
-            layers_to_transform: list[int] | None) -> dict:
+            layers_to_transform: list[int] | None, modules_to_save: list[str] | None) -> dict:
     """PEFT's ``LoraConfig`` fields, as ``LoraConfig.save_pretrained`` writes them."""
     return {
         "peft_type": "LORA",
@@ -232,7 +237,7 @@ def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | Non
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": modules_to_save,
         "layers_to_transform": layers_to_transform,
         "layers_pattern": None,
         "rank_pattern": rank_pattern,
@@ -282,6 +287,48 @@ def _check_dropout(p: Any, who: str) -> float:
             "applies none; the value is written for PEFT)."
         )
     return float(p)
+
+
+def _check_saved(saved: Any, names: dict, who: str) -> dict[str, np.ndarray]:
+    """``modules_to_save``'s tensors checked: float arrays under tensor names of modules
+    that hold no adapter."""
+    if saved is None:
+        return {}
+    if not isinstance(saved, Mapping) or not all(isinstance(k, str) for k in saved):
+        raise TypeError(
+            f"{who}: `modules_to_save` maps each saved tensor's name in the model to its "
+            "array, e.g. `{'lm_head.weight': head}` (torch's layout); got "
+            f"{type(saved).__name__} {saved!r:.80}."
+        )
+    out = {}
+    adapted = [peft_rules.strip_prefix(n) for rows in names.values() for n in rows]
+    for name, v in saved.items():
+        parts = name.split(".")
+        if len(parts) < 2 or not all(p.isidentifier() or p.isdigit() for p in parts):
+            raise ValueError(
+                f"{who}: `modules_to_save` names {name!r}, not a tensor's name in the model; "
+                "give the module's tensor, e.g. 'lm_head.weight' or "
+                "'model.embed_tokens.weight'."
+            )
+        module = ".".join(parts[:-1])
+        clash = [k for k in adapted if peft_rules.adapted({"modules_to_save": [module]}, k)
+                 is False or peft_rules.saved_module([module], k)]
+        if clash:
+            raise ValueError(
+                f"{who}: `modules_to_save` names {name!r}, of module {module!r}, which "
+                f"holds an adapter ({clash[0]}); PEFT adapts no module it saves whole, so it "
+                "would load neither as given. Save a module without adapters."
+            )
+        array = np.asarray(v) if hasattr(v, "dtype") and not is_quantized(v) else None
+        if array is None or not jnp.issubdtype(array.dtype, jnp.floating):
+            got = ("quantized" if is_quantized(v) else type(v).__name__) if array is None \
+                else f"of dtype {array.dtype}"
+            raise TypeError(
+                f"{who}: `modules_to_save`[{name!r}] is {got}; give the module's float "
+                "tensor (dequantized), in torch's layout."
+            )
+        out[name] = np.ascontiguousarray(array)
+    return out
 
 
 def _layers_left_out(found: dict, numbers: dict, names: dict, arrays: dict) -> set[int]:
@@ -367,6 +414,7 @@ def save_peft(
     layout: str = "in_out",
     pattern: int | None = None,
     lora_dropout: float = 0.0,
+    modules_to_save: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> list[str]:
     """Writes stacked adapters as a PEFT LoRA adapter folder, all or nothing.
@@ -408,6 +456,11 @@ def save_peft(
       lora_dropout: PEFT's dropout on the adapters' input while PEFT trains, written to the
         config for PEFT; stackwise's training applies none (each layer is given its adapted
         weight, not the adapters' input).
+      modules_to_save: full trained copies of whole modules to write beside the adapters
+        (PEFT's ``modules_to_save``: embeddings, heads, norms), each tensor's name in the
+        transformers model (``"lm_head.weight"``, ``"model.embed_tokens.weight"``) -> its
+        array in torch's layout (a head ``(vocab, width)``), as ``load_peft(...,
+        modules_to_save=True)`` returns them. The config names their modules.
       overwrite: replace an adapter folder already at ``directory``.
 
     Returns:
@@ -417,14 +470,17 @@ def save_peft(
       TypeError: ``modules`` is not a mapping of paths to module names, ``layers`` not a
         str, ``base_model_name_or_path`` not a str, path or None, ``adapters`` attached,
         ``pattern`` not a positive int, a tuple of trees (a pattern's) without ``pattern``,
-        or not k trees with it.
+        or not k trees with it, or ``modules_to_save`` not a mapping of names to float
+        arrays.
       ValueError: an adapted leaf without a module, a module for a leaf without an adapter,
         two leaves on one module (of one pattern position), a module named as a weight
         (``...q_proj.weight``), ``layers`` without one ``{i}`` (or ``{}``), a batch of
         adapters, adapted leaves of one stack (or position) with different numbers of
         layers, pattern positions whose depths no model has, rsLoRA adapters beside plain
         ones (PEFT's config holds one ``use_rslora``), or ``lora_dropout`` not a number in
-        [0, 1]. Every name is checked before anything is written.
+        [0, 1], or a ``modules_to_save`` name that is not a tensor's, or names a module
+        that is adapted (PEFT adapts no module it saves whole). Every name is checked
+        before anything is written.
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
     """
     who = "stackwise.lora.save_peft"
@@ -471,11 +527,15 @@ def save_peft(
             lora_a, lora_b = (b[i], a[i]) if out_in else (a[i].T, b[i].T)
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
+    saved = _check_saved(modules_to_save, names, who)
+    for name, v in saved.items():
+        tensors[peft_rules.PREFIX + name] = v
     r, alpha, rank_pattern, alpha_pattern = _patterns(found, names, modules)
     kept = sorted({i for rows in numbers.values() for i in rows} - skip) if skip else None
     config = _config(r, alpha, modules, base_model_name_or_path, rslora=rslora[0],
                      dropout=lora_dropout, rank_pattern=rank_pattern,
-                     alpha_pattern=alpha_pattern, layers_to_transform=kept)
+                     alpha_pattern=alpha_pattern, layers_to_transform=kept,
+                     modules_to_save=sorted({n.rsplit(".", 1)[0] for n in saved}) or None)
     _write(os.fspath(directory), tensors, config, overwrite, who)
     return sorted([CONFIG, WEIGHTS])
 
@@ -489,19 +549,17 @@ INERT = {
     "corda_config", "lora_ga_config", "runtime_config",
     # The file's tensors say which modules are adapted (checked against `modules`).
     "target_modules",
-    # Ties adapters of tied modules: modules_to_save, trainable tokens or an adapted tied
-    # embedding, none of which loads here (a layer's modules are not tied).
+    # Ties the copies of tied modules (modules_to_save, trainable tokens, an adapted tied
+    # embedding) in PEFT's model; a file holds each saved tensor once, returned as it is.
     "ensure_weight_tying",
 }
 #: Fields ``load_peft`` reads, each checked in :func:`_read_config`.
 READ = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
         "layers_to_transform", "layers_pattern", "exclude_modules", "lora_dropout", "bias",
-        "init_lora_weights"}
+        "init_lora_weights", "modules_to_save"}
 #: Fields refused unless unset (None, False, empty): what each one is in PEFT.
 REFUSED = {
     "use_dora": "DoRA: a trained magnitude per output channel beside the low-rank update",
-    "modules_to_save": "full trainable copies of whole modules (embeddings, heads, norms) "
-                       "saved beside the adapters",
     "fan_in_fan_out": "base weights stored (in, out), as GPT-2's Conv1D",
     "lora_bias": "a trained bias on lora_B",
     "trainable_token_indices": "trained rows of the embedding",
@@ -607,7 +665,10 @@ def _read_config(directory: str, who: str) -> dict:
             isinstance(layers, list) and all(_is_int(i) for i in layers))):
         raise _refuse(who, path, "layers_to_transform", layers,
                       "PEFT's layers_to_transform is a layer index or a list of them")
-    for field in ("layers_pattern", "exclude_modules"):
+    if isinstance(config.get("modules_to_save"), str):
+        raise _refuse(who, path, "modules_to_save", config["modules_to_save"],
+                      "PEFT's modules_to_save is a list of module names")
+    for field in ("layers_pattern", "exclude_modules", "modules_to_save"):
         if not _names(config.get(field)):
             raise _refuse(who, path, field, config[field],
                           f"PEFT's {field} is a str or a list of str")
@@ -634,10 +695,22 @@ def _read_config(directory: str, who: str) -> dict:
     return config
 
 
-def _check_bias(config: dict, tensors: dict, path: str, who: str) -> None:
-    """bias 'all' or 'lora_only' loads only where PEFT trained no bias (none in the file)."""
+def _saved_tensors(config: dict, tensors: dict) -> list[str]:
+    """The file's tensors of the modules PEFT's ``modules_to_save`` names (PEFT's
+    ``_set_trainable`` wraps each module whose name ends with one of them), sorted."""
+    names = config.get("modules_to_save") or []
+    return sorted(
+        name for name in tensors
+        if not name.endswith((".lora_A.weight", ".lora_B.weight"))
+        and peft_rules.saved_module(names, peft_rules.strip_prefix(name).rsplit(".", 1)[0])
+    )
+
+
+def _check_bias(config: dict, tensors: dict, saved: list[str], path: str, who: str) -> None:
+    """bias 'all' or 'lora_only' loads only where PEFT trained no bias (none in the file
+    but those of ``modules_to_save``, which are whole modules' copies)."""
     bias = config.get("bias", "none")
-    held = sorted(k for k in tensors if k.endswith(".bias"))
+    held = sorted(k for k in tensors if k.endswith(".bias") and k not in saved)
     if bias != "none" and held:
         raise _refuse(
             who, path, "bias", bias,
@@ -717,6 +790,7 @@ def load_peft(
     layout: str = "in_out",
     pattern: int | None = None,
     dtype: Any = None,
+    modules_to_save: bool = False,
 ) -> Any:
     """A PEFT LoRA adapter folder as stacked adapters for ``base`` (see :func:`save_peft`).
 
@@ -753,10 +827,17 @@ def load_peft(
       layout: ``"in_out"`` or ``"out_in"``, how ``base`` stores its weights (as for saving).
       pattern: None for one stack, or k for a pattern's base (a tuple of k stacked trees):
         row j of position p reads layer ``p + j*k`` of the file, as for saving.
-      dtype: the adapters' dtype; default the file's.
+      dtype: the adapters' dtype (and the saved modules'); default the file's.
+      modules_to_save: also return the full copies of the modules PEFT's
+        ``modules_to_save`` names (trained embeddings, heads, norms). A file that holds
+        some is refused without it, so that none is lost.
 
     Returns:
-      The adapters, shaped like ``base`` (:class:`LoraWeights` at the ``modules``' leaves).
+      The adapters, shaped like ``base`` (:class:`LoraWeights` at the ``modules``' leaves);
+      with ``modules_to_save=True``, ``(adapters, saved)``: ``saved`` maps each saved
+      tensor's name in the transformers model (``"lm_head.weight"``,
+      ``"model.layers.0.input_layernorm.weight"``: the name its checkpoint gives it) to its
+      array, in torch's layout as the file holds it; empty if the file holds none.
 
     Raises:
       FileNotFoundError: a file is missing.
@@ -781,11 +862,22 @@ def load_peft(
     layers = _check_layers(layers, who)
     out_in = _check_layout(layout, who)
     dtype = float_dtype(dtype, who)
+    modules_to_save = check_bool(modules_to_save, "modules_to_save", who)
     directory = os.fspath(directory)
     config = _read_config(directory, who)
     cfg_path = os.path.join(directory, CONFIG)
     tensors = _safetensors(who).load_file(os.path.join(directory, WEIGHTS))
-    _check_bias(config, tensors, cfg_path, who)
+    saved_names = _saved_tensors(config, tensors)
+    _check_bias(config, tensors, saved_names, cfg_path, who)
+    if saved_names and not modules_to_save:
+        raise ValueError(
+            f"{who}: {cfg_path} has modules_to_save={config['modules_to_save']!r}: the file "
+            f"holds full trained copies of those modules ({len(saved_names)} tensors, e.g. "
+            f"{peft_rules.strip_prefix(saved_names[0])}) beside the adapters, which the "
+            "adapters alone would lose. Pass `modules_to_save=True` to get them too: "
+            "`adapters, saved = stackwise.lora.load_peft(..., modules_to_save=True)`, `saved` "
+            "mapping each tensor's name in the model to its array (torch's layout)."
+        )
     leaves = leaf_paths(base, is_leaf=is_quantized)
     chosen = select(leaves, list(modules), who, lambda p, leaf: False, arg="modules")
     numbers = _layer_numbers({path: leaf.shape[0] for (path, leaf), take in zip(leaves, chosen)
@@ -800,6 +892,7 @@ def load_peft(
         if dtype is not None:
             lw = LoraWeights(lw.a.astype(dtype), lw.b.astype(dtype), lw.alpha, lw.rslora)
         out.append(lw)
+    used.update(saved_names)
     left = sorted(set(tensors) - used)
     if left:
         skipped = [f for f in ("layers_to_transform", "exclude_modules") if config.get(f)]
@@ -810,4 +903,11 @@ def load_peft(
             + (f" (Or tensors of layers that the config's {' and '.join(skipped)} leave "
                "without an adapter, which PEFT would not load either.)" if skipped else "")
         )
-    return jax.tree.unflatten(jax.tree.structure(base, is_leaf=is_quantized), out)
+    adapters = jax.tree.unflatten(jax.tree.structure(base, is_leaf=is_quantized), out)
+    if not modules_to_save:
+        return adapters
+    saved = {}
+    for name in saved_names:
+        v = jnp.asarray(tensors[name])
+        saved[peft_rules.strip_prefix(name)] = v if dtype is None else v.astype(dtype)
+    return adapters, saved

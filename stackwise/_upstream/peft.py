@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["adapted", "pattern_value", "strip_prefix"]
+__all__ = ["adapted", "pattern_value", "saved_module", "strip_prefix"]
 
 #: The prefix PEFT gives a wrapped model's tensors in its files (``PeftModel`` ->
 #: ``LoraModel`` -> the model): ``base_model.model.`` + the key.
@@ -58,9 +58,17 @@ def _layer_index(key: str, layers_pattern: Any) -> int | None:
     return int(match.group("idx")) if match else None
 
 
+def saved_module(modules_to_save: Sequence[str], key: str) -> bool:
+    """Whether PEFT saves the module ``key`` whole: peft.utils.other._set_trainable (0.21.2)
+    wraps each module whose name ends with one of ``modules_to_save`` (a plain
+    ``str.endswith``)."""
+    return any(key.endswith(m) for m in modules_to_save)
+
+
 def adapted(config: Mapping[str, Any], key: str) -> bool:
     """Whether PEFT gives the module ``key``, one of the config's target modules, an adapter:
-    not excluded (``exclude_modules``) and in ``layers_to_transform`` (read with
+    not excluded (``exclude_modules``), not saved whole (``modules_to_save``), and in
+    ``layers_to_transform`` (read with
     ``layers_pattern``), as peft.tuners.tuners_utils.check_target_module_exists (0.21.2)
     decides. ``target_modules`` itself is not matched here: the file's tensors say which
     modules were targeted."""
@@ -71,6 +79,9 @@ def adapted(config: Mapping[str, Any], key: str) -> bool:
                 return False
         elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
             return False
+    saved = config.get("modules_to_save")
+    if saved and any(re.match(rf"(^|.*\.){m}($|\..*)", key) for m in saved):
+        return False  # PEFT never adapts a module it saves whole
     targets = config.get("target_modules")
     if isinstance(targets, str) or (targets is not None and key in targets):
         return True  # PEFT reads no layer index for these

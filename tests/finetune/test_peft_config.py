@@ -310,3 +310,43 @@ def test_a_module_name_that_ends_another_s_gets_per_layer_keys(tmp_path):
     assert config["rank_pattern"] == {rf"model\.layers\.{i}\.q_proj": 4 for i in range(N)}
     back = stackwise.lora.load_peft(tmp_path / "a", base, modules)
     jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+# --------------------------------------------------------------------------
+# modules_to_save
+
+
+def test_modules_to_save_round_trip_by_their_names_in_the_model(tmp_path):
+    """Full copies of whole modules travel beside the adapters under PEFT's prefix and their
+    names in the model; the config names their modules; they read back bitwise, and a file's
+    copies are never dropped without a word."""
+    base = _base()
+    adapters = trained(stackwise.lora.init(jax.random.key(1), base, rank=2))
+    saved = {"lm_head.weight": jax.random.normal(jax.random.key(2), (16, D)),
+             "model.layers.1.input_layernorm.weight": jnp.ones((D,)) * 1.5,
+             "score.bias": jnp.arange(4.0)}
+    stackwise.lora.save_peft(tmp_path / "a", adapters, MODULES, modules_to_save=saved)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["lm_head", "model.layers.1.input_layernorm", "score"]
+    tensors = safetensors_numpy.load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    for name, v in saved.items():
+        np.testing.assert_array_equal(tensors[f"base_model.model.{name}"], v)
+    back, back_saved = stackwise.lora.load_peft(tmp_path / "a", base, MODULES,
+                                                modules_to_save=True)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+    assert back_saved.keys() == saved.keys()
+    for name, v in saved.items():
+        np.testing.assert_array_equal(back_saved[name], v)
+    # bias='all' with a saved module's bias: a whole module's copy, not a trained LoRA bias.
+    path = tmp_path / "a" / "adapter_config.json"
+    path.write_text(json.dumps({**config, "bias": "all"}))
+    stackwise.lora.load_peft(tmp_path / "a", base, MODULES, modules_to_save=True)
+    # Without modules_to_save=True the copies would be lost: refused.
+    with pytest.raises(ValueError, match="holds full trained copies"):
+        stackwise.lora.load_peft(tmp_path / "a", base, MODULES)
+    # A file that names modules_to_save but holds no copy (PEFT then keeps the base's
+    # module as it is): the adapters load, and nothing is saved.
+    stackwise.lora.save_peft(tmp_path / "b", adapters, MODULES)
+    path = tmp_path / "b" / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "modules_to_save": ["lm_head"]}))
+    assert stackwise.lora.load_peft(tmp_path / "b", base, MODULES, modules_to_save=True)[1] == {}

@@ -319,3 +319,71 @@ def test_a_config_stackwise_saved_gives_peft_the_stacked_model_s_logits(tmp_path
     back = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"], MODULES)
     assert jax.tree.structure(back) == jax.tree.structure(adapters)
     jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+SAVED = ["lm_head", "embed_tokens", "input_layernorm"]
+
+
+def _with_saved(params, saved):
+    """The params with the saved modules' copies in place (their names in the model)."""
+    params = jax.tree.map(lambda v: v, params)
+    params["head"] = saved["lm_head.weight"]
+    params["embed"] = saved["model.embed_tokens.weight"]
+    params["layers"]["attn_norm"] = jnp.stack(
+        [saved[f"model.layers.{i}.input_layernorm.weight"] for i in range(N)])
+    return params
+
+
+def test_peft_s_modules_to_save_load_with_peft_s_logits(tmp_path):
+    """modules_to_save: PEFT trains full copies of the head, the embedding and every layer's
+    first norm beside the adapters; `load_peft(..., modules_to_save=True)` gives them by their
+    names in the model, and in place they give PEFT's logits."""
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False, modules_to_save=SAVED)
+    peft_model = peft.get_peft_model(model, config).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():  # as if trained: the copies off the base's values
+        for name, p in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    with pytest.raises(ValueError, match="Pass `modules_to_save=True`"):
+        stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
+    adapters, saved = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES,
+                                               modules_to_save=True)
+    assert sorted(saved) == sorted(["lm_head.weight", "model.embed_tokens.weight"] + [
+        f"model.layers.{i}.input_layernorm.weight" for i in range(N)])
+    theirs = _peft_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(_logits(model, _with_saved(params, saved), adapters, TOKENS),
+                               theirs, **TOL)
+    # The copies matter (can fail): with the base's own modules, other logits.
+    assert np.abs(_logits(model, params, adapters, TOKENS) - theirs).max() > 100 * TOL["atol"]
+
+
+def test_modules_to_save_stackwise_saved_give_peft_the_stacked_model_s_logits(tmp_path):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    adapters = _ours(params)
+    keys = iter(jax.random.split(jax.random.key(7), 8))
+    saved = {"lm_head.weight": params["head"], "model.embed_tokens.weight": params["embed"],
+             **{f"model.layers.{i}.input_layernorm.weight": params["layers"]["attn_norm"][i]
+                for i in range(N)}}
+    saved = {k: v + 0.1 * jax.random.normal(next(keys), v.shape) for k, v in saved.items()}
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES, modules_to_save=saved)
+    import json
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == sorted(
+        ["lm_head", "model.embed_tokens"] + [f"model.layers.{i}.input_layernorm"
+                                             for i in range(N)])
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(_logits(model, _with_saved(params, saved), adapters, TOKENS),
+                               _peft_logits(peft_model, TOKENS), **TOL)
+    back, back_saved = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"],
+                                                MODULES, modules_to_save=True)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+    assert back_saved.keys() == saved.keys()
+    for k in saved:
+        np.testing.assert_array_equal(back_saved[k], saved[k])

@@ -39,6 +39,8 @@ LAYER_CONFIGS = [
     dict(exclude_modules=["model.layers.1.self_attn.q_proj", "down_proj"]),
     dict(exclude_modules=r".*layers\.(0|2)\..*"),
     dict(exclude_modules=["v_proj"], layers_to_transform=[0, 1]),
+    dict(modules_to_save=["model.layers.1.self_attn.q_proj", "lm_head"]),
+    dict(modules_to_save=["layers.2"]),
 ]
 
 
@@ -61,3 +63,28 @@ def test_the_prefix_is_the_one_peft_writes(tmp_path):
     names = list(peft.get_peft_model_state_dict(wrapped))
     assert names == [peft_rules.PREFIX + "proj.lora_A.weight",
                      peft_rules.PREFIX + "proj.lora_B.weight"]
+
+
+def test_which_modules_peft_saves_whole_is_peft_s():
+    """`modules_to_save`: PEFT wraps every module whose name ends with one of them."""
+    torch = pytest.importorskip("torch")
+
+    def block():
+        inner = torch.nn.Module()
+        inner.q_proj = torch.nn.Linear(4, 4)
+        inner.norm = torch.nn.LayerNorm(4)
+        inner.xnorm = torch.nn.LayerNorm(4)
+        return inner
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([block() for _ in range(3)])
+    model.lm_head = torch.nn.Linear(4, 8)
+    names = ["norm", "layers.1.xnorm", "lm_head"]
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                         modules_to_save=names))
+    got = {key[len("base_model.model."):] for key, m in wrapped.named_modules()
+           if type(m).__name__ == "ModulesToSaveWrapper"}
+    keys = [k for k, _ in model.named_modules() if k and ".modules_to_save" not in k
+            and ".original_module" not in k and "lora_" not in k]
+    want = {k for k in keys if peft_rules.saved_module(names, k)}
+    assert got == want and "layers.2.xnorm" in want  # `norm` ends `xnorm` too: endswith

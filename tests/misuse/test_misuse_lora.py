@@ -397,8 +397,39 @@ PEFT = [
         {"bias": "all"}, "base_model.model.model.layers.0.self_attn.q_proj.bias"), ValueError,
          "bias='all'", "stackwise does not support", "holds 1 trained biases",
          "layers.0.self_attn.q_proj.bias", "loads bias='none'"),
-    case("load: modules_to_save", _load_with({"modules_to_save": ["lm_head"]}), ValueError,
-         "modules_to_save=['lm_head']", "stackwise does not support"),
+    case("load: modules_to_save, without asking for them", _load_with_tensor(
+        {"modules_to_save": ["lm_head"]}, "base_model.model.lm_head.weight"), ValueError,
+         "modules_to_save=['lm_head']", "holds full trained copies", "e.g. lm_head.weight",
+         "would lose", "`modules_to_save=True`", "adapters, saved ="),
+    case("load: modules_to_save a str", _load_with({"modules_to_save": "lm_head"}),
+         ValueError, "modules_to_save='lm_head'", "a list of module names"),
+    case("load: modules_to_save= not a bool", lambda t: stackwise.lora.load_peft(
+        _saved(t), BASE, MODULES, modules_to_save="lm_head"), TypeError,
+         "`modules_to_save` must be True or False", "str 'lm_head'"),
+    case("save: modules_to_save not a mapping",
+         _save_as(MODULES, modules_to_save=["lm_head"]), TypeError,
+         "`modules_to_save` maps each saved tensor's name", "list ['lm_head']"),
+    case("save: modules_to_save names a module, not a tensor",
+         _save_as(MODULES, modules_to_save={"lm_head": jnp.ones((4, 4))}), ValueError,
+         "names 'lm_head', not a tensor's name", "'lm_head.weight'"),
+    case("save: modules_to_save names an adapted module", _save_as(
+        MODULES, modules_to_save={"model.layers.0.self_attn.q_proj.weight": jnp.ones((4, 4))}),
+         ValueError, "of module 'model.layers.0.self_attn.q_proj', which holds an adapter",
+         "PEFT adapts no module it saves whole"),
+    case("save: modules_to_save of a whole layer", _save_as(
+        MODULES, modules_to_save={"model.layers.1.weight": jnp.ones((4, 4))}),
+         ValueError, "of module 'model.layers.1', which holds an adapter "
+         "(model.layers.1.self_attn.q_proj)"),
+    case("save: modules_to_save an int tensor", _save_as(
+        MODULES, modules_to_save={"lm_head.weight": jnp.ones((4, 4), jnp.int32)}), TypeError,
+         "`modules_to_save`['lm_head.weight'] is of dtype int32", "float tensor"),
+    case("save: modules_to_save a quantized tensor", _save_as(
+        MODULES, modules_to_save={"lm_head.weight": stackwise.quant.quantize(
+            {"w": jnp.ones((1, 4, 4))})["w"]}), TypeError,
+         "`modules_to_save`['lm_head.weight'] is quantized", "(dequantized)"),
+    case("save: modules_to_save a list", _save_as(
+        MODULES, modules_to_save={"lm_head.weight": [[1.0]]}), TypeError,
+         "`modules_to_save`['lm_head.weight'] is list"),
     case("load: layers_to_transform, with the left-out layer's tensors",
          _load_with({"layers_to_transform": [0, 1]}), ValueError,
          "layers.2.self_attn.q_proj.lora_A.weight", "fit no layer",
@@ -446,7 +477,7 @@ PEFT = [
 # PEFT's LoraConfig fields stackwise does not apply: each refused by name, with its value and
 # what stackwise loads (docs/finetune.md's table).
 REFUSED_FIELDS = {
-    "use_dora": True, "modules_to_save": ["lm_head"], "fan_in_fan_out": True,
+    "use_dora": True, "fan_in_fan_out": True,
     "lora_bias": True, "trainable_token_indices": [0, 1], "layer_replication": [[0, 2]],
     "target_parameters": ["experts.down_proj"], "alora_invocation_tokens": [5],
     "use_qalora": True, "megatron_config": {"tp": 2}, "velora_config": {"rank": 2},
