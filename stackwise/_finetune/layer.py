@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._finetune.lora import Adapted, add, scaled_update
+from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
 
@@ -60,7 +60,11 @@ def _layer_weights(base: Any, adapters: Any) -> Any:
     out = []
     for leaf, lw in zip(jax.tree.leaves(base, is_leaf=is_quantized), subs):
         w = dequantize(leaf)
-        out.append(w if lw is None else adapted_weight(w, lw.a, lw.b, lw.scale))
+        if lw is not None:
+            w = adapted_weight(w, lw.a, lw.b, lw.scale)
+            if lw.dora:
+                w = dora_scaled(w, lw.magnitude)
+        out.append(w)
     return jax.tree.unflatten(treedef, out)
 
 

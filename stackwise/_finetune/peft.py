@@ -220,7 +220,7 @@ def _check_base_model(value: Any, who: str) -> str | None:
 
 
 def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | None, *,
-            rslora: bool, dropout: float, rank_pattern: dict, alpha_pattern: dict,
+            rslora: bool, dora: bool, dropout: float, rank_pattern: dict, alpha_pattern: dict,
             layers_to_transform: list[int] | None, modules_to_save: list[str] | None) -> dict:
     """PEFT's ``LoraConfig`` fields, as ``LoraConfig.save_pretrained`` writes them."""
     return {
@@ -234,7 +234,7 @@ def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | Non
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": rslora,
-        "use_dora": False,
+        "use_dora": dora,
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": modules_to_save,
@@ -515,24 +515,39 @@ def save_peft(
             "PEFT's config holds one `use_rslora`: make them with one "
             "`stackwise.lora.init(..., rslora=)`."
         )
+    dora = sorted({lw.dora for lw in found.values()})
+    if len(dora) > 1:
+        raise ValueError(
+            f"{who}: some adapters are DoRA's (with a magnitude) and others plain LoRA; PEFT's "
+            "config holds one `use_dora`: make them with one `stackwise.lora.init(..., dora=)`."
+        )
+    if dora[0] and out_in:
+        raise ValueError(
+            f"{who}: DoRA adapters with layout='out_in': stackwise's DoRA scales the columns "
+            "of weights used as x @ W, which are PEFT's output channels only with "
+            "layout='in_out'."
+        )
     names = {path: [f"{_layer(layers, i)}.{modules[path]}" for i in numbers[path]]
              for path in found}
     arrays = {path: (np.asarray(lw.a), np.asarray(lw.b)) for path, lw in found.items()}
-    skip = _layers_left_out(found, numbers, names, arrays)
-    for path in found:
+    skip = set() if dora[0] else _layers_left_out(found, numbers, names, arrays)
+    for path, lw in found.items():
         a, b = arrays[path]
+        m = np.asarray(lw.magnitude) if lw.dora else None
         for i, (layer, name) in enumerate(zip(numbers[path], names[path])):
             if layer in skip:
                 continue
             lora_a, lora_b = (b[i], a[i]) if out_in else (a[i].T, b[i].T)
             tensors[f"{name}.lora_A.weight"] = np.ascontiguousarray(lora_a)
             tensors[f"{name}.lora_B.weight"] = np.ascontiguousarray(lora_b)
+            if m is not None:
+                tensors[f"{name}.lora_magnitude_vector"] = np.ascontiguousarray(m[i])
     saved = _check_saved(modules_to_save, names, who)
     for name, v in saved.items():
         tensors[peft_rules.PREFIX + name] = v
     r, alpha, rank_pattern, alpha_pattern = _patterns(found, names, modules)
     kept = sorted({i for rows in numbers.values() for i in rows} - skip) if skip else None
-    config = _config(r, alpha, modules, base_model_name_or_path, rslora=rslora[0],
+    config = _config(r, alpha, modules, base_model_name_or_path, rslora=rslora[0], dora=dora[0],
                      dropout=lora_dropout, rank_pattern=rank_pattern,
                      alpha_pattern=alpha_pattern, layers_to_transform=kept,
                      modules_to_save=sorted({n.rsplit(".", 1)[0] for n in saved}) or None)
@@ -556,10 +571,9 @@ INERT = {
 #: Fields ``load_peft`` reads, each checked in :func:`_read_config`.
 READ = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
         "layers_to_transform", "layers_pattern", "exclude_modules", "lora_dropout", "bias",
-        "init_lora_weights", "modules_to_save"}
+        "init_lora_weights", "modules_to_save", "use_dora"}
 #: Fields refused unless unset (None, False, empty): what each one is in PEFT.
 REFUSED = {
-    "use_dora": "DoRA: a trained magnitude per output channel beside the low-rank update",
     "fan_in_fan_out": "base weights stored (in, out), as GPT-2's Conv1D",
     "lora_bias": "a trained bias on lora_B",
     "trainable_token_indices": "trained rows of the embedding",
@@ -576,8 +590,9 @@ REFUSED = {
 }
 #: ``init_lora_weights`` values that only initialise A and B: the base is PEFT's as given.
 PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva")
-SUPPORTED = ("stackwise loads plain LoRA (W + scale * B A on each adapted module, scale "
-             "lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora)")
+SUPPORTED = ("stackwise loads LoRA (W + scale * B A on each adapted module, scale "
+             "lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora; DoRA's rescaling with "
+             "use_dora)")
 
 
 def _refuse(who: str, path: str, field: str, got: Any, why: str) -> ValueError:
@@ -644,8 +659,9 @@ def _read_config(directory: str, who: str) -> dict:
             raise _refuse(who, path, field, got,
                           f"a field stackwise does not know (a newer PEFT's?); {SUPPORTED}, "
                           "and refuses what it cannot apply exactly")
-    if not isinstance(config.get("use_rslora", False), bool):
-        raise _refuse(who, path, "use_rslora", config["use_rslora"], "it is true or false")
+    for field in ("use_rslora", "use_dora"):
+        if not isinstance(config.get(field, False), bool):
+            raise _refuse(who, path, field, config[field], "it is true or false")
     for field, check, what in (("rank_pattern", _is_int, "an int rank of at least 1"),
                                ("alpha_pattern", _is_alpha, "a finite positive alpha")):
         got = config.get(field) or {}
@@ -757,10 +773,24 @@ def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, config: di
     kind = next((tensors[f"{name}.lora_A.weight"].dtype for name, adapted in zip(names, on)
                  if adapted and f"{name}.lora_A.weight" in tensors),
                 next((v.dtype for v in tensors.values()), np.dtype(np.float32)))
-    a, b = [], []
+    dora = bool(config.get("use_dora", False))
+    if dora and out_in:
+        raise _refuse(who, cfg_path, "use_dora", True,
+                      "stackwise's DoRA scales the columns of weights used as x @ W; load "
+                      "onto an (in, out) base (layout='in_out')")
+    if dora and not all(on):
+        fields = [f for f in ("layers_to_transform", "exclude_modules", "modules_to_save")
+                  if config.get(f)]
+        raise _refuse(who, cfg_path, "use_dora", True,
+                      f"with {' and '.join(fields)} PEFT leaves some layers of {path} "
+                      "without an adapter, and a DoRA adapter cannot stand for none (its "
+                      "magnitude trains); stackwise loads DoRA on every layer of a module")
+    a, b, m = [], [], []
     for name, adapted in zip(names, on):
-        for key, want, into in ((f"{name}.lora_A.weight", (r, d_in), a),
-                                (f"{name}.lora_B.weight", (d_out, r), b)):
+        parts = [(f"{name}.lora_A.weight", (r, d_in), a), (f"{name}.lora_B.weight", (d_out, r), b)]
+        if dora:
+            parts.append((f"{name}.lora_magnitude_vector", (d_out,), m))
+        for key, want, into in parts:
             if not adapted:
                 into.append(np.zeros(want[::-1], kind))
                 continue
@@ -778,7 +808,8 @@ def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, config: di
     a, b = jnp.asarray(np.stack(a)), jnp.asarray(np.stack(b))
     if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
         a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
-    return LoraWeights(a, b, alpha, bool(config.get("use_rslora", False)))
+    return LoraWeights(a, b, alpha, bool(config.get("use_rslora", False)),
+                       jnp.asarray(np.stack(m)) if dora else None)
 
 
 def load_peft(
@@ -890,7 +921,7 @@ def load_peft(
         lw = _read_leaf(tensors, [f"{_layer(layers, i)}.{modules[path]}" for i in numbers[path]],
                         path, leaf, config, cfg_path, out_in, used, who)
         if dtype is not None:
-            lw = LoraWeights(lw.a.astype(dtype), lw.b.astype(dtype), lw.alpha, lw.rslora)
+            lw = jax.tree.map(lambda v: v.astype(dtype), lw)
         out.append(lw)
     used.update(saved_names)
     left = sorted(set(tensors) - used)

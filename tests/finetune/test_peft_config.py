@@ -350,3 +350,94 @@ def test_modules_to_save_round_trip_by_their_names_in_the_model(tmp_path):
     path = tmp_path / "b" / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "modules_to_save": ["lm_head"]}))
     assert stackwise.lora.load_peft(tmp_path / "b", base, MODULES, modules_to_save=True)[1] == {}
+
+
+# --------------------------------------------------------------------------
+# use_dora
+
+
+def _dora_loop_weights(base, adapters, i, stop=jax.lax.stop_gradient):
+    """Layer i's DoRA weights by hand: V = W + s a b, then V * m / |V|, |V| each output
+    column's norm (constant for gradients)."""
+    out = {}
+    for k, w in base.items():
+        lw = adapters[k]
+        v = w[i] + lw.scale * lw.a[i] @ lw.b[i]
+        norm = stop(jnp.sqrt(jnp.sum(v * v, axis=0)))
+        out[k] = v * (lw.magnitude[i] / norm)[None, :]
+    return out
+
+
+def _as_trained_dora(adapters):
+    keys = iter(jax.random.split(jax.random.key(9), 8))
+    return {k: stackwise.lora.LoraWeights(
+        lw.a, lw.b + 0.3 * jax.random.normal(next(keys), lw.b.shape), lw.alpha, lw.rslora,
+        lw.magnitude * (1 + 0.3 * jax.random.normal(next(keys), lw.magnitude.shape)))
+        for k, lw in adapters.items()}
+
+
+def test_dora_is_its_loop():
+    base = _base()
+    fresh = stackwise.lora.init(jax.random.key(1), base, rank=4, alpha=8.0, dora=True)
+    np.testing.assert_allclose(fresh["q"].magnitude, jnp.linalg.norm(base["q"], axis=1),
+                               **TOL)
+    np.testing.assert_allclose(_stacked(base, fresh, X), stackwise.lora.stack(_apply, N).apply(base, X), **TOL)
+    adapters = _as_trained_dora(fresh)
+
+    def loop(ad):
+        y = X
+        for i in range(N):
+            y = _apply(_dora_loop_weights(base, ad, i), y)
+        return y
+
+    np.testing.assert_allclose(_stacked(base, adapters, X), loop(adapters), **TOL)
+    jax.tree.map(lambda g, h: np.testing.assert_allclose(g, h, **TOL),
+                 jax.grad(lambda ad: jnp.sum(_stacked(base, ad, X) ** 2))(adapters),
+                 jax.grad(lambda ad: jnp.sum(loop(ad) ** 2))(adapters))
+    merged = stackwise.lora.merge(base, adapters)
+    np.testing.assert_allclose(merged["down"][2], _dora_loop_weights(base, adapters, 2)["down"],
+                               **TOL)
+    # A batch of two DoRA adapters: each group its adapter alone.
+    other = _as_trained_dora(fresh)
+    batch = stackwise.lora.stack_adapters([adapters, other])
+    both = _stacked(base, batch, jnp.stack([X, X]))
+    np.testing.assert_allclose(both[1], _stacked(base, other, X), **TOL)
+
+
+def test_dora_on_a_quantized_base_starts_at_its_dequantized_norms():
+    base = _base()
+    qbase = stackwise.quant.quantize(base, "int8")
+    adapters = stackwise.lora.init(jax.random.key(1), qbase, rank=2, dora=True)
+    deq = stackwise.quant.dequantize(qbase)
+    np.testing.assert_allclose(adapters["q"].magnitude, jnp.linalg.norm(deq["q"], axis=1),
+                               **TOL)
+    np.testing.assert_allclose(_stacked(qbase, adapters, X), stackwise.lora.stack(_apply, N).apply(deq, X), **TOL)
+
+
+def test_a_dora_file_loads_as_its_meaning_and_saves_back(tmp_path):
+    base = _base()
+    tensors = _write(tmp_path / "a", _config(use_dora=True), _every(4))
+    rng = np.random.default_rng(3)
+    for i in range(N):   # PEFT's magnitude per output channel, as if trained
+        for leaf, module in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
+            out = SHAPES[leaf][1]
+            tensors[f"{PREFIX}.{i}.{module}.lora_magnitude_vector"] = (
+                rng.uniform(0.5, 1.5, out).astype(np.float32))
+    safetensors_numpy.save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
+    adapters = stackwise.lora.load_peft(tmp_path / "a", base, MODULES)
+    y = X
+    for i in range(N):  # PEFT's DoRA by hand, in torch's layout: (m / |W + s B A|_row) (W + s B A)
+        p = {}
+        for leaf, module in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
+            name = f"{PREFIX}.{i}.{module}"
+            w = np.asarray(base[leaf][i]).T + 2.0 * (
+                tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"])
+            m = tensors[f"{name}.lora_magnitude_vector"]
+            p[leaf] = jnp.asarray((w * (m / np.linalg.norm(w, axis=1))[:, None]).T)
+        y = _apply(p, y)
+    np.testing.assert_allclose(_stacked(base, adapters, X), y, **TOL)
+    stackwise.lora.save_peft(tmp_path / "b", adapters, MODULES)
+    config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    back = safetensors_numpy.load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    assert back.keys() == tensors.keys() and all((back[k] == tensors[k]).all() for k in back)

@@ -218,6 +218,9 @@ PEFT_CONFIGS = {
     "bias all (a Llama has none)": dict(bias="all"),
     "bias lora_only (a Llama has none)": dict(bias="lora_only"),
     "init gaussian": dict(init_lora_weights="gaussian"),
+    "use_dora": dict(use_dora=True),
+    "use_dora, rsLoRA, rank_pattern": dict(use_dora=True, use_rslora=True,
+                                           rank_pattern={"v_proj": 2}),
 }
 
 
@@ -225,12 +228,13 @@ def _peft_made(model, tmp_path, **extra):
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                              **{"init_lora_weights": False, **extra})
     peft_model = peft.get_peft_model(model, config).eval()
-    if extra.get("init_lora_weights") == "gaussian":  # B starts at zero: as if trained
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(0.1 * torch.randn_like(p))
+    torch.manual_seed(1)
+    with torch.no_grad():  # as if trained
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name and extra.get("init_lora_weights") == "gaussian":
+                p.copy_(0.1 * torch.randn_like(p))      # B starts at zero
+            if "lora_magnitude_vector" in name:       # DoRA's starts at the norms: m / n = 1
+                p.mul_(1 + 0.2 * torch.randn_like(p))
     peft_model.save_pretrained(str(tmp_path / "peft"))
     return peft_model
 
@@ -258,26 +262,33 @@ def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
                 continue
             assert leaf.rank == torch_module.r["default"]
             assert leaf.scale == torch_module.scaling["default"]
+            if leaf.dora:
+                np.testing.assert_array_equal(
+                    np.asarray(leaf.magnitude[i]),
+                    torch_module.lora_magnitude_vector["default"].weight.detach().numpy())
             np.testing.assert_array_equal(
                 np.asarray(leaf.a[i]), torch_module.lora_A["default"].weight.detach().numpy().T)
 
 
-def _ours(params, ranks=None, alphas=None, rslora=False, zero_layers=()):
-    """Adapters on MODULES with a rank and alpha per leaf, as if trained; the layers in
-    `zero_layers` all zero (what a layer without an adapter loads as)."""
+def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers=()):
+    """Adapters on MODULES with a rank and alpha per leaf, as if trained (a DoRA magnitude
+    off the base's norms too); the layers in `zero_layers` all zero (what a layer without an
+    adapter loads as)."""
     ranks = ranks or {}
     alphas = alphas or {}
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
     adapters = {}
     for j, path in enumerate(MODULES):
         leaf = path[2:-2]
-        adapters[leaf] = stackwise.lora.init(
+        lw = stackwise.lora.init(
             jax.random.key(j), params["layers"], rank=ranks.get(leaf, 4),
-            alpha=alphas.get(leaf, 8.0), rslora=rslora, targets=[path])[leaf]
-    keys = iter(jax.random.split(jax.random.key(1), 16))
-    adapters = jax.tree.map(lambda v: v + 0.2 * jax.random.normal(next(keys), v.shape),
-                            adapters)
-    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
-    adapters = jax.tree.map(lambda v: jnp.where(keep, v, 0.0), adapters)
+            alpha=alphas.get(leaf, 8.0), rslora=rslora, dora=dora, targets=[path])[leaf]
+        a, b = (jnp.where(keep, v + 0.2 * jax.random.normal(next(keys), v.shape), 0.0)
+                for v in (lw.a, lw.b))
+        magnitude = None if not dora else lw.magnitude * (
+            1 + 0.2 * jax.random.normal(next(keys), lw.magnitude.shape))
+        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude)
     return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
 
 
@@ -293,6 +304,10 @@ OURS = {
         dict(use_rslora=True, rank_pattern={r"self_attn\.q_proj": 2})),
     "layers without adapters": (dict(zero_layers=(1,)), dict(layers_to_transform=[0, 2])),
     "lora_dropout": (dict(), dict(lora_dropout=0.25)),
+    "DoRA": (dict(dora=True), dict(use_dora=True)),
+    "DoRA, rsLoRA, ranks per module": (
+        dict(dora=True, rslora=True, ranks={"down": 2}),
+        dict(use_dora=True, use_rslora=True, rank_pattern={r"mlp\.down_proj": 2})),
 }
 
 

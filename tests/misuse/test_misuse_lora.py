@@ -23,6 +23,12 @@ def _adapters(base=BASE, **kw):
     return stackwise.lora.init(KEY, base, rank=2, targets=W, **kw)
 
 
+def _dora_misfit():
+    lw = _adapters(dora=True)["w"]
+    bad = stackwise.lora.LoraWeights(lw.a, lw.b, lw.alpha, magnitude=lw.magnitude[:, :4])
+    stackwise.lora.attach(BASE, {"w": bad, "c": None, "t": None})
+
+
 def _other_depth():
     short = jax.tree.map(lambda v: v[:2], BASE)
     stackwise.lora.attach(BASE, _adapters(short))
@@ -129,6 +135,13 @@ LORA = [
          "`alpha` must be positive and finite", "got inf", "alpha / rank"),
     case("rslora a string", lambda: _adapters(rslora="yes"), TypeError,
          "`rslora` must be True or False", "str 'yes'"),
+    case("dora a number", lambda: _adapters(dora=1), TypeError,
+         "`dora` must be True or False", "int 1"),
+    case("a DoRA magnitude of another shape", _dora_misfit, ValueError,
+         "DoRA adapter ['w'] has magnitude (3, 4)", "one per output column, (3, 6)"),
+    case("unmerge DoRA", lambda: stackwise.lora.unmerge(BASE, _adapters(dora=True)),
+         ValueError, "adapter ['w'] is DoRA's", "cannot be taken back out",
+         "Keep the base"),
     case("adapters of an int dtype", lambda: _adapters(dtype=jnp.int32), ValueError,
          "`dtype` is int32", "give a float dtype"),
     case("an int leaf as a target", lambda: stackwise.lora.init(KEY, INTS, rank=2,
@@ -291,6 +304,35 @@ def _load_with(config):
     return call
 
 
+def _saved_dora(tmp_path):
+    folder = tmp_path / "dora"
+    stackwise.lora.save_peft(folder, _adapters(dora=True), MODULES)
+    return folder
+
+
+def _load_dora_with(config):
+    def call(tmp_path):
+        folder = _saved_dora(tmp_path)
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+        tensors = folder / "adapter_model.safetensors"
+        from safetensors import numpy as safetensors_numpy
+
+        kept = {k: v for k, v in safetensors_numpy.load_file(tensors).items()
+                if ".layers.2." not in k}
+        safetensors_numpy.save_file(kept, tensors)
+        stackwise.lora.load_peft(folder, BASE, MODULES)
+    return call
+
+
+def _save_dora_and_plain(tmp_path):
+    base = {"u": BASE["w"], "v": BASE["w"]}
+    one = stackwise.lora.init(KEY, base, rank=2, targets=["['u']"])
+    two = stackwise.lora.init(KEY, base, rank=2, targets=["['v']"], dora=True)
+    stackwise.lora.save_peft(tmp_path / "a", {"u": one["u"], "v": two["v"]},
+                             {"['u']": "q_proj", "['v']": "v_proj"})
+
+
 def _load_with_tensor(config, name):
     """A config edited as `_load_with`, and one more tensor in the file."""
     def call(tmp_path):
@@ -449,7 +491,8 @@ PEFT = [
          "layers.3.self_attn.q_proj.lora_A.weight is missing", "another model"),
     case("load: files of another width", _load_onto_another_width, ValueError,
          "of shape (2, 4), expected (2, 5)", "another model"),
-    case("load: DoRA", _load_with({"use_dora": True}), ValueError, "use_dora=True"),
+    case("load: DoRA without its magnitudes", _load_with({"use_dora": True}), ValueError,
+         "layers.0.self_attn.q_proj.lora_magnitude_vector is missing", "another model"),
     case("load: another PEFT type", _load_with({"peft_type": "IA3"}), ValueError,
          "peft_type='IA3'"),
     case("load: files of other target modules", _load_other_modules, ValueError,
@@ -477,7 +520,7 @@ PEFT = [
 # PEFT's LoraConfig fields stackwise does not apply: each refused by name, with its value and
 # what stackwise loads (docs/finetune.md's table).
 REFUSED_FIELDS = {
-    "use_dora": True, "fan_in_fan_out": True,
+    "fan_in_fan_out": True,
     "lora_bias": True, "trainable_token_indices": [0, 1], "layer_replication": [[0, 2]],
     "target_parameters": ["experts.down_proj"], "alora_invocation_tokens": [5],
     "use_qalora": True, "megatron_config": {"tp": 2}, "velora_config": {"rank": 2},
@@ -486,13 +529,28 @@ REFUSED_FIELDS = {
 }
 PEFT_FIELDS = [
     case(f"load: {field}", _load_with({field: value}), ValueError, f"{field}={value!r}",
-         "stackwise does not support", "stackwise loads plain LoRA", f"{field} unset")
+         "stackwise does not support", "stackwise loads LoRA (W + scale * B A", f"{field} unset")
     for field, value in REFUSED_FIELDS.items()
 ] + [
     case("load: a field stackwise does not know", _load_with({"lora_magic": 3}), ValueError,
-         "lora_magic=3", "a field stackwise does not know", "stackwise loads plain LoRA"),
+         "lora_magic=3", "a field stackwise does not know", "stackwise loads LoRA (W + scale * B A"),
     case("load: use_rslora a string", _load_with({"use_rslora": "yes"}), ValueError,
          "use_rslora='yes'", "true or false"),
+    case("load: use_dora a string", _load_with({"use_dora": "yes"}), ValueError,
+         "use_dora='yes'", "true or false"),
+    case("load: DoRA with layers left without adapters", _load_dora_with(
+        {"layers_to_transform": [0, 1]}), ValueError, "use_dora=True",
+         "with layers_to_transform PEFT leaves some layers of ['w'] without an adapter",
+         "a DoRA adapter cannot stand for none", "DoRA on every layer of a module"),
+    case("load: DoRA onto an (out, in) base", lambda t: stackwise.lora.load_peft(
+        _saved_dora(t), {**BASE, "w": jnp.ones((N, 6, 4))}, MODULES, layout="out_in"),
+         ValueError, "use_dora=True", "columns of weights used as x @ W",
+         "layout='in_out'"),
+    case("save: DoRA beside plain LoRA", _save_dora_and_plain, ValueError,
+         "some adapters are DoRA's", "one `use_dora`", "dora="),
+    case("save: DoRA with layout out_in", _save_as(
+        MODULES, lambda: _adapters(dora=True), layout="out_in"), ValueError,
+         "DoRA adapters with layout='out_in'", "layout='in_out'"),
     case("load: a rank_pattern rank of 0", _load_with({"rank_pattern": {"q_proj": 0}}),
          ValueError, "rank_pattern={'q_proj': 0}", "an int rank of at least 1"),
     case("load: a rank_pattern that is a list", _load_with({"rank_pattern": [["q_proj", 2]]}),
