@@ -533,7 +533,8 @@ PEFT_FIELDS = [
     for field, value in REFUSED_FIELDS.items()
 ] + [
     case("load: a field stackwise does not know", _load_with({"lora_magic": 3}), ValueError,
-         "lora_magic=3", "a field stackwise does not know", "stackwise loads LoRA (W + scale * B A"),
+         "lora_magic=3", "a field stackwise does not know",
+         "stackwise loads LoRA (W + scale * B A"),
     case("load: use_rslora a string", _load_with({"use_rslora": "yes"}), ValueError,
          "use_rslora='yes'", "true or false"),
     case("load: use_dora a string", _load_with({"use_dora": "yes"}), ValueError,
