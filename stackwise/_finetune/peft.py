@@ -421,7 +421,8 @@ def save_peft(
 
     The files are written in a staging folder next to ``directory`` and renamed into place
     once both are whole. The config says what PEFT needs to apply them as stackwise does:
-    ``use_rslora`` from the adapters' ``rslora``; the most common rank and alpha as ``r`` and
+    ``use_rslora`` from the adapters' ``rslora``, ``use_dora`` (and each layer's
+    ``lora_magnitude_vector``) from their ``magnitude``; the most common rank and alpha as ``r`` and
     ``lora_alpha``, and each other module's in ``rank_pattern`` and ``alpha_pattern`` (keyed
     by the module's name, or by each layer's module where pattern positions share a module
     name with different ranks); and, where every adapter of some layers is zero (``a`` and
@@ -476,9 +477,10 @@ def save_peft(
         two leaves on one module (of one pattern position), a module named as a weight
         (``...q_proj.weight``), ``layers`` without one ``{i}`` (or ``{}``), a batch of
         adapters, adapted leaves of one stack (or position) with different numbers of
-        layers, pattern positions whose depths no model has, rsLoRA adapters beside plain
-        ones (PEFT's config holds one ``use_rslora``), or ``lora_dropout`` not a number in
-        [0, 1], or a ``modules_to_save`` name that is not a tensor's, or names a module
+        layers, pattern positions whose depths no model has, rsLoRA or DoRA adapters beside
+        plain ones (PEFT's config holds one ``use_rslora`` and one ``use_dora``), DoRA with
+        ``layout="out_in"``, ``lora_dropout`` not a number in [0, 1], or a
+        ``modules_to_save`` name that is not a tensor's, or names a module
         that is adapted (PEFT adapts no module it saves whole). Every name is checked
         before anything is written.
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
@@ -828,9 +830,10 @@ def load_peft(
     The config is read as PEFT applies it (``docs/finetune.md`` has every field): the
     rank and alpha of each module from ``rank_pattern`` and ``alpha_pattern`` (PEFT's
     keys, matched as PEFT matches them; one rank and alpha per stacked leaf), rsLoRA's
-    scale with ``use_rslora``, and zeros for the layers ``layers_to_transform`` (read with
-    ``layers_pattern``) or ``exclude_modules`` leave without an adapter: zeros change
-    nothing and take no gradient, as a layer without one. A field stackwise cannot apply
+    scale with ``use_rslora``, DoRA's magnitudes with ``use_dora``, and zeros for the
+    layers ``layers_to_transform`` (read with ``layers_pattern``) or ``exclude_modules``
+    leave without an adapter: zeros change nothing and take no gradient, as a layer
+    without one. A field stackwise cannot apply
     exactly is refused by name.
 
     >>> import json, os, tempfile, numpy as np, jax.numpy as jnp, stackwise
@@ -872,18 +875,18 @@ def load_peft(
 
     Raises:
       FileNotFoundError: a file is missing.
-      ValueError: a config stackwise does not load (another PEFT type, DoRA,
-        ``modules_to_save``, a ``bias`` other than 'none' with biases in the file, an
-        ``init_lora_weights`` that changed the base, any other field set that stackwise does
-        not apply, a pattern giving one stacked leaf's layers several ranks or alphas, an
-        ``r``, ``lora_alpha`` or other field out of PEFT's range), weights from another model
-        (a layer or module
-        missing, shapes that do not fit the base's leaves, or tensors left over: more
-        layers, other modules), ``modules`` or ``layers`` as for saving, or an integer
-        ``dtype``.
+      ValueError: a config stackwise does not load (another PEFT type, a ``bias`` other
+        than 'none' with biases in the file, an ``init_lora_weights`` that changed the base,
+        any other field set that stackwise does not apply, a pattern giving one stacked
+        leaf's layers several ranks or alphas, DoRA with layers left without adapters or
+        onto an ``(out, in)`` base, an ``r``, ``lora_alpha`` or other field out of PEFT's
+        range), saved modules' copies without ``modules_to_save=True``, weights from another
+        model (a layer or module missing, shapes that do not fit the base's leaves, or
+        tensors left over: more layers, other modules), ``modules`` or ``layers`` as for
+        saving, or an integer ``dtype``.
       TypeError: ``modules`` is not a mapping of paths to module names, ``base`` is
         served or attached, ``pattern`` not a positive int, a tuple of trees (a pattern's)
-        without ``pattern``, or not k trees with it.
+        without ``pattern``, or not k trees with it, or ``modules_to_save`` not a bool.
     """
     who = "stackwise.lora.load_peft"
     stacked_only(who, base=base)
