@@ -786,7 +786,9 @@ def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, config: di
         raise _refuse(who, cfg_path, "use_dora", True,
                       f"with {' and '.join(fields)} PEFT leaves some layers of {path} "
                       "without an adapter, and a DoRA adapter cannot stand for none (its "
-                      "magnitude trains); stackwise loads DoRA on every layer of a module")
+                      "magnitude trains); stackwise loads DoRA on every layer of a module"
+                      + ("" if any(on) else f" (PEFT adapts {path}'s module on no layer: "
+                         "leave it out of `modules`)"))
     a, b, m = [], [], []
     for name, adapted in zip(names, on):
         parts = [(f"{name}.lora_A.weight", (r, d_in), a), (f"{name}.lora_B.weight", (d_out, r), b)]

@@ -543,6 +543,10 @@ PEFT_FIELDS = [
         {"layers_to_transform": [0, 1]}), ValueError, "use_dora=True",
          "with layers_to_transform PEFT leaves some layers of ['w'] without an adapter",
          "a DoRA adapter cannot stand for none", "DoRA on every layer of a module"),
+    case("load: DoRA with a module PEFT adapts on no layer", _load_dora_with(
+        {"exclude_modules": ["q_proj"]}), ValueError, "use_dora=True",
+         "with exclude_modules PEFT leaves some layers of ['w'] without an adapter",
+         "PEFT adapts ['w']'s module on no layer: leave it out of `modules`"),
     case("load: DoRA onto an (out, in) base", lambda t: stackwise.lora.load_peft(
         _saved_dora(t), {**BASE, "w": jnp.ones((N, 6, 4))}, MODULES, layout="out_in"),
          ValueError, "use_dora=True", "columns of weights used as x @ W",
