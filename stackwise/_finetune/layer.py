@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._finetune.lora import Adapted, LoraWeights, add, delta
+from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
 
@@ -26,18 +26,19 @@ __all__ = ["materialise", "run_layer", "stack_adapted", "wrap"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def adapted_weight(w: jax.Array, a: jax.Array, b: jax.Array, alpha: float) -> jax.Array:
-    """One layer's ``w + (alpha / r) * a @ b`` in ``w``'s dtype (see :func:`lora.add`)."""
-    return add(w, delta(LoraWeights(a, b, alpha)))
+def adapted_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """One layer's ``w + scale * a @ b`` in ``w``'s dtype (see :func:`lora.add`);
+    ``scale`` is the adapter's (``LoraWeights.scale``: ``alpha / r``, or rsLoRA's)."""
+    return add(w, scaled_update(a, b, scale))
 
 
-def _adapted_fwd(w, a, b, alpha):
-    return adapted_weight(w, a, b, alpha), (a, b, jnp.zeros((0,), w.dtype))
+def _adapted_fwd(w, a, b, scale):
+    return adapted_weight(w, a, b, scale), (a, b, jnp.zeros((0,), w.dtype))
 
 
-def _adapted_bwd(alpha, res, g):
+def _adapted_bwd(scale, res, g):
     a, b, w_kind = res
-    scale = jnp.asarray(alpha / a.shape[-1], a.dtype)
+    scale = jnp.asarray(scale, a.dtype)
     g_low = g.astype(a.dtype)
     g_a = jnp.matmul(g_low, jnp.swapaxes(b, -1, -2)) * scale
     g_b = jnp.matmul(jnp.swapaxes(a, -1, -2), g_low) * scale
@@ -59,7 +60,11 @@ def _layer_weights(base: Any, adapters: Any) -> Any:
     out = []
     for leaf, lw in zip(jax.tree.leaves(base, is_leaf=is_quantized), subs):
         w = dequantize(leaf)
-        out.append(w if lw is None else adapted_weight(w, lw.a, lw.b, lw.alpha))
+        if lw is not None:
+            w = adapted_weight(w, lw.a, lw.b, lw.scale)
+            if lw.dora:
+                w = dora_scaled(w, lw.magnitude)
+        out.append(w)
     return jax.tree.unflatten(treedef, out)
 
 

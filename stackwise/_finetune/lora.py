@@ -2,9 +2,11 @@
 
 An adapter on a stacked weight ``W`` of shape ``(n, in, out)`` is a :class:`LoraWeights`
 pair ``a (n, in, r)``, ``b (n, r, out)``: layer i uses ``W[i] + scale * a[i] @ b[i]`` with
-``scale = alpha / r``. The adapters are a tree shaped like the base's params, with
-:class:`LoraWeights` at the target leaves and None elsewhere; :func:`attach` pairs them with
-the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
+``scale = alpha / r`` (``alpha / sqrt(r)`` with ``rslora=True``); a DoRA adapter also holds
+a magnitude ``m (n, out)``, and layer i uses ``(W[i] + scale * a[i] @ b[i]) * m[i] / norm``,
+the norm taken per output column. The adapters are a tree shaped like the base's params,
+with :class:`LoraWeights` at the target leaves and None elsewhere; :func:`attach` pairs them
+with the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import numpy as np
 from stackwise._core import checks
 from stackwise._core.options import check_bool
 from stackwise._core.served import stacked_only
-from stackwise._finetune.quant import is_quantized
+from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init", "merge",
-           "plain_tree", "stack_adapters", "unmerge"]
+__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init",
+           "column_norms", "dora_scaled", "lora_scale", "merge", "plain_tree", "scaled_update",
+           "stack_adapters", "unmerge"]
 
 
 @dataclass(frozen=True)
@@ -33,23 +36,47 @@ class LoraWeights:
     """One stacked weight's adapter: ``a (n, in, r)`` and ``b (n, r, out)``.
 
     A batch of g adapters (:func:`stack_adapters`) has ``a (g, n, in, r)``,
-    ``b (g, n, r, out)``. ``alpha`` is static: the update is ``(alpha / r) * a @ b``.
+    ``b (g, n, r, out)``. ``alpha`` and ``rslora`` are static: the update is
+    ``scale * a @ b``, ``scale = alpha / r``, or rank-stabilised LoRA's
+    ``alpha / sqrt(r)`` with ``rslora=True`` (PEFT's ``use_rslora``). A DoRA adapter (PEFT's
+    ``use_dora``) also holds ``magnitude`` ``(n, out)``: the adapted weight
+    ``V = W + scale * a @ b`` is rescaled to ``V * magnitude / |V|``, ``|V|`` each output
+    column's norm, held constant for gradients (DoRA's section 4.3, as PEFT does).
+
+    >>> import jax.numpy as jnp, stackwise
+    >>> a, b = jnp.ones((2, 8, 4)), jnp.zeros((2, 4, 8))
+    >>> LoraWeights = stackwise.lora.LoraWeights
+    >>> LoraWeights(a, b, 8.0).scale, LoraWeights(a, b, 8.0, rslora=True).scale
+    (2.0, 4.0)
     """
 
     a: jax.Array
     b: jax.Array
     alpha: float = 1.0
+    rslora: bool = False
+    magnitude: jax.Array | None = None
 
     @property
     def rank(self) -> int:
         return self.a.shape[-1]
 
     @property
+    def dora(self) -> bool:
+        return self.magnitude is not None
+
+    @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return lora_scale(self.alpha, self.rank, self.rslora)
 
 
-jax.tree_util.register_dataclass(LoraWeights, data_fields=["a", "b"], meta_fields=["alpha"])
+def lora_scale(alpha: float, rank: int, rslora: bool) -> float:
+    """PEFT's scaling, as its ``LoraLayer.update_layer`` computes it in Python floats:
+    ``alpha / r``, or ``alpha / math.sqrt(r)`` for rsLoRA."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+jax.tree_util.register_dataclass(LoraWeights, data_fields=["a", "b", "magnitude"],
+                                 meta_fields=["alpha", "rslora"])
 
 
 def is_lora(value: Any) -> bool:
@@ -126,6 +153,8 @@ def init(
     *,
     rank: int,
     alpha: float | None = None,
+    rslora: bool = False,
+    dora: bool = False,
     targets: Targets = None,
     dtype: Any = None,
 ) -> Any:
@@ -147,6 +176,10 @@ def init(
         leaves with their own depth).
       rank: r, at most ``min(in, out)`` of every target.
       alpha: the scale's numerator (``scale = alpha / rank``); default ``rank`` (scale 1).
+      rslora: rank-stabilised LoRA's scale, ``alpha / sqrt(rank)`` (PEFT's ``use_rslora``).
+      dora: DoRA (PEFT's ``use_dora``): each adapter also holds a magnitude per output
+        column, ``magnitude (n, out)``, starting at the base's column norms (so the adapted
+        model starts equal to the base). Weights are used as ``x @ W`` (columns are outputs).
       targets: a predicate ``(path, per_layer_shape) -> bool``, leaf paths, or None for
         every float (or quantized) leaf that is 2-D per layer: integer leaves are no target.
       dtype: the adapters' dtype; default the base leaf's float dtype (float32 for a
@@ -157,7 +190,8 @@ def init(
 
     Raises:
       TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, ``alpha`` is
-        not a number, or ``params`` holds a base and adapters attached.
+        not a number, ``rslora`` or ``dora`` not a bool, or ``params`` holds a base and
+        adapters attached.
       ValueError: ``rank`` larger than a target's ``in`` or ``out``, ``alpha`` not
         positive and finite, a ``dtype`` that is not a float, or a target that is not 2-D
         per layer or is an integer leaf (the default targets skip those).
@@ -174,6 +208,8 @@ def init(
             f"{who}: `alpha` must be positive and finite, got {alpha}; the update is scaled "
             "by alpha / rank (PEFT's lora_alpha, e.g. 2 * rank)."
         )
+    rslora = check_bool(rslora, "rslora", who)
+    dora = check_bool(dora, "dora", who)
     dtype = float_dtype(dtype, who)
     plain_tree(params, "params", who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
@@ -197,7 +233,9 @@ def init(
             jnp.float32 if is_quantized(leaf) else kind)
         keys = jax.random.split(jax.random.fold_in(key, j), n)
         a = _uniform(keys, (d_in, rank), own, 1.0 / np.sqrt(d_in))
-        out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha)))
+        magnitude = column_norms(leaf).astype(own) if dora else None
+        out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha), rslora,
+                               magnitude))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)
 
@@ -273,6 +311,12 @@ def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None
         raise ValueError(
             f"{who}: adapter {path} has a {a}, b {b}, which do not fit its base leaf "
             f"{shape}: expected a (..., {n}, {d_in}, r) and b (..., {n}, r, {d_out})."
+        )
+    if lw.magnitude is not None and tuple(lw.magnitude.shape) != lead + (d_out,):
+        raise ValueError(
+            f"{who}: DoRA adapter {path} has magnitude {tuple(lw.magnitude.shape)}, which does "
+            f"not fit its base leaf {shape}: expected one per output column, "
+            f"{lead + (d_out,)}."
         )
     return groups
 
@@ -370,9 +414,28 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
 # The adapted weight, and merging it into the base.
 
 
+def scaled_update(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """``scale * a @ b`` in the adapters' dtype (any leading axes)."""
+    return jnp.matmul(a, b) * jnp.asarray(scale, a.dtype)
+
+
+def column_norms(leaf: Any) -> jax.Array:
+    """Each layer's output-column norms of a stacked ``(n, in, out)`` weight, float or
+    quantized (dequantized one layer at a time), in float32: ``(n, out)``."""
+    return jax.lax.map(
+        lambda w: jnp.linalg.norm(dequantize(w).astype(jnp.float32), axis=0), leaf)
+
+
+def dora_scaled(v: jax.Array, magnitude: jax.Array) -> jax.Array:
+    """DoRA's weight from the adapted one, ``v * magnitude / |v|`` (``|v|`` each output
+    column's norm over the inputs, axis -2, held constant for gradients), in ``v``'s dtype."""
+    norm = jax.lax.stop_gradient(jnp.linalg.norm(v, axis=-2, keepdims=True))
+    return (v * (magnitude[..., None, :].astype(v.dtype) / norm)).astype(v.dtype)
+
+
 def delta(lw: LoraWeights) -> jax.Array:
     """``scale * a @ b`` in the adapters' dtype (any leading axes)."""
-    return jnp.matmul(lw.a, lw.b) * jnp.asarray(lw.scale, lw.a.dtype)
+    return scaled_update(lw.a, lw.b, lw.scale)
 
 
 def add(w: jax.Array, d: jax.Array, sign: int = 1) -> jax.Array:
@@ -400,7 +463,15 @@ def _merged(base: Any, adapters: Any, sign: int, who: str) -> Any:
                 "requantize and lose the update. Merge into the float weights "
                 "(`stackwise.quant.dequantize(base)`), then quantize again if you must."
             )
-        out.append(add(leaf, delta(lw), sign))
+        if lw.dora and sign < 0:
+            raise ValueError(
+                f"{who}: adapter {path} is DoRA's: its merged weight is rescaled by the "
+                "adapted weight's own column norms, which the merged weight no longer holds, "
+                "so the base cannot be taken back out of it. Keep the base (merge returns a "
+                "new tree, the base is unchanged)."
+            )
+        merged = add(leaf, delta(lw), sign)
+        out.append(dora_scaled(merged, lw.magnitude) if lw.dora else merged)
     return jax.tree.unflatten(jax.tree.structure(base, is_leaf=is_quantized), out)
 
 
@@ -409,7 +480,7 @@ def merge(base: Any, adapters: Any) -> Any:
 
     The result runs without adapters (serving). Each merged layer is bitwise the weight a
     wrapped layer computes for itself from the same base and adapters (the same sum in the
-    same dtype).
+    same dtype; for DoRA, rescaled the same way).
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> base = {"w": jnp.ones((3, 4, 4))}
@@ -435,6 +506,7 @@ def unmerge(merged: Any, adapters: Any) -> Any:
     the base dtype's machine epsilon (two roundings, one in :func:`merge`, one here).
 
     Raises:
-      ValueError: as :func:`merge`.
+      ValueError: as :func:`merge`, or a DoRA adapter (its merged weight is rescaled by
+        norms it no longer holds: keep the base instead).
     """
     return _merged(merged, adapters, -1, "stackwise.lora.unmerge")

@@ -1,5 +1,6 @@
 """The loop model the finetune tests compare against: per-layer slices of the base and the
-adapters, the adapted weight written out by hand (``w + (alpha / r) * a @ b``), plain autodiff."""
+adapters, the adapted weight written out by hand (``w + (alpha / r) * a @ b``, or rsLoRA's
+``alpha / sqrt(r)``), plain autodiff."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def layer_params(base, adapters, i):
         w = stackwise.quant.dequantize(jax.tree.map(lambda v: v[i], w))
         lw = adapters.get(name) if adapters is not None else None
         if lw is not None:
-            w = w + (lw.alpha / lw.a.shape[-1]) * (lw.a[i] @ lw.b[i])
+            r = lw.a.shape[-1]
+            w = w + (lw.alpha / (r**0.5 if lw.rslora else r)) * (lw.a[i] @ lw.b[i])
         out[name] = w
     return out
 

@@ -197,3 +197,208 @@ def test_a_folder_peft_saved_for_another_model_is_refused(tmp_path, other, words
     with pytest.raises(ValueError) as info:
         stackwise.lora.load_peft(tmp_path / "other", params["layers"], MODULES)
     assert words in str(info.value) and "another model" in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------
+# PEFT's LoraConfig fields, each both ways: a folder PEFT made loads with PEFT's logits, and
+# one stackwise made loads in PEFT with stackwise's. (docs/finetune.md's table names these.)
+
+#: LoraConfig settings PEFT makes adapters with; each loads in stackwise with PEFT's logits.
+PEFT_CONFIGS = {
+    "use_rslora": dict(use_rslora=True),
+    "rank_pattern, alpha_pattern": dict(rank_pattern={"v_proj": 2, "down_proj": 8},
+                                        alpha_pattern={"down_proj": 4}),
+    "rank_pattern, rsLoRA": dict(rank_pattern={r"mlp\.down_proj": 2}, use_rslora=True),
+    "layers_to_transform": dict(layers_to_transform=[0, 2]),
+    "layers_to_transform, an int": dict(layers_to_transform=1),
+    "layers_to_transform, layers_pattern": dict(layers_to_transform=[1, 2],
+                                                layers_pattern="layers"),
+    "exclude_modules": dict(exclude_modules=["model.layers.1.self_attn.q_proj"]),
+    "lora_dropout": dict(lora_dropout=0.25),
+    "bias all (a Llama has none)": dict(bias="all"),
+    "bias lora_only (a Llama has none)": dict(bias="lora_only"),
+    "init gaussian": dict(init_lora_weights="gaussian"),
+    "use_dora": dict(use_dora=True),
+    "use_dora, rsLoRA, rank_pattern": dict(use_dora=True, use_rslora=True,
+                                           rank_pattern={"v_proj": 2}),
+}
+
+
+def _peft_made(model, tmp_path, **extra):
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             **{"init_lora_weights": False, **extra})
+    peft_model = peft.get_peft_model(model, config).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # as if trained
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name and extra.get("init_lora_weights") == "gaussian":
+                p.copy_(0.1 * torch.randn_like(p))      # B starts at zero
+            if "lora_magnitude_vector" in name:       # DoRA's starts at the norms: m / n = 1
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    return peft_model
+
+
+@pytest.mark.parametrize("extra", list(PEFT_CONFIGS.values()), ids=list(PEFT_CONFIGS))
+def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    peft_model = _peft_made(model, tmp_path, **extra)
+    adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
+    theirs = _peft_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
+    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
+        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
+    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+    # Each module's rank, scale and layers as PEFT built them.
+    for path, module in MODULES.items():
+        leaf = adapters[path[2:-2]]
+        for i in range(N):
+            torch_module = peft_model.base_model.model.model.layers[i]
+            for part in module.split("."):
+                torch_module = getattr(torch_module, part)
+            if "default" not in getattr(torch_module, "lora_A", {}):  # PEFT left it out
+                assert not np.asarray(leaf.a[i]).any() and not np.asarray(leaf.b[i]).any()
+                continue
+            assert leaf.rank == torch_module.r["default"]
+            assert leaf.scale == torch_module.scaling["default"]
+            if leaf.dora:
+                np.testing.assert_array_equal(
+                    np.asarray(leaf.magnitude[i]),
+                    torch_module.lora_magnitude_vector["default"].weight.detach().numpy())
+            np.testing.assert_array_equal(
+                np.asarray(leaf.a[i]), torch_module.lora_A["default"].weight.detach().numpy().T)
+
+
+def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers=()):
+    """Adapters on MODULES with a rank and alpha per leaf, as if trained (a DoRA magnitude
+    off the base's norms too); the layers in `zero_layers` all zero (what a layer without an
+    adapter loads as)."""
+    ranks = ranks or {}
+    alphas = alphas or {}
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
+    adapters = {}
+    for j, path in enumerate(MODULES):
+        leaf = path[2:-2]
+        lw = stackwise.lora.init(
+            jax.random.key(j), params["layers"], rank=ranks.get(leaf, 4),
+            alpha=alphas.get(leaf, 8.0), rslora=rslora, dora=dora, targets=[path])[leaf]
+        a, b = (jnp.where(keep, v + 0.2 * jax.random.normal(next(keys), v.shape), 0.0)
+                for v in (lw.a, lw.b))
+        magnitude = None if not dora else lw.magnitude * (
+            1 + 0.2 * jax.random.normal(next(keys), lw.magnitude.shape))
+        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude)
+    return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
+
+
+#: Adapters stackwise makes, and the config fields save_peft writes for them.
+OURS = {
+    "rsLoRA": (dict(rslora=True), dict(use_rslora=True, r=4, lora_alpha=8.0)),
+    "a rank and alpha per module": (
+        dict(ranks={"v": 2, "down": 2}, alphas={"v": 3.0}),
+        dict(r=2, lora_alpha=8.0, rank_pattern={r"self_attn\.q_proj": 4},
+             alpha_pattern={r"self_attn\.v_proj": 3.0})),
+    "ranks per module, rsLoRA": (
+        dict(ranks={"q": 2}, rslora=True),
+        dict(use_rslora=True, rank_pattern={r"self_attn\.q_proj": 2})),
+    "layers without adapters": (dict(zero_layers=(1,)), dict(layers_to_transform=[0, 2])),
+    "lora_dropout": (dict(), dict(lora_dropout=0.25)),
+    "DoRA": (dict(dora=True), dict(use_dora=True)),
+    "DoRA, rsLoRA, ranks per module": (
+        dict(dora=True, rslora=True, ranks={"down": 2}),
+        dict(use_dora=True, use_rslora=True, rank_pattern={r"mlp\.down_proj": 2})),
+}
+
+
+@pytest.mark.parametrize("kw, fields", list(OURS.values()), ids=list(OURS))
+def test_a_config_stackwise_saved_gives_peft_the_stacked_model_s_logits(tmp_path, kw, fields):
+    import json
+
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    adapters = _ours(params, **kw)
+    dropout = fields.get("lora_dropout", 0.0)
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES, lora_dropout=dropout)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert {k: config[k] for k in fields} == fields
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
+                               _peft_logits(peft_model, TOKENS), **TOL)
+    if "layers_to_transform" in fields:  # PEFT put no adapter on layer 1
+        assert not hasattr(peft_model.base_model.model.model.layers[1].self_attn.q_proj,
+                           "lora_A")
+    lora_dropout = peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_dropout
+    assert getattr(lora_dropout["default"], "p", 0.0) == dropout
+    # And back, bitwise.
+    back = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"], MODULES)
+    assert jax.tree.structure(back) == jax.tree.structure(adapters)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+SAVED = ["lm_head", "embed_tokens", "input_layernorm"]
+
+
+def _with_saved(params, saved):
+    """The params with the saved modules' copies in place (their names in the model)."""
+    params = jax.tree.map(lambda v: v, params)
+    params["head"] = saved["lm_head.weight"]
+    params["embed"] = saved["model.embed_tokens.weight"]
+    params["layers"]["attn_norm"] = jnp.stack(
+        [saved[f"model.layers.{i}.input_layernorm.weight"] for i in range(N)])
+    return params
+
+
+def test_peft_s_modules_to_save_load_with_peft_s_logits(tmp_path):
+    """modules_to_save: PEFT trains full copies of the head, the embedding and every layer's
+    first norm beside the adapters; `load_peft(..., modules_to_save=True)` gives them by their
+    names in the model, and in place they give PEFT's logits."""
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                             init_lora_weights=False, modules_to_save=SAVED)
+    peft_model = peft.get_peft_model(model, config).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():  # as if trained: the copies off the base's values
+        for name, p in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    with pytest.raises(ValueError, match="Pass `modules_to_save=True`"):
+        stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
+    adapters, saved = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES,
+                                               modules_to_save=True)
+    assert sorted(saved) == sorted(["lm_head.weight", "model.embed_tokens.weight"] + [
+        f"model.layers.{i}.input_layernorm.weight" for i in range(N)])
+    theirs = _peft_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(_logits(model, _with_saved(params, saved), adapters, TOKENS),
+                               theirs, **TOL)
+    # The copies matter (can fail): with the base's own modules, other logits.
+    assert np.abs(_logits(model, params, adapters, TOKENS) - theirs).max() > 100 * TOL["atol"]
+
+
+def test_modules_to_save_stackwise_saved_give_peft_the_stacked_model_s_logits(tmp_path):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    adapters = _ours(params)
+    keys = iter(jax.random.split(jax.random.key(7), 8))
+    saved = {"lm_head.weight": params["head"], "model.embed_tokens.weight": params["embed"],
+             **{f"model.layers.{i}.input_layernorm.weight": params["layers"]["attn_norm"][i]
+                for i in range(N)}}
+    saved = {k: v + 0.1 * jax.random.normal(next(keys), v.shape) for k, v in saved.items()}
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES, modules_to_save=saved)
+    import json
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == sorted(
+        ["lm_head", "model.embed_tokens"] + [f"model.layers.{i}.input_layernorm"
+                                             for i in range(N)])
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(_logits(model, _with_saved(params, saved), adapters, TOKENS),
+                               _peft_logits(peft_model, TOKENS), **TOL)
+    back, back_saved = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"],
+                                                MODULES, modules_to_save=True)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+    assert back_saved.keys() == saved.keys()
+    for k in saved:
+        np.testing.assert_array_equal(back_saved[k], saved[k])

@@ -7,6 +7,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _misuse import assert_refused, case
 
@@ -20,6 +21,12 @@ W = ["['w']"]
 
 def _adapters(base=BASE, **kw):
     return stackwise.lora.init(KEY, base, rank=2, targets=W, **kw)
+
+
+def _dora_misfit():
+    lw = _adapters(dora=True)["w"]
+    bad = stackwise.lora.LoraWeights(lw.a, lw.b, lw.alpha, magnitude=lw.magnitude[:, :4])
+    stackwise.lora.attach(BASE, {"w": bad, "c": None, "t": None})
 
 
 def _other_depth():
@@ -126,6 +133,15 @@ LORA = [
     case("alpha a string", lambda: _adapters(alpha="8"), TypeError, "`alpha` must be a number"),
     case("alpha infinite", lambda: _adapters(alpha=float("inf")), ValueError,
          "`alpha` must be positive and finite", "got inf", "alpha / rank"),
+    case("rslora a string", lambda: _adapters(rslora="yes"), TypeError,
+         "`rslora` must be True or False", "str 'yes'"),
+    case("dora a number", lambda: _adapters(dora=1), TypeError,
+         "`dora` must be True or False", "int 1"),
+    case("a DoRA magnitude of another shape", _dora_misfit, ValueError,
+         "DoRA adapter ['w'] has magnitude (3, 4)", "one per output column, (3, 6)"),
+    case("unmerge DoRA", lambda: stackwise.lora.unmerge(BASE, _adapters(dora=True)),
+         ValueError, "adapter ['w'] is DoRA's", "cannot be taken back out",
+         "Keep the base"),
     case("adapters of an int dtype", lambda: _adapters(dtype=jnp.int32), ValueError,
          "`dtype` is int32", "give a float dtype"),
     case("an int leaf as a target", lambda: stackwise.lora.init(KEY, INTS, rank=2,
@@ -259,10 +275,10 @@ def _save_batch(tmp_path):
     stackwise.lora.save_peft(tmp_path / "a", batch, MODULES)
 
 
-def _save_two_ranks(tmp_path):
+def _save_two_scalings(tmp_path):
     base = {"u": BASE["w"], "v": BASE["w"]}
     one = stackwise.lora.init(KEY, base, rank=2, targets=["['u']"])
-    two = stackwise.lora.init(KEY, base, rank=1, targets=["['v']"])
+    two = stackwise.lora.init(KEY, base, rank=2, targets=["['v']"], rslora=True)
     stackwise.lora.save_peft(tmp_path / "a", {"u": one["u"], "v": two["v"]},
                              {"['u']": "q_proj", "['v']": "v_proj"})
 
@@ -285,6 +301,48 @@ def _load_onto_another_width(tmp_path):
 def _load_with(config):
     def call(tmp_path):
         stackwise.lora.load_peft(_saved(tmp_path, **config), BASE, MODULES)
+    return call
+
+
+def _saved_dora(tmp_path):
+    folder = tmp_path / "dora"
+    stackwise.lora.save_peft(folder, _adapters(dora=True), MODULES)
+    return folder
+
+
+def _load_dora_with(config):
+    def call(tmp_path):
+        folder = _saved_dora(tmp_path)
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+        tensors = folder / "adapter_model.safetensors"
+        from safetensors import numpy as safetensors_numpy
+
+        kept = {k: v for k, v in safetensors_numpy.load_file(tensors).items()
+                if ".layers.2." not in k}
+        safetensors_numpy.save_file(kept, tensors)
+        stackwise.lora.load_peft(folder, BASE, MODULES)
+    return call
+
+
+def _save_dora_and_plain(tmp_path):
+    base = {"u": BASE["w"], "v": BASE["w"]}
+    one = stackwise.lora.init(KEY, base, rank=2, targets=["['u']"])
+    two = stackwise.lora.init(KEY, base, rank=2, targets=["['v']"], dora=True)
+    stackwise.lora.save_peft(tmp_path / "a", {"u": one["u"], "v": two["v"]},
+                             {"['u']": "q_proj", "['v']": "v_proj"})
+
+
+def _load_with_tensor(config, name):
+    """A config edited as `_load_with`, and one more tensor in the file."""
+    def call(tmp_path):
+        from safetensors import numpy as safetensors_numpy
+
+        folder = _saved(tmp_path, **config)
+        path = folder / "adapter_model.safetensors"
+        tensors = safetensors_numpy.load_file(path)
+        safetensors_numpy.save_file({**tensors, name: np.zeros((6,), np.float32)}, path)
+        stackwise.lora.load_peft(folder, BASE, MODULES)
     return call
 
 
@@ -333,7 +391,8 @@ PEFT = [
          lambda t: stackwise.lora.save_peft(t / "a", _adapters(), {"['c']": "q_proj"}),
          ValueError, "one module name per adapted leaf"),
     case("save: a batch", _save_batch, ValueError, "batch of 2 adapters", "v[j]"),
-    case("save: two ranks", _save_two_ranks, ValueError, "several (rank, alpha) pairs"),
+    case("save: rsLoRA and plain LoRA", _save_two_scalings, ValueError,
+         "alpha / sqrt(r) (rsLoRA)", "one `use_rslora`", "rslora="),
     case("save: over an adapter", _save_twice, FileExistsError, "overwrite=True"),
     case("save: layers without {i}", _save_as(MODULES, layers="model.layers"), ValueError,
          "`layers` is 'model.layers'", "one `{i}`", "a file would keep the last layer only"),
@@ -376,12 +435,47 @@ PEFT = [
     case("load: lora_alpha infinite", _load_with({"lora_alpha": float("inf")}), ValueError,
          "lora_alpha=inf"),
     case("load: r a string", _load_with({"r": "2"}), ValueError, "r='2'", "an int of at least 1"),
-    case("load: bias all", _load_with({"bias": "all"}), ValueError, "bias='all'",
-         "stackwise does not support"),
-    case("load: modules_to_save", _load_with({"modules_to_save": ["lm_head"]}), ValueError,
-         "modules_to_save=['lm_head']", "stackwise does not support"),
-    case("load: layers_to_transform", _load_with({"layers_to_transform": [0, 1]}), ValueError,
-         "layers_to_transform=[0, 1]", "stackwise does not support"),
+    case("load: bias all, with trained biases", _load_with_tensor(
+        {"bias": "all"}, "base_model.model.model.layers.0.self_attn.q_proj.bias"), ValueError,
+         "bias='all'", "stackwise does not support", "holds 1 trained biases",
+         "layers.0.self_attn.q_proj.bias", "loads bias='none'"),
+    case("load: modules_to_save, without asking for them", _load_with_tensor(
+        {"modules_to_save": ["lm_head"]}, "base_model.model.lm_head.weight"), ValueError,
+         "modules_to_save=['lm_head']", "holds full trained copies", "e.g. lm_head.weight",
+         "would lose", "`modules_to_save=True`", "adapters, saved ="),
+    case("load: modules_to_save a str", _load_with({"modules_to_save": "lm_head"}),
+         ValueError, "modules_to_save='lm_head'", "a list of module names"),
+    case("load: modules_to_save= not a bool", lambda t: stackwise.lora.load_peft(
+        _saved(t), BASE, MODULES, modules_to_save="lm_head"), TypeError,
+         "`modules_to_save` must be True or False", "str 'lm_head'"),
+    case("save: modules_to_save not a mapping",
+         _save_as(MODULES, modules_to_save=["lm_head"]), TypeError,
+         "`modules_to_save` maps each saved tensor's name", "list ['lm_head']"),
+    case("save: modules_to_save names a module, not a tensor",
+         _save_as(MODULES, modules_to_save={"lm_head": jnp.ones((4, 4))}), ValueError,
+         "names 'lm_head', not a tensor's name", "'lm_head.weight'"),
+    case("save: modules_to_save names an adapted module", _save_as(
+        MODULES, modules_to_save={"model.layers.0.self_attn.q_proj.weight": jnp.ones((4, 4))}),
+         ValueError, "of module 'model.layers.0.self_attn.q_proj', which holds an adapter",
+         "PEFT adapts no module it saves whole"),
+    case("save: modules_to_save of a whole layer", _save_as(
+        MODULES, modules_to_save={"model.layers.1.weight": jnp.ones((4, 4))}),
+         ValueError, "of module 'model.layers.1', which holds an adapter "
+         "(model.layers.1.self_attn.q_proj)"),
+    case("save: modules_to_save an int tensor", _save_as(
+        MODULES, modules_to_save={"lm_head.weight": jnp.ones((4, 4), jnp.int32)}), TypeError,
+         "`modules_to_save`['lm_head.weight'] is of dtype int32", "float tensor"),
+    case("save: modules_to_save a quantized tensor", _save_as(
+        MODULES, modules_to_save={"lm_head.weight": stackwise.quant.quantize(
+            {"w": jnp.ones((1, 4, 4))})["w"]}), TypeError,
+         "`modules_to_save`['lm_head.weight'] is quantized", "(dequantized)"),
+    case("save: modules_to_save a list", _save_as(
+        MODULES, modules_to_save={"lm_head.weight": [[1.0]]}), TypeError,
+         "`modules_to_save`['lm_head.weight'] is list"),
+    case("load: layers_to_transform, with the left-out layer's tensors",
+         _load_with({"layers_to_transform": [0, 1]}), ValueError,
+         "layers.2.self_attn.q_proj.lora_A.weight", "fit no layer",
+         "layers_to_transform leave without an adapter"),
     case("load: into a served base", lambda t: stackwise.lora.load_peft(
         _saved(t), stackwise.to_serving(BASE), MODULES), TypeError,
         "`base` is in the serving layout", "stackwise.from_serving(tree)"),
@@ -397,7 +491,8 @@ PEFT = [
          "layers.3.self_attn.q_proj.lora_A.weight is missing", "another model"),
     case("load: files of another width", _load_onto_another_width, ValueError,
          "of shape (2, 4), expected (2, 5)", "another model"),
-    case("load: DoRA", _load_with({"use_dora": True}), ValueError, "use_dora=True"),
+    case("load: DoRA without its magnitudes", _load_with({"use_dora": True}), ValueError,
+         "layers.0.self_attn.q_proj.lora_magnitude_vector is missing", "another model"),
     case("load: another PEFT type", _load_with({"peft_type": "IA3"}), ValueError,
          "peft_type='IA3'"),
     case("load: files of other target modules", _load_other_modules, ValueError,
@@ -420,6 +515,91 @@ PEFT = [
          lambda t: stackwise.lora.load_peft(_saved(t), BASE, MODULES, layout=None), ValueError,
          "`layout` is None", "Equinox"),
 ]
+
+
+# PEFT's LoraConfig fields stackwise does not apply: each refused by name, with its value and
+# what stackwise loads (docs/finetune.md's table).
+REFUSED_FIELDS = {
+    "fan_in_fan_out": True,
+    "lora_bias": True, "trainable_token_indices": [0, 1], "layer_replication": [[0, 2]],
+    "target_parameters": ["experts.down_proj"], "alora_invocation_tokens": [5],
+    "use_qalora": True, "megatron_config": {"tp": 2}, "velora_config": {"rank": 2},
+    "monteclora_config": {"num_samples": 2}, "use_bdlora": {"nblocks": 2},
+    "arrow_config": {"top_k": 2}, "kasa_config": {"beta": 1.0},
+}
+PEFT_FIELDS = [
+    case(f"load: {field}", _load_with({field: value}), ValueError, f"{field}={value!r}",
+         "stackwise does not support", "stackwise loads LoRA (W + scale * B A", f"{field} unset")
+    for field, value in REFUSED_FIELDS.items()
+] + [
+    case("load: a field stackwise does not know", _load_with({"lora_magic": 3}), ValueError,
+         "lora_magic=3", "a field stackwise does not know",
+         "stackwise loads LoRA (W + scale * B A"),
+    case("load: use_rslora a string", _load_with({"use_rslora": "yes"}), ValueError,
+         "use_rslora='yes'", "true or false"),
+    case("load: use_dora a string", _load_with({"use_dora": "yes"}), ValueError,
+         "use_dora='yes'", "true or false"),
+    case("load: DoRA with layers left without adapters", _load_dora_with(
+        {"layers_to_transform": [0, 1]}), ValueError, "use_dora=True",
+         "with layers_to_transform PEFT leaves some layers of ['w'] without an adapter",
+         "a DoRA adapter cannot stand for none", "DoRA on every layer of a module"),
+    case("load: DoRA with a module PEFT adapts on no layer", _load_dora_with(
+        {"exclude_modules": ["q_proj"]}), ValueError, "use_dora=True",
+         "with exclude_modules PEFT leaves some layers of ['w'] without an adapter",
+         "PEFT adapts ['w']'s module on no layer: leave it out of `modules`"),
+    case("load: DoRA onto an (out, in) base", lambda t: stackwise.lora.load_peft(
+        _saved_dora(t), {**BASE, "w": jnp.ones((N, 6, 4))}, MODULES, layout="out_in"),
+         ValueError, "use_dora=True", "columns of weights used as x @ W",
+         "layout='in_out'"),
+    case("save: DoRA beside plain LoRA", _save_dora_and_plain, ValueError,
+         "some adapters are DoRA's", "one `use_dora`", "dora="),
+    case("save: DoRA with layout out_in", _save_as(
+        MODULES, lambda: _adapters(dora=True), layout="out_in"), ValueError,
+         "DoRA adapters with layout='out_in'", "layout='in_out'"),
+    case("load: a rank_pattern rank of 0", _load_with({"rank_pattern": {"q_proj": 0}}),
+         ValueError, "rank_pattern={'q_proj': 0}", "an int rank of at least 1"),
+    case("load: a rank_pattern that is a list", _load_with({"rank_pattern": [["q_proj", 2]]}),
+         ValueError, "rank_pattern=[['q_proj', 2]]", "maps module-name patterns"),
+    case("load: an alpha_pattern alpha of inf",
+         _load_with({"alpha_pattern": {"q_proj": float("inf")}}), ValueError,
+         "alpha_pattern={'q_proj': inf}", "a finite positive alpha"),
+    case("load: a rank_pattern key that is no regex", _load_with({"rank_pattern": {"q(": 2}}),
+         ValueError, "rank_pattern={'q(': 2}", "its key 'q(' is not a regular expression"),
+    case("load: rank_pattern per layer", _load_with(
+        {"rank_pattern": {r"model\.layers\.1\.self_attn\.q_proj": 1}}), ValueError,
+        "rank_pattern=", "several (rank, alpha) pairs", "one rank and alpha for all its layers",
+        "e.g. 'q_proj', not one layer's"),
+    case("load: alpha_pattern per layer", _load_with(
+        {"alpha_pattern": {"layers.0.self_attn.q_proj": 1}}), ValueError,
+        "alpha_pattern={'layers.0.self_attn.q_proj': 1}", "several (rank, alpha) pairs",
+        "model.layers.0.self_attn.q_proj: (2, 1)"),
+    case("load: layers_to_transform a string", _load_with({"layers_to_transform": "0"}),
+         ValueError, "layers_to_transform='0'", "a layer index or a list of them"),
+    case("load: layers_pattern a number", _load_with(
+        {"layers_to_transform": [0], "layers_pattern": 3}), ValueError, "layers_pattern=3",
+        "a str or a list of str"),
+    case("load: exclude_modules a dict", _load_with({"exclude_modules": {"q_proj": 1}}),
+         ValueError, "exclude_modules={'q_proj': 1}", "a str or a list of str"),
+    case("load: layers_pattern alone", _load_with({"layers_pattern": "layers"}), ValueError,
+         "layers_pattern='layers'", "only with layers_to_transform"),
+    case("load: lora_dropout above 1", _load_with({"lora_dropout": 2}), ValueError,
+         "lora_dropout=2", "a probability in [0, 1]"),
+    case("load: bias of another kind", _load_with({"bias": "some"}), ValueError,
+         "bias='some'", "'none', 'all' or 'lora_only'"),
+    case("load: a PiSSA adapter", _load_with({"init_lora_weights": "pissa"}), ValueError,
+         "init_lora_weights='pissa'", "changed the base weights",
+         "path_initial_model_for_weight_conversion", "'gaussian'"),
+    case("save: lora_dropout above 1", _save_as(MODULES, lora_dropout=1.5), ValueError,
+         "`lora_dropout` is 1.5", "a number in [0, 1]", "stackwise's training applies none"),
+    case("save: lora_dropout a string", _save_as(MODULES, lora_dropout="0.1"), ValueError,
+         "`lora_dropout` is '0.1'"),
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", PEFT_FIELDS)
+def test_refused_peft_fields(call, error, words, tmp_path):
+    assert_refused(lambda: call(tmp_path), error, words)
 
 
 @pytest.mark.every_case
