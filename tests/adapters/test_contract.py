@@ -679,8 +679,8 @@ def test_fsdp_off_a_mesh_changes_nothing_but_the_remat(fw):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"remat": False, "reverse": True}, {"pattern": 2}],
-    ids=["default", "reverse", "pattern"],
+    [{}, {"remat": False, "reverse": True}, {"pattern": 2}, {"unroll": True, "pattern": 2}],
+    ids=["default", "reverse", "pattern", "unroll=True"],
 )
 def test_decoding_with_a_stacked_cache_matches_the_loop(fw, options):
     n = 3
@@ -702,16 +702,20 @@ def test_decoding_with_a_stacked_cache_matches_the_loop(fw, options):
     assert_trees_close(jax.tree.leaves(cache), jax.tree.leaves(expected))
 
 
-@pytest.mark.parametrize("n", [24])
-def test_the_compiled_decode_step_updates_the_donated_cache_in_place(fw, n):
+@pytest.mark.parametrize("n, unroll", [(24, 1), (12, True)], ids=["scan", "unroll=True"])
+def test_the_compiled_decode_step_updates_the_donated_cache_in_place(fw, n, unroll):
+    """Scanned or (``unroll=True``, the decode that runs at the loop's speed on a TPU: each
+    layer writes its row of the stacked cache) as a loop: no copy of the cache either way."""
+
     def program(n):
-        params, cache, step, _, _ = fw.decode(n)
+        params, cache, step, _, _ = fw.decode(n, unroll=unroll)
         x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)
         step = jax.jit(step, donate_argnums=1)
         return step.lower(params, cache, x, jnp.int32(3)).compile(), jax.tree.leaves(cache)
 
     compiled, leaves = program(n)
     assert_aliases_exactly(compiled, leaves)  # the new cache is the donated buffer
+    assert (" while(" in compiled.as_text()) == (unroll is not True)
     shallow, shallow_leaves = program(n // 2)
     assert_no_copy_per_layer(shallow, compiled, shallow_leaves, leaves)  # and never copied
     if on_cpu():  # XLA:CPU's bytes are the arrays' own (tests/_programs.py)
