@@ -239,7 +239,10 @@ def autostack(
             raise TypeError(
                 f"{WHO}: `params` must be a pytree of arrays, but the leaf at "
                 f"`params{jax.tree_util.keystr(path)}` is {type(leaf).__name__} {leaf!r}; pass "
-                "Python values in `example_args`, or close over them in `fn`."
+                "Python values in `example_args`, or close over them in `fn`. For an Equinox "
+                "module, split off its arrays: not `autostack(lambda m, x: m(x), model, x)` but "
+                "`params, static = eqx.partition(model, eqx.is_array)` and "
+                "`autostack(lambda p, x: eqx.combine(p, static)(x), params, x)`."
             )
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, *example_args)
     closed = _inline_whole(closed)
