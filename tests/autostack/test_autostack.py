@@ -170,3 +170,55 @@ def test_blocks_inside_checkpoint_and_custom_vjp_calls():
 
     f = check_loop(model, mlp_params(KEY, 4), X, n=4, period=1)
     assert f.found.params == 3
+
+
+# --------------------------------------------------------------------------
+# A leaf several blocks read (weights tied across layers) is never stacked as a block's own:
+# it stays in "rest", read by every block of the scan (or stacked at each call where blocks
+# read different such leaves), and its gradient sums every block's, as the loop's does.
+
+
+def test_one_leaf_read_by_every_block_is_shared_not_stacked():
+    def model(params, x):  # ALBERT-style: one layer's weights applied n times
+        p = params["layer"]
+        for _ in range(4):
+            x = x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+        return x @ params["head"]
+
+    full = mlp_params(KEY, 1)
+    params = {"layer": full["layers"][0], "head": full["head"]}
+    stacked, f = stackwise.autostack(model, params, X)
+    assert (f.found.n, f.found.params) == (4, 0) and stacked["blocks"] == {}
+    assert len(f._plan.shared) == 3
+    check_loop(model, params, X, n=4)
+    assert_trees_bitwise(f.unstack(stacked), params)
+
+
+def test_a_leaf_read_by_two_blocks_is_stacked_at_each_call_not_moved():
+    def model(params, x):  # layers 2i and 2i+1 share their "w"; each has its own "v", "b"
+        for i, p in enumerate(params["layers"]):
+            w = params["layers"][i - i % 2]["w"]
+            x = x + jnp.tanh(x @ w + p["b"]) @ p["v"]
+        return x @ params["head"]
+
+    params = mlp_params(KEY, 4)
+    stacked, f = stackwise.autostack(model, params, X)
+    assert (f.found.n, f.found.params) == (4, 2), f.found
+    assert "['layers'][0]['w']" not in stacked["blocks"]
+    assert stacked["rest"]["layers"][0]["w"] is params["layers"][0]["w"]
+    assert len(f._plan.scanned) == 1  # (w0, w0, w2, w2), stacked when f runs
+    check_loop(model, params, X, n=4)
+    assert_trees_bitwise(f.unstack(stacked), params)
+
+
+def test_a_block_leaf_read_after_the_run_too_stays_in_rest():
+    def model(params, x):  # the last layer's "w" also read by the head (a tie)
+        for p in params["layers"]:
+            x = x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
+        return x @ params["layers"][-1]["w"]
+
+    params = mlp_params(KEY, 4)
+    stacked, f = stackwise.autostack(model, params, X)
+    assert f.found.n == 4 and "['layers'][0]['w']" not in stacked["blocks"]
+    check_loop(model, params, X, n=4)
+    assert_trees_bitwise(f.unstack(stacked), params)
