@@ -253,3 +253,60 @@ def test_a_block_leaf_read_after_the_run_too_stays_in_rest():
     assert f.found.n == 4 and "['layers'][0]['w']" not in stacked["blocks"]
     check_loop(model, params, X, n=4)
     assert_trees_bitwise(f.unstack(stacked), params)
+
+
+# --------------------------------------------------------------------------
+# A decode step: each block writes the new token's key and value into its own layer's cache
+# (`dynamic_update_slice`) and returns it. The caches are per-block inputs stacked when `f`
+# runs (or, where they are in the params, stacked param leaves) and per-block outputs
+# leaving the scan stacked; only the activation is carried.
+
+B, T, D = 2, 8, 8
+
+
+def decode(params, caches, x, pos):
+    """``x [B, 1, D]``, ``caches``: per layer ``{"k", "v"}`` of ``[B, T, D]``."""
+    new = []
+    for p, c in zip(params["layers"], caches):
+        k = jax.lax.dynamic_update_slice(c["k"], x @ p["wk"], (0, pos, 0))
+        v = jax.lax.dynamic_update_slice(c["v"], x @ p["wv"], (0, pos, 0))
+        scores = jnp.einsum("bqd,bkd->bqk", x @ p["wq"], k) / D**0.5
+        scores = jnp.where(jnp.arange(T)[None, None, :] <= pos, scores, -1e9)
+        x = x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, -1), v) @ p["wo"]
+        new.append({"k": k, "v": v})
+    return x, new
+
+
+def decode_params(n):
+    keys = jax.random.split(KEY, n)
+    return {"layers": [{w: jax.random.normal(kk, (D, D)) / D**0.5
+                        for w, kk in zip(("wq", "wk", "wv", "wo"), jax.random.split(k, 4))}
+                       for k in keys]}
+
+
+def decode_caches(n):
+    keys = jax.random.split(jax.random.key(2), n)
+    return [{"k": jax.random.normal(k, (B, T, D)), "v": jnp.cos(jax.random.normal(k, (B, T, D)))}
+            for k in keys]
+
+
+def test_a_decode_step_updating_each_layers_kv_cache():
+    n, x, pos = 4, jax.random.normal(jax.random.key(3), (B, 1, D)), jnp.int32(3)
+    f = check_loop(decode, decode_params(n), decode_caches(n), x, pos, n=n)
+    assert f.found.params == 4 and len(f._plan.scanned) == 2  # the k and v caches
+    assert len(f._plan.carry) == 1 and len(f._plan.ys) == 2  # x carried; caches stacked out
+
+
+def test_a_kv_cache_among_the_params_is_stacked_with_them():
+    n, x, pos = 4, jax.random.normal(jax.random.key(3), (B, 1, D)), jnp.int32(5)
+
+    def step(variables, x, pos):  # as a flax "cache" collection beside the "params"
+        return decode({"layers": variables["params"]}, variables["cache"], x, pos)
+
+    variables = {"params": decode_params(n)["layers"], "cache": decode_caches(n)}
+    stacked, f = stackwise.autostack(step, variables, x, pos)
+    assert f.found.params == 6 and stacked["blocks"]["['cache'][0]['k']"].shape == (n, B, T, D)
+    y, caches = jax.jit(f)(stacked, x, pos)
+    want_y, want_caches = step(variables, x, pos)
+    assert_trees_close((y, caches), (want_y, want_caches))
+    assert_trees_bitwise(f.unstack(stacked), variables)
