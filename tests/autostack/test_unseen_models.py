@@ -134,6 +134,23 @@ def test_linen_gpt2(n):
     assert stacked["rest"]["params"]["wte"]["embedding"] is params["params"]["wte"]["embedding"]
 
 
+def test_linen_gpt2_with_dropout_on():
+    """Training: every Dropout draws from the "dropout" rng, folded per module path: the
+    scan gives each layer the loop's masks."""
+    model = linen_gpt2(4)
+    params = model.init(jax.random.key(0), TOKENS)
+    fresh = model.init(jax.random.key(1), TOKENS)
+
+    def train_apply(p, tokens, key):
+        return model.apply(p, tokens, deterministic=False, rngs={"dropout": key})
+
+    stacked, f = check_unseen(train_apply, params, fresh, (TOKENS, jax.random.key(3)), n=4,
+                              per_layer=12,
+                              bound=reassociation_bound(depth=4, width=GPT2_SUMS, summed=14),
+                              zero=GPT2_ZERO)
+    assert scanned_layers(f, stacked, TOKENS, jax.random.key(3)) == [4]
+
+
 # --------------------------------------------------------------------------
 # (b) A Haiku GPT: `hk.MultiHeadAttention` with a causal mask, an MLP, layer norms, blocks made
 # in a `for` loop (`hk.Module`s named by creation order), dropout through `hk.dropout` when
@@ -201,6 +218,22 @@ def test_haiku_gpt(n):
                               zero=HAIKU_GPT_ZERO)
     assert per_layer == 16  # 2 norms, 4 attention Linears and 2 MLP Linears: 2 leaves each
     assert scanned_layers(f, stacked, TOKENS) == [n]
+
+
+def test_haiku_gpt_training_with_dropout():
+    """``hk.next_rng_key()`` per dropout: the key chain is carried through the scan."""
+    model = haiku_gpt(4)
+    params = model.init(jax.random.key(0), TOKENS)
+    fresh = model.init(jax.random.key(1), TOKENS)
+
+    def train_apply(p, key, tokens):
+        return model.apply(p, key, tokens, is_training=True)
+
+    stacked, f = check_unseen(train_apply, params, fresh, (jax.random.key(3), TOKENS), n=4,
+                              per_layer=16,
+                              bound=reassociation_bound(depth=4, width=HAIKU_GPT_SUMS, summed=14),
+                              zero=HAIKU_GPT_ZERO)
+    assert scanned_layers(f, stacked, jax.random.key(3), TOKENS) == [4]
 
 
 # --------------------------------------------------------------------------
