@@ -111,8 +111,8 @@ class Signatures:
     def function(self, value: Any, active: tuple = ()) -> tuple:
         """A callable's key: equal keys, the same computation (see the module's docstring).
 
-        ``active``: the ids of the callables being keyed around this one (a closure that
-        reaches itself is keyed ``("cycle",)`` there)."""
+        ``active``: the ids of the callables and containers being keyed around this one (a
+        closure that reaches itself is keyed ``("cycle",)`` there)."""
         if id(value) in active:
             return ("cycle",)
         active = (*active, id(value))
@@ -146,6 +146,10 @@ class Signatures:
         """A closed-over value's key: by value where it has one, else by identity."""
         if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
             return (type(value).__name__, value)
+        if isinstance(value, (tuple, list, dict)):
+            if id(value) in active:  # (a container holding itself)
+                return ("cycle",)
+            active = (*active, id(value))
         if isinstance(value, (tuple, list)):
             return (type(value).__name__, tuple(self._value(v, active) for v in value))
         if isinstance(value, dict):

@@ -235,3 +235,35 @@ def test_rules_made_per_layer_closing_over_equal_values_are_stacked(checkpointed
     model = wrapped_model(lambda i: scaled_grad_by_default(0.5), checkpointed)
     f = check_loop(model, mlp_params(KEY, 4), X, n=4)
     assert f.found.params == 3
+
+
+def test_params_or_args_of_another_structure_name_the_leaves_that_differ():
+    from _models import llama, llama_params
+
+    tokens = jnp.array([[1, 2, 3]])
+    stacked, f = stackwise.autostack(llama, llama_params(KEY, 3), tokens)
+    with pytest.raises(TypeError) as info:
+        f.stack(llama_params(KEY, 4))
+    message = str(info.value)
+    assert "`params` is not the structure `fn` was traced with" in message, message
+    assert "it lacks 0 leaves" in message and "has 9 others (['layers'][3]['down']" in message
+    with pytest.raises(TypeError, match=r"`args` .* lacks 1 leaves .*\(\[0\]\) and has 1 "
+                                        r"others \(\[0\]\['a'\]\)"):
+        f(stacked, {"a": tokens})
+
+
+def test_a_rule_closing_over_a_container_that_holds_itself_is_keyed():
+    table = {"scale": 1.0}
+    table["self"] = table  # (a closure reaching itself again: keyed, not recursed forever)
+
+    def wrapper(i):
+        @jax.custom_vjp
+        def f(x):
+            return x
+
+        f.defvjp(lambda x: (x, None), lambda _, g: (g * table["scale"],))
+        return f
+
+    from test_autostack import check_loop
+
+    check_loop(wrapped_model(wrapper), mlp_params(KEY, 3), X, n=3)

@@ -418,3 +418,18 @@ def test_an_equinox_module_given_whole_is_refused_with_the_partition_to_use():
     message = str(info.value)
     assert "the leaf at `params.blocks[0].attn.dropout.p` is float 0.0" in message, message
     assert "eqx.partition(model, eqx.is_array)" in message, message
+
+
+def test_params_of_a_class_made_twice_are_told_apart_by_the_node():
+    """The same leaves at the same paths, but the model's class made again: the message names
+    the node, not two whole treedefs."""
+    import equinox as eqx
+
+    params, static = eqx.partition(equinox_gpt(jax.random.key(0), 2), eqx.is_array)
+    _, f = stackwise.autostack(lambda p, t: jax.vmap(eqx.combine(p, static))(t), params, TOKENS)
+    other = equinox_gpt_class.__wrapped__()(jax.random.key(1), 2)  # (not the cached class)
+    with pytest.raises(TypeError) as info:
+        f.stack(eqx.partition(other, eqx.is_array)[0])
+    message = str(info.value)
+    assert "the same leaves at the same paths, but a node differs" in message, message
+    assert "`equinox_gpt_class.<locals>.GPT`" in message and "made twice" in message, message
