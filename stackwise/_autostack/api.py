@@ -270,6 +270,12 @@ def autostack(
             failures.setdefault((a + failure.block * p, p), failure.text)
         if plan is not None and (best is None or plan.period * plan.count > best.period * best.count):
             best = plan
+    if best is None and top is None and len(eqns) >= 2:
+        # Nothing repeats: where blocks differ in the functions they hold only, line them up
+        # with every function alike, to name the first block that differs and how.
+        loose = Signatures(loose=True)
+        lined_up = candidates(np.array([loose.of(e) for e in eqns], dtype=np.int64))
+        top = lined_up[0] if lined_up else None
     if best is None:
         problem = diagnose.no_run(eqns, ids, sigs, top, failures)
     else:

@@ -56,9 +56,12 @@ class Signatures:
     """Signatures of equations, each interned as a small int (equal ints: equal signatures).
 
     Sub-jaxprs are printed once per object (a ``jax.jit``-decorated block shares its jaxpr
-    across calls)."""
+    across calls). ``loose``: every function keyed alike, so that blocks differing only in
+    the functions they hold (each layer's backward closing over its own object) still line
+    up, and the strict signatures then say how they differ."""
 
-    def __init__(self) -> None:
+    def __init__(self, loose: bool = False) -> None:
+        self.loose = loose  # every function alike: to find where functions alone differ
         self._ids: dict = {}
         self._jaxprs: dict[int, tuple] = {}
         self._keep: list = []  # (the sub-jaxprs keyed by id stay alive)
@@ -113,6 +116,8 @@ class Signatures:
 
         ``active``: the ids of the callables and containers being keyed around this one (a
         closure that reaches itself is keyed ``("cycle",)`` there)."""
+        if self.loose:
+            return ("function",)
         if id(value) in active:
             return ("cycle",)
         active = (*active, id(value))

@@ -267,3 +267,12 @@ def test_a_rule_closing_over_a_container_that_holds_itself_is_keyed():
     from test_autostack import check_loop
 
     check_loop(wrapped_model(wrapper), mlp_params(KEY, 3), X, n=3)
+
+
+def test_blocks_differing_in_every_rule_name_the_first_block_and_how():
+    """Every layer's backward closes over its own object: no two blocks are alike, and the
+    message still names block 1, its equation and the closure that differs."""
+    message = refused(wrapped_model(lambda i: _box_grad(Box(1.0))), mlp_params(KEY, 4), X)
+    assert "found no run of 2 or more blocks" in message and "breaks at block 1" in message
+    assert "(`custom_vjp_call`" in message and "`bwd` differs" in message, message
+    assert "closes over `box` = a `Box` object (compared by identity)" in message, message
