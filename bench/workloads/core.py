@@ -134,7 +134,7 @@ def mlp(cfg: BenchConfig, notes: list[str]) -> list[Case]:
 def transformer(cfg: BenchConfig, notes: list[str]) -> list[Case]:
     """The pre-LN causal self-attention + MLP block, written in pure JAX."""
     del notes
-    return _variants(*transformer_block(cfg), slices=False, checkpoint=False)
+    return _variants(*transformer_block(cfg), slices=False, checkpoint=False, autostack=True)
 
 
 def transformer_block(cfg: BenchConfig) -> tuple[Callable, Callable, Callable]:

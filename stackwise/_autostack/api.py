@@ -128,7 +128,8 @@ class Autostacked:
         leaves, got = jax.tree.flatten(tree)
         if got != treedef:
             raise TypeError(
-                f"{WHO}: `{what}` has the structure {got}, but `fn` was traced with {treedef}."
+                f"{WHO}: `{what}` is not the structure `fn` was traced with: "
+                f"{_structure_difference(got, treedef)}."
             )
         return leaves
 
@@ -239,7 +240,10 @@ def autostack(
             raise TypeError(
                 f"{WHO}: `params` must be a pytree of arrays, but the leaf at "
                 f"`params{jax.tree_util.keystr(path)}` is {type(leaf).__name__} {leaf!r}; pass "
-                "Python values in `example_args`, or close over them in `fn`."
+                "Python values in `example_args`, or close over them in `fn`. For an Equinox "
+                "module, split off its arrays: not `autostack(lambda m, x: m(x), model, x)` but "
+                "`params, static = eqx.partition(model, eqx.is_array)` and "
+                "`autostack(lambda p, x: eqx.combine(p, static)(x), params, x)`."
             )
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, *example_args)
     closed = _inline_whole(closed)
@@ -266,6 +270,12 @@ def autostack(
             failures.setdefault((a + failure.block * p, p), failure.text)
         if plan is not None and (best is None or plan.period * plan.count > best.period * best.count):
             best = plan
+    if best is None and top is None and len(eqns) >= 2:
+        # Nothing repeats: where blocks differ in the functions they hold only, line them up
+        # with every function alike, to name the first block that differs and how.
+        loose = Signatures(loose=True)
+        lined_up = candidates(np.array([loose.of(e) for e in eqns], dtype=np.int64))
+        top = lined_up[0] if lined_up else None
     if best is None:
         problem = diagnose.no_run(eqns, ids, sigs, top, failures)
     else:
@@ -280,6 +290,59 @@ def autostack(
     trees = (params_def, args_def, jax.tree.structure(shapes), paths)
     f = Autostacked(fn, found, closed, best, trees, rematted)
     return f.stack(params), f
+
+
+def _structure_difference(got: Any, want: Any) -> str:
+    """How two treedefs differ, in words: the leaf paths one has and the other lacks, else
+    the node where they part (a class made twice, another static field)."""
+
+    def paths(treedef: Any) -> list[str]:
+        tree = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    try:
+        got_paths, want_paths = paths(got), paths(want)
+    except Exception:  # noqa: BLE001  (a node that cannot be rebuilt from placeholders)
+        return f"it has the structure {got}, but `fn` was traced with {want}"
+    missing = [p for p in want_paths if p not in set(got_paths)]
+    extra = [p for p in got_paths if p not in set(want_paths)]
+    if missing or extra:
+        return (f"it lacks {len(missing)} leaves `fn` was traced with "
+                f"({', '.join(missing[:3]) or 'none'}{', ...' if len(missing) > 3 else ''}) and "
+                f"has {len(extra)} others ({', '.join(extra[:3]) or 'none'}"
+                f"{', ...' if len(extra) > 3 else ''})")
+    for a, b in zip(_nodes(got), _nodes(want)):
+        if a != b:
+            return (f"the same leaves at the same paths, but a node differs: {a[0]} where `fn` "
+                    f"was traced with {b[0]} (another class of the same name, made twice, or "
+                    "other static fields)")
+    return f"it has the structure {got}, but `fn` was traced with {want}"
+
+
+def _nodes(treedef: Any) -> list[tuple[str, Any]]:
+    """The nodes of a treedef, depth first: each as ``(words, what tells it apart)``."""
+    out = []
+    for child in [treedef, *_descendants(treedef)]:
+        data = child.node_data()
+        if data is None:
+            continue
+        kind, aux = data
+        out.append((f"`{getattr(kind, '__qualname__', kind)}` (of {kind.__module__}, "
+                    f"id {id(kind):#x}) with {_short(aux)}", (kind, aux)))
+    return out
+
+
+def _descendants(treedef: Any) -> list:
+    found = []
+    for child in treedef.children():
+        found.append(child)
+        found.extend(_descendants(child))
+    return found
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _inline_whole(closed: Any) -> Any:

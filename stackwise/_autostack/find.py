@@ -165,14 +165,14 @@ def _plan(jaxpr, start, p, count, n_params, readers, made, carry_of, inits, oute
     param_index = {v: k for k, v in enumerate(jaxpr.invars[:n_params])}
     roles: list[list] = [[None] * len(eqns[start + j].invars) for j in range(p)]
     carry = sorted(set(carry_of.values()))
-    # Values the code after the run reads: the last block's carried, the others' stacked.
+    # Values the code after the run reads: a carried value of the last block from the final
+    # carry, every other from the scan's stacked outputs (a value no block reads from the
+    # previous one, e.g. each layer's updated KV cache, is never carried: a carry of it
+    # would start from zeros and pass through every step).
     ys = set()
     for v, (i, j, o) in made.items():
         if any(r == -1 or not start <= r < stop for r in readers.get(v, ())):
-            if i == count - 1:
-                if (j, o) not in carry:
-                    carry.append((j, o))
-            else:
+            if i < count - 1 or (j, o) not in carry:
                 ys.add((j, o))
     varying: dict = {}  # the atoms' keys -> the atoms, per distinct per-block slot
     shared: dict = {}

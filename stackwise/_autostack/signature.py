@@ -2,14 +2,25 @@
 two differ.
 
 An equation's signature is its primitive, its params (a sub-jaxpr compared as printed,
-which names its variables afresh, plus the values of every constant it closes over; a
-function by its qualified name) and the shapes and dtypes of its inputs and outputs. Which
-variables it reads is not part of it: :mod:`stackwise._autostack.find` follows the data.
+which names its variables afresh, plus the values of every constant it closes over and the
+functions its equations hold; a function, such as a ``custom_vjp``'s backward or a
+``custom_jvp``'s rule, by its code and the values it closes over) and the shapes and dtypes
+of its inputs and outputs. Which variables it reads is not part of it:
+:mod:`stackwise._autostack.find` follows the data.
+
+A function's key (:meth:`Signatures.function`) is its code object and the keys of its
+defaults and closure cells: a Python scalar by value, an array by its bytes, a function
+again by its key, any other object by identity. JAX's own plumbing around the user's
+functions (``_memoize``'s cache, the trace that made the equation, the stores of output
+trees) is made afresh per call: a function from JAX's modules is keyed by its qualified
+name and the functions it closes over only, down to the user's.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import types
 from typing import Any
 
 import numpy as np
@@ -45,9 +56,12 @@ class Signatures:
     """Signatures of equations, each interned as a small int (equal ints: equal signatures).
 
     Sub-jaxprs are printed once per object (a ``jax.jit``-decorated block shares its jaxpr
-    across calls)."""
+    across calls). ``loose``: every function keyed alike, so that blocks differing only in
+    the functions they hold (each layer's backward closing over its own object) still line
+    up, and the strict signatures then say how they differ."""
 
-    def __init__(self) -> None:
+    def __init__(self, loose: bool = False) -> None:
+        self.loose = loose  # every function alike: to find where functions alone differ
         self._ids: dict = {}
         self._jaxprs: dict[int, tuple] = {}
         self._keep: list = []  # (the sub-jaxprs keyed by id stay alive)
@@ -73,11 +87,8 @@ class Signatures:
             return tuple(sorted((k, self._norm(v)) for k, v in value.items()))
         if isinstance(value, np.ndarray):
             return _fingerprint(value)
-        inner = getattr(value, "f", None)  # a JAX WrappedFun: the function it wraps
-        if inner is not None and hasattr(value, "transforms"):
-            value = inner
-        if callable(value) and not isinstance(value, type):
-            return ("function", getattr(value, "__qualname__", type(value).__name__))
+        if _is_function(value):
+            return self.function(value)
         try:
             hash(value)
             return value
@@ -89,13 +100,105 @@ class Signatures:
         if found is None:
             jaxpr = getattr(value, "jaxpr", value)
             consts = tuple(_fingerprint(c) for c in getattr(value, "consts", ()))
-            inner = tuple(
-                self._norm(v) for e in jaxpr.eqns for v in e.params.values() if _holds_jaxpr(v)
+            inner = tuple(  # (the sub-jaxprs and functions of its equations: a printed
+                # jaxpr shows a function param by its name only)
+                self._norm(v) for e in jaxpr.eqns for v in e.params.values()
+                if _holds_jaxpr(v) or _holds_callable(v)
             )
             found = ("jaxpr", str(jaxpr), consts, inner)
             self._jaxprs[id(value)] = found
             self._keep.append(value)
         return found
+
+
+    def function(self, value: Any, active: tuple = ()) -> tuple:
+        """A callable's key: equal keys, the same computation (see the module's docstring).
+
+        ``active``: the ids of the callables and containers being keyed around this one (a
+        closure that reaches itself is keyed ``("cycle",)`` there)."""
+        if self.loose:
+            return ("function",)
+        if id(value) in active:
+            return ("cycle",)
+        active = (*active, id(value))
+        if _is_wrapped(value):
+            return ("wrapped", self.function(value.f, active),
+                    tuple(self.function(t, active) for t, _ in value.transforms))
+        if isinstance(value, functools.partial):
+            return ("partial", self.function(value.func, active),
+                    self._value(value.args, active), self._value(value.keywords, active))
+        if isinstance(value, types.MethodType):
+            return ("method", self.function(value.__func__, active),
+                    self._value(value.__self__, active))
+        code = getattr(value, "__code__", None)
+        if code is None:  # a builtin, an object with __call__: by identity
+            return self._identity(value)
+        cells = []
+        for name, cell in zip(code.co_freevars, value.__closure__ or ()):
+            try:
+                cells.append((name, cell.cell_contents))
+            except ValueError:  # (a cell not yet filled)
+                cells.append((name, None))
+        name = getattr(value, "__qualname__", code.co_name)
+        if _from_jax(value):
+            return ("jax", name, tuple((n, self._value(c, active)) for n, c in cells
+                                       if _holds_callable(c)))
+        return ("function", name, code, self._value(value.__defaults__, active),
+                self._value(value.__kwdefaults__, active),
+                tuple((n, self._value(c, active)) for n, c in cells))
+
+    def _value(self, value: Any, active: tuple) -> Any:
+        """A closed-over value's key: by value where it has one, else by identity."""
+        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            return (type(value).__name__, value)
+        if isinstance(value, (tuple, list, dict)):
+            if id(value) in active:  # (a container holding itself)
+                return ("cycle",)
+            active = (*active, id(value))
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(self._value(v, active) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple((self._value(k, active), self._value(v, active))
+                                  for k, v in value.items()))
+        if isinstance(value, (type, types.ModuleType)):
+            return ("named", value)
+        if isinstance(value, (np.ndarray, np.generic)) or _concrete_array(value):
+            return ("array", *_fingerprint(value))
+        if _is_function(value):
+            return self.function(value, active)
+        return self._identity(value)
+
+    def _identity(self, value: Any) -> tuple:
+        self._keep.append(value)  # (alive while its id is a key)
+        return ("object", type(value).__qualname__, id(value))
+
+
+def _from_jax(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module == "jax" or module.startswith("jax.")
+
+
+def _concrete_array(value: Any) -> bool:
+    import jax
+
+    return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+
+
+def _holds_callable(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_callable(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_callable(v) for v in value.values())
+    return _is_function(value)
+
+
+def _is_wrapped(value: Any) -> bool:
+    """A JAX ``WrappedFun`` (``linear_util``): not callable itself, it wraps ``f``."""
+    return hasattr(value, "f") and hasattr(value, "transforms") and hasattr(value, "call_wrapped")
+
+
+def _is_function(value: Any) -> bool:
+    return (callable(value) and not isinstance(value, type)) or _is_wrapped(value)
 
 
 def _holds_jaxpr(value: Any) -> bool:
@@ -131,9 +234,63 @@ def difference(signatures: Signatures, template: Any, other: Any) -> str:
     for (name, x), (_, y) in zip(a[1], b[1]):
         if x != y:
             if isinstance(x, tuple) and x[:1] == ("jaxpr",):
+                if x[1:3] == y[1:3]:  # the same equations: a function they hold differs
+                    how = _walk(x[3], y[3])
+                    return (f"its sub-jaxpr `{name}` holds a function that differs from block "
+                            f"0's: {how or 'another function'}")
                 return f"its sub-jaxpr `{name}` is another computation"
+            how = _walk(x, y)
+            if how is not None:
+                return f"its param `{name}` differs from block 0's: {how}"
             return f"its param `{name}` is {_short(y)} where block 0's is {_short(x)}"
     return "its params differ"  # (names of params differ: another primitive version)
+
+
+def _walk(x: Any, y: Any) -> str | None:
+    """Where two keys first differ, in words, if down to a function (None otherwise)."""
+    if x == y or not (isinstance(x, tuple) and isinstance(y, tuple)):
+        return None
+    if x[:1] == y[:1] == ("function",):
+        _, name, code, defaults, kwdefaults, cells = x
+        where = _where(code)
+        if code != y[2]:
+            return f"`{y[1]}` ({_where(y[2])}) where block 0's is `{name}` ({where})"
+        for (cell, a), (_, b) in zip(cells, y[5]):
+            if a != b:
+                inner = _walk(a, b)
+                if inner is not None and a[:1] in (("function",), ("jax",), ("wrapped",)):
+                    return f"`{name}` ({where}) closes over `{cell}`, which differs: {inner}"
+                if a[:1] == b[:1] == ("array",) and a[1:3] == b[1:3]:
+                    return (f"`{name}` ({where}) closes over `{cell}`, an array {a[2]}"
+                            f"{list(a[1])} whose values differ from block 0's")
+                return (f"`{name}` ({where}) closes over `{cell}` = {_value_words(b)} where "
+                        f"block 0's closes over {_value_words(a)}")
+        return f"`{name}` ({where}) has other default arguments"
+    if x[:1] == y[:1] == ("object",):
+        return f"another `{y[1]}` object than block 0's (compared by identity)"
+    if len(x) == len(y):
+        for a, b in zip(x, y):
+            if a != b:
+                return _walk(a, b)
+    return None
+
+
+def _where(code: Any) -> str:
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def _value_words(key: Any) -> str:
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and key[0] in (
+        "NoneType", "bool", "int", "float", "complex", "str", "bytes"
+    ):
+        return _short(key[1])
+    if isinstance(key, tuple) and key[:1] == ("array",):
+        return f"an array {key[2]}{list(key[1])} (its values compared)"
+    if isinstance(key, tuple) and key[:1] == ("object",):
+        return f"a `{key[1]}` object (compared by identity)"
+    if isinstance(key, tuple) and key[:1] in (("function",), ("jax",)):
+        return f"the function `{key[1]}`"
+    return _short(key)
 
 
 def _short(value: Any) -> str:

@@ -146,11 +146,22 @@ def test_pattern_rows_compute_what_the_loop_computes():
                      PATTERN_BOUND, what=case.name)
 
 
-def test_mlp_rows_compute_what_the_loop_computes():
-    """Every mlp row, the autostacked loop among them, gives the loop's loss and grads (the
-    grads in the stacked layout; autostack's ``{"blocks", "rest"}`` read by its paths)."""
+# The transformer block at CFG's sizes: 5 layers of a norm, qkv and out (sums of tf_d), the
+# scores (of a head's size), softmax and weights @ v (of the sequence), fc1 (tf_d) and fc2
+# (tf_hidden); grads summing the batch's tokens.
+TRANSFORMER_BOUND = reassociation_bound(depth=5, width=(
+    CFG.tf_d, CFG.tf_d, CFG.tf_d // CFG.tf_heads, CFG.tf_seq, CFG.tf_d, CFG.tf_d, CFG.tf_d,
+    CFG.tf_hidden), summed=CFG.tf_batch * CFG.tf_seq)
+
+
+@pytest.mark.parametrize("block", ["mlp", "transformer"])
+def test_pure_jax_rows_compute_what_the_loop_computes(block):
+    """Every pure-JAX row of the mlp and transformer blocks, the autostacked loop among them,
+    gives the loop's loss and grads (the grads in the stacked layout; autostack's
+    ``{"blocks", "rest"}`` read by its paths, the whole depth stacked)."""
     n = 5
-    cases = [c for c in workloads.cases("mlp", CFG, []) if c.framework == "jax"]
+    bound = {"mlp": MLP_BOUND, "transformer": TRANSFORMER_BOUND}[block]
+    cases = [c for c in workloads.cases(block, CFG, []) if c.framework == "jax"]
     assert cases[0].name == workloads.LOOP and cases[-1].name == "stackwise.autostack"
     loop_params, x, loop_loss = cases[0].build(n)
     want, loop_grads = jax.value_and_grad(loop_loss)(loop_params, x)
@@ -160,10 +171,13 @@ def test_mlp_rows_compute_what_the_loop_computes():
         value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
         if case.name == "stackwise.autostack":
             assert loss.found.n == n, loss.found
-            grads = {k: grads["blocks"][f"[0]['{k}']"] for k in ("w1", "w2")}
+            assert loss.found.params == len(jax.tree.leaves(want_grads)), loss.found
+            paths = jax.tree_util.tree_flatten_with_path(want_grads)[0]
+            grads = jax.tree.unflatten(jax.tree.structure(want_grads), [
+                grads["blocks"][f"[0]{jax.tree_util.keystr(path)}"] for path, _ in paths])
         assert jax.tree.structure(grads) == jax.tree.structure(want_grads), case.name
         assert_close({"loss": value, "grads": grads}, {"loss": want, "grads": want_grads},
-                     MLP_BOUND, what=case.name)
+                     bound, what=case.name)
 
 
 @pytest.mark.slow
