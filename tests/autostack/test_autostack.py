@@ -174,6 +174,7 @@ def test_the_program_is_the_stacks_size_at_every_depth():
     assert abs(auto4 - stack4) <= 0.05 * stack4 and abs(auto16 - stack16) <= 0.05 * stack16
 
 
+@pytest.mark.slow  # (8 examples, each tracing and compiling a loop and its scan: ~20 s)
 @settings(max_examples=8, deadline=None)
 @given(n=st.integers(2, 6), d=st.sampled_from([4, 8]), w=st.integers(1, 12))
 def test_mlp_property(n, d, w):

@@ -25,6 +25,7 @@ def train():
         yield load_script(BENCHMARKS / "tpu_train.py")
 
 
+@pytest.mark.slow  # (11 compiles of six families: 20-40 s)
 def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkeypatch, capsys):
     argv = ["--tiny", "--rounds", "1", "--compiles", "2", "--variants", "remat off",
             "--markdown", str(tmp_path / "t.md")]
@@ -39,7 +40,8 @@ def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkey
     assert [len(r["compiles"].split()) for r in rows] == [1, 2, 2, 2, 2, 2]
     for r in rows:
         seconds = [float(s) for s in r["compiles"].split()]
-        assert min(seconds) * 0.999 <= r["compile s"] <= max(seconds) * 1.001
+        # (the column shows 3 significant digits: 0.5% at most off)
+        assert min(seconds) * 0.995 <= r["compile s"] <= max(seconds) * 1.005
     # an adapter's /tool ratios are to its own framework's tool, the other rows have none
     for adapter, tool in (("stackwise.flax.Stack", "nn.scan"),
                           ("stackwise.haiku.Stack", "hk.layer_stack")):

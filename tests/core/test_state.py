@@ -215,7 +215,6 @@ def _returns_its_cache(params, cache, x, pos):
     return y + cache["k"][:, :1].reshape(y.shape[0], 1, -1)[..., : y.shape[-1]], cache
 
 
-@pytest.mark.every_case
 @pytest.mark.parametrize("layer", ["afresh", "new layout", "cache in the output", "pattern"])
 def test_unrolled_state_equals_the_scans(layer):
     n, key, x = 5, jax.random.key(1), jax.random.normal(jax.random.key(2), (B, 1, D))
