@@ -241,7 +241,9 @@ def builds(args: argparse.Namespace, notes: list[str]) -> dict[str, Callable[[in
             continue
         for case in workload.transformer(cfg, []):
             # the tool's (or the stack's) rows: neither a control, an adapter nor nested remat
-            if case.name.startswith(prefix) and not case.tool and case.remat != "nested":
+            # ("stackwise.autostack" is not a "stackwise" row)
+            if (case.name.startswith(prefix) and not case.name[len(prefix):].startswith(".")
+                    and not case.tool and case.remat != "nested"):
                 remat = next(r for r, bench in REMATS.items() if bench == case.remat)
                 found[f"{family}, remat {remat}"] = case.build
     for family, tool in ADAPTERS.items():
