@@ -2,6 +2,29 @@
 
 import jax
 import jax.numpy as jnp
+from _trees import assert_trees_bitwise, assert_trees_close
+
+import stackwise
+
+
+def check_model(fn, params, fresh, args, *, n, bound, zero=(), given_n=True):
+    """``autostack(fn)`` against ``fn`` itself: the run is ``n`` blocks (found without ``n=``
+    when not ``given_n``); the outputs and the grads of every param leaf (both jitted) within
+    ``bound`` eps of the loop's; ``unstack`` of ``stack`` bitwise, on the params traced and on
+    fresh ones. Returns ``(stacked, f)``."""
+    stacked, f = stackwise.autostack(fn, params, *args, **({"n": n} if given_n else {}))
+    assert f.found.n == n, f.found
+
+    def loss(g, p):
+        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(g(p, *args)))
+
+    assert_trees_close(jax.jit(f)(stacked, *args), jax.jit(fn)(params, *args), bound)
+    got = f.unstack(jax.jit(jax.grad(lambda p: loss(f, p)))(stacked))
+    want = jax.jit(jax.grad(lambda p: loss(fn, p)))(params)
+    assert_trees_close(got, want, bound, zero=zero)
+    assert_trees_bitwise(f.unstack(stacked), params)
+    assert_trees_bitwise(f.unstack(f.stack(fresh)), fresh)
+    return stacked, f
 
 
 def mlp_params(key, n, d=8, widths=None):

@@ -18,8 +18,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from _models import check_model
 from _tolerance import reassociation_bound
-from _trees import assert_trees_bitwise, assert_trees_close
 
 import stackwise
 
@@ -35,25 +35,6 @@ def upstream(name: str):
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return sys.modules[module_name]
-
-
-def check_model(fn, params, fresh, args, *, n, bound, zero=()):
-    """``autostack(fn)`` against ``fn`` itself: the run is ``n`` blocks; the outputs and the
-    grads of every param leaf (both jitted) within ``bound`` eps of the loop's; ``unstack``
-    of ``stack`` bitwise, on the params traced and on fresh ones. Returns ``(stacked, f)``."""
-    stacked, f = stackwise.autostack(fn, params, *args, n=n)
-    assert f.found.n == n, f.found
-
-    def loss(g, p):
-        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(g(p, *args)))
-
-    assert_trees_close(jax.jit(f)(stacked, *args), jax.jit(fn)(params, *args), bound)
-    got = f.unstack(jax.jit(jax.grad(lambda p: loss(f, p)))(stacked))
-    want = jax.jit(jax.grad(lambda p: loss(fn, p)))(params)
-    assert_trees_close(got, want, bound, zero=zero)
-    assert_trees_bitwise(f.unstack(stacked), params)
-    assert_trees_bitwise(f.unstack(f.stack(fresh)), fresh)
-    return stacked, f
 
 
 TOKENS = jnp.array([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 0]])

@@ -14,8 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
+from _models import check_model
 from _tolerance import reassociation_bound
-from _trees import assert_trees_bitwise, assert_trees_close
 
 import stackwise
 
@@ -28,21 +28,11 @@ def check_unseen(fn, params, fresh, args, *, n, per_layer, bound, zero=()):
     ``per_layer`` param leaves stacked; the outputs and every param leaf's grad (both jitted)
     within ``bound`` eps of the loop's; ``unstack(stack(params))`` bitwise, on the params
     traced and on fresh ones. Returns ``(stacked, f)``."""
-    stacked, f = stackwise.autostack(fn, params, *args)
-    assert f.found.n == n, f.found  # the whole depth, found without `n=`
+    stacked, f = check_model(fn, params, fresh, args, n=n, bound=bound, zero=zero,
+                             given_n=False)
     assert f.found.params == per_layer, (f.found, per_layer)
     for key, leaf in stacked["blocks"].items():
         assert leaf.shape[0] == n, (key, leaf.shape)
-
-    def loss(g, p):
-        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(g(p, *args)))
-
-    assert_trees_close(jax.jit(f)(stacked, *args), jax.jit(fn)(params, *args), bound)
-    got = f.unstack(jax.jit(jax.grad(lambda p: loss(f, p)))(stacked))
-    want = jax.jit(jax.grad(lambda p: loss(fn, p)))(params)
-    assert_trees_close(got, want, bound, zero=zero)
-    assert_trees_bitwise(f.unstack(stacked), params)
-    assert_trees_bitwise(f.unstack(f.stack(fresh)), fresh)
     return stacked, f
 
 
