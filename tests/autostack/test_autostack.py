@@ -43,6 +43,7 @@ def test_mlp_matches_the_loop(n, remat):
     assert f.found.params == 3 and f.found.start == 0
 
 
+@pytest.mark.slow  # (the fast tier's Llama: test_unseen_models.py's pure-function one)
 @pytest.mark.parametrize("n", [4, 5, 6])
 def test_llama_matches_the_loop(n):
     tokens = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])

@@ -109,6 +109,7 @@ GPT2_SUMS = (16, 16, 4, 7, 16, 16, 16, 64)
 GPT2_ZERO = ("['c_attn']['bias']",)
 
 
+@pytest.mark.slow  # (the fast tier runs the pure-function Llama)
 @pytest.mark.parametrize("n", [4, 12])
 def test_linen_gpt2(n):
     model = linen_gpt2(n)
@@ -124,6 +125,7 @@ def test_linen_gpt2(n):
     assert stacked["rest"]["params"]["wte"]["embedding"] is params["params"]["wte"]["embedding"]
 
 
+@pytest.mark.slow
 def test_linen_gpt2_with_dropout_on():
     """Training: every Dropout draws from the "dropout" rng, folded per module path: the
     scan gives each layer the loop's masks."""
@@ -192,6 +194,7 @@ HAIKU_GPT_SUMS = GPT2_SUMS
 HAIKU_GPT_ZERO = ("/key']['b']",)
 
 
+@pytest.mark.slow  # (the fast tier runs the pure-function Llama)
 @pytest.mark.parametrize("n", [4, 12])
 def test_haiku_gpt(n):
     model = haiku_gpt(n)
@@ -210,6 +213,7 @@ def test_haiku_gpt(n):
     assert scanned_layers(f, stacked, TOKENS) == [n]
 
 
+@pytest.mark.slow
 def test_haiku_gpt_training_with_dropout():
     """``hk.next_rng_key()`` per dropout: the key chain is carried through the scan."""
     model = haiku_gpt(4)
@@ -381,6 +385,7 @@ def equinox_gpt(key, n_layer):
 EQX_ZERO = ("key_proj.bias",)
 
 
+@pytest.mark.slow  # (the fast tier runs the pure-function Llama)
 @pytest.mark.parametrize("n", [4, 12])
 def test_equinox_list_of_blocks(n):
     import equinox as eqx
