@@ -19,7 +19,7 @@ from stackwise._finetune.lora import merge as merge
 from stackwise._finetune.lora import stack_adapters as stack_adapters
 from stackwise._finetune.lora import unmerge as unmerge
 from stackwise._finetune.peft import load_peft as load_peft
-from stackwise._finetune.peft import save_peft as save_peft
+from stackwise._finetune.peft_save import save_peft as save_peft
 from stackwise._finetune.train import combine as combine
 from stackwise._finetune.train import layer_axes as layer_axes
 from stackwise._finetune.train import mask as mask
