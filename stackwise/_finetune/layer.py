@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
 from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
+from stackwise._finetune import rows
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
 
@@ -114,7 +115,9 @@ def _refuse_kept(path: str, groups: int, who: str) -> ValueError:
     return ValueError(
         f"{who}: with a batch of {groups} adapters the layer's new state{path} comes out "
         "different for each group: it is updated from a group's rows (batch statistics, "
-        "a KV cache, sown intermediates), and a layer holds one state for all groups. Run "
+        "a KV cache, sown intermediates), and a layer holds one state for all groups. For "
+        "a KV cache, pick an adapter per row instead: `stackwise.lora.attach(base, batch, "
+        "rows=rows)` with `rows` an int array (batch,) and the cache per row. Else run "
         "without updating it (e.g. `use_running_average=True`, no mutable collections), "
         "run the adapters one at a time (`jax.tree.map(lambda v: v[j], batch)` takes "
         "adapter j), or merge each into a base (`stackwise.lora.merge`)."
@@ -143,7 +146,7 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
         return block(materialise(params), x, *args)
     _check_rows(x, groups, who)
     axes = jax.tree.map(
-        lambda v: Adapted(None, 0, v.groups) if isinstance(v, Adapted) else None,
+        lambda v: Adapted(None, 0, v.groups, None) if isinstance(v, Adapted) else None,
         params, is_leaf=is_node,
     )
     each = jax.vmap(lambda p, x: block(materialise(p), x, *args),
@@ -214,6 +217,14 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
                         f"{type(apply).__name__}.")
 
     def wrapped(params, *args, **kwargs):
+        if rows.has_rows(params):  # a batch whose rows each pick an adapter
+            if with_state:
+                state, x, *rest = args
+                return rows.run(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
+                                params, x, state, who)
+            x, *rest = args
+            return rows.run(lambda p, x, s: (apply(p, x, *rest, **kwargs), ()),
+                            params, x, (), who)[0]
         if with_state:
             state, x, *rest = args
             out, state = run_layer(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
