@@ -135,12 +135,17 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     copied per group (each group builds its own adapted weight); ``out`` has g leading.
     ``kept`` (the layer's new state) is the one value every group gives: state that a
     group updates from its own rows is refused. Random keys in ``params`` or ``args``
-    reach every group alike.
+    reach every group alike. With adapters attached with ``rows``
+    (:func:`stackwise.lora.attach`), row i of ``x`` runs with adapter ``rows[i]``
+    (:mod:`.rows`), and ``kept`` is refused where it differs by row.
 
     Raises:
-      ValueError: adapters of two batch sizes in one layer, ``x`` without g on every
-        leaf's leading axis, or a ``kept`` leaf that differs by group.
+      ValueError: adapters of two batch sizes in one layer, ``x`` without g (or the
+        rows) on every leaf's leading axis, or a ``kept`` leaf that differs by group (or
+        row).
     """
+    if rows.has_rows(params):
+        return rows.run(lambda p, x, _: block(p, x, *args), params, x, (), who, shared=True)
     groups = _groups(params, who)
     if groups is None:
         return block(materialise(params), x, *args)
@@ -198,18 +203,30 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     >>> out.shape, bool(jnp.allclose(out[1], alone, atol=1e-6))
     ((2, 2, 4), True)
 
+    With ``attach(base, batch, rows=rows)`` row i of ``x`` runs with adapter ``rows[i]``
+    (-1: the base alone), each adapted weight used as ``x @ W + scale * (x @ a) @ b`` per
+    row (no per-row weight is built: the layer must use adapted weights in matrix products
+    only), and the state is per row: every state leaf has the batch first (a KV cache),
+    so a decode step runs with the cache donated and written in place.
+
+    >>> y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1]), x)
+    >>> bool(jnp.allclose(y[0], alone[0], atol=1e-6))
+    True
+
     Args:
       apply: ``apply(layer_params, x, *args, **kwargs)`` of one layer (with
         ``with_state``: ``apply(layer_params, state, x, ...)``).
       with_state: the layer takes and returns state (as ``stackwise.stack``'s flag). With
         a batch, the state is one for all groups: a layer that updates it from a group's
         rows is refused (one that leaves it, or updates it alike for every group, runs).
+        With ``rows``, the state is per row (its leaves have the batch first).
 
     Raises:
       TypeError: ``apply`` is not callable.
       ValueError (when the layer runs): attached adapters of two batch sizes in one
         layer; with a batch, ``x`` without g on its leading axis, or state that differs
-        by group.
+        by group; with ``rows``, ``x`` or the state without the rows on their leading
+        axis, or an adapted weight used other than in a matrix product.
     """
     who = "stackwise.lora.wrap"
     if not callable(apply):

@@ -14,10 +14,12 @@ per-row weight:
   Any other use of an adapted weight is refused: it would need the weight itself.
 
 The layer's state is per row (each leaf has the batch first, as a KV cache does): row i
-reads and writes its own rows. The new state comes out of ``vmap`` written with ``scatter``
-(vmap's form of a per-row ``dynamic_update_slice``), which the stack's in-place tracking
-(:mod:`stackwise._core.inplace`, :mod:`stackwise._core.through`) does not follow: each
-step returns the layer's new cache whole (the same values; a copy of the cache per step).
+reads and writes its own rows. The one-row program is run for every row at once: each
+equation under ``jax.vmap``, except a row's ``dynamic_update_slice`` of its own state rows,
+which becomes one ``dynamic_update_slice`` of the whole batch's rows in the state's layout
+(where ``vmap`` would write a ``scatter``). So the stack's in-place tracking
+(:mod:`stackwise._core.inplace`, :mod:`stackwise._core.through`) still finds a KV cache's
+update, and a donated stacked cache is written in place.
 """
 
 from __future__ import annotations
@@ -85,17 +87,20 @@ def _check_batch(tree: Any, batch: int, arg: str, who: str) -> None:
             )
 
 
-def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str) -> tuple:
+def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
+        shared: bool = False) -> tuple:
     """``(out, new_state) = block(float_params, x, state)``, row i with adapter ``rows[i]``.
 
     ``params`` is one layer's slice (:class:`Adapted` nodes holding ``rows (batch,)``);
     every leaf of ``x`` and ``state`` has the batch on its leading axis. Outputs whose
     per-row leading axis is 1 come back with the batch there; others gain it in front.
+    ``shared``: ``new_state`` is one for all rows (a framework's state, reaching ``block``
+    by closure), refused where it differs by row.
 
     Raises:
       ValueError: ``x`` or ``state`` without the batch leading, adapters of one layer
-        attached with and without ``rows``, or an adapted weight the layer uses other than
-        in a matrix product.
+        attached with and without ``rows``, an adapted weight the layer uses other than
+        in a matrix product, or (``shared``) a new state that differs by row.
     """
     batch = _batch(params, who)
     _check_batch(x, batch, "x", who)
@@ -121,8 +126,6 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str) ->
     w_leaves, w_def = jax.tree.flatten(float_params)
     x_leaves, x_def = jax.tree.flatten(x)
     s_leaves, s_def = jax.tree.flatten(state)
-    where = {id(w): k for k, w in enumerate(w_leaves)}
-    at = [where[id(f[0])] for f in factors]
     nw, nx = len(w_leaves), len(x_leaves)
 
     def one_row(*leaves):
@@ -134,28 +137,97 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str) ->
     closed, shapes = jax.make_jaxpr(one_row, return_shape=True)(
         *[jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)) for w in w_leaves],
         *[row(v) for v in x_leaves], *[row(v) for v in s_leaves])
+    lows = {id(w): _Low(w, a, b, scale, on, path) for w, a, b, on, scale, path in factors}
+    outs = jax_ties.eval_jaxpr(
+        closed.jaxpr, closed.consts,
+        [*w_leaves, *[_Rows(v, True) for v in (*x_leaves, *s_leaves)]],
+        inline=lambda ins: any(isinstance(v, _Rows) or id(v) in lows for v in ins),
+        observe=lambda *_: None,
+        instead=lambda name, ins, eqn: _step(name, ins, eqn, lows, batch, who),
+        with_params=True)
+    n_out = len(jax.tree.leaves(shapes[0]))
+    flat = []
+    for j, (v, shape) in enumerate(zip(outs, jax.tree.leaves(shapes))):
+        if id(v) in lows:
+            raise _refuse(lows[id(v)].path, "returns it", who)
+        if j >= n_out and shared:
+            if isinstance(v, _Rows):
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(
+                    shapes[1])[0][j - n_out][0])
+                raise ValueError(
+                    f"{who}: with `rows` the layer's new state{path} comes out different "
+                    "for each row, and this Stack holds one state for all rows (it reaches "
+                    "the layer as an argument). Keep per-row state, such as a KV cache, in "
+                    "a core stack's state: `stackwise.lora.stack(apply, n, with_state=True)`"
+                    " with each state leaf (batch, ...), or run without updating it."
+                )
+            flat.append(v)
+        elif isinstance(v, _Rows):
+            flat.append(v.full)
+        else:  # the same for every row
+            lead = (batch, *shape.shape[1:]) if shape.shape[:1] == (1,) else (batch, *shape.shape)
+            flat.append(jnp.broadcast_to(v, lead))
+    return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
-    def per_row(x_row: list, s_row: list, a_rows: list, b_rows: list, on: list) -> list:
-        lows = {}
-        for k, pos in enumerate(at):
-            w = w_leaves[pos]
-            lows[id(w)] = _Low(w, a_rows[k], b_rows[k], factors[k][4], on[k], factors[k][5])
-        outs = jax_ties.eval_jaxpr(
-            closed.jaxpr, closed.consts, [*w_leaves, *x_row, *s_row],
-            inline=lambda ins: any(id(v) in lows for v in ins), observe=lambda *_: None,
-            instead=lambda name, ins, eqn: _rewrite(name, ins, eqn, lows, who),
-            with_params=True)
-        for v in outs:
-            if id(v) in lows:
-                raise _refuse(lows[id(v)].path, "returns it", who)
-        return outs
 
-    outs = jax.vmap(per_row)([v[:, None] for v in x_leaves], [v[:, None] for v in s_leaves],
-                             [f[1] for f in factors], [f[2] for f in factors],
-                             [f[3] for f in factors])
-    outs = [o[:, 0] if s.shape[:1] == (1,) else o
-            for o, s in zip(outs, jax.tree.leaves(shapes))]
-    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+class _Rows:
+    """A value of the one-row program for every row at once: ``full`` holds the rows, first.
+
+    ``merged``: the row value's leading axis (of length 1) is the batch's, so ``full`` has
+    the row's shape with the batch there (``x``, the state, what keeps their layout);
+    else ``full`` is ``(batch, *row_shape)``, as ``jax.vmap`` stacks it.
+    """
+
+    __slots__ = ("full", "merged")
+
+    def __init__(self, full: Any, merged: bool):
+        self.full, self.merged = full, merged
+
+    def mapped(self) -> Any:
+        """``(batch, *row_shape)``."""
+        return self.full[:, None] if self.merged else self.full
+
+    @staticmethod
+    def of(mapped: Any, row_shape: tuple) -> _Rows:
+        if tuple(row_shape[:1]) == (1,):
+            return _Rows(mapped[:, 0], True)
+        return _Rows(mapped, False)
+
+
+def _mapped(fn: Callable[..., list], ins: list, outvars: list) -> list:
+    """``fn(*ins)`` of one row, run for every row (``jax.vmap`` over the :class:`_Rows`)."""
+    at = [k for k, v in enumerate(ins) if isinstance(v, _Rows)]
+
+    def one(*rows):
+        full = list(ins)
+        for k, r in zip(at, rows):
+            full[k] = r
+        return fn(*full)
+
+    outs = jax.vmap(one)(*[ins[k].mapped() for k in at])
+    return [_Rows.of(o, v.aval.shape) for o, v in zip(outs, outvars)]
+
+
+def _step(name: str, ins: list, eqn: Any, lows: dict, batch: int, who: str) -> list | None:
+    """An equation of the one-row program for every row: None where no row value and no
+    adapted weight flows in (it is bound as it is)."""
+    rows = [isinstance(v, _Rows) for v in ins]
+    if any(id(v) in lows for v in ins):
+        return _rewrite(name, ins, eqn, lows, who)
+    if not any(rows):
+        return None
+    if name == "dynamic_update_slice" and ins[0].merged and not any(rows[2:]):
+        # A row's update of its own rows (a KV cache): one update of the whole batch's
+        # rows, in the state's own layout, so that the stack writes it in place. (The
+        # row's leading axis has length 1: its start is 0, as the batch's is.)
+        update = ins[1]
+        update = update.full if isinstance(update, _Rows) and update.merged else (
+            update.mapped()[:, 0] if isinstance(update, _Rows)
+            else jnp.broadcast_to(update, (batch, *jnp.shape(update)[1:])))
+        out = jax.lax.dynamic_update_slice(ins[0].full, update.astype(ins[0].full.dtype),
+                                           [jnp.asarray(s) for s in ins[2:]])
+        return [_Rows(out, True)]
+    return _mapped(lambda *a: jax_ties.bind(eqn, list(a)), ins, eqn.outvars)
 
 
 def _refuse(path: str, how: str, who: str) -> ValueError:
@@ -168,19 +240,18 @@ def _refuse(path: str, how: str, who: str) -> ValueError:
     )
 
 
-def _rewrite(name: str, ins: list, eqn: Any, lows: dict, who: str) -> list | None:
-    """An equation's outputs where an adapted weight flows in; None where none does."""
+def _rewrite(name: str, ins: list, eqn: Any, lows: dict, who: str) -> list:
+    """An equation's outputs where an adapted weight flows in."""
     hit = [k for k, v in enumerate(ins) if id(v) in lows]
-    if not hit:
-        return None
     low = lows[id(ins[hit[0]])]
     if name == "convert_element_type":
         out = jax_ties.bind(eqn, ins)[0]
         lows[id(out)] = low._replace(value=out)
         return [out]
     if name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
-        out = jax_ties.bind(eqn, ins)[0]  # (a @ b).T = b.T @ a.T
-        lows[id(out)] = low._replace(value=out, a=low.b.T, b=low.a.T)
+        out = jax_ties.bind(eqn, ins)[0]  # (a @ b).T = b.T @ a.T, for each row
+        lows[id(out)] = low._replace(value=out, a=jnp.swapaxes(low.b, -1, -2),
+                                     b=jnp.swapaxes(low.a, -1, -2))
         return [out]
     if name != "dot_general" or len(hit) != 1:
         raise _refuse(low.path, f"uses it in `{name}`", who)
@@ -190,21 +261,29 @@ def _rewrite(name: str, ins: list, eqn: Any, lows: dict, who: str) -> list | Non
     if len(jnp.shape(low.value)) != 2 or len(w_axes) != 1 or any(batch_dims):
         raise _refuse(low.path, f"uses it in a `dot_general` with dimension numbers "
                       f"{eqn.params['dimension_numbers']} (not one axis of a 2-D weight)", who)
-    base = jax_ties.bind(eqn, ins)[0]
     k, v = int(w_axes[0]), ins[1 - side]
     kind = jnp.result_type(low.value)
-    # W = a @ b, a (in, r), b (r, out): contract v with the factor holding axis k (`near`,
-    # at its axis k), then the rank axis with the other (`far`, whose rank axis is also k).
-    near, far = (low.a, low.b) if k == 0 else (low.b, low.a)
-    near, far = near.astype(kind), far.astype(kind)
     opts = {"precision": eqn.params.get("precision"),
             "preferred_element_type": eqn.params.get("preferred_element_type")}
-    if side == 1:
-        t = jax.lax.dot_general(v, near, ((tuple(v_axes), (k,)), ((), ())), **opts)
-        update = jax.lax.dot_general(t, far.astype(t.dtype), (((t.ndim - 1,), (k,)), ((), ())),
-                                     **opts)
-    else:
-        t = jax.lax.dot_general(near, v, (((k,), tuple(v_axes)), ((), ())), **opts)
-        update = jax.lax.dot_general(far.astype(t.dtype), t, (((k,), (0,)), ((), ())), **opts)
-    update = update * jnp.asarray(low.scale, update.dtype)
-    return [base + jnp.where(low.on, update, 0).astype(base.dtype)]
+
+    def update(v, a, b, on):  # one row's scale * (v @ a) @ b, where W = a @ b
+        # Contract v with the factor holding axis k (`near`, at its axis k), then the rank
+        # axis with the other (`far`, whose rank axis is also k).
+        near, far = (a, b) if k == 0 else (b, a)
+        near = near.astype(kind)
+        if side == 1:
+            t = jax.lax.dot_general(v, near, ((tuple(v_axes), (k,)), ((), ())), **opts)
+            u = jax.lax.dot_general(t, far.astype(t.dtype), (((t.ndim - 1,), (k,)), ((), ())),
+                                    **opts)
+        else:
+            t = jax.lax.dot_general(near, v, (((k,), tuple(v_axes)), ((), ())), **opts)
+            u = jax.lax.dot_general(far.astype(t.dtype), t, (((k,), (0,)), ((), ())), **opts)
+        return jnp.where(on, u * jnp.asarray(low.scale, u.dtype), 0)
+
+    base = _mapped(lambda *a: jax_ties.bind(eqn, list(a)), ins, eqn.outvars)[0] if isinstance(
+        v, _Rows) else _Rows.of(jnp.broadcast_to(jax_ties.bind(eqn, ins)[0], (
+            low.a.shape[0], *eqn.outvars[0].aval.shape)), eqn.outvars[0].aval.shape)
+    per_row = jax.vmap(update, in_axes=(0 if isinstance(v, _Rows) else None, 0, 0, 0))(
+        v.mapped() if isinstance(v, _Rows) else v, low.a, low.b, low.on)
+    out = base.mapped() + per_row.astype(base.full.dtype)
+    return [_Rows.of(out, eqn.outvars[0].aval.shape)]
