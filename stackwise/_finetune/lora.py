@@ -490,7 +490,18 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
     if not adapters:
         raise ValueError(f"{who}: give at least one adapter tree.")
     first = jax.tree_util.tree_leaves_with_path(adapters[0])
+    ranks = [(path, lw.rank) for path, lw in jax.tree_util.tree_leaves_with_path(
+        adapters[0], is_leaf=is_lora) if is_lora(lw)]
     for i, other in enumerate(adapters[1:], 1):
+        theirs = [lw.rank for lw in jax.tree.leaves(other, is_leaf=is_lora) if is_lora(lw)]
+        for (path, rank), their in zip(ranks, theirs):
+            if their != rank:
+                raise ValueError(
+                    f"{who}: adapters[{i}]{jax.tree_util.keystr(path)} has rank {their} "
+                    f"where adapters[0] has rank {rank}: a batch holds adapters of one rank "
+                    "(its a and b are stacked); serve adapters of another rank in a batch "
+                    "of their own, `stackwise.lora.stack_adapters([...])` per rank."
+                )
         if jax.tree.structure(other) != jax.tree.structure(adapters[0]):
             raise ValueError(
                 f"{who}: adapters {i} differ from adapters 0 in structure or alpha "
