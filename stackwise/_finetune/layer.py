@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
 from stackwise._finetune import rows
+from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
 

@@ -13,6 +13,13 @@ per-row weight:
   ``jnp.einsum`` emit; after a dtype cast or a transpose), the low-rank term is added.
   Any other use of an adapted weight is refused: it would need the weight itself.
 
+The low-rank term takes one of two forms, the same values. With g adapters for at least g
+rows, or adapters weighing at most a quarter of their weight, every adapter side by side:
+``((x @ A) * keep) @ B`` with ``A (in, g*r)``, ``B (g*r, out)`` and ``keep`` the row's own
+adapter's columns (two plain products for the whole batch; the adapters read once). Else
+each row's own ``a[idx[i]]`` and ``b[idx[i]]`` gathered, and a batched product per row
+(S-LoRA's BGMV): one adapter read per row instead of all g.
+
 The layer's state is per row (each leaf has the batch first, as a KV cache does): row i
 reads and writes its own rows. The one-row program is run for every row at once: each
 equation under ``jax.vmap``, except a row's ``dynamic_update_slice`` of its own state rows,
@@ -40,14 +47,21 @@ __all__ = ["has_rows", "run"]
 
 class _Low(NamedTuple):
     """An adapted weight as the layer uses it: ``value`` (the base's, maybe cast or
-    transposed) plus ``scale * a @ b`` for this row (``a``, ``b``: the row's gathered
-    factors, or zeros' worth when ``on`` is False)."""
+    transposed) plus, for each row, ``scale * a @ b`` with ``a (in, R)``, ``b (R, out)``.
+
+    Dense (``rows`` None): ``a``, ``b`` hold every adapter side by side (``R = g * r``,
+    adapter j's columns ``j*r:(j+1)*r``) and ``keep (batch, R)`` keeps each row's own
+    adapter's columns (none for the base alone). Gathered: ``a``, ``b`` hold each row's
+    own factors, ``(batch, in, r)``, ``(batch, r, out)``, and ``keep (batch,)`` is whether
+    the row has an adapter.
+    """
 
     value: Any
     a: Any
     b: Any
+    keep: Any
+    dense: bool
     scale: float
-    on: Any
     path: str
 
 
@@ -105,20 +119,33 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
     batch = _batch(params, who)
     _check_batch(x, batch, "x", who)
     _check_batch(state, batch, "state", who)
-    factors: list = []  # (leaf index in the float params, a rows, b rows, on, scale, path)
+    lows: dict = {}  # id(base weight) -> _Low
 
     def weights(node: Any) -> Any:
         if not isinstance(node, Adapted):
             return dequantize(node) if is_quantized(node) else node
         treedef = jax.tree.structure(node.base, is_leaf=is_quantized)
         subs = treedef.flatten_up_to(node.adapters)
-        on = (node.rows >= 0) & (node.rows < node.groups)
+        g = node.groups
+        on = (node.rows >= 0) & (node.rows < g)
         pick = jnp.where(on, node.rows, 0)  # (in range: never another adapter's weights)
         out = []
         for (path, leaf), lw in zip(leaf_paths(node.base, is_leaf=is_quantized), subs):
             w = dequantize(leaf)
             if lw is not None:
-                factors.append((w, lw.a[pick], lw.b[pick], on, lw.scale, path))
+                g, d_in, r = lw.a.shape
+                # Side by side, the g adapters are read once for the batch (and run as two
+                # plain products); gathered, one per row (a batched product per row). Side
+                # by side when that reads less, or the adapters weigh little beside W.
+                d_out = lw.b.shape[-1]
+                if g <= batch or 4 * g * r * (d_in + d_out) <= d_in * d_out:
+                    keep = jax.nn.one_hot(jnp.where(on, pick, -1), g, dtype=lw.a.dtype)
+                    lows[id(w)] = _Low(
+                        w, jnp.moveaxis(lw.a, 0, 1).reshape(d_in, g * r),
+                        lw.b.reshape(g * r, lw.b.shape[-1]), jnp.repeat(keep, r, axis=1),
+                        True, lw.scale, path)
+                else:
+                    lows[id(w)] = _Low(w, lw.a[pick], lw.b[pick], on, False, lw.scale, path)
             out.append(w)
         return jax.tree.unflatten(treedef, out)
 
@@ -137,7 +164,6 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
     closed, shapes = jax.make_jaxpr(one_row, return_shape=True)(
         *[jax.ShapeDtypeStruct(jnp.shape(w), jnp.result_type(w)) for w in w_leaves],
         *[row(v) for v in x_leaves], *[row(v) for v in s_leaves])
-    lows = {id(w): _Low(w, a, b, scale, on, path) for w, a, b, on, scale, path in factors}
     outs = jax_ties.eval_jaxpr(
         closed.jaxpr, closed.consts,
         [*w_leaves, *[_Rows(v, True) for v in (*x_leaves, *s_leaves)]],
@@ -249,7 +275,7 @@ def _rewrite(name: str, ins: list, eqn: Any, lows: dict, who: str) -> list:
         lows[id(out)] = low._replace(value=out)
         return [out]
     if name == "transpose" and tuple(eqn.params["permutation"]) == (1, 0):
-        out = jax_ties.bind(eqn, ins)[0]  # (a @ b).T = b.T @ a.T, for each row
+        out = jax_ties.bind(eqn, ins)[0]  # (a @ b).T = b.T @ a.T
         lows[id(out)] = low._replace(value=out, a=jnp.swapaxes(low.b, -1, -2),
                                      b=jnp.swapaxes(low.a, -1, -2))
         return [out]
@@ -266,24 +292,31 @@ def _rewrite(name: str, ins: list, eqn: Any, lows: dict, who: str) -> list:
     opts = {"precision": eqn.params.get("precision"),
             "preferred_element_type": eqn.params.get("preferred_element_type")}
 
-    def update(v, a, b, on):  # one row's scale * (v @ a) @ b, where W = a @ b
+    def update(v, a, b, keep):  # one row's scale * (v @ a) @ b, where W = a @ b
         # Contract v with the factor holding axis k (`near`, at its axis k), then the rank
-        # axis with the other (`far`, whose rank axis is also k).
+        # axis with the other (`far`, whose rank axis is also k); side by side, the rank
+        # axis first keeps the row's own adapter's columns.
         near, far = (a, b) if k == 0 else (b, a)
         near = near.astype(kind)
         if side == 1:
             t = jax.lax.dot_general(v, near, ((tuple(v_axes), (k,)), ((), ())), **opts)
+            t = t * keep.astype(t.dtype).reshape(*[1] * (t.ndim - 1), -1) if low.dense else t
             u = jax.lax.dot_general(t, far.astype(t.dtype), (((t.ndim - 1,), (k,)), ((), ())),
                                     **opts)
         else:
             t = jax.lax.dot_general(near, v, (((k,), tuple(v_axes)), ((), ())), **opts)
+            t = t * keep.astype(t.dtype).reshape(-1, *[1] * (t.ndim - 1)) if low.dense else t
             u = jax.lax.dot_general(far.astype(t.dtype), t, (((k,), (0,)), ((), ())), **opts)
-        return jnp.where(on, u * jnp.asarray(low.scale, u.dtype), 0)
+        u = u * jnp.asarray(low.scale, u.dtype)
+        return u if low.dense else jnp.where(keep, u, 0)
 
+    shape = eqn.outvars[0].aval.shape
+    rows = low.keep.shape[0]
     base = _mapped(lambda *a: jax_ties.bind(eqn, list(a)), ins, eqn.outvars)[0] if isinstance(
-        v, _Rows) else _Rows.of(jnp.broadcast_to(jax_ties.bind(eqn, ins)[0], (
-            low.a.shape[0], *eqn.outvars[0].aval.shape)), eqn.outvars[0].aval.shape)
-    per_row = jax.vmap(update, in_axes=(0 if isinstance(v, _Rows) else None, 0, 0, 0))(
-        v.mapped() if isinstance(v, _Rows) else v, low.a, low.b, low.on)
-    out = base.mapped() + per_row.astype(base.full.dtype)
-    return [_Rows.of(out, eqn.outvars[0].aval.shape)]
+        v, _Rows) else _Rows.of(jnp.broadcast_to(jax_ties.bind(eqn, ins)[0], (rows, *shape)),
+                                shape)
+    factors = None if low.dense else 0  # (side by side: one pair for every row)
+    per_row = jax.vmap(update, in_axes=(0 if isinstance(v, _Rows) else None, factors,
+                                        factors, 0))(
+        v.mapped() if isinstance(v, _Rows) else v, low.a, low.b, low.keep)
+    return [_Rows.of(base.mapped() + per_row.astype(base.full.dtype), shape)]

@@ -100,6 +100,15 @@ def test_each_row_equals_its_adapter_alone(kind, unroll):
     _assert_rows_are_each_alone(layers, base, _each(base, 3), ROWS, X)
 
 
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_more_adapters_than_rows_gather_each_rows_own(kind):
+    """g > batch: each row's own a and b are gathered (side by side, g adapters would be
+    read for fewer rows); the same values."""
+    base = _base(kind)
+    layers = stackwise.lora.stack(mlp, N)
+    _assert_rows_are_each_alone(layers, base, _each(base, 4), [3, -1], X[:2])
+
+
 def test_rows_in_a_pattern():
     """Positions of 3 and 2 layers, each attached with the same rows."""
     n = 5
@@ -154,11 +163,12 @@ def _equations(jaxpr):
                     yield from _equations(inner)
 
 
-def test_the_base_is_read_once_and_no_row_weight_is_built():
+@pytest.mark.parametrize("g", [3, 6])  # side by side (g <= rows), gathered (g > rows)
+def test_the_base_is_read_once_and_no_row_weight_is_built(g):
     """In the traced step each base weight meets the activations in one product for the
     whole batch (the weight never batched), and no (rows, in, out) weight exists."""
     base, b = _base(), 4
-    batch = stackwise.lora.stack_adapters(_each(base, 3))
+    batch = stackwise.lora.stack_adapters(_each(base, g))
     layers = stackwise.lora.stack(mlp, N, unroll=True)
     closed = jax.make_jaxpr(lambda idx, x: layers.apply(
         stackwise.lora.attach(base, batch, rows=idx), x))(jnp.zeros(b, jnp.int32), X[:b])
@@ -187,12 +197,14 @@ def _decode_alone(layers, params, x, steps):
     return x, cache
 
 
-@pytest.mark.parametrize("kind", [None, "int8"])
+@pytest.mark.parametrize(("kind", "g", "rows"), [
+    (None, 3, ROWS), ("int8", 3, ROWS), (None, 4, [3, -1])])  # (the last: gathered)
 @pytest.mark.parametrize("call", ["apply", "decode"])
-def test_decode_with_a_kv_cache_per_row(kind, call):
+def test_decode_with_a_kv_cache_per_row(kind, g, rows, call):
     base = _base(kind)
-    each = _each(base, 3)
+    each = _each(base, g)
     layers = stackwise.lora.stack(attend, N, with_state=True)
+    ROWS = rows  # noqa: N806
     rows = jnp.asarray(ROWS)
     x = jax.random.normal(jax.random.key(2), (len(ROWS), 1, D))
     step = jax.jit(
