@@ -7,6 +7,9 @@ run the base alone, as -1 does (tests/finetune/test_adapters_rows.py)."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import equinox as eqx
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ import pytest
 from _misuse import assert_refused, case
 
 import stackwise
+import stackwise.equinox
 import stackwise.haiku
 
 KEY = jax.random.key(0)
@@ -56,6 +60,13 @@ def _haiku_state_per_row():
     params, state = forward.init(KEY, X)
     batch = stackwise.lora.stack_adapters([stackwise.lora.init(KEY, params, rank=2)] * 2)
     forward.apply(attach(params, batch, per_leaf=True, rows=[0, 1]), state, None, X)
+
+
+def _equinox_one_example():
+    stack = stackwise.equinox.Stack(partial(eqx.nn.Linear, 4, 4), 3, key=KEY)
+    one = stackwise.lora.init(KEY, stack, rank=2)
+    attach(stack, stackwise.lora.stack_adapters([one, one]), per_leaf=True, rows=[0, 1])(
+        jnp.ones(4))
 
 
 def _ranks_2_and_3():
@@ -119,6 +130,8 @@ CASES = [
          ValueError, "mix adapters attached with `rows` and without"),
     case("Haiku state updated from each row", _haiku_state_per_row, ValueError,
          "stackwise.haiku.Stack", "different for each row", "with_state=True"),
+    case("rows on an Equinox Stack's one example", _equinox_one_example, ValueError,
+         "stackwise.equinox.Stack", "`rows` for 2 rows", "`x` has shape (4,)"),
     case("a batch serving groups, with a KV cache", lambda: stackwise.lora.stack(
         lambda p, c, x: (x @ p["w"], c + x.sum()), 3, with_state=True).apply(
             attach(BASE, BATCH), jnp.zeros((3, 4)), jnp.ones((3, 2, 4))), ValueError,
