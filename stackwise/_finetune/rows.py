@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from stackwise._finetune.lora import Adapted
+from stackwise._finetune.lora import Adapted, add, scaled_update
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._finetune.targets import leaf_paths
 from stackwise._upstream import jax as jax_ties
@@ -119,6 +119,8 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
     batch = _batch(params, who)
     _check_batch(x, batch, "x", who)
     _check_batch(state, batch, "state", who)
+    if not (jax_ties.holds(jax_ties.EVAL_LOOP) and jax_ties.holds(jax_ties.UPDATE_SLICE)):
+        return _each_row_merged(block, params, x, state, shared)
     lows: dict = {}  # id(base weight) -> _Low
 
     def weights(node: Any) -> Any:
@@ -196,6 +198,42 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
     return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
 
+def _each_row_merged(block: Callable[..., Any], params: Any, x: Any, state: Any,
+                     shared: bool) -> tuple:
+    """The exact path where the jaxpr evaluation's ties no longer hold: ``jax.vmap`` over
+    the rows, each row's weights built as ``W + scale * a[idx] @ b[idx]`` (the same values;
+    a weight per row, and the cache written with vmap's scatter)."""
+    nodes = [v for v in jax.tree.leaves(params, is_leaf=_is_node) if isinstance(v, Adapted)]
+    on = [(v.rows >= 0) & (v.rows < v.groups) for v in nodes]
+    picks = [jnp.where(o, v.rows, 0) for o, v in zip(on, nodes)]
+
+    def one(x_row, s_row, picks, on):
+        found = iter(zip(picks, on))
+
+        def weights(node):
+            if not isinstance(node, Adapted):
+                return dequantize(node) if is_quantized(node) else node
+            pick, keep = next(found)
+            treedef = jax.tree.structure(node.base, is_leaf=is_quantized)
+            subs = treedef.flatten_up_to(node.adapters)
+            out = []
+            for leaf, lw in zip(jax.tree.leaves(node.base, is_leaf=is_quantized), subs):
+                w = dequantize(leaf)
+                if lw is not None:
+                    d = jnp.where(keep, scaled_update(lw.a[pick], lw.b[pick], lw.scale), 0)
+                    w = add(w, d)
+                out.append(w)
+            return jax.tree.unflatten(treedef, out)
+
+        lead = lambda v: v[None]  # noqa: E731  (the row as a batch of one)
+        out, kept = block(jax.tree.map(weights, params, is_leaf=_is_node),
+                          jax.tree.map(lead, x_row), jax.tree.map(lead, s_row))
+        drop = lambda v: v[0] if jnp.shape(v)[:1] == (1,) else v  # noqa: E731
+        return jax.tree.map(drop, out), (kept if shared else jax.tree.map(drop, kept))
+
+    return jax.vmap(one, out_axes=(0, None if shared else 0))(x, state, picks, on)
+
+
 class _Rows:
     """A value of the one-row program for every row at once: ``full`` holds the rows, first.
 
@@ -237,21 +275,23 @@ def _mapped(fn: Callable[..., list], ins: list, outvars: list) -> list:
 def _step(name: str, ins: list, eqn: Any, lows: dict, batch: int, who: str) -> list | None:
     """An equation of the one-row program for every row: None where no row value and no
     adapted weight flows in (it is bound as it is)."""
-    rows = [isinstance(v, _Rows) for v in ins]
     if any(id(v) in lows for v in ins):
         return _rewrite(name, ins, eqn, lows, who)
-    if not any(rows):
+    if not any(isinstance(v, _Rows) for v in ins):
         return None
-    if name == "dynamic_update_slice" and ins[0].merged and not any(rows[2:]):
+    parts = jax_ties.update_slice_parts(name, ins)
+    if (parts is not None and isinstance(parts.operand, _Rows) and parts.operand.merged
+            and not any(isinstance(v, _Rows) for v in parts.starts)):
         # A row's update of its own rows (a KV cache): one update of the whole batch's
         # rows, in the state's own layout, so that the stack writes it in place. (The
         # row's leading axis has length 1: its start is 0, as the batch's is.)
-        update = ins[1]
+        update = parts.update
         update = update.full if isinstance(update, _Rows) and update.merged else (
             update.mapped()[:, 0] if isinstance(update, _Rows)
             else jnp.broadcast_to(update, (batch, *jnp.shape(update)[1:])))
-        out = jax.lax.dynamic_update_slice(ins[0].full, update.astype(ins[0].full.dtype),
-                                           [jnp.asarray(s) for s in ins[2:]])
+        full = parts.operand.full
+        out = jax.lax.dynamic_update_slice(full, update.astype(full.dtype),
+                                           [jnp.asarray(s) for s in parts.starts])
         return [_Rows(out, True)]
     return _mapped(lambda *a: jax_ties.bind(eqn, list(a)), ins, eqn.outvars)
 

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stackwise
+from stackwise._upstream import jax as jax_ties
 
 D, N, R = 8, 3, 2
 KEY = jax.random.key(0)
@@ -252,3 +253,22 @@ def test_framework_stacks_take_rows(framework):
         alone = fw.base if r < 0 else stackwise.lora.attach(fw.base, each[r], per_leaf=True)
         assert_trees_close(y[i], fw.run_stack(alone, x[i:i + 1])[0])
     assert float(np.abs(y[0] - y[2]).max()) > 0.01
+
+
+def test_with_the_evaluation_ties_broken_each_row_merges_its_weight(monkeypatch):
+    """Where the jaxpr evaluation's ties to JAX no longer hold, rows take the exact path:
+    vmap over the rows, each row's weight built; the same values, decoding with a cache."""
+    monkeypatch.setattr(jax_ties, "holds", lambda tie: tie not in (
+        jax_ties.EVAL_LOOP, jax_ties.UPDATE_SLICE))
+    base = _base("int8")
+    each = _each(base, 3)
+    _assert_rows_are_each_alone(stackwise.lora.stack(mlp, N), base, each, ROWS, X)
+    layers = stackwise.lora.stack(attend, N, with_state=True)
+    x = jax.random.normal(jax.random.key(2), (len(ROWS), 1, D))
+    y, cache = x, jnp.zeros((N, len(ROWS), S, D))
+    params = stackwise.lora.attach(base, stackwise.lora.stack_adapters(each), rows=ROWS)
+    for pos in range(2):
+        y, cache = layers.decode(params, cache, y, pos)
+    for i, r in enumerate(ROWS):
+        want_y, want_cache = _decode_alone(layers, _alone(base, each, r), x[i:i + 1], 2)
+        assert_trees_close((y[i], cache[:, i]), (want_y[0], want_cache[:, 0]))
