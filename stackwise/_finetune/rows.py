@@ -173,7 +173,7 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
         observe=lambda *_: None,
         instead=lambda name, ins, eqn: _step(name, ins, eqn, lows, batch, who),
         with_params=True)
-    n_out = len(jax.tree.leaves(shapes[0]))
+    n_out = len(jax.tree.leaves(shapes[0])) if shared else len(outs)  # (shared: a pair)
     flat = []
     for j, (v, shape) in enumerate(zip(outs, jax.tree.leaves(shapes))):
         if id(v) in lows:
