@@ -7,6 +7,8 @@ Above the core (it imports :mod:`stackwise._core` only); the public names are
 - :mod:`.quant`: int8 / int4 / nf4 stacked weights with per-layer, per-channel scales.
 - :mod:`.lora`: stacked low-rank adapters on chosen leaves: made, attached, merged.
 - :mod:`.layer`: a layer's ``apply`` run on adapted and quantized params inside the scan.
+- :mod:`.rows`: a batch whose rows each pick an adapter (multi-LoRA serving): the layer's
+  one-row program run for every row, each adapted product given its low-rank term.
 - :mod:`.train`: the trainable/frozen split and the optimizer's masks.
 - :mod:`.peft`: adapters out to, and back from, Hugging Face PEFT's folder layout.
 """

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
+from stackwise._finetune import rows
 from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
@@ -114,7 +115,9 @@ def _refuse_kept(path: str, groups: int, who: str) -> ValueError:
     return ValueError(
         f"{who}: with a batch of {groups} adapters the layer's new state{path} comes out "
         "different for each group: it is updated from a group's rows (batch statistics, "
-        "a KV cache, sown intermediates), and a layer holds one state for all groups. Run "
+        "a KV cache, sown intermediates), and a layer holds one state for all groups. For "
+        "a KV cache, pick an adapter per row instead: `stackwise.lora.attach(base, batch, "
+        "rows=rows)` with `rows` an int array (batch,) and the cache per row. Else run "
         "without updating it (e.g. `use_running_average=True`, no mutable collections), "
         "run the adapters one at a time (`jax.tree.map(lambda v: v[j], batch)` takes "
         "adapter j), or merge each into a base (`stackwise.lora.merge`)."
@@ -132,18 +135,23 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     copied per group (each group builds its own adapted weight); ``out`` has g leading.
     ``kept`` (the layer's new state) is the one value every group gives: state that a
     group updates from its own rows is refused. Random keys in ``params`` or ``args``
-    reach every group alike.
+    reach every group alike. With adapters attached with ``rows``
+    (:func:`stackwise.lora.attach`), row i of ``x`` runs with adapter ``rows[i]``
+    (:mod:`.rows`), and ``kept`` is refused where it differs by row.
 
     Raises:
-      ValueError: adapters of two batch sizes in one layer, ``x`` without g on every
-        leaf's leading axis, or a ``kept`` leaf that differs by group.
+      ValueError: adapters of two batch sizes in one layer, ``x`` without g (or the
+        rows) on every leaf's leading axis, or a ``kept`` leaf that differs by group (or
+        row).
     """
+    if rows.has_rows(params):
+        return rows.run(lambda p, x, _: block(p, x, *args), params, x, (), who, shared=True)
     groups = _groups(params, who)
     if groups is None:
         return block(materialise(params), x, *args)
     _check_rows(x, groups, who)
     axes = jax.tree.map(
-        lambda v: Adapted(None, 0, v.groups) if isinstance(v, Adapted) else None,
+        lambda v: Adapted(None, 0, v.groups, None) if isinstance(v, Adapted) else None,
         params, is_leaf=is_node,
     )
     each = jax.vmap(lambda p, x: block(materialise(p), x, *args),
@@ -195,18 +203,30 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     >>> out.shape, bool(jnp.allclose(out[1], alone, atol=1e-6))
     ((2, 2, 4), True)
 
+    With ``attach(base, batch, rows=rows)`` row i of ``x`` runs with adapter ``rows[i]``
+    (-1: the base alone), each adapted weight used as ``x @ W + scale * (x @ a) @ b`` per
+    row (no per-row weight is built: the layer must use adapted weights in matrix products
+    only), and the state is per row: every state leaf has the batch first (a KV cache),
+    so a decode step runs with the cache donated and written in place.
+
+    >>> y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1]), x)
+    >>> bool(jnp.allclose(y[0], alone[0], atol=1e-6))
+    True
+
     Args:
       apply: ``apply(layer_params, x, *args, **kwargs)`` of one layer (with
         ``with_state``: ``apply(layer_params, state, x, ...)``).
       with_state: the layer takes and returns state (as ``stackwise.stack``'s flag). With
         a batch, the state is one for all groups: a layer that updates it from a group's
         rows is refused (one that leaves it, or updates it alike for every group, runs).
+        With ``rows``, the state is per row (its leaves have the batch first).
 
     Raises:
       TypeError: ``apply`` is not callable.
       ValueError (when the layer runs): attached adapters of two batch sizes in one
         layer; with a batch, ``x`` without g on its leading axis, or state that differs
-        by group.
+        by group; with ``rows``, ``x`` or the state without the rows on their leading
+        axis, or an adapted weight used other than in a matrix product.
     """
     who = "stackwise.lora.wrap"
     if not callable(apply):
@@ -214,6 +234,14 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
                         f"{type(apply).__name__}.")
 
     def wrapped(params, *args, **kwargs):
+        if rows.has_rows(params):  # a batch whose rows each pick an adapter
+            if with_state:
+                state, x, *rest = args
+                return rows.run(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
+                                params, x, state, who)
+            x, *rest = args
+            return rows.run(lambda p, x, s: (apply(p, x, *rest, **kwargs), ()),
+                            params, x, (), who)[0]
         if with_state:
             state, x, *rest = args
             out, state = run_layer(lambda p, x, s: apply(p, s, x, *rest, **kwargs),

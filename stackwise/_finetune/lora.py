@@ -87,26 +87,31 @@ def is_lora(value: Any) -> bool:
 class Adapted:
     """A frozen base and its adapters, as one params tree for ``Stacked.apply``.
 
-    Made by :func:`attach`, which checks them; its children are ``base`` and ``adapters``
+    Made by :func:`attach`, which checks them; its children are ``base``, ``adapters``
     (a batch of g adapters is held layer axis first, ``(n, g, ...)``, so that the scan
-    slices layers), ``groups`` is static (g, or None for one adapter).
+    slices layers) and ``rows`` (with ``attach(..., rows=...)``: each batch row's adapter
+    index, held once per layer, ``(n, batch)``; else None); ``groups`` is static (g, or
+    None for one adapter).
     """
 
-    __slots__ = ("adapters", "base", "groups")
+    __slots__ = ("adapters", "base", "groups", "rows")
 
-    def __init__(self, base: Any, adapters: Any, groups: int | None = None):
-        self.base, self.adapters, self.groups = base, adapters, groups
+    def __init__(self, base: Any, adapters: Any, groups: int | None = None, rows: Any = None):
+        self.base, self.adapters, self.groups, self.rows = base, adapters, groups, rows
 
     def tree_flatten_with_keys(self):
-        keys = jax.tree_util.GetAttrKey("base"), jax.tree_util.GetAttrKey("adapters")
-        return ((keys[0], self.base), (keys[1], self.adapters)), self.groups
+        keys = (jax.tree_util.GetAttrKey("base"), jax.tree_util.GetAttrKey("adapters"),
+                jax.tree_util.GetAttrKey("rows"))
+        return tuple(zip(keys, (self.base, self.adapters, self.rows))), self.groups
 
     @classmethod
     def tree_unflatten(cls, groups, children):
-        return cls(*children, groups)
+        base, adapters, rows = children
+        return cls(base, adapters, groups, rows)
 
     def __repr__(self) -> str:
-        return f"stackwise.lora.Adapted(groups={self.groups})"
+        per_row = "" if self.rows is None else ", rows=..."
+        return f"stackwise.lora.Adapted(groups={self.groups}{per_row})"
 
 
 def _uniform(keys: jax.Array, shape: tuple, dtype: Any, bound: float) -> jax.Array:
@@ -321,7 +326,7 @@ def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None
     return groups
 
 
-def attach(base: Any, adapters: Any, *, per_leaf: bool = False) -> Any:
+def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None) -> Any:
     """The base and its adapters as one params tree for a stack of wrapped layers.
 
     Nothing is copied: the base's arrays are held as they are, so several adapters (or one
@@ -343,11 +348,40 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False) -> Any:
     >>> sorted(params), params["w"].base is base["w"]
     (['w'], True)
 
+    With ``rows`` (multi-LoRA serving, as S-LoRA and vLLM serve it) a batch of g adapters
+    (:func:`stack_adapters`) serves a batch of rows, each row picking its adapter:
+    ``rows[i]`` is row i's adapter index, or -1 for the base alone. Each adapted weight is
+    used as ``x @ W + scale * (x @ a[rows[i]]) @ b[rows[i]]``: the base is read once for
+    the whole batch and no per-row weight is built. The layer's state, if any, is per row
+    (every state leaf has the batch first: a KV cache), so decoding with a cache works.
+
+    >>> one, two = (jax.tree.map(lambda v: v + s, adapters) for s in (0.1, -0.1))
+    >>> batch = stackwise.lora.stack_adapters([one, two])
+    >>> layers = stackwise.lora.stack(lambda p, x: x @ p["w"], 3)
+    >>> x = jnp.ones((3, 4))                      # three rows
+    >>> y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1, 0]), x)
+    >>> alone = layers.apply(stackwise.lora.attach(base, two), x[:1])
+    >>> bool(jnp.allclose(y[0], alone[0], rtol=1e-6)), y.shape
+    (True, (3, 4))
+
+    Args:
+      base: the stacked base params (float, or quantized: ``stackwise.quant.quantize``).
+      adapters: from :func:`init` (one adapter) or :func:`stack_adapters` (a batch).
+      per_leaf: an :class:`Adapted` node at each adapted leaf instead of one at the root.
+      rows: None (one adapter; or a batch serving groups: group j of ``x``'s leading
+        axis uses adapter j), or an int array ``(batch,)`` of adapter indices, one per
+        row of ``x`` (its leading axis), -1 for the base alone. Concrete indices are
+        checked to lie in ``[-1, g)``; traced ones (under ``jax.jit``) are not: a row
+        whose index is outside ``[0, g)`` runs the base alone, as -1 does (never another
+        adapter's weights, which a clipping gather would give).
+
     Raises:
       ValueError: the adapters are not shaped like the base, have another depth, or do
-        not fit their leaf; a batch mixed with single adapters, or batches of two sizes.
-      TypeError: something other than LoraWeights or None where an adapter belongs, or
-        ``per_leaf`` not a bool.
+        not fit their leaf; a batch mixed with single adapters, or batches of two sizes;
+        ``rows`` with one adapter (not a batch) or with a DoRA adapter, ``rows`` not of
+        shape ``(batch,)``, or a concrete index outside ``[-1, g)``.
+      TypeError: something other than LoraWeights or None where an adapter belongs,
+        ``per_leaf`` not a bool, or ``rows`` not integers.
     """
     who = "stackwise.lora.attach"
     stacked_only(who, base=base, adapters=adapters)
@@ -364,16 +398,73 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False) -> Any:
             "`stackwise.lora.stack_adapters([adapters_0, ..., adapters_g-1])`."
         )
     groups = found.pop() if found else None
+    if rows is not None:
+        rows = _check_rows_arg(rows, groups, paired, who)
     if groups is not None:
         adapters = jax.tree.map(lambda v: jnp.moveaxis(v, 0, 1), adapters)
+
+    def per_layer(n: int) -> Any:  # the row indices, once per layer (the scan slices them)
+        return None if rows is None else jnp.broadcast_to(rows, (n, rows.shape[0]))
+
     if not per_leaf:
-        return Adapted(base, adapters, groups)
+        depth = next((leaf.shape[0] for _, leaf, lw in paired if lw is not None), 0)
+        return Adapted(base, adapters, groups, per_layer(depth))
     treedef = jax.tree.structure(base, is_leaf=is_quantized)
     subs = treedef.flatten_up_to(adapters)
     return jax.tree.unflatten(treedef, [
-        leaf if lw is None else Adapted(leaf, lw, groups)
+        leaf if lw is None else Adapted(leaf, lw, groups, per_layer(leaf.shape[0]))
         for (_, leaf, _), lw in zip(paired, subs)
     ])
+
+
+def _check_rows_arg(rows: Any, groups: int | None, paired: list, who: str) -> jax.Array:
+    """``rows`` as an int32 array ``(batch,)`` of adapter indices, checked."""
+    if groups is None:
+        raise ValueError(
+            f"{who}: `rows` picks an adapter per row from a batch of adapters, but the "
+            "adapters are one adapter (a (n, in, r)); make a batch of them, "
+            "`stackwise.lora.stack_adapters([adapters_0, ..., adapters_g-1])`, or drop "
+            "`rows` to run this one adapter on every row."
+        )
+    dora = [path for path, _, lw in paired if lw is not None and lw.dora]
+    if dora:
+        raise ValueError(
+            f"{who}: `rows` applies each row's update as (x @ a) @ b without building its "
+            f"weight, but the adapter at {dora[0]} is DoRA's, whose weight is rescaled by "
+            "its own column norms: serve DoRA adapters one at a time, or merged "
+            "(`stackwise.lora.merge`)."
+        )
+    if isinstance(rows, (bool, float, complex, str)) or not hasattr(rows, "dtype") and not (
+            isinstance(rows, (list, tuple)) and all(
+                isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in rows)):
+        raise TypeError(
+            f"{who}: `rows` must be an int array of adapter indices, one per row (-1: the "
+            f"base alone), e.g. `jnp.array([0, 2, -1])`; got {type(rows).__name__} "
+            f"{rows!r:.60}."
+        )
+    kind = np.dtype(rows.dtype) if hasattr(rows, "dtype") else np.dtype(np.int32)
+    if not jnp.issubdtype(kind, jnp.integer) or kind == np.dtype(bool):
+        raise TypeError(
+            f"{who}: `rows` must hold integer adapter indices (-1: the base alone), got "
+            f"dtype {kind.name}; e.g. `rows.astype(jnp.int32)` if they are whole numbers."
+        )
+    shape = tuple(np.shape(rows))
+    if len(shape) != 1:
+        raise ValueError(
+            f"{who}: `rows` must have shape (batch,), one adapter index per row of `x`'s "
+            f"leading axis; got shape {shape}."
+        )
+    rows = jnp.asarray(rows, jnp.int32)
+    if not isinstance(rows, jax.core.Tracer):
+        bad = np.asarray(rows)
+        bad = bad[(bad < -1) | (bad >= groups)]
+        if bad.size:
+            raise ValueError(
+                f"{who}: `rows` holds {bad.tolist()}, outside [-1, {groups}): the batch has "
+                f"{groups} adapters (indices 0..{groups - 1}), and -1 runs a row on the base "
+                "alone."
+            )
+    return rows
 
 
 def stack_adapters(adapters: Sequence[Any]) -> Any:
@@ -398,15 +489,34 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
     stacked_only(who, **{f"adapters[{i}]": a for i, a in enumerate(adapters)})
     if not adapters:
         raise ValueError(f"{who}: give at least one adapter tree.")
+    first = jax.tree_util.tree_leaves_with_path(adapters[0])
+    ranks = [(path, lw.rank) for path, lw in jax.tree_util.tree_leaves_with_path(
+        adapters[0], is_leaf=is_lora) if is_lora(lw)]
     for i, other in enumerate(adapters[1:], 1):
-        if jax.tree.structure(other) != jax.tree.structure(adapters[0]) or [
-            np.shape(v) for v in jax.tree.leaves(other)
-        ] != [np.shape(v) for v in jax.tree.leaves(adapters[0])]:
+        theirs = [lw.rank for lw in jax.tree.leaves(other, is_leaf=is_lora) if is_lora(lw)]
+        for (path, rank), their in zip(ranks, theirs):
+            if their != rank:
+                raise ValueError(
+                    f"{who}: adapters[{i}]{jax.tree_util.keystr(path)} has rank {their} "
+                    f"where adapters[0] has rank {rank}: a batch holds adapters of one rank "
+                    "(its a and b are stacked); serve adapters of another rank in a batch "
+                    "of their own, `stackwise.lora.stack_adapters([...])` per rank."
+                )
+        if jax.tree.structure(other) != jax.tree.structure(adapters[0]):
             raise ValueError(
-                f"{who}: adapters {i} differ from adapters 0 in structure, alpha or shapes "
-                "(rank, depth, targets): a batch needs adapters made alike, e.g. by "
+                f"{who}: adapters {i} differ from adapters 0 in structure or alpha "
+                "(targets, alpha, rsLoRA): a batch needs adapters made alike, e.g. by "
                 "`stackwise.lora.init` with the same rank, alpha and targets."
             )
+        for (path, v0), v in zip(first, jax.tree.leaves(other)):
+            if np.shape(v) != np.shape(v0):
+                raise ValueError(
+                    f"{who}: adapters[{i}]{jax.tree_util.keystr(path)} has shape "
+                    f"{np.shape(v)} where adapters[0] has {np.shape(v0)}: a batch needs "
+                    "adapters of one rank, depth and targets (`stackwise.lora.init` with "
+                    "the same rank from the same base); serve adapters of another rank "
+                    "in a batch of their own."
+                )
     return jax.tree.map(lambda *vs: jnp.stack(vs), *adapters)
 
 

@@ -101,6 +101,7 @@ def eval_jaxpr(
     observe: Callable[[str, list, list], None],
     instead: Callable[[str, list], list | None] | None = None,
     materialize: Callable[[list], list] | None = None,
+    with_params: bool = False,
 ) -> list:
     """Evaluates ``jaxpr`` on ``args`` as :func:`jax.core.eval_jaxpr` does, equation by equation.
 
@@ -108,7 +109,9 @@ def eval_jaxpr(
     evaluated here, recursively; every other equation is bound, then ``observe(primitive
     name, inputs, outputs)`` sees it. ``instead(primitive name, inputs)``, if given, may compute
     an equation's outputs instead (a list), or return ``None``; then ``materialize``, if
-    given, makes the inputs that the primitive is bound to (``materialize(inputs)``).
+    given, makes the inputs that the primitive is bound to (``materialize(inputs)``). With
+    ``with_params``, ``instead`` is called as ``instead(name, inputs, eqn)``, the equation
+    there to read its params or to be bound by :func:`bind`.
 
     Mirrors jax 0.10.2's ``jax._src.core.eval_jaxpr``: ``Literal.val``, ``DropVar`` outputs,
     ``eqn.ctx.manager`` around ``primitive.bind(*ins, **primitive.get_bind_params(params))``,
@@ -128,8 +131,11 @@ def eval_jaxpr(
         ins = [read(v) for v in eqn.invars]
         body = _call_body(eqn)
         if body is not None and inline(ins):
-            outs = eval_jaxpr(body[0], body[1], ins, inline, observe, instead, materialize)
-        elif instead is not None and (found := instead(eqn.primitive.name, ins)) is not None:
+            outs = eval_jaxpr(body[0], body[1], ins, inline, observe, instead, materialize,
+                              with_params)
+        elif instead is not None and (found := (
+                instead(eqn.primitive.name, ins, eqn) if with_params
+                else instead(eqn.primitive.name, ins))) is not None:
             outs = found
         else:
             ins = materialize(ins) if materialize is not None else ins

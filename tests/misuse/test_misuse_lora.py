@@ -207,8 +207,11 @@ LORA = [
          "dequantize"),
     case("combining halves of two trees", _combine_mismatched, ValueError,
          "stackwise.lora.split"),
-    case("a batch of unlike adapters", _stack_unlike_adapters, ValueError,
-         "differ from adapters 0"),
+    case("a batch of adapters of two ranks", _stack_unlike_adapters, ValueError,
+         "adapters[1]", "has rank 1 where adapters[0] has rank 2", "one rank"),
+    case("a batch of adapters of two alphas", lambda: stackwise.lora.stack_adapters(
+        [_adapters(), stackwise.lora.init(KEY, BASE, rank=2, alpha=7.0, targets=W)]),
+         ValueError, "differ from adapters 0", "alpha"),
     case("a batch of no adapters", lambda: stackwise.lora.stack_adapters([]), ValueError,
          "at least one"),
     case("wrapping a non-function", lambda: stackwise.lora.wrap({"w": 1}), TypeError,
