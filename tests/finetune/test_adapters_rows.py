@@ -126,6 +126,7 @@ def test_rows_in_a_pattern():
         assert_trees_close(y[i], layers.apply(alone, X[i:i + 1])[0])
 
 
+@pytest.mark.slow  # (12 examples, each compiling: ~20 s)
 @settings(max_examples=12, deadline=None)
 @given(st.data())
 def test_property_rows_against_a_loop(data):
@@ -255,6 +256,7 @@ def test_framework_stacks_take_rows(framework):
     assert float(np.abs(y[0] - y[2]).max()) > 0.01
 
 
+@pytest.mark.slow  # (the fallback, every case merged per row: ~8 s)
 def test_with_the_evaluation_ties_broken_each_row_merges_its_weight(monkeypatch):
     """Where the jaxpr evaluation's ties to JAX no longer hold, rows take the exact path:
     vmap over the rows, each row's weight built; the same values, decoding with a cache."""
