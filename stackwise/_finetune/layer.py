@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
 from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
-from stackwise._finetune.quant import dequantize, is_quantized
+from stackwise._finetune.quant import compute_dtype, dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
 
 __all__ = ["materialise", "run_layer", "stack_adapted", "wrap"]
@@ -53,31 +53,34 @@ def is_node(value: Any) -> bool:
     return isinstance(value, Adapted) or is_quantized(value)
 
 
-def _layer_weights(base: Any, adapters: Any) -> Any:
-    """One layer's float params: each leaf dequantized, then adapted where it has one."""
+def _layer_weights(base: Any, adapters: Any, dtype: Any = None) -> Any:
+    """One layer's float params: each leaf dequantized, then adapted where it has one; with
+    ``dtype``, each quantized or adapted weight in it."""
     treedef = jax.tree.structure(base, is_leaf=is_quantized)
     subs = treedef.flatten_up_to(adapters)
     out = []
     for leaf, lw in zip(jax.tree.leaves(base, is_leaf=is_quantized), subs):
-        w = dequantize(leaf)
-        if lw is not None:
-            w = adapted_weight(w, lw.a, lw.b, lw.scale)
-            if lw.dora:
-                w = dora_scaled(w, lw.magnitude)
-        out.append(w)
+        if lw is None:
+            out.append(dequantize(leaf, dtype))
+            continue
+        w = adapted_weight(dequantize(leaf), lw.a, lw.b, lw.scale)
+        if lw.dora:
+            w = dora_scaled(w, lw.magnitude)
+        out.append(w if dtype is None else w.astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
 
-def materialise(params: Any) -> Any:
+def materialise(params: Any, dtype: Any = None) -> Any:
     """One layer's params as its ``apply`` expects them: floats, adapters merged in.
 
     Params without an adapted or quantized node come back as they are (the same object).
+    With ``dtype`` (checked by the caller), every dequantized or adapted weight is in it.
     """
     if not any(is_node(v) for v in jax.tree.leaves(params, is_leaf=is_node)):
         return params
     return jax.tree.map(
-        lambda v: _layer_weights(v.base, v.adapters) if isinstance(v, Adapted)
-        else dequantize(v) if is_quantized(v) else v,
+        lambda v: _layer_weights(v.base, v.adapters, dtype) if isinstance(v, Adapted)
+        else dequantize(v, dtype) if is_quantized(v) else v,
         params,
         is_leaf=is_node,
     )
@@ -121,7 +124,8 @@ def _refuse_kept(path: str, groups: int, who: str) -> ValueError:
     )
 
 
-def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: str) -> Any:
+def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: str,
+              dtype: Any = None) -> Any:
     """``(out, kept) = block(float_params, x, *args)`` on one layer's adapted params.
 
     ``params`` is the layer's slice (:class:`Adapted` and quantized nodes anywhere in it);
@@ -140,13 +144,13 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     """
     groups = _groups(params, who)
     if groups is None:
-        return block(materialise(params), x, *args)
+        return block(materialise(params, dtype), x, *args)
     _check_rows(x, groups, who)
     axes = jax.tree.map(
         lambda v: Adapted(None, 0, v.groups) if isinstance(v, Adapted) else None,
         params, is_leaf=is_node,
     )
-    each = jax.vmap(lambda p, x: block(materialise(p), x, *args),
+    each = jax.vmap(lambda p, x: block(materialise(p, dtype), x, *args),
                     in_axes=(axes, 0), out_axes=(0, None))
     try:
         return each(params, x)
@@ -157,7 +161,8 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
         raise _refuse_kept(path[3:], groups, who) from None
 
 
-def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[..., Any]:
+def wrap(apply: Callable[..., Any], *, with_state: bool = False,
+         dtype: Any = None) -> Callable[..., Any]:
     """A layer's ``apply`` that takes adapted and quantized params, for ``stackwise.stack``.
 
     The wrapped layer gets its own slice of the params (:func:`stackwise.lora.attach`'s
@@ -195,15 +200,29 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     >>> out.shape, bool(jnp.allclose(out[1], alone, atol=1e-6))
     ((2, 2, 4), True)
 
+    With ``dtype=jnp.bfloat16`` (QLoRA's compute dtype) each quantized or adapted weight
+    reaches ``apply`` in bfloat16: dequantized and adapted in float32 (``dequantize(W) +
+    scale * a @ b``, the update in the adapters' dtype), rounded to bfloat16 once. Give
+    ``x`` in bfloat16 too, and the layer's matmul runs in bfloat16:
+
+    >>> bf16 = stackwise.stack(None, stackwise.lora.wrap(apply, dtype=jnp.bfloat16), 3)
+    >>> bf16.apply(stackwise.lora.attach(base, adapters), x.astype(jnp.bfloat16)).dtype
+    dtype(bfloat16)
+
     Args:
       apply: ``apply(layer_params, x, *args, **kwargs)`` of one layer (with
         ``with_state``: ``apply(layer_params, state, x, ...)``).
       with_state: the layer takes and returns state (as ``stackwise.stack``'s flag). With
         a batch, the state is one for all groups: a layer that updates it from a group's
         rows is refused (one that leaves it, or updates it alike for every group, runs).
+      dtype: None (each weight in the dtype its base was quantized from, or its float
+        base leaf's), or a float dtype every quantized or adapted weight is given to
+        ``apply`` in (other leaves as they are). The gradients of float32 adapters stay
+        float32 (the weight's cotangent is cast to the adapters' dtype).
 
     Raises:
-      TypeError: ``apply`` is not callable.
+      TypeError: ``apply`` is not callable, or ``dtype`` is not a dtype.
+      ValueError: ``dtype`` is not a float dtype.
       ValueError (when the layer runs): attached adapters of two batch sizes in one
         layer; with a batch, ``x`` without g on its leading axis, or state that differs
         by group.
@@ -212,15 +231,18 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     if not callable(apply):
         raise TypeError(f"{who}: `apply` must be a layer's apply function, got "
                         f"{type(apply).__name__}.")
+    if dtype is not None:
+        dtype = compute_dtype(dtype, who)
 
     def wrapped(params, *args, **kwargs):
         if with_state:
             state, x, *rest = args
             out, state = run_layer(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
-                                   params, x, state, who=who)
+                                   params, x, state, who=who, dtype=dtype)
             return out, state
         x, *rest = args
-        return run_layer(lambda p, x: (apply(p, x, *rest, **kwargs), ()), params, x, who=who)[0]
+        return run_layer(lambda p, x: (apply(p, x, *rest, **kwargs), ()), params, x, who=who,
+                         dtype=dtype)[0]
 
     return functools.wraps(apply)(wrapped)
 
@@ -258,6 +280,8 @@ def warn_unrematted(
 def stack_adapted(
     apply: Callable[..., Any] | Sequence[Callable[..., Any]],
     n: int,
+    *,
+    dtype: Any = None,
     **options: Any,
 ) -> Stacked:
     """``stackwise.stack(None, wrap(apply), n, **options)``, warning of ``remat=False``.
@@ -275,6 +299,8 @@ def stack_adapted(
     Args:
       apply: one layer's apply, or a pattern's applies (each wrapped).
       n: the number of layers.
+      dtype: the compute dtype of the quantized and adapted weights, as :func:`wrap` takes
+        it (``jnp.bfloat16``: QLoRA's).
       **options: ``stackwise.stack``'s options (``remat``, ``unroll``, ``with_state``, ...).
 
     Returns:
@@ -282,9 +308,9 @@ def stack_adapted(
     """
     with_state = options.get("with_state", False)
     if callable(apply):
-        applies: Any = wrap(apply, with_state=with_state)
+        applies: Any = wrap(apply, with_state=with_state, dtype=dtype)
     else:
-        applies = [wrap(f, with_state=with_state) for f in apply]
+        applies = [wrap(f, with_state=with_state, dtype=dtype) for f in apply]
     inits = None if callable(apply) else [None] * len(applies)
     layers = stack(inits, applies, n, **options)
     remat = options.get("remat", DEFAULT_REMAT)

@@ -25,9 +25,10 @@ from stackwise._core import checks
 from stackwise._core.served import stacked_only
 from stackwise._finetune.targets import Targets, check_targets, leaf_paths, select
 
-__all__ = ["KINDS", "Quantized", "Scheme", "as_scheme", "block_size_of", "check_block_size",
-           "check_float", "check_kind", "dequantize", "is_float_matrix", "is_quantized",
-           "quantize", "quantize_rows"]
+__all__ = ["DOUBLE_BLOCK", "GAP", "KINDS", "LEVEL", "Quantized", "Scheme", "as_scheme", "block_size_of",
+           "check_block_size", "check_double", "check_float", "check_kind", "compute_dtype",
+           "dequantize", "double_rows", "doubled", "is_float_matrix", "is_quantized",
+           "quantize", "quantize_rows", "requantize"]
 
 #: The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023; bitsandbytes' table).
 NF4 = np.array(
@@ -55,6 +56,14 @@ class Quantized:
       kind: ``"int8"``, ``"int4"`` or ``"nf4"`` (static).
       dtype: the float dtype it was quantized from, which :func:`dequantize` gives back.
       rows: ``in``, the unpacked number of rows (static).
+      scale_step: with double quantization (``double=k``), the second-level scales,
+        ``float32 (..., ceil(in / block_size * out / k))``: one per k consecutive scales of
+        a layer (its ``(in / block_size, out)`` scales flattened in row-major order); then
+        ``scale`` holds ``int8`` codes and a scale is ``code * step + scale_offset``.
+        None without double quantization.
+      scale_offset: with double quantization, each layer's mean scale, ``float32 (...,)``,
+        subtracted before the scales are quantized; None without.
+      double: k, the scales per second-level block (static; 0: scales stored as float32).
     """
 
     codes: jax.Array
@@ -62,6 +71,9 @@ class Quantized:
     kind: str = ""
     dtype: str = "float32"
     rows: int = 0
+    scale_step: jax.Array | None = None
+    scale_offset: jax.Array | None = None
+    double: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,13 +86,29 @@ class Quantized:
         return self.rows // self.scale.shape[-2]
 
     @property
+    def float_scale(self) -> jax.Array:
+        """The first-level scales as float32, ``(..., in / block_size, out)``: ``scale`` itself,
+        or, double-quantized, decoded from its int8 codes (``code * step + offset``)."""
+        if not self.double:
+            return self.scale
+        return _undouble(self.scale, self.scale_step, self.scale_offset, self.double)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: codes, scales and (double-quantized) second-level scales and offsets."""
+        return sum(int(v.size) * np.dtype(v.dtype).itemsize
+                   for v in (self.codes, self.scale, self.scale_step, self.scale_offset)
+                   if v is not None)
+
+    @property
     def nbytes_dequantized(self) -> int:
         """Bytes of the whole float weight this stands for (all layers)."""
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
 jax.tree_util.register_dataclass(
-    Quantized, data_fields=["codes", "scale"], meta_fields=["kind", "dtype", "rows"]
+    Quantized, data_fields=["codes", "scale", "scale_step", "scale_offset"],
+    meta_fields=["kind", "dtype", "rows", "double"],
 )
 
 
@@ -129,6 +157,63 @@ def quantize_rows(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax.A
     return (codes if kind == "int8" else _pack(codes)), scale
 
 
+#: Scales per second-level block with ``double=True`` (QLoRA's, and bitsandbytes', 256).
+DOUBLE_BLOCK = 256
+#: The largest second-level code: the centred scales are int8 codes -127..127.
+_DOUBLE_LIMIT = 127
+
+
+def _double_layer(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's float32 scales ``(blocks, out)`` -> ``(int8 codes (blocks, out), step
+    (ceil(blocks * out / k),), offset ())``: the mean subtracted, then each k consecutive
+    centred scales (row-major; the last block may be shorter) rounded to ``code * step``,
+    ``step = absmax / 127`` of its block (1 for a block of zeros)."""
+    count = scale.size
+    blocks = -(-count // k)
+    offset = jnp.mean(scale)
+    centred = jnp.pad(scale.reshape(count) - offset, (0, blocks * k - count))
+    centred = centred.reshape(blocks, k)
+    absmax = jnp.max(jnp.abs(centred), axis=-1)
+    step = jnp.where(absmax == 0, 1.0, absmax / _DOUBLE_LIMIT)
+    codes = jnp.clip(jnp.round(centred / step[:, None]), -_DOUBLE_LIMIT, _DOUBLE_LIMIT)
+    codes = codes.astype(jnp.int8).reshape(blocks * k)[:count].reshape(scale.shape)
+    return codes, step, offset
+
+
+def _undouble(codes: jax.Array, step: jax.Array, offset: jax.Array, k: int) -> jax.Array:
+    """Inverse of :func:`_double_layer` on any leading axes: float32 scales, each
+    ``code * step + offset``."""
+    lead, shape = codes.shape[:-2], codes.shape[-2:]
+    count = shape[0] * shape[1]
+    blocks = step.shape[-1]
+    flat = codes.reshape(*lead, count).astype(jnp.float32)
+    flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, blocks * k - count)])
+    flat = (flat.reshape(*lead, blocks, k) * step[..., :, None]).reshape(*lead, blocks * k)
+    return (flat[..., :count] + offset[..., None]).reshape(*lead, *shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def double_rows(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stacked float32 scales ``(n, blocks, out)`` -> ``(codes, step, offset)`` as
+    :class:`Quantized` holds them double-quantized, one layer at a time (as
+    :func:`quantize_rows`): a layer double-quantized alone or in its stack gives the same
+    bits."""
+    one = lambda layer: _double_layer(layer, k)  # noqa: E731
+    spec = getattr(jax.typeof(scale).sharding, "spec", ())
+    if spec and spec[0] is not None:
+        return jax.vmap(one)(scale)
+    return jax.lax.map(one, scale)
+
+
+def doubled(node: Quantized, k: int) -> Quantized:
+    """``node`` with its float32 scales double-quantized, k scales per second-level block
+    (``node`` itself when k is 0)."""
+    if not k:
+        return node
+    codes, step, offset = double_rows(node.scale, k)
+    return Quantized(node.codes, codes, node.kind, node.dtype, node.rows, step, offset, k)
+
+
 def _pack(codes: jax.Array) -> jax.Array:
     """4-bit codes ``uint8 (..., in, out)`` -> two per byte along ``in``."""
     if codes.shape[-2] % 2:
@@ -145,7 +230,7 @@ def _unpack(packed: jax.Array, rows: int) -> jax.Array:
     ]
 
 
-def dequantize(value: Any) -> Any:
+def dequantize(value: Any, dtype: Any = None) -> Any:
     """The float weight a :class:`Quantized` node stands for (anything else as it is).
 
     Works on the stacked node and on one layer's slice of it (inside the scan), and on a
@@ -161,9 +246,11 @@ def dequantize(value: Any) -> Any:
     Array([[[ 1.      , -2.015748],
             [ 0.503937,  4.      ]]], dtype=float32)
     """
+    if dtype is not None:
+        dtype = compute_dtype(dtype, "stackwise.quant.dequantize")
     if not is_quantized(value):
         if any(is_quantized(v) for v in jax.tree.leaves(value, is_leaf=is_quantized)):
-            return jax.tree.map(dequantize, value, is_leaf=is_quantized)
+            return jax.tree.map(lambda v: dequantize(v, dtype), value, is_leaf=is_quantized)
         return value
     if value.kind == "int8":
         numbers = value.codes.astype(jnp.float32)
@@ -176,8 +263,49 @@ def dequantize(value: Any) -> Any:
     blocks, cols = value.scale.shape[-2:]
     lead = numbers.shape[:-2]
     numbers = numbers.reshape(*lead, blocks, value.rows // blocks, cols)
-    scaled = numbers * value.scale[..., :, None, :]
-    return scaled.reshape(*lead, value.rows, cols).astype(value.dtype)
+    scaled = numbers * value.float_scale[..., :, None, :]
+    return scaled.reshape(*lead, value.rows, cols).astype(dtype or value.dtype)
+
+
+def requantize(node: Quantized, fn: Any, args: Any) -> Quantized:
+    """``node``'s layers mapped to floats and quantized again as ``node`` was (its kind,
+    block size and double quantization), one layer at a time (:func:`jax.lax.map`): layer
+    i's float weight is ``fn(dequantize(node[i]), args[i])``, ``args`` a tree of leaves
+    with the layer axis first."""
+    block = node.block_size
+
+    def one(layer_args):
+        layer, arg = layer_args
+        return _quantize_layer(fn(dequantize(layer), arg), node.kind, block)
+
+    codes, scale = jax.lax.map(one, (node, args))
+    codes = codes if node.kind == "int8" else _pack(codes)
+    return doubled(Quantized(codes, scale, node.kind, node.dtype, node.rows), node.double)
+
+
+#: Per kind, the widest gap between neighbouring levels in units of the scale: a weight
+#: rounds to within half of it times its block's scale (nf4's widest: -1 .. -0.6962, 0.3038).
+GAP = {"int8": 1.0, "int4": 1.0, "nf4": float(np.max(np.diff(NF4)))}
+#: Per kind, the largest level's magnitude in units of the scale (what a scale multiplies).
+LEVEL = {"int8": 127.0, "int4": 7.0, "nf4": 1.0}
+
+
+def compute_dtype(dtype: Any, who: str, arg: str = "dtype") -> np.dtype:
+    """``dtype`` as a NumPy dtype if it is a floating one, else an error naming ``arg``."""
+    try:
+        kind = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(
+            f"{who}: `{arg}` must be a float dtype (jnp.bfloat16, jnp.float32) or None, got "
+            f"{type(dtype).__name__} {dtype!r}."
+        ) from None
+    if not jnp.issubdtype(kind, jnp.floating):
+        raise ValueError(
+            f"{who}: `{arg}` is {kind.name}; the weights are computed in it, and integers "
+            "would truncate them: give a float dtype (jnp.bfloat16 as QLoRA computes, "
+            "jnp.float32) or None (the dtype quantized from)."
+        )
+    return kind
 
 
 class Scheme(NamedTuple):
@@ -187,17 +315,22 @@ class Scheme(NamedTuple):
 
     >>> import stackwise
     >>> stackwise.quant.Scheme("nf4", targets=lambda path, shape: "mlp" in path, block_size=64)
-    Scheme(kind='nf4', targets=<function <lambda> at ...>, block_size=64)
+    Scheme(kind='nf4', targets=<function <lambda> at ...>, block_size=64, double=False)
+
+    QLoRA's scheme, nf4 in blocks of 64 with the scales double-quantized:
+    ``Scheme("nf4", block_size=64, double=True)``.
 
     Attributes:
       kind: ``"int8"``, ``"int4"`` or ``"nf4"``.
       targets: which leaves of the target (as :func:`quantize` takes them).
       block_size: rows per scale, or None for one per output channel.
+      double: double quantization of the scales, as :func:`quantize` takes it.
     """
 
     kind: str = "int8"
     targets: Targets = None
     block_size: int | None = None
+    double: bool | int = False
 
 
 def as_scheme(value: Any, who: str) -> Scheme:
@@ -207,12 +340,13 @@ def as_scheme(value: Any, who: str) -> Scheme:
     if not isinstance(value, Scheme):
         raise TypeError(
             f"{who}: `quantize` must be a kind ({', '.join(map(repr, KINDS))}) or a "
-            "stackwise.quant.Scheme(kind, targets, block_size), got "
+            "stackwise.quant.Scheme(kind, targets, block_size, double), got "
             f"{type(value).__name__} {value!r}."
         )
     check_kind(value.kind, who, "quantize")
     check_targets(value.targets, who)
     check_block_size(value.block_size, who)
+    check_double(value.double, who)
     return value
 
 
@@ -235,6 +369,25 @@ def check_block_size(block_size: Any, who: str) -> int | None:
     if block_size < 1:
         raise ValueError(f"{who}: `block_size` must be at least 1, got {block_size}.")
     return int(block_size)
+
+
+def check_double(double: Any, who: str) -> int:
+    """``double`` as k, the scales per second-level block: False -> 0 (none), True ->
+    :data:`DOUBLE_BLOCK` (256), an int k >= 1 as given; else an error naming it."""
+    if isinstance(double, bool):
+        return DOUBLE_BLOCK if double else 0
+    if not isinstance(double, (int, np.integer)):
+        raise TypeError(
+            f"{who}: `double` must be a bool (True: QLoRA's double quantization, the scales "
+            f"in 8 bits, {DOUBLE_BLOCK} a block) or an int (scales per second-level block), "
+            f"got {type(double).__name__} {double!r}."
+        )
+    if double < 1:
+        raise ValueError(
+            f"{who}: `double` must be at least 1 scale per second-level block, got {double}; "
+            "pass False for float32 scales."
+        )
+    return int(double)
 
 
 def block_size_of(block_size: int | None, rows: int, path: str, who: str) -> int:
@@ -311,7 +464,8 @@ def non_finite(path: str, layers: list[int], who: str,
 
 
 def quantize(
-    params: Any, kind: str = "int8", targets: Targets = None, *, block_size: int | None = None
+    params: Any, kind: str = "int8", targets: Targets = None, *, block_size: int | None = None,
+    double: bool | int = False,
 ) -> Any:
     """Stacked params with their 2-D weights quantized per layer and output channel.
 
@@ -337,6 +491,17 @@ def quantize(
     >>> q["w"].scale.shape, q["w"].block_size
     ((4, 4, 8), 4)
 
+    With ``double=True`` (QLoRA's double quantization) the scales are stored in 8 bits too:
+    ``scale`` holds int8 codes, each layer's mean scale is ``scale_offset`` and each block
+    of 256 of its centred scales (here 32 a block) has a float32 ``scale_step``:
+
+    >>> d = stackwise.quant.quantize(params, "nf4", block_size=4, double=32)
+    >>> d["w"].scale.dtype, d["w"].scale_step.shape, d["w"].scale_offset.shape
+    (dtype('int8'), (4, 1), (4,))
+    >>> err = abs(d["w"].float_scale - q["w"].scale).max() / d["w"].scale_step.max()
+    >>> bool(err <= 0.5 + 1e-4)                           # half a second-level step
+    True
+
     Args:
       params: stacked params (leading layer axis on every leaf), e.g. ``Stacked.init``'s.
         For a pattern, quantize each position's tree.
@@ -347,6 +512,23 @@ def quantize(
       block_size: None for one scale per layer and output channel (the absmax of the whole
         input axis), or B: one per layer, output channel and B consecutive inputs (scales
         ``(n, in / B, out)``). B must divide every target's ``in``; nothing is padded.
+      double: double quantization (QLoRA's, Dettmers et al. 2023, section 3): False (float32
+        scales), True (k = 256) or an int k. Each layer's scales, flattened row-major,
+        have their mean subtracted (``scale_offset``, float32), and each k consecutive
+        centred scales (the layer's last block may be shorter) are stored as int8 codes
+        -127..127 with a float32 step ``absmax / 127`` of the block (``scale_step``). Int8
+        codes rather than QLoRA's FP8: the same 8 bits, with a uniform step, so the error
+        bound is one number per block; bitsandbytes' own double quantization is also an
+        8-bit blockwise code with an fp32 scale per 256 and the mean offset.
+        Each decoded scale is within half its block's step of the float32 one
+        (``|s' - s| <= step / 2``, plus float32 rounding of ``code * step + offset``), so a
+        weight is within ``c * step / 2`` of its singly-quantized value, ``c`` the largest
+        code magnitude: 1 for nf4, 7 for int4, 127 for int8 (a step of a block of scales
+        that differ by little is small). Memory, nf4 in blocks of 64:
+        ``4 + 8 / 64 + 32 / (64 * 256) = 4.127`` bits per weight, against ``4 + 32 / 64 =
+        4.5`` (plus one float32 offset per layer). A weight that is NaN or inf (under
+        ``jit``) makes its layer's offset, so the whole layer, dequantize to non-finite
+        numbers (not its column only).
 
     Returns:
       The params, each target leaf a :class:`Quantized` node.
@@ -355,14 +537,16 @@ def quantize(
       ValueError: an unknown ``kind``, a target that is not 2-D per layer, not floating,
         already quantized, holding NaN or inf (eager; under ``jit`` its block's scale is
         non-finite), or no target at all; a ``block_size`` below 1 or not dividing a
-        target's ``in``.
-      TypeError: a ``block_size`` that is not an int, ``targets`` of another type (an int
-        given as the third argument), or adapters in ``params`` (quantize the base alone).
+        target's ``in``; ``double`` below 1.
+      TypeError: a ``block_size`` that is not an int, ``double`` neither a bool nor an
+        int, ``targets`` of another type (an int given as the third argument), or
+        adapters in ``params`` (quantize the base alone).
     """
     who = "stackwise.quant.quantize"
     stacked_only(who, params=params)
     check_kind(kind, who)
     block_size = check_block_size(block_size, who)
+    double = check_double(double, who)
     _no_adapters(params, who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
     chosen = select(leaves, targets, who, is_float_matrix)
@@ -376,6 +560,6 @@ def quantize(
         dtype = check_float(path, leaf, who)
         _finite(path, leaf, who)
         codes, scale = quantize_rows(jnp.asarray(leaf), kind, block)
-        out.append(Quantized(codes, scale, kind, dtype.name, leaf.shape[-2]))
+        out.append(doubled(Quantized(codes, scale, kind, dtype.name, leaf.shape[-2]), double))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)

@@ -49,9 +49,9 @@ CASES = [
     case("a kind in a Scheme unknown", _load(Scheme("fp8", W)), ValueError,
          "`quantize` must be one of", "'fp8'"),
     case("a number for quantize", _load(8), TypeError, "`quantize` must be a kind",
-         "stackwise.quant.Scheme(kind, targets, block_size)", "int 8"),
+         "stackwise.quant.Scheme(kind, targets, block_size, double)", "int 8"),
     case("a dict for quantize", _load({"kind": "nf4"}), TypeError,
-         "stackwise.quant.Scheme(kind, targets, block_size)"),
+         "stackwise.quant.Scheme(kind, targets, block_size, double)"),
     case("a block size not dividing the inputs", _load(Scheme("nf4", W, 4)), ValueError,
          "target leaf ['w'] has 6 inputs", "`block_size=4` does not divide",
          "never padded", "e.g. 2"),
@@ -67,6 +67,10 @@ CASES = [
          ValueError, "chose no leaf"),
     case("a block size as a Scheme's second field", _load(Scheme("nf4", 64)), TypeError,
          "`targets` must be None", "got int 64", "`block_size=64`"),
+    case("double quantization as a string", _load(Scheme("nf4", W, 2, "yes")), TypeError,
+         "stackwise.load_checkpoint: `double` must be a bool", "got str 'yes'"),
+    case("double quantization of -1 scales a block", _load(Scheme("nf4", W, 2, -1)),
+         ValueError, "`double` must be at least 1", "got -1"),
 ]
 
 #: The stacked base as floats, quantized, and attached to its adapters (whole and per leaf).

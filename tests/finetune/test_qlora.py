@@ -1,0 +1,306 @@
+"""QLoRA as the paper has it (Dettmers et al. 2023): double quantization of the scales, with its
+error bound and bits per parameter from the stored leaves; bfloat16 compute read from the
+jaxpr against a hand-written bfloat16 layer; merge of adapters into a quantized base,
+requantized, within half a quantization step per block."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reference import D, apply, assert_stack_is_loop, init, trained
+from _trees import assert_trees_close
+
+import stackwise
+
+KEY = jax.random.key(0)
+UV = ["['u']", "['v']"]
+F32_EPS = float(jnp.finfo(jnp.float32).eps)
+#: The widest gap between neighbouring levels, in units of the scale, and the largest level.
+GAP = {"int8": 1.0, "int4": 1.0, "nf4": 1.0 - 0.6961928009986877}  # nf4: -1 .. -0.6962
+LEVEL = {"int8": 127.0, "int4": 7.0, "nf4": 1.0}
+
+
+def _weights(shape, seed=0):
+    """Normal weights with a spread of magnitudes across layers, rows and columns (so the
+    scales differ and their second-level step is not trivial)."""
+    w = jax.random.normal(jax.random.key(seed), shape)
+    return w * jnp.exp(jax.random.normal(jax.random.key(seed + 1), shape[:-1] + (1,)))
+
+
+def _blocks_of_scales(node):
+    """Per layer, the second-level step of each first-level scale, shaped as the scales."""
+    n, blocks, out = node.scale.shape
+    k, m = node.double, node.scale_step.shape[-1]
+    each = np.repeat(np.asarray(node.scale_step), k, axis=-1)[:, :blocks * out]
+    assert m == -(-blocks * out // k)
+    return each.reshape(n, blocks, out)
+
+
+# --------------------------------------------------------------------------
+# Double quantization.
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("block, double", [(None, True), (4, True), (4, 7), (2, 1), (16, 256)])
+def test_double_quantization_is_within_its_bound(kind, block, double):
+    """Each decoded scale is within half its second-level step of the float32 one, and each
+    weight within the largest level times that (plus float32 rounding) of the singly
+    quantized weight; the codes are the singly quantized ones, bitwise."""
+    w = _weights((3, 32, 24))
+    single = stackwise.quant.quantize({"w": w}, kind, block_size=block)["w"]
+    q = stackwise.quant.quantize({"w": w}, kind, block_size=block, double=double)["w"]
+    k = 256 if double is True else double
+    assert q.double == k and q.scale.dtype == jnp.int8 and q.scale.shape == single.scale.shape
+    assert q.scale_offset.shape == (3,) and q.scale_offset.dtype == jnp.float32
+    assert q.scale_step.shape == (3, -(-single.scale.size // 3 // k))
+    np.testing.assert_array_equal(q.codes, single.codes)
+    s, s2 = np.asarray(single.scale), np.asarray(q.float_scale)
+    step = _blocks_of_scales(q)
+    rounding = 2 * F32_EPS * (np.abs(s) + np.abs(np.asarray(q.scale_offset))[:, None, None])
+    assert np.all(np.abs(s2 - s) <= step / 2 * (1 + 1e-6) + rounding)
+    # The weights: |c * s' - c * s| <= |c| * step / 2, |c| at most the largest level.
+    rows = np.repeat(step, 32 // s.shape[1], axis=1)
+    bound = LEVEL[kind] * (rows / 2 * (1 + 1e-6) + np.repeat(rounding, 32 // s.shape[1], 1))
+    got, want = (np.asarray(stackwise.quant.dequantize(v)) for v in (q, single))
+    assert np.all(np.abs(got - want) <= bound + F32_EPS * np.abs(want))
+
+
+def test_double_quantized_nf4_in_blocks_of_64_costs_4_127_bits():
+    """The paper's numbers, from the stored leaves' bytes: 4 + 8/64 + 32/(64 * 256) bits per
+    weight with double quantization (plus one float32 offset per layer), 4.5 without."""
+    n, d = 2, 256
+    w = _weights((n, d, d))
+    for double, want in [(False, 4 + 32 / 64), (True, 4 + 8 / 64 + 32 / (64 * 256))]:
+        q = stackwise.quant.quantize({"w": w}, "nf4", block_size=64, double=double)["w"]
+        stored = sum(leaf.nbytes for leaf in jax.tree.leaves(q))
+        assert stored == q.nbytes
+        offsets = 32 / (d * d) if double else 0.0
+        bits = stored * 8 / w.size
+        assert bits == pytest.approx(want + offsets, rel=1e-12), bits
+    assert round(want, 3) == 4.127
+
+
+def test_each_layer_is_double_quantized_alone():
+    """Layer i's codes, scale codes, steps and offset are those of quantizing it alone."""
+    w = _weights((4, 16, 6))
+    q = stackwise.quant.quantize({"w": w}, "nf4", block_size=4, double=5)["w"]
+    for i in range(4):
+        alone = stackwise.quant.quantize({"w": w[i:i + 1]}, "nf4", block_size=4, double=5)["w"]
+        for mine, its in zip(jax.tree.leaves(q), jax.tree.leaves(alone)):
+            np.testing.assert_array_equal(mine[i], its[0])
+        # Its slice (inside the scan) dequantizes to its rows of the stacked weight, bitwise.
+        np.testing.assert_array_equal(
+            stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], q)),
+            stackwise.quant.dequantize(q)[i])
+
+
+def test_a_non_finite_weight_under_jit_spoils_its_layer_only():
+    """The layer's mean scale is NaN, so its whole layer dequantizes to NaN (never to finite
+    wrong numbers); the other layers are bitwise those of the finite weights."""
+    w = _weights((2, 4, 3))
+    bad = w.at[1, 2, 0].set(jnp.nan)
+    got = stackwise.quant.dequantize(jax.jit(
+        lambda p: stackwise.quant.quantize(p, "nf4", double=True))({"w": bad})["w"])
+    want = stackwise.quant.dequantize(stackwise.quant.quantize({"w": w}, "nf4", double=True)["w"])
+    assert bool(jnp.isnan(got[1]).all())
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def _base(n, seed=0):
+    return stackwise.stack(init, apply, n).init(jax.random.key(seed))
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.parametrize("remat", [stackwise.DEFAULT_REMAT, True])
+def test_qlora_on_a_double_quantized_base_equals_loop(kind, remat):
+    """Outputs and the adapters' gradients against the loop over dequantized layers."""
+    n = 3
+    base = stackwise.quant.quantize(_base(n), kind, targets=UV, double=3)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2, targets=UV))
+    x = jax.random.normal(jax.random.key(1), (3, D))
+    assert_stack_is_loop(stackwise.lora.stack(apply, n, remat=remat), base, adapters, x, n)
+    # Attached per leaf, and a batch of two adapters sharing the base.
+    layers = stackwise.lora.stack(apply, n)
+    whole = layers.apply(stackwise.lora.attach(base, adapters), x)
+    assert_trees_close(layers.apply(stackwise.lora.attach(base, adapters, per_leaf=True), x),
+                       whole)
+    batch = stackwise.lora.stack_adapters([adapters, adapters])
+    assert_trees_close(layers.apply(stackwise.lora.attach(base, batch), jnp.stack([x, x]))[1],
+                       whole)
+    # The trainable/frozen split keeps the double-quantized node whole in the frozen half.
+    trainable, frozen = stackwise.lora.split(stackwise.lora.attach(base, adapters))
+    assert isinstance(frozen.base["u"], stackwise.quant.Quantized)
+    assert frozen.base["u"].double == 3
+
+
+def test_double_quantized_scales_are_decoded_inside_the_layer():
+    """The program decodes the int8 scales (a convert to float32 of an int8 array) inside
+    the scan only: the stack's scales stay 8-bit outside."""
+    n = 4
+    base = stackwise.quant.quantize({"w": _weights((n, 8, 8))}, "nf4", block_size=4,
+                                    double=True)
+    adapters = stackwise.lora.init(KEY, base, rank=2)
+    layers = stackwise.lora.stack(lambda p, x: jnp.tanh(x @ p["w"]), n)
+
+    def loss(ad):
+        return jnp.sum(layers.apply(stackwise.lora.attach(base, ad), jnp.ones((2, 8))))
+
+    def decodes(eqns):
+        return any(e.primitive.name == "convert_element_type"
+                   and e.invars[0].aval.dtype == jnp.int8 for e in eqns)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(adapters).jaxpr
+    assert not decodes(jaxpr.eqns)
+    assert any(decodes(e.params["jaxpr"].jaxpr.eqns) for e in jaxpr.eqns
+               if e.primitive.name == "scan")
+
+
+def test_quantizing_while_loading_double_quantizes_alike():
+    """`load_checkpoint(quantize=Scheme(..., double=True))`: the bits of `quantize` of the
+    float load, every leaf."""
+    n = 3
+    base = _base(n)
+    ckpt = {f"layers.{i}.{k}": np.asarray(base[k][i]) for i in range(n) for k in base}
+    names = {k: f"layers.{{}}.{k}" for k in base}
+    scheme = stackwise.quant.Scheme("nf4", UV, None, double=4)
+    loaded = stackwise.load_checkpoint(ckpt, jax.eval_shape(lambda: base), names,
+                                       quantize=scheme)
+    want = stackwise.quant.quantize(base, "nf4", UV, double=4)
+    for k in ("u", "v"):
+        assert loaded[k].double == 4
+        for got, ref in zip(jax.tree.leaves(loaded[k]), jax.tree.leaves(want[k])):
+            np.testing.assert_array_equal(got, ref)
+
+
+def test_load_peft_onto_a_double_quantized_base(tmp_path):
+    """Adapters saved from a float base load back onto its double-quantized base, bitwise."""
+    base = _base(3)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2, targets=UV))
+    modules = {"['u']": "mlp.up_proj", "['v']": "mlp.down_proj"}
+    stackwise.lora.save_peft(tmp_path / "a", adapters, modules)
+    qbase = stackwise.quant.quantize(base, "nf4", targets=UV, double=True)
+    back = stackwise.lora.load_peft(tmp_path / "a", qbase, modules)
+    np.testing.assert_array_equal(back["u"].b, adapters["u"].b)
+
+
+# --------------------------------------------------------------------------
+# bfloat16 compute.
+
+
+def _dots(jaxpr):
+    """Every dot_general's operand dtypes, in the jaxpr and the jaxprs inside it."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(tuple(v.aval.dtype for v in e.invars))
+        for value in e.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _dots(inner)
+    return out
+
+
+@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("double", [False, True])
+def test_bf16_compute_matmul_runs_in_bf16_and_equals_a_hand_written_layer(adapter_dtype,
+                                                                          double):
+    """`stack(..., dtype=jnp.bfloat16)`: the layer's matmul takes bfloat16 operands, and each
+    layer's output equals the hand-written one: the weight dequantized and adapted in
+    float32 (the update in the adapters' dtype), rounded to bfloat16 once, then
+    ``x_bf16 @ w_bf16``."""
+    n, d = 3, 16
+    base = stackwise.quant.quantize({"w": _weights((n, d, d))}, "nf4", block_size=8,
+                                    double=double)
+    adapters = trained(stackwise.lora.init(KEY, base, rank=2, dtype=adapter_dtype))
+    layer = lambda p, x: jnp.tanh(x @ p["w"])  # noqa: E731
+    layers = stackwise.lora.stack(layer, n, dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (2, d)).astype(jnp.bfloat16)
+    params = stackwise.lora.attach(base, adapters)
+    jaxpr = jax.make_jaxpr(layers.apply)(params, x).jaxpr
+    dots = _dots(jaxpr)
+    # Two matmuls a layer: x @ W in bfloat16 x bfloat16, and a @ b in the adapters' dtype.
+    assert len(dots) == 2 and (jnp.bfloat16, jnp.bfloat16) in dots, dots
+    assert (jnp.dtype(adapter_dtype),) * 2 in dots, dots
+
+    y = layers.apply(params, x)
+    assert y.dtype == jnp.bfloat16
+    ref = x
+    for i in range(n):
+        w = stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], base["w"]))
+        lw = adapters["w"]
+        update = (lw.a[i] @ lw.b[i]) * jnp.asarray(lw.scale, lw.a.dtype)
+        w = (w + update.astype(jnp.float32)).astype(jnp.bfloat16)
+        ref = jnp.tanh(ref @ w)
+    # Within two bfloat16 roundings (XLA may keep a fused bfloat16 product in float32 a
+    # little longer in one program than in the other; with float32 adapters on XLA:CPU the
+    # two are bitwise equal).
+    bf16_eps = float(jnp.finfo(jnp.bfloat16).eps)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
+                               rtol=2 * bf16_eps, atol=bf16_eps)
+
+    # The adapters' gradients come back in their own dtype.
+    grads = jax.grad(lambda ad: jnp.sum(layers.apply(stackwise.lora.attach(base, ad), x)
+                                        .astype(jnp.float32)))(adapters)
+    assert grads["w"].a.dtype == jnp.dtype(adapter_dtype)
+
+
+def test_dequantize_takes_a_compute_dtype():
+    q = stackwise.quant.quantize({"w": _weights((2, 8, 4))}, "int4", double=True)["w"]
+    got = stackwise.quant.dequantize(q, jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got, stackwise.quant.dequantize(q).astype(jnp.bfloat16))
+    tree = stackwise.quant.dequantize({"w": q, "b": jnp.ones(3)}, dtype=jnp.bfloat16)
+    assert tree["w"].dtype == jnp.bfloat16 and tree["b"].dtype == jnp.float32
+
+
+# --------------------------------------------------------------------------
+# Merge and requantize.
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("block, double", [(None, False), (4, False), (4, True), (8, 3)])
+def test_merge_into_a_quantized_base_requantizes_within_half_a_step(kind, block, double):
+    """|dequantize(merge(q, ad)) - (dequantize(q) + s * a @ b)| <= gap * s' / 2 per block
+    (s' the block's new scale; gap 1 for int8/int4, nf4's widest 0.3038), plus, double-
+    quantized, the largest level times half the second-level step."""
+    n, rows, cols = 3, 16, 12
+    q = stackwise.quant.quantize({"w": _weights((n, rows, cols))}, kind, block_size=block,
+                                 double=double)
+    adapters = trained(stackwise.lora.init(KEY, q, rank=2, alpha=4.0))
+    merged = stackwise.lora.merge(q, adapters)["w"]
+    assert (merged.kind, merged.block_size, merged.double) == (q["w"].kind, q["w"].block_size,
+                                                               q["w"].double)
+    lw = adapters["w"]
+    want = np.asarray(stackwise.quant.dequantize(q["w"]) + lw.scale * (lw.a @ lw.b))
+    got = np.asarray(stackwise.quant.dequantize(merged))
+    per_row = rows // merged.scale.shape[1]
+    scale = np.repeat(np.asarray(merged.float_scale), per_row, axis=1)
+    bound = GAP[kind] * np.abs(scale) / 2 * (1 + 1e-5) + 4 * F32_EPS * np.abs(want)
+    if merged.double:
+        step = np.repeat(_blocks_of_scales(merged), per_row, axis=1)
+        bound = bound + LEVEL[kind] * (step / 2 * (1 + 1e-5) + 4 * F32_EPS * np.abs(scale))
+    assert np.all(np.abs(got - want) <= bound)
+    # It is the quantizer's own bits for the merged float weight.
+    float_merged = stackwise.lora.merge(stackwise.quant.dequantize(q), adapters)
+    again = stackwise.quant.quantize(float_merged, kind, block_size=block, double=double)["w"]
+    for mine, its in zip(jax.tree.leaves(merged), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(mine, its)
+
+
+def test_merge_into_a_quantized_base_with_dora_and_patterns():
+    """DoRA's rescaled weight is requantized alike; a pattern's positions merge one by one."""
+    q = stackwise.quant.quantize({"w": _weights((2, 8, 8))}, "nf4", block_size=4, double=True)
+    dora = trained(stackwise.lora.init(KEY, q, rank=2, dora=True))
+    merged = stackwise.lora.merge(q, dora)["w"]
+    float_merged = stackwise.lora.merge(stackwise.quant.dequantize(q), dora)
+    again = stackwise.quant.quantize(float_merged, "nf4", block_size=4, double=True)["w"]
+    np.testing.assert_array_equal(merged.codes, again.codes)
+    np.testing.assert_array_equal(merged.scale, again.scale)
+    bases = stackwise.stack([init, init], [apply, apply], 4).init(KEY)
+    qbases = tuple(stackwise.quant.quantize(b, "int8", targets=UV) for b in bases)
+    ads = tuple(trained(stackwise.lora.init(KEY, b, rank=2, targets=UV)) for b in qbases)
+    out = tuple(map(stackwise.lora.merge, qbases, ads))
+    assert all(isinstance(o["u"], stackwise.quant.Quantized) for o in out)
