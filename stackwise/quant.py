@@ -12,5 +12,6 @@ from stackwise._finetune.quant import Quantized as Quantized
 from stackwise._finetune.quant import Scheme as Scheme
 from stackwise._finetune.quant import dequantize as dequantize
 from stackwise._finetune.quant import quantize as quantize
+from stackwise._finetune.quant import take as take
 
-__all__ = ["KINDS", "Quantized", "Scheme", "dequantize", "quantize"]
+__all__ = ["KINDS", "Quantized", "Scheme", "dequantize", "quantize", "take"]

@@ -12,6 +12,7 @@ like any params; :func:`dequantize` gives back floats (of one layer inside the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from stackwise._finetune.targets import Targets, check_targets, leaf_paths, sele
 __all__ = ["DOUBLE_BLOCK", "GAP", "KINDS", "LEVEL", "Quantized", "Scheme", "as_scheme", "block_size_of",
            "check_block_size", "check_double", "check_float", "check_kind", "compute_dtype",
            "dequantize", "double_rows", "doubled", "is_float_matrix", "is_quantized",
-           "quantize", "quantize_rows", "requantize"]
+           "quantize", "quantize_rows", "requantize", "take"]
 
 #: The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023; bitsandbytes' table).
 NF4 = np.array(
@@ -64,6 +65,12 @@ class Quantized:
       scale_offset: with double quantization, each layer's mean scale, ``float32 (...,)``,
         subtracted before the scales are quantized; None without.
       double: k, the scales per second-level block (static; 0: scales stored as float32).
+      axes: the weight's contracted axes (static), counted in its own shape (without the
+        layer axis), for a weight quantized with ``contract=``: its axes are moved to
+        ``(*axes, *others)`` and flattened to ``(in, out)`` before quantizing (so
+        ``rows`` is the product of the contracted lengths), and :func:`dequantize` gives
+        the weight back in its own shape. Empty for an ``(in, out)`` weight.
+      weight_shape: the weight's own shape (static), with ``axes``; empty without.
     """
 
     codes: jax.Array
@@ -74,10 +81,14 @@ class Quantized:
     scale_step: jax.Array | None = None
     scale_offset: jax.Array | None = None
     double: int = 0
+    axes: tuple = ()
+    weight_shape: tuple = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The float weight's shape: ``(..., in, out)``."""
+        """The float weight's shape: ``(..., in, out)``, or ``(..., *weight_shape)``."""
+        if self.axes:
+            return (*self.codes.shape[:-2], *self.weight_shape)
         return (*self.codes.shape[:-2], self.rows, self.codes.shape[-1])
 
     @property
@@ -108,7 +119,7 @@ class Quantized:
 
 jax.tree_util.register_dataclass(
     Quantized, data_fields=["codes", "scale", "scale_step", "scale_offset"],
-    meta_fields=["kind", "dtype", "rows", "double"],
+    meta_fields=["kind", "dtype", "rows", "double", "axes", "weight_shape"],
 )
 
 
@@ -139,14 +150,39 @@ def _quantize_layer(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax
     return codes.reshape(rows, cols), scale[:, 0, :]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def quantize_rows(w: jax.Array, kind: str, block: int) -> tuple[jax.Array, jax.Array]:
+def as_matrix(w: jax.Array, axes: tuple) -> jax.Array:
+    """One weight of any shape as the ``(in, out)`` matrix it is quantized as: its ``axes``
+    moved first and flattened into ``in``, the others into ``out`` (``w`` itself when
+    ``axes`` is empty)."""
+    if not axes:
+        return w
+    others = [a for a in range(w.ndim) if a not in axes]
+    rows = math.prod(w.shape[a] for a in axes)
+    return jnp.transpose(w, (*axes, *others)).reshape(rows, -1)
+
+
+def from_matrix(m: jax.Array, axes: tuple, shape: tuple) -> jax.Array:
+    """Inverse of :func:`as_matrix` on any leading axes: ``(..., in, out)`` -> ``(...,
+    *shape)``."""
+    if not axes:
+        return m
+    others = [a for a in range(len(shape)) if a not in axes]
+    lead = m.shape[:-2]
+    moved = m.reshape(*lead, *(shape[a] for a in axes), *(shape[a] for a in others))
+    order = np.argsort([*axes, *others])
+    return jnp.transpose(moved, (*range(len(lead)), *(len(lead) + int(o) for o in order)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def quantize_rows(w: jax.Array, kind: str, block: int,
+                  axes: tuple = ()) -> tuple[jax.Array, jax.Array]:
     """Stacked ``(n, in, out)`` floats -> ``(codes, scale)`` as :class:`Quantized` holds them
     (4-bit codes packed), one layer at a time (:func:`jax.lax.map`: float32 temporaries of
     one layer; each device its own layers where they are split over devices). The one
     quantizer of :func:`quantize` and of ``load_checkpoint(quantize=)``,
-    so a layer quantized alone or in its stack gives the same bits."""
-    one = lambda layer: _quantize_layer(layer, kind, block)  # noqa: E731
+    so a layer quantized alone or in its stack gives the same bits. With ``axes``, each
+    layer ``(n, *shape)`` is made an ``(in, out)`` matrix first (:func:`as_matrix`)."""
+    one = lambda layer: _quantize_layer(as_matrix(layer, axes), kind, block)  # noqa: E731
     spec = getattr(jax.typeof(w).sharding, "spec", ())
     if spec and spec[0] is not None:
         # The layers split over devices (explicit mesh axes), which a scan cannot walk:
@@ -211,7 +247,8 @@ def doubled(node: Quantized, k: int) -> Quantized:
     if not k:
         return node
     codes, step, offset = double_rows(node.scale, k)
-    return Quantized(node.codes, codes, node.kind, node.dtype, node.rows, step, offset, k)
+    return dataclasses.replace(node, scale=codes, scale_step=step, scale_offset=offset,
+                               double=k)
 
 
 def _pack(codes: jax.Array) -> jax.Array:
@@ -264,7 +301,8 @@ def dequantize(value: Any, dtype: Any = None) -> Any:
     lead = numbers.shape[:-2]
     numbers = numbers.reshape(*lead, blocks, value.rows // blocks, cols)
     scaled = numbers * value.float_scale[..., :, None, :]
-    return scaled.reshape(*lead, value.rows, cols).astype(dtype or value.dtype)
+    scaled = scaled.reshape(*lead, value.rows, cols).astype(dtype or value.dtype)
+    return from_matrix(scaled, value.axes, value.weight_shape)
 
 
 def requantize(node: Quantized, fn: Any, args: Any) -> Quantized:
@@ -276,11 +314,13 @@ def requantize(node: Quantized, fn: Any, args: Any) -> Quantized:
 
     def one(layer_args):
         layer, arg = layer_args
-        return _quantize_layer(fn(dequantize(layer), arg), node.kind, block)
+        return _quantize_layer(as_matrix(fn(dequantize(layer), arg), node.axes), node.kind,
+                               block)
 
     codes, scale = jax.lax.map(one, (node, args))
     codes = codes if node.kind == "int8" else _pack(codes)
-    return doubled(Quantized(codes, scale, node.kind, node.dtype, node.rows), node.double)
+    return doubled(dataclasses.replace(node, codes=codes, scale=scale, scale_step=None,
+                                       scale_offset=None, double=0), node.double)
 
 
 #: Per kind, the widest gap between neighbouring levels in units of the scale: a weight
@@ -440,7 +480,7 @@ def _no_adapters(params: Any, who: str) -> None:
 @jax.jit
 def _finite_layers(w: jax.Array) -> jax.Array:
     """Whether each layer of ``w (n, in, out)`` is finite (one fused pass, no temporaries)."""
-    return jnp.isfinite(w).all(axis=(-2, -1))
+    return jnp.isfinite(w).reshape(w.shape[0], -1).all(axis=-1)
 
 
 def _finite(path: str, leaf: Any, who: str) -> None:
@@ -465,7 +505,7 @@ def non_finite(path: str, layers: list[int], who: str,
 
 def quantize(
     params: Any, kind: str = "int8", targets: Targets = None, *, block_size: int | None = None,
-    double: bool | int = False,
+    double: bool | int = False, contract: Any = None, stacked: bool = True,
 ) -> Any:
     """Stacked params with their 2-D weights quantized per layer and output channel.
 
@@ -502,6 +542,19 @@ def quantize(
     >>> bool(err <= 0.5 + 1e-4)                           # half a second-level step
     True
 
+    A fused projection ``(n, E, H, D)`` contracted along E is its ``(n, E, H * D)``
+    reshape, quantized, without reshaping by hand:
+
+    >>> qkv = {"p": jax.random.normal(jax.random.key(1), (4, 16, 2, 3))}
+    >>> p = stackwise.quant.quantize(qkv, "nf4", contract=0, block_size=8)["p"]
+    >>> p.shape, p.codes.shape
+    ((4, 16, 2, 3), (4, 8, 6))
+    >>> by_hand = stackwise.quant.quantize({"p": qkv["p"].reshape(4, 16, 6)}, "nf4",
+    ...                                    block_size=8)["p"]
+    >>> bool((stackwise.quant.dequantize(p).reshape(4, 16, 6)
+    ...       == stackwise.quant.dequantize(by_hand)).all())
+    True
+
     Args:
       params: stacked params (leading layer axis on every leaf), e.g. ``Stacked.init``'s.
         For a pattern, quantize each position's tree.
@@ -529,6 +582,21 @@ def quantize(
         4.5`` (plus one float32 offset per layer). A weight that is NaN or inf (under
         ``jit``) makes its layer's offset, so the whole layer, dequantize to non-finite
         numbers (not its column only).
+      contract: which axes of each weight (its own shape, without the layer axis) inputs
+        are multiplied along: None (each target a 2-D ``(in, out)`` weight, contracted
+        along ``in``), an axis or a tuple of axes for every target, or a dict of leaf
+        paths to axes. A weight of any rank is quantized as the ``(in, out)`` matrix of
+        its contracted axes (flattened, in their order) by the others: blocks of
+        ``block_size`` run along the flattened contracted axes, and :func:`dequantize`
+        gives it back in its own shape, as quantizing its reshape by hand would (an
+        ``(E, H, D)`` projection with ``contract=0`` is its ``(E, H * D)`` reshape). A
+        ``(V, D)`` embedding table with ``contract=1`` has each token's row scaled along
+        D, so :func:`take` dequantizes the looked-up rows only. With ``contract``, the
+        default targets are every float leaf of rank 2 or more per weight (one tuple for
+        all) or the leaves a dict names. LoRA adapters go on 2-D weights only.
+      stacked: True (every leaf has the layer axis first), or False: each target is one
+        weight without a layer axis, e.g. an embedding table or a head outside the stack
+        (its node's leaves have no layer axis either).
 
     Returns:
       The params, each target leaf a :class:`Quantized` node.
@@ -537,9 +605,11 @@ def quantize(
       ValueError: an unknown ``kind``, a target that is not 2-D per layer, not floating,
         already quantized, holding NaN or inf (eager; under ``jit`` its block's scale is
         non-finite), or no target at all; a ``block_size`` below 1 or not dividing a
-        target's ``in``; ``double`` below 1.
+        target's ``in``; ``double`` below 1; a target of rank other than 2 without
+        ``contract``, or ``contract`` axes out of range, repeated or leaving no output axis.
       TypeError: a ``block_size`` that is not an int, ``double`` neither a bool nor an
-        int, ``targets`` of another type (an int given as the third argument), or
+        int, ``contract`` neither axes nor a dict of paths to axes, ``stacked`` not a
+        bool, ``targets`` of another type (an int given as the third argument), or
         adapters in ``params`` (quantize the base alone).
     """
     who = "stackwise.quant.quantize"
@@ -547,19 +617,162 @@ def quantize(
     check_kind(kind, who)
     block_size = check_block_size(block_size, who)
     double = check_double(double, who)
+    stacked = _check_stacked(stacked, who)
+    contract_of = _check_contract(contract, who)
     _no_adapters(params, who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
-    chosen = select(leaves, targets, who, is_float_matrix)
-    blocks = [block_size_of(block_size, leaf.shape[-2], path, who) if take else None
-              for (path, leaf), take in zip(leaves, chosen)]
+    lead = 1 if stacked else 0
+
+    def default(path, leaf):
+        # 2-D float weights; with `contract`, the leaves it names (a dict) or every float
+        # leaf of rank 2 or more (one tuple of axes for all).
+        rank = len(np.shape(leaf)) - lead
+        named = path in contract if isinstance(contract, dict) else (
+            contract is not None and rank >= 2)
+        return (named or rank == 2) and not is_quantized(leaf) and \
+            jnp.issubdtype(checks.leaf_dtype(leaf), jnp.floating)
+
+    chosen = select(leaves, targets, who, default, matrix=False)
+    plans = [_plan(path, tuple(np.shape(leaf))[lead:], contract_of(path), block_size,
+                   stacked, who) if take else None
+             for (path, leaf), take in zip(leaves, chosen)]
     out = []
-    for (path, leaf), take, block in zip(leaves, chosen, blocks):
-        if not take:
+    for (path, leaf), plan in zip(leaves, plans):
+        if plan is None:
             out.append(leaf)
             continue
+        axes, rows, block = plan
         dtype = check_float(path, leaf, who)
-        _finite(path, leaf, who)
-        codes, scale = quantize_rows(jnp.asarray(leaf), kind, block)
-        out.append(doubled(Quantized(codes, scale, kind, dtype.name, leaf.shape[-2]), double))
+        w = jnp.asarray(leaf) if stacked else jnp.asarray(leaf)[None]
+        _finite(path, w, who)
+        codes, scale = quantize_rows(w, kind, block, axes)
+        node = doubled(Quantized(codes, scale, kind, dtype.name, rows, axes=axes,
+                                 weight_shape=w.shape[1:] if axes else ()), double)
+        out.append(node if stacked else jax.tree.map(lambda v: v[0], node))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)
+
+
+def _check_stacked(stacked: Any, who: str) -> bool:
+    if not isinstance(stacked, bool):
+        raise TypeError(
+            f"{who}: `stacked` must be a bool (False: each target is one weight without a "
+            f"layer axis, e.g. an embedding table), got {type(stacked).__name__} {stacked!r}."
+        )
+    return stacked
+
+
+def _axes(value: Any, who: str, where: str) -> tuple[int, ...]:
+    """An int or a sequence of ints as a tuple, else a TypeError naming ``contract``."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return (int(value),)
+    if isinstance(value, (tuple, list)) and value and all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in value):
+        return tuple(int(a) for a in value)
+    raise TypeError(
+        f"{who}: `contract`{where} must be an axis or a tuple of axes of the weight (without "
+        "the layer axis) that inputs are multiplied along, e.g. 0 for (in, out), (0, 1) for "
+        f"an (H, Dh, D) projection; got {type(value).__name__} {value!r}."
+    )
+
+
+def _check_contract(contract: Any, who: str):
+    """``contract`` as a function of a leaf's path: its contracted axes, or None."""
+    if contract is None:
+        return lambda path: None
+    if isinstance(contract, dict):
+        checked = {}
+        for path, axes in contract.items():
+            if not isinstance(path, str):
+                raise TypeError(
+                    f"{who}: `contract` maps leaf paths (as `jax.tree_util.keystr` writes "
+                    f"them, \"['attn']['o']\") to axes; got the key {path!r}."
+                )
+            checked[path] = _axes(axes, who, f"[{path!r}]")
+        return checked.get
+    axes = _axes(contract, who, "")
+    return lambda path: axes
+
+
+def _plan(path: str, shape: tuple, axes: tuple | None, block_size: int | None, stacked: bool,
+          who: str) -> tuple[tuple, int, int]:
+    """A target's ``(axes as stored, rows, block)``: its contracted axes checked against its
+    own ``shape`` (``()`` for a 2-D weight contracted along its first axis, the default)."""
+    per = "per layer" if stacked else "(a weight without a layer axis: `stacked=False`)"
+    if len(shape) < 2:
+        raise ValueError(
+            f"{who}: target leaf {path} has shape {shape} {per}, not a 2-D (in, out) "
+            "weight nor one of higher rank: a vector has no axis to scale along. Leave it "
+            "out of `targets`."
+        )
+    if axes is None:
+        if len(shape) != 2:
+            raise ValueError(
+                f"{who}: target leaf {path} has shape {shape} {per}, not a 2-D (in, out) "
+                f"weight; name the axes that inputs are multiplied along: `contract="
+                f"{{{path!r}: (0,)}}` (e.g. (0,) for a (D, H, Dh) projection, (0, 1) for an "
+                "(H, Dh, D) one), or leave it out of `targets`."
+            )
+        return (), shape[0], block_size_of(block_size, shape[0], path, who)
+    rank = len(shape)
+    fixed = tuple(a + rank if -rank <= a < 0 else a for a in axes)
+    if any(not 0 <= a < rank for a in fixed) or len(set(fixed)) != len(fixed) or \
+            len(fixed) >= rank:
+        raise ValueError(
+            f"{who}: `contract` gives target leaf {path} the axes {axes}, but its weight has "
+            f"shape {shape} {per}: give distinct axes in range({rank}) (negative ones count "
+            "from the end), leaving at least one axis uncontracted (the outputs)."
+        )
+    rows = math.prod(shape[a] for a in fixed)
+    block = block_size_of(block_size, rows, path, who)
+    return (() if fixed == (0,) and rank == 2 else fixed), rows, block
+
+
+def take(node: Quantized, ids: Any) -> jax.Array:
+    """The rows ``ids`` of a quantized embedding table, dequantized alone.
+
+    The table ``(V, D)`` is quantized along D (``contract=1``: each token's row has its own
+    scales, in blocks of D), so a lookup gathers the codes and scales of its rows only and
+    dequantizes those: ``take(q, ids)`` is ``dequantize(q)[ids]``, bitwise, without the
+    rest of the table in floats. Stacked tables ``(n, V, D)`` give ``(n, *ids.shape, D)``.
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> table = jax.random.normal(jax.random.key(0), (10, 8))           # (V, D)
+    >>> q = stackwise.quant.quantize({"e": table}, "nf4", contract=1, stacked=False,
+    ...                              block_size=4, double=True)["e"]
+    >>> ids = jnp.array([[3, 1], [7, 7]])
+    >>> stackwise.quant.take(q, ids).shape
+    (2, 2, 8)
+    >>> bool((stackwise.quant.take(q, ids) == stackwise.quant.dequantize(q)[ids]).all())
+    True
+
+    Raises:
+      TypeError: ``node`` is not a :class:`Quantized` node, or ``ids`` not integers.
+      ValueError: a table not quantized along its second axis (``contract=1``).
+    """
+    who = "stackwise.quant.take"
+    if not is_quantized(node):
+        raise TypeError(f"{who}: `node` must be a stackwise.quant.Quantized table, got "
+                        f"{type(node).__name__}.")
+    if node.axes != (1,) or len(node.weight_shape) != 2:
+        got = f"axes {node.axes}" if node.axes else "its first axis (the default)"
+        raise ValueError(
+            f"{who}: the table is quantized along {got} of its weight shape "
+            f"{node.shape[-2:] if not node.axes else node.weight_shape}; a lookup gathers "
+            "rows, which needs each row's own scales: quantize the (V, D) table along D, "
+            "`stackwise.quant.quantize(params, kind, targets, contract=1, stacked=False)`."
+        )
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{who}: `ids` must be integer token ids, got dtype {ids.dtype}.")
+    flat = ids.reshape(-1)
+    vocab = node.codes.shape[-1]
+    scale = node.scale[..., flat]
+    if node.double:  # each gathered scale decoded alone: its own step and the offset
+        blocks = node.scale.shape[-2]
+        where = jnp.arange(blocks)[:, None] * vocab + flat[None, :]
+        step = jnp.take(node.scale_step, where // node.double, axis=-1)
+        scale = scale.astype(jnp.float32) * step + node.scale_offset[..., None, None]
+    rows = Quantized(node.codes[..., flat], scale, node.kind, node.dtype, node.rows)
+    out = jnp.swapaxes(dequantize(rows), -1, -2)  # (..., k, D)
+    return out.reshape(*out.shape[:-2], *ids.shape, out.shape[-1])

@@ -304,3 +304,112 @@ def test_merge_into_a_quantized_base_with_dora_and_patterns():
     ads = tuple(trained(stackwise.lora.init(KEY, b, rank=2, targets=UV)) for b in qbases)
     out = tuple(map(stackwise.lora.merge, qbases, ads))
     assert all(isinstance(o["u"], stackwise.quant.Quantized) for o in out)
+
+
+# --------------------------------------------------------------------------
+# Weights of any rank, embeddings and heads, without reshaping by hand.
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("double", [False, 5])
+def test_a_fused_projection_is_its_2d_reshape_quantized(kind, double):
+    """An (E, H, D) leaf contracted along E is bitwise its (E, H * D) reshape, quantized and
+    reshaped back; contracted along (H, D), its transpose to (H, D, E) reshaped to
+    (H * D, E); each layer's slice dequantizes alone to its own shape."""
+    n, e, h, d = 3, 8, 4, 6
+    w = _weights((n, e, h, d))
+    q = stackwise.quant.quantize({"w": w}, kind, contract=0, block_size=4, double=double)["w"]
+    flat = stackwise.quant.quantize({"w": w.reshape(n, e, h * d)}, kind, block_size=4,
+                                    double=double)["w"]
+    assert q.shape == (n, e, h, d) and q.codes.shape == flat.codes.shape
+    for mine, its in zip(jax.tree.leaves(q), jax.tree.leaves(flat)):
+        np.testing.assert_array_equal(mine, its)
+    np.testing.assert_array_equal(stackwise.quant.dequantize(q),
+                                  stackwise.quant.dequantize(flat).reshape(w.shape))
+    back = stackwise.quant.quantize({"w": w}, kind, contract=(-2, -1), double=double)["w"]
+    by_hand = stackwise.quant.quantize(
+        {"w": jnp.transpose(w, (0, 2, 3, 1)).reshape(n, h * d, e)}, kind, double=double)["w"]
+    np.testing.assert_array_equal(
+        stackwise.quant.dequantize(back),
+        jnp.transpose(stackwise.quant.dequantize(by_hand).reshape(n, h, d, e), (0, 3, 1, 2)))
+    for i in range(n):
+        one = jax.tree.map(lambda v, i=i: v[i], back)
+        assert one.shape == (e, h, d)
+        np.testing.assert_array_equal(stackwise.quant.dequantize(one),
+                                      stackwise.quant.dequantize(back)[i])
+
+
+def test_attention_projections_in_a_qlora_stack_equal_the_loop():
+    """A layer with a (D, H, Dh) projection and an (H, Dh, D) one (contract=0 and (0, 1),
+    per leaf by a dict: the default targets) beside a LoRA-adapted 2-D weight."""
+    n, d, h, dh = 3, 8, 2, 4
+    keys = jax.random.split(KEY, 3)
+    base = {"qkv": _weights((n, d, h, dh)), "o": _weights((n, h, dh, d), seed=3),
+            "up": jax.random.normal(keys[2], (n, d, d)) / d}
+    q = stackwise.quant.quantize(base, "nf4", block_size=4, double=True,
+                                 contract={"['qkv']": 0, "['o']": (0, 1)})
+    assert q["qkv"].axes == (0,) and q["o"].axes == (0, 1) and q["up"].axes == ()
+
+    def layer(p, x):
+        heads = jnp.tanh(jnp.einsum("bd,dhk->bhk", x, p["qkv"]))
+        return x + jnp.einsum("bhk,hkd->bd", heads, p["o"]) + jnp.tanh(x @ p["up"])
+
+    adapters = trained(stackwise.lora.init(KEY, q, rank=2))   # on the 2-D weight only
+    assert adapters["qkv"] is None and adapters["o"] is None
+    x = jax.random.normal(jax.random.key(1), (2, d))
+    layers = stackwise.lora.stack(layer, n)
+    y = layers.apply(stackwise.lora.attach(q, adapters), x)
+    want = x
+    for i in range(n):
+        p = {k: stackwise.quant.dequantize(jax.tree.map(lambda v, i=i: v[i], q[k])) for k in q}
+        p["up"] = p["up"] + adapters["up"].scale * adapters["up"].a[i] @ adapters["up"].b[i]
+        want = layer(p, want)
+    assert_trees_close(y, want)
+
+
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_an_embedding_lookup_dequantizes_only_its_rows(double, stacked):
+    """A (V, D) table quantized along D (`contract=1`): `take` is `dequantize(q)[ids]`,
+    bitwise, and no float array as large as the table appears in its program."""
+    v, d = 64, 16
+    table = _weights((3, v, d) if stacked else (v, d))
+    q = stackwise.quant.quantize({"e": table}, "nf4", contract=1, block_size=8,
+                                 double=4 if double else False, stacked=stacked)["e"]
+    assert q.shape == table.shape and q.scale.shape[-2:] == (d // 8, v)
+    ids = jnp.array([[5, 0, 63], [7, 7, 1]])
+    got = stackwise.quant.take(q, ids)
+    full = stackwise.quant.dequantize(q)
+    want = full[:, ids] if stacked else full[ids]
+    np.testing.assert_array_equal(got, want)
+    # Within the bound of the kind: each row's scales are its own.
+    rows = table[:, ids] if stacked else table[ids]
+    assert float(jnp.max(jnp.abs(got - rows))) <= float(jnp.max(jnp.abs(rows))) * GAP["nf4"]
+    jaxpr = jax.make_jaxpr(stackwise.quant.take)(q, ids).jaxpr
+    floats = [np.prod(x.aval.shape) for e in jaxpr.eqns for x in e.outvars
+              if jnp.issubdtype(x.aval.dtype, jnp.floating)]
+    assert max(floats) == got.size, (max(floats), got.size)
+
+
+def test_a_head_outside_the_stack_and_a_merged_table():
+    """A head (D, V) without a layer axis (`stacked=False`), contracted along D by default;
+    an adapter merged into a table quantized along D is requantized along D."""
+    d, v = 16, 32
+    head = _weights((d, v))
+    q = stackwise.quant.quantize({"head": head}, "int8", stacked=False, block_size=8)["head"]
+    assert q.codes.shape == (d, v) and q.scale.shape == (2, v)
+    one = stackwise.quant.quantize({"head": head[None]}, "int8", block_size=8)["head"]
+    for mine, its in zip(jax.tree.leaves(q), jax.tree.leaves(one)):  # a stack of one, bitwise
+        np.testing.assert_array_equal(mine, its[0])
+    err = jnp.abs(stackwise.quant.dequantize(q) - head)
+    assert bool((err <= jnp.repeat(q.scale, 8, axis=0) / 2 * (1 + 1e-6)).all())
+    table = {"e": _weights((2, v, d))}
+    qt = stackwise.quant.quantize(table, "int4", contract=1, block_size=4)
+    adapters = trained(stackwise.lora.init(KEY, qt, rank=2))
+    merged = stackwise.lora.merge(qt, adapters)["e"]
+    again = stackwise.quant.quantize(stackwise.lora.merge(stackwise.quant.dequantize(qt),
+                                                          adapters), "int4", contract=1,
+                                     block_size=4)["e"]
+    assert merged.axes == (1,)
+    np.testing.assert_array_equal(merged.codes, again.codes)
+    np.testing.assert_array_equal(merged.scale, again.scale)

@@ -264,6 +264,40 @@ QUANT = [
     case("dequantizing to an integer dtype", lambda: stackwise.quant.dequantize(
         stackwise.quant.quantize(BASE, targets=W)["w"], jnp.int32), ValueError,
         "stackwise.quant.dequantize: `dtype` is int32"),
+    case("a rank-3 weight without contract", lambda: stackwise.quant.quantize(
+        BASE, targets=["['t']"]), ValueError, "target leaf ['t'] has shape (2, 2, 2) per layer",
+        "not a 2-D (in, out) weight", "`contract={\"['t']\": (0,)}`", "(0, 1) for an (H, Dh, D)"),
+    case("contract as a string", lambda: stackwise.quant.quantize(BASE, contract="in"),
+         TypeError, "`contract` must be an axis or a tuple of axes", "got str 'in'"),
+    case("contract naming a leaf by a non-path", lambda: stackwise.quant.quantize(
+        BASE, contract={0: 0}), TypeError, "`contract` maps leaf paths", "the key 0"),
+    case("contract of a leaf as a float", lambda: stackwise.quant.quantize(
+        BASE, contract={"['t']": 0.0}), TypeError, "`contract`[\"['t']\"] must be an axis",
+         "float 0.0"),
+    case("contract out of range", lambda: stackwise.quant.quantize(
+        BASE, targets=["['t']"], contract=3), ValueError,
+         "`contract` gives target leaf ['t'] the axes (3,)", "shape (2, 2, 2) per layer",
+         "distinct axes in range(3)"),
+    case("contract of every axis", lambda: stackwise.quant.quantize(
+        BASE, targets=W, contract=(0, 1)), ValueError, "the axes (0, 1)",
+         "at least one axis uncontracted"),
+    case("a vector as a target", lambda: stackwise.quant.quantize(
+        {"b": jnp.ones((N, 4))}, targets=["['b']"], contract=0), ValueError,
+         "target leaf ['b'] has shape (4,) per layer", "a vector has no axis"),
+    case("a vector without a layer axis", lambda: stackwise.quant.quantize(
+        {"b": jnp.ones(4)}, targets=["['b']"], stacked=False), ValueError,
+         "(a weight without a layer axis: `stacked=False`)"),
+    case("stacked as a string", lambda: stackwise.quant.quantize(BASE, stacked="no"),
+         TypeError, "`stacked` must be a bool", "str 'no'"),
+    case("a lookup in a table quantized along V", lambda: stackwise.quant.take(
+        stackwise.quant.quantize(BASE, targets=W)["w"], jnp.array([0])), ValueError,
+         "stackwise.quant.take: the table is quantized along its first axis (the default)",
+         "contract=1, stacked=False"),
+    case("a lookup in a float table", lambda: stackwise.quant.take(BASE["w"], jnp.array([0])),
+         TypeError, "`node` must be a stackwise.quant.Quantized table", "got ArrayImpl"),
+    case("a lookup of float ids", lambda: stackwise.quant.take(stackwise.quant.quantize(
+        BASE, targets=W, contract=1)["w"], jnp.array([0.5])), TypeError,
+         "`ids` must be integer token ids", "float32"),
     case("dequantizing to no dtype", lambda: stackwise.quant.dequantize(
         stackwise.quant.quantize(BASE, targets=W)["w"], "eight"), TypeError,
         "`dtype` must be a float dtype", "str 'eight'"),
