@@ -49,12 +49,21 @@ def choose(target: Any, quantize: Any, who: str) -> Choice:
     scheme = as_scheme(quantize, who)
     arrays = [(path, leaf) for path, leaf in leaf_paths(target) if is_array(leaf)]
     chosen = dict(zip([p for p, _ in arrays],
-                      select(arrays, scheme.targets, who, is_float_matrix)))
+                      select(arrays, scheme.targets, who, is_float_matrix, matrix=False)))
     out: Choice = []
     for path, leaf in leaf_paths(target):
         if not chosen.get(path, False):
             out.append(None)
             continue
+        if len(leaf.shape) != 3:
+            raise ValueError(
+                f"{who}: target leaf {path} has shape {tuple(leaf.shape)}, "
+                f"{list(leaf.shape[1:])} per layer; quantizing as it loads takes a 2-D "
+                "(in, out) weight per layer (stacked: (n, in, out)). Load a weight of "
+                "another rank as floats (leave it out of the scheme's targets) and quantize "
+                "it afterwards naming its contracted axes, `stackwise.quant.quantize(params, "
+                "kind, targets, contract=...)`."
+            )
         check_float(path, leaf, who)
         block = block_size_of(scheme.block_size, leaf.shape[-2], path, who)
         out.append((scheme.kind, block, check_double(scheme.double, who)))

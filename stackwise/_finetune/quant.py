@@ -8,6 +8,9 @@ packed two to a byte along ``in`` (``uint8 (n, ceil(in / 2), out)``) and stay pa
 layer unpacks its own slice.
 The node's leaves keep the leading layer axis, so ``Stacked.apply`` slices them per layer
 like any params; :func:`dequantize` gives back floats (of one layer inside the scan).
+With ``double`` (QLoRA's double quantization) the scales are int8 codes with a float32
+step per block of scales and a per-layer offset; with ``contract`` a weight of any rank is
+quantized as the ``(in, out)`` matrix of its contracted axes by the others.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from stackwise._core import checks
 from stackwise._core.served import stacked_only
 from stackwise._finetune.targets import Targets, check_targets, leaf_paths, select
 
-__all__ = ["DOUBLE_BLOCK", "GAP", "KINDS", "LEVEL", "Quantized", "Scheme", "as_scheme", "block_size_of",
-           "check_block_size", "check_double", "check_float", "check_kind", "compute_dtype",
-           "dequantize", "double_rows", "doubled", "is_float_matrix", "is_quantized",
-           "quantize", "quantize_rows", "requantize", "take"]
+__all__ = ["DOUBLE_BLOCK", "GAP", "KINDS", "LEVEL", "Quantized", "Scheme", "as_matrix",
+           "as_scheme", "block_size_of", "check_block_size", "check_double", "check_float",
+           "check_kind", "compute_dtype", "dequantize", "double_rows", "doubled",
+           "from_matrix", "is_float_matrix", "is_quantized", "quantize", "quantize_rows",
+           "requantize", "take"]
 
 #: The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023; bitsandbytes' table).
 NF4 = np.array(

@@ -60,7 +60,12 @@ CASES = [
     case("an int target", _load(Scheme("int8", ["['k']"])), ValueError,
          "target leaf ['k'] is of dtype int32", "only float weights"),
     case("a target not 2-D per layer", _load(Scheme("int8", ["['n']"])), ValueError,
-         "target leaf ['n']", "2-D (in, out) weight per layer"),
+         "target leaf ['n']", "2-D (in, out) weight per layer", "contract=..."),
+    case("a target of rank 3 per layer", lambda: stackwise.load_checkpoint(
+        _unread(), {"t": jax.ShapeDtypeStruct((N, 2, 3, 4), jnp.float32)},
+        {"t": "layers.{}.t"}, quantize=Scheme("nf4", ["['t']"])), ValueError,
+        "target leaf ['t'] has shape (3, 2, 3, 4), [2, 3, 4] per layer", "as floats",
+        "stackwise.quant.quantize(params, kind, targets, contract=...)"),
     case("a target the tree lacks", _load(Scheme("int8", ["['q']"])), ValueError,
          "not leaf paths", "['q']", "keystr"),
     case("a predicate choosing nothing", _load(Scheme("int8", lambda p, s: False)),
