@@ -241,6 +241,12 @@ def test_bf16_compute_matmul_runs_in_bf16_and_equals_a_hand_written_layer(adapte
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
                                rtol=2 * bf16_eps, atol=bf16_eps)
 
+    # A batch of two adapters on one base: each group's weights in bfloat16 alike.
+    batch = stackwise.lora.stack_adapters([adapters, adapters])
+    y2 = layers.apply(stackwise.lora.attach(base, batch), jnp.stack([x, x]))
+    assert y2.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y2[1], np.float32), np.asarray(y, np.float32))
+
     # The adapters' gradients come back in their own dtype.
     grads = jax.grad(lambda ad: jnp.sum(layers.apply(stackwise.lora.attach(base, ad), x)
                                         .astype(jnp.float32)))(adapters)
