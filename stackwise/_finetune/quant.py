@@ -585,7 +585,11 @@ def quantize(
         ``4 + 8 / 64 + 32 / (64 * 256) = 4.127`` bits per weight, against ``4 + 32 / 64 =
         4.5`` (plus one float32 offset per layer). A weight that is NaN or inf (under
         ``jit``) makes its layer's offset, so the whole layer, dequantize to non-finite
-        numbers (not its column only).
+        numbers (not its column only). The price of a uniform step: one outlier scale
+        coarsens the step of its 255 neighbours (measured, 1024 x 1024 normal weights in
+        blocks of 64: scales within 0.5% of the float32 ones, median 0.1%; with one weight
+        of 200 in the layer, its block of scales within 42%), where FP8 or bitsandbytes'
+        dynamic map keep a relative precision.
       contract: which axes of each weight (its own shape, without the layer axis) inputs
         are multiplied along: None (each target a 2-D ``(in, out)`` weight, contracted
         along ``in``), an axis or a tuple of axes for every target, or a dict of leaf
