@@ -512,8 +512,8 @@ def merge(base: Any, adapters: Any) -> Any:
     ``s'`` the block's new scale (its absmax, divided by 127 for int8 and 7 for int4) and
     ``g`` the widest gap between neighbouring levels (1 for int8 and int4; nf4 is not
     uniform, its widest gap is -1 .. -0.6962, ``g = 0.3038``); double-quantized, plus
-    ``c * step / 2`` (``step`` the block of scales' second-level step, ``c`` the largest
-    level: 127, 7, 1), as :func:`stackwise.quant.quantize` states.
+    ``c * s' * (exp(step / 2) - 1)`` (``step`` the block of scales' second-level step,
+    ``c`` the largest level: 127, 7, 1), as :func:`stackwise.quant.quantize` states.
 
     >>> qbase = stackwise.quant.quantize(base, "nf4")
     >>> qmerged = stackwise.lora.merge(qbase, adapters)

@@ -8,9 +8,10 @@ packed two to a byte along ``in`` (``uint8 (n, ceil(in / 2), out)``) and stay pa
 layer unpacks its own slice.
 The node's leaves keep the leading layer axis, so ``Stacked.apply`` slices them per layer
 like any params; :func:`dequantize` gives back floats (of one layer inside the scan).
-With ``double`` (QLoRA's double quantization) the scales are int8 codes with a float32
-step per block of scales and a per-layer offset; with ``contract`` a weight of any rank is
-quantized as the ``(in, out)`` matrix of its contracted axes by the others.
+With ``double`` (QLoRA's double quantization) the scales are int8 codes of their
+logarithms, with a float32 step per block of scales and a per-layer offset; with
+``contract`` a weight of any rank is quantized as the ``(in, out)`` matrix of its
+contracted axes by the others.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class Quantized:
       scale_step: with double quantization (``double=k``), the second-level scales,
         ``float32 (..., ceil(in / block_size * out / k))``: one per k consecutive scales of
         a layer (its ``(in / block_size, out)`` scales flattened in row-major order); then
-        ``scale`` holds ``int8`` codes and a scale is ``code * step + scale_offset``.
+        ``scale`` holds ``int8`` codes and a scale is ``exp(code * step + scale_offset)``.
         None without double quantization.
-      scale_offset: with double quantization, each layer's mean scale, ``float32 (...,)``,
-        subtracted before the scales are quantized; None without.
+      scale_offset: with double quantization, each layer's mean log-scale, ``float32
+        (...,)``, subtracted before the log-scales are quantized; None without.
       double: k, the scales per second-level block (static; 0: scales stored as float32).
       axes: the weight's contracted axes (static), counted in its own shape (without the
         layer axis), for a weight quantized with ``contract=``: its axes are moved to
@@ -103,7 +104,7 @@ class Quantized:
     @property
     def float_scale(self) -> jax.Array:
         """The first-level scales as float32, ``(..., in / block_size, out)``: ``scale`` itself,
-        or, double-quantized, decoded from its int8 codes (``code * step + offset``)."""
+        or, double-quantized, decoded from its int8 codes (``exp(code * step + offset)``)."""
         if not self.double:
             return self.scale
         return _undouble(self.scale, self.scale_step, self.scale_offset, self.double)
@@ -199,19 +200,21 @@ def quantize_rows(w: jax.Array, kind: str, block: int,
 
 #: Scales per second-level block with ``double=True`` (QLoRA's, and bitsandbytes', 256).
 DOUBLE_BLOCK = 256
-#: The largest second-level code: the centred scales are int8 codes -127..127.
+#: The largest second-level code: the centred log-scales are int8 codes -127..127.
 _DOUBLE_LIMIT = 127
 
 
 def _double_layer(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer's float32 scales ``(blocks, out)`` -> ``(int8 codes (blocks, out), step
-    (ceil(blocks * out / k),), offset ())``: the mean subtracted, then each k consecutive
-    centred scales (row-major; the last block may be shorter) rounded to ``code * step``,
-    ``step = absmax / 127`` of its block (1 for a block of zeros)."""
+    """One layer's float32 scales ``(blocks, out)`` (positive) -> ``(int8 codes (blocks,
+    out), step (ceil(blocks * out / k),), offset ())``: their logarithms, the mean log
+    subtracted, then each k consecutive centred logs (row-major; the last block may be
+    shorter) rounded to ``code * step``, ``step = absmax / 127`` of its block (1 for a block
+    of zeros)."""
     count = scale.size
     blocks = -(-count // k)
-    offset = jnp.mean(scale)
-    centred = jnp.pad(scale.reshape(count) - offset, (0, blocks * k - count))
+    logs = jnp.log(scale.reshape(count))
+    offset = jnp.mean(logs)
+    centred = jnp.pad(logs - offset, (0, blocks * k - count))
     centred = centred.reshape(blocks, k)
     absmax = jnp.max(jnp.abs(centred), axis=-1)
     step = jnp.where(absmax == 0, 1.0, absmax / _DOUBLE_LIMIT)
@@ -222,14 +225,14 @@ def _double_layer(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.A
 
 def _undouble(codes: jax.Array, step: jax.Array, offset: jax.Array, k: int) -> jax.Array:
     """Inverse of :func:`_double_layer` on any leading axes: float32 scales, each
-    ``code * step + offset``."""
+    ``exp(code * step + offset)``."""
     lead, shape = codes.shape[:-2], codes.shape[-2:]
     count = shape[0] * shape[1]
     blocks = step.shape[-1]
     flat = codes.reshape(*lead, count).astype(jnp.float32)
     flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, blocks * k - count)])
     flat = (flat.reshape(*lead, blocks, k) * step[..., :, None]).reshape(*lead, blocks * k)
-    return (flat[..., :count] + offset[..., None]).reshape(*lead, *shape)
+    return jnp.exp(flat[..., :count] + offset[..., None]).reshape(*lead, *shape)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -536,13 +539,14 @@ def quantize(
     ((4, 4, 8), 4)
 
     With ``double=True`` (QLoRA's double quantization) the scales are stored in 8 bits too:
-    ``scale`` holds int8 codes, each layer's mean scale is ``scale_offset`` and each block
-    of 256 of its centred scales (here 32 a block) has a float32 ``scale_step``:
+    ``scale`` holds int8 codes of the scales' logarithms, each layer's mean log-scale is
+    ``scale_offset`` and each block of 256 of its centred log-scales (here 32 a block) has
+    a float32 ``scale_step``; each scale is within a factor ``exp(step / 2)`` of its own:
 
     >>> d = stackwise.quant.quantize(params, "nf4", block_size=4, double=32)
     >>> d["w"].scale.dtype, d["w"].scale_step.shape, d["w"].scale_offset.shape
     (dtype('int8'), (4, 1), (4,))
-    >>> err = abs(d["w"].float_scale - q["w"].scale).max() / d["w"].scale_step.max()
+    >>> err = abs(jnp.log(d["w"].float_scale / q["w"].scale)).max() / d["w"].scale_step.max()
     >>> bool(err <= 0.5 + 1e-4)                           # half a second-level step
     True
 
@@ -570,26 +574,27 @@ def quantize(
         input axis), or B: one per layer, output channel and B consecutive inputs (scales
         ``(n, in / B, out)``). B must divide every target's ``in``; nothing is padded.
       double: double quantization (QLoRA's, Dettmers et al. 2023, section 3): False (float32
-        scales), True (k = 256) or an int k. Each layer's scales, flattened row-major,
-        have their mean subtracted (``scale_offset``, float32), and each k consecutive
-        centred scales (the layer's last block may be shorter) are stored as int8 codes
-        -127..127 with a float32 step ``absmax / 127`` of the block (``scale_step``). Int8
-        codes rather than QLoRA's FP8: the same 8 bits, with a uniform step, so the error
-        bound is one number per block; bitsandbytes' own double quantization is also an
-        8-bit blockwise code with an fp32 scale per 256 and the mean offset.
-        Each decoded scale is within half its block's step of the float32 one
-        (``|s' - s| <= step / 2``, plus float32 rounding of ``code * step + offset``), so a
-        weight is within ``c * step / 2`` of its singly-quantized value, ``c`` the largest
-        code magnitude: 1 for nf4, 7 for int4, 127 for int8 (a step of a block of scales
-        that differ by little is small). Memory, nf4 in blocks of 64:
-        ``4 + 8 / 64 + 32 / (64 * 256) = 4.127`` bits per weight, against ``4 + 32 / 64 =
-        4.5`` (plus one float32 offset per layer). A weight that is NaN or inf (under
-        ``jit``) makes its layer's offset, so the whole layer, dequantize to non-finite
-        numbers (not its column only). The price of a uniform step: one outlier scale
-        coarsens the step of its 255 neighbours (measured, 1024 x 1024 normal weights in
-        blocks of 64: scales within 0.5% of the float32 ones, median 0.1%; with one weight
-        of 200 in the layer, its block of scales within 42%), where FP8 or bitsandbytes'
-        dynamic map keep a relative precision.
+        scales), True (k = 256) or an int k. Each layer's scales (positive), as logarithms
+        and flattened row-major, have their mean subtracted (``scale_offset``, float32), and
+        each k consecutive centred log-scales (the layer's last block may be shorter) are
+        stored as int8 codes -127..127 with a float32 step ``absmax / 127`` of the block
+        (``scale_step``); a scale decodes as ``exp(code * step + offset)``. Int8 codes of
+        the logarithms rather than QLoRA's FP8 codes of the centred scales: the same 8 bits
+        and memory, an error bound of one number per block, and a relative precision that
+        an outlier does not spoil. (Of the scales themselves, a uniform step would let one
+        outlier scale coarsen its 255 neighbours: measured, 1024 x 1024 normal weights in
+        blocks of 64 with one weight of 200, its block's scales within 42%; of their
+        logarithms, within 1.7%, and 0.28% without the outlier.) bitsandbytes' double
+        quantization is likewise an 8-bit blockwise code with an fp32 scale per 256 and
+        the mean offset, of a dynamic (exponent-like) map.
+        Each decoded scale is within a factor ``exp(step / 2)`` of the float32 one
+        (``|s' - s| <= s * (exp(step / 2) - 1)``, plus float32 rounding of the log and the
+        exp), so a weight is within ``c * s * (exp(step / 2) - 1)`` of its singly-quantized
+        value, ``c`` the largest level: 1 for nf4, 7 for int4, 127 for int8. Memory, nf4
+        in blocks of 64: ``4 + 8 / 64 + 32 / (64 * 256) = 4.127`` bits per weight, against
+        ``4 + 32 / 64 = 4.5`` (plus one float32 offset per layer). A weight that is NaN or
+        inf (under ``jit``) makes its layer's offset, so the whole layer, dequantize to
+        non-finite numbers (not its column only).
       contract: which axes of each weight (its own shape, without the layer axis) inputs
         are multiplied along: None (each target a 2-D ``(in, out)`` weight, contracted
         along ``in``), an axis or a tuple of axes for every target, or a dict of leaf
@@ -780,7 +785,7 @@ def take(node: Quantized, ids: Any) -> jax.Array:
         blocks = node.scale.shape[-2]
         where = jnp.arange(blocks)[:, None] * vocab + flat[None, :]
         step = jnp.take(node.scale_step, where // node.double, axis=-1)
-        scale = scale.astype(jnp.float32) * step + node.scale_offset[..., None, None]
+        scale = jnp.exp(scale.astype(jnp.float32) * step + node.scale_offset[..., None, None])
     rows = Quantized(node.codes[..., flat], scale, node.kind, node.dtype, node.rows)
     out = jnp.swapaxes(dequantize(rows), -1, -2)  # (..., k, D)
     return out.reshape(*out.shape[:-2], *ids.shape, out.shape[-1])

@@ -45,9 +45,10 @@ def _blocks_of_scales(node):
 @pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
 @pytest.mark.parametrize("block, double", [(None, True), (4, True), (4, 7), (2, 1), (16, 256)])
 def test_double_quantization_is_within_its_bound(kind, block, double):
-    """Each decoded scale is within half its second-level step of the float32 one, and each
-    weight within the largest level times that (plus float32 rounding) of the singly
-    quantized weight; the codes are the singly quantized ones, bitwise."""
+    """Each decoded scale is within a factor exp(step / 2) of the float32 one (step: its
+    block's second-level step of log-scales), and each weight within the largest level times
+    ``s * (exp(step / 2) - 1)`` (plus float32 rounding) of the singly quantized weight; the
+    codes are the singly quantized ones, bitwise."""
     w = _weights((3, 32, 24))
     single = stackwise.quant.quantize({"w": w}, kind, block_size=block)["w"]
     q = stackwise.quant.quantize({"w": w}, kind, block_size=block, double=double)["w"]
@@ -58,13 +59,18 @@ def test_double_quantization_is_within_its_bound(kind, block, double):
     np.testing.assert_array_equal(q.codes, single.codes)
     s, s2 = np.asarray(single.scale), np.asarray(q.float_scale)
     step = _blocks_of_scales(q)
-    rounding = 2 * F32_EPS * (np.abs(s) + np.abs(np.asarray(q.scale_offset))[:, None, None])
-    assert np.all(np.abs(s2 - s) <= step / 2 * (1 + 1e-6) + rounding)
-    # The weights: |c * s' - c * s| <= |c| * step / 2, |c| at most the largest level.
-    rows = np.repeat(step, 32 // s.shape[1], axis=1)
-    bound = LEVEL[kind] * (rows / 2 * (1 + 1e-6) + np.repeat(rounding, 32 // s.shape[1], 1))
+    # |s' - s| <= s * (exp(step / 2) - 1), plus float32 rounding of the log, the sum and the
+    # exp (a few ulps of the log-scale, relative to s).
+    rounding = 8 * F32_EPS * (1 + np.abs(np.log(s)))
+    factor = np.expm1(step / 2 * (1 + 1e-6) + rounding)
+    assert np.all(np.abs(s2 - s) <= s * factor)
+    # The weights: |c * s' - c * s| <= |c| * s * (exp(step / 2) - 1), |c| at most the
+    # largest level.
+    rows = np.repeat(s * factor, 32 // s.shape[1], axis=1)
     got, want = (np.asarray(stackwise.quant.dequantize(v)) for v in (q, single))
-    assert np.all(np.abs(got - want) <= bound + F32_EPS * np.abs(want))
+    assert np.all(np.abs(got - want) <= LEVEL[kind] * rows + F32_EPS * np.abs(want))
+    # A step of log-scales: an outlier in the layer keeps its neighbours' scales close.
+    assert np.all(np.abs(s2 / s - 1) <= 0.02)
 
 
 def test_double_quantized_nf4_in_blocks_of_64_costs_4_127_bits():
@@ -271,7 +277,7 @@ def test_dequantize_takes_a_compute_dtype():
 def test_merge_into_a_quantized_base_requantizes_within_half_a_step(kind, block, double):
     """|dequantize(merge(q, ad)) - (dequantize(q) + s * a @ b)| <= gap * s' / 2 per block
     (s' the block's new scale; gap 1 for int8/int4, nf4's widest 0.3038), plus, double-
-    quantized, the largest level times half the second-level step."""
+    quantized, the largest level times ``s' * (exp(step / 2) - 1)``."""
     n, rows, cols = 3, 16, 12
     q = stackwise.quant.quantize({"w": _weights((n, rows, cols))}, kind, block_size=block,
                                  double=double)
@@ -284,16 +290,20 @@ def test_merge_into_a_quantized_base_requantizes_within_half_a_step(kind, block,
     got = np.asarray(stackwise.quant.dequantize(merged))
     per_row = rows // merged.scale.shape[1]
     scale = np.repeat(np.asarray(merged.float_scale), per_row, axis=1)
+    if merged.double:  # s' (the single-level scale) within exp(step / 2) of the decoded one
+        step = np.repeat(_blocks_of_scales(merged), per_row, axis=1)
+        factor = np.expm1(step / 2 * (1 + 1e-5) + 8 * F32_EPS * (1 + np.abs(np.log(scale))))
+        scale = scale * (1 + factor)
     bound = GAP[kind] * np.abs(scale) / 2 * (1 + 1e-5) + 4 * F32_EPS * np.abs(want)
     if merged.double:
-        step = np.repeat(_blocks_of_scales(merged), per_row, axis=1)
-        bound = bound + LEVEL[kind] * (step / 2 * (1 + 1e-5) + 4 * F32_EPS * np.abs(scale))
+        bound = bound + LEVEL[kind] * scale * factor
     assert np.all(np.abs(got - want) <= bound)
-    # It is the quantizer's own bits for the merged float weight.
+    # It is the quantizer's codes for the merged float weight (merged in one program, that
+    # weight may differ by an ulp from the one merged apart, so its scales may too).
     float_merged = stackwise.lora.merge(stackwise.quant.dequantize(q), adapters)
     again = stackwise.quant.quantize(float_merged, kind, block_size=block, double=double)["w"]
-    for mine, its in zip(jax.tree.leaves(merged), jax.tree.leaves(again)):
-        np.testing.assert_array_equal(mine, its)
+    np.testing.assert_array_equal(merged.codes, again.codes)
+    np.testing.assert_allclose(merged.float_scale, again.float_scale, rtol=1e-6)
 
 
 def test_merge_into_a_quantized_base_with_dora_and_patterns():
@@ -304,7 +314,7 @@ def test_merge_into_a_quantized_base_with_dora_and_patterns():
     float_merged = stackwise.lora.merge(stackwise.quant.dequantize(q), dora)
     again = stackwise.quant.quantize(float_merged, "nf4", block_size=4, double=True)["w"]
     np.testing.assert_array_equal(merged.codes, again.codes)
-    np.testing.assert_array_equal(merged.scale, again.scale)
+    np.testing.assert_allclose(merged.float_scale, again.float_scale, rtol=1e-6)
     bases = stackwise.stack([init, init], [apply, apply], 4).init(KEY)
     qbases = tuple(stackwise.quant.quantize(b, "int8", targets=UV) for b in bases)
     ads = tuple(trained(stackwise.lora.init(KEY, b, rank=2, targets=UV)) for b in qbases)
