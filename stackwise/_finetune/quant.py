@@ -486,8 +486,8 @@ def _no_adapters(params: Any, who: str) -> None:
 
 @jax.jit
 def _finite_layers(w: jax.Array) -> jax.Array:
-    """Whether each layer of ``w (n, in, out)`` is finite (one fused pass, no temporaries)."""
-    return jnp.isfinite(w).reshape(w.shape[0], -1).all(axis=-1)
+    """Whether each layer of ``w (n, ...)`` is finite (one fused pass, no temporaries)."""
+    return jnp.isfinite(w).all(axis=tuple(range(1, w.ndim)))
 
 
 def _finite(path: str, leaf: Any, who: str) -> None:
