@@ -746,8 +746,9 @@ def take(node: Quantized, ids: Any) -> jax.Array:
 
     The table ``(V, D)`` is quantized along D (``contract=1``: each token's row has its own
     scales, in blocks of D), so a lookup gathers the codes and scales of its rows only and
-    dequantizes those: ``take(q, ids)`` is ``dequantize(q)[ids]``, bitwise, without the
-    rest of the table in floats. Stacked tables ``(n, V, D)`` give ``(n, *ids.shape, D)``.
+    dequantizes those: ``take(q, ids)`` is ``dequantize(q)[ids]``, bitwise (under ``jit``,
+    where XLA may fuse the product otherwise, within a float32 rounding), without the rest
+    of the table in floats. Stacked tables ``(n, V, D)`` give ``(n, *ids.shape, D)``.
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> table = jax.random.normal(jax.random.key(0), (10, 8))           # (V, D)

@@ -287,6 +287,10 @@ QUANT = [
     case("a vector without a layer axis", lambda: stackwise.quant.quantize(
         {"b": jnp.ones(4)}, targets=["['b']"], stacked=False), ValueError,
          "(a weight without a layer axis: `stacked=False`)"),
+    case("adapting a projection of rank 3 per layer", lambda: stackwise.lora.init(
+        KEY, stackwise.quant.quantize(BASE, targets=["['t']"], contract=0), rank=1,
+        targets=["['t']"]), ValueError, "target leaf ['t'] has shape (3, 2, 2, 2)",
+        "2-D (in, out) weight per layer"),
     case("stacked as a string", lambda: stackwise.quant.quantize(BASE, stacked="no"),
          TypeError, "`stacked` must be a bool", "str 'no'"),
     case("a lookup in a table quantized along V", lambda: stackwise.quant.take(
