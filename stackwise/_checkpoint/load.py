@@ -512,8 +512,9 @@ def load_checkpoint(
         ``p + j*k``.
       quantize: None (floats, as stored or cast), a kind (``"int8"``, ``"int4"``,
         ``"nf4"``: every floating leaf that is 2-D per layer), or a
-        ``stackwise.quant.Scheme(kind, targets, block_size)`` (``targets`` and
-        ``block_size`` as ``stackwise.quant.quantize`` takes them). Each chosen leaf
+        ``stackwise.quant.Scheme(kind, targets, block_size, double)`` (``targets``,
+        ``block_size`` and ``double`` as ``stackwise.quant.quantize`` takes them; the
+        double quantization runs on the placed scales, jitted). Each chosen leaf
         becomes a ``stackwise.quant.Quantized``, read and quantized one layer at a
         time: the host holds its codes, scales and one layer's floats. Its codes take
         the float leaf's sharding (a ``NamedSharding`` spec must divide the packed

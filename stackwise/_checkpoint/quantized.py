@@ -25,7 +25,9 @@ from stackwise._finetune.quant import (
     Quantized,
     as_scheme,
     block_size_of,
+    check_double,
     check_float,
+    doubled,
     is_float_matrix,
     non_finite,
     quantize_rows,
@@ -34,8 +36,9 @@ from stackwise._finetune.targets import leaf_paths, select
 
 __all__ = ["Choice", "abstract", "build", "check_placement", "choose"]
 
-#: Per target leaf: None (loaded as floats) or ``(kind, block size)``.
-Choice = list[tuple[str, int] | None]
+#: Per target leaf: None (loaded as floats) or ``(kind, block size, double)`` (double: the
+#: scales per second-level block, 0 for float32 scales).
+Choice = list[tuple[str, int, int] | None]
 
 
 def choose(target: Any, quantize: Any, who: str) -> Choice:
@@ -46,15 +49,24 @@ def choose(target: Any, quantize: Any, who: str) -> Choice:
     scheme = as_scheme(quantize, who)
     arrays = [(path, leaf) for path, leaf in leaf_paths(target) if is_array(leaf)]
     chosen = dict(zip([p for p, _ in arrays],
-                      select(arrays, scheme.targets, who, is_float_matrix)))
+                      select(arrays, scheme.targets, who, is_float_matrix, matrix=False)))
     out: Choice = []
     for path, leaf in leaf_paths(target):
         if not chosen.get(path, False):
             out.append(None)
             continue
+        if len(leaf.shape) != 3:
+            raise ValueError(
+                f"{who}: target leaf {path} has shape {tuple(leaf.shape)}, "
+                f"{list(leaf.shape[1:])} per layer; quantizing as it loads takes a 2-D "
+                "(in, out) weight per layer (stacked: (n, in, out)). Load a weight of "
+                "another rank as floats (leave it out of the scheme's targets) and quantize "
+                "it afterwards naming its contracted axes, `stackwise.quant.quantize(params, "
+                "kind, targets, contract=...)`."
+            )
         check_float(path, leaf, who)
         block = block_size_of(scheme.block_size, leaf.shape[-2], path, who)
-        out.append((scheme.kind, block))
+        out.append((scheme.kind, block, check_double(scheme.double, who)))
     return out
 
 
@@ -150,22 +162,27 @@ def _aligned(shape: tuple, dtype: Any) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def abstract(kind: str, block: int, shape: tuple, dtype: Any) -> Quantized:
+def abstract(kind: str, block: int, double: int, shape: tuple, dtype: Any) -> Quantized:
     """The :class:`Quantized` node's shapes for a float leaf of ``shape``, without data (the
-    quantizer's own, traced)."""
+    quantizer's own, traced); its ``scale`` is the first level's, float32, whatever
+    ``double`` (the double quantization runs on the placed scales: :func:`build`)."""
+    del double
     floats = jax.ShapeDtypeStruct(shape, dtype)
     codes, scale = jax.eval_shape(lambda w: quantize_rows(w, kind, block), floats)
     return Quantized(codes, scale, kind, np.dtype(dtype).name, shape[-2])
 
 
-def build(read: Callable[[tuple], np.ndarray], kind: str, block: int, shape: tuple,
-          dtype: Any, sharding: Sharding, path: str, who: str) -> Quantized:
+def build(read: Callable[[tuple], np.ndarray], kind: str, block: int, double: int,
+          shape: tuple, dtype: Any, sharding: Sharding, path: str, who: str) -> Quantized:
     """The :class:`Quantized` leaf, ``read(index)`` giving the float leaf's slices at
     ``index`` (one layer at a time). Only the region this process's shards are made of is
     read (:func:`_region`): on several hosts each reads and quantizes its own layers,
     columns and blocks of rows. A layer holding NaN or inf is refused as
-    :func:`stackwise.quant.quantize` refuses it (its blocks' scales tell)."""
-    node = abstract(kind, block, shape, dtype)
+    :func:`stackwise.quant.quantize` refuses it (its blocks' scales tell). With ``double``
+    the placed float32 scales are then double-quantized by the quantizer's own jitted
+    function (:func:`stackwise._finetune.quant.doubled`: each layer's mean needs all of its
+    scales, which XLA gathers where they are split over devices or processes)."""
+    node = abstract(kind, block, double, shape, dtype)
     region = _region(node, block, sharding, path, who)
     pack = 1 if kind == "int8" else 2
     if region is None:  # none of this process's devices holds a shard
@@ -186,6 +203,7 @@ def build(read: Callable[[tuple], np.ndarray], kind: str, block: int, shape: tup
                              "scheme's targets, `quantize=stackwise.quant.Scheme(kind, "
                              "targets)`")
         codes[j - layers.start], scale[j - layers.start] = np.asarray(c)[0], np.asarray(s)[0]
-    return Quantized(_place(codes, corner[0], node.codes.shape, sharding, path, who, True),
-                     _place(scale, corner[1], node.scale.shape, sharding, path, who, False),
-                     kind, node.dtype, node.rows)
+    return doubled(Quantized(
+        _place(codes, corner[0], node.codes.shape, sharding, path, who, True),
+        _place(scale, corner[1], node.scale.shape, sharding, path, who, False),
+        kind, node.dtype, node.rows), double)

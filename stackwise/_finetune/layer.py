@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
 from stackwise._finetune import rows
 from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
-from stackwise._finetune.quant import dequantize, is_quantized
+from stackwise._finetune.quant import compute_dtype, dequantize, is_quantized
 from stackwise._upstream import jax as jax_ties
 
 __all__ = ["materialise", "run_layer", "stack_adapted", "wrap"]
@@ -54,31 +54,34 @@ def is_node(value: Any) -> bool:
     return isinstance(value, Adapted) or is_quantized(value)
 
 
-def _layer_weights(base: Any, adapters: Any) -> Any:
-    """One layer's float params: each leaf dequantized, then adapted where it has one."""
+def _layer_weights(base: Any, adapters: Any, dtype: Any = None) -> Any:
+    """One layer's float params: each leaf dequantized, then adapted where it has one; with
+    ``dtype``, each quantized or adapted weight in it."""
     treedef = jax.tree.structure(base, is_leaf=is_quantized)
     subs = treedef.flatten_up_to(adapters)
     out = []
     for leaf, lw in zip(jax.tree.leaves(base, is_leaf=is_quantized), subs):
-        w = dequantize(leaf)
-        if lw is not None:
-            w = adapted_weight(w, lw.a, lw.b, lw.scale)
-            if lw.dora:
-                w = dora_scaled(w, lw.magnitude)
-        out.append(w)
+        if lw is None:
+            out.append(dequantize(leaf, dtype))
+            continue
+        w = adapted_weight(dequantize(leaf), lw.a, lw.b, lw.scale)
+        if lw.dora:
+            w = dora_scaled(w, lw.magnitude)
+        out.append(w if dtype is None else w.astype(dtype))
     return jax.tree.unflatten(treedef, out)
 
 
-def materialise(params: Any) -> Any:
+def materialise(params: Any, dtype: Any = None) -> Any:
     """One layer's params as its ``apply`` expects them: floats, adapters merged in.
 
     Params without an adapted or quantized node come back as they are (the same object).
+    With ``dtype`` (checked by the caller), every dequantized or adapted weight is in it.
     """
     if not any(is_node(v) for v in jax.tree.leaves(params, is_leaf=is_node)):
         return params
     return jax.tree.map(
-        lambda v: _layer_weights(v.base, v.adapters) if isinstance(v, Adapted)
-        else dequantize(v) if is_quantized(v) else v,
+        lambda v: _layer_weights(v.base, v.adapters, dtype) if isinstance(v, Adapted)
+        else dequantize(v, dtype) if is_quantized(v) else v,
         params,
         is_leaf=is_node,
     )
@@ -124,7 +127,8 @@ def _refuse_kept(path: str, groups: int, who: str) -> ValueError:
     )
 
 
-def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: str) -> Any:
+def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: str,
+              dtype: Any = None) -> Any:
     """``(out, kept) = block(float_params, x, *args)`` on one layer's adapted params.
 
     ``params`` is the layer's slice (:class:`Adapted` and quantized nodes anywhere in it);
@@ -148,13 +152,13 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
         return rows.run(lambda p, x, _: block(p, x, *args), params, x, (), who, shared=True)
     groups = _groups(params, who)
     if groups is None:
-        return block(materialise(params), x, *args)
+        return block(materialise(params, dtype), x, *args)
     _check_rows(x, groups, who)
     axes = jax.tree.map(
         lambda v: Adapted(None, 0, v.groups, None) if isinstance(v, Adapted) else None,
         params, is_leaf=is_node,
     )
-    each = jax.vmap(lambda p, x: block(materialise(p), x, *args),
+    each = jax.vmap(lambda p, x: block(materialise(p, dtype), x, *args),
                     in_axes=(axes, 0), out_axes=(0, None))
     try:
         return each(params, x)
@@ -165,7 +169,8 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
         raise _refuse_kept(path[3:], groups, who) from None
 
 
-def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[..., Any]:
+def wrap(apply: Callable[..., Any], *, with_state: bool = False,
+         dtype: Any = None) -> Callable[..., Any]:
     """A layer's ``apply`` that takes adapted and quantized params, for ``stackwise.stack``.
 
     The wrapped layer gets its own slice of the params (:func:`stackwise.lora.attach`'s
@@ -213,6 +218,15 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     >>> bool(jnp.allclose(y[0], alone[0], atol=1e-6))
     True
 
+    With ``dtype=jnp.bfloat16`` (QLoRA's compute dtype) each quantized or adapted weight
+    reaches ``apply`` in bfloat16: dequantized and adapted in float32 (``dequantize(W) +
+    scale * a @ b``, the update in the adapters' dtype), rounded to bfloat16 once. Give
+    ``x`` in bfloat16 too, and the layer's matmul runs in bfloat16:
+
+    >>> bf16 = stackwise.stack(None, stackwise.lora.wrap(apply, dtype=jnp.bfloat16), 3)
+    >>> bf16.apply(stackwise.lora.attach(base, adapters), x.astype(jnp.bfloat16)).dtype
+    dtype(bfloat16)
+
     Args:
       apply: ``apply(layer_params, x, *args, **kwargs)`` of one layer (with
         ``with_state``: ``apply(layer_params, state, x, ...)``).
@@ -220,11 +234,16 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
         a batch, the state is one for all groups: a layer that updates it from a group's
         rows is refused (one that leaves it, or updates it alike for every group, runs).
         With ``rows``, the state is per row (its leaves have the batch first).
+      dtype: None (each weight in the dtype its base was quantized from, or its float
+        base leaf's), or a float dtype every quantized or adapted weight is given to
+        ``apply`` in (other leaves as they are). The gradients of float32 adapters stay
+        float32 (the weight's cotangent is cast to the adapters' dtype).
 
     Raises:
-      TypeError: ``apply`` is not callable.
+      TypeError: ``apply`` is not callable, or ``dtype`` is not a dtype.
+      ValueError: ``dtype`` is not a float dtype.
       ValueError (when the layer runs): attached adapters of two batch sizes in one
-        layer; with a batch, ``x`` without g on its leading axis, or state that differs
+        layer; ``dtype`` with ``rows``; with a batch, ``x`` without g on its leading axis, or state that differs
         by group; with ``rows``, ``x`` or the state without the rows on their leading
         axis, or an adapted weight used other than in a matrix product.
     """
@@ -232,9 +251,18 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
     if not callable(apply):
         raise TypeError(f"{who}: `apply` must be a layer's apply function, got "
                         f"{type(apply).__name__}.")
+    if dtype is not None:
+        dtype = compute_dtype(dtype, who)
 
     def wrapped(params, *args, **kwargs):
         if rows.has_rows(params):  # a batch whose rows each pick an adapter
+            if dtype is not None:
+                raise ValueError(
+                    f"{who}: `dtype={jnp.dtype(dtype).name}` gives `apply` each adapted weight "
+                    "merged and cast, but `attach(..., rows=)` never builds a weight per row "
+                    "(each row's low-rank term is added beside the base product); leave "
+                    "`dtype` None for multi-LoRA rows and cast `x` yourself."
+                )
             if with_state:
                 state, x, *rest = args
                 return rows.run(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
@@ -245,10 +273,11 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False) -> Callable[...
         if with_state:
             state, x, *rest = args
             out, state = run_layer(lambda p, x, s: apply(p, s, x, *rest, **kwargs),
-                                   params, x, state, who=who)
+                                   params, x, state, who=who, dtype=dtype)
             return out, state
         x, *rest = args
-        return run_layer(lambda p, x: (apply(p, x, *rest, **kwargs), ()), params, x, who=who)[0]
+        return run_layer(lambda p, x: (apply(p, x, *rest, **kwargs), ()), params, x, who=who,
+                         dtype=dtype)[0]
 
     return functools.wraps(apply)(wrapped)
 
@@ -286,6 +315,8 @@ def warn_unrematted(
 def stack_adapted(
     apply: Callable[..., Any] | Sequence[Callable[..., Any]],
     n: int,
+    *,
+    dtype: Any = None,
     **options: Any,
 ) -> Stacked:
     """``stackwise.stack(None, wrap(apply), n, **options)``, warning of ``remat=False``.
@@ -303,6 +334,8 @@ def stack_adapted(
     Args:
       apply: one layer's apply, or a pattern's applies (each wrapped).
       n: the number of layers.
+      dtype: the compute dtype of the quantized and adapted weights, as :func:`wrap` takes
+        it (``jnp.bfloat16``: QLoRA's).
       **options: ``stackwise.stack``'s options (``remat``, ``unroll``, ``with_state``, ...).
 
     Returns:
@@ -310,9 +343,9 @@ def stack_adapted(
     """
     with_state = options.get("with_state", False)
     if callable(apply):
-        applies: Any = wrap(apply, with_state=with_state)
+        applies: Any = wrap(apply, with_state=with_state, dtype=dtype)
     else:
-        applies = [wrap(f, with_state=with_state) for f in apply]
+        applies = [wrap(f, with_state=with_state, dtype=dtype) for f in apply]
     inits = None if callable(apply) else [None] * len(applies)
     layers = stack(inits, applies, n, **options)
     remat = options.get("remat", DEFAULT_REMAT)

@@ -46,8 +46,10 @@ def select(
     who: str,
     default: Callable[[str, Any], bool],
     arg: str = "targets",
+    matrix: bool = True,
 ) -> list[bool]:
-    """One bool per leaf: whether it is a target, each target checked to be 2-D per layer.
+    """One bool per leaf: whether it is a target, each target checked to be 2-D per layer
+    (unless ``matrix`` is False: the caller checks the shapes).
 
     ``default(path, leaf)`` decides when ``targets`` is None; ``arg`` is what the caller
     calls the targets in its messages.
@@ -85,7 +87,7 @@ def select(
         )
     for (path, leaf), take in zip(leaves, chosen):
         shape = tuple(checks.leaf_shape(leaf, who, path))
-        if take and len(shape) != 3:
+        if matrix and take and len(shape) != 3:
             raise ValueError(
                 f"{who}: target leaf {path} has shape {shape}, {list(shape[1:])} per layer; "
                 "a target must be a 2-D (in, out) weight per layer (stacked: (n, in, out)). "

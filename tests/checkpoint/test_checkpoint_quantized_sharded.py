@@ -35,20 +35,20 @@ def _setup():
     return jax, stackwise, arrays, target, names
 
 
-def _layout_case(mesh_shape, axes, specs, kind, block):
+def _layout_case(mesh_shape, axes, specs, kind, block, double=False):
     jax, stackwise, arrays, target, names = _setup()
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh(mesh_shape, axes)
     shardings = {k: NamedSharding(mesh, P(*spec)) for k, spec in specs.items()}
-    scheme = stackwise.quant.Scheme(kind, block_size=block)
+    scheme = stackwise.quant.Scheme(kind, block_size=block, double=double)
     got = stackwise.load_checkpoint(arrays, target, names, shardings=shardings, quantize=scheme)
     floats = stackwise.load_checkpoint(arrays, target, names, shardings=shardings)
-    want = stackwise.quant.quantize(floats, kind, block_size=block)
+    want = stackwise.quant.quantize(floats, kind, block_size=block, double=double)
     bitwise = all(
-        bool((np.asarray(getattr(got[k], f)) == np.asarray(getattr(want[k], f))).all())
-        for k in got for f in ("codes", "scale"))
+        bool((np.asarray(a) == np.asarray(b)).all())
+        for k in got for a, b in zip(jax.tree.leaves(got[k]), jax.tree.leaves(want[k])))
     return {"bitwise": bitwise,
             "codes": {k: str(got[k].codes.sharding.spec) for k in got},
             "scale": {k: str(got[k].scale.sharding.spec) for k in got},
@@ -97,6 +97,9 @@ _CASES = {
     "tensor_parallel": lambda: _layout_case((2, 4), ("data", "model"),
                                             {"up": (None, "data", "model"),
                                              "down": ("data", "model")}, "int4", None),
+    "tensor_parallel_double": lambda: _layout_case((2, 4), ("data", "model"),
+                                                   {"up": (None, "data", "model"),
+                                                    "down": ("data", "model")}, "nf4", 2, 8),
     "misuse": _misuse_case,
 }
 
@@ -124,6 +127,14 @@ def test_tensor_parallel(multi_device):
     assert r["bitwise"]
     assert r["codes"] == {"up": "P(None, 'data', 'model')", "down": "P('data', 'model')"}
     assert r["scale"] == {"up": "P(None, None, 'model')", "down": "P('data', None)"}
+
+
+def test_tensor_parallel_with_double_quantized_scales(multi_device):
+    """The double quantization runs jitted on the placed scales (each layer's mean gathered
+    by XLA), bitwise as `quantize(..., double=)` of the sharded float load."""
+    r = result(multi_device, "tensor_parallel_double")
+    assert r["bitwise"]
+    assert r["codes"] == {"up": "P(None, 'data', 'model')", "down": "P('data', 'model')"}
 
 
 def test_shardings_that_cannot_hold_codes_are_refused(multi_device):

@@ -56,12 +56,16 @@ def _pairs(tree):
     return [(v.a, v.b) for v in jax.tree.leaves(tree, is_leaf=is_lora) if is_lora(v)]
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora-int8"])
+QUANTIZE = {"lora": None, "qlora-int8": {"kind": "int8"},
+            "qlora-nf4-double": {"kind": "nf4", "double": 3}}  # QLoRA's double quantization
+
+
+@pytest.mark.parametrize("quantized", list(QUANTIZE.values()), ids=list(QUANTIZE))
 @pytest.mark.parametrize("remat", list(REMATS.values()), ids=list(REMATS))
 @pytest.mark.parametrize("framework", list(FRAMEWORKS))
 def test_adapted_stack_equals_the_loop(framework, remat, quantized):
     fw = FRAMEWORKS[framework](remat)
-    base = stackwise.quant.quantize(fw.base, "int8") if quantized else fw.base
+    base = stackwise.quant.quantize(fw.base, **quantized) if quantized else fw.base
     adapters = _trained(stackwise.lora.init(jax.random.key(2), base, rank=R))
     assert len(_pairs(adapters)) == 1 and _pairs(adapters)[0][0].shape == (N, D, R)
     params = stackwise.lora.attach(base, adapters, per_leaf=True)
@@ -74,7 +78,7 @@ def test_adapted_stack_equals_the_loop(framework, remat, quantized):
         warnings.simplefilter("always")
         y = jax.jit(fw.run_stack)(params, X)
         grads = jax.jit(jax.grad(loss))(trainable)
-    unrematted = quantized and remat is False
+    unrematted = bool(quantized) and remat is False
     assert [("remat=False" in str(w.message)) for w in caught] == [True] * (2 * unrematted)
     assert_trees_close(y, _loop(fw, base, adapters, X))
     want = jax.grad(lambda a: jnp.sum(jnp.sin(_loop(fw, base, a, X))))(adapters)

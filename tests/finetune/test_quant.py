@@ -132,10 +132,10 @@ def test_packed_codes_stay_packed_until_inside_the_layer():
 
 
 def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256,
-              block: int | None = None) -> float:
+              block: int | None = None, double: bool = False) -> float:
     """Temp memory of ``jit(grad)`` w.r.t. the adapters, with a quantized base of n layers."""
     w = jax.random.normal(KEY, (n, d, d)) / d**0.5
-    base = stackwise.quant.quantize({"w": w}, kind, block_size=block)
+    base = stackwise.quant.quantize({"w": w}, kind, block_size=block, double=double)
     adapters = stackwise.lora.init(KEY, base, rank=4)
     layer = lambda p, x: x + jnp.tanh(x @ p["w"])  # noqa: E731
     x = jnp.ones((2, d))
@@ -155,16 +155,18 @@ def _temp_mib(n: int, kind: str, python_loop: bool, d: int = 256,
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-@pytest.mark.parametrize("kind, block", [("int8", None), ("nf4", None), ("nf4", 64)])
-def test_temp_memory_holds_about_one_layer_at_any_depth(kind, block):
+@pytest.mark.parametrize("kind, block, double", [("int8", None, False), ("nf4", None, False),
+                                                 ("nf4", 64, False), ("nf4", 64, True)])
+def test_temp_memory_holds_about_one_layer_at_any_depth(kind, block, double):
     """From n=4 to n=16 the stack's temporaries grow by far less than one dequantized layer
     (0.25 MiB at d=256); the loop's grow by a dequantized layer per layer. Block-wise scales
-    (QLoRA's blocks of 64) alike."""
+    (QLoRA's blocks of 64), double-quantized or not, alike."""
     layer_mib = 256 * 256 * 4 / 2**20
-    stack_growth = _temp_mib(16, kind, False, block=block) - _temp_mib(4, kind, False,
-                                                                        block=block)
+    stack_growth = (_temp_mib(16, kind, False, block=block, double=double)
+                    - _temp_mib(4, kind, False, block=block, double=double))
     assert stack_growth < layer_mib / 2, stack_growth
-    loop_growth = _temp_mib(16, kind, True, block=block) - _temp_mib(4, kind, True, block=block)
+    loop_growth = (_temp_mib(16, kind, True, block=block, double=double)
+                   - _temp_mib(4, kind, True, block=block, double=double))
     assert loop_growth > 10 * layer_mib, loop_growth
 
 

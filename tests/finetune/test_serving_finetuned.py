@@ -38,21 +38,27 @@ def _decode(step, params, cache, tokens=3):
 
 def _base(kind):
     base = stackwise.stack(init, apply, N).init(KEY)
-    return base if kind == "float" else stackwise.quant.quantize(base, kind, targets=UV)
+    if kind == "float":
+        return base
+    if kind == "nf4-double":  # QLoRA's: nf4, its scales double-quantized (5 a block here)
+        return stackwise.quant.quantize(base, "nf4", targets=UV, double=5)
+    return stackwise.quant.quantize(base, kind, targets=UV)
 
 
 @pytest.mark.parametrize(
     "kind, adapted",
-    [(kind, adapted) for kind in ("float", "int8", "nf4") for adapted in ("none", "attached")]
-    + [("float", "merged")],  # (a quantized base is merged after `dequantize`: a float one)
+    [(kind, adapted) for kind in ("float", "int8", "nf4", "nf4-double")
+     for adapted in ("none", "attached", "merged")],
 )
 def test_decode_equals_the_scan_and_the_loop(kind, adapted):
+    """A quantized base merges into a quantized base (requantized): the loop model runs the
+    merged base's own dequantized layers."""
     base = _base(kind)
     adapters = trained(stackwise.lora.init(KEY, base, rank=2, targets=UV))
     params = {
         "none": base,
         "attached": stackwise.lora.attach(base, adapters),
-        "merged": stackwise.lora.merge(base, adapters) if kind == "float" else None,
+        "merged": stackwise.lora.merge(base, adapters),
     }[adapted]
     layers = stackwise.lora.stack(_step(apply), N, with_state=True)
     step = jax.jit(layers.apply, donate_argnums=1)
@@ -64,6 +70,8 @@ def test_decode_equals_the_scan_and_the_loop(kind, adapted):
 
     # The loop model: each layer's weights written out by hand (tests/finetune/_reference).
     per_layer = [layer_params(base, adapters if adapted != "none" else None, i) for i in range(N)]
+    if adapted == "merged" and kind != "float":
+        per_layer = [layer_params(params, None, i) for i in range(N)]
 
     @jax.jit
     def loop(per_layer, caches, x, pos):

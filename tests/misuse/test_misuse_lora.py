@@ -91,9 +91,10 @@ def _merge_a_batch():
     stackwise.lora.merge(BASE, stackwise.lora.stack_adapters([_adapters(), _adapters()]))
 
 
-def _merge_into_quantized():
+def _unmerge_from_quantized():
+    """`merge` requantizes a quantized base; `unmerge` cannot give its codes back."""
     base = stackwise.quant.quantize(BASE, "int8", targets=W)
-    stackwise.lora.merge(base, _adapters(base))
+    stackwise.lora.unmerge(stackwise.lora.merge(base, _adapters(base)), _adapters(base))
 
 
 def _combine_mismatched():
@@ -203,8 +204,14 @@ LORA = [
     case("two batch sizes in one layer", _two_batch_sizes_in_a_layer, ValueError,
          "batch sizes [2, 3]"),
     case("merging a batch", _merge_a_batch, ValueError, "batch of 2 adapters", "v[j]"),
-    case("merging into a quantized leaf", _merge_into_quantized, ValueError, "quantized (int8)",
-         "dequantize"),
+    case("unmerging from a quantized leaf", _unmerge_from_quantized, ValueError,
+         "stackwise.lora.unmerge: base leaf ['w'] is quantized (int8)", "round a second time",
+         "Keep the quantized base", "stackwise.quant.dequantize(base)"),
+    case("a compute dtype that is no dtype", lambda: stackwise.lora.stack(
+        lambda p, x: x, N, dtype="half-ish"), TypeError, "stackwise.lora.wrap",
+        "`dtype` must be a float dtype", "'half-ish'"),
+    case("an integer compute dtype", lambda: stackwise.lora.wrap(lambda p, x: x,
+         dtype=jnp.int8), ValueError, "`dtype` is int8", "jnp.bfloat16"),
     case("combining halves of two trees", _combine_mismatched, ValueError,
          "stackwise.lora.split"),
     case("a batch of adapters of two ranks", _stack_unlike_adapters, ValueError,
@@ -249,6 +256,58 @@ QUANT = [
     case("a NaN weight", lambda: stackwise.quant.quantize(
         {"w": BASE["w"].at[1, 0, 0].set(jnp.nan)}), ValueError,
         "target leaf ['w'] holds NaN or inf (layers [1])", "leave the leaf out of `targets`"),
+    case("double quantization as a string", lambda: stackwise.quant.quantize(
+        BASE, "nf4", W, double="fp8"), TypeError, "`double` must be a bool",
+        "256 a block", "got str 'fp8'"),
+    case("double quantization as a float", lambda: stackwise.quant.quantize(
+        BASE, "nf4", W, double=256.0), TypeError, "`double` must be a bool", "float 256.0"),
+    case("double quantization of 0 scales a block", lambda: stackwise.quant.quantize(
+        BASE, "nf4", W, double=0), ValueError, "`double` must be at least 1", "got 0",
+        "pass False"),
+    case("dequantizing to an integer dtype", lambda: stackwise.quant.dequantize(
+        stackwise.quant.quantize(BASE, targets=W)["w"], jnp.int32), ValueError,
+        "stackwise.quant.dequantize: `dtype` is int32"),
+    case("a rank-3 weight without contract", lambda: stackwise.quant.quantize(
+        BASE, targets=["['t']"]), ValueError, "target leaf ['t'] has shape (2, 2, 2) per layer",
+        "not a 2-D (in, out) weight", "`contract={\"['t']\": (0,)}`", "(0, 1) for an (H, Dh, D)"),
+    case("contract as a string", lambda: stackwise.quant.quantize(BASE, contract="in"),
+         TypeError, "`contract` must be an axis or a tuple of axes", "got str 'in'"),
+    case("contract naming a leaf by a non-path", lambda: stackwise.quant.quantize(
+        BASE, contract={0: 0}), TypeError, "`contract` maps leaf paths", "the key 0"),
+    case("contract of a leaf as a float", lambda: stackwise.quant.quantize(
+        BASE, contract={"['t']": 0.0}), TypeError, "`contract`[\"['t']\"] must be an axis",
+         "float 0.0"),
+    case("contract out of range", lambda: stackwise.quant.quantize(
+        BASE, targets=["['t']"], contract=3), ValueError,
+         "`contract` gives target leaf ['t'] the axes (3,)", "shape (2, 2, 2) per layer",
+         "distinct axes in range(3)"),
+    case("contract of every axis", lambda: stackwise.quant.quantize(
+        BASE, targets=W, contract=(0, 1)), ValueError, "the axes (0, 1)",
+         "at least one axis uncontracted"),
+    case("a vector as a target", lambda: stackwise.quant.quantize(
+        {"b": jnp.ones((N, 4))}, targets=["['b']"], contract=0), ValueError,
+         "target leaf ['b'] has shape (4,) per layer", "a vector has no axis"),
+    case("a vector without a layer axis", lambda: stackwise.quant.quantize(
+        {"b": jnp.ones(4)}, targets=["['b']"], stacked=False), ValueError,
+         "(a weight without a layer axis: `stacked=False`)"),
+    case("adapting a projection of rank 3 per layer", lambda: stackwise.lora.init(
+        KEY, stackwise.quant.quantize(BASE, targets=["['t']"], contract=0), rank=1,
+        targets=["['t']"]), ValueError, "target leaf ['t'] has shape (3, 2, 2, 2)",
+        "2-D (in, out) weight per layer"),
+    case("stacked as a string", lambda: stackwise.quant.quantize(BASE, stacked="no"),
+         TypeError, "`stacked` must be a bool", "str 'no'"),
+    case("a lookup in a table quantized along V", lambda: stackwise.quant.take(
+        stackwise.quant.quantize(BASE, targets=W)["w"], jnp.array([0])), ValueError,
+         "stackwise.quant.take: the table is quantized along its first axis (the default)",
+         "contract=1, stacked=False"),
+    case("a lookup in a float table", lambda: stackwise.quant.take(BASE["w"], jnp.array([0])),
+         TypeError, "`node` must be a stackwise.quant.Quantized table", "got ArrayImpl"),
+    case("a lookup of float ids", lambda: stackwise.quant.take(stackwise.quant.quantize(
+        BASE, targets=W, contract=1)["w"], jnp.array([0.5])), TypeError,
+         "`ids` must be integer token ids", "float32"),
+    case("dequantizing to no dtype", lambda: stackwise.quant.dequantize(
+        stackwise.quant.quantize(BASE, targets=W)["w"], "eight"), TypeError,
+        "`dtype` must be a float dtype", "str 'eight'"),
 ]
 
 

@@ -85,6 +85,8 @@ def _both_axes_contracted(p, x):  # a product over both axes of the weight
 
 
 CASES = [
+    case("rows with a compute dtype", lambda: _run(lambda p, x: x @ p["w"], dtype=jnp.bfloat16),
+         ValueError, "`dtype=bfloat16`", "rows=", "leave `dtype` None"),
     case("rows with one adapter, not a batch",
          lambda: attach(BASE, ONE, rows=[0, 0]), ValueError, "`rows`", "one adapter",
          "stack_adapters"),
