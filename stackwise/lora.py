@@ -15,9 +15,9 @@ from stackwise._finetune.lora import Adapted as Adapted
 from stackwise._finetune.lora import LoraWeights as LoraWeights
 from stackwise._finetune.lora import attach as attach
 from stackwise._finetune.lora import init as init
-from stackwise._finetune.lora import merge as merge
 from stackwise._finetune.lora import stack_adapters as stack_adapters
-from stackwise._finetune.lora import unmerge as unmerge
+from stackwise._finetune.merge import merge as merge
+from stackwise._finetune.merge import unmerge as unmerge
 from stackwise._finetune.peft import load_peft as load_peft
 from stackwise._finetune.peft_save import save_peft as save_peft
 from stackwise._finetune.train import combine as combine

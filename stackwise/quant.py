@@ -14,7 +14,7 @@ from stackwise._finetune.quant import KINDS as KINDS
 from stackwise._finetune.quant import Quantized as Quantized
 from stackwise._finetune.quant import Scheme as Scheme
 from stackwise._finetune.quant import dequantize as dequantize
-from stackwise._finetune.quant import quantize as quantize
-from stackwise._finetune.quant import take as take
+from stackwise._finetune.quantizer import quantize as quantize
+from stackwise._finetune.quantizer import take as take
 
 __all__ = ["KINDS", "Quantized", "Scheme", "dequantize", "quantize", "take"]

@@ -26,12 +26,10 @@ from stackwise._finetune.quant import (
     as_scheme,
     block_size_of,
     check_double,
-    check_float,
     doubled,
-    is_float_matrix,
-    non_finite,
     quantize_rows,
 )
+from stackwise._finetune.quantizer import check_float, is_float_matrix, non_finite
 from stackwise._finetune.targets import leaf_paths, select
 
 __all__ = ["Choice", "abstract", "build", "check_placement", "choose"]

@@ -23,12 +23,12 @@ import numpy as np
 from stackwise._core import checks
 from stackwise._core.options import check_bool
 from stackwise._core.served import stacked_only
-from stackwise._finetune.quant import dequantize, is_quantized, requantize
+from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["Adapted", "LoraWeights", "attach", "float_adapter", "float_dtype", "init",
-           "column_norms", "dora_scaled", "lora_scale", "merge", "plain_tree", "scaled_update",
-           "stack_adapters", "unmerge"]
+__all__ = ["Adapted", "LoraWeights", "add", "attach", "check_shapes", "column_norms", "delta",
+           "dora_scaled", "float_adapter", "float_dtype", "init", "lora_scale", "pairs",
+           "plain_tree", "scaled_update", "stack_adapters"]
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def float_adapter(path: str, lw: LoraWeights, who: str) -> None:
             )
 
 
-def _check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
+def check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
     """The batch size g (None for one adapter) after checking ``lw`` against the base leaf."""
     float_adapter(path, lw, who)
     _float_base(path, leaf, who)
@@ -390,7 +390,7 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
     paired = pairs(base, adapters, who)
     for path, leaf, lw in paired:
         if lw is not None:
-            found.add(_check_shapes(path, leaf, lw, who))
+            found.add(check_shapes(path, leaf, lw, who))
     if len(found) > 1:
         raise ValueError(
             f"{who}: the adapters mix batch sizes {sorted(found, key=str)} (None: one adapter); "
@@ -521,7 +521,7 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
 
 
 # --------------------------------------------------------------------------
-# The adapted weight, and merging it into the base.
+# The adapted weight (merged into the base by :mod:`.merge`).
 
 
 def scaled_update(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
@@ -553,103 +553,3 @@ def add(w: jax.Array, d: jax.Array, sign: int = 1) -> jax.Array:
     common = jnp.promote_types(w.dtype, d.dtype)
     d = d.astype(common)
     return (w.astype(common) + (d if sign > 0 else -d)).astype(w.dtype)
-
-
-def _merged_layer(w: jax.Array, layer: tuple, lw: LoraWeights) -> jax.Array:
-    """One layer's merged weight from its float weight and its ``(a, b, magnitude)``."""
-    a, b, magnitude = layer
-    merged = add(w, scaled_update(a, b, lw.scale))
-    return dora_scaled(merged, magnitude) if lw.dora else merged
-
-
-def _merged(base: Any, adapters: Any, sign: int, who: str) -> Any:
-    stacked_only(who, base=base, adapters=adapters)
-    out = []
-    for path, leaf, lw in pairs(base, adapters, who):
-        if lw is None:
-            out.append(leaf)
-            continue
-        if _check_shapes(path, leaf, lw, who) is not None:
-            raise ValueError(
-                f"{who}: adapter {path} is a batch of {lw.a.shape[0]} adapters; merge one of "
-                "them: `jax.tree.map(lambda v: v[j], adapters)` takes adapter j."
-            )
-        if is_quantized(leaf) and sign < 0:
-            raise ValueError(
-                f"{who}: base leaf {path} is quantized ({leaf.kind}); `merge` quantized it "
-                "again with the update in, so taking the update out would round a second "
-                "time and never give the base's codes back. Keep the quantized base (merge "
-                "returns a new tree, the base is unchanged), or unmerge from float weights "
-                "(`stackwise.lora.merge(stackwise.quant.dequantize(base), adapters)`)."
-            )
-        if lw.dora and sign < 0:
-            raise ValueError(
-                f"{who}: adapter {path} is DoRA's: its merged weight is rescaled by the "
-                "adapted weight's own column norms, which the merged weight no longer holds, "
-                "so the base cannot be taken back out of it. Keep the base (merge returns a "
-                "new tree, the base is unchanged)."
-            )
-        if is_quantized(leaf):
-            out.append(requantize(leaf, lambda w, ad, lw=lw: _merged_layer(w, ad, lw),
-                                  (lw.a, lw.b, lw.magnitude)))
-            continue
-        merged = add(leaf, delta(lw), sign)
-        out.append(dora_scaled(merged, lw.magnitude) if lw.dora else merged)
-    return jax.tree.unflatten(jax.tree.structure(base, is_leaf=is_quantized), out)
-
-
-def merge(base: Any, adapters: Any) -> Any:
-    """The base with each adapter merged in: ``W + scale * a @ b``, layer by layer.
-
-    The result runs without adapters (serving). Each merged layer is bitwise the weight a
-    wrapped layer computes for itself from the same base and adapters (the same sum in the
-    same dtype; for DoRA, rescaled the same way).
-
-    >>> import jax, jax.numpy as jnp, stackwise
-    >>> base = {"w": jnp.ones((3, 4, 4))}
-    >>> adapters = stackwise.lora.init(jax.random.key(0), base, rank=2)
-    >>> adapters = jax.tree.map(lambda v: v + 0.5, adapters)   # as if trained
-    >>> merged = stackwise.lora.merge(base, adapters)
-    >>> back = stackwise.lora.unmerge(merged, adapters)
-    >>> bool(jnp.allclose(back["w"], base["w"], rtol=0, atol=1e-6))
-    True
-
-    Into a quantized leaf (:func:`stackwise.quant.quantize`), for serving a QLoRA model:
-    each layer is dequantized, merged (the float weight above, in the dtype the leaf was
-    quantized from) and quantized again alike (kind, block size, double quantization),
-    one layer at a time. Each weight of the result dequantizes to within half a step of
-    the merged float weight ``dequantize(W) + scale * a @ b``: per block, ``g * s' / 2``,
-    ``s'`` the block's new scale (its absmax, divided by 127 for int8 and 7 for int4) and
-    ``g`` the widest gap between neighbouring levels (1 for int8 and int4; nf4 is not
-    uniform, its widest gap is -1 .. -0.6962, ``g = 0.3038``); double-quantized, plus
-    ``c * s' * (exp(step / 2) - 1)`` (``step`` the block of scales' second-level step,
-    ``c`` the largest level: 127, 7, 1), as :func:`stackwise.quant.quantize` states.
-
-    >>> qbase = stackwise.quant.quantize(base, "nf4")
-    >>> qmerged = stackwise.lora.merge(qbase, adapters)
-    >>> qmerged["w"].kind, qmerged["w"].codes.shape == qbase["w"].codes.shape
-    ('nf4', True)
-    >>> want = stackwise.quant.dequantize(qbase["w"]) + adapters["w"].a @ adapters["w"].b
-    >>> err = jnp.abs(stackwise.quant.dequantize(qmerged["w"]) - want)
-    >>> bool((err <= 0.3038 * qmerged["w"].scale / 2 + 1e-6).all())
-    True
-
-    Raises:
-      ValueError: the adapters do not fit the base (see :func:`attach`), or are a batch.
-    """
-    return _merged(base, adapters, 1, "stackwise.lora.merge")
-
-
-def unmerge(merged: Any, adapters: Any) -> Any:
-    """The base back from :func:`merge`'s result: ``W' - scale * a @ b``.
-
-    Exact when the update is zero; otherwise each element is within
-    ``eps * (|W| + |d|) * (1 + eps)`` of the original, ``d`` being the update and ``eps``
-    the base dtype's machine epsilon (two roundings, one in :func:`merge`, one here).
-
-    Raises:
-      ValueError: as :func:`merge`, a DoRA adapter (its merged weight is rescaled by
-        norms it no longer holds: keep the base instead), or a quantized leaf (merge
-        requantized it: the base's codes cannot be had back).
-    """
-    return _merged(merged, adapters, -1, "stackwise.lora.unmerge")
