@@ -30,7 +30,7 @@ _PUBLIC = {
     "slice_layers": "stackwise._core.layout",
     "stack": "stackwise._core.stack",
     "stack_layers": "stackwise._core.layout",
-    "Stacked": "stackwise._core.stack",
+    "Stacked": "stackwise._core.stacked",
     "stacked_shardings": "stackwise._sharding.specs",
     "stacked_spec": "stackwise._sharding.specs",
     "Tensor": "stackwise._checkpoint.names",
@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read)
     from stackwise._core.serving import to_serving as to_serving
     from stackwise._core.stack import CARRY_NAME as CARRY_NAME
     from stackwise._core.stack import DEFAULT_REMAT as DEFAULT_REMAT
-    from stackwise._core.stack import Stacked as Stacked
+    from stackwise._core.stacked import Stacked as Stacked
     from stackwise._core.stack import stack as stack
     from stackwise._pipeline.api import pipeline as pipeline
     from stackwise._sharding.fsdp import fsdp_specs as fsdp_specs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from stackwise._core.markers import layer_index as layer_index
 from stackwise._core.markers import per_layer as per_layer
 from stackwise._core.markers import per_layer_keys as per_layer_keys
 from stackwise._core.options import Options, check_bool, check_layers, check_options
+from stackwise._core.stacked import Stacked as Stacked
 from stackwise._upstream import jax as jax_ties
 
 __all__ = [
@@ -47,60 +48,6 @@ DEFAULT_REMAT = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 # The name of each layer's params after an FSDP gather (`fsdp=`): never saved.
 _GATHERED_NAME = "stackwise_gathered"
-
-
-def _no_decode(*args: Any, **kwargs: Any) -> Any:
-    raise TypeError(
-        "this Stacked has no `decode`: it was put together by hand or by a pipeline. "
-        "`stackwise.stack(...)` makes one; for a pipeline's params, decode with "
-        "`stackwise.stack(..., unroll=True).apply`."
-    )
-
-
-class Stacked(NamedTuple):
-    """A pure pair of functions for n stacked layers, returned by :func:`stack`.
-
-    Attributes:
-      init: ``params = init(key, *args, **kwargs)``; every leaf gains a leading
-        axis of length ``n``. With ``with_state=True``: ``(params, state)``.
-        With a pattern of k layers: a tuple of k stacked trees (see
-        :func:`stack`).
-      apply: ``x = apply(params, x, *args, **kwargs)``, the layers run in
-        order. With ``has_aux=True`` it returns ``(x, aux)``, aux stacked
-        along a leading ``n`` axis; with ``with_state=True`` it is
-        ``out, state = apply(params, state, x, *args, **kwargs)``.
-      n: the number of layers.
-      decode: the same call as ``apply``, compiled as a loop model's program:
-        a Python loop over static layer indices of the same stacked params
-        (``unroll=True``; ``nested`` off). A layer that writes its state with
-        ``dynamic_update_slice`` (a KV cache) reads and writes its own row of
-        the stacked state, in place when the state is donated. For inference
-        steps, where a step's speed matters more than its compile time (which
-        grows with ``n``): on a TPU v5e a decode step takes 1.01-1.09x the
-        loop's where the scanned ``apply`` takes 1.4-6x
-        (benchmarks/results/tpu_decode.md); on the CPU the two are close.
-        Its values and gradients are ``apply``'s.
-
-    A decode step with a stacked KV cache, donated: ``decode`` gives ``apply``'s
-    values from the loop's program.
-
-    >>> import jax, jax.numpy as jnp, stackwise
-    >>> def attend(p, cache, x, pos):  # writes this position's row of its cache
-    ...     cache = jax.lax.dynamic_update_slice_in_dim(cache, x * p, pos, 0)
-    ...     return x + cache.sum(0, keepdims=True), cache
-    >>> layers = stackwise.stack(None, attend, 4, with_state=True)
-    >>> params, x = jnp.linspace(0.5, 1.0, 12).reshape(4, 1, 3), jnp.ones((1, 3))
-    >>> step = jax.jit(layers.decode, donate_argnums=1)
-    >>> y, cache = step(params, jnp.zeros((4, 8, 3)), x, 0)
-    >>> y_scanned, _ = layers.apply(params, jnp.zeros((4, 8, 3)), x, 0)
-    >>> bool(jnp.allclose(y, y_scanned)), cache.shape
-    (True, (4, 8, 3))
-    """
-
-    init: Callable[..., Any]
-    apply: Callable[..., Any]
-    n: int
-    decode: Callable[..., Any] = _no_decode
 
 
 # --------------------------------------------------------------------------
@@ -332,42 +279,10 @@ def stack(
         return unwrap(tuple(out))
 
     def stacked_apply(*args, **kwargs):
-        return _stacked_call("apply", *args, **kwargs)
+        return runs["apply"].apply(args, kwargs, pattern, "Stacked.apply")
 
     def stacked_decode(*args, **kwargs):
-        return _stacked_call("decode", *args, **kwargs)
-
-    def _stacked_call(which: str, *args, **kwargs):
-        run, call = runs[which], f"Stacked.{which}"
-        params, state, x, args = apply_args(args, with_state, who, call)
-        if isinstance(x, PerLayer) or any(
-            isinstance(v, PerLayer)
-            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, PerLayer))
-        ):
-            raise TypeError(
-                f"{who}: the carry `x` (the first layer's input) holds a per-layer marker; "
-                "per-layer inputs go in the other arguments: `apply(params, x, "
-                "stackwise.per_layer(xs))`."
-            )
-        if serving.in_use(params, state):  # per-layer buffers: a Python loop
-            at, where = k if pattern else None, f"{who}: {call}"
-            params, state = serving.layers_of(
-                params, state, n=n, pattern=at, options=options, where=where
-            )
-            xs, rebuild = split_markers(tuple(args), kwargs, n, where)
-            x, new_state, aux = run.serve(params, state, x, xs, rebuild)
-            new_state = serving.Serving(new_state, at)
-        else:
-            params = run.positions(params, "params", pattern)
-            state = run.positions(state, "state", pattern) if with_state else (None,) * k
-            checks.not_split_over_layers(unwrap(params), f"{who}: {call}")
-            if options.fsdp:
-                check_fsdp_axes(params, options.fsdp, who)
-            xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: {call}")
-            x, new_state, aux = run(params, state, x, xs, rebuild)
-            new_state = unwrap(new_state) if with_state else None
-        out = (x, unwrap(aux)) if has_aux else x
-        return (out, new_state) if with_state else out
+        return runs["decode"].apply(args, kwargs, pattern, "Stacked.decode")
 
     return Stacked(stacked_init, stacked_apply, n, stacked_decode)
 
@@ -398,6 +313,41 @@ class Run:
             self.group = min(nested, self.repeats)
         self.python_loop = options.unroll is True
         self.records: list[dict] = [{} for _ in applies]  # per position: state updates
+
+    def apply(self, args: tuple, kwargs: dict, pattern: bool, call: str) -> Any:
+        """``Stacked.apply``'s (or ``decode``'s) call: the arguments checked and split, the
+        layers run on stacked or served params."""
+        who, n, k, options = self.who, self.n, self.k, self.options
+        unwrap = (lambda trees: trees) if pattern else (lambda trees: trees[0])
+        params, state, x, args = apply_args(args, self.with_state, who, call)
+        if isinstance(x, PerLayer) or any(
+            isinstance(v, PerLayer)
+            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, PerLayer))
+        ):
+            raise TypeError(
+                f"{who}: the carry `x` (the first layer's input) holds a per-layer marker; "
+                "per-layer inputs go in the other arguments: `apply(params, x, "
+                "stackwise.per_layer(xs))`."
+            )
+        if serving.in_use(params, state):  # per-layer buffers: a Python loop
+            at, where = k if pattern else None, f"{who}: {call}"
+            params, state = serving.layers_of(
+                params, state, n=n, pattern=at, options=options, where=where
+            )
+            xs, rebuild = split_markers(tuple(args), kwargs, n, where)
+            x, new_state, aux = self.serve(params, state, x, xs, rebuild)
+            new_state = serving.Serving(new_state, at)
+        else:
+            params = self.positions(params, "params", pattern)
+            state = self.positions(state, "state", pattern) if self.with_state else (None,) * k
+            checks.not_split_over_layers(unwrap(params), f"{who}: {call}")
+            if options.fsdp:
+                check_fsdp_axes(params, options.fsdp, who)
+            xs, rebuild = split_markers(tuple(args), kwargs, n, f"{who}: {call}")
+            x, new_state, aux = self(params, state, x, xs, rebuild)
+            new_state = unwrap(new_state) if self.with_state else None
+        out = (x, unwrap(aux)) if options.has_aux else x
+        return (out, new_state) if self.with_state else out
 
     def positions(self, tree: Any, what: str, pattern: bool) -> tuple:
         """The tree as one stacked tree per position, each leaf's depth checked."""

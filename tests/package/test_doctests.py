@@ -8,6 +8,7 @@ from _versions import SRQ_IN_SCAN, SRQ_IN_SCAN_WHY
 
 MODULES = [
     "stackwise._core.stack",
+    "stackwise._core.stacked",
     "stackwise._autostack",
     "stackwise._core.markers",
     "stackwise._core.layout",
