@@ -1,5 +1,6 @@
 """Misuses of the benchmarks' command lines (`benchmarks/checkpoint_load.py`, `optimizer_step.py`,
-`tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`).
+`tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`,
+`multi_lora_decode.py`).
 
 Each is refused by argument parsing, before a checkpoint is written or JAX runs: exit status 2 and a
 message naming the flag. The parser runs in-process: `parse_args(argv)`.
@@ -116,3 +117,15 @@ def test_tpu_tables_parse_their_flags(monkeypatch):
     assert (args.n, args.shapes, args.heads, args.dtypes) == (
         48, [(256, 512, 8), (1024, 4096, 1)], 4, ["bfloat16"])
     assert load_script(OFFLOAD_MEMORY).parse_args(["--shapes", "2:8:4"]).shapes == [(2, 8, 4)]
+
+
+MULTI_LORA_DECODE = SCRIPT.parent / "multi_lora_decode.py"
+
+
+@pytest.mark.parametrize("flag", ["--n", "--d", "--batch", "--adapters", "--rank", "--cache",
+                                  "--rounds"])
+@pytest.mark.parametrize("value", ["0", "-3", "2.5"])
+def test_multi_lora_decode_sizes_are_positive_integers(capsys, flag, value):
+    script = load_script(MULTI_LORA_DECODE)  # (imports JAX; the parser runs first)
+    assert_cli_refused(script.parse_args, [flag, value], flag,
+                       f"expected a positive integer, got '{value}'", capsys)
