@@ -31,7 +31,8 @@ stackwise-bench.png (compile time, step time and memory against n); --csv/--plot
 (the repository's .gitignore covers both names). Every output is checked writable before the
 run starts. The project's pass/fail targets are checked from the CSV by benchmarks/targets.py.
 The exit status is 0 when every selected variant was measured, 1 when one failed (the notes
-say which; what was measured is still written), 2 for a bad command line.
+say which; what was measured is still written), 130 when an interrupt (Ctrl-C, timeout -s INT)
+stopped it (the depths measured before it are still written), 2 for a bad command line.
 
 examples:
   stackwise-bench --quick                 smoke run: the mlp and pattern blocks, every variant,
@@ -132,7 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``stackwise-bench`` command; ``argv`` defaults to ``sys.argv[1:]``.
 
     Returns the exit status: 0 when something was measured, 1 when every selected
-    variant failed; a bad command line (or one that selects nothing) exits with 2.
+    variant failed, 130 when an interrupt (SIGINT) stopped the run (what was measured is
+    still reported and written); a bad command line (or one that selects nothing) exits
+    with 2.
     """
     p = parser()
     args = p.parse_args(argv)
@@ -150,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_blocks(p, args, cfg)
     import jax  # (after the command line is read: --help and its errors need no JAX)
 
-    from stackwise.bench.measure import FAILED, run_benchmark
+    from stackwise.bench.measure import FAILED, INTERRUPTED, run_benchmark
     from stackwise.bench.plot import write_plot
     from stackwise.bench.report import backend, machine, print_report, write_csv, write_markdown
 
@@ -164,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"{flag}: " + "\n".join(textwrap.fill(line, 100, subsequent_indent="    ")
                                         for line in str(e).splitlines()))
     print_report(results, notes, cfg, wide=args.wide)
+    interrupted = any(note.startswith(INTERRUPTED) for note in notes)
+    if not results and interrupted:
+        log("stackwise-bench: stopped by an interrupt before a depth was measured; nothing "
+            "written; exit status 130.")
+        return 130
     if not results:
         log("stackwise-bench: every selected variant failed (see the notes above); "
             "nothing written.")
@@ -179,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_markdown(results, cfg, args.markdown)
         print(f"wrote {os.path.abspath(args.markdown)}")
     print(f"total time {time.perf_counter() - start:.0f} s")
+    if interrupted:
+        log("stackwise-bench: stopped by an interrupt; what was measured is written above; "
+            "exit status 130.")
+        return 130
     if failed:
         log(f"stackwise-bench: {len(failed)} variant(s) failed and were left out (the notes "
             "above say which and why); exit status 1.")

@@ -48,6 +48,8 @@ __all__ = ["FAILED", "fill_ratios", "plan", "run_benchmark"]
 
 #: In the note of each variant that failed (and was left out).
 FAILED = "failed, skipped"
+#: The note of a run stopped by SIGINT (Ctrl-C, ``timeout -s INT``).
+INTERRUPTED = "stopped by an interrupt"
 
 
 def run_benchmark(
@@ -62,7 +64,8 @@ def run_benchmark(
 
     Returns:
       ``(results, notes)``: one :class:`~stackwise.bench.Result` per measured variant and
-      depth (ratios filled in), and notes on what was skipped and why.
+      depth (ratios filled in), and notes on what was skipped and why. A KeyboardInterrupt
+      (SIGINT) ends the run with the depths measured so far and an :data:`INTERRUPTED` note.
 
     Raises:
       ValueError: an unknown block, depths a block does not accept, or a ``cfg.variants``
@@ -81,7 +84,11 @@ def run_benchmark(
     results: list[Result] = []
     try:
         for block, cases, ns in blocks:
-            results += _BlockRun(block, cfg, bar, notes, log).run(cases, ns)
+            _BlockRun(block, cfg, bar, notes, log).run(cases, ns, results)
+    except KeyboardInterrupt:  # (e.g. `timeout -s INT`): what was measured is reported
+        notes.append(f"{INTERRUPTED}: the depths measured before it are reported, the rest "
+                     "is not.")
+        log(f"note: {notes[-1]}")
     finally:
         bar.close()
     fill_ratios(results)
@@ -176,10 +183,11 @@ class _BlockRun:
         self.notes.append(note)
         self.log(f"note: {note}")
 
-    def run(self, cases: list[Case], ns: Sequence[int]) -> list[Result]:
+    def run(self, cases: list[Case], ns: Sequence[int], results: list[Result]) -> None:
+        """Measures ``cases`` at every depth of ``ns``, appending each depth's rows to
+        ``results`` once they are all timed (an interrupt keeps the depths done)."""
         small = min(workloads.BLOCKS[self.block].warmup_n, *ns)
         working = self.warm_up(cases, small) if self.cfg.warmup else list(cases)
-        results = []
         for n in ns:
             rows = {c.name: Result(self.block, n, c.framework, c.name, c.remat, tool=c.tool)
                     for c in working}
@@ -195,7 +203,6 @@ class _BlockRun:
             if not sys.stderr.isatty():  # no live progress bar: say where we are
                 self.log(f"{self.block} n={n}: measured {len(compiled)} variants")
             results += [rows[c.name] for c in working if c.name in compiled]  # cases' order
-        return results
 
     def warm_up(self, cases: list[Case], n: int) -> list[Case]:
         """Each case once at depth ``n``, not recorded; the ones that work."""

@@ -101,3 +101,31 @@ def test_quick_run_writes_csv_plot_and_table(tmp_path):
         capture_output=True, text=True, check=True,
     )
     assert "Targets" in targets.stdout and "stackwise compile / hand scan" in targets.stdout
+
+
+@pytest.mark.parametrize("stop_at", [4, 2], ids=["second depth", "first depth"])
+def test_an_interrupt_reports_the_depths_measured_before_it(tmp_path, capsys, monkeypatch,
+                                                           stop_at):
+    """SIGINT (Ctrl-C, `timeout -s INT` on a chip's time limit) ends the run with what was
+    measured: the depths done before it are printed and written, exit status 130."""
+    from stackwise.bench import cli, measure
+
+    timed = measure._BlockRun.time_steps
+
+    def time_steps(self, rows, compiled, n):
+        if n == stop_at:
+            raise KeyboardInterrupt
+        return timed(self, rows, compiled, n)
+
+    monkeypatch.setattr(measure._BlockRun, "time_steps", time_steps)
+    csv_path = tmp_path / "bench.csv"
+    status = cli.main(["--quick", "--blocks", "mlp", "--variants", "stackwise,lax.scan",
+                       "--csv", str(csv_path), "--plot", "", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert status == 130 and measure.INTERRUPTED in out + err
+    if stop_at == 2:  # nothing measured: nothing written
+        assert not csv_path.exists() and "before a depth was measured" in err
+        return
+    with csv_path.open(newline="") as f:
+        assert {int(r["n"]) for r in csv.DictReader(f)} == {2}
+    assert "exit status 130" in err
