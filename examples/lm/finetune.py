@@ -17,7 +17,9 @@ checkpoint's own validation loss (the adapters' ``b`` starts at zero). With ``--
 int8|int4|nf4`` the base's linear layers are quantized per layer and output channel first
 (``stackwise.quant``), and each block dequantizes its own slice inside the scan.
 
-The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
+After training, one batch of two rows runs the trained adapters on the first row and none on
+the second (``stackwise.lora.attach(..., rows=[0, -1])``, multi-LoRA serving), each row
+checked against its own model. The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
 whole or not at all; ``stackwise.lora.load_peft`` reads them back), then the model samples,
 through the example's one sampling path (``check_and_sample``): with a float base,
 the adapters merged into it (``stackwise.lora.merge``: the plain model again); with a
@@ -155,9 +157,34 @@ def finetune(args: argparse.Namespace, config: lm_model.Config, params, *, batch
     record["merge_diff"] = float(jnp.abs(wrapped_logits - merged_logits).max())
     log(f"the adapters merged into the {'dequantized ' * bool(args.quantize)}base give the "
         f"wrapped model's logits to {record['merge_diff']:.1e}")
+    record["rows_diff"] = two_rows(lm, model, params, base, adapters, window, k)
+    log(f"one batch of two rows, the first with these adapters and the second with none "
+        f"(stackwise.lora.attach(..., rows=[0, -1]): multi-LoRA serving), gives each row's "
+        f"logits to {record['rows_diff']:.1e}")
     if args.quantize:  # sampled from the quantized base, each block adapting its own slice
         return lm, model, record
     return plain, merged, record
+
+
+def two_rows(lm, model, params, base, adapters, window, k: int) -> float:
+    """A batch whose rows pick their adapters (``attach(..., rows=)``): the window twice, row
+    0 with the trained adapters and row 1 with none (the base alone); the largest difference
+    from each row's own model (the adapters attached alone; the base)."""
+    batch = per_position(lambda a: stackwise.lora.stack_adapters([a]), adapters, k=k)
+    rows = jnp.array([0, -1])
+    both = {**params, "blocks": per_position(
+        lambda b, a: stackwise.lora.attach(b, a, rows=rows), base, batch, k=k)}
+    bare = {**params, "blocks": per_position(
+        lambda b, a: stackwise.lora.attach(b, jax.tree.map(jnp.zeros_like, a)), base,
+        adapters, k=k)}
+    apply = jax.jit(lm.apply)
+    tokens = jnp.concatenate([window, window])
+    positions = jnp.arange(window.shape[1])
+    got, _ = apply(both, tokens, positions)
+    adapted, _ = apply(model, window, positions)
+    plain, _ = apply(bare, window, positions)
+    return float(jnp.maximum(jnp.abs(got[0] - adapted[0]).max(),
+                             jnp.abs(got[1] - plain[0]).max()))
 
 
 def describe(params, base, trainable, args) -> str:
