@@ -76,6 +76,11 @@ def _config(r: int, alpha: float, modules: dict[str, str], base_model: str | Non
 
 def _write(directory: str, tensors: dict, config: dict, overwrite: bool, who: str) -> None:
     """The adapter folder written whole in a staging holder next to it, then moved in place."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(
+            f"{who}: {directory} is a file, and PEFT's layout is a folder ({CONFIG}, "
+            f"{WEIGHTS}); give a folder's path (`overwrite=True` replaces a folder only)."
+        )
     if os.path.exists(directory) and not overwrite:
         raise FileExistsError(
             f"{who}: {directory} exists; pass `overwrite=True` to replace it, or another folder."
@@ -106,6 +111,7 @@ def _write(directory: str, tensors: dict, config: dict, overwrite: bool, who: st
             os.replace(new, directory)
     finally:
         shutil.rmtree(stage)
+
 
 def _check_dropout(p: Any, who: str) -> float:
     if isinstance(p, bool) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
@@ -312,6 +318,7 @@ def save_peft(
         that is adapted (PEFT adapts no module it saves whole). Every name is checked
         before anything is written.
       FileExistsError: ``directory`` exists and ``overwrite`` is False.
+      ValueError: ``directory`` is a file (with or without ``overwrite``).
     """
     who = "stackwise.lora.save_peft"
     stacked_only(who, adapters=adapters)

@@ -445,6 +445,14 @@ def _save_twice(tmp_path):
     _saved(tmp_path)
 
 
+def _save_over_a_file(tmp_path):
+    (tmp_path / "a").write_text("the user's notes")
+    try:
+        stackwise.lora.save_peft(tmp_path / "a", _adapters(), MODULES, overwrite=True)
+    finally:
+        assert (tmp_path / "a").read_text() == "the user's notes"  # left as it was
+
+
 PEFT = [
     case("save: modules not a mapping",
          lambda t: stackwise.lora.save_peft(t / "a", _adapters(), ["q_proj"]), TypeError,
@@ -456,6 +464,8 @@ PEFT = [
     case("save: rsLoRA and plain LoRA", _save_two_scalings, ValueError,
          "alpha / sqrt(r) (rsLoRA)", "one `use_rslora`", "rslora="),
     case("save: over an adapter", _save_twice, FileExistsError, "overwrite=True"),
+    case("save: over a file, with overwrite", _save_over_a_file, ValueError, "is a file",
+         "PEFT's layout is a folder", "replaces a folder only"),
     case("save: layers without {i}", _save_as(MODULES, layers="model.layers"), ValueError,
          "`layers` is 'model.layers'", "one `{i}`", "a file would keep the last layer only"),
     case("save: layers of two fields", _save_as(MODULES, layers="m.{i}.{j}"), ValueError,
