@@ -18,6 +18,7 @@ from stackwise._finetune.lora import init as init
 from stackwise._finetune.lora import stack_adapters as stack_adapters
 from stackwise._finetune.merge import merge as merge
 from stackwise._finetune.merge import unmerge as unmerge
+from stackwise._checkpoint.peft_names import peft_modules as peft_modules
 from stackwise._finetune.peft import load_peft as load_peft
 from stackwise._finetune.peft_save import save_peft as save_peft
 from stackwise._finetune.train import combine as combine
@@ -35,6 +36,7 @@ __all__ = [
     "load_peft",
     "mask",
     "merge",
+    "peft_modules",
     "save_peft",
     "split",
     "stack",

@@ -343,3 +343,28 @@ def test_one_stack_of_a_tuple_of_trees_saves_in_a_dict(tmp_path):
     assert one.keys() == other.keys()
     for name in one:
         np.testing.assert_array_equal(one[name], other[name])
+
+
+def test_modules_and_layers_come_from_a_checkpoints_names(tmp_path):
+    """A GPT-2-style model's names (not Llama's): the file names each layer's module under
+    the checkpoint's own prefix, and reads back bitwise with the same names."""
+    import safetensors.numpy
+
+    base = {"attn": {"c_q": jnp.zeros((3, 4, 4)), "c_v": jnp.zeros((3, 4, 4))},
+            "ln": jnp.ones((3, 4))}
+    names = {"attn": {"c_q": stackwise.Tensor("transformer.h.{}.attn.c_q.weight",
+                                              transpose=(1, 0)),
+                      "c_v": "transformer.h.{}.attn.c_v.weight"},
+             "ln": "transformer.h.{}.ln_1.weight"}
+    adapters = stackwise.lora.init(jax.random.key(0), base, rank=2,
+                                   targets=lambda path, shape: "attn" in path)
+    adapters = jax.tree.map(lambda v: v + 0.5, adapters)  # b != 0
+    modules, layers = stackwise.lora.peft_modules(names, adapters)
+    assert modules == {"['attn']['c_q']": "attn.c_q", "['attn']['c_v']": "attn.c_v"}
+    assert layers == "base_model.model.transformer.h.{i}"
+    stackwise.lora.save_peft(tmp_path / "a", adapters, modules, layers=layers)
+    keys = safetensors.numpy.load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert "base_model.model.transformer.h.2.attn.c_v.lora_B.weight" in keys
+    back = stackwise.lora.load_peft(tmp_path / "a", base, modules, layers=layers)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(adapters)):
+        np.testing.assert_array_equal(got, want)

@@ -453,7 +453,34 @@ def _save_over_a_file(tmp_path):
         assert (tmp_path / "a").read_text() == "the user's notes"  # left as it was
 
 
+def _peft_modules(names, adapters=None):
+    def call(tmp_path):
+        del tmp_path
+        return stackwise.lora.peft_modules(names, _adapters() if adapters is None else adapters)
+    return call
+
+
+def _two_prefixes():
+    two = {"w": BASE["w"], "v": BASE["w"]}
+    adapters = stackwise.lora.init(KEY, two, rank=2, targets=["['w']", "['v']"])
+    return stackwise.lora.peft_modules(
+        {"w": "model.layers.{}.q_proj.weight", "v": "vision.layers.{}.q_proj.weight"}, adapters)
+
+
 PEFT = [
+    case("names: a name without a layer field",
+         _peft_modules({"w": "lm_head.weight"}), ValueError,
+         "['w']", "'lm_head.weight'", "no layer field", "'<layers>.{}.<module>.weight'"),
+    case("names: two layer fields", _peft_modules({"w": "m.{}.x.{}.weight"}), ValueError,
+         "more than one layer field"),
+    case("names: a bias, not a weight", _peft_modules({"w": "model.layers.{}.q_proj.bias"}),
+         ValueError, "no `.weight` at its end"),
+    case("names: a leaf not named", _peft_modules({"c": "model.layers.{}.c.weight"}),
+         ValueError, "no tensor name for the target's leaf ['w']"),
+    case("names: no adapters", _peft_modules({"w": "model.layers.{}.q.weight"}, BASE),
+         TypeError, "holds no LoRA adapters"),
+    case("names: layers under two prefixes", lambda t: _two_prefixes(), ValueError,
+         "'model.layers.{}'", "'vision.layers.{}'", "different files"),
     case("save: modules not a mapping",
          lambda t: stackwise.lora.save_peft(t / "a", _adapters(), ["q_proj"]), TypeError,
          "`modules` maps each adapted leaf's path"),

@@ -20,6 +20,7 @@ MODULES = [
     "stackwise._checkpoint.load",
     "stackwise._checkpoint.inspect",
     "stackwise._checkpoint.names",
+    "stackwise._checkpoint.peft_names",
     "stackwise._checkpoint.read",
     "stackwise._checkpoint.save",
     "stackwise._finetune",
