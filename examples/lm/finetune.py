@@ -19,7 +19,8 @@ int8|int4|nf4`` the base's linear layers are quantized per layer and output chan
 
 After training, one batch of two rows runs the trained adapters on the first row and none on
 the second (``stackwise.lora.attach(..., rows=[0, -1])``, multi-LoRA serving), each row
-checked against its own model. The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
+checked against its own model, in one forward and in greedy generation with a KV cache per
+row. The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
 whole or not at all; ``stackwise.lora.load_peft`` reads them back), then the model samples,
 through the example's one sampling path (``check_and_sample``): with a float base,
 the adapters merged into it (``stackwise.lora.merge``: the plain model again); with a
@@ -157,19 +158,24 @@ def finetune(args: argparse.Namespace, config: lm_model.Config, params, *, batch
     record["merge_diff"] = float(jnp.abs(wrapped_logits - merged_logits).max())
     log(f"the adapters merged into the {'dequantized ' * bool(args.quantize)}base give the "
         f"wrapped model's logits to {record['merge_diff']:.1e}")
-    record["rows_diff"] = two_rows(lm, model, params, base, adapters, window, k)
+    record["rows_diff"], record["rows_generate_equal"] = two_rows(
+        lm, model, params, base, adapters, window, k)
     log(f"one batch of two rows, the first with these adapters and the second with none "
         f"(stackwise.lora.attach(..., rows=[0, -1]): multi-LoRA serving), gives each row's "
-        f"logits to {record['rows_diff']:.1e}")
+        f"logits to {record['rows_diff']:.1e}, and generating from it with a KV cache per row "
+        f"gives {'each row' if record['rows_generate_equal'] else 'NOT each row'} its own "
+        "model's greedy tokens")
     if args.quantize:  # sampled from the quantized base, each block adapting its own slice
         return lm, model, record
     return plain, merged, record
 
 
-def two_rows(lm, model, params, base, adapters, window, k: int) -> float:
+def two_rows(lm, model, params, base, adapters, window, k: int) -> tuple[float, bool]:
     """A batch whose rows pick their adapters (``attach(..., rows=)``): the window twice, row
-    0 with the trained adapters and row 1 with none (the base alone); the largest difference
-    from each row's own model (the adapters attached alone; the base)."""
+    0 with the trained adapters and row 1 with none (the base alone). Returns the largest
+    difference from each row's own model (the adapters attached alone; the base), and
+    whether greedy generation from the two-row batch, a KV cache per row, gives each row its
+    own model's tokens."""
     batch = per_position(lambda a: stackwise.lora.stack_adapters([a]), adapters, k=k)
     rows = jnp.array([0, -1])
     both = {**params, "blocks": per_position(
@@ -183,8 +189,29 @@ def two_rows(lm, model, params, base, adapters, window, k: int) -> float:
     got, _ = apply(both, tokens, positions)
     adapted, _ = apply(model, window, positions)
     plain, _ = apply(bare, window, positions)
-    return float(jnp.maximum(jnp.abs(got[0] - adapted[0]).max(),
+    diff = float(jnp.maximum(jnp.abs(got[0] - adapted[0]).max(),
                              jnp.abs(got[1] - plain[0]).max()))
+    prompt = window[0, : window.shape[1] // 2]
+    length = min(16, window.shape[1] - len(prompt))
+    rows_tokens = greedy(lm, both, prompt, length, rows=2)
+    equal = bool((rows_tokens[0] == greedy(lm, model, prompt, length)[0]).all()
+                 and (rows_tokens[1] == greedy(lm, bare, prompt, length)[0]).all())
+    return diff, equal
+
+
+def greedy(lm, params, prompt, length: int, rows: int = 1) -> np.ndarray:
+    """``length`` greedy tokens after ``prompt`` (each of ``rows`` rows starts from it), with
+    the model's KV cache: ``(rows, length)``."""
+    decode = jax.jit(lm.apply, donate_argnums=3)
+    cache = lm.init_cache(rows)
+    logits, cache = decode(params, jnp.tile(prompt[None], (rows, 1)),
+                           jnp.arange(len(prompt)), cache)
+    out = []
+    for pos in range(len(prompt), len(prompt) + length):
+        token = jnp.argmax(logits[:, -1], -1)
+        out.append(np.asarray(token))
+        logits, cache = decode(params, token[:, None], jnp.array([pos]), cache)
+    return np.stack(out, 1)
 
 
 def describe(params, base, trainable, args) -> str:

@@ -124,6 +124,7 @@ def check_finetuned(result: dict, ckpt: pathlib.Path, quantize: str | None) -> N
     assert float(jnp.abs(base_logits - got).max()) > 10 * tolerance  # the adapters count
     # The run's two-row batch (the adapters on row 0, none on row 1): each row its model's.
     assert result["rows_diff"] <= tolerance
+    assert result["rows_generate_equal"]  # and generating from it, a KV cache per row
 
 
 @pytest.mark.slow  # two subprocesses, two pre-trainings and three fine-tunings: ~1 min of CPU
