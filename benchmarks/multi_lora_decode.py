@@ -32,12 +32,7 @@ import statistics
 import sys
 import time
 
-
-def positive(text: str) -> int:
-    """An argparse type: an integer of 1 or more."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+from tpu_decode_hlo import positive  # benchmarks/tpu_decode_hlo.py, a sibling
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -193,16 +193,17 @@ def two_rows(lm, model, params, base, adapters, window, k: int) -> tuple[float, 
                              jnp.abs(got[1] - plain[0]).max()))
     prompt = window[0, : window.shape[1] // 2]
     length = min(16, window.shape[1] - len(prompt))
-    rows_tokens = greedy(lm, both, prompt, length, rows=2)
-    equal = bool((rows_tokens[0] == greedy(lm, model, prompt, length)[0]).all()
-                 and (rows_tokens[1] == greedy(lm, bare, prompt, length)[0]).all())
+    decode = jax.jit(lm.apply, donate_argnums=3)
+    rows_tokens = greedy(decode, lm, both, prompt, length, rows=2)
+    equal = bool((rows_tokens[0] == greedy(decode, lm, model, prompt, length)[0]).all()
+                 and (rows_tokens[1] == greedy(decode, lm, bare, prompt, length)[0]).all())
     return diff, equal
 
 
-def greedy(lm, params, prompt, length: int, rows: int = 1) -> np.ndarray:
+def greedy(decode, lm, params, prompt, length: int, rows: int = 1) -> np.ndarray:
     """``length`` greedy tokens after ``prompt`` (each of ``rows`` rows starts from it), with
-    the model's KV cache: ``(rows, length)``."""
-    decode = jax.jit(lm.apply, donate_argnums=3)
+    the model's KV cache: ``(rows, length)``. ``decode = jax.jit(lm.apply, donate_argnums=3)``,
+    made once by the caller."""
     cache = lm.init_cache(rows)
     logits, cache = decode(params, jnp.tile(prompt[None], (rows, 1)),
                            jnp.arange(len(prompt)), cache)
