@@ -4,7 +4,8 @@ benchmarks/results/tpu_tier.md, printed to stdout.
 .ci/tpu passes what it knows through the environment: TIER_STATUS (pytest's exit status),
 TIER_SECONDS (the run's wall time), TIER_LIMIT (the timeout), TIER_LOG (pytest's output),
 TIER_COUNT (how many tests or paths were selected), TIER_SHARD (STACKWISE_TPU_TIER_SHARD, or
-empty) and TIER_ARGS (the PYTEST ARGS given, empty for the default selection). The machine is read here: the device, and the jax, jaxlib and
+empty), TIER_ARGS (the PYTEST ARGS given, empty for the default selection) and TIER_COSTS
+(the JSON that .ci/tpu_costs.py wrote: each test's seconds and compiles; absent, not reported). The machine is read here: the device, and the jax, jaxlib and
 libtpu versions.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import re
 import sys
@@ -43,6 +45,26 @@ def short_summary(log: str) -> str:
     return "\n".join(ln for ln in body if ln.strip())
 
 
+def costs(rows: list[dict], slowest: int = 8) -> list[str]:
+    """Markdown lines on what the tests cost (rows as .ci/tpu_costs.py writes them): the
+    compiles, their seconds and repeats, and the ``slowest`` tests."""
+    if not rows:
+        return ["- costs: no test finished"]
+    seconds = sum(row["seconds"] for row in rows)
+    lines = [f"- costs: {len(rows)} tests in {seconds:.0f} s"]
+    if rows[0]["compiles"] is not None:
+        compiles = sum(row["compiles"] for row in rows)
+        lines[0] += (f"; XLA compiled {compiles} programs in "
+                     f"{sum(row['compile_seconds'] for row in rows):.0f} s, "
+                     f"{sum(row['repeated_compiles'] for row in rows)} of them a program "
+                     "compiled before in the run")
+    lines.append(f"- the {min(slowest, len(rows))} slowest (seconds, compiles):")
+    for row in sorted(rows, key=lambda row: -row["seconds"])[:slowest]:
+        lines.append(f"  - `{row['test']}`: {row['seconds']:.1f} s"
+                     + (f", {row['compiles']}" if row["compiles"] is not None else ""))
+    return lines
+
+
 def _version(*names: str) -> str:
     for name in names:
         try:
@@ -64,8 +86,10 @@ def machine() -> str:
             f"backend: {platform_version.splitlines()[0] if platform_version else '?'}")
 
 
-def record(env: dict[str, str], log: str, now: datetime.datetime) -> str:
-    """The Markdown section for one run (see the module's docstring for ``env``)."""
+def record(env: dict[str, str], log: str, now: datetime.datetime,
+           rows: list[dict] | None = None) -> str:
+    """The Markdown section for one run (see the module's docstring for ``env``; ``rows``:
+    the tests' costs, or None when not measured)."""
     found, status = counts(log), int(env["TIER_STATUS"])
     seconds, limit = int(env["TIER_SECONDS"]), int(env["TIER_LIMIT"])
     stopped = status == 124  # (`timeout`'s status: it stopped pytest with SIGINT)
@@ -90,6 +114,7 @@ def record(env: dict[str, str], log: str, now: datetime.datetime) -> str:
         + (f"STACKWISE_TPU_TIER_SHARD={env['TIER_SHARD']} " if env.get("TIER_SHARD") else "")
         + "\"$OLDPWD\"/.ci/tpu \"$OUT\""
         + (f" {env['TIER_ARGS']}" if env.get("TIER_ARGS") else "") + "`",
+        *(costs(rows) if rows is not None else []),
         "",
         "```",
         short_summary(log),
@@ -101,8 +126,13 @@ def record(env: dict[str, str], log: str, now: datetime.datetime) -> str:
 def main() -> int:
     with open(os.environ["TIER_LOG"]) as f:
         log = f.read()
+    rows = None
+    if os.path.exists(os.environ.get("TIER_COSTS", "")):
+        with open(os.environ["TIER_COSTS"]) as f:
+            rows = json.load(f)
     try:
-        text = record(dict(os.environ), log, datetime.datetime.now(datetime.timezone.utc))
+        text = record(dict(os.environ), log, datetime.datetime.now(datetime.timezone.utc),
+                      rows)
     except ValueError as e:
         print(f".ci/tpu_record.py: {e} ({os.environ['TIER_LOG']})", file=sys.stderr)
         return 1

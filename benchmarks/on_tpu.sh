@@ -12,7 +12,8 @@
 # size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24), tier
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
-# dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min). Copy
+# dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min), preset
+# (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024). Copy
 # what belongs in
 # benchmarks/results/ from OUT_DIR by hand, with the date. At the end every log and the tier's
 # folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most).
@@ -80,8 +81,14 @@ for what in "$@"; do
         part train-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 --compiles 1 \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
             --markdown "$out/tpu_train_off_b4.md" ;;
+    preset)  # the example at the size of one v5e (--preset v5e), as a TPU user runs it
+        part preset 300 python3 examples/transformer_lm.py --preset v5e --checkpoint /tmp/lm-v5e \
+            --save-every 300 ;;
+    multi-lora)  # a multi-LoRA batch against the base alone, per token, at a chip's sizes
+        part multi-lora 200 python3 benchmarks/multi_lora_decode.py --n 24 --d 1024 --batch 8 \
+            --cache 2048 --rounds 9 --markdown "$out/multi_lora_decode.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, preset, multi-lora)" >&2
         exit 2 ;;
     esac
 done

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pathlib
 import subprocess
@@ -88,3 +89,42 @@ def test_the_script_refuses_a_share_it_cannot_take(tmp_path, shard, args, says):
                          env=dict(os.environ, STACKWISE_TPU_TIER_SHARD=shard),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and says in out.stderr
+
+
+def test_the_record_reports_what_the_tests_cost():
+    rows = [{"test": "tests/a.py::fast", "seconds": 0.5, "compiles": 2, "compile_seconds": 0.25,
+             "repeated_compiles": 0},
+            {"test": "tests/a.py::slow", "seconds": 7.25, "compiles": 30,
+             "compile_seconds": 6.0, "repeated_compiles": 4}]
+    lines = RECORD.costs(rows, slowest=1)
+    assert lines == ["- costs: 2 tests in 8 s; XLA compiled 32 programs in 6 s, 4 of them a "
+                     "program compiled before in the run",
+                     "- the 1 slowest (seconds, compiles):",
+                     "  - `tests/a.py::slow`: 7.2 s, 30"]
+    walls = [{**row, "compiles": None, "compile_seconds": None, "repeated_compiles": None}
+             for row in rows]
+    assert RECORD.costs(walls)[0] == "- costs: 2 tests in 8 s"
+    assert RECORD.costs([]) == ["- costs: no test finished"]
+    env = {"TIER_STATUS": "0", "TIER_SECONDS": "9", "TIER_LIMIT": "450", "TIER_COUNT": "2"}
+    now = datetime.datetime(2026, 12, 6, tzinfo=datetime.timezone.utc)
+    assert "- costs: 2 tests" in RECORD.record(env, FINISHED, now, rows)
+    assert "- costs:" not in RECORD.record(env, FINISHED, now)
+
+
+def test_the_costs_plugin_counts_each_tests_compiles(tmp_path):
+    (tmp_path / "test_two.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def test_compiles_one():\n    jax.jit(lambda x: x * 3.0)(jnp.ones(3)).block_until_ready()\n"
+        "def test_compiles_the_same_again():\n"
+        "    jax.jit(lambda x: x * 3.0)(jnp.ones(3)).block_until_ready()\n")
+    out = tmp_path / "costs.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / ".ci"), TPU_COSTS_OUT=str(out),
+               JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-P", "-m", "pytest", "-p", "tpu_costs", "-q",
+                          "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    first, second = json.loads(out.read_text())
+    assert first["test"].endswith("::test_compiles_one") and first["compiles"] >= 1
+    # The second test's program is the first's: counted as compiled before in the run.
+    assert second["repeated_compiles"] >= 1 and second["seconds"] > 0
