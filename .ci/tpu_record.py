@@ -4,7 +4,8 @@ benchmarks/results/tpu_tier.md, printed to stdout.
 .ci/tpu passes what it knows through the environment: TIER_STATUS (pytest's exit status),
 TIER_SECONDS (the run's wall time), TIER_LIMIT (the timeout), TIER_LOG (pytest's output),
 TIER_COUNT (how many tests or paths were selected), TIER_SHARD (STACKWISE_TPU_TIER_SHARD, or
-empty), TIER_ARGS (the PYTEST ARGS given, empty for the default selection) and TIER_COSTS
+empty), TIER_SELECTION (chip or full), TIER_ARGS (the PYTEST ARGS given, empty for the
+default selection) and TIER_COSTS
 (the JSON that .ci/tpu_costs.py wrote: each test's seconds and compiles; absent, not reported). The machine is read here: the device, and the jax, jaxlib and
 libtpu versions.
 """
@@ -95,7 +96,9 @@ def record(env: dict[str, str], log: str, now: datetime.datetime,
     stopped = status == 124  # (`timeout`'s status: it stopped pytest with SIGINT)
     selection = (f"`{env['TIER_ARGS']}`" if env.get("TIER_ARGS") else
                  "the fast tier of tests/core, tests/adapters and tests/finetune, and the "
-                 "decode, serving, remat and finetune modules whole")
+                 "decode, serving, remat and finetune modules whole (STACKWISE_TPU_TIER_"
+                 "SELECTION=full)" if env.get("TIER_SELECTION") == "full" else
+                 "the chip's selection, .ci/tpu_tier.txt")
     if env.get("TIER_SHARD"):
         selection += f", share {env['TIER_SHARD']} of its test files"
     result = ", ".join(f"{found[k]} {k}" for k in OUTCOMES if found[k] or k in OUTCOMES[:4])
@@ -112,6 +115,7 @@ def record(env: dict[str, str], log: str, now: datetime.datetime,
         + f"; exit status {status}",
         "- command: `source .tpu/install.sh && cd /tmp && "
         + (f"STACKWISE_TPU_TIER_SHARD={env['TIER_SHARD']} " if env.get("TIER_SHARD") else "")
+        + ("STACKWISE_TPU_TIER_SELECTION=full " if env.get("TIER_SELECTION") == "full" else "")
         + "\"$OLDPWD\"/.ci/tpu \"$OUT\""
         + (f" {env['TIER_ARGS']}" if env.get("TIER_ARGS") else "") + "`",
         *(costs(rows) if rows is not None else []),

@@ -53,9 +53,12 @@ def test_the_record_names_the_machine_the_counts_and_the_summary():
     assert "stopped" not in text and "3 deselected" in text
     assert "`tests/core` (445 arguments)" in text
     assert "FAILED tests/core/test_state.py::test_x" in text and "SKIPPED [1]" in text
-    text = RECORD.record({**env, "TIER_SHARD": "2/3"}, FINISHED, now)
-    assert "whole, share 2/3 of its test files (445 tests)" in text
-    assert "cd /tmp && STACKWISE_TPU_TIER_SHARD=2/3 \"$OLDPWD\"/.ci/tpu" in text
+    text = RECORD.record({**env, "TIER_SHARD": "2/3", "TIER_SELECTION": "full"}, FINISHED, now)
+    assert "(STACKWISE_TPU_TIER_SELECTION=full), share 2/3 of its test files (445 tests)" in text
+    assert ("cd /tmp && STACKWISE_TPU_TIER_SHARD=2/3 STACKWISE_TPU_TIER_SELECTION=full "
+            "\"$OLDPWD\"/.ci/tpu") in text
+    text = RECORD.record({**env, "TIER_SELECTION": "chip"}, FINISHED, now)
+    assert "- selection: the chip's selection, .ci/tpu_tier.txt (445 tests)" in text
 
 
 def test_a_log_without_counts_is_a_failed_record(tmp_path):
@@ -128,3 +131,29 @@ def test_the_costs_plugin_counts_each_tests_compiles(tmp_path):
     assert first["test"].endswith("::test_compiles_one") and first["compiles"] >= 1
     # The second test's program is the first's: counted as compiled before in the run.
     assert second["repeated_compiles"] >= 1 and second["seconds"] > 0
+
+
+def test_the_script_refuses_a_selection_it_does_not_have(tmp_path):
+    out = subprocess.run([str(ROOT / ".ci" / "tpu"), str(tmp_path / "out")], cwd="/",
+                         env=dict(os.environ, STACKWISE_TPU_TIER_SELECTION="fast"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "STACKWISE_TPU_TIER_SELECTION is chip (the default: .ci/tpu_tier.txt) or full, got " \
+           "'fast'" in out.stderr
+
+
+@pytest.mark.slow
+def test_every_test_the_chips_selection_names_is_collected():
+    """.ci/tpu_tier.txt names tests by node id: a renamed or removed test fails here, on the CPU,
+    before a chip's run would find it missing."""
+    lines = (ROOT / ".ci" / "tpu_tier.txt").read_text().splitlines()
+    ids = [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+    assert len(ids) == len(set(ids)) and all("::" in i for i in ids)
+    run = subprocess.run([sys.executable, "-P", "-m", "pytest", "-c", str(ROOT / "pyproject.toml"),
+                          "-n", "0", "-q", "--collect-only", "-p", "no:cacheprovider",
+                          *(str(ROOT / i) for i in ids)],
+                         cwd=ROOT.parent, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    collected = {line.strip() for line in run.stdout.splitlines() if "::" in line}
+    assert collected == set(ids), sorted(set(ids) ^ collected)
