@@ -17,6 +17,8 @@ import copy
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+from stackwise._core.trees import describe
+
 __all__ = ["get", "parts", "replace", "show"]
 
 
@@ -101,7 +103,7 @@ def get(tree: Any, keys: tuple, who: str, what: str = "tree") -> Any:
         except TypeError:
             raise TypeError(
                 f"{who}: `path` {show(keys)} goes through dicts, lists and tuples, but {at} is "
-                f"a {type(node).__name__}; convert that part itself (pass it as `{what}`)."
+                f"{describe(node)}; convert that part itself (pass it as `{what}`)."
             ) from None
         if not found:
             raise ValueError(
