@@ -179,10 +179,11 @@ def stack_at(
     if path is None:
         if isinstance(module, kind):
             return (), module
+        example = places.show(stacks[0][0]) if stacks else "'blocks'"
         raise TypeError(
             f"{who}: `module` is a {type(module).__name__}, not a `{name}`; give `path`, the "
             f"place of the Stack to convert in it (its Stacks: {held}), e.g. "
-            f"`{who}(model, 'blocks')`."
+            f"`{who}(model, {example})`."
         )
     keys = places.parts(path, who, seps="/.")
     for at, stack in stacks:
