@@ -165,19 +165,20 @@ def test_neither_direction_changes_the_model_given_nor_a_module_sharing_its_vari
     class Model(nnx.Module):
         def __init__(self):
             self.embed = nnx.Linear(D, D, rngs=nnx.Rngs(5))
-            self.blocks = _stack(3)
+            self.blocks = stackwise.nnx.Stack(Cached, 3, rngs=nnx.Rngs(0))
 
         def __call__(self, x):
             return self.blocks(self.embed(x))
 
     model = Model()
     sharer = nnx.merge(*nnx.split(model))
-    assert sharer.blocks.layers.mlp.kernel is model.blocks.layers.mlp.kernel  # shared
+    assert sharer.blocks.layers.cache is model.blocks.layers.cache  # shared Variables
     before, _ = _values(model)
     served = stackwise.nnx.to_serving(model, "blocks")
     assert type(served) is Model and _values(served)[1]
-    x = jax.random.normal(jax.random.key(3), (B, 1, D))
+    x = jax.random.normal(jax.random.key(3), (B, D))
     y = served(x)  # writes the served caches
+    assert [int(p) for p in served.blocks.layers.pos.get_value().layers] == [1, 1, 1]
     for m in (model, sharer):
         state, is_served = _values(m)
         assert not is_served
