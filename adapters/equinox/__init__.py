@@ -17,11 +17,15 @@ except ImportError:  # pragma: no cover - exercised only without equinox
     ) from None
 
 from stackwise.equinox._quax import quaxify as quaxify
+from stackwise.equinox._serving import from_serving as from_serving
+from stackwise.equinox._serving import to_serving as to_serving
 from stackwise.equinox._stack import Stack as Stack
 from stackwise.equinox._stack import layer_index as layer_index
 
 __all__ = [
     "Stack",
+    "from_serving",
     "layer_index",
     "quaxify",
+    "to_serving",
 ]

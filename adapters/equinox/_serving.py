@@ -1,13 +1,14 @@
 """A :class:`~stackwise.equinox.Stack` in the serving layout: each layer its own block.
 
-``Stack.to_serving()`` gives the same Stack with ``layers`` a ``stackwise.Serving`` of the n
-per-layer blocks (:meth:`Stack.to_layers`' blocks, in layer order), and the Stack passes
+:func:`to_serving` gives a new model whose Stack (at ``path``) has ``layers`` a
+``stackwise.Serving`` of the n per-layer blocks (:meth:`Stack.to_layers`' blocks, in layer
+order), and the Stack passes
 their arrays to the core's serving path (``Stacked.apply`` over a ``stackwise.Serving``): a
 Python loop over separate per-layer buffers, with a ``with_state=True`` cache converted
 by ``stackwise.to_serving`` and written in place in each layer's buffer when donated.
 An ``eqx.nn.State`` converts with the Stack: each of its entries becomes a
 ``stackwise.Serving`` of per-layer values, and each layer's block gets an ``eqx.nn.State``
-of its own buffers. ``Stack.from_serving()`` stacks the blocks (and State) back, exactly.
+of its own buffers. :func:`from_serving` stacks the blocks (and State) back, exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
+import jax
 
 import stackwise
 from stackwise import _kit
@@ -48,19 +50,134 @@ def stacked_blocks(stack: Any, who: str) -> tuple:
     if served(stack.layers):
         raise TypeError(
             f"{who}: the Stack is in the serving layout, and its State too; its blocks are "
-            "`stack[i]`, and `stack, state = stack.from_serving(state)` gives the stacked "
-            "ones, which `to_layers(state)` splits."
+            "`stack[i]`, and `stack, state = stackwise.equinox.from_serving(stack, "
+            "state=state)` gives the stacked ones, which `to_layers(state)` splits."
         )
     return stack._blocks()[0]
 
 
-def to_serving(stack: Any, state: Any, who: str) -> Any:
+def to_serving(module: Any, path: Any = None, *, state: eqx.nn.State | None = None) -> Any:
+    """A model with a :class:`Stack` in the serving layout: a new model, converted once.
+
+    The Stack's ``layers`` become a ``stackwise.Serving`` of its n per-layer blocks (the
+    blocks of ``Stack.to_layers()``, in layer order), which the Stack runs as a Python loop
+    over their own buffers (the core's :func:`stackwise.to_serving` path): no layer slices
+    a stacked weight, and its outputs equal the loop of those blocks bit for bit. A
+    ``with_state=True`` cache goes in the core's layout (``stackwise.to_serving(cache)``,
+    ``pattern=k`` for a pattern); an ``eqx.nn.State`` (blocks holding
+    ``eqx.nn.StateIndex`` es) converts with the Stack, ``state=``, each of the Stack's
+    entries a ``stackwise.Serving`` of per-layer values. Caches are written in place when
+    donated. The given model is not changed (Equinox modules are immutable): the result is
+    ``eqx.tree_at`` of it, the rest of the model shared.
+
+    >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
+    >>> from functools import partial
+    >>> stack = stackwise.equinox.Stack(
+    ...     partial(eqx.nn.Linear, 4, 4), n=3, key=jax.random.key(0))
+    >>> served = stackwise.equinox.to_serving(stack)
+    >>> served.layers
+    Serving(3 layers)
+    >>> bool(jnp.allclose(served(jnp.ones(4)), stack(jnp.ones(4)), atol=1e-6))
+    True
+    >>> model = [eqx.nn.Linear(4, 4, key=jax.random.key(1)), stack]   # a Stack inside
+    >>> served_model = stackwise.equinox.to_serving(model, "1")
+    >>> served_model[1].layers, stackwise.equinox.from_serving(served_model, "1")[1].n
+    (Serving(3 layers), 3)
+
+    Patterns, ``reverse``, per-layer inputs and keys, and stacked QLoRA weights (each
+    served block keeps its own codes, nf4 still packed) work as stacked. A Stack built with
+    ``fsdp`` or ``nested`` refuses the layout.
+
+    Args:
+      module: a :class:`Stack`, or a model (any pytree) holding one.
+      path: None (``module`` is the Stack), or the Stack's place in ``module``: attribute
+        names, list indices and dict keys joined by ``.`` or ``/`` (``"decoder.blocks"``),
+        or as a tuple.
+      state: the ``eqx.nn.State`` holding the Stack's entries, for blocks with
+        ``eqx.nn.StateIndex`` es (and only for them).
+
+    Returns:
+      The new model; with ``state``, ``(model, state)``, the new State's entries of the
+      Stack each a ``stackwise.Serving``.
+
+    Raises:
+      TypeError: the Stack already in the serving layout, ``module`` not a Stack and no
+        ``path``, a ``path`` naming no place, or a ``state`` missing or given where the
+        blocks hold no ``eqx.nn.StateIndex``.
+      ValueError: no Stack at ``path`` (the model's Stacks listed), or a Stack built with
+        ``fsdp`` or ``nested``.
+    """
+    return _convert_at(module, path, state, "stackwise.equinox.to_serving", _to_serving)
+
+
+def from_serving(module: Any, path: Any = None, *, state: eqx.nn.State | None = None) -> Any:
+    """The inverse of :func:`to_serving`: a new model with the Stack stacked, bit for bit.
+
+    >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
+    >>> from functools import partial
+    >>> stack = stackwise.equinox.Stack(
+    ...     partial(eqx.nn.Linear, 2, 2), n=3, key=jax.random.key(0))
+    >>> back = stackwise.equinox.from_serving(stackwise.equinox.to_serving(stack))
+    >>> bool(jnp.array_equal(back.layers.weight, stack.layers.weight))
+    True
+
+    Args:
+      module: a served :class:`Stack`, or a model holding one.
+      path: as for :func:`to_serving`.
+      state: the served ``eqx.nn.State`` (from :func:`to_serving` or the served calls),
+        for blocks with ``eqx.nn.StateIndex`` es.
+
+    Returns:
+      The new model; with ``state``, ``(model, state)`` stacked too.
+
+    Raises:
+      TypeError: the Stack not in the serving layout, a State entry of the Stack's not
+        served, or a bad ``module``, ``path`` or ``state``.
+      ValueError: a served Stack of another depth, a State without the Stack's entries,
+        or no Stack at ``path``.
+    """
+    return _convert_at(module, path, state, "stackwise.equinox.from_serving", _from_serving)
+
+
+def _convert_at(module: Any, path: Any, state: Any, who: str, convert: Any) -> Any:
+    """``convert(stack, state, who)`` applied to the Stack at ``path`` in ``module``,
+    which ``eqx.tree_at`` puts back: the new model, or ``(model, state)``."""
+    from stackwise.equinox._stack import Stack  # (the Stack's module imports this one)
+
+    found, _ = jax.tree_util.tree_flatten_with_path(module, is_leaf=lambda x: isinstance(x, Stack))
+    paths = {tuple(_key(k) for k in at): at for at, x in found if isinstance(x, Stack)}
+    stacks = [(keys, _node(module, at)) for keys, at in paths.items()]
+    keys, stack = _kit.serving.stack_at(module, path, stacks, Stack, who)
+    out = convert(stack, state, f"{who}: {stack._who()}")
+    new, state = out if state is not None else (out, None)
+    if keys:
+        new = eqx.tree_at(lambda m: _node(m, paths[keys]), module, new)
+    return new if state is None else (new, state)
+
+
+def _key(k: Any) -> Any:
+    """One entry of a pytree path: an attribute's name, a dict key or a sequence index."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def _node(tree: Any, at: tuple) -> Any:
+    """The node at the pytree path ``at`` (jax's keys) in ``tree``."""
+    for k in at:
+        tree = getattr(tree, k.name) if hasattr(k, "name") else tree[_key(k)]
+    return tree
+
+
+def _to_serving(stack: Any, state: Any, who: str) -> Any:
     """``stack`` with its layers as a ``stackwise.Serving`` of its per-layer blocks; with an
     ``eqx.nn.State``, ``(stack, state)``, the stack's entries each a ``stackwise.Serving``."""
     if served(stack.layers):
         raise TypeError(
             f"{who}: the Stack is already in the serving layout (its `layers` are a "
-            "`stackwise.Serving`); convert once. `stack.from_serving()` stacks it back."
+            "`stackwise.Serving`); convert once. `stackwise.equinox.from_serving(module, "
+            "path)` stacks it back."
         )
     _kit.refuse_unservable(
         stack.fsdp, stack.nested, who,
@@ -88,7 +205,8 @@ def _check_state_given(blocks: tuple, state: Any, who: str, method: str) -> None
     if holds and not isinstance(state, eqx.nn.State):
         raise TypeError(
             f"{who}: its blocks keep state in an eqx.nn.State (they hold eqx.nn.StateIndex "
-            f"es), so convert it with them: `stack, state = stack.{method}(state)`, got "
+            f"es), so convert it with them: `stack, state = stackwise.equinox.{method}("
+            f"stack, state=state)`, got "
             f"{type(state).__name__} for `state`."
         )
     if state is not None and not holds:
@@ -107,13 +225,13 @@ def _state_of(entries: dict) -> eqx.nn.State:
     return eqx.nn.State.tree_unflatten(tuple(entries), tuple(entries.values()))
 
 
-def from_serving(stack: Any, state: Any, who: str) -> Any:
+def _from_serving(stack: Any, state: Any, who: str) -> Any:
     """``stack`` with its served blocks stacked back (position p of a pattern: layers p,
     p + k, ...), bit for bit; with an ``eqx.nn.State``, ``(stack, state)`` stacked too."""
     if not served(stack.layers):
         raise TypeError(
             f"{who}: the Stack is not in the serving layout (its `layers` are stacked); "
-            "`stack.to_serving()` gives the serving one."
+            "`stackwise.equinox.to_serving(module, path)` gives the serving one."
         )
     blocks, k = list(stack.layers.layers), stack.layers.pattern or 1
     _check_count(blocks, stack.n, who)
@@ -130,7 +248,8 @@ def from_serving(stack: Any, state: Any, who: str) -> Any:
             if not isinstance(v, stackwise.Serving):
                 raise TypeError(
                     f"{who}: the state's entry {m!r} is stacked, not served; pass the State "
-                    "that `stack, state = stack.to_serving(state)` (or the served calls) gave."
+                    "that `stack, state = stackwise.equinox.to_serving(stack, state=state)` "
+                    "(or the served calls) gave."
                 )
         state = state.update(_state_of({m: stackwise.from_serving(v) for m, v in entries.items()}))
     return new, state
@@ -142,7 +261,8 @@ def _substate(state: eqx.nn.State, block: Any, who: str) -> eqx.nn.State:
     except KeyError:
         raise ValueError(
             f"{who}: the given eqx.nn.State holds no values for the Stack's eqx.nn.StateIndex "
-            "es; pass the State converted with it (`stack, state = stack.to_serving(state)`)."
+            "es; pass the State converted with it (`stack, state = "
+            "stackwise.equinox.to_serving(stack, state=state)`)."
         ) from None
 
 
@@ -155,7 +275,8 @@ def layer_states(state: Any, layers: stackwise.Serving, stateful: bool, who: str
     if isinstance(state, eqx.nn.State) != any(holds):
         raise TypeError(
             f"{who}: a served Stack whose blocks hold eqx.nn.StateIndex es takes the "
-            "eqx.nn.State converted with it (`stack, state = stack.to_serving(state)`), and "
+            "eqx.nn.State converted with it (`stack, state = "
+            "stackwise.equinox.to_serving(stack, state=state)`), and "
             "only such a Stack takes an eqx.nn.State (a `with_state=True` cache: "
             f"`stackwise.to_serving(cache)`); got {type(state).__name__}."
         )
@@ -168,7 +289,8 @@ def layer_states(state: Any, layers: stackwise.Serving, stateful: bool, who: str
                 raise TypeError(
                     f"{who}: the Stack is served but the state's entry {m!r} is not its "
                     "serving layout; convert both at once: `stack, state = "
-                    "stack.to_serving(state)` (from the stacked Stack and State)."
+                    "stackwise.equinox.to_serving(stack, state=state)` (from the stacked "
+                    "Stack and State)."
                 )
     per_layer = [
         _state_of({m: v.layers[i // k] for m, v in entries[i % k].items()})
@@ -198,7 +320,7 @@ def _check_count(blocks: list, n: int, who: str) -> None:
     if len(blocks) != n:
         raise ValueError(
             f"{who}: the serving layout holds {len(blocks)} blocks, but the Stack has n={n}; "
-            "convert this Stack's own layers (`stack.to_serving()`)."
+            "convert this Stack's own layers (`stackwise.equinox.to_serving(stack)`)."
         )
 
 
@@ -218,7 +340,8 @@ def unpack(layers: stackwise.Serving, n: int, who: str) -> tuple[stackwise.Servi
                 f"{who}: served layer {i} ({type(blocks[i]).__name__}) differs from layer "
                 f"{i % k} at `{at}`: {how}. Layers of the serving layout keep their "
                 "position's static fields and array shapes; replace array values only "
-                "(e.g. `eqx.tree_at`), or convert the Stack again (`stack.to_serving()`)."
+                "(e.g. `eqx.tree_at`), or convert the Stack again "
+                "(`stackwise.equinox.to_serving(stack)`)."
             )
     parts = [eqx.partition(b, _convert.is_array) for b in blocks]
     params = stackwise.Serving([a for a, _ in parts], layers.pattern)

@@ -418,7 +418,8 @@ class Stack(eqx.nn.StatefulLayer):
         return (out, new if served else _state.updated(state, new, pattern)) if stateful else out
 
     def _check_depth(self, params: tuple, pattern: bool, counts: list[int], who: str) -> None:
-        _kit.refuse_serving(who, "Stack.to_serving()", layers=params if pattern else params[0])
+        loop = "stackwise.equinox.to_serving(stack)"
+        _kit.refuse_serving(who, loop, layers=params if pattern else params[0])
         fix = (
             "Stacked layers come from building the Stack or from `Stack.from_layers("
             "[block_0, ..., block_{n-1}])`; a replaced array keeps the layer axis, e.g. "
@@ -487,29 +488,26 @@ class Stack(eqx.nn.StatefulLayer):
         return blocks, _state.unstack(state, stacked, self.n, f"{self._who()}.to_layers")
 
     def to_serving(self, state: eqx.nn.State | None = None) -> Any:
-        """This Stack in the serving layout: ``layers`` a ``stackwise.Serving`` of the n
-        blocks of :meth:`to_layers`, run as a Python loop over their own buffers (the
-        core's :func:`stackwise.to_serving` path). A ``with_state=True`` cache goes in the
-        same layout (``stackwise.to_serving(cache)``); an ``eqx.nn.State`` converts with the
-        Stack, ``stack, state = stack.to_serving(state)`` (each entry a ``Serving``). Caches
-        are written in place when donated. Outputs equal the loop of :meth:`to_layers`'
-        blocks bit for bit. TypeError: already served; ValueError: ``fsdp`` or ``nested``.
+        """Refused: the serving layout is made by :func:`stackwise.equinox.to_serving`,
+        ``stackwise.equinox.to_serving(stack)`` (``state=state`` for an ``eqx.nn.State``),
+        the one call of every framework.
 
-        >>> import jax, jax.numpy as jnp, equinox as eqx, stackwise.equinox
-        >>> from functools import partial
-        >>> stack = stackwise.equinox.Stack(
-        ...     partial(eqx.nn.Linear, 4, 4), n=3, key=jax.random.key(0))
-        >>> served = stack.to_serving()
-        >>> served.layers
-        Serving(3 layers)
-        >>> bool(jnp.allclose(served(jnp.ones(4)), stack(jnp.ones(4)), atol=1e-6))
-        True
+        Raises:
+          TypeError: always, naming the call that replaced it.
         """
-        return _serving.to_serving(self, state, f"{self._who()}.to_serving")
+        given = "" if state is None else ", state=state"
+        call = f"stackwise.equinox.to_serving(stack{given})"
+        raise _kit.serving.moved(f"{self._who()}.to_serving()", call)
 
     def from_serving(self, state: eqx.nn.State | None = None) -> Any:
-        """The stacked Stack (and State) of :meth:`to_serving`'s, exactly."""
-        return _serving.from_serving(self, state, f"{self._who()}.from_serving")
+        """Refused: :func:`stackwise.equinox.from_serving` converts back.
+
+        Raises:
+          TypeError: always, naming the call that replaced it.
+        """
+        given = "" if state is None else ", state=state"
+        call = f"stackwise.equinox.from_serving(stack{given})"
+        raise _kit.serving.moved(f"{self._who()}.from_serving()", call)
 
     @classmethod
     def from_layers(

@@ -20,6 +20,8 @@ from stackwise.nnx._convert import to_loop as to_loop
 from stackwise.nnx._convert import to_scan as to_scan
 from stackwise.nnx._correspond import convert as convert
 from stackwise.nnx._qwix import quantize_params as quantize_params
+from stackwise.nnx._serving import from_serving as from_serving
+from stackwise.nnx._serving import to_serving as to_serving
 from stackwise.nnx._stack import Stack as Stack
 from stackwise.nnx._stack import layer_index as layer_index
 
@@ -28,8 +30,10 @@ __all__ = [
     "convert",
     "from_loop",
     "from_scan",
+    "from_serving",
     "layer_index",
     "quantize_params",
     "to_loop",
     "to_scan",
+    "to_serving",
 ]

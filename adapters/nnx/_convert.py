@@ -136,9 +136,10 @@ def refuse_served(flat: dict[tuple, Any], who: str) -> None:
         if _kit.serving.served(raw_value(v)):
             raise TypeError(
                 f"{who}: `{show(path)}` is in the serving layout (a `stackwise.Serving`, from "
-                f"`Stack.to_serving()`), but {who} takes a Stack's stacked variables. Call "
-                "`stack.from_serving()` on the model's served Stacks first (and take its state "
-                "again: `nnx.state(model)`)."
+                f"`stackwise.nnx.to_serving`), but {who} takes a Stack's stacked variables. "
+                "Stack the model's served Stacks back first, `model = "
+                "stackwise.nnx.from_serving(model, path)`, and take its state again "
+                "(`nnx.state(model)`)."
             )
 
 
@@ -305,7 +306,7 @@ def from_loop(
       A new state of the input's kind (``nnx.State`` or dict).
 
     Raises:
-      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
+      TypeError: a state holding a served Stack's variables (``stackwise.nnx.to_serving``).
       ValueError: no layer found, a gap, more layers than ``n``, layers that
         differ in variables, shapes or metadata, or a Stack's block that
         already exists in the state.
@@ -379,7 +380,7 @@ def to_loop(
       A new state of the input's kind.
 
     Raises:
-      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
+      TypeError: a state holding a served Stack's variables (``stackwise.nnx.to_serving``).
       ValueError: no Stack block at ``path`` (or a pattern's block given as
         one path), leaves without a common leading axis, positions whose
         depths no n gives, variables under a pattern Stack at none of the
@@ -554,7 +555,7 @@ def from_scan(
       A new state of the input's kind.
 
     Raises:
-      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
+      TypeError: a state holding a served Stack's variables (``stackwise.nnx.to_serving``).
       ValueError: nothing at ``path``, a variable no int axis matches, or an
         ``out_sharding`` whose layer axis has another name.
     """

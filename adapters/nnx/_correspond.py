@@ -193,7 +193,7 @@ def convert(tree: Any, source: Any, target: Any) -> Any:
       bitwise (stacked or sliced). Load it with ``nnx.update(target, state)``.
 
     Raises:
-      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
+      TypeError: a state holding a served Stack's variables (``stackwise.nnx.to_serving``).
       ValueError: the state is not the source's (the differing variables are
         listed), or the models do not correspond one to one (the first
         difference is shown).

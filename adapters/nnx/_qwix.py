@@ -98,7 +98,7 @@ def quantize_params(
       A pure dict of the quantized params, for ``nnx.update(quantized_model, ...)``.
 
     Raises:
-      TypeError: a state holding a served Stack's variables (``Stack.to_serving()``).
+      TypeError: a state holding a served Stack's variables (``stackwise.nnx.to_serving``).
       ValueError: a param is not in the quantized model (unless ``allow_extra_params``),
         or does not quantize to its shapes there with 0, 1 or 2 leading layer axes (params
         of another model or depth); a ``quant_stats`` entry is not qwix's statistics,

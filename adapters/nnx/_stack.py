@@ -150,9 +150,9 @@ class Stack(nnx.Module):
     caches) is updated and written back stacked. An
     ``nnx.Rngs`` argument is split per layer, so every layer draws
     independent randomness (and the stream's count advances once).
-    For decoding, :meth:`to_serving` converts the Stack in place to per-layer
-    buffers (each Variable a ``stackwise.Serving``), which it then runs as a
-    loop of the layers, each cache written in its own buffer.
+    For decoding, :func:`stackwise.nnx.to_serving` gives a new Stack (or model)
+    with per-layer buffers (each Variable a ``stackwise.Serving``), which it
+    runs as a loop of the layers, each cache written in its own buffer.
 
     LoRA and quantized weights (``docs/finetune.md``): the ``nnx.Param`` s may
     hold ``stackwise.lora.attach(..., per_leaf=True)`` and
@@ -510,74 +510,23 @@ class Stack(nnx.Module):
     # The serving layout: per-layer buffers, converted once (see `_serving`).
 
     def to_serving(self) -> None:
-        """Converts the Stack to the serving layout, in place: every Variable's value a
-        ``stackwise.Serving`` of its n per-layer arrays.
+        """Refused: the serving layout is made by :func:`stackwise.nnx.to_serving`.
 
-        Calling the Stack then runs its layers as a Python loop over separate buffers
-        (the core's serving path): no layer slices a stacked weight, and each layer's
-        ``nnx.Cache`` (any non-``Param`` Variable) is written in its own buffer, in place
-        when donated, so decoding costs what a loop of :meth:`to_layers`' blocks costs,
-        with the same outputs. In place, as NNX updates a module (``nnx.update``): the
-        Variables keep their types and metadata, each converted on its own (the stacked
-        copy of one Variable at a time is held). :meth:`from_serving` converts back.
-
-        >>> import functools, jax, jax.numpy as jnp, stackwise.nnx
-        >>> from flax import nnx
-        >>> class Cached(nnx.Module):           # writes x at `pos` of its own cache
-        ...     def __init__(self, rngs):
-        ...         self.linear = nnx.Linear(4, 4, rngs=rngs)
-        ...         self.cache = nnx.Cache(jnp.zeros((5, 4)))
-        ...     def __call__(self, x, pos):
-        ...         self.cache[...] = jax.lax.dynamic_update_slice(self.cache[...], x, (pos, 0))
-        ...         return x + self.linear(self.cache[...].sum(0, keepdims=True))
-        >>> stack = stackwise.nnx.Stack(Cached, n=3, rngs=nnx.Rngs(0))
-        >>> loop = stack.to_layers()            # the loop of blocks it serves like
-        >>> stack.to_serving()
-        >>> stack.layers.cache.get_value()
-        Serving(3 layers)
-        >>> graphdef, params, cache = nnx.split(stack, nnx.Param, nnx.Cache)
-        >>> len(jax.tree.leaves(cache))         # one buffer per layer
-        3
-        >>> @functools.partial(jax.jit, donate_argnums=1)     # each cache written in place
-        ... def step(params, cache, x, pos):
-        ...     model = nnx.merge(graphdef, params, cache)
-        ...     return model(x, pos), nnx.state(model, nnx.Cache)
-        >>> x = jnp.ones((1, 4))
-        >>> y, cache = step(params, cache, x, 0)
-        >>> y_loop = x
-        >>> for block in loop:
-        ...     y_loop = block(y_loop, 0)
-        >>> bool(jnp.allclose(y, y_loop))
-        True
-        >>> nnx.update(stack, cache)
-        >>> stack.from_serving()
-        >>> stack.layers.cache.shape
-        (3, 5, 4)
-
-        Under ``nnx.jit`` the served Stack is called as any module. ``stack[i]`` and
-        :meth:`to_layers` give its layers as blocks; ``has_aux``, patterns,
-        :func:`stackwise.per_layer` and ``nnx.Rngs`` arguments, ``reverse``, LoRA and
-        quantized params (``stackwise.lora.attach(..., per_leaf=True)``,
-        ``stackwise.quant.quantize``: each layer's codes stay packed in its buffer) work as
-        stacked. ``unroll`` changes nothing; ``remat`` applies per layer.
+        This method converted the Stack in place, and with it every module sharing its
+        Variables; ``stackwise.nnx.to_serving(stack)`` (or ``(model, path)``) returns a new
+        model and changes nothing.
 
         Raises:
-          TypeError: the Stack is already in the serving layout.
-          ValueError: a Stack built with ``fsdp`` or ``nested`` (no serving form), or
-            variables without the layer axis (named).
+          TypeError: always, naming the call that replaced it.
         """
-        _serving.to_serving(self, f"{self._who()}.to_serving")
+        raise _kit.serving.moved(f"{self._who()}.to_serving()", "stackwise.nnx.to_serving(stack)")
 
     def from_serving(self) -> None:
-        """Converts a served Stack back to the stacked layout, in place, bit for bit.
-
-        The inverse of :meth:`to_serving` (the example there shows both); the new state
-        the served calls wrote (caches, statistics) is stacked with the rest.
+        """Refused: :func:`stackwise.nnx.from_serving` converts back, to a new model.
 
         Raises:
-          TypeError: the Stack is not in the serving layout, one of its Variables is
-            stacked while others are served, or a served layer's buffer changed shape or
-            dtype (named).
-          ValueError: a served Variable holds another number of layers (named).
+          TypeError: always, naming the call that replaced it.
         """
-        _serving.from_serving(self, f"{self._who()}.from_serving")
+        raise _kit.serving.moved(
+            f"{self._who()}.from_serving()", "stackwise.nnx.from_serving(stack)"
+        )

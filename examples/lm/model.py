@@ -379,7 +379,7 @@ def build_jax(config: Config, *, adapted: bool = False) -> LM:
 
     def serve(params):  # the blocks' params and caches as per-layer buffers, in layer order
         pattern = k if k > 1 else None
-        served = {**params, "blocks": stackwise.to_serving(params["blocks"], pattern=pattern)}
+        served = stackwise.to_serving(params, "blocks", pattern=pattern)
         return served, lambda batch: stackwise.to_serving(init_cache(batch), pattern=pattern)
 
     return LM(init, apply, init_cache, to_loop, loop_apply, serve)

@@ -89,9 +89,10 @@ def stacked_only(who: str, **values: Any) -> None:
     refuse(
         who,
         "this function takes stacked trees (every leaf with the layer axis first)",
-        "Pass the stacked tree: `stackwise.from_serving(tree)` for the core's, or for a "
-        "Stack's variables served leaf-wise its adapter's `from_serving` "
-        "(`stackwise.flax.from_serving`, `stackwise.haiku.from_serving`, NNX "
-        "`stack.from_serving()`, Equinox `stack.from_serving()`).",
+        "Pass the stacked tree: `stackwise.from_serving(tree)` for the core's (with `path` "
+        "for a part of a tree), or for a Stack's variables served leaf-wise its framework's "
+        "`from_serving(tree, path)` (`stackwise.flax.from_serving`, "
+        "`stackwise.haiku.from_serving`, `stackwise.nnx.from_serving`, "
+        "`stackwise.equinox.from_serving`).",
         **values,
     )

@@ -5,7 +5,8 @@ costs it a per-layer slice of every stacked weight (a copy inside the scan) and 
 back into the stacked cache. A Python loop over separate per-layer buffers costs neither:
 layer i reads its own weights and writes its own cache in place when the cache is
 donated. :class:`Serving` holds that layout (n per-layer trees, in layer order);
-:func:`to_serving` converts once, :func:`from_serving` converts back, and the same
+:func:`to_serving` converts once (the whole tree, or the stacked part at a ``path``, as
+every adapter's ``to_serving(tree, path)`` does), :func:`from_serving` converts back, and the same
 ``Stacked.apply`` runs a :class:`Serving` tree as a Python loop of the layers
 (:meth:`stackwise._core.stack.Run.serve`), returning the state as a :class:`Serving` too.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stackwise._core import layout, trees
+from stackwise._core import layout, places, trees
 from stackwise._core.options import Options
 from stackwise._core.served import Serving, in_use, refuse
 from stackwise._core.served import found as _found
@@ -22,7 +23,7 @@ from stackwise._core.served import found as _found
 __all__ = ["Serving", "from_serving", "in_use", "layers_of", "refuse", "to_serving"]
 
 
-def to_serving(tree: Any, *, pattern: int | None = None) -> Serving:
+def to_serving(tree: Any, path: Any = None, *, pattern: int | None = None) -> Any:
     """Stacked params or state in the serving layout: n per-layer buffers, converted once.
 
     ``Stacked.apply`` takes the result in place of the stacked tree and runs the layers as
@@ -51,6 +52,18 @@ def to_serving(tree: Any, *, pattern: int | None = None) -> Serving:
     >>> bool((stackwise.from_serving(served_cache) == new).all())
     True
 
+    A model's params that hold the stacked blocks beside other parts convert at the
+    blocks' place, ``path``, as every adapter's ``to_serving(tree, path)`` does; the rest
+    is kept as it is:
+
+    >>> model = {"embed": jnp.ones((8, 4)), "blocks": params}
+    >>> served_model = stackwise.to_serving(model, "blocks")
+    >>> served_model["blocks"], served_model["embed"] is model["embed"]
+    (Serving(3 layers), True)
+    >>> back = stackwise.from_serving(served_model, "blocks")
+    >>> bool((back["blocks"]["w"] == params["w"]).all())
+    True
+
     Everything ``Stacked.apply`` takes works the same: ``has_aux``, patterns (pass
     ``pattern=k``: the layers come in layer order), :func:`stackwise.per_layer` and
     :func:`stackwise.layer_index` arguments, ``reverse``, :func:`stackwise.lora.stack`
@@ -61,36 +74,49 @@ def to_serving(tree: Any, *, pattern: int | None = None) -> Serving:
     ``fsdp`` or ``nested`` refuses it (build the serving stack without them).
 
     Converting holds the stacked and the per-layer copies at once for a moment: drop the
-    stacked tree afterwards (``del params``) to free it.
+    stacked tree afterwards (``del params``) to free it. Nothing given is changed.
 
     Args:
       tree: stacked params or state: every leaf has the layer axis first (``Stacked.init``,
         :func:`stackwise.stack_layers`, :func:`stackwise.quant.quantize`,
         :func:`stackwise.lora.merge` or :func:`stackwise.lora.attach` give such trees);
-        with ``pattern=k``, a tuple of k stacked trees.
-      pattern: None, or the pattern's length k (as ``Stacked.init`` made the tuple).
+        with ``pattern=k``, a tuple of k stacked trees. With ``path``, a tree holding
+        them (dicts, lists and tuples on the way).
+      path: None (the whole ``tree`` is stacked), or the place of the stacked part in
+        ``tree``: a key (``"blocks"``), keys joined by ``/`` (``"model/blocks"``), or a
+        tuple of keys (``("model", "blocks")``, list indices as ints).
+      pattern: None, or the pattern's length k (as ``Stacked.init`` made the tuple); with
+        ``path``, the k-tuple is the value at ``path``.
 
     Returns:
-      A :class:`Serving` of the n per-layer trees, in layer order, every leaf exact.
+      A :class:`Serving` of the n per-layer trees, in layer order, every leaf exact; with
+      ``path``, a new ``tree`` holding it at ``path`` (the containers on the way copied,
+      the rest shared).
 
     Raises:
-      TypeError: ``tree`` already in (or holding a part in) the serving layout, or a bad
-        ``pattern``.
-      ValueError: leaves without a common leading layer axis (listed).
+      TypeError: the part to convert already in (or holding a part in) the serving layout,
+        a bad ``pattern``, or a ``path`` that names no place or goes through a value
+        that is neither a dict, a list nor a tuple.
+      ValueError: leaves without a common leading layer axis (listed), or a ``path`` not
+        in ``tree`` (the keys there listed).
     """
     who = "stackwise.to_serving"
-    found = _found(tree)
+    keys = None if path is None else places.parts(path, who)
+    part = tree if keys is None else places.get(tree, keys, who)
+    at = "`tree`" if keys is None else f"`tree` at {places.show(keys)}"
+    found = _found(part)
     if found:
         where = "it is" if found == [""] else f"it holds one at {', '.join(found)}"
         raise TypeError(
-            f"{who}: `tree` must be stacked (every leaf with the layer axis first), but "
+            f"{who}: {at} must be stacked (every leaf with the layer axis first), but "
             f"{where} already in the serving layout (a `stackwise.Serving`). Convert a "
             "stacked tree once; `stackwise.from_serving(tree)` gives the stacked one back."
         )
-    return Serving(layout.unstack(tree, pattern, who), pattern)
+    served = Serving(layout.unstack(part, pattern, who), pattern)
+    return served if keys is None else places.replace(tree, keys, served)
 
 
-def from_serving(serving: Serving) -> Any:
+def from_serving(tree: Any, path: Any = None) -> Any:
     """The stacked tree of a :class:`Serving`: the inverse of :func:`to_serving`, exactly.
 
     >>> import jax.numpy as jnp, stackwise
@@ -99,25 +125,42 @@ def from_serving(serving: Serving) -> Any:
     [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
 
     A pattern's serving layout (``to_serving(..., pattern=k)``) gives back the tuple of k
-    stacked trees.
+    stacked trees; with ``path``, the :class:`Serving` at ``path`` is stacked back in a new
+    ``tree``.
 
     Args:
-      serving: what :func:`stackwise.to_serving` or ``Stacked.apply`` (its state) returned.
+      tree: what :func:`stackwise.to_serving` or ``Stacked.apply`` (its state) returned:
+        a :class:`Serving`, or with ``path`` a tree holding one there.
+      path: None, or the place of the :class:`Serving` in ``tree``, as for
+        :func:`to_serving`.
 
     Returns:
-      The stacked tree (with a pattern, a tuple of k), every leaf keeping its dtype.
+      The stacked tree (with a pattern, a tuple of k), every leaf keeping its dtype; with
+      ``path``, a new ``tree`` holding it at ``path``.
 
     Raises:
-      TypeError: ``serving`` is not a :class:`stackwise.Serving`.
-      ValueError: layers of different structure or shapes (hand-built ones).
+      TypeError: the value (at ``path``) is not a :class:`stackwise.Serving`, or a bad
+        ``path``.
+      ValueError: layers of different structure or shapes (hand-built ones), or a
+        ``path`` not in ``tree``.
     """
     who = "stackwise.from_serving"
-    if not isinstance(serving, Serving):
-        raise TypeError(
-            f"{who}: `serving` must be a `stackwise.Serving` (from `stackwise.to_serving`), "
-            f"got {trees.describe(serving)}; a stacked tree is already in the stacked layout."
+    keys = None if path is None else places.parts(path, who)
+    part = tree if keys is None else places.get(tree, keys, who)
+    if not isinstance(part, Serving):
+        at = "`tree`" if keys is None else f"`tree` at {places.show(keys)}"
+        inside = _found(part)
+        hint = (
+            f"; it holds one at {', '.join(inside)}: give that place as `path`"
+            if inside
+            else "; a stacked tree is already in the stacked layout"
         )
-    return layout.restack(list(serving.layers), serving.pattern, who)
+        raise TypeError(
+            f"{who}: {at} must be a `stackwise.Serving` (from `stackwise.to_serving`), got "
+            f"{trees.describe(part)}{hint}."
+        )
+    stacked = layout.restack(list(part.layers), part.pattern, who)
+    return stacked if keys is None else places.replace(tree, keys, stacked)
 
 
 def refuse_unservable(fsdp: Any, nested: Any, where: str, fix: str | None = None) -> None:

@@ -29,7 +29,8 @@ LoRA adapters and quantized weights in the stacked params (:mod:`stackwise._kit.
   :func:`run_layer` (a block on one layer's float weights, a batch of adapters under vmap),
   :func:`warn_unrematted`.
 A Stack's variables in the serving layout, leaf-wise (:mod:`stackwise._kit.serving`):
-  ``_kit.serving.split`` / ``join`` (convert), ``gather`` / ``scatter`` (at the call).
+  ``_kit.serving.split`` / ``join`` (convert), ``gather`` / ``scatter`` (at the call),
+  ``stack_at`` (a module Stack's place in a model), ``moved`` (its old methods refused).
 A per-layer function over stacked leaves (the qwix bridges):
   :func:`map_layers`, :func:`map_params`, :func:`holds_qwix`, :func:`qwix_fix`,
   :func:`qwix_dequantized_bytes`, :func:`map_stats` (SRQ statistics, per layer).

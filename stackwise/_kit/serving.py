@@ -14,6 +14,11 @@ regroup the same per-layer buffers.
 
 A pattern of k blocks keeps its variables per position (position p holds layers p, p + k,
 ...), so :func:`gather` takes the k positions' trees and :func:`scatter` gives k back.
+
+Where a Stack is a module holding its own variables (NNX, Equinox), the conversions take the
+model and the Stack's place in it, as the core's and the tree adapters' take a tree and a
+``path``: :func:`stack_at` finds it, and :func:`moved` refuses the Stack's old methods,
+naming the one call that replaced them.
 """
 
 from __future__ import annotations
@@ -23,10 +28,19 @@ from typing import Any
 
 import jax
 
-from stackwise._core import checks, convert, trees
+from stackwise._core import checks, convert, places, trees
 from stackwise._core.serving import Serving
 
-__all__ = ["gather", "is_serving", "join", "scatter", "served", "split"]
+__all__ = [
+    "gather",
+    "is_serving",
+    "join",
+    "moved",
+    "scatter",
+    "served",
+    "split",
+    "stack_at",
+]
 
 
 def is_serving(value: Any) -> bool:
@@ -142,3 +156,54 @@ def _check_counts(leaves: list[tuple[str, Any]], who: str, what: str) -> None:
             f"{who}: the served leaves of `{what}` hold different numbers of layers "
             f"({listed}); they must come from one Stack's variables."
         )
+
+
+# --------------------------------------------------------------------------
+# A Stack that is a module: its place in the model, and the old methods.
+
+
+def stack_at(
+    module: Any, path: Any, stacks: Sequence[tuple[tuple, Any]], kind: type, who: str
+) -> tuple[tuple, Any]:
+    """``(keys, stack)``: the ``kind`` Stack at ``path`` in ``module`` (None: ``module`` is
+    the Stack). ``stacks`` lists every Stack of ``module`` as ``(keys, stack)``, keys being
+    attribute names and list indices (``("decoder", "blocks")``); ``path`` is written
+    ``"decoder.blocks"``, ``"decoder/blocks"`` or as such a tuple.
+
+    Raises:
+      TypeError: ``path`` None but ``module`` not a Stack, or a ``path`` naming no place.
+      ValueError: no Stack at ``path`` (the Stacks of ``module`` listed).
+    """
+    name = f"{kind.__module__.rsplit('.', 1)[0]}.{kind.__name__}"  # stackwise.nnx.Stack
+    held = ", ".join(places.show(k) for k, _ in stacks) or "none"
+    if path is None:
+        if isinstance(module, kind):
+            return (), module
+        example = places.show(stacks[0][0]) if stacks else "'blocks'"
+        raise TypeError(
+            f"{who}: `module` is a {type(module).__name__}, not a `{name}`; give `path`, the "
+            f"place of the Stack to convert in it (its Stacks: {held}), e.g. "
+            f"`{who}(model, {example})`."
+        )
+    keys = places.parts(path, who, seps="/.")
+    for at, stack in stacks:
+        if tuple(map(str, at)) == tuple(map(str, keys)):
+            return at, stack
+    raise ValueError(
+        f"{who}: `module` (a {type(module).__name__}) holds no `{name}` at "
+        f"{places.show(keys)}; its Stacks are at: {held}. Give one of those as `path` "
+        "(attribute names and list indices joined by '.' or '/')."
+    )
+
+
+def moved(who: str, call: str) -> TypeError:
+    """The error of a Stack's old serving method ``who``: the layout is now made by the
+    framework's ``call`` (written out), which returns a new model and changes nothing."""
+    return TypeError(
+        f"{who}: a Stack is no longer converted to or from the serving layout by its own "
+        f"method (NNX's converted in place, and with it every module sharing its "
+        f"Variables). Call `{call}`: it returns a new model (or Stack) and leaves the given "
+        "one, and every module sharing its variables, as it was. The same call serves every "
+        "framework (`stackwise.to_serving(tree, path)`, `stackwise.flax.to_serving(variables, "
+        "path)`, ...)."
+    )

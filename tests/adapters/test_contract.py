@@ -729,6 +729,19 @@ def test_importing_the_adapter_module_gives_its_public_names(fw):
     assert {"Stack", "layer_index"} <= set(module.__all__)
 
 
+def test_every_framework_serves_with_the_cores_verb_pair_of_one_shape(fw):
+    """`to_serving` / `from_serving` in every adapter: what holds the params, then `path`
+    (positional), any further option keyword-only, as the core's."""
+    module = importlib.import_module(f"stackwise.{fw.name}")
+    for verb in ("to_serving", "from_serving"):
+        for f in (getattr(stackwise, verb), getattr(module, verb)):
+            parameters = list(inspect.signature(f).parameters.values())
+            assert parameters[1].name == "path", (verb, fw.name)
+            kinds = [p.kind for p in parameters]
+            assert kinds[:2] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2, (verb, fw.name)
+            assert set(kinds[2:]) <= {inspect.Parameter.KEYWORD_ONLY}, (verb, fw.name)
+
+
 def test_each_stack_takes_the_cores_options_with_their_types_and_defaults(fw):
     # Each Stack spells the core's options in its own signature (linen: its fields), so that
     # help() and type checkers show them; written there again, they must not drift.

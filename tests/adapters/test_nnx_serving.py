@@ -1,4 +1,4 @@
-"""The serving layout on the NNX Stack (`Stack.to_serving()`, in place): every stacked
+"""The serving layout on the NNX Stack (`stackwise.nnx.to_serving`, a new model): every stacked
 Variable's value a `stackwise.Serving` of its layers, run by the core's serving loop. Against
 the loop of `Stack.to_layers()`' blocks (bitwise: the same arithmetic, layer by layer) and the
 stacked Stack (within tests/_tolerance.py's bound), decoding with `nnx.MultiHeadAttention`'s own
@@ -86,9 +86,7 @@ def _decode(model, donate=False, tokens=4):
 
 
 def _served(stack):
-    served = nnx.clone(stack)  # (Variables are shared by nnx.split / nnx.merge: clone)
-    served.to_serving()
-    return served
+    return stackwise.nnx.to_serving(stack)  # a new Stack: `stack` stays stacked
 
 
 @pytest.mark.parametrize(
@@ -112,7 +110,7 @@ def test_decode_equals_the_loop_of_its_blocks_and_the_stacked_stack(n, k, option
         assert_trees_bitwise(got, loop_cache.get(j, {}))  # (a pattern's Mix: no cache)
     ys_stacked, stacked_cache = _decode(stack)
     assert_trees_close(ys, ys_stacked)
-    served.from_serving()
+    served = stackwise.nnx.from_serving(served)
     assert_trees_close(nnx.state(served, nnx.Cache), stacked_cache)
 
 
@@ -148,6 +146,53 @@ def test_every_cache_buffer_is_donated_and_written_in_place(n):
         assert scan[0].lower(*scan[1:], x).compile().memory_analysis().temp_size_in_bytes > (
             memory.temp_size_in_bytes
         )
+
+
+def _values(module):
+    """Every Variable's value, and whether any is served (a `stackwise.Serving`)."""
+    state = nnx.state(module)
+    return state, any(
+        isinstance(v, stackwise.Serving)
+        for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, stackwise.Serving))
+    )
+
+
+def test_neither_direction_changes_the_model_given_nor_a_module_sharing_its_variables():
+    """`to_serving` / `from_serving` return new models: the given one, and a module that
+    shares its Variables (`nnx.merge` of its `nnx.split`), keep theirs, bit for bit, and
+    calling the served model (which writes its caches) changes neither."""
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.embed = nnx.Linear(D, D, rngs=nnx.Rngs(5))
+            self.blocks = stackwise.nnx.Stack(Cached, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.blocks(self.embed(x))
+
+    model = Model()
+    sharer = nnx.merge(*nnx.split(model))
+    assert sharer.blocks.layers.cache is model.blocks.layers.cache  # shared Variables
+    before, _ = _values(model)
+    served = stackwise.nnx.to_serving(model, "blocks")
+    assert type(served) is Model and _values(served)[1]
+    x = jax.random.normal(jax.random.key(3), (B, D))
+    y = served(x)  # writes the served caches
+    assert [int(p) for p in served.blocks.layers.pos.get_value().layers] == [1, 1, 1]
+    for m in (model, sharer):
+        state, is_served = _values(m)
+        assert not is_served
+        assert_trees_bitwise(state, before)
+    assert_trees_close(y, nnx.clone(model)(x))  # the stacked model's output
+    served_sharer = nnx.merge(*nnx.split(served))
+    served_state, _ = _values(served)
+    back = stackwise.nnx.from_serving(served, "blocks")
+    assert not _values(back)[1]
+    for m in (served, served_sharer):
+        state, is_served = _values(m)
+        assert is_served
+        assert_trees_bitwise(state, served_state)
+    assert_trees_bitwise(nnx.state(back.embed), nnx.state(model.embed))
 
 
 def test_nnx_jit_runs_a_model_holding_a_served_stack():
@@ -190,7 +235,7 @@ def test_round_trip_is_exact_and_nnx_sees_per_layer_buffers():
     for i, block in enumerate(stack.to_layers()):  # its layers are the stacked Stack's
         assert_trees_bitwise(nnx.state(served[i]), nnx.state(block))
         assert_trees_bitwise(nnx.state(served.to_layers()[i]), nnx.state(block))
-    served.from_serving()
+    served = stackwise.nnx.from_serving(served)
     assert_trees_bitwise(nnx.state(served), before)
     assert jax.tree.structure(nnx.state(served)) == jax.tree.structure(before)
 
@@ -225,11 +270,11 @@ def test_any_shapes_serve_as_the_loop_and_convert_back_exactly(n, k, d, t):
         assert_trees_bitwise(call(served, x), call(loop, x))
     for i, block in enumerate(loop.blocks):
         assert_trees_bitwise(nnx.state(served[i]), nnx.state(block))
-    served.from_serving()
+    served = stackwise.nnx.from_serving(served)
     assert jax.tree.structure(nnx.state(served)) == jax.tree.structure(before)
-    stack.to_serving()
-    stack.from_serving()
-    assert_trees_bitwise(nnx.state(stack), before)
+    back = stackwise.nnx.from_serving(stackwise.nnx.to_serving(stack))
+    assert_trees_bitwise(nnx.state(back), before)
+    assert_trees_bitwise(nnx.state(stack), before)  # the given Stack: untouched
 
 
 def _is_var(v):
@@ -280,7 +325,7 @@ def test_batch_stats_custom_variables_and_rng_streams_update_as_in_the_loop():
     for i, block in enumerate(blocks):
         assert_trees_bitwise(nnx.state(served[i]), nnx.state(block))
     assert int(served[2].steps[...]) == 2
-    served.from_serving()
+    served = stackwise.nnx.from_serving(served)
     assert_trees_close(nnx.state(served, nnx.BatchStat), nnx.state(stack, nnx.BatchStat))
     assert_trees_bitwise(nnx.state(served, Steps), nnx.state(stack, Steps))
 
@@ -338,7 +383,7 @@ def test_quantized_and_lora_params_serve_one_layer_at_a_time(kind):
         )
     model = nnx.merge(graphdef, params, rest)
     blocks = model.to_layers()
-    model.to_serving()
+    model = stackwise.nnx.to_serving(model)
     if kind == "nf4":
         codes = model.layers.linear.kernel.get_value().base.codes
         assert isinstance(codes, stackwise.Serving) and codes.layers[0].shape == (D // 2, D)
@@ -374,7 +419,7 @@ def test_qwix_models_serve_per_layer(kind):
     nnx.update(model, jax.tree.map(lambda v: v + 0.1, nnx.state(model, nnx.LoRAParam)))
     for i, block in enumerate(loop.blocks):
         nnx.update(block, nnx.state(model[i], nnx.Param))
-    model.to_serving()
+    model = stackwise.nnx.to_serving(model)
     if kind == "ptq":
         codes = model.layers.linear.kernel.array.qvalue.get_value()  # qwix's int8 codes
         assert isinstance(codes, stackwise.Serving) and codes.layers[1].dtype == jnp.int8
@@ -400,7 +445,7 @@ class Grows(nnx.Module):
 def test_a_param_added_inside_a_served_layer_is_kept_per_layer():
     stack = stackwise.nnx.Stack(Grows, 3, rngs=nnx.Rngs(0))
     loop = Loop(stack.to_layers())
-    stack.to_serving()
+    stack = stackwise.nnx.to_serving(stack)
     x = jax.random.normal(jax.random.key(7), (B, D))
     call = nnx.jit(lambda m, x: m(x))
     y = call(stack, x)

@@ -1,5 +1,5 @@
-"""The serving layout on the Equinox Stack (`Stack.to_serving()`): the per-layer blocks run
-by the core's serving loop, against the loop of `Stack.to_layers()`' blocks (bitwise: the
+"""The serving layout on the Equinox Stack (`stackwise.equinox.to_serving`): the per-layer blocks
+run by the core's serving loop, against the loop of `Stack.to_layers()`' blocks (bitwise: the
 same arithmetic, layer by layer) and the scanned Stack (within tests/_tolerance.py's bound),
 for prefill and decode with a donated KV cache, with and without a pattern."""
 
@@ -89,7 +89,7 @@ def _assert_decoded(ys, ys_loop, ys_scan):
 )
 def test_served_stack_equals_the_loop_of_its_blocks_and_the_scan(n, k, options):
     stack, cache, caches = _model(n, k, **options)
-    served = stack.to_serving()
+    served = stackwise.equinox.to_serving(stack)
     assert isinstance(served.layers, stackwise.Serving) and len(served.layers) == n
     prompt = jax.random.normal(jax.random.key(2), (B, 5, D))
     step = jax.jit(_step, donate_argnums=1)
@@ -112,11 +112,11 @@ def test_served_stack_equals_the_loop_of_its_blocks_and_the_scan(n, k, options):
 @pytest.mark.parametrize("k", [1, 2])
 def test_round_trip_is_exact(k):
     stack, _, _ = _model(5, k)
-    served = stack.to_serving()
+    served = stackwise.equinox.to_serving(stack)
     for i, block in enumerate(stack.to_layers()):
         assert_trees_bitwise(served[i], block)
         assert_trees_bitwise(served.layers.layers[i], block)
-    back = served.from_serving()
+    back = stackwise.equinox.from_serving(served)
     assert jax.tree.structure(back) == jax.tree.structure(stack)
     assert_trees_bitwise(back, stack)
     assert (back.remat, back.with_state, back.n) == (stack.remat, stack.with_state, stack.n)
@@ -128,7 +128,7 @@ def test_decode_writes_each_donated_cache_buffer_in_place(n):
 
     def program(n, donate=True):
         stack, cache, _ = _model(n, 1)
-        served, cache = stack.to_serving(), stackwise.to_serving(cache)
+        served, cache = stackwise.equinox.to_serving(stack), stackwise.to_serving(cache)
         step = jax.jit(_step, donate_argnums=1 if donate else ())
         return step.lower(served, cache, x, jnp.int32(3)).compile(), stack, cache
 
@@ -166,7 +166,8 @@ def test_stateless_stack_with_per_layer_inputs_and_keys():
     stack = stackwise.equinox.Stack(Noisy, 4, key=jax.random.key(3))
     scales = jnp.arange(1.0, 5.0)
     x, key = jnp.ones((B, D)), jax.random.key(4)
-    got = jax.jit(lambda m: m(x, stackwise.per_layer(scales), key=key))(stack.to_serving())
+    served = stackwise.equinox.to_serving(stack)
+    got = jax.jit(lambda m: m(x, stackwise.per_layer(scales), key=key))(served)
 
     def loop(blocks):
         y = x
@@ -188,7 +189,7 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
     adapters = stackwise.lora.init(jax.random.key(5), base, rank=2)
     adapters = jax.tree.map(lambda v: v + 0.05, adapters)
     model = stackwise.lora.attach(base, adapters, per_leaf=True)
-    served = model.to_serving()
+    served = stackwise.equinox.to_serving(model)
     prompt = jax.random.normal(jax.random.key(6), (B, 5, D))
     ys, served_cache = _decode(jax.jit(_step), served, stackwise.to_serving(cache), prompt)
     if kind == "nf4":  # one layer's codes, still packed in the served block
@@ -204,7 +205,7 @@ def test_quantized_base_with_adapters_serves_one_layer_at_a_time(kind):
     assert_trees_bitwise(served_cache.layers, tuple(caches))
     ys_scan, _ = _decode(jax.jit(_step), model, cache, prompt)
     _assert_decoded(ys, ys_loop, ys_scan)
-    assert_trees_bitwise(served.from_serving(), model)
+    assert_trees_bitwise(stackwise.equinox.from_serving(served), model)
 
 
 class Indexed(eqx.Module):
@@ -241,7 +242,7 @@ def test_eqx_state_cache_serves_as_the_loop_of_its_blocks(k):
     stack, state = make([Indexed, Mix] if k > 1 else Indexed, n, key=jax.random.key(7))
     blocks, states = stack.to_layers(state)
     _, fresh = make([Indexed, Mix] if k > 1 else Indexed, n, key=jax.random.key(7))
-    served, served_state = stack.to_serving(fresh)
+    served, served_state = stackwise.equinox.to_serving(stack, state=fresh)
     assert isinstance(served.layers, stackwise.Serving)
     prompt = jax.random.normal(jax.random.key(8), (B, 5, D))
 
@@ -256,7 +257,7 @@ def test_eqx_state_cache_serves_as_the_loop_of_its_blocks(k):
 
     ys, served_state = _decode(jax.jit(_step, donate_argnums=1), served, served_state, prompt)
     ys_loop, states = _decode(jax.jit(loop), blocks, states, prompt)
-    back, stacked_state = served.from_serving(served_state)
+    back, stacked_state = stackwise.equinox.from_serving(served, state=served_state)
     assert_trees_bitwise(back, stack)
     _, per_layer = back.to_layers(stacked_state)
     for i in range(0, n, k):
@@ -270,7 +271,7 @@ def test_eqx_state_cache_serves_as_the_loop_of_its_blocks(k):
 def test_a_donated_eqx_state_cache_is_written_in_place():
     make = eqx.nn.make_with_state(stackwise.equinox.Stack)
     stack, state = make(Indexed, 6, key=jax.random.key(7))
-    served, state = stack.to_serving(state)
+    served, state = stackwise.equinox.to_serving(stack, state=state)
     leaves = jax.tree.leaves(state)
     assert len(leaves) == 2 * 6  # each layer's keys and values, buffers of their own
     x = jax.ShapeDtypeStruct((B, 1, D), jnp.float32)

@@ -8,6 +8,9 @@ is shown written in place (the compiled program's aliases and temp memory, not t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -231,6 +234,51 @@ def test_round_trip_is_exact_with_and_without_a_pattern():
     assert [sorted(layer) for layer in served.layers] == [["w"], ["v"], ["w"], ["v"], ["w"]]
     assert repr(served) == "Serving(5 layers, pattern=2)"
     assert_trees_bitwise(stackwise.from_serving(served), (a, b))
+
+
+class Model(NamedTuple):
+    embed: jax.Array
+    parts: tuple
+
+
+def test_a_path_reaches_the_stacked_part_through_dicts_lists_and_named_tuples():
+    """`to_serving(tree, path)` converts the part at `path` (with `pattern=k`, the k-tuple
+    there) and copies only the containers on the way, keeping their types; `from_serving`
+    at the same path gives the tree back bit for bit; the given tree is not changed."""
+    a, b = {"w": jnp.arange(3.0)}, {"v": jnp.arange(4.0).reshape(2, 2)}  # a b a b a
+    tree = {"model": Model(jnp.ones(2), ([{"blocks": (a, b)}], {"other": a}))}
+    path = ("model", "parts", 0, 0, "blocks")
+    for written in (path, "model/parts/0/0/blocks"):
+        served = stackwise.to_serving(tree, written, pattern=2)
+        inside = served["model"].parts[0][0]["blocks"]
+        assert repr(inside) == "Serving(5 layers, pattern=2)"
+        assert type(served["model"]) is Model and type(served["model"].parts[0]) is list
+        assert served["model"].embed is tree["model"].embed  # the rest shared, not copied
+        assert served["model"].parts[1] is tree["model"].parts[1]
+        assert tree["model"].parts[0][0]["blocks"] == (a, b)  # the given tree: unchanged
+        back = stackwise.from_serving(served, written)
+        assert jax.tree.structure(back) == jax.tree.structure(tree)
+        assert_trees_bitwise(back, tree)
+    named = stackwise.to_serving(Model(jnp.ones(2), (a,)), ("parts", 0))  # a field's name
+    assert isinstance(named.parts[0], stackwise.Serving)
+    frozen = stackwise.to_serving(MappingProxy({"blocks": a}), "blocks")  # immutable
+    assert type(frozen) is MappingProxy and isinstance(frozen["blocks"], stackwise.Serving)
+
+
+class MappingProxy(Mapping):
+    """An immutable mapping (as flax's FrozenDict), built from a dict."""
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
 
 
 def test_eager_under_disable_jit():

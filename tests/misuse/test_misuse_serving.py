@@ -1,6 +1,7 @@
 """The misuse catalogue of the serving layout (`stackwise.to_serving`, `stackwise.from_serving`
-and `Stacked.apply` given a `stackwise.Serving`): one row per bad call, the error it must
-raise and words its message must hold (the argument or option, and the fix)."""
+and `Stacked.apply` given a `stackwise.Serving`; the adapters' `to_serving` / `from_serving`):
+one row per bad call, the error it must raise and words its message must hold (the argument or
+option, and the fix)."""
 
 from __future__ import annotations
 
@@ -84,8 +85,74 @@ SERVING = [
         lambda: stackwise.from_serving(PARAMS),
         TypeError,
         "stackwise.from_serving",
-        "`serving` must be a `stackwise.Serving`",
+        "`tree` must be a `stackwise.Serving`",
         "already in the stacked layout",
+    ),
+    case(
+        "from_serving of a tree holding a Serving, without its path",
+        lambda: stackwise.from_serving({"embed": X, "blocks": _served()}),
+        TypeError,
+        "`tree` must be a `stackwise.Serving`",
+        "it holds one at ['blocks']",
+        "give that place as `path`",
+    ),
+    case(
+        "from_serving at a path that holds a stacked tree",
+        lambda: stackwise.from_serving({"blocks": PARAMS}, "blocks"),
+        TypeError,
+        "`tree` at 'blocks' must be a `stackwise.Serving`",
+    ),
+    case(
+        "to_serving at a path not in the tree",
+        lambda: stackwise.to_serving({"embed": X, "blocks": PARAMS}, "decoder"),
+        ValueError,
+        "stackwise.to_serving",
+        "`path` 'decoder' is not in `tree`",
+        "its keys: 'embed', 'blocks'",
+    ),
+    case(
+        "to_serving at a list index out of range",
+        lambda: stackwise.to_serving({"blocks": [PARAMS]}, "blocks/1"),
+        ValueError,
+        "`tree` at 'blocks' has no '1'",
+        "a list of 1",
+    ),
+    case(
+        "to_serving at a path through an array",
+        lambda: stackwise.to_serving({"blocks": PARAMS}, "blocks/w/0"),
+        TypeError,
+        "goes through dicts, lists and tuples",
+        "`tree` at 'blocks/w' is one array float32[4, 3, 3]",
+        "pass it as `tree`",
+    ),
+    case(
+        "to_serving with an empty path",
+        lambda: stackwise.to_serving({"blocks": PARAMS}, ""),
+        TypeError,
+        "`path` must name a place",
+        "Leave `path` out (None) for the whole tree",
+    ),
+    case(
+        "to_serving with a list of paths",
+        lambda: stackwise.to_serving({"a": PARAMS, "b": PARAMS}, ["a", "b"]),
+        TypeError,
+        "`path` is one place, got a list",
+        "the core's `pattern=k`",
+        "one per call",
+    ),
+    case(
+        "to_serving at a path already served",
+        lambda: stackwise.to_serving(stackwise.to_serving({"b": PARAMS}, "b"), "b"),
+        TypeError,
+        "`tree` at 'b' must be stacked",
+        "already in the serving layout",
+    ),
+    case(
+        "to_serving at a path with pattern= but one stacked tree there",
+        lambda: stackwise.to_serving({"blocks": PARAMS}, "blocks", pattern=2),
+        TypeError,
+        "stackwise.to_serving",
+        "with pattern=2, pass a tuple of 2 stacked trees",
     ),
     case(
         "served params with a stacked cache",
@@ -289,6 +356,12 @@ def _linen_qwix(served_stats=False):
     stackwise.flax.quantize_params(_linen_served()["params"], abstract)
 
 
+def _eqx(name):
+    import stackwise.equinox
+
+    return getattr(stackwise.equinox, name)
+
+
 def _eqx_stack(**options):
     from functools import partial
 
@@ -310,14 +383,14 @@ def _equinox():
 def _eqx_reshaped():
     import equinox as eqx
 
-    served = _eqx_stack().to_serving()
+    served = _eqx("to_serving")(_eqx_stack())
     eqx.tree_at(lambda s: s.layers.layers[2].weight, served, jnp.ones((4, 5)))(X4[0])
 
 
 def _eqx_short():
     import equinox as eqx
 
-    served = _eqx_stack().to_serving()
+    served = _eqx("to_serving")(_eqx_stack())
     short = stackwise.Serving(served.layers.layers[:2])
     eqx.tree_at(lambda s: s.layers, served, short)(X4[0])
 
@@ -329,7 +402,7 @@ def _eqx_state_index():
 
     make = eqx.nn.make_with_state(stackwise.equinox.Stack)
     stack, _ = make(partial_batchnorm(), 2, key=jax.random.key(0))
-    stack.to_serving()
+    stackwise.equinox.to_serving(stack)
 
 
 def _eqx_state():
@@ -358,7 +431,8 @@ def _eqx_stacked_state():
 
     make = eqx.nn.make_with_state(stackwise.equinox.Stack)
     stack, state = make(partial_batchnorm(), 2, key=jax.random.key(0))
-    served, _ = stack.to_serving(state)  # (which makes `state` stale, as Equinox's update)
+    # (which makes `state` stale, as Equinox's update)
+    served, _ = stackwise.equinox.to_serving(stack, state=state)
     stacked = make(partial_batchnorm(), 2, key=jax.random.key(0))[1]
     jax.vmap(served, axis_name="b", in_axes=(0, None))(X4, stacked)
 
@@ -370,7 +444,7 @@ def _eqx_served_state(call):
 
     make = eqx.nn.make_with_state(stackwise.equinox.Stack)
     stack, state = make(partial_batchnorm(), 2, key=jax.random.key(0))
-    served, served_state = stack.to_serving(state)
+    served, served_state = stackwise.equinox.to_serving(stack, state=state)
     call(served, served_state, lambda: make(partial_batchnorm(), 2, key=jax.random.key(0))[1])
 
 
@@ -378,7 +452,7 @@ def _eqx_other_state(served, served_state, stacked):
     import equinox as eqx
 
     other = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "b", mode="batch")[1]
-    served.from_serving(other)
+    _eqx("from_serving")(served, state=other)
 
 
 def _eqx_stacked_cache():
@@ -398,7 +472,7 @@ def _eqx_stacked_cache():
             return _decode({"w": self.w}, cache, x, pos)
 
     stack = stackwise.equinox.Stack(partial(Cached), N, with_state=True, key=jax.random.key(0))
-    stack.to_serving()(X, CACHE, 0)  # the cache left stacked
+    stackwise.equinox.to_serving(stack)(X, CACHE, 0)  # the cache left stacked
 
 
 ADAPTERS = [
@@ -452,39 +526,79 @@ ADAPTERS = [
          "layout", "stackwise.flax.from_serving"),
     case("equinox Stack holding a Serving inside its layers", _equinox, TypeError,
          "stackwise.equinox.Stack", "`layers.weight` is in the serving layout",
-         "`Stack.to_serving()`", "stackwise.to_serving"),
-    case("equinox to_serving twice", lambda: _eqx_stack().to_serving().to_serving(),
-         TypeError, "Stack(Linear, n=3).to_serving", "already in the serving layout",
-         "stack.from_serving()"),
-    case("equinox from_serving of a stacked Stack", lambda: _eqx_stack().from_serving(),
-         TypeError, "Stack(Linear, n=3).from_serving", "not in the serving layout",
-         "stack.to_serving()"),
-    case("equinox to_serving of an fsdp Stack", lambda: _eqx_stack(fsdp="data").to_serving(),
+         "`stackwise.equinox.to_serving(stack)`", "stackwise.to_serving"),
+    case("equinox to_serving twice",
+         lambda: _eqx("to_serving")(_eqx("to_serving")(_eqx_stack())), TypeError,
+         "stackwise.equinox.to_serving: stackwise.equinox.Stack(Linear, n=3)",
+         "already in the serving layout",
+         "stackwise.equinox.from_serving(module, path)"),
+    case("equinox from_serving of a stacked Stack",
+         lambda: _eqx("from_serving")(_eqx_stack()), TypeError,
+         "stackwise.equinox.from_serving: stackwise.equinox.Stack(Linear, n=3)",
+         "not in the serving layout",
+         "stackwise.equinox.to_serving(module, path)"),
+    case("equinox to_serving of an fsdp Stack",
+         lambda: _eqx("to_serving")(_eqx_stack(fsdp="data")),
          ValueError, "`fsdp='data'`", "Build the Stack without `fsdp`"),
+    case("equinox to_serving of a model, without path",
+         lambda: _eqx("to_serving")([X4, _eqx_stack()]), TypeError,
+         "stackwise.equinox.to_serving", "`module` is a list, not a `stackwise.equinox.Stack`",
+         "give `path`", "its Stacks: '1'"),
+    case("equinox to_serving at a path with no Stack",
+         lambda: _eqx("to_serving")({"embed": X4, "blocks": _eqx_stack()}, "embed"),
+         ValueError, "holds no `stackwise.equinox.Stack` at 'embed'",
+         "its Stacks are at: 'blocks'"),
+    case("equinox from_serving of a model holding no Stack",
+         lambda: _eqx("from_serving")({"embed": X4}, "embed"), ValueError,
+         "stackwise.equinox.from_serving", "its Stacks are at: none"),
+    case("equinox to_serving with a list of paths",
+         lambda: _eqx("to_serving")([_eqx_stack(), _eqx_stack()], ["0", "1"]), TypeError,
+         "`path` is one place", "an NNX or Equinox Stack knows its own", "one per call"),
+    case("equinox to_serving with a path that names no place",
+         lambda: _eqx("to_serving")([_eqx_stack()], 0.5), TypeError,
+         "`path` must name a place", "'blocks'"),
+    case("equinox Stack.to_serving(), the old method",
+         lambda: _eqx_stack().to_serving(), TypeError, "Stack(Linear, n=3).to_serving()",
+         "no longer converted", "`stackwise.equinox.to_serving(stack)`", "returns a new model"),
+    case("equinox Stack.to_serving(state), the old method with a State",
+         lambda: _eqx_stack().to_serving(_eqx_state()), TypeError,
+         "`stackwise.equinox.to_serving(stack, state=state)`"),
+    case("equinox Stack.from_serving(), the old method",
+         lambda: _eqx_stack().from_serving(), TypeError, "Stack(Linear, n=3).from_serving()",
+         "`stackwise.equinox.from_serving(stack)`"),
+    case("equinox Stack.from_serving(state), the old method with a State",
+         lambda: _eqx_stack().from_serving(_eqx_state()), TypeError,
+         "`stackwise.equinox.from_serving(stack, state=state)`"),
     case("equinox to_serving of eqx.nn.State blocks without the state", _eqx_state_index,
-         TypeError, ".to_serving", "eqx.nn.StateIndex", "`stack, state = "
-         "stack.to_serving(state)`", "got NoneType"),
+         TypeError, "stackwise.equinox.to_serving", "eqx.nn.StateIndex", "`stack, state = "
+         "stackwise.equinox.to_serving(stack, state=state)`", "got NoneType"),
     case("equinox to_serving given a state its blocks do not hold",
-         lambda: _eqx_stack().to_serving(_eqx_state()), TypeError, ".to_serving",
-         "no block holds an eqx.nn.StateIndex", "stackwise.to_serving(cache)"),
+         lambda: _eqx("to_serving")(_eqx_stack(), state=_eqx_state()), TypeError,
+         "stackwise.equinox.to_serving", "no block holds an eqx.nn.StateIndex",
+         "stackwise.to_serving(cache)"),
     case("equinox from_serving given the stacked eqx.nn.State",
-         lambda: _eqx_served_state(lambda served, _, stacked: served.from_serving(stacked())),
-         TypeError, ".from_serving", "is stacked, not served"),
+         lambda: _eqx_served_state(
+             lambda served, _, stacked: _eqx("from_serving")(served, state=stacked())),
+         TypeError, "stackwise.equinox.from_serving", "is stacked, not served"),
     case("equinox from_serving given another model's eqx.nn.State",
-         lambda: _eqx_served_state(_eqx_other_state), ValueError, ".from_serving",
-         "holds no values for the Stack's eqx.nn.StateIndex es", "stack.to_serving(state)"),
+         lambda: _eqx_served_state(_eqx_other_state), ValueError,
+         "stackwise.equinox.from_serving",
+         "holds no values for the Stack's eqx.nn.StateIndex es",
+         "stackwise.equinox.to_serving(stack, state=state)"),
     case("equinox served eqx.nn.State Stack called without its State",
          lambda: _eqx_served_state(lambda served, *_: served(X4[0], {})), TypeError,
          "takes the eqx.nn.State converted with it", "got dict"),
     case("equinox to_layers(state) of a served Stack",
          lambda: _eqx_served_state(lambda served, state, _: served.to_layers(state)), TypeError,
-         ".to_layers", "in the serving layout", "stack.from_serving(state)"),
+         ".to_layers", "in the serving layout",
+         "stackwise.equinox.from_serving(stack, state=state)"),
     case("equinox served Stack given its stacked eqx.nn.State", _eqx_stacked_state, TypeError,
-         "is not its serving layout", "`stack, state = stack.to_serving(state)`"),
+         "is not its serving layout",
+         "`stack, state = stackwise.equinox.to_serving(stack, state=state)`"),
     case("equinox served layer reshaped", _eqx_reshaped, TypeError, "served layer 2",
-         "differs from layer 0 at `.weight`", "stack.to_serving()"),
+         "differs from layer 0 at `.weight`", "stackwise.equinox.to_serving(stack)"),
     case("equinox served layers of another depth", _eqx_short, ValueError,
-         "holds 2 blocks, but the Stack has n=3", "stack.to_serving()"),
+         "holds 2 blocks, but the Stack has n=3", "stackwise.equinox.to_serving(stack)"),
     case("equinox served Stack given a stacked cache", _eqx_stacked_cache, TypeError,
          "the params are in the serving layout", "but the state are stacked",
          "stackwise.to_serving(state)"),
