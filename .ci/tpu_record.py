@@ -6,8 +6,8 @@ TIER_SECONDS (the run's wall time), TIER_LIMIT (the timeout), TIER_LOG (pytest's
 TIER_COUNT (how many tests or paths were selected), TIER_SHARD (STACKWISE_TPU_TIER_SHARD, or
 empty), TIER_SELECTION (chip or full), TIER_ARGS (the PYTEST ARGS given, empty for the
 default selection) and TIER_COSTS
-(the JSON that .ci/tpu_costs.py wrote: each test's seconds and compiles; absent, not reported). The machine is read here: the device, and the jax, jaxlib and
-libtpu versions.
+(the JSON that .ci/tpu_costs.py wrote: each test's seconds and compiles; absent, not
+reported). The machine is read here: the device, and the jax, jaxlib and libtpu versions.
 """
 
 from __future__ import annotations

@@ -318,10 +318,14 @@ def _grad_temp_mib(n: int, adapted: bool, d: int = 256) -> float:
 
 def test_the_backward_pass_keeps_no_adapted_weight():
     """From n=4 to n=16 layers, the wrapped layers' temporaries grow by far less than one
-    layer's weight (0.25 MiB); a layer that adds ``a @ b`` itself keeps it for every layer."""
+    layer's weight (0.25 MiB at d=256); a layer that adds ``a @ b`` itself keeps it for every
+    layer."""
     layer_mib = 256 * 256 * 4 / 2**20
     assert _grad_temp_mib(16, True) - _grad_temp_mib(4, True) < layer_mib / 2
-    assert _grad_temp_mib(16, False) - _grad_temp_mib(4, False) > 10 * layer_mib
+    # The control, that the check can fail, is XLA:CPU's: compiled for a v5e, XLA:TPU reports
+    # no temp bytes for either form, at n=4 and 16, at d=256 and at d=1024.
+    if on_cpu():
+        assert _grad_temp_mib(16, False) - _grad_temp_mib(4, False) > 10 * layer_mib
 
 
 def test_the_default_targets_leave_integer_leaves_alone():

@@ -117,7 +117,8 @@ def test_the_record_reports_what_the_tests_cost():
 def test_the_costs_plugin_counts_each_tests_compiles(tmp_path):
     (tmp_path / "test_two.py").write_text(
         "import jax, jax.numpy as jnp\n"
-        "def test_compiles_one():\n    jax.jit(lambda x: x * 3.0)(jnp.ones(3)).block_until_ready()\n"
+        "def test_compiles_one():\n"
+        "    jax.jit(lambda x: x * 3.0)(jnp.ones(3)).block_until_ready()\n"
         "def test_compiles_the_same_again():\n"
         "    jax.jit(lambda x: x * 3.0)(jnp.ones(3)).block_until_ready()\n")
     out = tmp_path / "costs.json"
