@@ -9,7 +9,7 @@ def test_the_v5e_preset_gives_a_chip_sized_bfloat16_run():
     args = cli.parse_args(["--preset", "v5e"])
     assert (args.layers, args.d_model, args.heads, args.seq_len, args.batch) == (
         16, 1024, 16, 1024, 8)
-    assert (args.compute_dtype, args.remat, args.steps) == ("bfloat16", True, 600)
+    assert (args.compute_dtype, args.remat, args.steps) == ("bfloat16", True, 300)
     assert {"layers", "d_model", "seq_len", "batch", "steps"} <= args.given
 
 
