@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._finetune import rows
-from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
+from stackwise._finetune import dropout, rows
+from stackwise._finetune.lora import Adapted, LoraWeights, add, dora_scaled, scaled_update
 from stackwise._finetune.quant import compute_dtype, dequantize, is_quantized
+from stackwise._finetune.targets import leaf_paths
 from stackwise._upstream import jax as jax_ties
 
 __all__ = ["materialise", "run_layer", "stack_adapted", "wrap"]
@@ -54,24 +55,30 @@ def is_node(value: Any) -> bool:
     return isinstance(value, Adapted) or is_quantized(value)
 
 
-def _layer_weights(base: Any, adapters: Any, dtype: Any = None) -> Any:
+def adapted_leaf(leaf: Any, lw: LoraWeights, dtype: Any = None) -> jax.Array:
+    """One layer's adapted weight from its base leaf (float or quantized): ``dequantize(W) +
+    scale * a @ b`` (DoRA's rescaled), in ``dtype`` if given."""
+    w = adapted_weight(dequantize(leaf), lw.a, lw.b, lw.scale)
+    if lw.dora:
+        w = dora_scaled(w, lw.magnitude)
+    return w if dtype is None else w.astype(dtype)
+
+
+def _layer_weights(base: Any, adapters: Any, dtype: Any = None, where: str = "",
+                   who: str = "stackwise.lora.wrap") -> Any:
     """One layer's float params: each leaf dequantized, then adapted where it has one; with
-    ``dtype``, each quantized or adapted weight in it."""
+    ``dtype``, each quantized or adapted weight in it. An adapter with a dropout rate refuses
+    to be differentiated (here it has no key: :func:`dropout.guard`)."""
     treedef = jax.tree.structure(base, is_leaf=is_quantized)
     subs = treedef.flatten_up_to(adapters)
     out = []
-    for leaf, lw in zip(jax.tree.leaves(base, is_leaf=is_quantized), subs):
-        if lw is None:
-            out.append(dequantize(leaf, dtype))
-            continue
-        w = adapted_weight(dequantize(leaf), lw.a, lw.b, lw.scale)
-        if lw.dora:
-            w = dora_scaled(w, lw.magnitude)
-        out.append(w if dtype is None else w.astype(dtype))
+    for (path, leaf), lw in zip(leaf_paths(base, is_leaf=is_quantized), subs):
+        out.append(dequantize(leaf, dtype) if lw is None else
+                   adapted_leaf(leaf, dropout.guard(lw, dropout.joined(where, path), who), dtype))
     return jax.tree.unflatten(treedef, out)
 
 
-def materialise(params: Any, dtype: Any = None) -> Any:
+def materialise(params: Any, dtype: Any = None, who: str = "stackwise.lora.wrap") -> Any:
     """One layer's params as its ``apply`` expects them: floats, adapters merged in.
 
     Params without an adapted or quantized node come back as they are (the same object).
@@ -79,9 +86,9 @@ def materialise(params: Any, dtype: Any = None) -> Any:
     """
     if not any(is_node(v) for v in jax.tree.leaves(params, is_leaf=is_node)):
         return params
-    return jax.tree.map(
-        lambda v: _layer_weights(v.base, v.adapters, dtype) if isinstance(v, Adapted)
-        else dequantize(v, dtype) if is_quantized(v) else v,
+    return jax.tree_util.tree_map_with_path(
+        lambda p, v: _layer_weights(v.base, v.adapters, dtype, jax.tree_util.keystr(p), who)
+        if isinstance(v, Adapted) else dequantize(v, dtype) if is_quantized(v) else v,
         params,
         is_leaf=is_node,
     )
@@ -151,15 +158,20 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     if rows.has_rows(params):
         return rows.run(lambda p, x, _: block(p, x, *args), params, x, (), who, shared=True)
     groups = _groups(params, who)
+    if dropout.has_keys(params):  # training with LoRA dropout: the term added at each product
+        def call(p, x):
+            return dropout.run(block, p, (x, *args), dtype=dtype, adapted=adapted_leaf, who=who)
+    else:
+        def call(p, x):
+            return block(materialise(p, dtype, who), x, *args)
     if groups is None:
-        return block(materialise(params, dtype), x, *args)
+        return call(params, x)
     _check_rows(x, groups, who)
     axes = jax.tree.map(
-        lambda v: Adapted(None, 0, v.groups, None) if isinstance(v, Adapted) else None,
+        lambda v: Adapted(None, 0, v.groups, None, None) if isinstance(v, Adapted) else None,
         params, is_leaf=is_node,
     )
-    each = jax.vmap(lambda p, x: block(materialise(p, dtype), x, *args),
-                    in_axes=(axes, 0), out_axes=(0, None))
+    each = jax.vmap(call, in_axes=(axes, 0), out_axes=(0, None))
     try:
         return each(params, x)
     except ValueError as e:
