@@ -148,7 +148,10 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     group updates from its own rows is refused. Random keys in ``params`` or ``args``
     reach every group alike. With adapters attached with ``rows``
     (:func:`stackwise.lora.attach`), row i of ``x`` runs with adapter ``rows[i]``
-    (:mod:`.rows`), and ``kept`` is refused where it differs by row.
+    (:mod:`.rows`), and ``kept`` is refused where it differs by row. With dropout keys
+    (``attach(..., key=)``), ``block`` gets the float base where an adapter drops its input,
+    and each of its products with that weight gets the adapter's term on the product's
+    dropped input (:mod:`.dropout`).
 
     Raises:
       ValueError: adapters of two batch sizes in one layer, ``x`` without g (or the
@@ -230,6 +233,12 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False,
     >>> bool(jnp.allclose(y[0], alone[0], atol=1e-6))
     True
 
+    Adapters with a ``dropout`` rate attached with a key (``attach(..., key=)``, a new one
+    each training step) drop their input as PEFT does while it trains: each product ``x @ W``
+    of an adapted weight becomes ``x @ W + scale * (dropout(x) @ a) @ b``
+    (:mod:`stackwise._finetune.dropout`; the layer must use the weight in products only).
+    Without a key they run as above, and differentiating them is refused.
+
     With ``dtype=jnp.bfloat16`` (QLoRA's compute dtype) each quantized or adapted weight
     reaches ``apply`` in bfloat16: dequantized and adapted in float32 (``dequantize(W) +
     scale * a @ b``, the update in the adapters' dtype), rounded to bfloat16 once. Give
@@ -257,7 +266,9 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False,
       ValueError (when the layer runs): attached adapters of two batch sizes in one
         layer; ``dtype`` with ``rows``; with a batch, ``x`` without g on its leading axis, or state that differs
         by group; with ``rows``, ``x`` or the state without the rows on their leading
-        axis, or an adapted weight used other than in a matrix product.
+        axis, or an adapted weight used other than in a matrix product (so too for an
+        adapter that drops its input, with a key); adapters with a dropout rate
+        differentiated without a key.
     """
     who = "stackwise.lora.wrap"
     if not callable(apply):
