@@ -107,6 +107,10 @@ def test_masks_change_with_the_key_and_are_off_without_one():
     for s, out in enumerate(outs):
         assert_trees_close(out, loop(BASE, adapters, X, jax.random.key(s)))
     assert not np.allclose(outs[0], outs[1])
+    raw = jax.random.PRNGKey(5)  # a raw uint32 key: the typed key of its bits
+    np.testing.assert_array_equal(
+        layers.apply(stackwise.lora.attach(BASE, adapters, key=raw), X),
+        layers.apply(stackwise.lora.attach(BASE, adapters, key=jax.random.wrap_key_data(raw)), X))
     plain = dataclasses.replace  # the same adapters with rate 0
     zero = jax.tree.map(lambda v: plain(v, dropout=0.0) if is_lora(v) else v, adapters,
                         is_leaf=is_lora)
