@@ -452,7 +452,9 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
         ``per_leaf``; in tree order) holds ``jax.random.split(jax.random.fold_in(key, t),
         n)``, layer i's key; inside layer i, the node's base leaf j draws its u-th product's
         mask from ``fold_in(fold_in(keys[i], j), u)``. Adapters whose rates are all 0 need
-        none, and take it unchanged (bitwise the run without it).
+        none, and take it unchanged (bitwise the run without it). The keys are leaves of
+        the result: differentiate the adapters (attach inside the loss, or
+        :func:`stackwise.lora.split` and ``combine(..., key=)``), not the attached tree.
 
     Raises:
       ValueError: the adapters are not shaped like the base, have another depth, or do
