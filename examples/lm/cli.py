@@ -164,7 +164,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_other_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that are not the run's: memory, sampling, checkpoints, modes, fine-tuning."""
+    """The flags that are not the run's: memory, sampling, checkpoints, modes, fine-tuning
+    (:func:`add_lora_flags`)."""
     p.add_argument("--remat", action="store_true", help="rematerialise each block (less memory)")
     p.add_argument(
         "--compute-dtype",
@@ -214,6 +215,12 @@ def add_other_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="skip training: sample from the params an --export saved in DIR",
     )
+    add_lora_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """The fine-tuning flags: ``--lora RANK`` and its settings."""
     p.add_argument(
         "--lora",
         type=positive,
@@ -237,8 +244,8 @@ def add_other_flags(p: argparse.ArgumentParser) -> None:
         "--modules-to-save",
         metavar="NAMES",
         help="with --lora: modules outside the blocks trained whole beside the adapters and\n"
-        "saved with them (PEFT's modules_to_save), comma-separated, of: "
-        + ", ".join(SAVABLE_MODULES) + "\n(default: none)",
+        "saved with them (PEFT's modules_to_save), comma-separated, of:\n"
+        + ", ".join(SAVABLE_MODULES) + " (default: none)",
     )
     p.add_argument(
         "--adapters",
@@ -247,7 +254,6 @@ def add_other_flags(p: argparse.ArgumentParser) -> None:
         help="where --lora saves the adapters, in PEFT's layout (default: the checkpoint's\n"
         "folder name + _lora, or _qlora_<kind> with --quantize)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def unwritable_parent(path: pathlib.Path) -> pathlib.Path | None:
