@@ -259,7 +259,8 @@ def test_pattern_positions_with_their_own_keys():
                        jax.grad(lambda a: jnp.sum(reference(a) ** 2))(adapters))
 
 
-@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the fast tier's loop test covers the path; these, its dtypes)
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_qlora_base_and_bfloat16_compute(kind):
     """A quantized base (QLoRA): each layer's weight dequantized, the term added on the
     dropped input; with ``dtype=bfloat16`` the layer's product in bfloat16 and the term in
@@ -276,6 +277,7 @@ def test_qlora_base_and_bfloat16_compute(kind):
     assert_trees_close(got.astype(jnp.float32), want.astype(jnp.float32), bound=2**16)
 
 
+@pytest.mark.slow  # (DoRA's full-weight form; the transposed and reshaped uses run it fast)
 def test_dora_is_peft_s_dora_in_training():
     """DoRA with dropout, as PEFT's ``DoraLinearVariant.forward`` trains it: ``x @ W +
     (m / |V| - 1) * (dropout(x) @ W) + m / |V| * scale * (dropout(x) @ a) @ b``, the norm
