@@ -179,7 +179,7 @@ def _uses(kind):
     return forms[kind]
 
 
-@pytest.mark.parametrize("kind", ["x @ w.T", "w @ x.T", "einsum, reshaped into heads",
+@pytest.mark.parametrize("kind", ["einsum, reshaped into heads", "x @ w.T", "w @ x.T",
                                   "a slice of w, in bfloat16"])
 def test_weights_used_transposed_reshaped_sliced_or_cast(kind):
     """The term follows the weight: transposed (the factors swap), reshaped or sliced (the
