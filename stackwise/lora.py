@@ -9,16 +9,16 @@ frozen base (see ``docs/finetune.md``).
 (1, 8)
 """
 
+from stackwise._checkpoint.peft_names import peft_modules as peft_modules
+from stackwise._finetune.batch import stack_adapters as stack_adapters
 from stackwise._finetune.layer import stack_adapted as stack
 from stackwise._finetune.layer import wrap as wrap
 from stackwise._finetune.lora import Adapted as Adapted
 from stackwise._finetune.lora import LoraWeights as LoraWeights
 from stackwise._finetune.lora import attach as attach
 from stackwise._finetune.lora import init as init
-from stackwise._finetune.lora import stack_adapters as stack_adapters
 from stackwise._finetune.merge import merge as merge
 from stackwise._finetune.merge import unmerge as unmerge
-from stackwise._checkpoint.peft_names import peft_modules as peft_modules
 from stackwise._finetune.peft import load_peft as load_peft
 from stackwise._finetune.peft_save import save_peft as save_peft
 from stackwise._finetune.train import combine as combine

@@ -56,5 +56,8 @@ them off each framework's params: Haiku's ``lm/blocks/block/qkv`` ``w``, linen's
 linear layer of the blocks, for ``--steps`` (default 200) steps, saves them in Hugging Face
 PEFT's layout (``--adapters DIR``, default ``<checkpoint>_lora``) and samples with them merged;
 ``--quantize int8|int4|nf4`` quantizes the base first (QLoRA) and samples from it with the
-adapters. ``examples/lm/finetune.py`` says how.
+adapters; ``--lora-dropout RATE`` drops the adapters' input while training (PEFT's
+``lora_dropout``), and ``--modules-to-save lm_head,norm,embed_tokens`` trains those modules
+whole beside the adapters and saves them with them (PEFT's ``modules_to_save``).
+``examples/lm/finetune.py`` says how.
 """

@@ -60,6 +60,9 @@ EXPORT_META = "transformer_lm.json"
 LORA_STEPS = 200
 #: --quantize's choices: stackwise.quant.KINDS (named here: the command line imports no JAX).
 QUANT_KINDS = ("int8", "int4", "nf4")
+#: --modules-to-save's choices: PEFT's names of the modules outside the blocks (each the last
+#: part of its Hugging Face-style name: model.embed_tokens, model.norm, lm_head).
+SAVABLE_MODULES = ("embed_tokens", "norm", "lm_head")
 #: --compute-dtype's choices: the dtype the training step computes in (params stay float32).
 COMPUTE_DTYPES = ("float32", "bfloat16")
 #: --preset's sizes: flags a user would type, each overridden by the same flag given. "v5e":
@@ -113,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.checkpoint = args.checkpoint.absolute()
     if args.lora is not None:
         args.lora_alpha = float(args.lora) if args.lora_alpha is None else args.lora_alpha
+        args.lora_dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
         if args.adapters is None:
             tail = f"_qlora_{args.quantize}" if args.quantize else "_lora"
             args.adapters = args.checkpoint.with_name(args.checkpoint.name + tail)
@@ -162,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_other_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that are not the run's: memory, sampling, checkpoints, modes, fine-tuning."""
+    """The flags that are not the run's: memory, sampling, checkpoints, modes, fine-tuning
+    (:func:`add_lora_flags`)."""
     p.add_argument("--remat", action="store_true", help="rematerialise each block (less memory)")
     p.add_argument(
         "--compute-dtype",
@@ -212,6 +217,12 @@ def add_other_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="skip training: sample from the params an --export saved in DIR",
     )
+    add_lora_flags(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """The fine-tuning flags: ``--lora RANK`` and its settings."""
     p.add_argument(
         "--lora",
         type=positive,
@@ -224,13 +235,27 @@ def add_other_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=QUANT_KINDS,
                    help="with --lora: quantize the frozen base first (QLoRA), and sample from it")
     p.add_argument(
+        "--lora-dropout",
+        type=float,
+        metavar="RATE",
+        help="with --lora: PEFT's lora_dropout, the probability that each element of the\n"
+        "adapters' input is dropped while training (a new mask each step; none when\n"
+        "evaluating or sampling), written to the adapters' config (default: 0)",
+    )
+    p.add_argument(
+        "--modules-to-save",
+        metavar="NAMES",
+        help="with --lora: modules outside the blocks trained whole beside the adapters and\n"
+        "saved with them (PEFT's modules_to_save), comma-separated, of:\n"
+        + ", ".join(SAVABLE_MODULES) + " (default: none)",
+    )
+    p.add_argument(
         "--adapters",
         type=pathlib.Path,
         metavar="DIR",
         help="where --lora saves the adapters, in PEFT's layout (default: the checkpoint's\n"
         "folder name + _lora, or _qlora_<kind> with --quantize)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def unwritable_parent(path: pathlib.Path) -> pathlib.Path | None:
@@ -295,7 +320,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses the fine-tuning flags no run can use (as :func:`check_args`)."""
     if args.lora is None:
-        for name in ("lora_alpha", "quantize", "adapters"):
+        for name in ("lora_alpha", "quantize", "adapters", "lora_dropout", "modules_to_save"):
             if getattr(args, name) is not None:
                 p.error(f"{flag(name)}: only with --lora RANK (it fine-tunes the checkpoint's "
                         f"run with LoRA adapters; {flag(name)} is one of its settings)")
@@ -307,6 +332,11 @@ def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
         p.error(f"--lora-alpha {args.lora_alpha!r}: expected a positive number, e.g. "
                 f"--lora-alpha {2 * args.lora} (the update is alpha / RANK * a @ b)")
+    if not 0 <= args.lora_dropout < 1:  # (NaN fails too)
+        p.error(f"--lora-dropout {args.lora_dropout!r}: expected a probability in [0, 1), e.g. "
+                "--lora-dropout 0.05 (0: none; 1 would drop every input to the adapters, "
+                "which would then never train)")
+    check_modules_to_save(p, args)
     adapters, checkpoint = args.adapters.resolve(), args.checkpoint.resolve()
     if adapters == checkpoint or checkpoint in adapters.parents or adapters in checkpoint.parents:
         p.error(f"--adapters {args.adapters}: it would replace the pre-trained --checkpoint "
@@ -323,6 +353,27 @@ def check_lora_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if folder := unwritable_parent(args.adapters):
         p.error(f"--adapters {args.adapters}: cannot write there ({folder} is not a writable "
                 "folder); give a folder in one you can write")
+
+
+def check_modules_to_save(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--modules-to-save`` as a tuple of names of :data:`SAVABLE_MODULES` (empty if not
+    given), or ``p.error`` naming the one at fault."""
+    if args.modules_to_save is None:
+        args.modules_to_save = ()
+        return
+    names = [name.strip() for name in args.modules_to_save.split(",")]
+    expected = (f"one or more of {', '.join(SAVABLE_MODULES)}, comma-separated (the modules "
+                "outside the blocks), e.g. --modules-to-save lm_head,norm")
+    for name in names:
+        if name not in SAVABLE_MODULES:
+            hint = (" (the blocks' linear layers hold the adapters: PEFT saves no adapted module "
+                    "whole)" if name in ("qkv_proj", "o_proj", "up_proj", "down_proj") else "")
+            p.error(f"--modules-to-save {args.modules_to_save!r}: {name!r} is not a module to "
+                    f"save{hint}; expected {expected}")
+        if names.count(name) > 1:
+            p.error(f"--modules-to-save {args.modules_to_save!r}: {name!r} is named twice; "
+                    f"expected {expected}")
+    args.modules_to_save = tuple(names)
 
 
 def holds_files(path: pathlib.Path) -> bool:

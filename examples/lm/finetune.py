@@ -13,7 +13,13 @@ and ``combine``), with ``--optimizer`` (adamw) at ``--lr`` for ``--steps`` (200)
 through ``stackwise.optax.layerwise``, on the text's training part (its first 90%, as in
 pre-training; ``--text`` may name another text of the same characters), and the loss is
 measured on the same validation windows as pre-training's: before the first step it is the
-checkpoint's own validation loss (the adapters' ``b`` starts at zero). With ``--quantize
+checkpoint's own validation loss (the adapters' ``b`` starts at zero). ``--lora-dropout RATE``
+drops the adapters' input while training, as PEFT's ``lora_dropout`` does (a new key each
+step: ``stackwise.lora.combine(..., key=)``; none when evaluating or sampling), and writes
+RATE to the adapters' config. ``--modules-to-save lm_head,norm,embed_tokens`` trains those
+modules whole beside the adapters (PEFT's ``modules_to_save``), saved with them in the same
+folder (``save_peft(..., modules_to_save=)``; ``load_peft(..., modules_to_save=True)`` reads
+them back), and the model samples with the trained copies. With ``--quantize
 int8|int4|nf4`` the base's linear layers are quantized per layer and output channel first
 (``stackwise.quant``), and each block dequantizes its own slice inside the scan.
 
@@ -56,6 +62,9 @@ from lm.checkpoints import hf_names
 from lm.data import sample_batch
 from lm.train import check_finite, make_optimizer
 
+#: --modules-to-save's modules (cli.SAVABLE_MODULES) and the pure-JAX model's params of each.
+SAVED_PARAMS = {"embed_tokens": ("embed",), "norm": ("ln_f",), "lm_head": ("head", "head_bias")}
+
 #: The adapted leaves of a block, with their modules in a Llama-like transformers layer (the
 #: names of the example's --export; PEFT's adapter files use them).
 MODULES = {
@@ -85,6 +94,28 @@ def fine_tune(args: argparse.Namespace, config: lm_model.Config, params, names, 
         check=lambda loss, step: check_finite(loss, step, args), log=log)
     result.update(record)
     return lm, params
+
+
+def with_saved_modules(trainable, frozen, modules: tuple[str, ...]):
+    """``stackwise.lora.split``'s halves with the params of ``modules`` (--modules-to-save)
+    moved from the frozen half to the trainable one: trained whole beside the adapters."""
+    moved = [name for module in modules for name in SAVED_PARAMS[module]]
+    return ({**trainable, **{name: frozen[name] for name in moved}},
+            {**frozen, **{name: jax.tree.map(lambda _: None, frozen[name]) for name in moved}})
+
+
+def saved_modules(params, modules: tuple[str, ...], pattern: tuple[str, ...]) -> dict:
+    """The params of ``modules`` by their names in the Hugging Face-style model
+    (``"lm_head.weight"``), in torch's layout (a Linear's weight ``(out, in)``): what
+    ``stackwise.lora.save_peft(..., modules_to_save=)`` writes."""
+    names = hf_names("jax", params, pattern)
+    out = {}
+    for module in modules:
+        for name in SAVED_PARAMS[module]:
+            for tensor, leaf in zip(jax.tree.leaves(names[name]), jax.tree.leaves(params[name])):
+                leaf = np.asarray(leaf)
+                out[tensor.name] = leaf.transpose(tensor.transpose) if tensor.transpose else leaf
+    return out
 
 
 def is_target(path: str, shape: tuple) -> bool:
@@ -137,16 +168,21 @@ def finetune(args: argparse.Namespace, config: lm_model.Config, params, *, batch
         base = per_position(lambda b: stackwise.quant.quantize(b, args.quantize, is_target),
                             base, k=k)
     adapters = stackwise.lora.init(jax.random.key(args.seed + 5), base, rank=args.lora,
-                                   alpha=args.lora_alpha, targets=is_target)
+                                   alpha=args.lora_alpha, targets=is_target,
+                                   dropout=args.lora_dropout)
     model = {**params, "blocks": per_position(stackwise.lora.attach, base, adapters, k=k)}
-    trainable, frozen = stackwise.lora.split(model)
+    trainable, frozen = with_saved_modules(*stackwise.lora.split(model), args.modules_to_save)
     log(describe(params, base, trainable, args))
     trainable, record = train(lm, trainable, frozen, batches, val, optimizer, args, log)
     check(record["lora_loss_after"], args.steps)
     model = stackwise.lora.combine(trainable, frozen)
+    params = {**params, **{name: v for name, v in model.items() if name != "blocks"}}
     adapters = per_position(lambda m: m.adapters, model["blocks"], k=k)
-    record["adapters_files"], record["adapters_sha256"] = save(args, adapters, k, log)
+    saved = saved_modules(params, args.modules_to_save, config.pattern)
+    record["adapters_files"], record["adapters_sha256"] = save(args, adapters, saved, k, log)
     record["adapters"] = str(args.adapters)
+    record["modules_to_save"] = sorted(saved)
+    record["saved_sha256"] = digest(saved)
     # The merged model (into the dequantized base, for a quantized one) against the wrapped.
     floats = per_position(stackwise.quant.dequantize, base, k=k)
     merged = {**params, "blocks": per_position(stackwise.lora.merge, floats, adapters, k=k)}
@@ -216,28 +252,40 @@ def greedy(decode, lm, params, prompt, length: int, rows: int = 1) -> np.ndarray
 
 
 def describe(params, base, trainable, args) -> str:
-    """One line: the adapters trained and the frozen base (its bytes, quantized or not)."""
-    n_adapters = sum(v.size for v in jax.tree.leaves(trainable))
-    n_params = sum(v.size for v in jax.tree.leaves(params))
+    """One line: the adapters trained (and the modules trained whole) and the frozen base
+    (its bytes, quantized or not)."""
+    n_adapters = sum(v.size for v in jax.tree.leaves(trainable["blocks"]))
+    n_saved = sum(v.size for name, v in trainable.items() if name != "blocks"
+                  for v in jax.tree.leaves(v))
+    n_params = sum(v.size for v in jax.tree.leaves(params)) - n_saved
     held = sum(v.nbytes for v in jax.tree.leaves(base))
     floats = sum(v.nbytes for v in jax.tree.leaves(params["blocks"]))
     kind = f"{args.quantize} " if args.quantize else ""
-    return (f"LoRA rank {args.lora} (alpha {args.lora_alpha:g}) on {', '.join(MODULES)} of "
-            f"every block: {n_adapters:,} trainable params; the {n_params:,} of the "
-            f"pre-trained model frozen, its blocks {kind}in {held / 2**20:.2f} MiB"
+    dropout = f", dropout {args.lora_dropout:g}" if args.lora_dropout else ""
+    whole = (f"; {', '.join(args.modules_to_save)} trained whole ({n_saved:,} params)"
+             if args.modules_to_save else "")
+    return (f"LoRA rank {args.lora} (alpha {args.lora_alpha:g}{dropout}) on "
+            f"{', '.join(MODULES)} of every block: {n_adapters:,} trainable params{whole}; "
+            f"the {n_params:,} others of the pre-trained model frozen, its blocks {kind}in "
+            f"{held / 2**20:.2f} MiB"
             + (f" (float32: {floats / 2**20:.2f} MiB)" if args.quantize else ""))
 
 
 def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[Any, dict]:
     """``args.steps`` steps on the adapters only; the validation loss before and after."""
-    tx = stackwise.optax.layerwise(optimizer, stackwise.lora.layer_axes(trainable))
+    # The blocks' leaves per layer; a module trained whole (--modules-to-save) is one matrix.
+    axes = {name: stackwise.lora.layer_axes(v) if name == "blocks" else False
+            for name, v in trainable.items()}
+    tx = stackwise.optax.layerwise(optimizer, axes)
 
-    def loss(trainable, inputs, targets):
-        return lm_model.loss_fn(lm, stackwise.lora.combine(trainable, frozen), inputs, targets)
+    def loss(trainable, inputs, targets, key=None):  # key: this step's LoRA dropout masks
+        model = stackwise.lora.combine(trainable, frozen, key=key)
+        return lm_model.loss_fn(lm, model, inputs, targets)
 
     @jax.jit
     def step(trainable, opt_state, key):
-        value, grads = jax.value_and_grad(loss)(trainable, *batches(key))
+        value, grads = jax.value_and_grad(loss)(trainable, *batches(key),
+                                                jax.random.fold_in(key, 1))
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, value
 
@@ -259,22 +307,26 @@ def train(lm, trainable, frozen, batches, val, optimizer, args, log) -> tuple[An
                        "lora_losses": losses, "lora_train_s": train_s}
 
 
-def save(args, adapters, k: int, log) -> tuple[list[str], str]:
-    """Saves the adapters in PEFT's layout to ``args.adapters``: the files and their digest."""
+def save(args, adapters, saved: dict, k: int, log) -> tuple[list[str], str]:
+    """Saves the adapters in PEFT's layout to ``args.adapters``, with the modules trained
+    whole (``saved``, by their names in the model): the files and the adapters' digest."""
     adapters = layer_order(adapters, k)
     modules = {f"['{name}']": module for name, module in MODULES.items()}
     files = stackwise.lora.save_peft(args.adapters, adapters, modules,
                                      base_model_name_or_path=str(args.checkpoint),
-                                     overwrite=args.overwrite)
+                                     modules_to_save=saved or None, overwrite=args.overwrite)
     sha256 = digest(adapters)
+    also = f", with {', '.join(sorted(saved))}" if saved else ""
     log(f"saved the adapters to {args.adapters} in PEFT's layout ({', '.join(files)}; "
-        f"SHA-256 of the arrays {sha256[:12]}); stackwise.lora.load_peft reads them back")
+        f"SHA-256 of the arrays {sha256[:12]}{also}); stackwise.lora.load_peft reads them back"
+        + (" (modules_to_save=True for the modules)" if saved else ""))
     return files, sha256
 
 
 def digest(adapters) -> str:
-    """The SHA-256 of the adapters' arrays (shapes, dtypes and bytes, in tree order): the same
-    for the adapters trained and those ``stackwise.lora.load_peft`` reads, if bitwise equal."""
+    """The SHA-256 of the adapters' arrays (shapes, dtypes and bytes, in tree order; a dict
+    of saved modules in the order of its names): the same for the adapters trained and those
+    ``stackwise.lora.load_peft`` reads, if bitwise equal."""
     sha = hashlib.sha256()
     for leaf in jax.tree.leaves(adapters):
         leaf = np.asarray(leaf)

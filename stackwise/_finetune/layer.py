@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from stackwise._core.stack import DEFAULT_REMAT, Stacked, stack
-from stackwise._finetune import rows
-from stackwise._finetune.lora import Adapted, add, dora_scaled, scaled_update
+from stackwise._finetune import dropout, rows
+from stackwise._finetune.lora import Adapted, LoraWeights, add, dora_scaled, scaled_update
 from stackwise._finetune.quant import compute_dtype, dequantize, is_quantized
+from stackwise._finetune.targets import leaf_paths
 from stackwise._upstream import jax as jax_ties
 
 __all__ = ["materialise", "run_layer", "stack_adapted", "wrap"]
@@ -54,24 +55,30 @@ def is_node(value: Any) -> bool:
     return isinstance(value, Adapted) or is_quantized(value)
 
 
-def _layer_weights(base: Any, adapters: Any, dtype: Any = None) -> Any:
+def adapted_leaf(leaf: Any, lw: LoraWeights, dtype: Any = None) -> jax.Array:
+    """One layer's adapted weight from its base leaf (float or quantized): ``dequantize(W) +
+    scale * a @ b`` (DoRA's rescaled), in ``dtype`` if given."""
+    w = adapted_weight(dequantize(leaf), lw.a, lw.b, lw.scale)
+    if lw.dora:
+        w = dora_scaled(w, lw.magnitude)
+    return w if dtype is None else w.astype(dtype)
+
+
+def _layer_weights(base: Any, adapters: Any, dtype: Any = None, where: str = "",
+                   who: str = "stackwise.lora.wrap") -> Any:
     """One layer's float params: each leaf dequantized, then adapted where it has one; with
-    ``dtype``, each quantized or adapted weight in it."""
+    ``dtype``, each quantized or adapted weight in it. An adapter with a dropout rate refuses
+    to be differentiated (here it has no key: :func:`dropout.guard`)."""
     treedef = jax.tree.structure(base, is_leaf=is_quantized)
     subs = treedef.flatten_up_to(adapters)
     out = []
-    for leaf, lw in zip(jax.tree.leaves(base, is_leaf=is_quantized), subs):
-        if lw is None:
-            out.append(dequantize(leaf, dtype))
-            continue
-        w = adapted_weight(dequantize(leaf), lw.a, lw.b, lw.scale)
-        if lw.dora:
-            w = dora_scaled(w, lw.magnitude)
-        out.append(w if dtype is None else w.astype(dtype))
+    for (path, leaf), lw in zip(leaf_paths(base, is_leaf=is_quantized), subs):
+        out.append(dequantize(leaf, dtype) if lw is None else
+                   adapted_leaf(leaf, dropout.guard(lw, dropout.joined(where, path), who), dtype))
     return jax.tree.unflatten(treedef, out)
 
 
-def materialise(params: Any, dtype: Any = None) -> Any:
+def materialise(params: Any, dtype: Any = None, who: str = "stackwise.lora.wrap") -> Any:
     """One layer's params as its ``apply`` expects them: floats, adapters merged in.
 
     Params without an adapted or quantized node come back as they are (the same object).
@@ -79,9 +86,9 @@ def materialise(params: Any, dtype: Any = None) -> Any:
     """
     if not any(is_node(v) for v in jax.tree.leaves(params, is_leaf=is_node)):
         return params
-    return jax.tree.map(
-        lambda v: _layer_weights(v.base, v.adapters, dtype) if isinstance(v, Adapted)
-        else dequantize(v, dtype) if is_quantized(v) else v,
+    return jax.tree_util.tree_map_with_path(
+        lambda p, v: _layer_weights(v.base, v.adapters, dtype, jax.tree_util.keystr(p), who)
+        if isinstance(v, Adapted) else dequantize(v, dtype) if is_quantized(v) else v,
         params,
         is_leaf=is_node,
     )
@@ -141,7 +148,10 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     group updates from its own rows is refused. Random keys in ``params`` or ``args``
     reach every group alike. With adapters attached with ``rows``
     (:func:`stackwise.lora.attach`), row i of ``x`` runs with adapter ``rows[i]``
-    (:mod:`.rows`), and ``kept`` is refused where it differs by row.
+    (:mod:`.rows`), and ``kept`` is refused where it differs by row. With dropout keys
+    (``attach(..., key=)``), ``block`` gets the float base where an adapter drops its input,
+    and each of its products with that weight gets the adapter's term on the product's
+    dropped input (:mod:`.dropout`).
 
     Raises:
       ValueError: adapters of two batch sizes in one layer, ``x`` without g (or the
@@ -151,15 +161,20 @@ def run_layer(block: Callable[..., Any], params: Any, x: Any, *args: Any, who: s
     if rows.has_rows(params):
         return rows.run(lambda p, x, _: block(p, x, *args), params, x, (), who, shared=True)
     groups = _groups(params, who)
+    if dropout.has_keys(params):  # training with LoRA dropout: the term added at each product
+        def call(p, x):
+            return dropout.run(block, p, (x, *args), dtype=dtype, adapted=adapted_leaf, who=who)
+    else:
+        def call(p, x):
+            return block(materialise(p, dtype, who), x, *args)
     if groups is None:
-        return block(materialise(params, dtype), x, *args)
+        return call(params, x)
     _check_rows(x, groups, who)
     axes = jax.tree.map(
-        lambda v: Adapted(None, 0, v.groups, None) if isinstance(v, Adapted) else None,
+        lambda v: Adapted(None, 0, v.groups, None, None) if isinstance(v, Adapted) else None,
         params, is_leaf=is_node,
     )
-    each = jax.vmap(lambda p, x: block(materialise(p, dtype), x, *args),
-                    in_axes=(axes, 0), out_axes=(0, None))
+    each = jax.vmap(call, in_axes=(axes, 0), out_axes=(0, None))
     try:
         return each(params, x)
     except ValueError as e:
@@ -218,6 +233,12 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False,
     >>> bool(jnp.allclose(y[0], alone[0], atol=1e-6))
     True
 
+    Adapters with a ``dropout`` rate attached with a key (``attach(..., key=)``, a new one
+    each training step) drop their input as PEFT does while it trains: each product ``x @ W``
+    of an adapted weight becomes ``x @ W + scale * (dropout(x) @ a) @ b``
+    (:mod:`stackwise._finetune.dropout`; the layer must use the weight in products only).
+    Without a key they run as above, and differentiating them is refused.
+
     With ``dtype=jnp.bfloat16`` (QLoRA's compute dtype) each quantized or adapted weight
     reaches ``apply`` in bfloat16: dequantized and adapted in float32 (``dequantize(W) +
     scale * a @ b``, the update in the adapters' dtype), rounded to bfloat16 once. Give
@@ -245,7 +266,9 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False,
       ValueError (when the layer runs): attached adapters of two batch sizes in one
         layer; ``dtype`` with ``rows``; with a batch, ``x`` without g on its leading axis, or state that differs
         by group; with ``rows``, ``x`` or the state without the rows on their leading
-        axis, or an adapted weight used other than in a matrix product.
+        axis, or an adapted weight used other than in a matrix product (so too for an
+        adapter that drops its input, with a key); adapters with a dropout rate
+        differentiated without a key.
     """
     who = "stackwise.lora.wrap"
     if not callable(apply):

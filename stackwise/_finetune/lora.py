@@ -6,13 +6,14 @@ pair ``a (n, in, r)``, ``b (n, r, out)``: layer i uses ``W[i] + scale * a[i] @ b
 a magnitude ``m (n, out)``, and layer i uses ``(W[i] + scale * a[i] @ b[i]) * m[i] / norm``,
 the norm taken per output column. The adapters are a tree shaped like the base's params,
 with :class:`LoraWeights` at the target leaves and None elsewhere; :func:`attach` pairs them
-with the base (which is never copied) for :func:`stackwise.lora.wrap` to run.
+with the base (which is never copied) for :func:`stackwise.lora.wrap` to run. An adapter
+with a ``dropout`` rate p (PEFT's ``lora_dropout``), attached with a key, trains as PEFT
+trains it: ``x @ W + scale * (dropout(x) @ a) @ b`` (:mod:`.dropout`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +27,9 @@ from stackwise._core.served import stacked_only
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._finetune.targets import Targets, leaf_paths, select
 
-__all__ = ["Adapted", "LoraWeights", "add", "attach", "check_shapes", "column_norms", "delta",
-           "dora_scaled", "float_adapter", "float_dtype", "init", "lora_scale", "pairs",
-           "plain_tree", "scaled_update", "stack_adapters"]
+__all__ = ["Adapted", "LoraWeights", "add", "attach", "check_rate", "check_shapes", "column_norms",
+           "delta", "dora_scaled", "float_adapter", "float_dtype", "init", "layer_keys",
+           "lora_scale", "pairs", "plain_tree", "rekey", "scaled_update"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class LoraWeights:
     ``use_dora``) also holds ``magnitude`` ``(n, out)``: the adapted weight
     ``V = W + scale * a @ b`` is rescaled to ``V * magnitude / |V|``, ``|V|`` each output
     column's norm, held constant for gradients (DoRA's section 4.3, as PEFT does).
+    ``dropout`` (static; PEFT's ``lora_dropout``) is the probability p with which each
+    element of the adapter's input is dropped while training, the rest scaled by
+    ``1 / (1 - p)``: attached with a key (``attach(..., key=)``), each product ``x @ W`` of
+    the layer becomes ``x @ W + scale * (dropout(x) @ a) @ b``; without one (inference) the
+    adapter runs as if p were 0, and differentiating it is refused.
 
     >>> import jax.numpy as jnp, stackwise
     >>> a, b = jnp.ones((2, 8, 4)), jnp.zeros((2, 4, 8))
@@ -55,6 +61,7 @@ class LoraWeights:
     alpha: float = 1.0
     rslora: bool = False
     magnitude: jax.Array | None = None
+    dropout: float = 0.0
 
     @property
     def rank(self) -> int:
@@ -76,7 +83,32 @@ def lora_scale(alpha: float, rank: int, rslora: bool) -> float:
 
 
 jax.tree_util.register_dataclass(LoraWeights, data_fields=["a", "b", "magnitude"],
-                                 meta_fields=["alpha", "rslora"])
+                                 meta_fields=["alpha", "rslora", "dropout"])
+
+
+def check_rate(p: Any, who: str, arg: str = "dropout") -> float:
+    """A dropout rate (PEFT's ``lora_dropout``) as a float in [0, 1), else an error naming
+    ``arg``."""
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.number)):
+        raise TypeError(f"{who}: `{arg}` must be a number in [0, 1), PEFT's lora_dropout "
+                        f"(e.g. 0.05), got {type(p).__name__} {p!r}.")
+    if not 0 <= p < 1:
+        raise ValueError(
+            f"{who}: `{arg}` is {p!r}; it is the probability that each element of the "
+            "adapters' input is dropped while training (PEFT's lora_dropout), a number in "
+            "[0, 1): 0 drops none, and 1 would drop every input, so the adapters would never "
+            "train (e.g. 0.05 or 0.1)."
+        )
+    return float(p)
+
+
+def layer_keys(key: jax.Array, node: int, n: int) -> jax.Array:
+    """The dropout keys of the ``node``-th attached node of a tree, one per layer (``(n,)``):
+    ``jax.random.split(jax.random.fold_in(key, node), n)``, typed keys. Inside layer i, the
+    node's base leaf j draws from ``fold_in(keys[i], j)`` (:mod:`.dropout`)."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return jax.random.split(jax.random.fold_in(key, node), n)
 
 
 def is_lora(value: Any) -> bool:
@@ -90,28 +122,47 @@ class Adapted:
     Made by :func:`attach`, which checks them; its children are ``base``, ``adapters``
     (a batch of g adapters is held layer axis first, ``(n, g, ...)``, so that the scan
     slices layers) and ``rows`` (with ``attach(..., rows=...)``: each batch row's adapter
-    index, held once per layer, ``(n, batch)``; else None); ``groups`` is static (g, or
-    None for one adapter).
+    index, held once per layer, ``(n, batch)``; else None) and ``keys`` (with
+    ``attach(..., key=)`` and adapters with a ``dropout`` rate: one dropout key per layer,
+    ``(n,)``; else None); ``groups`` is static (g, or None for one adapter).
     """
 
-    __slots__ = ("adapters", "base", "groups", "rows")
+    __slots__ = ("adapters", "base", "groups", "keys", "rows")
 
-    def __init__(self, base: Any, adapters: Any, groups: int | None = None, rows: Any = None):
+    def __init__(self, base: Any, adapters: Any, groups: int | None = None, rows: Any = None,
+                 keys: Any = None):
         self.base, self.adapters, self.groups, self.rows = base, adapters, groups, rows
+        self.keys = keys
 
     def tree_flatten_with_keys(self):
-        keys = (jax.tree_util.GetAttrKey("base"), jax.tree_util.GetAttrKey("adapters"),
-                jax.tree_util.GetAttrKey("rows"))
-        return tuple(zip(keys, (self.base, self.adapters, self.rows))), self.groups
+        names = ("base", "adapters", "rows", "keys")
+        children = (self.base, self.adapters, self.rows, self.keys)
+        return tuple((jax.tree_util.GetAttrKey(k), v) for k, v in zip(names, children)), \
+            self.groups
 
     @classmethod
     def tree_unflatten(cls, groups, children):
-        base, adapters, rows = children
-        return cls(base, adapters, groups, rows)
+        base, adapters, rows, keys = children
+        return cls(base, adapters, groups, rows, keys)
 
     def __repr__(self) -> str:
         per_row = "" if self.rows is None else ", rows=..."
-        return f"stackwise.lora.Adapted(groups={self.groups}{per_row})"
+        keyed = "" if self.keys is None else ", keys=..."
+        return f"stackwise.lora.Adapted(groups={self.groups}{per_row}{keyed})"
+
+    def rates(self) -> list[float]:
+        """The dropout rate of each of the node's adapters (0 where a leaf has none)."""
+        return [lw.dropout for lw in jax.tree.leaves(self.adapters, is_leaf=is_lora)
+                if is_lora(lw)]
+
+    def with_keys(self, key: jax.Array | None, node: int) -> Adapted:
+        """The node with its layers' dropout keys from ``key`` (:func:`layer_keys`; none
+        without a key, or without an adapter that drops)."""
+        if key is None or not any(self.rates()):
+            return Adapted(self.base, self.adapters, self.groups, self.rows)
+        n = jax.tree.leaves(self.base, is_leaf=is_quantized)[0].shape[0]
+        return Adapted(self.base, self.adapters, self.groups, self.rows,
+                       layer_keys(key, node, n))
 
 
 def _uniform(keys: jax.Array, shape: tuple, dtype: Any, bound: float) -> jax.Array:
@@ -160,6 +211,7 @@ def init(
     alpha: float | None = None,
     rslora: bool = False,
     dora: bool = False,
+    dropout: float = 0.0,
     targets: Targets = None,
     dtype: Any = None,
 ) -> Any:
@@ -185,6 +237,9 @@ def init(
       dora: DoRA (PEFT's ``use_dora``): each adapter also holds a magnitude per output
         column, ``magnitude (n, out)``, starting at the base's column norms (so the adapted
         model starts equal to the base). Weights are used as ``x @ W`` (columns are outputs).
+      dropout: PEFT's ``lora_dropout``, in [0, 1): attached with a key
+        (``attach(..., key=)``), each adapter's input is dropped with this probability while
+        training (:class:`LoraWeights`); 0 (the default) drops none.
       targets: a predicate ``(path, per_layer_shape) -> bool``, leaf paths, or None for
         every float (or quantized) leaf that is 2-D per layer: integer leaves are no target.
       dtype: the adapters' dtype; default the base leaf's float dtype (float32 for a
@@ -194,12 +249,13 @@ def init(
       A tree shaped like ``params``: :class:`LoraWeights` at targets, None elsewhere.
 
     Raises:
-      TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, ``alpha`` is
-        not a number, ``rslora`` or ``dora`` not a bool, or ``params`` holds a base and
-        adapters attached.
+      TypeError: ``key`` is not one PRNG key, ``rank`` is not an int, ``alpha`` or
+        ``dropout`` is not a number, ``rslora`` or ``dora`` not a bool, or ``params`` holds
+        a base and adapters attached.
       ValueError: ``rank`` larger than a target's ``in`` or ``out``, ``alpha`` not
-        positive and finite, a ``dtype`` that is not a float, or a target that is not 2-D
-        per layer or is an integer leaf (the default targets skip those).
+        positive and finite, ``dropout`` outside [0, 1), a ``dtype`` that is not a float,
+        or a target that is not 2-D per layer or is an integer leaf (the default targets
+        skip those).
     """
     who = "stackwise.lora.init"
     stacked_only(who, params=params)
@@ -215,6 +271,7 @@ def init(
         )
     rslora = check_bool(rslora, "rslora", who)
     dora = check_bool(dora, "dora", who)
+    dropout = check_rate(dropout, who)
     dtype = float_dtype(dtype, who)
     plain_tree(params, "params", who)
     leaves = leaf_paths(params, is_leaf=is_quantized)
@@ -240,7 +297,7 @@ def init(
         a = _uniform(keys, (d_in, rank), own, 1.0 / np.sqrt(d_in))
         magnitude = column_norms(leaf).astype(own) if dora else None
         out.append(LoraWeights(a, jnp.zeros((n, rank, d_out), own), float(alpha), rslora,
-                               magnitude))
+                               magnitude, dropout))
     treedef = jax.tree.structure(params, is_leaf=is_quantized)
     return jax.tree.unflatten(treedef, out)
 
@@ -326,7 +383,8 @@ def check_shapes(path: str, leaf: Any, lw: LoraWeights, who: str) -> int | None:
     return groups
 
 
-def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None) -> Any:
+def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None,
+           key: jax.Array | None = None) -> Any:
     """The base and its adapters as one params tree for a stack of wrapped layers.
 
     Nothing is copied: the base's arrays are held as they are, so several adapters (or one
@@ -364,6 +422,21 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
     >>> bool(jnp.allclose(y[0], alone[0], rtol=1e-6)), y.shape
     (True, (3, 4))
 
+    With ``key`` (a new one each training step), adapters made with a ``dropout`` rate p
+    (``init(..., dropout=p)``, or PEFT's ``lora_dropout`` read by ``load_peft``) drop their
+    input as PEFT does while it trains: each product ``x @ W`` of an adapted weight becomes
+    ``x @ W + scale * (dropout(x) @ a) @ b``, the mask drawn per layer, per adapted leaf and
+    per product (:mod:`stackwise._finetune.dropout`). Without a key (evaluation, decoding)
+    nothing is dropped, and differentiating such adapters is refused, naming the key:
+
+    >>> drop = stackwise.lora.init(jax.random.key(0), base, rank=2, dropout=0.5)
+    >>> drop = jax.tree.map(lambda v: v + 0.1, drop)               # as if trained
+    >>> one = stackwise.lora.stack(lambda p, x: x @ p["w"], 3)
+    >>> train = one.apply(stackwise.lora.attach(base, drop, key=jax.random.key(1)), x)
+    >>> infer = one.apply(stackwise.lora.attach(base, drop), x)
+    >>> bool(jnp.allclose(train, infer)), train.shape
+    (False, (3, 4))
+
     Args:
       base: the stacked base params (float, or quantized: ``stackwise.quant.quantize``).
       adapters: from :func:`init` (one adapter) or :func:`stack_adapters` (a batch).
@@ -374,18 +447,28 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
         checked to lie in ``[-1, g)``; traced ones (under ``jax.jit``) are not: a row
         whose index is outside ``[0, g)`` runs the base alone, as -1 does (never another
         adapter's weights, which a clipping gather would give).
+      key: None (no dropout: evaluation, decoding), or one PRNG key for this step's dropout
+        masks. Attached node t of the result (one, or one per adapted leaf with
+        ``per_leaf``; in tree order) holds ``jax.random.split(jax.random.fold_in(key, t),
+        n)``, layer i's key; inside layer i, the node's base leaf j draws its u-th product's
+        mask from ``fold_in(fold_in(keys[i], j), u)``. Adapters whose rates are all 0 need
+        none, and take it unchanged (bitwise the run without it). The keys are leaves of
+        the result: differentiate the adapters (attach inside the loss, or
+        :func:`stackwise.lora.split` and ``combine(..., key=)``), not the attached tree.
 
     Raises:
       ValueError: the adapters are not shaped like the base, have another depth, or do
         not fit their leaf; a batch mixed with single adapters, or batches of two sizes;
         ``rows`` with one adapter (not a batch) or with a DoRA adapter, ``rows`` not of
         shape ``(batch,)``, or a concrete index outside ``[-1, g)``.
+        ``key`` with ``rows`` and adapters that drop their input.
       TypeError: something other than LoraWeights or None where an adapter belongs,
-        ``per_leaf`` not a bool, or ``rows`` not integers.
+        ``per_leaf`` not a bool, ``rows`` not integers, or ``key`` not one PRNG key.
     """
     who = "stackwise.lora.attach"
     stacked_only(who, base=base, adapters=adapters)
     per_leaf = check_bool(per_leaf, "per_leaf", who)
+    key = None if key is None else checks.prng_key(key, who)
     found = set()
     paired = pairs(base, adapters, who)
     for path, leaf, lw in paired:
@@ -400,6 +483,8 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
     groups = found.pop() if found else None
     if rows is not None:
         rows = _check_rows_arg(rows, groups, paired, who)
+        if key is not None:
+            _refuse_rows_key(paired, who)
     if groups is not None:
         adapters = jax.tree.map(lambda v: jnp.moveaxis(v, 0, 1), adapters)
 
@@ -408,13 +493,33 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
 
     if not per_leaf:
         depth = next((leaf.shape[0] for _, leaf, lw in paired if lw is not None), 0)
-        return Adapted(base, adapters, groups, per_layer(depth))
+        return rekey(Adapted(base, adapters, groups, per_layer(depth)), key)
     treedef = jax.tree.structure(base, is_leaf=is_quantized)
     subs = treedef.flatten_up_to(adapters)
-    return jax.tree.unflatten(treedef, [
+    return rekey(jax.tree.unflatten(treedef, [
         leaf if lw is None else Adapted(leaf, lw, groups, per_layer(leaf.shape[0]))
         for (_, leaf, _), lw in zip(paired, subs)
-    ])
+    ]), key)
+
+
+def rekey(tree: Any, key: jax.Array | None) -> Any:
+    """``tree`` with each attached node's dropout keys drawn from ``key`` (node t, in tree
+    order: :meth:`Adapted.with_keys`), or removed (``key`` None)."""
+    count = iter(range(len(jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, Adapted)))))
+    return jax.tree.map(lambda v: v.with_keys(key, next(count)) if isinstance(v, Adapted)
+                        else v, tree, is_leaf=lambda v: isinstance(v, Adapted))
+
+
+def _refuse_rows_key(paired: list, who: str) -> None:
+    dropping = [(path, lw.dropout) for path, _, lw in paired if lw is not None and lw.dropout]
+    if dropping:
+        raise ValueError(
+            f"{who}: `key` draws dropout masks for training, but with `rows` each row's "
+            "update is added beside the base product (multi-LoRA serving), where no input is "
+            f"dropped, and the adapter at {dropping[0][0]} has dropout {dropping[0][1]}. Train "
+            "each adapter attached alone (`attach(base, adapters, key=key)`), or serve the "
+            "batch without `key`."
+        )
 
 
 def _check_rows_arg(rows: Any, groups: int | None, paired: list, who: str) -> jax.Array:
@@ -465,59 +570,6 @@ def _check_rows_arg(rows: Any, groups: int | None, paired: list, who: str) -> ja
                 "alone."
             )
     return rows
-
-
-def stack_adapters(adapters: Sequence[Any]) -> Any:
-    """A batch of adapters of one base: every ``a`` / ``b`` gains a leading axis g.
-
-    Attached (:func:`attach`), layer ``i`` of example group ``j`` uses adapter ``j``: the
-    stack's input ``x`` then has g on its leading axis. It runs on
-    :func:`stackwise.lora.stack` and, attached with ``per_leaf=True``, on every framework
-    Stack (``docs/finetune.md``), the base shared by the groups, never copied.
-
-    >>> import jax, jax.numpy as jnp, stackwise
-    >>> base = {"w": jnp.ones((3, 4, 4))}
-    >>> one, two = (stackwise.lora.init(jax.random.key(s), base, rank=2) for s in (0, 1))
-    >>> stackwise.lora.stack_adapters([one, two])["w"].a.shape
-    (2, 3, 4, 2)
-
-    Raises:
-      ValueError: fewer than one adapter, or adapters of other structures, shapes or alphas.
-    """
-    who = "stackwise.lora.stack_adapters"
-    adapters = list(adapters)
-    stacked_only(who, **{f"adapters[{i}]": a for i, a in enumerate(adapters)})
-    if not adapters:
-        raise ValueError(f"{who}: give at least one adapter tree.")
-    first = jax.tree_util.tree_leaves_with_path(adapters[0])
-    ranks = [(path, lw.rank) for path, lw in jax.tree_util.tree_leaves_with_path(
-        adapters[0], is_leaf=is_lora) if is_lora(lw)]
-    for i, other in enumerate(adapters[1:], 1):
-        theirs = [lw.rank for lw in jax.tree.leaves(other, is_leaf=is_lora) if is_lora(lw)]
-        for (path, rank), their in zip(ranks, theirs):
-            if their != rank:
-                raise ValueError(
-                    f"{who}: adapters[{i}]{jax.tree_util.keystr(path)} has rank {their} "
-                    f"where adapters[0] has rank {rank}: a batch holds adapters of one rank "
-                    "(its a and b are stacked); serve adapters of another rank in a batch "
-                    "of their own, `stackwise.lora.stack_adapters([...])` per rank."
-                )
-        if jax.tree.structure(other) != jax.tree.structure(adapters[0]):
-            raise ValueError(
-                f"{who}: adapters {i} differ from adapters 0 in structure or alpha "
-                "(targets, alpha, rsLoRA): a batch needs adapters made alike, e.g. by "
-                "`stackwise.lora.init` with the same rank, alpha and targets."
-            )
-        for (path, v0), v in zip(first, jax.tree.leaves(other)):
-            if np.shape(v) != np.shape(v0):
-                raise ValueError(
-                    f"{who}: adapters[{i}]{jax.tree_util.keystr(path)} has shape "
-                    f"{np.shape(v)} where adapters[0] has {np.shape(v0)}: a batch needs "
-                    "adapters of one rank, depth and targets (`stackwise.lora.init` with "
-                    "the same rank from the same base); serve adapters of another rank "
-                    "in a batch of their own."
-                )
-    return jax.tree.map(lambda *vs: jnp.stack(vs), *adapters)
 
 
 # --------------------------------------------------------------------------

@@ -10,7 +10,8 @@ stored ``(out, in)`` (``layout="out_in"``: Equinox's ``Linear``) the adapter is 
 r)``, ``b (n, r, in)``, and layer i's ``lora_A = b[i]``, ``lora_B = a[i]``.
 
 The config is read and written as PEFT applies it (rsLoRA, per-module ranks and alphas,
-layers without adapters, full copies of ``modules_to_save``); a field stackwise cannot apply
+layers without adapters, full copies of ``modules_to_save``, ``lora_dropout`` as the
+adapters' ``dropout``); a field stackwise cannot apply
 exactly is refused by name (``docs/finetune.md`` has the table).
 """
 
@@ -300,7 +301,8 @@ def _read_leaf(tensors: dict, names: list[str], path: str, leaf: Any, config: di
     if out_in:  # a (out, r) is lora_B, b (r, in) is lora_A
         a, b = jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2)
     return LoraWeights(a, b, alpha, bool(config.get("use_rslora", False)),
-                       jnp.asarray(np.stack(m)) if dora else None)
+                       jnp.asarray(np.stack(m)) if dora else None,
+                       float(config.get("lora_dropout", 0.0)))
 
 
 def load_peft(
@@ -322,8 +324,9 @@ def load_peft(
     scale with ``use_rslora``, DoRA's magnitudes with ``use_dora``, and zeros for the
     layers ``layers_to_transform`` (read with ``layers_pattern``) or ``exclude_modules``
     leave without an adapter: zeros change nothing and take no gradient, as a layer
-    without one. A field stackwise cannot apply
-    exactly is refused by name.
+    without one. ``lora_dropout`` becomes each adapter's ``dropout``, applied while
+    training with a key (``stackwise.lora.attach(..., key=)``), as PEFT applies it. A
+    field stackwise cannot apply exactly is refused by name.
 
     >>> import json, os, tempfile, numpy as np, jax.numpy as jnp, stackwise
     >>> from safetensors.numpy import save_file
@@ -369,10 +372,10 @@ def load_peft(
         any other field set that stackwise does not apply, a pattern giving one stacked
         leaf's layers several ranks or alphas, DoRA with layers left without adapters or
         onto an ``(out, in)`` base, an ``r``, ``lora_alpha`` or other field out of PEFT's
-        range), saved modules' copies without ``modules_to_save=True``, weights from another
-        model (a layer or module missing, shapes that do not fit the base's leaves, or
-        tensors left over: more layers, other modules), ``modules`` or ``layers`` as for
-        saving, or an integer ``dtype``.
+        range, a ``lora_dropout`` of 1), saved modules' copies without
+        ``modules_to_save=True``, weights from another model (a layer or module missing,
+        shapes that do not fit the base's leaves, or tensors left over: more layers, other
+        modules), ``modules`` or ``layers`` as for saving, or an integer ``dtype``.
       TypeError: ``modules`` is not a mapping of paths to module names, ``base`` is
         served or attached, ``pattern`` not a positive int, a tuple of trees (a pattern's)
         without ``pattern``, or not k trees with it, or ``modules_to_save`` not a bool.

@@ -165,6 +165,12 @@ def _check_fields(config: dict, path: str, who: str) -> None:
             and 0 <= dropout <= 1):
         raise refuse(who, path, "lora_dropout", dropout,
                       "PEFT's lora_dropout is a probability in [0, 1]")
+    if dropout == 1:
+        raise refuse(who, path, "lora_dropout", dropout,
+                      "it drops every input to the adapters while training, so they would "
+                      "never train (PEFT's dropout then gives zeros); stackwise loads "
+                      "lora_dropout in [0, 1), applied while training with a key "
+                      "(`stackwise.lora.attach(..., key=)`)")
     bias = config.get("bias", "none")
     if bias not in ("none", "all", "lora_only"):
         raise refuse(who, path, "bias", bias, "PEFT's bias is 'none', 'all' or 'lora_only'")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stackwise._core.served import stacked_only
-from stackwise._finetune.lora import float_adapter, is_lora, plain_tree
+from stackwise._finetune.lora import check_rate, float_adapter, is_lora, plain_tree
 from stackwise._finetune.peft import (
     LAYERS,
     check_layers,
@@ -113,14 +113,18 @@ def _write(directory: str, tensors: dict, config: dict, overwrite: bool, who: st
         shutil.rmtree(stage)
 
 
-def _check_dropout(p: Any, who: str) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float, np.number)) or not 0 <= p <= 1:
+def _dropout(given: Any, found: dict, who: str) -> float:
+    """The ``lora_dropout`` to write: ``given``, or the adapters' one rate."""
+    if given is not None:
+        return check_rate(given, who, "lora_dropout")
+    rates = sorted({lw.dropout for lw in found.values()})
+    if len(rates) > 1:
         raise ValueError(
-            f"{who}: `lora_dropout` is {p!r}; it is PEFT's dropout probability on the "
-            "adapters' input while PEFT trains, a number in [0, 1] (stackwise's training "
-            "applies none; the value is written for PEFT)."
+            f"{who}: the adapters have dropout rates {rates}, and PEFT's config holds one "
+            "`lora_dropout`; make them with one `stackwise.lora.init(..., dropout=)`, or "
+            "give the one to write, `lora_dropout=p`."
         )
-    return float(p)
+    return rates[0] if rates else 0.0
 
 
 def _check_saved(saved: Any, names: dict, who: str) -> dict[str, np.ndarray]:
@@ -247,7 +251,7 @@ def save_peft(
     layers: str = LAYERS,
     layout: str = "in_out",
     pattern: int | None = None,
-    lora_dropout: float = 0.0,
+    lora_dropout: float | None = None,
     modules_to_save: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> list[str]:
@@ -288,9 +292,9 @@ def save_peft(
         position p holding layers p, p+k, ...: ``stackwise.lora.init`` of ``Stacked.init``'s
         params): row j of position p is written as layer ``p + j*k``, the model's layer
         index, so positions may share module names (``self_attn.q_proj`` in every layer).
-      lora_dropout: PEFT's dropout on the adapters' input while PEFT trains, written to the
-        config for PEFT; stackwise's training applies none (each layer is given its adapted
-        weight, not the adapters' input).
+      lora_dropout: PEFT's dropout on the adapters' input while training: None (the
+        default) writes the adapters' own ``dropout`` (one rate for all), a number in
+        [0, 1) writes that instead (``load_peft`` then gives adapters with it).
       modules_to_save: full trained copies of whole modules to write beside the adapters
         (PEFT's ``modules_to_save``: embeddings, heads, norms), each tensor's name in the
         transformers model (``"lm_head.weight"``, ``"model.embed_tokens.weight"``) -> its
@@ -305,15 +309,16 @@ def save_peft(
       TypeError: ``modules`` is not a mapping of paths to module names, ``layers`` not a
         str, ``base_model_name_or_path`` not a str, path or None, ``adapters`` attached,
         ``pattern`` not a positive int, a tuple of trees (a pattern's) without ``pattern``,
-        or not k trees with it, or ``modules_to_save`` not a mapping of names to float
-        arrays.
+        or not k trees with it, ``lora_dropout`` not a number, or ``modules_to_save`` not a
+        mapping of names to float arrays.
       ValueError: an adapted leaf without a module, a module for a leaf without an adapter,
         two leaves on one module (of one pattern position), a module named as a weight
         (``...q_proj.weight``), ``layers`` without one ``{i}`` (or ``{}``), a batch of
         adapters, adapted leaves of one stack (or position) with different numbers of
         layers, pattern positions whose depths no model has, rsLoRA or DoRA adapters beside
         plain ones (PEFT's config holds one ``use_rslora`` and one ``use_dora``), DoRA with
-        ``layout="out_in"``, ``lora_dropout`` not a number in [0, 1], or a
+        ``layout="out_in"``, ``lora_dropout`` outside [0, 1) or, without it, adapters of
+        several dropout rates, or a
         ``modules_to_save`` name that is not a tensor's, or names a module
         that is adapted (PEFT adapts no module it saves whole). Every name is checked
         before anything is written.
@@ -328,7 +333,6 @@ def save_peft(
     layers = check_layers(layers, who)
     out_in = check_layout(layout, who)
     base_model_name_or_path = _check_base_model(base_model_name_or_path, who)
-    lora_dropout = _check_dropout(lora_dropout, who)
     tensors = {}
     found = {path: lw for path, lw in leaf_paths(adapters, is_leaf=is_lora) if is_lora(lw)}
     if set(found) != set(modules):
@@ -343,6 +347,7 @@ def save_peft(
                 f"{who}: adapter {path} is a batch of {lw.a.shape[0]} adapters; save one: "
                 "`jax.tree.map(lambda v: v[j], adapters)` takes adapter j."
             )
+    lora_dropout = _dropout(lora_dropout, found, who)
     numbers = layer_numbers({path: lw.a.shape[0] for path, lw in found.items()}, k,
                              "adapters", who)
     rslora = sorted({lw.rslora for lw in found.values()})

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from stackwise._finetune.dropout import guard
 from stackwise._finetune.lora import Adapted, add, scaled_update
 from stackwise._finetune.quant import dequantize, is_quantized
 from stackwise._finetune.targets import leaf_paths
@@ -120,7 +121,7 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
     _check_batch(x, batch, "x", who)
     _check_batch(state, batch, "state", who)
     if not (jax_ties.holds(jax_ties.EVAL_LOOP) and jax_ties.holds(jax_ties.UPDATE_SLICE)):
-        return _each_row_merged(block, params, x, state, shared)
+        return _each_row_merged(block, params, x, state, shared, who)
     lows: dict = {}  # id(base weight) -> _Low
 
     def weights(node: Any) -> Any:
@@ -135,6 +136,7 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
         for (path, leaf), lw in zip(leaf_paths(node.base, is_leaf=is_quantized), subs):
             w = dequantize(leaf)
             if lw is not None:
+                lw = guard(lw, path, who)  # (no dropout here: refused when differentiated)
                 g, d_in, r = lw.a.shape
                 # Side by side, the g adapters are read once for the batch (and run as two
                 # plain products); gathered, one per row (a batched product per row). Side
@@ -199,7 +201,7 @@ def run(block: Callable[..., Any], params: Any, x: Any, state: Any, who: str,
 
 
 def _each_row_merged(block: Callable[..., Any], params: Any, x: Any, state: Any,
-                     shared: bool) -> tuple:
+                     shared: bool, who: str) -> tuple:
     """The exact path where the jaxpr evaluation's ties no longer hold: ``jax.vmap`` over
     the rows, each row's weights built as ``W + scale * a[idx] @ b[idx]`` (the same values;
     a weight per row, and the cache written with vmap's scatter)."""
@@ -220,6 +222,7 @@ def _each_row_merged(block: Callable[..., Any], params: Any, x: Any, state: Any,
             for leaf, lw in zip(jax.tree.leaves(node.base, is_leaf=is_quantized), subs):
                 w = dequantize(leaf)
                 if lw is not None:
+                    lw = guard(lw, "", who)
                     d = jnp.where(keep, scaled_update(lw.a[pick], lw.b[pick], lw.scale), 0)
                     w = add(w, d)
                 out.append(w)

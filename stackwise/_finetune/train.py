@@ -1,7 +1,9 @@
 """Training only the adapters: the trainable/frozen split and the optimizer's masks.
 
 Every leaf inside a :class:`LoraWeights` is trainable; every other leaf (the base, its
-quantized codes and scales, anything else in the tree) is frozen.
+quantized codes and scales, anything else in the tree) is frozen. Dropout keys
+(``attach(..., key=)``) are neither: they belong to one step, so :func:`split` leaves them
+out and :func:`combine` takes the next step's.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from typing import Any
 
 import jax
 
+from stackwise._core import checks
 from stackwise._core.served import stacked_only
-from stackwise._finetune.lora import is_lora
+from stackwise._finetune.lora import is_lora, rekey
 from stackwise._finetune.quant import is_quantized
 
 __all__ = ["combine", "layer_axes", "mask", "split"]
@@ -48,7 +51,8 @@ def split(tree: Any) -> tuple[Any, Any]:
     """``(trainable, frozen)``: the tree twice, each with None where the other has leaves.
 
     Differentiate with respect to ``trainable`` only and put the halves back together with
-    :func:`combine`; nothing is copied.
+    :func:`combine`; nothing is copied. Dropout keys the tree holds (``attach(..., key=)``)
+    are in neither half: give each step's to :func:`combine`.
 
     >>> import jax, jax.numpy as jnp, stackwise
     >>> base = {"w": jnp.ones((2, 4, 4))}
@@ -72,25 +76,42 @@ def split(tree: Any) -> tuple[Any, Any]:
         )
     # A quantized weight is frozen whole: the trainable half holds None there, not an
     # empty `Quantized` (which an optimizer would refuse as a quantized leaf).
+    tree = rekey(tree, None)  # (a step's dropout keys: neither trained nor kept)
     trainable = _per_leaf(tree, lambda leaf, lw: leaf, lambda v: None, is_quantized)
     frozen = _per_leaf(tree, lambda leaf, lw: None, lambda v: v, is_quantized)
     return trainable, frozen
 
 
-def combine(trainable: Any, frozen: Any) -> Any:
+def combine(trainable: Any, frozen: Any, *, key: jax.Array | None = None) -> Any:
     """The tree :func:`split` was given, from its two halves.
+
+    With ``key`` (a new one each step), adapters with a dropout rate drop their input while
+    training, as ``stackwise.lora.attach(..., key=key)`` makes them (the same keys for the
+    same tree); without one, nothing is dropped, and differentiating adapters that drop is
+    refused.
+
+    >>> import jax, jax.numpy as jnp, stackwise
+    >>> base = {"w": jnp.ones((2, 4, 4))}
+    >>> adapters = stackwise.lora.init(jax.random.key(0), base, rank=1, dropout=0.1)
+    >>> trainable, frozen = stackwise.lora.split(stackwise.lora.attach(base, adapters))
+    >>> stackwise.lora.combine(trainable, frozen, key=jax.random.key(1)).keys.shape
+    (2,)
 
     Raises:
       ValueError: the halves are not the two halves of one tree.
+      TypeError: ``key`` is not one PRNG key.
     """
+    who = "stackwise.lora.combine"
+    key = None if key is None else checks.prng_key(key, who)
     try:
-        return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen,
+        tree = jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen,
                             is_leaf=lambda v: v is None)
     except ValueError as e:
         raise ValueError(
-            "stackwise.lora.combine: the two halves do not have one structure; pass the "
+            f"{who}: the two halves do not have one structure; pass the "
             f"`(trainable, frozen)` that `stackwise.lora.split` gave: {e}"
         ) from None
+    return tree if key is None else rekey(tree, key)
 
 
 def layer_axes(tree: Any) -> Any:

@@ -28,6 +28,7 @@ __all__ = ["env"]  # (the fixture, shared with test_examples)
 #: The adapted leaves and their modules in a transformers layer (examples/lm/finetune.py's).
 MODULES = {"['qkv']": "self_attn.qkv_proj", "['out']": "self_attn.o_proj",
            "['up']": "mlp.up_proj", "['down']": "mlp.down_proj"}
+_is_lora = lambda v: isinstance(v, stackwise.lora.LoraWeights)  # noqa: E731
 
 
 def files_of(folder: pathlib.Path) -> dict:
@@ -49,7 +50,7 @@ def runs(tmp_path_factory, env) -> dict:
     lora, qlora, lora_other = run_example(
         env, lora, f"{lora} --quantize nf4",
         f"--lora 2 --lora-alpha 4 --steps 8 --lr 1e-2 --sample-len 12 --quiet "
-        f"--checkpoint {other}")
+        f"--lora-dropout 0.1 --modules-to-save lm_head --checkpoint {other}")
     return {"ckpt": ckpt, "before": before, "after": files_of(ckpt), "lora": lora,
             "qlora": qlora, "other": other, "lora_other": lora_other}
 
@@ -160,10 +161,91 @@ def test_lora_of_another_framework_and_a_pattern_in_layer_order(runs):
     from safetensors.numpy import load_file
 
     tensors = load_file(str(folder / "adapter_model.safetensors"))
-    assert sorted({name.split(".")[4] for name in tensors}) == ["0", "1", "2"]
+    assert sorted({name.split(".")[4] for name in tensors if ".layers." in name}) == [
+        "0", "1", "2"]
     assert tensors["base_model.model.model.layers.2.self_attn.qkv_proj.lora_A.weight"].shape \
         == (2, 32)
+    # --lora-dropout 0.1 --modules-to-save lm_head: in the config, the head beside the adapters.
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["lora_dropout"] == 0.1 and config["modules_to_save"] == ["lm_head"]
+    assert tensors["base_model.model.lm_head.weight"].shape[1] == 32  # (vocab, width)
+    assert result["modules_to_save"] == ["lm_head.bias", "lm_head.weight"]
     assert result["loop_diff"] <= 1e-4 and result["cache_diff"] <= 1e-4
+
+
+def _finetuned_in_process(tmp_path, *flags):
+    """``finetune.finetune`` of the example on a tiny pure-JAX model (2 blocks, width 16, a
+    pattern of two kinds) and random tokens, in this process, with the command line's
+    ``flags``: ``(args, config, params, base, record, returned params)``."""
+    example = load_example()
+    cli, finetune, lm_models = example.cli, example.finetune, example.model
+    args = cli.parse_args(["--lora", "2", "--steps", "3", "--lr", "1e-2", "--batch", "2",
+                           "--checkpoint", str(tmp_path / "lm"), *flags])
+    for field, value in cli.RUN_DEFAULTS.items():  # (the run's: as settled without a checkpoint)
+        setattr(args, field, value if getattr(args, field) is None else getattr(args, field))
+    config = lm_models.Config(vocab=11, layers=2, d_model=16, heads=2, seq_len=8,
+                              pattern=("local", "global"), window=4)
+    params = lm_models.build_jax(config).init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (6, 9), 0, 11)
+    val = (tokens[:2, :-1], tokens[:2, 1:])
+    _, returned, record = finetune.finetune(
+        args, config, params, batches=lambda key: (tokens[2:4, :-1], tokens[2:4, 1:]), val=val,
+        optimizer=load_example().train.make_optimizer(args, layerwise=False),
+        check=lambda loss, step: None, log=lambda line: None)
+    return args, config, params, record, returned, val
+
+
+@pytest.fixture(scope="module")
+def dropped(tmp_path_factory):
+    """``--lora-dropout 0.2 --modules-to-save lm_head,norm``, in this process (~10 s)."""
+    return _finetuned_in_process(tmp_path_factory.mktemp("dropout"), "--lora-dropout", "0.2",
+                                 "--modules-to-save", "lm_head,norm")
+
+
+@pytest.mark.slow  # a fine-tuning in this process: ~10 s (the command line's rows are fast)
+def test_lora_dropout_and_modules_to_save_are_trained_saved_and_read_back(dropped):
+    """The config holds the rate and the modules; ``load_peft(..., modules_to_save=True)``
+    gives the adapters trained (with the rate) and the modules trained whole, bitwise; they
+    give the run's validation loss (evaluated without dropout); the embedding stayed frozen."""
+    args, config, params, record, returned, val = dropped
+    folder = args.adapters
+    config_json = json.loads((folder / "adapter_config.json").read_text())
+    assert config_json["lora_dropout"] == 0.2
+    assert config_json["modules_to_save"] == ["lm_head", "model.norm"]
+    assert record["modules_to_save"] == ["lm_head.bias", "lm_head.weight", "model.norm.bias",
+                                         "model.norm.weight"]
+    lm_finetune, lm_models = load_example().finetune, load_example().model
+    base = params["blocks"]
+    adapters, saved = stackwise.lora.load_peft(folder, lm_finetune.layer_order(base, 2),
+                                               MODULES, modules_to_save=True)
+    assert digest(adapters) == record["adapters_sha256"] and digest(saved) == record[
+        "saved_sha256"]
+    assert {lw.dropout for lw in jax.tree.leaves(adapters, is_leaf=_is_lora) if _is_lora(lw)} \
+        == {0.2}
+    # The modules were trained whole (the sampled model holds them); the embedding was not.
+    np.testing.assert_array_equal(returned["head"], saved["lm_head.weight"].T)
+    np.testing.assert_array_equal(returned["ln_f"]["scale"], saved["model.norm.weight"])
+    assert np.abs(saved["lm_head.weight"].T - np.asarray(params["head"])).max() > 1e-4
+    np.testing.assert_array_equal(returned["embed"], params["embed"])
+    # Read back, they give the run's validation loss.
+    trained = {**params, "head": jnp.asarray(saved["lm_head.weight"].T),
+               "head_bias": jnp.asarray(saved["lm_head.bias"]),
+               "ln_f": {"scale": jnp.asarray(saved["model.norm.weight"]),
+                        "bias": jnp.asarray(saved["model.norm.bias"])},
+               "blocks": tuple(stackwise.lora.attach(b, jax.tree.map(lambda v, p=p: v[p::2],
+                                                                     adapters))
+                               for p, b in enumerate(base))}
+    loss = lm_models.loss_fn(lm_models.build_jax(config, adapted=True), trained, *val)
+    assert float(loss) == pytest.approx(record["lora_loss_after"], rel=1e-5)
+
+
+@pytest.mark.slow  # (one more fine-tuning in this process)
+def test_lora_dropout_changes_the_training(dropped, tmp_path):
+    """The same run with rate 0 ends with other adapters: the masks changed the gradients."""
+    _, _, _, plain, _, _ = _finetuned_in_process(tmp_path, "--modules-to-save", "lm_head,norm")
+    assert plain["adapters_sha256"] != dropped[3]["adapters_sha256"]
+    assert json.loads((tmp_path / "lm_lora" / "adapter_config.json").read_text())[
+        "lora_dropout"] == 0.0
 
 
 def test_the_command_line_offers_the_quantizers_stackwise_has():

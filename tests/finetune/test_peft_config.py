@@ -23,6 +23,7 @@ MODULES = {"['q']": "self_attn.q_proj", "['down']": "mlp.down_proj"}
 SHAPES = {"q": (D, F), "down": (F, D)}  # (in, out) per layer
 PREFIX = "base_model.model.model.layers"
 TOL = dict(rtol=1e-5, atol=1e-5)
+_is_lora = lambda v: isinstance(v, stackwise.lora.LoraWeights)  # noqa: E731
 
 
 def _base(n=N):
@@ -261,17 +262,26 @@ def test_a_layers_template_peft_reads_no_index_from_writes_the_zeros(tmp_path):
 # lora_dropout, bias, init_lora_weights
 
 
-def test_lora_dropout_is_written_for_peft_and_changes_no_output(tmp_path):
-    """stackwise's training applies no dropout (each layer sees its adapted weight, not the
-    adapters' input): the value is PEFT's, written and read back, and outputs are the same."""
+def test_lora_dropout_loads_as_the_adapters_rate_and_saves_back(tmp_path):
+    """PEFT's lora_dropout is each loaded adapter's ``dropout``, applied while training with a
+    key (tests/finetune/test_dropout.py); without one (evaluation) it changes no output. It is
+    saved back from the adapters, or as ``save_peft(..., lora_dropout=)`` gives it."""
     base = _base()
     tensors = _write(tmp_path / "a", _config(lora_dropout=0.1), _every(4))
     adapters = stackwise.lora.load_peft(tmp_path / "a", base, MODULES)
+    assert {lw.dropout for lw in jax.tree.leaves(adapters, is_leaf=_is_lora)
+            if _is_lora(lw)} == {0.1}
     np.testing.assert_allclose(_stacked(base, adapters, X),
                                _loop(base, tensors, {k: 2.0 for k in _every(4)}, X), **TOL)
-    stackwise.lora.save_peft(tmp_path / "b", adapters, MODULES, lora_dropout=0.1)
+    stackwise.lora.save_peft(tmp_path / "b", adapters, MODULES)
     config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
     assert config["lora_dropout"] == 0.1
+    stackwise.lora.save_peft(tmp_path / "c", adapters, MODULES, lora_dropout=0.05)
+    back = stackwise.lora.load_peft(tmp_path / "c", base, MODULES)
+    assert json.loads((tmp_path / "c" / "adapter_config.json").read_text())[
+        "lora_dropout"] == 0.05
+    assert {lw.dropout for lw in jax.tree.leaves(back, is_leaf=_is_lora) if _is_lora(lw)} == {
+        0.05}
 
 
 @pytest.mark.parametrize("fields", [dict(bias="all"), dict(bias="lora_only"),

@@ -262,6 +262,7 @@ def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
                 continue
             assert leaf.rank == torch_module.r["default"]
             assert leaf.scale == torch_module.scaling["default"]
+            assert leaf.dropout == getattr(torch_module.lora_dropout["default"], "p", 0.0)
             if leaf.dora:
                 np.testing.assert_array_equal(
                     np.asarray(leaf.magnitude[i]),
@@ -270,7 +271,8 @@ def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
                 np.asarray(leaf.a[i]), torch_module.lora_A["default"].weight.detach().numpy().T)
 
 
-def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers=()):
+def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers=(),
+          dropout=0.0):
     """Adapters on MODULES with a rank and alpha per leaf, as if trained (a DoRA magnitude
     off the base's norms too); the layers in `zero_layers` all zero (what a layer without an
     adapter loads as)."""
@@ -288,7 +290,8 @@ def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers
                 for v in (lw.a, lw.b))
         magnitude = None if not dora else lw.magnitude * (
             1 + 0.2 * jax.random.normal(next(keys), lw.magnitude.shape))
-        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude)
+        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude,
+                                                    dropout)
     return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
 
 
@@ -303,7 +306,7 @@ OURS = {
         dict(ranks={"q": 2}, rslora=True),
         dict(use_rslora=True, rank_pattern={r"self_attn\.q_proj": 2})),
     "layers without adapters": (dict(zero_layers=(1,)), dict(layers_to_transform=[0, 2])),
-    "lora_dropout": (dict(), dict(lora_dropout=0.25)),
+    "lora_dropout": (dict(dropout=0.25), dict(lora_dropout=0.25)),
     "DoRA": (dict(dora=True), dict(use_dora=True)),
     "DoRA, rsLoRA, ranks per module": (
         dict(dora=True, rslora=True, ranks={"down": 2}),
@@ -319,7 +322,7 @@ def test_a_config_stackwise_saved_gives_peft_the_stacked_model_s_logits(tmp_path
     params = _load(model, tmp_path / "hf")
     adapters = _ours(params, **kw)
     dropout = fields.get("lora_dropout", 0.0)
-    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES, lora_dropout=dropout)
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES)  # (the adapters' rate)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert {k: config[k] for k in fields} == fields
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()

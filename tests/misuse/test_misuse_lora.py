@@ -683,15 +683,19 @@ PEFT_FIELDS = [
          "layers_pattern='layers'", "only with layers_to_transform"),
     case("load: lora_dropout above 1", _load_with({"lora_dropout": 2}), ValueError,
          "lora_dropout=2", "a probability in [0, 1]"),
+    case("load: lora_dropout of 1", _load_with({"lora_dropout": 1.0}), ValueError,
+         "lora_dropout=1.0", "drops every input", "would never train", "[0, 1)"),
     case("load: bias of another kind", _load_with({"bias": "some"}), ValueError,
          "bias='some'", "'none', 'all' or 'lora_only'"),
     case("load: a PiSSA adapter", _load_with({"init_lora_weights": "pissa"}), ValueError,
          "init_lora_weights='pissa'", "changed the base weights",
          "path_initial_model_for_weight_conversion", "'gaussian'"),
     case("save: lora_dropout above 1", _save_as(MODULES, lora_dropout=1.5), ValueError,
-         "`lora_dropout` is 1.5", "a number in [0, 1]", "stackwise's training applies none"),
-    case("save: lora_dropout a string", _save_as(MODULES, lora_dropout="0.1"), ValueError,
-         "`lora_dropout` is '0.1'"),
+         "`lora_dropout` is 1.5", "a number in [0, 1)", "would never train"),
+    case("save: lora_dropout of 1", _save_as(MODULES, lora_dropout=1), ValueError,
+         "`lora_dropout` is 1", "a number in [0, 1)"),
+    case("save: lora_dropout a string", _save_as(MODULES, lora_dropout="0.1"), TypeError,
+         "`lora_dropout` must be a number", "str '0.1'"),
 ]
 
 
