@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,6 +14,7 @@ from stackwise._autostack.find import Plan, candidates, follow
 from stackwise._autostack.run import evaluate
 from stackwise._autostack.signature import Signatures
 from stackwise._core.options import check_bool, check_remat
+from stackwise._upstream import jax_functions
 
 __all__ = ["Autostacked", "Found", "autostack"]
 
@@ -79,7 +81,7 @@ class Autostacked:
         if self._plan is None:
             return params
         leaves = self._leaves(params, "params", self._params_def)
-        blocks = {key: jax.numpy.stack([leaves[i] for i in indices])
+        blocks = {key: _stack([leaves[i] for i in indices])
                   for key, indices in zip(self._keys, self._plan.params)}
         rest = [None if i in self._stacked_of else leaf for i, leaf in enumerate(leaves)]
         return {"blocks": blocks, "rest": jax.tree.unflatten(self._params_def, rest)}
@@ -89,6 +91,7 @@ class Autostacked:
         if self._plan is None:
             return stacked_params
         blocks, rest = self._parts(stacked_params)
+        blocks = [_unsplit(stacked) for stacked in blocks]
         leaves = []
         rest_leaves = iter(rest)
         for i in range(self._params_def.num_leaves):
@@ -103,6 +106,7 @@ class Autostacked:
         if self._plan is None:
             return self.fn(stacked_params, *args)
         blocks, rest = self._parts(stacked_params)
+        blocks = self._scanned(blocks)
         jaxpr = self._closed.jaxpr
         env = dict(zip(jaxpr.constvars, self._closed.consts))
         unstacked = [v for i, v in enumerate(jaxpr.invars[:self._params_def.num_leaves])
@@ -146,6 +150,22 @@ class Autostacked:
             raise TypeError(f"{WHO}: `stacked_params['blocks']` must hold the keys {self._keys}.")
         rest = self._leaves(stacked_params["rest"], "stacked_params['rest']", self._rest_def())
         return [blocks[key] for key in self._keys], rest
+
+    def _scanned(self, blocks: list) -> list:
+        """``blocks``, refused where an explicit mesh axis splits a layer axis (a scan reads
+        one layer per step: ``lax.scan`` refuses such an ``xs``)."""
+        for key, stacked in zip(self._keys, blocks):
+            axis = _split_layers(stacked)
+            if axis is not None:
+                rest = ", ".join(map(repr, jax.typeof(stacked).sharding.spec[1:]))
+                raise ValueError(
+                    f"{WHO}: `stacked_params['blocks'][{key!r}]` is "
+                    f"{jax.typeof(stacked).str_short()}: its layer axis is split over the "
+                    f"mesh axis {axis!r}, but the scan reads one layer per step: its layer axis "
+                    "stays unsplit, as `autostack` places it. Reshard it first: "
+                    f"`jax.sharding.reshard(leaf, P(None{', ' if rest else ''}{rest}))`."
+                )
+        return blocks
 
     def _rest_def(self) -> Any:
         placeholder = [None if i in self._stacked_of else 0
@@ -214,7 +234,9 @@ def autostack(
       leaf: the n blocks' leaves stacked on a new leading axis}, "rest": params with those
       leaves as None}``; ``f`` an :class:`Autostacked`: ``out = f(stacked_params, *args)``,
       ``f.unstack(stacked_params)`` gives the params back bitwise, ``f.stack(params)``
-      converts fresh params, ``f.found`` says what was found.
+      converts fresh params, ``f.found`` says what was found. Leaves placed with one
+      ``NamedSharding`` are stacked onto its mesh as ``P(None, *spec)``, and unstacked
+      placed as they were.
 
     Raises:
       TypeError: ``fn`` not callable, ``params`` not a pytree of arrays, a non-bool
@@ -290,6 +312,44 @@ def autostack(
     trees = (params_def, args_def, jax.tree.structure(shapes), paths)
     f = Autostacked(fn, found, closed, best, trees, rematted)
     return f.stack(params), f
+
+
+def _stack(leaves: list) -> Any:
+    """The blocks' leaves on a new leading axis; where each is an array of one
+    ``NamedSharding``, the stack is placed on that mesh with the layer axis unsplit in front
+    (``P(None, *spec)``), as :func:`stackwise.stack_layers` places a stack."""
+    concrete = all(jax_functions.is_concrete_array(leaf) for leaf in leaves)
+    sharding = leaves[0].sharding if concrete else None
+    same = isinstance(sharding, jax.sharding.NamedSharding) and all(
+        leaf.sharding == sharding for leaf in leaves)
+    if not same:
+        return jax.numpy.stack(leaves)
+    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    return _stack_onto(sharding.update(spec=spec))(leaves)
+
+
+@functools.cache
+def _stack_onto(sharding: Any) -> Callable:
+    return jax.jit(jax.numpy.stack, out_shardings=sharding)
+
+
+def _split_layers(stacked: Any) -> Any:
+    """The mesh axis that splits a stack's layer axis in its type (an explicit mesh's), or
+    None."""
+    if not isinstance(stacked, jax.Array):
+        return None
+    spec = getattr(getattr(jax.typeof(stacked), "sharding", None), "spec", None)
+    return spec[0] if spec else None
+
+
+def _unsplit(stacked: Any) -> Any:
+    """A stack whose layer axis an explicit mesh axis splits, resharded with that axis unsplit
+    (each layer's leaf then slices out as the loop placed it); any other as it is."""
+    if _split_layers(stacked) is None:
+        return stacked
+    typed = jax.typeof(stacked).sharding
+    spec = jax.sharding.PartitionSpec(None, *typed.spec[1:])
+    return jax.sharding.reshard(stacked, typed.update(spec=spec))
 
 
 def _structure_difference(got: Any, want: Any) -> str:

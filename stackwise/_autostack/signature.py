@@ -5,7 +5,8 @@ An equation's signature is its primitive, its params (a sub-jaxpr compared as pr
 which names its variables afresh, plus the values of every constant it closes over and the
 functions its equations hold; a function, such as a ``custom_vjp``'s backward or a
 ``custom_jvp``'s rule, by its code and the values it closes over) and the shapes and dtypes
-of its inputs and outputs. Which variables it reads is not part of it:
+of its inputs and outputs (with their shardings on an explicit mesh). Which variables it
+reads is not part of it:
 :mod:`stackwise._autostack.find` follows the data.
 
 A function's key (:meth:`Signatures.function`) is its code object and the keys of its
@@ -34,11 +35,18 @@ __all__ = ["Signatures", "describe", "difference"]
 
 
 def _aval(atom: Any) -> tuple:
+    """Shape, dtype, weak type and sharding (``jax.typeof(x).sharding``: the mesh axes of an
+    explicit mesh that split it; alike for every value traced without one)."""
     aval = atom.aval
     shape = getattr(aval, "shape", None)
     if shape is None:
         return (str(aval),)
-    return (tuple(shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+    sharding = getattr(aval, "sharding", None)
+    try:
+        hash(sharding)
+    except TypeError:
+        sharding = repr(sharding)
+    return (tuple(shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)), sharding)
 
 
 def _fingerprint(value: Any) -> tuple:

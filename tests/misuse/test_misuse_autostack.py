@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _misuse import assert_refused, case
+from jax.sharding import PartitionSpec as P
 
 import stackwise
 
@@ -49,6 +50,14 @@ def _stack_other_params():
     f.stack(LAYERS[:2])
 
 
+def _call_with_the_layer_axis_split():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        stacked, f = _made()
+        split = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), stacked)
+        f(split, X)
+
+
 AUTOSTACK = [
     case("fn not callable", lambda: stackwise.autostack("loop", LAYERS, X), TypeError,
          "`fn` must be callable", "stackwise.autostack(fn, params"),
@@ -75,6 +84,11 @@ AUTOSTACK = [
     case("stacked params without their blocks", _call_with_missing_blocks, TypeError,
          "stacked_params['blocks']"),
     case("stack of params of another structure", _stack_other_params, TypeError, "`params`"),
+    case("stacked params with the layer axis split over an explicit mesh axis",
+         _call_with_the_layer_axis_split, ValueError,
+         "`stacked_params['blocks'][\"[0]['w']\"]` is float32[3@data,4,4]",
+         "layer axis is split over the mesh axis 'data'",
+         "jax.sharding.reshard(leaf, P(None, None, None))"),
 ]
 
 
