@@ -173,13 +173,23 @@ def test_resharded_blocks_are_one_scan_keeping_each_reshard_and_placements():
 def test_blocks_whose_params_are_split_otherwise_are_other_blocks():
     mesh = one_device_mesh()
     other = {"w": P("model", None), "b": P(), "v": P(None, "model")}
+    model = constrained_loop(mesh, explicit=True)
     with jax.set_mesh(mesh):
-        params = make_params(mesh, [PLACED, PLACED, other, other])
         x = jax.device_put(jnp.ones((BATCH, D)), P("data"))
+        # one layer split otherwise: the loop is broken there, and the message says how
         with pytest.raises(ValueError) as info:
-            stackwise.autostack(constrained_loop(mesh, explicit=True), params, x, n=N)
+            stackwise.autostack(model, make_params(mesh, [PLACED, PLACED, other, PLACED]), x)
+        # two layers of each placement: two runs, each stacked onto its own
+        params = make_params(mesh, [PLACED, PLACED, other, other])
+        stacked, f = stackwise.autostack(model, params, x, n=(2, 2))
+        assert trimmed(stacked["blocks"]["['layers'][0]['w']"].sharding) == (
+            "P(None, None, 'model')")
+        assert trimmed(stacked["blocks"]["['layers'][2]['w']"].sharding) == (
+            "P(None, 'model')")
+        report = compare(jax.jit(f)(stacked, x), jax.jit(model)(params, x))
+    check(report, BOUND, "outputs")
     message = str(info.value)
-    assert "the run ends at block 2" in message and "(`dot_general`" in message, message
+    assert "the loop is broken at block 2" in message and "(`dot_general`" in message, message
     assert ("its inputs are float32[8@data,8], float32[8@model,16] where block 0's are "
             "float32[8@data,8], float32[8,16@model]") in message, message
 
