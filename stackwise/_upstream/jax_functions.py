@@ -126,13 +126,9 @@ def _walk(value: Any, active: tuple = ()) -> tuple:
     if not _from_jax(value):
         return ("user", code)
     cells = []
-    for cell in value.__closure__ or ():
-        try:
-            inner = cell.cell_contents
-        except ValueError:  # (a cell not yet filled)
-            continue
-        if callable(inner) or _is_wrapped(inner):
-            cells.append(_walk(inner, active))
+    for cell in value.__closure__ or ():  # (an empty cell raises: the probe then fails)
+        if callable(cell.cell_contents) or _is_wrapped(cell.cell_contents):
+            cells.append(_walk(cell.cell_contents, active))
     return ("jax", value.__qualname__, tuple(cells))
 
 

@@ -58,15 +58,20 @@ def test_a_loop_slower_than_its_seconds_is_stopped_and_said_so(bench):
         bench.LOOP, "> 1 (stopped)", "-")
 
 
+def test_a_loop_child_that_fails_says_why(bench):
+    args = bench.parse_args(["--blocks", "mlp"])
+    with pytest.raises(RuntimeError, match=r"(?s)the loop's child process failed:.*--blocks"):
+        bench.loop_row(args, "no-such-block")
+
+
 @pytest.mark.slow  # (two processes, each starting JAX; 9 compiles of both blocks)
 def test_the_whole_run_with_the_loop_in_its_child(tmp_path):
     out = tmp_path / "a.md"
     subprocess.run([sys.executable, str(SCRIPT), "--n", "2", "--pairs", "1",
                     "--loop-seconds", "300", "--markdown", str(out)], check=True,
                    cwd=BENCHMARKS.parent, capture_output=True, text=True)
-    tables = out.read_text().split("\n\n", 2)
     text = out.read_text()
-    assert text.count("autostack: compile time at n=2") == 2, tables
+    assert text.count("autostack: compile time at n=2") == 2, text
     assert text.index("(transformer block)") < text.index("(mlp block)")
     loops = [line for line in text.splitlines() if line.startswith("| loop (separate params)")]
     assert len(loops) == 2 and all("stopped" not in line for line in loops), loops
