@@ -106,7 +106,10 @@ def test_the_program_of_two_runs_is_flat_in_depth():
     assert sizes[0] == sizes[1], sizes
 
 
+@pytest.mark.slow  # (the fast tier runs the encoder and decoder, and the clipped stack)
 def test_a_pre_stack_and_the_main_stack():
+    """Its first run's last ``add`` is the main blocks' last: the main run's blocks start
+    where one value crosses, not one equation earlier (two), leaving the pre-stack whole."""
     params = pre_and_main_params(KEY, 3, 5)
     f = check_loop(pre_and_main, params, X, n=(3, 5))
     assert [r.start for r in f.runs] == [0, f.runs[0].stop]

@@ -25,6 +25,7 @@ def bench():
         yield load_script(SCRIPT)
 
 
+@pytest.mark.slow  # (6 compiles; the fast tier runs the loop's child stopped, and failing)
 def test_the_scans_interleaved_and_their_ratio(bench, tmp_path, monkeypatch, capsys):
     argv = ["--blocks", "mlp", "--n", "2", "--pairs", "2", "--loop-compiles", "0",
             "--markdown", str(tmp_path / "a.md")]
