@@ -13,7 +13,9 @@
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
 # dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min), preset
-# (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024). Copy
+# (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024),
+# autostack (benchmarks/autostack_compile.py: compile time at n=48 of the loop, stackwise.stack
+# and stackwise.autostack of the same loop, the transformer block then the MLP block). Copy
 # what belongs in
 # benchmarks/results/ from OUT_DIR by hand, with the date. At the end every log and the tier's
 # folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most).
@@ -87,8 +89,13 @@ for what in "$@"; do
     multi-lora)  # a multi-LoRA batch against the base alone, per token, at a chip's sizes
         part multi-lora 200 python3 benchmarks/multi_lora_decode.py --n 24 --d 1024 --batch 8 \
             --cache 2048 --rounds 9 --markdown "$out/multi_lora_decode.md" ;;
+    autostack)  # ~3 min: each block's loop in a child given 60 s (stopped past that, its row
+        # says so), then 5 interleaved pairs of cold compiles of the stack and the autostacked
+        # loop after a warm-up each; each block's table written as it ends
+        part autostack 240 python3 benchmarks/autostack_compile.py --pairs 5 --loop-seconds 60 \
+            --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, preset, multi-lora)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done

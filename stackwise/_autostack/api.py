@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -9,10 +10,12 @@ import jax
 import numpy as np
 
 from stackwise._autostack import diagnose
-from stackwise._autostack.find import Plan, candidates, follow
+from stackwise._autostack.find import Plan, candidates
+from stackwise._autostack.find import runs as find_runs
 from stackwise._autostack.run import evaluate
 from stackwise._autostack.signature import Signatures
 from stackwise._core.options import check_bool, check_remat
+from stackwise._upstream import jax_functions
 
 __all__ = ["Autostacked", "Found", "autostack"]
 
@@ -23,7 +26,7 @@ _FIX = ("Make the blocks the same computation on the same shapes (a per-layer di
 
 
 class Found(NamedTuple):
-    """What :func:`autostack` found in ``fn``'s jaxpr.
+    """A run :func:`autostack` found in ``fn``'s jaxpr (``f.runs``: every run stacked).
 
     Attributes:
       n: the blocks stacked into the scan (0: nothing was stacked).
@@ -52,43 +55,50 @@ class Found(NamedTuple):
 
 
 class Autostacked:
-    """``fn`` with its run of repeated blocks as one scan, returned by :func:`autostack`.
+    """``fn`` with each run of repeated blocks as one scan, returned by :func:`autostack`.
 
     ``out = f(stacked_params, *args)`` computes ``fn(params, *args)``; ``f.stack(params)``
-    and ``f.unstack(stacked_params)`` convert params (bitwise, every leaf moved); ``f.found``
-    says what was stacked (:class:`Found`).
+    and ``f.unstack(stacked_params)`` convert params (bitwise, every leaf moved); ``f.runs``
+    says what was stacked, a :class:`Found` per run in program order, and ``f.found`` is
+    the longest run (or, where nothing was stacked, why).
     """
 
-    def __init__(self, fn: Callable, found: Found, closed: Any = None, plan: Plan | None = None,
-                 trees: tuple = (), remat: tuple = (False, None)):
-        self.fn, self.found, self._closed, self._plan, self._remat = fn, found, closed, plan, remat
-        if plan is not None:
+    def __init__(self, fn: Callable, runs: tuple[Found, ...], closed: Any = None,
+                 plans: tuple[Plan, ...] = (), trees: tuple = (), remat: tuple = (False, None),
+                 why: Found | None = None):
+        self.fn, self.runs, self._closed, self._plans, self._remat = fn, runs, closed, plans, remat
+        self.found = why if why is not None else max(runs, key=lambda r: r.n * r.period)
+        if plans:
             self._params_def, self._args_def, self._out_def, self._paths = trees
+            slots = [indices for plan in plans for indices in plan.params]
             self._stacked_of = {}  # params-leaf index -> (slot, block)
-            for q, indices in enumerate(plan.params):
+            for q, indices in enumerate(slots):
                 for i, index in enumerate(indices):
                     self._stacked_of[index] = (q, i)
-            self._keys = [self._paths[indices[0]] for indices in plan.params]
+            self._slots = slots
+            self._keys = [self._paths[indices[0]] for indices in slots]
 
     def __repr__(self) -> str:
-        return f"<Autostacked {getattr(self.fn, '__name__', 'fn')}: {self.found}>"
+        runs = "; ".join(str(r).removeprefix("autostack: ") for r in self.runs)
+        return f"<Autostacked {getattr(self.fn, '__name__', 'fn')}: {runs or self.found}>"
 
     def stack(self, params: Any) -> Any:
         """``{"blocks": {path of block 0's leaf: the blocks' leaves stacked}, "rest": params
         with those leaves as None}``: every leaf moved bitwise."""
-        if self._plan is None:
+        if not self._plans:
             return params
         leaves = self._leaves(params, "params", self._params_def)
-        blocks = {key: jax.numpy.stack([leaves[i] for i in indices])
-                  for key, indices in zip(self._keys, self._plan.params)}
+        blocks = {key: _stack([leaves[i] for i in indices])
+                  for key, indices in zip(self._keys, self._slots)}
         rest = [None if i in self._stacked_of else leaf for i, leaf in enumerate(leaves)]
         return {"blocks": blocks, "rest": jax.tree.unflatten(self._params_def, rest)}
 
     def unstack(self, stacked_params: Any) -> Any:
         """The params tree ``fn`` takes, from :meth:`stack`'s layout (bitwise)."""
-        if self._plan is None:
+        if not self._plans:
             return stacked_params
         blocks, rest = self._parts(stacked_params)
+        blocks = [_unsplit(stacked) for stacked in blocks]
         leaves = []
         rest_leaves = iter(rest)
         for i in range(self._params_def.num_leaves):
@@ -100,9 +110,10 @@ class Autostacked:
         return jax.tree.unflatten(self._params_def, leaves)
 
     def __call__(self, stacked_params: Any, *args: Any) -> Any:
-        if self._plan is None:
+        if not self._plans:
             return self.fn(stacked_params, *args)
         blocks, rest = self._parts(stacked_params)
+        blocks = self._scanned(blocks)
         jaxpr = self._closed.jaxpr
         env = dict(zip(jaxpr.constvars, self._closed.consts))
         unstacked = [v for i, v in enumerate(jaxpr.invars[:self._params_def.num_leaves])
@@ -121,7 +132,7 @@ class Autostacked:
                     "new shape."
                 )
         env.update(zip(invars, arg_leaves))
-        outs = evaluate(jaxpr, env, self._plan, blocks, self._remat)
+        outs = evaluate(jaxpr, env, self._plans, blocks, self._remat)
         return jax.tree.unflatten(self._out_def, outs)
 
     def _leaves(self, tree: Any, what: str, treedef: Any) -> list:
@@ -147,6 +158,22 @@ class Autostacked:
         rest = self._leaves(stacked_params["rest"], "stacked_params['rest']", self._rest_def())
         return [blocks[key] for key in self._keys], rest
 
+    def _scanned(self, blocks: list) -> list:
+        """``blocks``, refused where an explicit mesh axis splits a layer axis (a scan reads
+        one layer per step: ``lax.scan`` refuses such an ``xs``)."""
+        for key, stacked in zip(self._keys, blocks):
+            axis = _split_layers(stacked)
+            if axis is not None:
+                rest = ", ".join(map(repr, jax.typeof(stacked).sharding.spec[1:]))
+                raise ValueError(
+                    f"{WHO}: `stacked_params['blocks'][{key!r}]` is "
+                    f"{jax.typeof(stacked).str_short()}: its layer axis is split over the "
+                    f"mesh axis {axis!r}, but the scan reads one layer per step: its layer axis "
+                    "stays unsplit, as `autostack` places it. Reshard it first: "
+                    f"`jax.sharding.reshard(leaf, P(None{', ' if rest else ''}{rest}))`."
+                )
+        return blocks
+
     def _rest_def(self) -> Any:
         placeholder = [None if i in self._stacked_of else 0
                        for i in range(self._params_def.num_leaves)]
@@ -157,19 +184,21 @@ def autostack(
     fn: Callable[..., Any],
     params: Any,
     *example_args: Any,
-    n: int | None = None,
+    n: int | tuple[int, ...] | None = None,
     remat: bool | Callable[..., Any] | None = None,
     best_effort: bool = False,
 ) -> tuple[Any, Autostacked]:
-    """Runs an unmodified loop model with its repeated blocks as one ``lax.scan``.
+    """Runs an unmodified loop model with each run of repeated blocks as one ``lax.scan``.
 
     ``fn(params, *args)`` is traced once on the examples; the longest run of consecutive
     blocks of top-level equations that are the same computation up to variable names
     (the same primitives, params, shapes and dtypes, each block reading its own param
     leaves, the previous block's values and values from before the run) is rewritten as a
-    scan over the blocks' stacked params. A literal that differs from block to block (the
-    ``i`` of ``fold_in(key, i)``) becomes a scanned input; a pattern of several different
-    layers repeating is found as one longer block.
+    scan over the blocks' stacked params, and so is every other run of another block that
+    is a stack of layers (each block reading param leaves of its own and the previous
+    block's values: an encoder's layers, then a decoder's). A literal that differs from
+    block to block (the ``i`` of ``fold_in(key, i)``) becomes a scanned input; a pattern of
+    several different layers repeating is found as one longer block.
 
     The loop:
 
@@ -186,8 +215,9 @@ def autostack(
     The same, as one scan over the 4 blocks:
 
     >>> stacked, f = stackwise.autostack(model, params, x)
-    >>> print(f.found)
-    autostack: 4 blocks of 4 equations (equations 0-15 of 17) run as one scan, 2 param leaves stacked per block
+    >>> print(f.found)  # doctest: +NORMALIZE_WHITESPACE
+    autostack: 4 blocks of 4 equations (equations 0-15 of 17) run as one scan,
+    2 param leaves stacked per block
     >>> stacked["blocks"]["['layers'][0]['w']"].shape
     (4, 8, 8)
     >>> bool(jnp.allclose(jax.jit(f)(stacked, x), model(params, x), atol=1e-6))
@@ -201,7 +231,9 @@ def autostack(
       params: a pytree of arrays: the layers' leaves are stacked, every other leaf is kept.
       *example_args: the other arguments ``fn`` is traced with; ``f`` takes arguments of
         the same structure, shapes and dtypes.
-      n: the number of blocks expected; when given, a run of another length is refused.
+      n: the blocks expected: an int, one run of ``n`` blocks; a tuple, one count per run
+        in program order (``n=(6, 4)``: an encoder's 6 layers, then a decoder's 4). Other
+        runs, or runs of other lengths, are refused.
       remat: rematerialise each block in the backward pass, as :func:`stackwise.stack`'s
         ``remat``: ``None``/``False`` (store every residual, as the loop does), ``True`` or a
         :mod:`jax.checkpoint_policies` policy. The carry entering each block is named
@@ -214,24 +246,25 @@ def autostack(
       leaf: the n blocks' leaves stacked on a new leading axis}, "rest": params with those
       leaves as None}``; ``f`` an :class:`Autostacked`: ``out = f(stacked_params, *args)``,
       ``f.unstack(stacked_params)`` gives the params back bitwise, ``f.stack(params)``
-      converts fresh params, ``f.found`` says what was found.
+      converts fresh params, ``f.runs`` says what was stacked (a :class:`Found` per run,
+      their leaves all in ``"blocks"``), ``f.found`` is the longest run. Leaves placed with one
+      ``NamedSharding`` are stacked onto its mesh as ``P(None, *spec)``, and unstacked
+      placed as they were.
 
     Raises:
       TypeError: ``fn`` not callable, ``params`` not a pytree of arrays, a non-bool
-        ``best_effort``, an unknown ``remat``, ``n`` not an int.
-      ValueError: ``n < 2``, ``params`` with no leaves, or no run of 2 or more blocks found,
-        a broken loop (the same block recurs apart from the run) or another number of blocks
-        than ``n``: the message names the first block that differs, its equation, and how.
+        ``best_effort``, an unknown ``remat``, ``n`` not an int or a tuple of ints.
+      ValueError: a count in ``n`` below 2, ``params`` with no leaves, or no run of 2 or
+        more blocks found, a broken loop (the same block recurs apart from its run) or
+        other runs than ``n`` says: the message names the first block that differs, its
+        equation, and how.
     """
     if not callable(fn):
         raise TypeError(f"{WHO}: `fn` must be callable, got {type(fn).__name__} {fn!r}. "
                         "Call it as `stackwise.autostack(fn, params, *example_args)`.")
     check_bool(best_effort, "best_effort", WHO)
     rematted = check_remat(remat, WHO)
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
-        raise TypeError(f"{WHO}: `n` must be None or an int (the blocks expected), got {n!r}.")
-    if n is not None and n < 2:
-        raise ValueError(f"{WHO}: `n` must be at least 2 (a run of blocks), got {n}.")
+    _check_n(n)
     path_leaves, params_def = jax.tree_util.tree_flatten_with_path(params)
     if not path_leaves:
         raise ValueError(f"{WHO}: `params` has no leaves; give the model's params as arrays.")
@@ -251,45 +284,95 @@ def autostack(
     sigs = Signatures()
     eqns = jaxpr.eqns
     ids = np.array([sigs.of(e) for e in eqns], dtype=np.int64)
+    search = find_runs(jaxpr, ids, len(path_leaves), _readers(jaxpr))
+    plans, failures, top = search.plans, search.failures, search.top
+    if not plans and top is None and len(eqns) >= 2:
+        # Nothing repeats: where blocks differ in the functions they hold only, line them up
+        # with every function alike, to name the first block that differs and how.
+        loose = Signatures(loose=True)
+        lined_up = candidates(np.array([loose.of(e) for e in eqns], dtype=np.int64))
+        top = lined_up[0] if lined_up else None
+    if not plans:
+        problem = diagnose.no_run(eqns, ids, sigs, top, failures)
+    else:
+        problem = diagnose.broken(eqns, ids, sigs, search, n)
+    if problem is not None:
+        if best_effort:
+            why = Found(0, 0, 0, 0, len(eqns), 0, problem)
+            return params, Autostacked(fn, (), why=why)
+        raise ValueError(f"{WHO}: {problem}. {_FIX}")
+    paths = [jax.tree_util.keystr(path) for path, _ in path_leaves]
+    args_def = jax.tree.structure(example_args)
+    found = tuple(Found(plan.count, plan.period, plan.start, plan.stop, len(eqns),
+                        len(plan.params)) for plan in plans)
+    trees = (params_def, args_def, jax.tree.structure(shapes), paths)
+    f = Autostacked(fn, found, closed, tuple(plans), trees, rematted)
+    return f.stack(params), f
+
+
+def _readers(jaxpr: Any) -> dict:
+    """Each variable -> the indices of the equations that read it (``-1``: an output)."""
     readers: dict = {}
-    for r, eqn in enumerate(eqns):
+    for r, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if hasattr(v, "count") or not hasattr(v, "val"):
                 readers.setdefault(v, []).append(r)
     for v in jaxpr.outvars:
         if not hasattr(v, "val"):
             readers.setdefault(v, []).append(-1)
-    n_params, best, failures, top = len(path_leaves), None, {}, None
-    for cand in candidates(ids) if len(eqns) >= 2 else []:
-        covered, p, a, k = cand
-        if best is not None and covered <= best.period * best.count:
-            break
-        top = top or cand
-        plan, failure = follow(jaxpr, a, p, k, n_params, readers)
-        if failure is not None:
-            failures.setdefault((a + failure.block * p, p), failure.text)
-        if plan is not None and (best is None or plan.period * plan.count > best.period * best.count):
-            best = plan
-    if best is None and top is None and len(eqns) >= 2:
-        # Nothing repeats: where blocks differ in the functions they hold only, line them up
-        # with every function alike, to name the first block that differs and how.
-        loose = Signatures(loose=True)
-        lined_up = candidates(np.array([loose.of(e) for e in eqns], dtype=np.int64))
-        top = lined_up[0] if lined_up else None
-    if best is None:
-        problem = diagnose.no_run(eqns, ids, sigs, top, failures)
-    else:
-        problem = diagnose.broken(eqns, ids, sigs, best, n, failures)
-    if problem is not None:
-        if best_effort:
-            return params, Autostacked(fn, Found(0, 0, 0, 0, len(eqns), 0, problem))
-        raise ValueError(f"{WHO}: {problem}. {_FIX}")
-    paths = [jax.tree_util.keystr(path) for path, _ in path_leaves]
-    args_def = jax.tree.structure(example_args)
-    found = Found(best.count, best.period, best.start, best.stop, len(eqns), len(best.params))
-    trees = (params_def, args_def, jax.tree.structure(shapes), paths)
-    f = Autostacked(fn, found, closed, best, trees, rematted)
-    return f.stack(params), f
+    return readers
+
+
+def _check_n(n: Any) -> None:
+    """``n``: None, an int of at least 2, or a tuple of such ints (one per run)."""
+    counts = n if isinstance(n, (tuple, list)) else (n,)
+    if n is None:
+        return
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
+        raise TypeError(
+            f"{WHO}: `n` must be None, an int (the blocks of the longest run) or a tuple of "
+            f"ints (the blocks of each run, in program order), got {n!r}."
+        )
+    if any(c < 2 for c in counts):
+        raise ValueError(f"{WHO}: `n` must be at least 2 (a run of blocks), got {n!r}.")
+
+
+def _stack(leaves: list) -> Any:
+    """The blocks' leaves on a new leading axis; where each is an array of one
+    ``NamedSharding``, the stack is placed on that mesh with the layer axis unsplit in front
+    (``P(None, *spec)``), as :func:`stackwise.stack_layers` places a stack."""
+    concrete = all(jax_functions.is_concrete_array(leaf) for leaf in leaves)
+    sharding = leaves[0].sharding if concrete else None
+    same = isinstance(sharding, jax.sharding.NamedSharding) and all(
+        leaf.sharding == sharding for leaf in leaves)
+    if not same:
+        return jax.numpy.stack(leaves)
+    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    return _stack_onto(sharding.update(spec=spec))(leaves)
+
+
+@functools.cache
+def _stack_onto(sharding: Any) -> Callable:
+    return jax.jit(jax.numpy.stack, out_shardings=sharding)
+
+
+def _split_layers(stacked: Any) -> Any:
+    """The mesh axis that splits a stack's layer axis in its type (an explicit mesh's), or
+    None."""
+    if not isinstance(stacked, jax.Array):
+        return None
+    spec = getattr(getattr(jax.typeof(stacked), "sharding", None), "spec", None)
+    return spec[0] if spec else None
+
+
+def _unsplit(stacked: Any) -> Any:
+    """A stack whose layer axis an explicit mesh axis splits, resharded with that axis unsplit
+    (each layer's leaf then slices out as the loop placed it); any other as it is."""
+    if _split_layers(stacked) is None:
+        return stacked
+    typed = jax.typeof(stacked).sharding
+    spec = jax.sharding.PartitionSpec(None, *typed.spec[1:])
+    return jax.sharding.reshard(stacked, typed.update(spec=spec))
 
 
 def _structure_difference(got: Any, want: Any) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from stackwise._autostack.find import Plan
+from stackwise._autostack.find import Plan, Search, candidates, free_parts
 from stackwise._autostack.signature import Signatures, describe, difference
 
 __all__ = ["broken", "no_run"]
@@ -33,26 +33,83 @@ def _walk(eqns: list, ids: np.ndarray, sigs: Signatures, t0: int, p: int,
     return block, pos, "it differs"  # (unreachable: the loop stopped for a reason)
 
 
-def broken(eqns: list, ids: np.ndarray, sigs: Signatures, plan: Plan, n: int | None,
-           failures: dict) -> str | None:
-    """Why ``plan`` is not the whole loop, or None: its block recurs elsewhere (a broken
-    loop), or it holds another number of blocks than ``n``."""
-    s, p = plan.start, plan.period
-    windows = np.lib.stride_tricks.sliding_window_view(ids, p)
-    matches = np.flatnonzero((windows == ids[s:s + p]).all(axis=1))
-    elsewhere = [int(t) for t in matches if t + p <= s or t >= plan.stop]
-    if not elsewhere and (n is None or n == plan.count):
+def broken(eqns: list, ids: np.ndarray, sigs: Signatures, search: Search,
+           n: Any) -> str | None:
+    """Why the runs found are not the whole loops, or None: a run's block recurs outside
+    every run (a broken loop), or the runs hold other numbers of blocks than ``n`` (an int:
+    one run's; a tuple: each run's, in program order)."""
+    plans, failures = search.plans, search.failures
+    for plan in plans:
+        s, p = plan.start, plan.period
+        windows = np.lib.stride_tricks.sliding_window_view(ids, p)
+        matches = np.flatnonzero((windows == ids[s:s + p]).all(axis=1))
+        elsewhere = [int(t) for t in matches
+                     if not any(t < c.stop and c.start < t + p for c in plans)]
+        if elsewhere:
+            t0 = min([s, *elsewhere])
+            block, pos, how = _walk(eqns, ids, sigs, t0, p, failures)
+            again = ", ".join(map(str, elsewhere[:4])) + (", ..." if len(elsewhere) > 4 else "")
+            return (f"the loop is broken at {_at(block, pos, p, t0)}: {how}. Blocks "
+                    f"0-{plan.count - 1} of the run at equation {s} are the same computation, "
+                    f"and the same block recurs at equation {again}")
+    if n is None:
         return None
-    t0 = min([s, *elsewhere])
-    block, pos, how = _walk(eqns, ids, sigs, t0, p, failures)
-    at = (f"block {block} (equations {pos}-{pos + p - 1}; blocks of {p} equations counted "
-          f"from equation {t0})")
-    if elsewhere:
-        again = ", ".join(str(t) for t in elsewhere[:4]) + (", ..." if len(elsewhere) > 4 else "")
-        return (f"the loop is broken at {at}: {how}. Blocks 0-{plan.count - 1} of the run at "
-                f"equation {s} are the same computation, and the same block recurs at "
-                f"equation {again}")
-    return f"`n={n}` blocks were expected, but {plan.count} were found; the run ends at {at}: {how}"
+    if not isinstance(n, (tuple, list)):
+        if len(plans) > 1:
+            counts = tuple(plan.count for plan in plans)
+            return (f"`n={n}` expects one run, but {_runs(plans)}; pass `n={counts}`, the "
+                    "blocks of each run in program order")
+        return _counted(eqns, ids, sigs, plans[0], n, f"`n={n}` blocks were expected, but "
+                        f"{plans[0].count} were found; the run ends at", failures)
+    if len(n) != len(plans):
+        return (f"`n={tuple(n)}` expects {len(n)} run{'s' if len(n) > 1 else ''}, but "
+                f"{_runs(plans)}"
+                + (_elsewhere(eqns, ids, sigs, search) if len(n) > len(plans) else ""))
+    for r, (plan, want) in enumerate(zip(plans, n)):
+        problem = _counted(eqns, ids, sigs, plan, want, f"`n={tuple(n)}`: run {r} (from "
+                           f"equation {plan.start}) has {plan.count} blocks, not {want}; it "
+                           "ends at", failures)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _counted(eqns: list, ids: np.ndarray, sigs: Signatures, plan: Plan, n: int, what: str,
+             failures: dict) -> str | None:
+    """Why ``plan`` ends after other than ``n`` blocks (``what`` leads), or None."""
+    if plan.count == n:
+        return None
+    block, pos, how = _walk(eqns, ids, sigs, plan.start, plan.period, failures)
+    return f"{what} {_at(block, pos, plan.period, plan.start)}: {how}"
+
+
+def _at(block: int, pos: int, p: int, t0: int) -> str:
+    return (f"block {block} (equations {pos}-{pos + p - 1}; blocks of {p} equations counted "
+            f"from equation {t0})")
+
+
+def _runs(plans: list[Plan]) -> str:
+    """``2 were found (6 blocks of 4 equations from equation 0, ...)``."""
+    each = ", ".join(f"{plan.count} blocks of {plan.period} equations from equation "
+                     f"{plan.start}" for plan in plans)
+    return f"{len(plans)} {'was' if len(plans) == 1 else 'were'} found ({each})"
+
+
+def _elsewhere(eqns: list, ids: np.ndarray, sigs: Signatures, search: Search) -> str:
+    """Why no other run was found outside the runs: a repeat passed over and why, or the
+    longest repeat there and where it breaks, or that nothing repeats there."""
+    if search.passed_over:
+        plan, why = search.passed_over[0]
+        return (f"; outside them, {plan.count} blocks of {plan.period} equations from "
+                f"equation {plan.start} repeat, but {why} (a run besides the longest is a "
+                "stack of layers)")
+    for _, p, a, k in candidates(ids):
+        for start, _ in free_parts(a, a + k * p, p, search.plans):
+            block, pos, how = _walk(eqns, ids, sigs, start, p, search.failures)
+            return (f"; outside them, the longest candidate, blocks of {p} equations from "
+                    f"equation {start}, breaks at block {block} (equations {pos}-"
+                    f"{pos + p - 1}): {how}")
+    return "; outside them no two consecutive blocks of equations are the same computation"
 
 
 def no_run(eqns: list, ids: np.ndarray, sigs: Signatures, top: Any, failures: dict) -> str:
@@ -60,8 +117,9 @@ def no_run(eqns: list, ids: np.ndarray, sigs: Signatures, top: Any, failures: di
     effects = [j for j, e in enumerate(eqns) if e.effects]
     note = ""
     if effects:
+        some = "some" if len(effects) > 1 else "one"
         note = (f"; equations with effects are never part of a run "
-                f"(fn's {describe(eqns[effects[0]], effects[0])} has {len(effects) > 1 and 'some' or 'one'})")
+                f"(fn's {describe(eqns[effects[0]], effects[0])} has {some})")
     if top is None:
         return (f"no two consecutive blocks of equations in fn's jaxpr ({len(eqns)} equations) "
                 f"are the same computation (primitives, params, shapes and dtypes){note}")

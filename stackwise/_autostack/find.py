@@ -1,13 +1,16 @@
-"""Finding the run of repeated blocks in a jaxpr, and what each block reads.
+"""Finding the runs of repeated blocks in a jaxpr, and what each block reads.
 
-Two steps. :func:`candidates` finds runs of ``k >= 2`` consecutive windows of ``p``
+Two steps, and a choice. :func:`candidates` finds runs of ``k >= 2`` consecutive windows of ``p``
 equations whose signatures (:mod:`stackwise._autostack.signature`) repeat, longest first.
 :func:`follow` then follows the data through a candidate: each operand of block ``i`` must
 be a value block ``i`` makes itself (where block 0 makes its own), a value the previous
 block made (the carry, where block 0 reads a value from before the run), or a value from
 before the run (the same in every block: shared; different: a param leaf of that block, or
 a per-block input that the scan takes stacked). The first operand that is none of these
-cuts the run at its block, and says why.
+cuts the run at its block, and says why. :func:`runs` takes the longest run, then every
+other run that overlaps none taken, repeats another block and is a run of layers (each block
+reads param leaves of its own and the previous block's values: an encoder's layers, then a
+decoder's).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import numpy as np
 
 from stackwise._autostack.signature import describe
 
-__all__ = ["Failure", "Plan", "candidates", "follow"]
+__all__ = ["Failure", "Plan", "Search", "candidates", "follow", "free_parts", "layer_run",
+           "runs"]
 
 
 class Failure(NamedTuple):
@@ -68,6 +72,107 @@ def candidates(ids: np.ndarray) -> list[tuple[int, int, int, int]]:
                 found.append((k * p, p, int(a), k))
     found.sort(key=lambda c: (-c[0], c[1], c[2]))
     return found
+
+
+class Search(NamedTuple):
+    """What :func:`runs` found: ``plans``, the runs to stack in program order (none: no run
+    of 2 or more blocks); ``failures``, ``(first equation of a block, period)`` -> how it
+    breaks its run; ``top``, the longest candidate (words for why nothing was found);
+    ``passed_over``, ``(plan, why)`` of the repeats besides the longest run not taken."""
+
+    plans: list
+    failures: dict
+    top: tuple | None
+    passed_over: list
+
+
+def layer_run(plan: Plan) -> str | None:
+    """Why ``plan``, a repeat besides the longest run, is not a run of layers (None: it is):
+    each block reads param leaves of its own, a value flows from each block to the next, and
+    a block is more than one equation (two consecutive broadcasts of a norm's scale and
+    offset repeat, but are no stack)."""
+    if not plan.params:
+        return "no block reads param leaves of its own"
+    if not plan.carry:
+        return "no value flows from one block to the next"
+    if plan.period < 2:
+        return "each block is one equation"
+    return None
+
+
+def runs(jaxpr: Any, ids: np.ndarray, n_params: int, readers: dict) -> Search:
+    """The runs to stack: the longest, then each other repeat that overlaps none taken, is
+    another block than theirs and is a run of layers (:func:`layer_run`)."""
+    found = candidates(ids) if len(ids) >= 2 else []
+    failures: dict = {}
+    best, top = None, None
+
+    def aligned(lo: int, hi: int, p: int) -> Plan | None:
+        """The best run of ``p``-equation blocks in the repeated region ``[lo, hi)``, over
+        where its blocks may start: the most equations, then the fewest values carried
+        from block to block (a layer's own boundary), then the earliest."""
+        plans = []
+        for start in range(lo, lo + (hi - lo) % p + 1):
+            plan, failure = follow(jaxpr, start, p, (hi - lo) // p, n_params, readers)
+            if failure is not None:
+                failures.setdefault((start + failure.block * p, p), failure.text)
+            plans += [plan] if plan is not None else []
+        return min(plans, key=_rank, default=None)
+
+    for covered, p, a, k in found:
+        if best is not None and covered <= best.period * best.count:
+            break
+        top = top or (covered, p, a, k)
+        plan = aligned(a, _region_end(ids, a, p, k), p)
+        if plan is not None and (best is None or _rank(plan) < _rank(best)):
+            best = plan
+    if best is None:
+        return Search([], failures, top, [])
+    chosen, passed_over = [best], []
+    for _, p, a, k in found:
+        for lo, hi in free_parts(a, _region_end(ids, a, p, k), p, chosen):
+            plan = aligned(lo, hi, p)
+            if plan is None or any(_same_block(ids, plan, c) for c in chosen):
+                continue
+            why = layer_run(plan)
+            if why is None:
+                chosen.append(plan)
+                break
+            passed_over.append((plan, why))
+    return Search(sorted(chosen, key=lambda plan: plan.start), failures, top, passed_over)
+
+
+def _rank(plan: Plan) -> tuple:
+    return (-plan.period * plan.count, len(plan.carry), plan.start)
+
+
+def _region_end(ids: np.ndarray, a: int, p: int, k: int) -> int:
+    """One past the last equation of the repeated region whose first ``k`` blocks of ``p``
+    start at ``a`` (up to ``p - 1`` equations more repeat after them)."""
+    end = a + k * p
+    while end < len(ids) and end - a - k * p < p - 1 and ids[end] == ids[end - p]:
+        end += 1
+    return end
+
+
+def free_parts(a: int, e: int, p: int, chosen: list[Plan]) -> list[tuple[int, int]]:
+    """The parts of the region ``[a, e)`` that no chosen run covers and that hold at least
+    2 blocks of ``p`` equations."""
+    parts = [(a, e)]
+    for c in chosen:
+        parts = [piece for lo, hi in parts
+                 for piece in ((lo, min(hi, c.start)), (max(lo, c.stop), hi))
+                 if piece[1] > piece[0]]
+    return [(lo, hi) for lo, hi in parts if hi - lo >= 2 * p]
+
+
+def _same_block(ids: np.ndarray, plan: Plan, other: Plan) -> bool:
+    """Whether ``plan``'s block is ``other``'s, or a rotation of it (the same loop)."""
+    if plan.period != other.period:
+        return False
+    mine = ids[plan.start:plan.start + plan.period]
+    theirs = ids[other.start:other.start + other.period]
+    return any((np.roll(theirs, r) == mine).all() for r in range(other.period))
 
 
 def _literal_key(atom: Any) -> tuple:
@@ -126,7 +231,8 @@ def follow(jaxpr: Any, start: int, period: int, count: int, n_params: int,
                     elif carry_of.get((j, a)) != slot:
                         reason = f"reads {_origin(xm, i)} where block 1 reads another value"
                 else:
-                    reason = f"reads {_origin(xm, i)} where block 0 reads a value from before the run"
+                    reason = (f"reads {_origin(xm, i)} where block 0 reads a value from "
+                              "before the run")
                 if reason is not None:
                     failure = Failure(i, f"its {describe(eqn, j)} {reason} (operand {a})")
                     plan = None

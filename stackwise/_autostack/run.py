@@ -1,6 +1,6 @@
-"""Re-emitting a traced model with its run of blocks as one ``lax.scan``.
+"""Re-emitting a traced model with each run of blocks as one ``lax.scan``.
 
-The equations before the run are bound as traced; the run becomes a scan whose body binds
+The equations between the runs are bound as traced; each run becomes a scan whose body binds
 block 0's equations, each operand read from its role in the :class:`Plan` (the carry, the
 layer's params slice, a scanned input, a shared value, a literal, or an earlier output of
 the body); the equations after the run read the last block's values from the final carry
@@ -46,11 +46,22 @@ def _bind_all(eqns: list, env: dict) -> None:
         env.update(zip(eqn.outvars, outs))
 
 
-def evaluate(jaxpr: Any, env: dict, plan: Plan, blocks: list, remat: tuple) -> list:
+def evaluate(jaxpr: Any, env: dict, plans: tuple[Plan, ...], blocks: list,
+             remat: tuple) -> list:
     """The jaxpr's outputs, with ``env`` holding its constants and inputs (the stacked param
-    leaves apart: ``blocks``, one array per param slot of ``plan``)."""
-    eqns, s, p, k = jaxpr.eqns, plan.start, plan.period, plan.count
-    _bind_all(eqns[:s], env)
+    leaves apart: ``blocks``, one array per param slot of each plan, in the plans' order)."""
+    eqns, done = jaxpr.eqns, 0
+    for plan in plans:
+        _bind_all(eqns[done:plan.start], env)
+        _scan(eqns, env, plan, blocks[:len(plan.params)], remat)
+        blocks, done = blocks[len(plan.params):], plan.stop
+    _bind_all(eqns[done:], env)
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _scan(eqns: list, env: dict, plan: Plan, blocks: list, remat: tuple) -> None:
+    """Binds ``plan``'s run as one scan: its values that code after it reads into ``env``."""
+    s, p, k = plan.start, plan.period, plan.count
     template = eqns[s:s + p]
     init = []
     for (j, o), atom in zip(plan.carry, plan.carry_init):
@@ -93,5 +104,3 @@ def evaluate(jaxpr: Any, env: dict, plan: Plan, blocks: list, remat: tuple) -> l
     for (j, o), stacked in zip(plan.ys, ys):
         for i in range(k):
             env[eqns[s + i * p + j].outvars[o]] = stacked[i]
-    _bind_all(eqns[s + k * p:], env)
-    return [_read(env, v) for v in jaxpr.outvars]

@@ -5,7 +5,8 @@ An equation's signature is its primitive, its params (a sub-jaxpr compared as pr
 which names its variables afresh, plus the values of every constant it closes over and the
 functions its equations hold; a function, such as a ``custom_vjp``'s backward or a
 ``custom_jvp``'s rule, by its code and the values it closes over) and the shapes and dtypes
-of its inputs and outputs. Which variables it reads is not part of it:
+of its inputs and outputs (with their shardings on an explicit mesh). Which variables it
+reads is not part of it:
 :mod:`stackwise._autostack.find` follows the data.
 
 A function's key (:meth:`Signatures.function`) is its code object and the keys of its
@@ -13,7 +14,9 @@ defaults and closure cells: a Python scalar by value, an array by its bytes, a f
 again by its key, any other object by identity. JAX's own plumbing around the user's
 functions (``_memoize``'s cache, the trace that made the equation, the stores of output
 trees) is made afresh per call: a function from JAX's modules is keyed by its qualified
-name and the functions it closes over only, down to the user's.
+name and the functions it closes over only, down to the user's. What tells JAX's plumbing,
+its ``WrappedFun`` and a concrete array apart leans on JAX internals:
+:mod:`stackwise._upstream.jax_functions` holds those ties, dated and probed.
 """
 
 from __future__ import annotations
@@ -26,16 +29,24 @@ from typing import Any
 import numpy as np
 
 from stackwise._upstream import jax as jax_ties
+from stackwise._upstream import jax_functions
 
 __all__ = ["Signatures", "describe", "difference"]
 
 
 def _aval(atom: Any) -> tuple:
+    """Shape, dtype, weak type and sharding (``jax.typeof(x).sharding``: the mesh axes of an
+    explicit mesh that split it; alike for every value traced without one)."""
     aval = atom.aval
     shape = getattr(aval, "shape", None)
     if shape is None:
         return (str(aval),)
-    return (tuple(shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)))
+    sharding = getattr(aval, "sharding", None)
+    try:
+        hash(sharding)
+    except TypeError:
+        sharding = repr(sharding)
+    return (tuple(shape), str(aval.dtype), bool(getattr(aval, "weak_type", False)), sharding)
 
 
 def _fingerprint(value: Any) -> tuple:
@@ -121,9 +132,12 @@ class Signatures:
         if id(value) in active:
             return ("cycle",)
         active = (*active, id(value))
-        if _is_wrapped(value):
-            return ("wrapped", self.function(value.f, active),
-                    tuple(self.function(t, active) for t, _ in value.transforms))
+        if jax_functions.is_wrapped(value):
+            parts = jax_functions.wrapped_parts(value)
+            if parts is None:  # (its tie broken: by identity)
+                return self._identity(value)
+            return ("wrapped", self.function(parts[0], active),
+                    tuple(self.function(t, active) for t in parts[1]))
         if isinstance(value, functools.partial):
             return ("partial", self.function(value.func, active),
                     self._value(value.args, active), self._value(value.keywords, active))
@@ -140,7 +154,7 @@ class Signatures:
             except ValueError:  # (a cell not yet filled)
                 cells.append((name, None))
         name = getattr(value, "__qualname__", code.co_name)
-        if _from_jax(value):
+        if jax_functions.is_plumbing(value):
             return ("jax", name, tuple((n, self._value(c, active)) for n, c in cells
                                        if _holds_callable(c)))
         return ("function", name, code, self._value(value.__defaults__, active),
@@ -162,7 +176,7 @@ class Signatures:
                                   for k, v in value.items()))
         if isinstance(value, (type, types.ModuleType)):
             return ("named", value)
-        if isinstance(value, (np.ndarray, np.generic)) or _concrete_array(value):
+        if isinstance(value, (np.ndarray, np.generic)) or jax_functions.is_concrete_array(value):
             return ("array", *_fingerprint(value))
         if _is_function(value):
             return self.function(value, active)
@@ -173,17 +187,6 @@ class Signatures:
         return ("object", type(value).__qualname__, id(value))
 
 
-def _from_jax(fn: Any) -> bool:
-    module = getattr(fn, "__module__", None) or ""
-    return module == "jax" or module.startswith("jax.")
-
-
-def _concrete_array(value: Any) -> bool:
-    import jax
-
-    return isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
-
-
 def _holds_callable(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(_holds_callable(v) for v in value)
@@ -192,13 +195,8 @@ def _holds_callable(value: Any) -> bool:
     return _is_function(value)
 
 
-def _is_wrapped(value: Any) -> bool:
-    """A JAX ``WrappedFun`` (``linear_util``): not callable itself, it wraps ``f``."""
-    return hasattr(value, "f") and hasattr(value, "transforms") and hasattr(value, "call_wrapped")
-
-
 def _is_function(value: Any) -> bool:
-    return (callable(value) and not isinstance(value, type)) or _is_wrapped(value)
+    return (callable(value) and not isinstance(value, type)) or jax_functions.is_wrapped(value)
 
 
 def _holds_jaxpr(value: Any) -> bool:

@@ -67,11 +67,12 @@ VMAP_OUT_AXES = "vmap's refusal of a batched output under out_axes=None"
 
 
 class UpstreamChanged(RuntimeError):
-    """A tie to JAX internals no longer holds (raised by :func:`check`)."""
+    """A tie to JAX internals no longer holds (raised by :func:`check`; ``module``: the
+    file of the tie)."""
 
-    def __init__(self, tie: str, detail: str):
+    def __init__(self, tie: str, detail: str, module: str = "stackwise/_upstream/jax.py"):
         super().__init__(
-            f"JAX changed under stackwise: the tie to {tie} (stackwise/_upstream/jax.py, "
+            f"JAX changed under stackwise: the tie to {tie} ({module}, "
             f"written against jax {MIRRORS}; jax {jax.__version__} is installed) no longer "
             f"holds: {detail}. stackwise takes its exact slower path instead; update the tie."
         )

@@ -22,7 +22,9 @@ POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 def check_loop(fn, params, *args, n=None, period=None, **options):
     """autostack(fn) against fn: outputs and the grads of every param leaf, jitted; returns f."""
     stacked, f = stackwise.autostack(fn, params, *args, **options)
-    if n is not None:
+    if isinstance(n, tuple):  # a count per run
+        assert tuple(r.n for r in f.runs) == n, f.runs
+    elif n is not None:
         assert f.found.n == n, f.found
     if period is not None:
         assert f.found.period == period, f.found
@@ -76,7 +78,7 @@ def test_fold_in_layer_index_becomes_a_scanned_input():
         return x @ params["head"]
 
     f = check_loop(model, mlp_params(KEY, 4), X, jax.random.key(7), n=4)
-    assert len(f._plan.scanned) == 2  # the fold_in index and the per-layer scale
+    assert len(f._plans[0].scanned) == 2  # the fold_in index and the per-layer scale
     jaxpr = str(jax.make_jaxpr(f)(f.stack(mlp_params(KEY, 4)), X, jax.random.key(7)))
     assert jaxpr.count("random_fold_in") == 1
 
@@ -104,7 +106,7 @@ def test_several_carries_and_per_layer_outputs():
         return x @ params["head"], total, hidden
 
     f = check_loop(model, mlp_params(KEY, 4), X, n=4)
-    assert f._plan.ys  # the hidden states of every block but the last leave as stacked outputs
+    assert f._plans[0].ys  # the hidden states of every block but the last leave as stacked outputs
 
 
 def test_unstack_of_stack_is_bitwise_every_leaf():
@@ -222,7 +224,7 @@ def test_one_leaf_read_by_every_block_is_shared_not_stacked():
     params = {"layer": full["layers"][0], "head": full["head"]}
     stacked, f = stackwise.autostack(model, params, X)
     assert (f.found.n, f.found.params) == (4, 0) and stacked["blocks"] == {}
-    assert len(f._plan.shared) == 3
+    assert len(f._plans[0].shared) == 3
     check_loop(model, params, X, n=4)
     assert_trees_bitwise(f.unstack(stacked), params)
 
@@ -239,7 +241,7 @@ def test_a_leaf_read_by_two_blocks_is_stacked_at_each_call_not_moved():
     assert (f.found.n, f.found.params) == (4, 2), f.found
     assert "['layers'][0]['w']" not in stacked["blocks"]
     assert stacked["rest"]["layers"][0]["w"] is params["layers"][0]["w"]
-    assert len(f._plan.scanned) == 1  # (w0, w0, w2, w2), stacked when f runs
+    assert len(f._plans[0].scanned) == 1  # (w0, w0, w2, w2), stacked when f runs
     check_loop(model, params, X, n=4)
     assert_trees_bitwise(f.unstack(stacked), params)
 
@@ -295,8 +297,8 @@ def decode_caches(n):
 def test_a_decode_step_updating_each_layers_kv_cache():
     n, x, pos = 4, jax.random.normal(jax.random.key(3), (B, 1, D)), jnp.int32(3)
     f = check_loop(decode, decode_params(n), decode_caches(n), x, pos, n=n)
-    assert f.found.params == 4 and len(f._plan.scanned) == 2  # the k and v caches
-    assert len(f._plan.carry) == 1 and len(f._plan.ys) == 2  # x carried; caches stacked out
+    assert f.found.params == 4 and len(f._plans[0].scanned) == 2  # the k and v caches
+    assert len(f._plans[0].carry) == 1 and len(f._plans[0].ys) == 2  # x carried; caches stacked out
 
 
 def test_a_kv_cache_among_the_params_is_stacked_with_them():

@@ -1,7 +1,6 @@
 """stackwise.autostack on Haiku and linen models written as for loops of blocks."""
 
 import jax
-import jax.numpy as jnp
 from test_autostack import check_loop
 
 import stackwise

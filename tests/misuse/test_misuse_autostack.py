@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _misuse import assert_refused, case
+from jax.sharding import PartitionSpec as P
 
 import stackwise
 
@@ -49,6 +50,27 @@ def _stack_other_params():
     f.stack(LAYERS[:2])
 
 
+def two_stacks(params, x):
+    """Two runs: 3 layers of width 4, then 2 of width 6."""
+    for p in params["a"]:
+        x = jnp.tanh(x @ p["w"])
+    x = x @ params["proj"]
+    for p in params["b"]:
+        x = jnp.sin(x @ p["w"])
+    return x
+
+
+TWO = {"a": LAYERS, "proj": jnp.ones((4, 6)), "b": [{"w": jnp.eye(6)} for _ in range(2)]}
+
+
+def _call_with_the_layer_axis_split():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        stacked, f = _made()
+        split = jax.tree.map(lambda a: jax.sharding.reshard(a, P("data")), stacked)
+        f(split, X)
+
+
 AUTOSTACK = [
     case("fn not callable", lambda: stackwise.autostack("loop", LAYERS, X), TypeError,
          "`fn` must be callable", "stackwise.autostack(fn, params"),
@@ -75,6 +97,28 @@ AUTOSTACK = [
     case("stacked params without their blocks", _call_with_missing_blocks, TypeError,
          "stacked_params['blocks']"),
     case("stack of params of another structure", _stack_other_params, TypeError, "`params`"),
+    case("n an empty tuple", lambda: stackwise.autostack(loop, LAYERS, X, n=()), TypeError,
+         "`n` must be None, an int", "a tuple of ints"),
+    case("n a tuple holding a float",
+         lambda: stackwise.autostack(two_stacks, TWO, X, n=(3, 2.0)), TypeError,
+         "`n` must be None, an int", "(3, 2.0)"),
+    case("n a tuple holding a count below 2",
+         lambda: stackwise.autostack(two_stacks, TWO, X, n=(3, 1)), ValueError,
+         "`n` must be at least 2", "(3, 1)"),
+    case("n an int where two runs are found",
+         lambda: stackwise.autostack(two_stacks, TWO, X, n=3), ValueError,
+         "`n=3` expects one run, but 2 were found", "pass `n=(3, 2)`"),
+    case("n a tuple of another count of runs",
+         lambda: stackwise.autostack(two_stacks, TWO, X, n=(3, 2, 2)), ValueError,
+         "`n=(3, 2, 2)` expects 3 runs, but 2 were found"),
+    case("n a tuple whose count of a run differs",
+         lambda: stackwise.autostack(two_stacks, TWO, X, n=(3, 4)), ValueError,
+         "`n=(3, 4)`: run 1", "has 2 blocks, not 4"),
+    case("stacked params with the layer axis split over an explicit mesh axis",
+         _call_with_the_layer_axis_split, ValueError,
+         "`stacked_params['blocks'][\"[0]['w']\"]` is float32[3@data,4,4]",
+         "layer axis is split over the mesh axis 'data'",
+         "jax.sharding.reshard(leaf, P(None, None, None))"),
 ]
 
 

@@ -1,5 +1,5 @@
 """Misuses of the benchmarks' command lines (`benchmarks/checkpoint_load.py`, `optimizer_step.py`,
-`tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`,
+`tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`, `autostack_compile.py`,
 `multi_lora_decode.py`).
 
 Each is refused by argument parsing, before a checkpoint is written or JAX runs: exit status 2 and a
@@ -65,6 +65,7 @@ def test_optimizer_step_sizes_are_positive_integers(tmp_path, capsys, flag, valu
 TPU_DECODE_HLO = SCRIPT.parent / "tpu_decode_hlo.py"
 OFFLOAD_MEMORY = SCRIPT.parent / "offload_memory.py"
 TPU_TRAIN = SCRIPT.parent / "tpu_train.py"
+AUTOSTACK_COMPILE = SCRIPT.parent / "autostack_compile.py"
 
 #: (script, argv, the flag the message names, a part of the message): the TPU-compiled tables'
 #: flags, refused by the parser before JAX or libtpu is imported.
@@ -99,6 +100,14 @@ TPU_TABLE_CASES = [
      "'layer' is not a comma-separated list of off, dots, full"),
     (TPU_TRAIN, ["--variants", "nnx", "--remat", "dots"], "--variants",
      "'nnx' matches no row at --remat 'dots'; the rows are: loop, remat off;"),
+    *((AUTOSTACK_COMPILE, [flag, value], flag, f"expected a positive integer, got {value!r}")
+      for flag in ("--n", "--pairs", "--loop-seconds") for value in ("0", "-1", "1.5")),
+    (AUTOSTACK_COMPILE, ["--loop-compiles", "-1"], "--loop-compiles",
+     "expected an integer of 0 or more, got '-1'"),
+    (AUTOSTACK_COMPILE, ["--blocks", "mlp,decode"], "--blocks",
+     "expected blocks among transformer, mlp, got 'mlp,decode'"),
+    (AUTOSTACK_COMPILE, ["--blocks", ","], "--blocks",
+     "expected blocks among transformer, mlp, got ','"),
 ]
 
 
