@@ -92,7 +92,8 @@ for what in "$@"; do
     autostack)  # ~3 min: each block's loop in a child given 60 s (stopped past that, its row
         # says so), then 5 interleaved pairs of cold compiles of the stack and the autostacked
         # loop after a warm-up each; each block's table written as it ends
-        part autostack 240 python3 benchmarks/autostack_compile.py --pairs 5 --loop-seconds 60 \
+        part autostack ${AUTOSTACK_SECONDS:-240} python3 benchmarks/autostack_compile.py \
+            --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
         echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, preset, multi-lora, autostack)" >&2
