@@ -47,7 +47,7 @@ def assert_same_quantization(ours, theirs):
     for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape
-        if np.issubdtype(x.dtype, np.floating):
-            np.testing.assert_array_max_ulp(x, y, maxulp=1)
+        if np.issubdtype(x.dtype, np.floating):  # (XLA:TPU's float32 division: within 2 ulp)
+            np.testing.assert_array_max_ulp(x, y, maxulp=1 if jax.default_backend() == "cpu" else 2)
         else:
             assert np.abs(x.astype(np.int32) - y.astype(np.int32)).max() <= 1
