@@ -23,8 +23,9 @@ them back), and the model samples with the trained copies. With ``--quantize
 int8|int4|nf4`` the base's linear layers are quantized per layer and output channel first
 (``stackwise.quant``), and each block dequantizes its own slice inside the scan.
 
-After training, one batch of two rows runs the trained adapters on the first row and none on
-the second (``stackwise.lora.attach(..., rows=[0, -1])``, multi-LoRA serving), each row
+After training, one batch of three rows runs two adapters and none: the trained adapters on
+the first row, a second adapter (the trained one at half its update) on the second and none on
+the third (``stackwise.lora.attach(..., rows=[0, 1, -1])``, multi-LoRA serving), each row
 checked against its own model, in one forward and in greedy generation with a KV cache per
 row. The adapters are saved in Hugging Face PEFT's layout (``stackwise.lora.save_peft``, written
 whole or not at all; ``stackwise.lora.load_peft`` reads them back), then the model samples,
@@ -196,8 +197,9 @@ def finetune(args: argparse.Namespace, config: lm_model.Config, params, *, batch
         f"wrapped model's logits to {record['merge_diff']:.1e}")
     record["rows_diff"], record["rows_generate_equal"] = two_rows(
         lm, model, params, base, adapters, window, k)
-    log(f"one batch of two rows, the first with these adapters and the second with none "
-        f"(stackwise.lora.attach(..., rows=[0, -1]): multi-LoRA serving), gives each row's "
+    log(f"one batch of three rows, the first with these adapters, the second with a second "
+        f"adapter (these at half their update) and the third with none (stackwise.lora.attach("
+        f"..., rows=[0, 1, -1]): multi-LoRA serving), gives each row's "
         f"logits to {record['rows_diff']:.1e}, and generating from it with a KV cache per row "
         f"gives {'each row' if record['rows_generate_equal'] else 'NOT each row'} its own "
         "model's greedy tokens")
@@ -207,33 +209,37 @@ def finetune(args: argparse.Namespace, config: lm_model.Config, params, *, batch
 
 
 def two_rows(lm, model, params, base, adapters, window, k: int) -> tuple[float, bool]:
-    """A batch whose rows pick their adapters (``attach(..., rows=)``): the window twice, row
-    0 with the trained adapters and row 1 with none (the base alone). Returns the largest
-    difference from each row's own model (the adapters attached alone; the base), and
-    whether greedy generation from the two-row batch, a KV cache per row, gives each row its
-    own model's tokens."""
-    batch = per_position(lambda a: stackwise.lora.stack_adapters([a]), adapters, k=k)
-    rows = jnp.array([0, -1])
-    both = {**params, "blocks": per_position(
-        lambda b, a: stackwise.lora.attach(b, a, rows=rows), base, batch, k=k)}
-    bare = {**params, "blocks": per_position(
-        lambda b, a: stackwise.lora.attach(b, jax.tree.map(jnp.zeros_like, a)), base,
-        adapters, k=k)}
+    """A batch whose rows pick their adapters (``attach(..., rows=)``): the window three
+    times, row 0 with the trained adapters, row 1 with a second adapter (the trained one at
+    half its update, ``b / 2``: another adapter without a second training) and row 2 with
+    none (the base alone). Returns the largest difference from each row's own model (its
+    adapter attached alone; the base), and whether greedy generation from the batch, a KV
+    cache per row, gives each row its own model's tokens."""
+    half = jax.tree.map(lambda w: dataclasses.replace(w, b=w.b / 2), adapters, is_leaf=is_lora)
+    pair = per_position(lambda a, h: stackwise.lora.stack_adapters([a, h]), adapters, half, k=k)
+    rows = jnp.array([0, 1, -1])
+    batch = {**params, "blocks": per_position(
+        lambda b, a: stackwise.lora.attach(b, a, rows=rows), base, pair, k=k)}
+    own = [model, {**params, "blocks": per_position(stackwise.lora.attach, base, half, k=k)},
+           {**params, "blocks": per_position(
+               lambda b, a: stackwise.lora.attach(b, jax.tree.map(jnp.zeros_like, a)), base,
+               adapters, k=k)}]
     apply = jax.jit(lm.apply)
-    tokens = jnp.concatenate([window, window])
     positions = jnp.arange(window.shape[1])
-    got, _ = apply(both, tokens, positions)
-    adapted, _ = apply(model, window, positions)
-    plain, _ = apply(bare, window, positions)
-    diff = float(jnp.maximum(jnp.abs(got[0] - adapted[0]).max(),
-                             jnp.abs(got[1] - plain[0]).max()))
+    got, _ = apply(batch, jnp.concatenate([window] * 3), positions)
+    diff = max(float(jnp.abs(got[i] - apply(p, window, positions)[0][0]).max())
+               for i, p in enumerate(own))
     prompt = window[0, : window.shape[1] // 2]
     length = min(16, window.shape[1] - len(prompt))
     decode = jax.jit(lm.apply, donate_argnums=3)
-    rows_tokens = greedy(decode, lm, both, prompt, length, rows=2)
-    equal = bool((rows_tokens[0] == greedy(decode, lm, model, prompt, length)[0]).all()
-                 and (rows_tokens[1] == greedy(decode, lm, bare, prompt, length)[0]).all())
+    rows_tokens = greedy(decode, lm, batch, prompt, length, rows=3)
+    equal = all(bool((rows_tokens[i] == greedy(decode, lm, p, prompt, length)[0]).all())
+                for i, p in enumerate(own))
     return diff, equal
+
+
+def is_lora(x) -> bool:
+    return isinstance(x, stackwise.lora.LoraWeights)
 
 
 def greedy(decode, lm, params, prompt, length: int, rows: int = 1) -> np.ndarray:

@@ -123,7 +123,8 @@ def check_finetuned(result: dict, ckpt: pathlib.Path, quantize: str | None) -> N
     assert result["merge_diff"] <= tolerance  # (the run's own check, on its first window)
     base_logits, _ = plain.apply(params, tokens, positions)
     assert float(jnp.abs(base_logits - got).max()) > 10 * tolerance  # the adapters count
-    # The run's two-row batch (the adapters on row 0, none on row 1): each row its model's.
+    # The run's three-row batch (the adapters on row 0, a second adapter, the same at half its
+    # update, on row 1, none on row 2): each row its model's.
     assert result["rows_diff"] <= tolerance
     assert result["rows_generate_equal"]  # and generating from it, a KV cache per row
 
