@@ -208,3 +208,33 @@ def test_with_the_effects_tie_broken_no_block_with_effects_is_stacked(monkeypatc
     monkeypatch.setattr(jax_functions, "holds", lambda tie: tie != jax_functions.EFFECTS)
     message = refused(logged([]), mlp_params(KEY, 3))
     assert "the effect `DebugEffect`" in message, message
+
+
+@pytest.mark.slow
+def test_callbacks_inside_jitted_and_checkpointed_blocks():
+    calls = []
+
+    @jax.jit
+    def logged_layer(p, x, i):
+        x = layer(p, x)
+        jax.debug.callback(lambda i, n: calls.append((int(i), float(n))), i, jnp.sum(x))
+        return x
+
+    @jax.checkpoint
+    def logged_norm(x):
+        jax.debug.callback(lambda n: calls.append((-1, float(n))), jnp.linalg.norm(x))
+        return x / jnp.linalg.norm(x)
+
+    def model(params, x):
+        for i, p in enumerate(params["layers"]):
+            x = logged_norm(logged_layer(p, x, i))
+        return x
+
+    params = mlp_params(KEY, 4)
+    stacked, f = stackwise.autostack(model, params, X)
+    assert f.found.n == 4 and f.found.period == 2
+    out, got = run(jax.jit(f), stacked, X, calls=calls)
+    want_out, want = run(jax.jit(model), params, X, calls=calls)
+    assert [i for i, _ in want] == [0, -1, 1, -1, 2, -1, 3, -1], want
+    assert_calls(got, want)
+    assert_trees_close(out, want_out, BOUND)
