@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from stackwise._autostack.find import Plan, Search, candidates, free_parts
-from stackwise._autostack.signature import Signatures, describe, difference
+from stackwise._autostack.signature import KEPT, Signatures, describe, difference, effect_words, unkept
 
 __all__ = ["broken", "no_run"]
 
@@ -114,12 +114,13 @@ def _elsewhere(eqns: list, ids: np.ndarray, sigs: Signatures, search: Search) ->
 
 def no_run(eqns: list, ids: np.ndarray, sigs: Signatures, top: Any, failures: dict) -> str:
     """Why no run of 2 or more blocks was found."""
-    effects = [j for j, e in enumerate(eqns) if e.effects]
+    effects = [j for j, e in enumerate(eqns) if unkept(e)]
     note = ""
     if effects:
-        some = "some" if len(effects) > 1 else "one"
-        note = (f"; equations with effects are never part of a run "
-                f"(fn's {describe(eqns[effects[0]], effects[0])} has {some})")
+        first = eqns[effects[0]]
+        note = (f"; equations with effects other than callbacks' are never part of a run "
+                f"(fn's {describe(first, effects[0])} has the effect "
+                f"{effect_words(unkept(first))}; {KEPT})")
     if top is None:
         return (f"no two consecutive blocks of equations in fn's jaxpr ({len(eqns)} equations) "
                 f"are the same computation (primitives, params, shapes and dtypes){note}")

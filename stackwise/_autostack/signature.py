@@ -17,21 +17,28 @@ trees) is made afresh per call: a function from JAX's modules is keyed by its qu
 name and the functions it closes over only, down to the user's. What tells JAX's plumbing,
 its ``WrappedFun`` and a concrete array apart leans on JAX internals:
 :mod:`stackwise._upstream.jax_functions` holds those ties, dated and probed.
+
+An equation with effects is a block's only where ``lax.scan`` keeps its effect once per step
+(a callback's: ``jax.debug.callback``, ``jax.debug.print``, ``io_callback``); its callback is
+keyed whole, JAX's wrapper too (the tree and static values of the arguments it passes). An
+equation with any other effect (:func:`unkept`) is never repeated, so never in a run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import types
 from typing import Any
 
+import jax
 import numpy as np
 
 from stackwise._upstream import jax as jax_ties
 from stackwise._upstream import jax_functions
 
-__all__ = ["Signatures", "describe", "difference"]
+__all__ = ["KEPT", "Signatures", "describe", "difference", "effect_words", "unkept"]
 
 
 def _aval(atom: Any) -> tuple:
@@ -73,21 +80,37 @@ class Signatures:
 
     def __init__(self, loose: bool = False) -> None:
         self.loose = loose  # every function alike: to find where functions alone differ
+        self._whole = False  # (keying a callback: JAX's wrappers too by all they close over)
         self._ids: dict = {}
         self._jaxprs: dict[int, tuple] = {}
         self._keep: list = []  # (the sub-jaxprs keyed by id stay alive)
 
     def of(self, eqn: Any) -> int:
-        if eqn.effects:  # never repeated: a run holds no effects (find.py says so)
+        if unkept(eqn):  # never repeated: a run holds no such effect (find.py says so)
             return self._ids.setdefault(("effects", id(eqn)), len(self._ids))
+        if self.loose and eqn.effects:  # (callbacks lined up whatever they print or call)
+            key = (eqn.primitive.name, "callback", tuple(_aval(v) for v in eqn.invars))
+            return self._ids.setdefault(key, len(self._ids))
         key = self.key(eqn)
         return self._ids.setdefault(key, len(self._ids))
 
     def key(self, eqn: Any) -> tuple:
-        params = tuple(sorted((k, self._norm(v)) for k, v in eqn.params.items()))
+        params = tuple(sorted((k, self._param(eqn, k, v)) for k, v in eqn.params.items()))
         ins = tuple(_aval(v) for v in eqn.invars)
         outs = tuple(_aval(v) for v in eqn.outvars)
         return (eqn.primitive.name, params, ins, outs)
+
+    def _param(self, eqn: Any, name: str, value: Any) -> Any:
+        """A param's key. A callback (``jax.debug.callback``'s, ``io_callback``'s) is keyed
+        whole: JAX's wrapper around the user's function by all it closes over too (the
+        arguments' tree, the static arguments), as each call is the layer's own."""
+        if not (eqn.effects and name == "callback" and _is_function(value)):
+            return self._norm(value)
+        self._whole, was = True, self._whole
+        try:
+            return self.function(value)
+        finally:
+            self._whole = was
 
     def _norm(self, value: Any) -> Any:
         if hasattr(value, "eqns") or hasattr(value, "consts"):  # Jaxpr, ClosedJaxpr
@@ -113,7 +136,7 @@ class Signatures:
             consts = tuple(_fingerprint(c) for c in getattr(value, "consts", ()))
             inner = tuple(  # (the sub-jaxprs and functions of its equations: a printed
                 # jaxpr shows a function param by its name only)
-                self._norm(v) for e in jaxpr.eqns for v in e.params.values()
+                self._param(e, k, v) for e in jaxpr.eqns for k, v in e.params.items()
                 if _holds_jaxpr(v) or _holds_callable(v)
             )
             found = ("jaxpr", str(jaxpr), consts, inner)
@@ -145,6 +168,11 @@ class Signatures:
             return ("method", self.function(value.__func__, active),
                     self._value(value.__self__, active))
         code = getattr(value, "__code__", None)
+        if code is None and self._whole and dataclasses.is_dataclass(value):
+            # (io_callback's `_FlatCallback`: the user's function and the arguments' tree)
+            return ("fields", type(value), tuple(
+                (f.name, self._value(getattr(value, f.name), active))
+                for f in dataclasses.fields(value)))
         if code is None:  # a builtin, an object with __call__: by identity
             return self._identity(value)
         cells = []
@@ -154,7 +182,7 @@ class Signatures:
             except ValueError:  # (a cell not yet filled)
                 cells.append((name, None))
         name = getattr(value, "__qualname__", code.co_name)
-        if jax_functions.is_plumbing(value):
+        if not self._whole and jax_functions.is_plumbing(value):
             return ("jax", name, tuple((n, self._value(c, active)) for n, c in cells
                                        if _holds_callable(c)))
         return ("function", name, code, self._value(value.__defaults__, active),
@@ -176,6 +204,8 @@ class Signatures:
                                   for k, v in value.items()))
         if isinstance(value, (type, types.ModuleType)):
             return ("named", value)
+        if isinstance(value, jax.tree_util.PyTreeDef):  # (a callback's arguments' tree)
+            return ("treedef", value)
         if isinstance(value, (np.ndarray, np.generic)) or jax_functions.is_concrete_array(value):
             return ("array", *_fingerprint(value))
         if _is_function(value):
@@ -185,6 +215,17 @@ class Signatures:
     def _identity(self, value: Any) -> tuple:
         self._keep.append(value)  # (alive while its id is a key)
         return ("object", type(value).__qualname__, id(value))
+
+
+def unkept(eqn: Any) -> list:
+    """The effects of ``eqn`` that a block may not hold to be stacked: all but callbacks'
+    (:func:`~stackwise._upstream.jax_functions.scan_keeps`)."""
+    return [e for e in eqn.effects if not jax_functions.scan_keeps(e)]
+
+
+def effect_words(effects: list) -> str:
+    """``ErrorEffect``: the effects' types, named."""
+    return ", ".join(sorted({f"`{type(e).__name__}`" for e in effects}))
 
 
 def _holds_callable(value: Any) -> bool:
@@ -205,6 +246,10 @@ def _holds_jaxpr(value: Any) -> bool:
     return hasattr(value, "eqns") or hasattr(value, "consts")
 
 
+KEPT = ("a block may hold only callbacks' effects: `jax.debug.callback`, `jax.debug.print`, "
+        "`io_callback`")
+
+
 def describe(eqn: Any, index: int) -> str:
     """``equation 5 (`dot_general`, at model.py:12 (block))``."""
     where = jax_ties.source_line(eqn)
@@ -218,8 +263,9 @@ def _avals_text(atoms: list) -> str:
 
 def difference(signatures: Signatures, template: Any, other: Any) -> str:
     """How ``other`` differs from ``template`` (block 0's equation), in words."""
-    if other.effects:
-        return f"it has effects ({', '.join(map(str, other.effects))}), never part of a run"
+    if unkept(other):  # (block 0's equations repeat: none has such an effect)
+        return (f"it has the effect {effect_words(unkept(other))}, which autostack never puts "
+                f"in a scan ({KEPT})")
     if template.primitive.name != other.primitive.name:
         return f"it is `{other.primitive.name}` where block 0 has `{template.primitive.name}`"
     a, b = signatures.key(template), signatures.key(other)
@@ -229,7 +275,16 @@ def difference(signatures: Signatures, template: Any, other: Any) -> str:
     if a[3] != b[3]:
         return (f"its outputs are {_avals_text(other.outvars)} where block 0's are "
                 f"{_avals_text(template.outvars)}")
-    for (name, x), (_, y) in zip(a[1], b[1]):
+    how = _params_difference(a[1], b[1])
+    if other.effects:  # (a callback: what differs per layer can be passed to it)
+        how += (" (a callback's array and number arguments may differ from layer to layer, "
+                "its format string and other arguments (a string) may not: pass a per-layer "
+                "value as a number, e.g. `jax.debug.print(\"layer {i}\", i=i)`)")
+    return how
+
+
+def _params_difference(a: tuple, b: tuple) -> str:
+    for (name, x), (_, y) in zip(a, b):
         if x != y:
             if isinstance(x, tuple) and x[:1] == ("jaxpr",):
                 if x[1:3] == y[1:3]:  # the same equations: a function they hold differs

@@ -7,7 +7,8 @@ Lowest layer of the package, below :mod:`stackwise._core`; it imports nothing of
   policies match (``reshard``, ``all_gather``, ``name``, the slices and their params).
 - :mod:`.jax_functions`: how JAX holds functions in a traced equation's params (its own
   plumbing around a custom rule, ``WrappedFun``, ``jax.core.Tracer``), which
-  :func:`stackwise.autostack` reads to tell two blocks' custom rules alike.
+  :func:`stackwise.autostack` reads to tell two blocks' custom rules alike, and which
+  callbacks' effects a block may hold to be stacked.
 - :mod:`.peft`: PEFT's rules (mirrored, peft is never imported) for which module of a model
   gets a LoRA adapter and of what rank and alpha: ``rank_pattern``, ``alpha_pattern``,
   ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``. Its test compares them

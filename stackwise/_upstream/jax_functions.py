@@ -16,15 +16,20 @@ tell the two apart:
   params)`` pairs).
 - :func:`is_concrete_array`: a value closed over that is a ``jax.Array`` and not a
   ``jax.core.Tracer`` is keyed by its bytes.
+- :func:`scan_keeps`: the effects of ``jax.debug.callback``, ``jax.debug.print`` and
+  ``io_callback`` (ordered or not) are ones ``lax.scan`` takes in its body, each call kept
+  once per step in step order: a block holding them may be stacked. Read from the effects of
+  those public calls, traced (the effect types are JAX's internals); any other effect
+  (``checkify.check``'s, a ref's reads and writes) is never stacked.
 
 Each has a probe (:data:`TIES`); :func:`check` runs one and raises
 :class:`~stackwise._upstream.jax.UpstreamChanged` naming it (the fast tier does, in
 ``tests/autostack/test_upstream_jax_functions.py``); :func:`holds` runs it once, at first
 use, and when it fails warns and takes the exact path: every function keyed as the user's
 (its code and every value it closes over, objects by identity), a ``WrappedFun`` and an
-array by identity. Blocks that hold JAX's per-call plumbing then never look alike: a loop of
-``custom_vjp`` blocks is refused (or, with ``best_effort=True``, run unchanged), never
-stacked wrongly.
+array by identity, and no effect kept in a scan. Blocks that hold JAX's per-call plumbing
+(or callbacks) then never look alike: a loop of ``custom_vjp`` blocks is refused (or, with
+``best_effort=True``, run unchanged), never stacked wrongly.
 """
 
 from __future__ import annotations
@@ -47,12 +52,14 @@ __all__ = [
     "is_concrete_array",
     "is_plumbing",
     "is_wrapped",
+    "scan_keeps",
     "wrapped_parts",
 ]
 
 PLUMBING = "JAX's functions in a custom rule's params"
 WRAPPED = "linear_util.WrappedFun's function and transforms"
 TRACER = "jax.core.Tracer"
+EFFECTS = "the callbacks' effects that lax.scan keeps"
 _MODULE = "stackwise/_upstream/jax_functions.py"
 
 
@@ -91,6 +98,41 @@ def is_concrete_array(value: Any) -> bool:
     never (an array closed over is keyed by identity)."""
     return isinstance(value, jax.Array) and holds(TRACER) and not isinstance(
         value, jax.core.Tracer)
+
+
+def scan_keeps(effect: Any) -> bool:
+    """Whether ``effect`` (one of an equation's ``effects``) is a callback's that a block may
+    hold and still be stacked: ``lax.scan`` takes it in its body, run once per step in step
+    order. With the tie broken: never (blocks with effects are never stacked)."""
+    return holds(EFFECTS) and type(effect) in _callback_effects()
+
+
+@functools.cache
+def _callback_effects() -> frozenset:
+    """The types of the effects of ``jax.debug.callback`` and ``io_callback``, ordered or
+    not, and of ``jax.debug.print`` (jax 0.10.2: ``DebugEffect``, ``OrderedDebugEffect``,
+    ``IOEffect``, ``OrderedIOEffect``), read from those calls traced."""
+    return frozenset(type(e) for f in _CALLBACKS for e in _traced_effects(f))
+
+
+def _traced_effects(fn: Callable) -> set:
+    return set(jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((3,), jnp.float32)).effects)
+
+
+def _io(ordered: bool) -> Callable:
+    from jax.experimental import io_callback
+
+    return lambda x: io_callback(lambda v: v, jax.ShapeDtypeStruct((3,), jnp.float32), x,
+                                 ordered=ordered)
+
+
+_CALLBACKS = (
+    lambda x: jax.debug.callback(lambda v: None, x),
+    lambda x: jax.debug.callback(lambda v: None, x, ordered=True),
+    lambda x: jax.debug.print("{}", x),
+    lambda x: _io(False)(x),
+    lambda x: _io(True)(x),
+)
 
 
 def _from_jax(fn: Any) -> bool:
@@ -197,11 +239,29 @@ def _probe_tracer() -> None:
             f"a traced value reads as a tracer: {seen}; a concrete array: {concrete}")
 
 
+def _probe_effects() -> None:
+    """Traced only: each callback has one effect, and a scan whose body makes every one of
+    them keeps them all (``lax.scan`` refuses an effect it does not take)."""
+    each = [_traced_effects(f) for f in _CALLBACKS]
+    _expect(EFFECTS, all(len(e) == 1 for e in each), f"the callbacks' effects are {each}")
+
+    def body(c, _):
+        for f in _CALLBACKS:
+            f(c)
+        return c, None
+
+    scanned = _traced_effects(lambda x: jax.lax.scan(body, x, None, length=2)[0])
+    want = set().union(*each)
+    _expect(EFFECTS, scanned == want, f"a scan of the callbacks has effects {scanned}, not "
+                                      f"{want}")
+
+
 #: Every tie, with its probe.
 TIES: dict[str, Callable[[], None]] = {
     PLUMBING: _probe_plumbing,
     WRAPPED: _probe_wrapped,
     TRACER: _probe_tracer,
+    EFFECTS: _probe_effects,
 }
 
 

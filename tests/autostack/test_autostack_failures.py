@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 from _models import mlp, mlp_params
 
 import stackwise
@@ -81,16 +82,16 @@ def test_no_repeated_block():
     assert "no two consecutive blocks" in message, message
 
 
-def test_effects_are_never_part_of_a_run():
+def test_effects_other_than_callbacks_are_never_part_of_a_run():
     def model(params, x):
         for p in params["layers"]:
             x = x + jnp.tanh(x @ p["w"] + p["b"]) @ p["v"]
-            jax.debug.callback(lambda v: None, x)
+            checkify.check(jnp.all(x < 1e6), "too large")
         return x
 
     message = refused(model, mlp_params(KEY, 3), X)
-    assert "equations with effects are never part of a run" in message, message
-    assert "`debug_callback`" in message, message
+    assert "equations with effects other than callbacks' are never part of a run" in message
+    assert "(`check`" in message and "`ErrorEffect`" in message, message
 
 
 def test_best_effort_runs_fn_unchanged():

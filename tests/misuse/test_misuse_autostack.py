@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _misuse import assert_refused, case
+from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
 import stackwise
@@ -71,6 +72,14 @@ def _call_with_the_layer_axis_split():
         f(split, X)
 
 
+def checked(params, x):
+    """A loop whose every layer calls `checkify.check`: an effect no scan of autostack's holds."""
+    for p in params:
+        x = jnp.tanh(x @ p["w"])
+        checkify.check(jnp.all(x < 2), "too large")
+    return x
+
+
 AUTOSTACK = [
     case("fn not callable", lambda: stackwise.autostack("loop", LAYERS, X), TypeError,
          "`fn` must be callable", "stackwise.autostack(fn, params"),
@@ -119,6 +128,10 @@ AUTOSTACK = [
          "`stacked_params['blocks'][\"[0]['w']\"]` is float32[3@data,4,4]",
          "layer axis is split over the mesh axis 'data'",
          "jax.sharding.reshard(leaf, P(None, None, None))"),
+    case("a loop whose layers have an effect other than a callback's",
+         lambda: stackwise.autostack(checked, LAYERS, X), ValueError,
+         "(`check`", "the effect `ErrorEffect`", "only callbacks' effects",
+         "`jax.debug.callback`", "best_effort=True"),
 ]
 
 
