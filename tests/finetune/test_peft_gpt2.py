@@ -183,3 +183,101 @@ def test_a_folder_peft_made_on_gpt2_loads_bitwise_with_peft_s_logits(tmp_path):
     with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
         plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
     assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+
+
+# --------------------------------------------------------------------------
+# PEFT's LoraConfig fields on GPT-2's names, both ways (the Llama's are in
+# test_peft_transformers.py): GPT-2's layers are `transformer.h.{i}`, not `model.layers.{i}`,
+# and two of its modules share the last name `c_proj`.
+
+#: LoraConfig settings PEFT makes adapters on GPT-2 with.
+PEFT_CONFIGS = {
+    "use_dora": dict(use_dora=True),
+    "rank_pattern, alpha_pattern on one c_proj": dict(rank_pattern={"attn.c_proj": 2},
+                                                      alpha_pattern={"mlp.c_proj": 4}),
+    "use_rslora": dict(use_rslora=True),
+    "layers_to_transform": dict(layers_to_transform=[0, 2]),
+    "layers_to_transform, layers_pattern h": dict(layers_to_transform=[1], layers_pattern="h"),
+    "exclude_modules": dict(exclude_modules=["transformer.h.1.attn.c_attn"]),
+}
+
+
+@pytest.mark.parametrize("extra", list(PEFT_CONFIGS.values()), ids=list(PEFT_CONFIGS))
+def test_a_peft_config_on_gpt2_loads_with_peft_s_logits(tmp_path, extra):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"],
+                             init_lora_weights=False, **extra)
+    peft_model = peft.get_peft_model(model, config).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # DoRA's magnitude starts at the norms: m / n = 1
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    like = stackwise.lora.init(jax.random.key(0), params["layers"], rank=4, targets=TARGETS)
+    modules, layers = stackwise.lora.peft_modules(NAMES["layers"], like)
+    adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], modules,
+                                        layers=layers)
+    theirs = _torch_logits(peft_model, TOKENS)
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
+    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
+        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
+    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+    for path, module in modules.items():  # each module's rank, scale and layers as PEFT's
+        leaf = adapters[path[2:-2]]
+        for i in range(N):
+            torch_module = peft_model.base_model.model.transformer.h[i]
+            for part in module.split("."):
+                torch_module = getattr(torch_module, part)
+            if "default" not in getattr(torch_module, "lora_A", {}):  # PEFT left it out
+                assert not np.asarray(leaf.a[i]).any() and not np.asarray(leaf.b[i]).any()
+                continue
+            assert (leaf.rank, leaf.scale) == (torch_module.r["default"],
+                                               torch_module.scaling["default"])
+
+
+#: Adapters stackwise makes on GPT-2, and the config fields save_peft writes for them.
+OURS = {
+    "DoRA": (dict(dora=True), dict(use_dora=True)),
+    "a rank per module, one c_proj": (dict(ranks={"proj": 2}),
+                                      dict(r=4, rank_pattern={r"attn\.c_proj": 2})),
+    "layers without adapters": (dict(zero_layers=(1,)), dict(layers_to_transform=[0, 2])),
+}
+
+
+def _ours(params, ranks=None, dora=False, zero_layers=()):
+    ranks = ranks or {}
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
+    adapters = {}
+    for j, path in enumerate(TARGETS):
+        leaf = path[2:-2]
+        lw = stackwise.lora.init(jax.random.key(j), params["layers"], rank=ranks.get(leaf, 4),
+                                 alpha=8.0, dora=dora, targets=[path])[leaf]
+        a, b = (jnp.where(keep, v + 0.2 * jax.random.normal(next(keys), v.shape), 0.0)
+                for v in (lw.a, lw.b))
+        magnitude = None if not dora else lw.magnitude * (
+            1 + 0.2 * jax.random.normal(next(keys), lw.magnitude.shape))
+        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude)
+    return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
+
+
+@pytest.mark.parametrize("kw, fields", list(OURS.values()), ids=list(OURS))
+def test_a_config_stackwise_saved_gives_peft_on_gpt2_the_stacked_model_s_logits(
+        tmp_path, kw, fields):
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    adapters = _ours(params, **kw)
+    modules, layers = stackwise.lora.peft_modules(NAMES["layers"], adapters)
+    stackwise.lora.save_peft(tmp_path / "adapter", adapters, modules, layers=layers)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert {k: config[k] for k in fields} == fields
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
+                               _torch_logits(peft_model, TOKENS), **TOL)
+    if "layers_to_transform" in fields:  # PEFT put no adapter on layer 1
+        assert not hasattr(peft_model.base_model.model.transformer.h[1].attn.c_attn, "lora_A")
+    back = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"], modules,
+                                    layers=layers)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
