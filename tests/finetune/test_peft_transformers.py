@@ -8,7 +8,8 @@ SwiGLU) runs it with ``stackwise.lora.stack``. Adapters exported with
 model's logits; a folder that PEFT itself wrote (``PeftModel.save_pretrained``) loads with
 ``stackwise.lora.load_peft`` bitwise, and gives PEFT's logits; PEFT's files for a Llama of
 another depth or width are refused. A tiny Qwen2 (a Llama with biases on q, k and v) gives the
-same both ways, and PEFT's files holding its trained biases (``bias="all"``) are refused by
+same both ways, as do a tiny Mistral and a tiny Gemma (norms by 1 + w, GELU, scaled embeddings),
+and PEFT's files holding its trained biases (``bias="all"``) are refused by
 name. Checked with transformers 5.25, peft 0.21.2 and torch 2.13 and 2.14.1 (CPU)."""
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ TOL = dict(rtol=2e-5, atol=2e-5)  # float32 attention and MLP of 3 layers, torch
 
 #: Each architecture's config and model classes (Qwen2: biases on q, k and v).
 ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+         "mistral": ("MistralConfig", "MistralForCausalLM"),
+         "gemma": ("GemmaConfig", "GemmaForCausalLM")}
 
 
 def _model(arch="llama"):
     config_class, model_class = (getattr(transformers, c) for c in ARCHS[arch])
     config = config_class(
-        vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=N,
+        head_dim=DH, vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=N,
         num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=32,
         tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -104,14 +107,23 @@ def _bias(p, leaf):
     return p[leaf + "_b"][None, :] if leaf + "_b" in p else 0.0
 
 
+def _gemma(config):
+    """Gemma's differences from a Llama: norms scale by 1 + w, the MLP's gate is GELU (tanh),
+    and the embeddings are scaled by sqrt(E)."""
+    if config.model_type != "gemma":
+        return 0.0, jax.nn.silu, 1.0
+    return 1.0, lambda x: jax.nn.gelu(x, approximate=True), float(np.float32(np.sqrt(E)))
+
+
 def _block(config):
     eps = config.rms_norm_eps
+    one, act, _ = _gemma(config)
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(
         config, "rope_theta", 10000.0)
 
     def apply(p, x):  # one Llama layer on x (T, E), causal
         t = x.shape[0]
-        h = _rms(x, p["attn_norm"], eps)
+        h = _rms(x, one + p["attn_norm"], eps)
         q = _rope((h @ p["q"] + _bias(p, "q")).reshape(t, HEADS, DH), theta)
         k = _rope((h @ p["k"] + _bias(p, "k")).reshape(t, KV, DH), theta)
         v = (h @ p["v"] + _bias(p, "v")).reshape(t, KV, DH)
@@ -120,8 +132,8 @@ def _block(config):
         scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -jnp.inf)
         attn = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, E)
         x = x + attn @ p["o"]
-        h = _rms(x, p["mlp_norm"], eps)
-        return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+        h = _rms(x, one + p["mlp_norm"], eps)
+        return x + (act(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
 
     return apply
 
@@ -129,11 +141,12 @@ def _block(config):
 def _logits(model, params, adapters, tokens):
     layers = stackwise.lora.stack(_block(model.config), N)
     eps = model.config.rms_norm_eps
+    one, _, embed_scale = _gemma(model.config)
     out = []
     for row in tokens:
-        x = params["embed"][jnp.asarray(row)]
+        x = params["embed"][jnp.asarray(row)] * embed_scale
         x = layers.apply(stackwise.lora.attach(params["layers"], adapters), x)
-        out.append(_rms(x, params["norm"], eps) @ params["head"].T)
+        out.append(_rms(x, one + params["norm"], eps) @ params["head"].T)
     return np.stack(out)
 
 
