@@ -281,3 +281,19 @@ def test_a_config_stackwise_saved_gives_peft_on_gpt2_the_stacked_model_s_logits(
     back = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"], modules,
                                     layers=layers)
     jax.tree.map(np.testing.assert_array_equal, back, adapters)
+
+
+def test_peft_s_trained_biases_of_gpt2_are_refused_by_name(tmp_path):
+    """GPT-2's Conv1D have biases: with `bias="all"` PEFT trains and saves them (and the
+    norms'), which stackwise's adapters (A and B alone) cannot hold: refused, naming one."""
+    model = _model()
+    params = _load(model, tmp_path / "hf")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn"], bias="all")
+    peft.get_peft_model(model, config).save_pretrained(str(tmp_path / "peft"))
+    like = stackwise.lora.init(jax.random.key(0), params["layers"], rank=4, targets=["['qkv']"])
+    modules, layers = stackwise.lora.peft_modules(NAMES["layers"], like)
+    with pytest.raises(ValueError) as info:
+        stackwise.lora.load_peft(tmp_path / "peft", params["layers"], modules, layers=layers)
+    words = ["bias='all'", "trained biases (e.g. base_model.model.transformer.",
+             "stackwise's adapters are LoRA's A and B alone"]
+    assert all(w in str(info.value) for w in words), str(info.value)
