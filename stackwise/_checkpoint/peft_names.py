@@ -37,7 +37,8 @@ def peft_modules(names: Any, adapters: Any) -> tuple[dict[str, str], str]:
     ({"['q']": 'attn.c_q'}, 'base_model.model.h.{i}')
 
     Raises:
-      ValueError: an adapted leaf that ``names`` does not name, whose name has no layer field
+      ValueError: an adapted leaf that ``names`` does not name, loads with ``reshape=`` (its
+        adapter is not one of the module's 2-D weight), whose name has no layer field
         (``{}``) or more than one, does not end in ``.weight``, or whose layers are named
         otherwise than another adapted leaf's.
       TypeError: ``adapters`` holds no :class:`stackwise.lora.LoraWeights`.
@@ -49,20 +50,9 @@ def peft_modules(names: Any, adapters: Any) -> tuple[dict[str, str], str]:
         if not is_lora(leaf):
             continue
         path = jax.tree_util.keystr(keys)
-        name = lookup(names, [trees.key_text(k) for k in keys], path, who).name
-        fields = _FIELD.findall(name)
-        if len(fields) != 1 or not name.endswith(".weight"):
-            what = ("no layer field `{}`" if not fields else "more than one layer field"
-                    if len(fields) > 1 else "no `.weight` at its end")
-            raise ValueError(
-                f"{who}: `names` gives the adapted leaf {path} the tensor {name!r}, with "
-                f"{what}; PEFT puts an adapter on a module of each layer, named as "
-                "'<layers>.{}.<module>.weight' (e.g. 'model.layers.{}.self_attn.q_proj.weight')."
-            )
-        field = _FIELD.search(name)
-        prefix, module = name[:field.start()], name[field.end():].removeprefix(".")
+        tensor = lookup(names, [trees.key_text(k) for k in keys], path, who)
+        prefixes[path], module = _split(tensor, path, who)
         modules[path] = module.removesuffix(".weight")
-        prefixes[path] = prefix
     if not modules:
         raise TypeError(
             f"{who}: `adapters` holds no LoRA adapters (stackwise.lora.LoraWeights); give the "
@@ -77,3 +67,29 @@ def peft_modules(names: Any, adapters: Any) -> tuple[dict[str, str], str]:
             "one layer prefix: save the stacks of different layers to different files."
         )
     return modules, "base_model.model." + pa + "{i}"
+
+
+def _split(tensor: Any, path: str, who: str) -> tuple[str, str]:
+    """An adapted leaf's tensor name split at its layer field: ``(layers prefix, module)``."""
+    name = tensor.name
+    if tensor.reshape is not None:
+        raise ValueError(
+            f"{who}: `names` loads the adapted leaf {path} from {name!r} reshaped to "
+            f"{tensor.reshape}, so its adapter is not one of the module's weight (PEFT's "
+            "lora_A is (r, in) and lora_B (out, r) of the module's whole 2-D weight: per-"
+            "head or split q/k/v adapters of a fused projection, as GPT-2's c_attn, have "
+            "no PEFT form). Adapt the leaf loaded as the module's 2-D weight, without "
+            "`reshape=`, and split it in the layer."
+        )
+    fields = _FIELD.findall(name)
+    if len(fields) != 1 or not name.endswith(".weight"):
+        what = ("no layer field `{}`" if not fields else "more than one layer field"
+                if len(fields) > 1 else "no `.weight` at its end")
+        raise ValueError(
+            f"{who}: `names` gives the adapted leaf {path} the tensor {name!r}, with "
+            f"{what}; PEFT puts an adapter on a module of each layer, named as "
+            "'<layers>.{}.<module>.weight' (e.g. 'model.layers.{}.self_attn.q_proj.weight')."
+        )
+    field = _FIELD.search(name)
+    module = name[field.end():].removeprefix(".")
+    return name[:field.start()], module

@@ -29,6 +29,10 @@ INERT = {
     # Ties the copies of tied modules (modules_to_save, trainable tokens, an adapted tied
     # embedding) in PEFT's model; a file holds each saved tensor once, returned as it is.
     "ensure_weight_tying",
+    # The base module stores its weight (in, out) (GPT-2's Conv1D; PEFT sets it for them and
+    # clears it for nn.Linear): lora_A is still (r, in) and lora_B (out, r), so the tensors
+    # mean what they mean without it (tests/finetune/test_peft_gpt2.py).
+    "fan_in_fan_out",
 }
 #: Fields ``load_peft`` reads, each checked in :func:`_read_config`.
 READ = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
@@ -36,7 +40,6 @@ READ = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pat
         "init_lora_weights", "modules_to_save", "use_dora"}
 #: Fields refused unless unset (None, False, empty): what each one is in PEFT.
 REFUSED = {
-    "fan_in_fan_out": "base weights stored (in, out), as GPT-2's Conv1D",
     "lora_bias": "a trained bias on lora_B",
     "trainable_token_indices": "trained rows of the embedding",
     "layer_replication": "layers repeated to deepen the model",

@@ -288,15 +288,18 @@ def test_lora_dropout_loads_as_the_adapters_rate_and_saves_back(tmp_path):
                                     dict(init_lora_weights="gaussian"),
                                     dict(init_lora_weights=False),
                                     dict(init_lora_weights="eva"),
+                                    dict(fan_in_fan_out=True),
                                     dict(task_type=None, peft_version="0.21.2", revision="main",
                                          inference_mode=False, ensure_weight_tying=True,
                                          loftq_config={}, megatron_core="megatron.core",
                                          qalora_group_size=16, new_field_unset=None)],
                          ids=["bias all", "bias lora_only", "init gaussian", "init False",
-                              "init eva", "fields without effect"])
+                              "init eva", "fan_in_fan_out (GPT-2's Conv1D)",
+                              "fields without effect"])
 def test_settings_that_change_no_output_here_load(tmp_path, fields):
     """bias 'all' or 'lora_only' trains biases a Llama does not have: its files hold none,
-    and load (a file that holds one is refused, tests/misuse)."""
+    and load (a file that holds one is refused, tests/misuse). fan_in_fan_out says the base
+    stores its weight (in, out); lora_A and lora_B are (r, in) and (out, r) either way."""
     base = _base()
     tensors = _write(tmp_path / "a", _config(**fields), _every(4))
     adapters = stackwise.lora.load_peft(tmp_path / "a", base, MODULES)

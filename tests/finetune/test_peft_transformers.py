@@ -7,8 +7,10 @@ SwiGLU) runs it with ``stackwise.lora.stack``. Adapters exported with
 ``stackwise.lora.save_peft`` and loaded by ``peft.PeftModel.from_pretrained`` give the stacked
 model's logits; a folder that PEFT itself wrote (``PeftModel.save_pretrained``) loads with
 ``stackwise.lora.load_peft`` bitwise, and gives PEFT's logits; PEFT's files for a Llama of
-another depth or width are refused. Checked with transformers 5.25,
-peft 0.21.2 and torch 2.13 (CPU)."""
+another depth or width are refused. A tiny Qwen2 (a Llama with biases on q, k and v) gives the
+same both ways, as do a tiny Mistral and a tiny Gemma (norms by 1 + w, GELU, scaled embeddings),
+and PEFT's files holding its trained biases (``bias="all"``) are refused by
+name. Checked with transformers 5.25, peft 0.21.2 and torch 2.13 and 2.14.1 (CPU)."""
 
 from __future__ import annotations
 
@@ -40,17 +42,27 @@ MODULES = {"['q']": "self_attn.q_proj", "['v']": "self_attn.v_proj",
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32 attention and MLP of 3 layers, torch against XLA
 
 
-def _model():
-    config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=N,
+#: Each architecture's config and model classes (Qwen2: biases on q, k and v).
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+         "mistral": ("MistralConfig", "MistralForCausalLM"),
+         "gemma": ("GemmaConfig", "GemmaForCausalLM")}
+
+
+def _model(arch="llama"):
+    config_class, model_class = (getattr(transformers, c) for c in ARCHS[arch])
+    config = config_class(
+        head_dim=DH, vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=N,
         num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=32,
         tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms off their ones, so that a misplaced norm shows
+    model = model_class(config).eval()
+    with torch.no_grad():  # norms off their ones, biases off zero, so that a slip shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     return model
 
 
@@ -64,6 +76,9 @@ def _load(model, folder):
         names["layers"][leaf] = stackwise.Tensor(f"model.layers.{{}}.{module}.weight",
                                                  transpose=(1, 0))
         target["layers"][leaf] = jax.ShapeDtypeStruct((N, in_, out), jnp.float32)
+        if f"model.layers.0.{module}.bias" in state:  # Qwen2's q, k and v
+            names["layers"][leaf + "_b"] = f"model.layers.{{}}.{module}.bias"
+            target["layers"][leaf + "_b"] = jax.ShapeDtypeStruct((N, out), jnp.float32)
     for leaf, module in NORMS.items():
         names["layers"][leaf] = f"model.layers.{{}}.{module}.weight"
         target["layers"][leaf] = jax.ShapeDtypeStruct((N, E), jnp.float32)
@@ -88,24 +103,37 @@ def _rope(x, theta):
     return x * cos + half * sin
 
 
+def _bias(p, leaf):
+    return p[leaf + "_b"][None, :] if leaf + "_b" in p else 0.0
+
+
+def _gemma(config):
+    """Gemma's differences from a Llama: norms scale by 1 + w, the MLP's gate is GELU (tanh),
+    and the embeddings are scaled by sqrt(E)."""
+    if config.model_type != "gemma":
+        return 0.0, jax.nn.silu, 1.0
+    return 1.0, lambda x: jax.nn.gelu(x, approximate=True), float(np.float32(np.sqrt(E)))
+
+
 def _block(config):
     eps = config.rms_norm_eps
+    one, act, _ = _gemma(config)
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(
         config, "rope_theta", 10000.0)
 
     def apply(p, x):  # one Llama layer on x (T, E), causal
         t = x.shape[0]
-        h = _rms(x, p["attn_norm"], eps)
-        q = _rope((h @ p["q"]).reshape(t, HEADS, DH), theta)
-        k = _rope((h @ p["k"]).reshape(t, KV, DH), theta)
-        v = (h @ p["v"]).reshape(t, KV, DH)
+        h = _rms(x, one + p["attn_norm"], eps)
+        q = _rope((h @ p["q"] + _bias(p, "q")).reshape(t, HEADS, DH), theta)
+        k = _rope((h @ p["k"] + _bias(p, "k")).reshape(t, KV, DH), theta)
+        v = (h @ p["v"] + _bias(p, "v")).reshape(t, KV, DH)
         k, v = (jnp.repeat(a, HEADS // KV, axis=1) for a in (k, v))
         scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(DH)
         scores = jnp.where(jnp.tril(jnp.ones((1, t, t), bool)), scores, -jnp.inf)
         attn = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, -1), v).reshape(t, E)
         x = x + attn @ p["o"]
-        h = _rms(x, p["mlp_norm"], eps)
-        return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+        h = _rms(x, one + p["mlp_norm"], eps)
+        return x + (act(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
 
     return apply
 
@@ -113,11 +141,12 @@ def _block(config):
 def _logits(model, params, adapters, tokens):
     layers = stackwise.lora.stack(_block(model.config), N)
     eps = model.config.rms_norm_eps
+    one, _, embed_scale = _gemma(model.config)
     out = []
     for row in tokens:
-        x = params["embed"][jnp.asarray(row)]
+        x = params["embed"][jnp.asarray(row)] * embed_scale
         x = layers.apply(stackwise.lora.attach(params["layers"], adapters), x)
-        out.append(_rms(x, params["norm"], eps) @ params["head"].T)
+        out.append(_rms(x, one + params["norm"], eps) @ params["head"].T)
     return np.stack(out)
 
 
@@ -129,9 +158,10 @@ def _peft_logits(peft_model, tokens):
 TOKENS = (np.arange(14).reshape(2, 7) * 5 % V).astype(np.int64)
 
 
-def test_the_stacked_llama_is_the_transformers_model(tmp_path):
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_stacked_llama_is_the_transformers_model(tmp_path, arch):
     """The reference the PEFT tests stand on: without adapters, the same logits."""
-    model = _model()
+    model = _model(arch)
     params = _load(model, tmp_path / "hf")
     none = jax.tree.map(lambda _: None, params["layers"])
     with torch.no_grad():
@@ -139,8 +169,9 @@ def test_the_stacked_llama_is_the_transformers_model(tmp_path):
     np.testing.assert_allclose(_logits(model, params, none, TOKENS), want, **TOL)
 
 
-def test_exported_adapters_give_peft_the_stacked_model_s_logits(tmp_path):
-    model = _model()
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_exported_adapters_give_peft_the_stacked_model_s_logits(tmp_path, arch):
+    model = _model(arch)
     params = _load(model, tmp_path / "hf")
     adapters = stackwise.lora.init(jax.random.key(0), params["layers"], rank=4, alpha=8.0,
                                    targets=list(MODULES))
@@ -157,8 +188,9 @@ def test_exported_adapters_give_peft_the_stacked_model_s_logits(tmp_path):
     assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
 
 
-def test_a_folder_peft_saved_loads_bitwise_with_peft_s_logits(tmp_path):
-    model = _model()
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_folder_peft_saved_loads_bitwise_with_peft_s_logits(tmp_path, arch):
+    model = _model(arch)
     params = _load(model, tmp_path / "hf")
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                              init_lora_weights=False, lora_dropout=0.0)
@@ -269,6 +301,21 @@ def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
                     torch_module.lora_magnitude_vector["default"].weight.detach().numpy())
             np.testing.assert_array_equal(
                 np.asarray(leaf.a[i]), torch_module.lora_A["default"].weight.detach().numpy().T)
+
+
+@pytest.mark.parametrize("bias, adapted", [("all", 3 * N), ("lora_only", 2 * N)])
+def test_peft_s_trained_biases_of_a_qwen2_are_refused_by_name(tmp_path, bias, adapted):
+    """Qwen2's q, k and v have biases: PEFT's `bias="all"` trains and saves all of them (every
+    layer's q and k, and v), `"lora_only"` those of the adapted modules (q and v); stackwise's
+    adapters are A and B alone, so such a file is refused, never loaded without them."""
+    model = _model("qwen2")
+    params = _load(model, tmp_path / "hf")
+    _peft_made(model, tmp_path, bias=bias)
+    with pytest.raises(ValueError) as info:
+        stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
+    words = [f"bias={bias!r}", f"the file holds {adapted} trained biases",
+             "stackwise's adapters are LoRA's A and B alone"]
+    assert all(w in str(info.value) for w in words), str(info.value)
 
 
 def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers=(),

@@ -475,6 +475,10 @@ PEFT = [
          "more than one layer field"),
     case("names: a bias, not a weight", _peft_modules({"w": "model.layers.{}.q_proj.bias"}),
          ValueError, "no `.weight` at its end"),
+    case("names: a leaf loaded reshaped (a fused qkv split)", _peft_modules(
+        {"w": stackwise.Tensor("transformer.h.{}.attn.c_attn.weight", reshape=(4, 6))}),
+         ValueError, "['w']", "reshaped to (4, 6)", "fused projection", "GPT-2's c_attn",
+         "without `reshape=`"),
     case("names: a leaf not named", _peft_modules({"c": "model.layers.{}.c.weight"}),
          ValueError, "no tensor name for the target's leaf ['w']"),
     case("names: no adapters", _peft_modules({"w": "model.layers.{}.q.weight"}, BASE),
@@ -619,7 +623,6 @@ PEFT = [
 # PEFT's LoraConfig fields stackwise does not apply: each refused by name, with its value and
 # what stackwise loads (docs/finetune.md's table).
 REFUSED_FIELDS = {
-    "fan_in_fan_out": True,
     "lora_bias": True, "trainable_token_indices": [0, 1], "layer_replication": [[0, 2]],
     "target_parameters": ["experts.down_proj"], "alora_invocation_tokens": [5],
     "use_qalora": True, "megatron_config": {"tp": 2}, "velora_config": {"rank": 2},
