@@ -6,8 +6,10 @@ equations whose signatures (:mod:`stackwise._autostack.signature`) repeat, longe
 be a value block ``i`` makes itself (where block 0 makes its own), a value the previous
 block made (the carry, where block 0 reads a value from before the run), or a value from
 before the run (the same in every block: shared; different: a param leaf of that block, or
-a per-block input that the scan takes stacked). The first operand that is none of these
-cuts the run at its block, and says why. :func:`runs` takes the longest run, then every
+a per-block input that the scan takes stacked), and a static ``slice`` that starts
+elsewhere than block 0's (``keys[i]``) must slice one shared array at a start stepping alike
+along one axis (``Plan.indexed``). The first operand or slice that is none of these cuts
+the run at its block, and says why. :func:`runs` takes the longest run, then every
 other run that overlaps none taken, repeats another block and is a run of layers (each block
 reads param leaves of its own and the previous block's values: an encoder's layers, then a
 decoder's).

@@ -3,7 +3,8 @@
 The equations between the runs are bound as traced; each run becomes a scan whose body binds
 block 0's equations, each operand read from its role in the :class:`Plan` (the carry, the
 layer's params slice, a scanned input, a shared value, a literal, or an earlier output of
-the body); the equations after the run read the last block's values from the final carry
+the body; a static ``slice`` of ``Plan.indexed`` is sliced at the layer's index); the
+equations after the run read the last block's values from the final carry
 and every other block's from the scan's stacked outputs.
 """
 
