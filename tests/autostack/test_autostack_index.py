@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _trees import assert_trees_bitwise, assert_trees_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stackwise
 
@@ -87,6 +89,33 @@ def test_rows_stepping_backwards_and_by_two():
     params = layers(n)
     stacked, f = stackwise.autostack(loop, params, X, xs, n=n)
     assert_trees_close(jax.jit(f)(stacked, X, xs), loop(params, X, xs))
+
+
+@pytest.mark.slow  # (8 examples, each compiling a loop and its scan)
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(2, 6), step=st.sampled_from([-2, -1, 1, 3]), offset=st.integers(0, 2),
+       axis=st.sampled_from([0, 1]))
+def test_any_start_and_step_along_either_axis(n, step, offset, axis):
+    """Rows ``offset + step * i`` (counted from the end where ``step < 0``) of a per-layer
+    array, along its first or second axis: the rows the loop reads, bitwise."""
+    rows = offset + abs(step) * (n - 1) + 1
+    shape = (rows, 3, D) if axis == 0 else (3, rows, D)
+    xs = jax.random.normal(jax.random.key(n * 7 + offset), shape)
+
+    def loop(params, x, xs):
+        seen = []
+        for i, p in enumerate(params):
+            r = offset + step * i if step > 0 else rows - 1 - offset + step * i
+            row = xs[r] if axis == 0 else xs[:, r]
+            seen.append(row)
+            x = jnp.tanh(x @ p["w"] + row)
+        return x, seen
+
+    params = layers(n, seed=n)
+    stacked, f = stackwise.autostack(loop, params, X, xs, n=n)
+    (x, seen), (want_x, want_seen) = jax.jit(f)(stacked, X, xs), loop(params, X, xs)
+    assert_trees_bitwise(seen, want_seen)
+    assert_trees_close(x, want_x)
 
 
 @pytest.mark.slow  # (lowers jit(grad) of the loop and of its scan at 4 and 16 layers)
