@@ -197,7 +197,9 @@ def autostack(
     scan over the blocks' stacked params, and so is every other run of another block that
     is a stack of layers (each block reading param leaves of its own and the previous
     block's values: an encoder's layers, then a decoder's). A literal that differs from
-    block to block (the ``i`` of ``fold_in(key, i)``) becomes a scanned input; a pattern of
+    block to block (the ``i`` of ``fold_in(key, i)``) becomes a scanned input, a static
+    slice of one array from before the run stepping from block to block along one axis
+    (``keys[i]`` of keys split before the loop) a slice at the layer's index; a pattern of
     several different layers repeating is found as one longer block.
 
     The loop:

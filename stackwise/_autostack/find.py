@@ -6,8 +6,10 @@ equations whose signatures (:mod:`stackwise._autostack.signature`) repeat, longe
 be a value block ``i`` makes itself (where block 0 makes its own), a value the previous
 block made (the carry, where block 0 reads a value from before the run), or a value from
 before the run (the same in every block: shared; different: a param leaf of that block, or
-a per-block input that the scan takes stacked). The first operand that is none of these
-cuts the run at its block, and says why. :func:`runs` takes the longest run, then every
+a per-block input that the scan takes stacked), and a static ``slice`` that starts
+elsewhere than block 0's (``keys[i]``) must slice one shared array at a start stepping alike
+along one axis (``Plan.indexed``). The first operand or slice that is none of these cuts
+the run at its block, and says why. :func:`runs` takes the longest run, then every
 other run that overlaps none taken, repeats another block and is a run of layers (each block
 reads param leaves of its own and the previous block's values: an encoder's layers, then a
 decoder's).
@@ -19,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stackwise._autostack.signature import describe
+from stackwise._autostack.signature import describe, is_index
 
 __all__ = ["Failure", "Plan", "Search", "candidates", "follow", "free_parts", "layer_run",
            "runs"]
@@ -51,6 +53,8 @@ class Plan(NamedTuple):
     params: tuple  # per param slot: the params-leaf index of each block's leaf
     scanned: tuple  # per scanned slot: each block's atom (a Var or a Literal)
     shared: tuple  # atoms every block reads alike
+    indexed: tuple = ()  # (j, axis, step): the template's `slice` j, block i's at i * step
+
 
     @property
     def stop(self) -> int:
@@ -199,6 +203,7 @@ def follow(jaxpr: Any, start: int, period: int, count: int, n_params: int,
     def where(v):
         return None if isinstance(v, Literal) else made.get(v)
 
+    steps: dict = {}  # `slice` j -> (axis, step) where block 1's starts elsewhere, or None
     carry_of: dict = {}  # operand (j, a) -> the carried (j', o) block 1 reads there
     inits: dict = {}  # carried (j', o) -> block 0's atom there
     outer: dict = {}  # operand (j, a) -> the atoms of blocks 1.. from before the run
@@ -235,11 +240,49 @@ def follow(jaxpr: Any, start: int, period: int, count: int, n_params: int,
                               "before the run")
                 if reason is not None:
                     failure = Failure(i, f"its {describe(eqn, j)} {reason} (operand {a})")
-                    plan = None
-                    if i >= 2:
-                        plan, _ = follow(jaxpr, start, p, i, n_params, readers)
-                    return plan, failure
-    return _plan(jaxpr, start, p, count, n_params, readers, made, carry_of, inits, outer), None
+                    break
+            else:
+                failure = None
+                if is_index(template):
+                    reason = _index_step(template, eqn, i, j, steps, where)
+                    failure = reason and Failure(i, f"its {describe(eqn, j)}: {reason}")
+            if failure is not None:
+                plan = None
+                if i >= 2:
+                    plan, _ = follow(jaxpr, start, p, i, n_params, readers)
+                return plan, failure
+    indexed = tuple((j, *step) for j, step in sorted(steps.items()) if step is not None)
+    plan = _plan(jaxpr, start, p, count, n_params, readers, made, carry_of, inits, outer)
+    return plan._replace(indexed=indexed), None
+
+
+def _index_step(template: Any, eqn: Any, i: int, j: int, steps: dict, where: Any) -> str | None:
+    """Why block ``i``'s static ``slice`` ``eqn`` does not start where the run's blocks step
+    to (block ``i`` at block 0's start plus ``i`` steps along one axis, of one array from
+    before the run), or None. Block 1 sets the axis and step (``steps[j]``)."""
+    first, here = template.params["start_indices"], eqn.params["start_indices"]
+    moved = [axis for axis, (a, b) in enumerate(zip(first, here)) if a != b]
+    why = None
+    if i == 1:
+        steps[j] = (moved[0], here[moved[0]] - first[moved[0]]) if moved else None
+        shared = where(template.invars[0]) is None and eqn.invars[0] is template.invars[0]
+        if len(moved) > 1:
+            why = f"it starts elsewhere along {len(moved)} axes, not one"
+        elif moved and not shared:
+            why = ("it slices another array than block 0's, or a value made in the run, "
+                   "not one array from before the run that every block slices")
+    else:
+        axis, step = steps[j] or (0, 0)
+        want = tuple(a + (i * step if k == axis else 0) for k, a in enumerate(first))
+        if tuple(here) != want:
+            why = (f"block 1 steps {step} along axis {axis} from block 0, so block {i} would "
+                   f"start at {want}: the starts are no arithmetic progression")
+    if why is None:
+        return None
+    return (f"its param `start_indices` is {tuple(here)} where block 0's is {tuple(first)}: "
+            f"{why} (blocks may slice one array at indices stepping alike from block to "
+            "block, `keys[i]`; else pass each layer's value in its params, or as a traced "
+            "value the blocks read)")
 
 
 def _origin(xm: tuple | None, i: int) -> str:

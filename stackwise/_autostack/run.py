@@ -3,7 +3,8 @@
 The equations between the runs are bound as traced; each run becomes a scan whose body binds
 block 0's equations, each operand read from its role in the :class:`Plan` (the carry, the
 layer's params slice, a scanned input, a shared value, a literal, or an earlier output of
-the body); the equations after the run read the last block's values from the final carry
+the body; a static ``slice`` of ``Plan.indexed`` is sliced at the layer's index); the
+equations after the run read the last block's values from the final carry
 and every other block's from the scan's stacked outputs.
 """
 
@@ -40,6 +41,15 @@ def _stack_atoms(env: dict, atoms: tuple) -> Any:
     return jnp.stack([jnp.asarray(_read(env, a), dtype) for a in atoms])
 
 
+def _slice_at(eqn: Any, operand: Any, layer: Any, axis: int, step: int) -> Any:
+    """The static ``slice`` ``eqn`` (block 0's) of ``operand``, started ``layer * step``
+    further along ``axis``: the same values as block ``layer``'s slice."""
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    starts = [np.int32(a) for a in start]
+    starts[axis] = np.int32(start[axis]) + layer * np.int32(step)
+    return jax.lax.dynamic_slice(operand, starts, [b - a for a, b in zip(start, limit)])
+
+
 def _bind_all(eqns: list, env: dict) -> None:
     for eqn in eqns:
         outs = jax_ties.bind(eqn, [_read(env, v) for v in eqn.invars])
@@ -73,8 +83,10 @@ def _scan(eqns: list, env: dict, plan: Plan, blocks: list, remat: tuple) -> None
     scanned = [_stack_atoms(env, atoms) for atoms in plan.scanned]
     shared = [_read(env, atom) for atom in plan.shared]
 
+    indexed = {j: (axis, step) for j, axis, step in plan.indexed}
+
     def body(carry: list, xs: tuple) -> tuple[list, list]:
-        params, scanned = xs
+        params, scanned, layer = xs
         sources = {
             "carry": [checkpoint_name(c, CARRY_NAME) for c in carry],
             "param": params,
@@ -91,13 +103,18 @@ def _scan(eqns: list, env: dict, plan: Plan, blocks: list, remat: tuple) -> None
                     ins.append(role[1].val)
                 else:
                     ins.append(sources[role[0]][role[1]])
-            own.update(((j, o), out) for o, out in enumerate(jax_ties.bind(eqn, ins)))
+            if j in indexed:  # (`keys[i]`: block 0's slice, moved `layer` steps)
+                outs = [_slice_at(eqn, ins[0], layer, *indexed[j])]
+            else:
+                outs = jax_ties.bind(eqn, ins)
+            own.update(((j, o), out) for o, out in enumerate(outs))
         return [own[c] for c in plan.carry], [own[y] for y in plan.ys]
 
     rematted, policy = remat
     if rematted:
         body = jax.checkpoint(body, prevent_cse=False, policy=policy)
-    carry, ys = jax.lax.scan(body, init, (list(blocks), scanned), length=k)
+    layers = jnp.arange(k, dtype=np.int32) if indexed else None
+    carry, ys = jax.lax.scan(body, init, (list(blocks), scanned, layers), length=k)
     last = s + (k - 1) * p
     for (j, o), value in zip(plan.carry, carry):
         env[eqns[last + j].outvars[o]] = value

@@ -6,8 +6,8 @@ which names its variables afresh, plus the values of every constant it closes ov
 functions its equations hold; a function, such as a ``custom_vjp``'s backward or a
 ``custom_jvp``'s rule, by its code and the values it closes over) and the shapes and dtypes
 of its inputs and outputs (with their shardings on an explicit mesh). Which variables it
-reads is not part of it:
-:mod:`stackwise._autostack.find` follows the data.
+reads is not part of it, nor where a static ``slice`` of unit strides starts (``keys[i]``:
+its sizes are): :mod:`stackwise._autostack.find` follows the data and checks where.
 
 A function's key (:meth:`Signatures.function`) is its code object and the keys of its
 defaults and closure cells: a Python scalar by value, an array by its bytes, a function
@@ -38,7 +38,8 @@ import numpy as np
 from stackwise._upstream import jax as jax_ties
 from stackwise._upstream import jax_functions
 
-__all__ = ["KEPT", "Signatures", "describe", "difference", "effect_words", "unkept"]
+__all__ = ["KEPT", "SIZES", "Signatures", "describe", "difference", "effect_words", "is_index",
+           "unkept"]
 
 
 def _aval(atom: Any) -> tuple:
@@ -95,7 +96,12 @@ class Signatures:
         return self._ids.setdefault(key, len(self._ids))
 
     def key(self, eqn: Any) -> tuple:
-        params = tuple(sorted((k, self._param(eqn, k, v)) for k, v in eqn.params.items()))
+        items = eqn.params.items()
+        if is_index(eqn):  # (where it starts is compared by find.py: `keys[i]` per layer)
+            sizes = tuple(b - a for a, b in zip(eqn.params["start_indices"],
+                                                eqn.params["limit_indices"]))
+            items = [(SIZES, sizes), ("strides", eqn.params["strides"])]
+        params = tuple(sorted((k, self._param(eqn, k, v)) for k, v in items))
         ins = tuple(_aval(v) for v in eqn.invars)
         outs = tuple(_aval(v) for v in eqn.outvars)
         return (eqn.primitive.name, params, ins, outs)
@@ -215,6 +221,19 @@ class Signatures:
     def _identity(self, value: Any) -> tuple:
         self._keep.append(value)  # (alive while its id is a key)
         return ("object", type(value).__qualname__, id(value))
+
+
+SIZES = "limit_indices - start_indices"
+
+
+def is_index(eqn: Any) -> bool:
+    """Whether ``eqn`` is a static ``slice`` of unit strides (``keys[i]``, ``xs[i]``): its
+    signature holds the sizes it takes, not where it starts (blocks may slice one array at
+    steps: :func:`stackwise._autostack.find.follow` checks where)."""
+    if eqn.primitive.name != "slice":
+        return False
+    strides = eqn.params.get("strides")
+    return strides is None or all(s == 1 for s in strides)
 
 
 def unkept(eqn: Any) -> list:

@@ -80,6 +80,30 @@ def checked(params, x):
     return x
 
 
+ROWS = jnp.ones((4, 4, 2, 4))  # (a per-layer array: row i for layer i)
+
+
+def rows_permuted(params, x, rows):
+    """Layer i reads ``rows[perm[i]]``: static indices that are no arithmetic progression."""
+    for p, j in zip(params, [0, 2, 1]):
+        x = jnp.tanh(x @ p["w"] + rows[j, 0])
+    return x
+
+
+def rows_on_the_diagonal(params, x, rows):
+    """Layer i reads ``rows[i, i]``: the index steps along two axes."""
+    for i, p in enumerate(params):
+        x = jnp.tanh(x @ p["w"] + rows[i, i])
+    return x
+
+
+def rows_of_the_carry(params, x):
+    """Layer i reads row i of the carry, a value made in the run, not before it."""
+    for i, p in enumerate(params):
+        x = jnp.tanh(x @ p["w"] + x[i:i + 1])
+    return x
+
+
 AUTOSTACK = [
     case("fn not callable", lambda: stackwise.autostack("loop", LAYERS, X), TypeError,
          "`fn` must be callable", "stackwise.autostack(fn, params"),
@@ -132,6 +156,18 @@ AUTOSTACK = [
          lambda: stackwise.autostack(checked, LAYERS, X), ValueError,
          "(`check`", "the effect `ErrorEffect`", "only callbacks' effects",
          "`jax.debug.callback`", "best_effort=True"),
+    case("blocks slicing one array at static indices that are no arithmetic progression",
+         lambda: stackwise.autostack(rows_permuted, LAYERS, X, ROWS), ValueError,
+         "(`slice`", "its param `start_indices` is", "no arithmetic progression",
+         "pass each layer's value in its params"),
+    case("blocks slicing one array at a static index stepping along two axes",
+         lambda: stackwise.autostack(rows_on_the_diagonal, LAYERS, X, ROWS), ValueError,
+         "breaks at block 1", "its param `start_indices` is (1, 1, 0, 0)",
+         "along 2 axes, not one"),
+    case("blocks slicing a value made in the run at static indices stepping alike",
+         lambda: stackwise.autostack(rows_of_the_carry, LAYERS, jnp.ones((4, 4))), ValueError,
+         "breaks at block 1", "its param `start_indices` is (1, 0)",
+         "not one array from before the run"),
 ]
 
 
