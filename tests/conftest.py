@@ -112,6 +112,14 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Tells the test modules, before they are imported, whether this run is the fast tier
+    (tests/_tiers.py: its hypothesis searches draw fewer examples than the whole suite's)."""
+    import _tiers
+
+    _tiers.FAST = "not slow" in (config.option.markexpr or "")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen: set[str] = set()
     for item in items:
