@@ -7,6 +7,7 @@ parametrized test whose every case is cheap and matters on its own (the doctests
 module) is marked ``@pytest.mark.every_case`` and runs whole in the fast tier.
 """
 
+import gc
 import importlib.util
 import os
 import subprocess
@@ -114,10 +115,22 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Tells the test modules, before they are imported, whether this run is the fast tier
-    (tests/_tiers.py: its hypothesis searches draw fewer examples than the whole suite's)."""
+    (tests/_tiers.py: its hypothesis searches draw fewer examples than the whole suite's),
+    and makes Python's cyclic garbage collector run less often (below)."""
     import _tiers
 
     _tiers.FAST = "not slow" in (config.option.markexpr or "")
+    # Tracing and lowering allocate many short-lived objects: at Python's default (a young
+    # collection every 700 allocations net), the collector took 1.5 s of 37 s of CPU in three
+    # compile-heavy files, 0.3 s at 50,000 with the collected modules frozen (2026-12-06).
+    gc.set_threshold(50_000, 50, 100)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The modules, fixtures and test items collected live to the end: the collector need
+    not look at them again (``gc.freeze``)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
