@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _references import Loop
+from _tiers import examples
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,7 +114,7 @@ def test_scan_layout_round_trip_with_partition_names():
         swf.to_loop({"params": {"s": variables["params"]}}, "s")
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6, 2), deadline=None)
 @given(n=st.integers(1, 5), depth=st.integers(1, 3), reverse=st.booleans())
 def test_random_depths_match_loop(n, depth, reverse):
     class Deep(nn.Module):

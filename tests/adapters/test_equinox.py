@@ -337,8 +337,10 @@ def test_batch_norm_state_matches_a_loop(case):
         y, states = batched(lambda x, states: loop_with_state(blocks, states, x))(xs, states)
         return jnp.sum(y**2), states
 
-    (_, _), grads = eqx.filter_value_and_grad(loss, has_aux=True)(s, state, XS)
-    (_, _), grads_loop = eqx.filter_value_and_grad(loop_loss, has_aux=True)(blocks, states, XS)
+    # (Jitted: one program each, not one per op and shape of the loop's batch norms.)
+    (_, _), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(s, state, XS)
+    (_, _), grads_loop = eqx.filter_jit(eqx.filter_value_and_grad(loop_loss, has_aux=True))(
+        blocks, states, XS)
     if case.get("reverse"):
         grads_loop = grads_loop[::-1]
     assert_trees_close(arrays(grads.layers), stacked(grads_loop))

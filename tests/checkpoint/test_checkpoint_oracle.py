@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tiers import examples
 from _trees import assert_trees_bitwise
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -153,7 +154,8 @@ def _check(case, saver="safetensors"):
     assert_trees_bitwise(stackwise.load_checkpoint(out, target, names, pattern=k), params)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12, 4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_save_then_load_is_bitwise_or_a_named_error(case):
     _check(case)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tiers import examples
 from _trees import assert_trees_bitwise as assert_bitwise
 from _trees import assert_trees_close
 from hypothesis import given, settings
@@ -79,7 +80,7 @@ def layer_trees(draw):
     return layers, draw(st.one_of(st.none(), st.integers(1, n)))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40, 10), deadline=None)
 @given(case=layer_trees())
 def test_random_round_trips_are_bitwise(case):
     layers, pattern = case

@@ -23,6 +23,7 @@ from _programs import (
     nbytes,
     on_cpu,
 )
+from _tiers import examples
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -151,7 +152,7 @@ def _gate(p, x, scale=1.0):
     return x * jax.nn.sigmoid(scale * x @ p["w"])
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12, 3), deadline=None)
 @given(
     n=st.integers(1, 7),
     k=st.integers(1, 3),

@@ -66,12 +66,12 @@ _CASES = {"fsdp_inside_the_rules": _fsdp_inside_the_rules}
 
 
 @pytest.fixture(scope="module")
-def results():
+def multi_device():  # (the name that keeps the 8-device subprocess out of the fast tier)
     return run_module(__file__)
 
 
-def test_applied_inside_the_logical_rules_with_fsdp(results):
-    r = result(results, "fsdp_inside_the_rules")
+def test_applied_inside_the_logical_rules_with_fsdp(multi_device):
+    r = result(multi_device, "fsdp_inside_the_rules")
     assert r["diff"] < 1e-5
     assert r["spec"] == r["param_spec"]  # the gradients come back sharded like the params
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from _tiers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
@@ -29,7 +30,7 @@ _mesh_axes = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, 50), deadline=None)
 @given(
     names=st.lists(st.one_of(st.none(), st.sampled_from(LOGICAL)), max_size=4).filter(
         lambda ns: len([n for n in ns if n]) == len({n for n in ns if n})

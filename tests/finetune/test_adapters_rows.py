@@ -72,7 +72,7 @@ def _grads_of_loop(run, base, each, rows, x):
         return sum(jnp.sum(jnp.sin(run(_alone(base, each, r), x[i:i + 1])))
                    for i, r in enumerate(rows) if r >= 0)
 
-    grads = jax.grad(loss)(each)
+    grads = jax.jit(jax.grad(loss))(each)  # (one program, not a scan compiled per row)
     return stackwise.lora.stack_adapters(grads)
 
 
@@ -81,8 +81,9 @@ def _assert_rows_are_each_alone(layers, base, each, rows, x, grads=True):
     batch = stackwise.lora.stack_adapters(each)
     run = jax.jit(lambda b, idx, x: layers.apply(stackwise.lora.attach(base, b, rows=idx), x))
     y = run(batch, jnp.asarray(rows, jnp.int32), x)
+    alone = jax.jit(layers.apply)  # (compiled once for the rows with an adapter, once without)
     for i, r in enumerate(rows):
-        assert_trees_close(y[i], layers.apply(_alone(base, each, r), x[i:i + 1])[0])
+        assert_trees_close(y[i], alone(_alone(base, each, r), x[i:i + 1])[0])
     if grads and any(r >= 0 for r in rows):
         got = jax.grad(lambda b: jnp.sum(jnp.sin(run(b, jnp.asarray(rows, jnp.int32), x))))(
             batch)
@@ -120,10 +121,11 @@ def test_rows_in_a_pattern():
     idx = jnp.asarray(ROWS)
     y = layers.apply(tuple(stackwise.lora.attach(bases[p], batch[p], rows=idx)
                            for p in range(2)), X)
+    run = jax.jit(layers.apply)  # (compiled once for the rows with an adapter, once without)
     for i, r in enumerate(ROWS):
         alone = bases if r < 0 else tuple(
             stackwise.lora.attach(bases[p], each[r][p]) for p in range(2))
-        assert_trees_close(y[i], layers.apply(alone, X[i:i + 1])[0])
+        assert_trees_close(y[i], run(alone, X[i:i + 1])[0])
 
 
 @pytest.mark.slow  # (12 examples, each compiling: ~20 s)
@@ -194,8 +196,9 @@ S = 6
 
 def _decode_alone(layers, params, x, steps):
     cache = jnp.zeros((N, 1, S, D))
+    step = jax.jit(layers.apply)  # (one program for every position)
     for pos in range(steps):
-        x, cache = layers.apply(params, cache, x, pos)
+        x, cache = step(params, cache, x, pos)
     return x, cache
 
 

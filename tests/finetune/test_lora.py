@@ -81,9 +81,10 @@ def test_pattern_equals_loop(n):
     def loss_loop(ad):
         return jnp.sum(loop([apply, gate], bases, ad, x, n) ** 2)
 
+    # (The loop model jitted: one program, not one per op and shape.)
     assert_trees_close(layers.apply(tuple(map(stackwise.lora.attach, bases, adapters)), x),
-                       loop([apply, gate], bases, adapters, x, n))
-    assert_trees_close(jax.grad(loss)(adapters), jax.grad(loss_loop)(adapters))
+                       jax.jit(lambda ad: loop([apply, gate], bases, ad, x, n))(adapters))
+    assert_trees_close(jax.jit(jax.grad(loss))(adapters), jax.jit(jax.grad(loss_loop))(adapters))
 
 
 def test_with_state_equals_loop():
@@ -131,11 +132,12 @@ def test_batch_of_adapters_equals_each_adapter_alone():
         return sum(jnp.sum(loop([apply], [base], [ad], x[j], n) ** 2) for j, ad in enumerate(ads))
 
     y = layers.apply(stackwise.lora.attach(base, batch), x)
+    one = jax.jit(lambda ad, x: loop([apply], [base], [ad], x, n))  # (one program for each j)
     for j in range(g):
-        assert_trees_close(y[j], loop([apply], [base], [each[j]], x[j], n))
-    grads = jax.grad(loss)(batch)
+        assert_trees_close(y[j], one(each[j], x[j]))
+    grads = jax.jit(jax.grad(loss))(batch)
     assert grads["u"].a.shape == (g, n, D, 2)
-    assert_trees_close(grads, stackwise.lora.stack_adapters(jax.grad(loss_each)(each)))
+    assert_trees_close(grads, stackwise.lora.stack_adapters(jax.jit(jax.grad(loss_each))(each)))
 
 
 def test_a_batch_with_aux_gives_each_group_its_aux():
@@ -260,9 +262,11 @@ def test_train_the_adapters_only():
     tx = stackwise.optax.layerwise(optax.adam(1e-2), stackwise.lora.layer_axes(trainable))
     state = tx.init(trainable)
     losses = []
+    # (Each jitted once for the 5 steps: an eager step would compile the stack's scan anew.)
+    value_and_grad, update = jax.jit(jax.value_and_grad(loss)), jax.jit(tx.update)
     for _ in range(5):
-        value, grads = jax.value_and_grad(loss)(trainable, frozen)
-        updates, state = tx.update(grads, state, trainable)
+        value, grads = value_and_grad(trainable, frozen)
+        updates, state = update(grads, state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         losses.append(float(value))
     assert losses[-1] < losses[0]
@@ -284,10 +288,11 @@ def test_layer_axes_of_a_batch_give_each_adapter_its_own_layers():
             for s in (0, 1)]
     batch = stackwise.lora.stack_adapters(each)
     tx = stackwise.optax.layerwise(optax.lamb(1e-2), stackwise.lora.layer_axes(batch))
-    updates, _ = tx.update(batch, tx.init(batch), batch)
+    updates, _ = jax.jit(tx.update)(batch, tx.init(batch), batch)  # (one program, not one per op)
     alone = stackwise.optax.layerwise(optax.lamb(1e-2))
+    update = jax.jit(alone.update)
     for j, ad in enumerate(each):
-        want, _ = alone.update(ad, alone.init(ad), ad)
+        want, _ = update(ad, alone.init(ad), ad)
         assert_trees_close(jax.tree.map(lambda v, j=j: v[j], updates), want)
 
 

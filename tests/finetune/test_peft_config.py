@@ -74,6 +74,7 @@ def _loop(base, tensors, scales, x, n=N):
     return x
 
 
+@jax.jit  # (one program per structure of the adapters: an eager apply compiles its scan anew)
 def _stacked(base, adapters, x):
     return stackwise.lora.stack(_apply, N).apply(stackwise.lora.attach(base, adapters), x)
 
@@ -112,7 +113,7 @@ def test_rslora_scales_by_alpha_over_sqrt_r():
         return jnp.sum(y**2)
 
     jax.tree.map(lambda g, h: np.testing.assert_allclose(g, h, **TOL),
-                 jax.grad(loss_stacked)(adapters), jax.grad(loss_loop)(adapters))
+                 jax.jit(jax.grad(loss_stacked))(adapters), jax.jit(jax.grad(loss_loop))(adapters))
 
 
 def test_an_rslora_file_loads_as_its_meaning_and_saves_back(tmp_path):
@@ -404,10 +405,10 @@ def test_dora_is_its_loop():
             y = _apply(_dora_loop_weights(base, ad, i), y)
         return y
 
-    np.testing.assert_allclose(_stacked(base, adapters, X), loop(adapters), **TOL)
+    np.testing.assert_allclose(_stacked(base, adapters, X), jax.jit(loop)(adapters), **TOL)
     jax.tree.map(lambda g, h: np.testing.assert_allclose(g, h, **TOL),
-                 jax.grad(lambda ad: jnp.sum(_stacked(base, ad, X) ** 2))(adapters),
-                 jax.grad(lambda ad: jnp.sum(loop(ad) ** 2))(adapters))
+                 jax.jit(jax.grad(lambda ad: jnp.sum(_stacked(base, ad, X) ** 2)))(adapters),
+                 jax.jit(jax.grad(lambda ad: jnp.sum(loop(ad) ** 2)))(adapters))
     merged = stackwise.lora.merge(base, adapters)
     np.testing.assert_allclose(merged["down"][2], _dora_loop_weights(base, adapters, 2)["down"],
                                **TOL)

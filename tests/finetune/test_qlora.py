@@ -24,9 +24,11 @@ LEVEL = {"int8": 127.0, "int4": 7.0, "nf4": 1.0}
 
 def _weights(shape, seed=0):
     """Normal weights with a spread of magnitudes across layers, rows and columns (so the
-    scales differ and their second-level step is not trivial)."""
-    w = jax.random.normal(jax.random.key(seed), shape)
-    return w * jnp.exp(jax.random.normal(jax.random.key(seed + 1), shape[:-1] + (1,)))
+    scales differ and their second-level step is not trivial). Drawn by NumPy: JAX compiles
+    its sampler anew for each shape, and the tests use many."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[:-1] + (1,)))
+    return jnp.asarray(w, jnp.float32)
 
 
 def _blocks_of_scales(node):

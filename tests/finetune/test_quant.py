@@ -4,6 +4,8 @@ compiled program's temporaries at two depths."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,9 +189,12 @@ def test_remat_false_with_a_quantized_base_warns_with_the_memory():
 # --------------------------------------------------------------------------
 # Block-wise scales (QLoRA: nf4 in blocks of 64 inputs).
 
-NF4_TABLE = np.array(stackwise.quant.dequantize(stackwise.quant.Quantized(
-    jnp.arange(16, dtype=jnp.uint8)[::2, None] | (jnp.arange(16, dtype=jnp.uint8)[1::2, None] << 4),
-    jnp.ones((1, 1)), "nf4", "float32", 16)))[:, 0]
+@functools.cache  # (computed on first use, not when the module is collected)
+def _nf4_table() -> np.ndarray:
+    return np.array(stackwise.quant.dequantize(stackwise.quant.Quantized(
+        jnp.arange(16, dtype=jnp.uint8)[::2, None]
+        | (jnp.arange(16, dtype=jnp.uint8)[1::2, None] << 4),
+        jnp.ones((1, 1)), "nf4", "float32", 16)))[:, 0]
 
 
 def _blockwise_reference(w: np.ndarray, kind: str, block: int) -> np.ndarray:
@@ -202,8 +207,9 @@ def _blockwise_reference(w: np.ndarray, kind: str, block: int) -> np.ndarray:
             absmax = np.abs(part).max(axis=0, keepdims=True)
             if kind == "nf4":
                 scale = np.where(absmax > 0, absmax, 1.0).astype(np.float32)
-                codes = np.abs(part[..., None] / scale[..., None] - NF4_TABLE).argmin(-1)
-                out[i, start:start + block] = NF4_TABLE[codes] * scale
+                table = _nf4_table()
+                codes = np.abs(part[..., None] / scale[..., None] - table).argmin(-1)
+                out[i, start:start + block] = table[codes] * scale
             else:
                 limit = {"int8": 127, "int4": 7}[kind]
                 scale = np.where(absmax > 0, absmax / limit, 1.0).astype(np.float32)

@@ -5,6 +5,8 @@ loop), a pattern, and a param a transformation adds inside the layer kept stacke
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -132,9 +134,11 @@ def _check_against_loop(blocks, provider, remat):
         flat = _flat(params)
         lora = _unflat({k: v for k, v in flat.items() if "lora" in k[-1]})
         frozen = _unflat({k: v for k, v in flat.items() if "lora" not in k[-1]})
-        return jax.grad(loss)(lora, frozen, model)
+        return jax.jit(jax.grad(functools.partial(loss, model=model)))(lora, frozen)
 
-    y, y_loop = qstack.apply({"params": params}, X), qloop.apply({"params": loop_params}, X)
+    # (Jitted: one program each, not one per op and shape of the loop's qwix blocks.)
+    y = jax.jit(qstack.apply)({"params": params}, X)
+    y_loop = jax.jit(qloop.apply)({"params": loop_params}, X)
     assert_close(y, y_loop, BOUND, what="outputs")
     g, g_loop = _as_loop(grads(params, qstack), blocks), grads(loop_params, qloop)
     assert _flat(g) and _flat(g).keys() == _flat(g_loop).keys()

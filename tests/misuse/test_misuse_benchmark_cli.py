@@ -134,7 +134,8 @@ MULTI_LORA_DECODE = SCRIPT.parent / "multi_lora_decode.py"
 @pytest.mark.parametrize("flag", ["--n", "--d", "--batch", "--adapters", "--rank", "--cache",
                                   "--rounds"])
 @pytest.mark.parametrize("value", ["0", "-3", "2.5"])
-def test_multi_lora_decode_sizes_are_positive_integers(capsys, flag, value):
+def test_multi_lora_decode_sizes_are_positive_integers(capsys, monkeypatch, flag, value):
+    monkeypatch.syspath_prepend(str(MULTI_LORA_DECODE.parent))  # (it imports its sibling)
     script = load_script(MULTI_LORA_DECODE)  # (imports JAX; the parser runs first)
     assert_cli_refused(script.parse_args, [flag, value], flag,
                        f"expected a positive integer, got '{value}'", capsys)
