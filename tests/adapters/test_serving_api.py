@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import pytest
-from _trees import assert_trees_bitwise
+from _trees import assert_trees_bitwise, assert_trees_close
+from _versions import JAX
 
 import stackwise
 
@@ -240,9 +241,12 @@ def _equinox() -> Served:
 def test_serving_decodes_as_the_loop_and_the_stacked_decode_and_converts_back(framework):
     case = framework()
     ys_loop, caches_loop = _loop(case.w)
-    assert_trees_bitwise(case.served, ys_loop)
-    assert_trees_bitwise(case.caches, caches_loop)
-    assert_trees_bitwise(case.decoded, ys_loop)
+    # Bitwise the loop's from jax 0.10.2 on XLA:CPU; jax 0.10.0 (.ci/oldest) orders the core's
+    # served sums otherwise in the last bits: there, within float32's bound.
+    same = assert_trees_bitwise if JAX >= (0, 10, 2) else assert_trees_close
+    same(case.served, ys_loop)
+    same(case.caches, caches_loop)
+    same(case.decoded, ys_loop)
     for given, back in case.pairs:
         assert jax.tree.structure(back) == jax.tree.structure(given)
         assert_trees_bitwise(back, given)
