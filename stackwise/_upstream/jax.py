@@ -45,6 +45,7 @@ __all__ = [
     "check",
     "eval_jaxpr",
     "holds",
+    "run_probe",
     "source_line",
     "unless_all_gathered",
     "unless_resharded",
@@ -531,17 +532,24 @@ TIES: dict[str, Callable[[], None]] = {
 
 def check(tie: str) -> None:
     """Runs ``tie``'s probe; raises :class:`UpstreamChanged` naming the tie if it fails."""
+    run_probe(TIES, tie, "stackwise/_upstream/jax.py")
+
+
+def run_probe(ties: dict[str, Callable[[], None]], tie: str, module: str) -> None:
+    """Runs ``ties[tie]``, the probe of a tie of ``module``; raises :class:`UpstreamChanged`
+    naming the tie and the module if it fails (every module of ties checks through here)."""
     # The probes only trace, on shapes (the first use is often inside a trace), on their
     # own mesh (the first use is often under the user's), with the calls staged as calls
     # even under `jax.disable_jit`.
     no_mesh = jax.sharding.AbstractMesh((), ())
     with jax.disable_jit(False), jax.sharding.use_abstract_mesh(no_mesh):
         try:
-            TIES[tie]()
+            ties[tie]()
         except UpstreamChanged:
             raise
         except Exception as e:
-            raise UpstreamChanged(tie, f"its probe raised {type(e).__name__}: {e}") from e
+            raise UpstreamChanged(tie, f"its probe raised {type(e).__name__}: {e}",
+                                  module) from e
 
 
 @functools.cache

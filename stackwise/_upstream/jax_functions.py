@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from stackwise._upstream.jax import MIRRORS, UpstreamChanged
+from stackwise._upstream.jax import MIRRORS, UpstreamChanged, run_probe
 
 __all__ = [
     "MIRRORS",
@@ -267,15 +267,7 @@ TIES: dict[str, Callable[[], None]] = {
 
 def check(tie: str) -> None:
     """Runs ``tie``'s probe; raises :class:`UpstreamChanged` naming the tie if it fails."""
-    no_mesh = jax.sharding.AbstractMesh((), ())
-    with jax.disable_jit(False), jax.sharding.use_abstract_mesh(no_mesh):
-        try:
-            TIES[tie]()
-        except UpstreamChanged:
-            raise
-        except Exception as e:
-            raise UpstreamChanged(tie, f"its probe raised {type(e).__name__}: {e}",
-                                  _MODULE) from e
+    run_probe(TIES, tie, _MODULE)
 
 
 @functools.cache
