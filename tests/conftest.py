@@ -4,7 +4,8 @@
 once, with its first parameters, except those marked ``@pytest.mark.slow`` and those that
 read the 8-device subprocess (the ``multi_device`` fixtures of ``tests/distributed``). A
 parametrized test whose every case is cheap and matters on its own (the doctests of each
-module) is marked ``@pytest.mark.every_case`` and runs whole in the fast tier.
+module) is marked ``@pytest.mark.every_case`` and runs whole in the fast tier. The fast tier's
+hypothesis searches draw fewer examples than the whole suite's (tests/_tiers.py).
 """
 
 import gc

@@ -26,7 +26,8 @@ def _base(n, seed=0):
 
 
 def _x(batch=3, seed=1, lead=()):
-    return jax.random.normal(jax.random.key(seed), (*lead, batch, D))
+    """Inputs drawn by NumPy (JAX compiles its sampler anew for each shape)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((*lead, batch, D), np.float32))
 
 
 @pytest.mark.slow
@@ -182,7 +183,7 @@ def test_adapters_share_one_base_without_a_copy():
     d = 128
 
     def program(n):
-        base = {"w": jax.random.normal(KEY, (n, d, d))}
+        base = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((n, d, d), np.float32))}
         one, two = (trained(stackwise.lora.init(jax.random.key(s), base, rank=4)) for s in (1, 2))
         layers = stackwise.lora.stack(lambda p, x: jnp.tanh(x @ p["w"]), n)
         assert stackwise.lora.attach(base, one).base["w"] is base["w"]
@@ -299,7 +300,8 @@ def test_layer_axes_of_a_batch_give_each_adapter_its_own_layers():
 def _grad_temp_mib(n: int, adapted: bool, d: int = 256) -> float:
     """Temp memory of ``jit(grad)`` w.r.t. the adapters of a float base, default remat; with
     ``adapted=False`` the layer adds ``a @ b`` itself (the default policy saves that matmul)."""
-    base = {"w": jax.random.normal(KEY, (n, d, d)) / d**0.5}
+    base = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((n, d, d), np.float32)
+                             / d**0.5)}
     adapters = stackwise.lora.init(KEY, base, rank=4)
     x = jnp.ones((2, d))
 

@@ -27,8 +27,9 @@ _is_lora = lambda v: isinstance(v, stackwise.lora.LoraWeights)  # noqa: E731
 
 
 def _base(n=N):
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {"q": jax.random.normal(k1, (n, D, F)) / D, "down": jax.random.normal(k2, (n, F, D)) / F}
+    rng = np.random.default_rng(0)  # (NumPy's: JAX compiles its sampler anew for each shape)
+    return {"q": jnp.asarray(rng.standard_normal((n, D, F), np.float32) / D),
+            "down": jnp.asarray(rng.standard_normal((n, F, D), np.float32) / F)}
 
 
 def _apply(p, x):
@@ -79,7 +80,7 @@ def _stacked(base, adapters, x):
     return stackwise.lora.stack(_apply, N).apply(stackwise.lora.attach(base, adapters), x)
 
 
-X = jax.random.normal(jax.random.key(5), (2, D))
+X = jnp.asarray(np.random.default_rng(5).standard_normal((2, D), np.float32))
 
 
 def _every(r):
