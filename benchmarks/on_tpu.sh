@@ -12,7 +12,8 @@
 # size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24), tier
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
-# dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min), preset
+# dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min),
+# train-unroll (the loop, the stack and the stack at unroll=2, at dots and off), preset
 # (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024),
 # autostack (benchmarks/autostack_compile.py: compile time at n=48 of the loop, stackwise.stack
 # and stackwise.autostack of the same loop, the transformer block then the MLP block). Copy
@@ -54,7 +55,7 @@ for what in "$@"; do
         find /tmp/decode-profile -name '*.xplane.pb' -exec sh -c 'gzip -c "$1" > "$2"' _ {} "$out/decode.xplane.pb.gz" \; ;;
     bench-decode)
         # (stopped by its limit, the bench still writes the depths it measured: exit 130)
-        part bench-decode 240 python3 -P -m stackwise.bench --blocks decode --decode-n 24 \
+        part bench-decode ${BENCH_DECODE_SECONDS:-240} python3 -P -m stackwise.bench --blocks decode --decode-n 24 \
             --rounds 5 --csv '' --plot '' --no-progress --markdown "$out/bench_decode.md" ;;
     tier)
         (cd /tmp && PYTEST_ADDOPTS="--durations=120" \
@@ -83,6 +84,13 @@ for what in "$@"; do
         part train-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 --compiles 1 \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
             --markdown "$out/tpu_train_off_b4.md" ;;
+    train-unroll)  # ~4 min: the loop, the stack and the stack at unroll=2, one compile each, at
+        # dots (batch 8) and without remat (batch 4: at 8 the scans do not fit)
+        part train-unroll-dots 170 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
+            --variants "loop,stackwise,stackwise unroll=2" --markdown "$out/tpu_train_unroll_dots.md"
+        part train-unroll-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 \
+            --compiles 1 --variants "loop,stackwise,stackwise unroll=2" \
+            --markdown "$out/tpu_train_unroll_off_b4.md" ;;
     preset)  # the example at the size of one v5e (--preset v5e), as a TPU user runs it
         part preset 300 python3 examples/transformer_lm.py --preset v5e --checkpoint /tmp/lm-v5e \
             --save-every 300 ;;
@@ -96,7 +104,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done

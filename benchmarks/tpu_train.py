@@ -13,9 +13,9 @@ the repository root, one remat per run (``benchmarks/on_tpu.sh``'s ``train`` par
 
     python benchmarks/tpu_train.py --variants "remat dots" --markdown tpu_train_dots.md
 
-(d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 6 rows a remat, 18 in
+(d_model 1024, 16 heads, MLP 4096, 16 blocks, sequence 1024, batch 8; 7 rows a remat, 21 in
 all; on a v5e a scan compiles in 6-8 s, the loop in ~40 s, a step takes ~160 ms: the compiles
-dominate, an estimated 3.5-4 minutes for the 6 rows of a remat at the default ``--compiles``).
+dominate, an estimated 4-5 minutes for the 7 rows of a remat at the default ``--compiles``).
 Compiled for a v5e without a chip (libtpu's compile-only devices), the loop without remat
 fits in 7.6 GiB, the stack, ``nn.scan`` and ``hk.layer_stack`` without remat do not (19-20
 GiB of temporaries: their rows say so; at batch 4 they fit), and with the dots policy all
@@ -30,6 +30,8 @@ matmul outputs saved) and ``full`` (nothing but each block's input saved):
   loss equals the loop's: the ``loss`` column). Its block is the pure-JAX one, whose norms
   reduce in bfloat16, unlike linen's and Haiku's ``LayerNorm`` (float32): compare it with
   the loop, and the adapters' rows with the tools;
+- ``stackwise unroll=2``: the same stack at ``unroll=2`` (two blocks a scan iteration: the
+  loop's program has no loop at all, the scan's one iteration per block);
 - ``nn.scan``: linen's ``nn.scan`` of linen's block, in ``nn.remat`` with the policy;
 - ``stackwise.flax.Stack``: the same linen block stacked by ``stackwise.flax.Stack(block,
   n, remat=...)`` (``False``, the policy, ``True``), on the ``nn.scan`` row's params (the
@@ -85,8 +87,8 @@ CHIP = {"d": 1024, "heads": 16, "hidden": 4096, "n": 16, "seq": 1024, "batch": 8
 TINY = {"d": 32, "heads": 2, "hidden": 64, "n": 3, "seq": 16, "batch": 2}
 #: The rows' families, in table order (each adapter after its framework's tool); the loop is
 #: every ``/loop`` ratio's reference.
-FAMILIES = ("loop", "stackwise", "nn.scan", "stackwise.flax.Stack", "hk.layer_stack",
-            "stackwise.haiku.Stack")
+FAMILIES = ("loop", "stackwise", "stackwise unroll=2", "nn.scan", "stackwise.flax.Stack",
+            "hk.layer_stack", "stackwise.haiku.Stack")
 #: Each adapter's family -> its framework's tool, the reference of its ``/tool`` ratios.
 ADAPTERS = {"stackwise.flax.Stack": "nn.scan", "stackwise.haiku.Stack": "hk.layer_stack"}
 #: The remats, in table order, and the bench's names for them (``common.REMATS``).
@@ -212,7 +214,7 @@ def builds(args: argparse.Namespace, notes: list[str]) -> dict[str, Callable[[in
 
     cfg = BenchConfig(tf_d=args.d, tf_hidden=args.hidden, tf_heads=args.heads,
                       tf_seq=args.seq, tf_batch=args.batch)
-    _, layer, inputs = core.transformer_block(cfg)
+    layer_init, layer, inputs = core.transformer_block(cfg)
 
     def loop(remat: str) -> Callable[[int], tuple]:
         block = layer if remat == "off" else jax.checkpoint(
@@ -230,7 +232,20 @@ def builds(args: argparse.Namespace, notes: list[str]) -> dict[str, Callable[[in
 
         return build
 
+    def unrolled(remat: str, k: int) -> Callable[[int], tuple]:
+        import stackwise
+
+        def build(n: int) -> tuple:
+            stacked, x = inputs(n)
+            layers = stackwise.stack(layer_init, layer, n, remat=common.stack_remat(remat),
+                                     unroll=k)
+            return stacked, x, lambda ps, h: common.mean_square(layers.apply(ps, h))
+
+        return build
+
     found = {f"loop, remat {r}": loop(bench) for r, bench in REMATS.items()}
+    found.update({f"stackwise unroll=2, remat {r}": unrolled(bench, 2)
+                  for r, bench in REMATS.items()})
     tools = {"stackwise": ("core", "stackwise"), "nn.scan": ("flax", "nn.scan"),
              "hk.layer_stack": ("haiku", "hk.layer_stack")}
     for family, (module, prefix) in tools.items():

@@ -88,7 +88,7 @@ _CACHED_ATTENTION = (
     "attention layer over a KV cache of {dec_cache} positions: D={dec_d}, heads={dec_heads}, "
     "batch={dec_batch}; jit(step) with the cache donated"
 )
-_DECODING = dict(modules=("core", "haiku", "flax", "nnx"), grad=False, state=True)
+_DECODING = dict(modules=("core", "haiku", "flax", "nnx", "equinox"), grad=False, state=True)
 
 BLOCKS: dict[str, Block] = {
     "mlp": Block(

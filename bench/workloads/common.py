@@ -58,9 +58,10 @@ def framework_cases(
     tools: dict[str, str],
     tool: Callable[[str], Build],
     adapter: str,
-    stack: Callable[[Any, str], Build],
+    stack: Callable[..., Build],
     notes: list[str],
     remats: Sequence[str] = REMATS,
+    unrolled: bool = False,
 ) -> list[Case]:
     """A framework's rows, the same for every framework, in this order:
 
@@ -74,6 +75,9 @@ def framework_cases(
        ``"<adapter>.Stack"``, ``"... default"`` and ``"... remat"``: ``stack(module,
        remat)`` gives the build, and each row is compared with the tool's row of the same
        remat. An adapter that cannot be imported is skipped with a note.
+    4. With ``unrolled``: the adapter's Stack at ``unroll=True`` without remat, row
+       ``"<adapter>.Stack unroll=True"`` (``stack(module, "off", unroll=True)``; a Python
+       loop writing each layer's slice: what ``Stacked.decode`` runs), against the tool.
     """
     off = tools["off"]
     cases = [
@@ -89,7 +93,11 @@ def framework_cases(
         return cases
     name = f"{adapter}.Stack"
     names = {"off": name, "dots": f"{name} default", "layer": f"{name} remat"}
-    return cases + [Case(names[r], framework, r, stack(module, r), tool=tools[r]) for r in remats]
+    cases += [Case(names[r], framework, r, stack(module, r), tool=tools[r]) for r in remats]
+    if unrolled:
+        cases.append(Case(f"{name} unroll=True", framework, "off",
+                          stack(module, "off", unroll=True), tool=off))
+    return cases
 
 
 def adapter_or_note(adapter: str, block: str, notes: list[str]) -> Any:

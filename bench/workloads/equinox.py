@@ -149,3 +149,102 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
         return Transformer(cfg.tf_d, cfg.tf_hidden, cfg.tf_heads, key=key)
 
     return _rows(make_block, common.transformer_input(cfg), cfg, notes)
+
+
+class DecodeAttention(eqx.Module):
+    """The decode block: attention over a KV cache given and returned as a plain pytree
+    (``{"k", "v"}``), as Equinox layers take state that is not an ``eqx.nn.State``; its
+    linears map every position of ``h [batch, tokens, d]``."""
+
+    qkv: eqx.nn.Linear
+    out: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, d: int, heads: int, *, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.qkv = eqx.nn.Linear(d, 3 * d, key=k1)
+        self.out = eqx.nn.Linear(d, d, key=k2)
+        self.heads = heads
+
+    def __call__(self, h, cache, pos):
+        each = jax.vmap(jax.vmap(self.qkv))
+        y, k, v = common.decode_attend(each(h), cache["k"], cache["v"], pos, self.heads)
+        return h + jax.vmap(jax.vmap(self.out))(y), {"k": k, "v": v}
+
+
+def decode(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
+    """Equinox's rows of the decode block: one token per call (see :func:`_decoding`)."""
+    return _decoding("decode", cfg, notes, tokens=1, pos=cfg.dec_prompt)
+
+
+def prefill(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
+    """Equinox's rows of the prefill block: a whole prompt per call (see :func:`_decoding`)."""
+    return _decoding("prefill", cfg, notes, tokens=cfg.dec_prompt, pos=0)
+
+
+def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, pos: int):
+    """A loop of blocks, ``eqx.filter_vmap`` + ``lax.scan`` with the stacked cache as the
+    scan's per-layer input and output, and ``stackwise.equinox.Stack(..., with_state=True)``,
+    each a step ``(params, cache, x) -> (y, cache)``. Every row's params are the Stack's
+    (the loop's blocks sliced from them), so that every row computes the same."""
+    sw = common.adapter_or_note("stackwise.equinox", block_name, notes)
+    if sw is None:
+        return []
+    x = common.decode_input(cfg, tokens, pos)
+
+    def make_block(key):
+        return DecodeAttention(cfg.dec_d, cfg.dec_heads, key=key)
+
+    def model(run, layers: Callable[[Any, int], Any], **options) -> common.Build:
+        """``run(model, cache, h, pos) -> (y, cache)``, on ``layers(stack, n)``: the Stack's
+        blocks in the row's layout."""
+
+        def build(n):
+            stack = sw.Stack(make_block, n, with_state=True, key=jax.random.key(cfg.seed),
+                             **options)
+            params, static = eqx.partition(layers(stack, n), eqx.is_array)
+            cache = {c: np.zeros((n, *common.cache_shape(cfg)), np.float32) for c in "kv"}
+            cache = common.unstack(cache) if isinstance(params, list) else common.device(cache)
+
+            def step(params, cache, x):
+                return run(eqx.combine(params, static), cache, *x)
+
+            return params, cache, x, step
+
+        return build
+
+    def blocks(stack, n):  # the Stack's n blocks, each its own arrays (sliced in numpy)
+        params, static = eqx.partition(stack.layers, eqx.is_array)
+        return [eqx.combine(p, static) for p in common.unstack(params)]
+
+    def loop(blocks, cache, h, pos):
+        new = []
+        for block, c in zip(blocks, cache):
+            h, c = block(h, c, pos)
+            new.append(c)
+        return h, new
+
+    def scan(layers, cache, h, pos):
+        params, static = eqx.partition(layers, eqx.is_array)
+
+        def body(h, pc):
+            return eqx.combine(pc[0], static)(h, pc[1], pos)
+
+        return jax.lax.scan(body, h, (params, cache))
+
+    def stack(sw, remat, unroll=1):
+        del sw
+        return model(lambda stack, cache, h, pos: stack(h, cache, pos),
+                     lambda stack, n: stack, remat=common.stack_remat(remat), unroll=unroll)
+
+    return common.framework_cases(
+        "equinox",
+        loop=("eqx loop", model(loop, blocks)),
+        tools={"off": "filter_vmap+scan"},
+        tool=lambda remat: model(scan, lambda stack, n: stack.layers),
+        adapter="stackwise.equinox",
+        stack=stack,
+        notes=notes,
+        remats=("off",),
+        unrolled=True,
+    )

@@ -163,11 +163,10 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         )
         return scanned(*sizes, name="layers")(h, pos)[0]
 
-    def stack(sw, remat):
+    def stack(sw, remat, unroll=1):
         return model(
-            lambda n, h, pos: sw.Stack(block, n, remat=common.stack_remat(remat), name="layers")(
-                h, pos
-            ),
+            lambda n, h, pos: sw.Stack(block, n, remat=common.stack_remat(remat), unroll=unroll,
+                                       name="layers")(h, pos),
             lambda variables: variables,
         )
 
@@ -179,5 +178,5 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         adapter="stackwise.flax",
         stack=stack,
         notes=notes,
-        remats=("off",),
+        remats=("off",),    unrolled=True,
     )

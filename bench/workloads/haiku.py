@@ -120,9 +120,10 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     def layer_stack(n, h, pos):
         return hk.layer_stack(n)(lambda h: block()(h, pos))(h)
 
-    def stack(sw, remat):
+    def stack(sw, remat, unroll=1):
         return model(
-            lambda n, h, pos: sw.Stack(block, n=n, remat=common.stack_remat(remat))(h, pos),
+            lambda n, h, pos: sw.Stack(block, n=n, remat=common.stack_remat(remat),
+                                       unroll=unroll)(h, pos),
             lambda tree, n: tree,
         )
 
@@ -139,5 +140,5 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         adapter="stackwise.haiku",
         stack=stack,
         notes=notes,
-        remats=("off",),
+        remats=("off",),    unrolled=True,
     )

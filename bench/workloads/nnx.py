@@ -141,11 +141,10 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
 
     x = common.decode_input(cfg, tokens, pos)
 
-    def model(make, remat="off"):  # make(stack, n) -> the row's model, from the Stack's
+    def model(make, remat="off", unroll=1):  # make(stack, n) -> the row's model, from the Stack's
         def build(n):
-            stack = sw.Stack(
-                make_block, n, rngs=nnx.Rngs(cfg.seed), remat=common.stack_remat(remat)
-            )
+            stack = sw.Stack(make_block, n, rngs=nnx.Rngs(cfg.seed),
+                             remat=common.stack_remat(remat), unroll=unroll)
             graphdef, params, cache = nnx.split(make(stack, n), nnx.Param, nnx.Cache)
 
             def step(params, cache, x):
@@ -161,8 +160,8 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         nnx.update(scanned.blocks, nnx.state(stack.layers))
         return scanned
 
-    def stack(sw, remat):
-        return model(lambda stack, n: stack, remat)
+    def stack(sw, remat, unroll=1):
+        return model(lambda stack, n: stack, remat, unroll)
 
     return common.framework_cases(
         "nnx",
@@ -172,5 +171,5 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         adapter="stackwise.nnx",
         stack=stack,
         notes=notes,
-        remats=("off",),
+        remats=("off",),    unrolled=True,
     )

@@ -57,15 +57,17 @@ def test_every_framework_has_the_same_rows(framework):
 
 
 @pytest.mark.parametrize("block", ["decode", "prefill"])
-@pytest.mark.parametrize("framework", ["haiku", "flax", "nnx"])  # Equinox: no decoding rows yet
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_decoding_rows_of_every_framework(block, framework):
     pytest.importorskip("flax" if framework == "nnx" else framework)
     cases = [c for c in workloads.cases(block, CFG, []) if c.framework == framework]
     adapter = f"stackwise.{framework}.Stack"
-    # a loop, the tool and its control, the adapter against the tool; no remat (no grad)
-    assert [c.remat for c in cases] == ["off"] * 4, [c.name for c in cases]
+    # a loop, the tool and its control, the adapter and the adapter unrolled (what
+    # Stacked.decode runs), both against the tool; no remat (no grad)
+    assert [c.remat for c in cases] == ["off"] * 5, [c.name for c in cases]
     assert cases[2].name == f"{cases[1].name} (control)" and cases[3].name == adapter
-    assert cases[3].tool == cases[1].name
+    assert cases[4].name == f"{adapter} unroll=True"
+    assert cases[3].tool == cases[4].tool == cases[1].name
 
 
 def _by_framework(cases):
