@@ -13,7 +13,7 @@
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
 # dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min),
-# train-unroll (the loop, the stack and the stack at unroll=2, at dots and off), preset
+# train-unroll-dots and train-unroll-off (the loop, the stack and the stack at unroll=2), preset
 # (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024),
 # autostack (benchmarks/autostack_compile.py: compile time at n=48 of the loop, stackwise.stack
 # and stackwise.autostack of the same loop, the transformer block then the MLP block). Copy
@@ -84,10 +84,10 @@ for what in "$@"; do
         part train-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 --compiles 1 \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
             --markdown "$out/tpu_train_off_b4.md" ;;
-    train-unroll)  # ~4 min: the loop, the stack and the stack at unroll=2, one compile each, at
-        # dots (batch 8) and without remat (batch 4: at 8 the scans do not fit)
+    train-unroll-dots)  # <3 min: the loop, the stack and the stack at unroll=2, one compile each
         part train-unroll-dots 170 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
-            --variants "loop,stackwise,stackwise unroll=2" --markdown "$out/tpu_train_unroll_dots.md"
+            --variants "loop,stackwise,stackwise unroll=2" --markdown "$out/tpu_train_unroll_dots.md" ;;
+    train-unroll-off)  # the same without remat, at batch 4 (at 8 the scans do not fit)
         part train-unroll-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 \
             --compiles 1 --variants "loop,stackwise,stackwise unroll=2" \
             --markdown "$out/tpu_train_unroll_off_b4.md" ;;
@@ -104,7 +104,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done
