@@ -32,9 +32,9 @@ def check_loop(fn, params, *args, n=None, period=None, **options):
     def loss(g, p):
         return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(g(p, *args)))
 
-    assert_trees_close(jax.jit(f)(stacked, *args), fn(params, *args))
+    assert_trees_close(jax.jit(f)(stacked, *args), jax.jit(fn)(params, *args))
     got = f.unstack(jax.jit(jax.grad(lambda p: loss(f, p)))(stacked))
-    assert_trees_close(got, jax.grad(lambda p: loss(fn, p))(params))
+    assert_trees_close(got, jax.jit(jax.grad(lambda p: loss(fn, p)))(params))
     return f
 
 
