@@ -73,9 +73,11 @@ for what in "$@"; do
             -k "memory or place or copy or alias or install_hint" "$root/tests/core" \
             "$root/tests/adapters") > "$out/tier.log" 2>&1
         echo "part tier-backend: exit $?" | tee -a "$out/parts.txt" ;;
-    train)  # at most 8 min: the 6 rows at dots, 3 compiles each (the loop's 1), ~3.5 min;
+    train)  # at most 8 min: the 6 rows at dots (not unroll=2: train-unroll-dots), 3 compiles
+        # each (the loop's 1), ~3.5 min;
         # at full the 5 without the loop (its row: benchmarks/results/tpu_train.md), ~2.5 min
-        part train-dots 280 python3 benchmarks/tpu_train.py --variants "remat dots" \
+        part train-dots 280 python3 benchmarks/tpu_train.py --remat dots \
+            --variants "loop,stackwise,nn.scan,hk.layer_stack,.Stack" \
             --markdown "$out/tpu_train_dots.md"
         part train-full 200 python3 benchmarks/tpu_train.py --remat full \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
