@@ -7,8 +7,8 @@ Equinox has no layer-stacking tool of its own; its users build the layers with
 (``filter_vmap+scan``, ``filter_vmap+scan+checkpoint(dots)``, ``...+checkpoint``).
 The blocks act on one example, as Equinox layers do; every row maps the whole model over
 the batch with ``jax.vmap`` (the decode and prefill blocks' attention maps its linears over
-the batch and tokens itself, its KV cache a plain pytree). Imported only when Equinox's rows are asked for (it imports
-equinox).
+the batch and tokens itself, its KV cache a plain pytree). Imported only when Equinox's rows
+are asked for (it imports equinox).
 """
 
 from __future__ import annotations

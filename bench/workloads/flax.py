@@ -178,5 +178,6 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         adapter="stackwise.flax",
         stack=stack,
         notes=notes,
-        remats=("off",),    unrolled=True,
+        remats=("off",),
+        unrolled=True,
     )

@@ -140,5 +140,6 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         adapter="stackwise.haiku",
         stack=stack,
         notes=notes,
-        remats=("off",),    unrolled=True,
+        remats=("off",),
+        unrolled=True,
     )

@@ -141,7 +141,7 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
 
     x = common.decode_input(cfg, tokens, pos)
 
-    def model(make, remat="off", unroll=1):  # make(stack, n) -> the row's model, from the Stack's
+    def model(make, remat="off", unroll=1):  # make(stack, n) -> the row's model, from the Stack
         def build(n):
             stack = sw.Stack(make_block, n, rngs=nnx.Rngs(cfg.seed),
                              remat=common.stack_remat(remat), unroll=unroll)
@@ -171,5 +171,6 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         adapter="stackwise.nnx",
         stack=stack,
         notes=notes,
-        remats=("off",),    unrolled=True,
+        remats=("off",),
+        unrolled=True,
     )
