@@ -19,6 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _peft import (
+    assert_each_module_as_peft_built,
+    assert_loaded_bitwise,
+    assert_the_adapters_matter,
+    ours,
+    peft_as_if_trained,
+    torch_logits,
+)
 
 import stackwise
 
@@ -105,18 +113,13 @@ def _logits(model, params, adapters, tokens):
     return np.stack(out)
 
 
-def _torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens)).logits.numpy()
-
-
 def test_the_stacked_gpt2_is_the_transformers_model(tmp_path):
     """The reference the PEFT tests stand on: without adapters, the same logits."""
     model = _model()
     params = _load(model, tmp_path / "hf")
     none = jax.tree.map(lambda _: None, params["layers"])
     np.testing.assert_allclose(_logits(model, params, none, TOKENS),
-                               _torch_logits(model, TOKENS), **TOL)
+                               torch_logits(model, TOKENS), **TOL)
 
 
 def test_the_names_give_peft_s_modules_of_gpt2():
@@ -141,11 +144,9 @@ def test_stackwise_s_adapters_give_peft_the_stacked_model_s_logits(tmp_path):
     modules, layers = stackwise.lora.peft_modules(NAMES["layers"], adapters)
     stackwise.lora.save_peft(tmp_path / "adapter", adapters, modules, layers=layers)
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
-    theirs = _torch_logits(peft_model, TOKENS)
+    theirs = torch_logits(peft_model, TOKENS)
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
-    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
-        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
-    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+    assert_the_adapters_matter(peft_model, TOKENS, theirs, TOL["atol"])
     # PEFT put an adapter on each of the four Conv1D of every layer, of stackwise's tensors.
     for i in range(N):
         c_attn = peft_model.base_model.model.transformer.h[i].attn.c_attn
@@ -167,22 +168,11 @@ def test_a_folder_peft_made_on_gpt2_loads_bitwise_with_peft_s_logits(tmp_path):
     like = stackwise.lora.init(jax.random.key(0), base, rank=4, targets=TARGETS)
     modules, layers = stackwise.lora.peft_modules(NAMES["layers"], like)
     adapters = stackwise.lora.load_peft(tmp_path / "peft", base, modules, layers=layers)
-    for path, module in modules.items():
-        leaf = adapters[path[2:-2]]
-        assert leaf.scale == 4.0
-        for i in range(N):
-            torch_module = peft_model.base_model.model.transformer.h[i]
-            for part in module.split("."):
-                torch_module = getattr(torch_module, part)
-            a = torch_module.lora_A["default"].weight.detach().numpy().T
-            b = torch_module.lora_B["default"].weight.detach().numpy().T
-            np.testing.assert_array_equal(np.asarray(leaf.a[i]), a)
-            np.testing.assert_array_equal(np.asarray(leaf.b[i]), b)
-    theirs = _torch_logits(peft_model, TOKENS)
+    assert all(adapters[path[2:-2]].scale == 4.0 for path in modules)
+    assert_loaded_bitwise(adapters, modules, peft_model.base_model.model.transformer.h)
+    theirs = torch_logits(peft_model, TOKENS)
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
-    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
-        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
-    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+    assert_the_adapters_matter(peft_model, TOKENS, theirs, TOL["atol"])
 
 
 # --------------------------------------------------------------------------
@@ -209,32 +199,17 @@ def test_a_peft_config_on_gpt2_loads_with_peft_s_logits(tmp_path, extra):
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj", "c_fc"],
                              init_lora_weights=False, **extra)
     peft_model = peft.get_peft_model(model, config).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():  # DoRA's magnitude starts at the norms: m / n = 1
-        for name, p in peft_model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                p.mul_(1 + 0.2 * torch.randn_like(p))
+    peft_as_if_trained(peft_model)
     peft_model.save_pretrained(str(tmp_path / "peft"))
     like = stackwise.lora.init(jax.random.key(0), params["layers"], rank=4, targets=TARGETS)
     modules, layers = stackwise.lora.peft_modules(NAMES["layers"], like)
     adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], modules,
                                         layers=layers)
-    theirs = _torch_logits(peft_model, TOKENS)
+    theirs = torch_logits(peft_model, TOKENS)
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
-    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
-        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
-    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
-    for path, module in modules.items():  # each module's rank, scale and layers as PEFT's
-        leaf = adapters[path[2:-2]]
-        for i in range(N):
-            torch_module = peft_model.base_model.model.transformer.h[i]
-            for part in module.split("."):
-                torch_module = getattr(torch_module, part)
-            if "default" not in getattr(torch_module, "lora_A", {}):  # PEFT left it out
-                assert not np.asarray(leaf.a[i]).any() and not np.asarray(leaf.b[i]).any()
-                continue
-            assert (leaf.rank, leaf.scale) == (torch_module.r["default"],
-                                               torch_module.scaling["default"])
+    assert_the_adapters_matter(peft_model, TOKENS, theirs, TOL["atol"])
+    assert_each_module_as_peft_built(adapters, modules,
+                                     peft_model.base_model.model.transformer.h)
 
 
 #: Adapters stackwise makes on GPT-2, and the config fields save_peft writes for them.
@@ -246,36 +221,19 @@ OURS = {
 }
 
 
-def _ours(params, ranks=None, dora=False, zero_layers=()):
-    ranks = ranks or {}
-    keys = iter(jax.random.split(jax.random.key(1), 16))
-    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
-    adapters = {}
-    for j, path in enumerate(TARGETS):
-        leaf = path[2:-2]
-        lw = stackwise.lora.init(jax.random.key(j), params["layers"], rank=ranks.get(leaf, 4),
-                                 alpha=8.0, dora=dora, targets=[path])[leaf]
-        a, b = (jnp.where(keep, v + 0.2 * jax.random.normal(next(keys), v.shape), 0.0)
-                for v in (lw.a, lw.b))
-        magnitude = None if not dora else lw.magnitude * (
-            1 + 0.2 * jax.random.normal(next(keys), lw.magnitude.shape))
-        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude)
-    return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
-
-
 @pytest.mark.parametrize("kw, fields", list(OURS.values()), ids=list(OURS))
 def test_a_config_stackwise_saved_gives_peft_on_gpt2_the_stacked_model_s_logits(
         tmp_path, kw, fields):
     model = _model()
     params = _load(model, tmp_path / "hf")
-    adapters = _ours(params, **kw)
+    adapters = ours(params["layers"], TARGETS, **kw)
     modules, layers = stackwise.lora.peft_modules(NAMES["layers"], adapters)
     stackwise.lora.save_peft(tmp_path / "adapter", adapters, modules, layers=layers)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert {k: config[k] for k in fields} == fields
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
-                               _torch_logits(peft_model, TOKENS), **TOL)
+                               torch_logits(peft_model, TOKENS), **TOL)
     if "layers_to_transform" in fields:  # PEFT put no adapter on layer 1
         assert not hasattr(peft_model.base_model.model.transformer.h[1].attn.c_attn, "lora_A")
     back = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"], modules,

@@ -18,6 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _peft import (
+    assert_each_module_as_peft_built,
+    assert_loaded_bitwise,
+    assert_the_adapters_matter,
+    ours,
+    peft_as_if_trained,
+    torch_logits,
+)
 
 import stackwise
 
@@ -150,11 +158,6 @@ def _logits(model, params, adapters, tokens):
     return np.stack(out)
 
 
-def _peft_logits(peft_model, tokens):
-    with torch.no_grad():
-        return peft_model(torch.from_numpy(tokens)).logits.numpy()
-
-
 TOKENS = (np.arange(14).reshape(2, 7) * 5 % V).astype(np.int64)
 
 
@@ -164,9 +167,8 @@ def test_the_stacked_llama_is_the_transformers_model(tmp_path, arch):
     model = _model(arch)
     params = _load(model, tmp_path / "hf")
     none = jax.tree.map(lambda _: None, params["layers"])
-    with torch.no_grad():
-        want = model(torch.from_numpy(TOKENS)).logits.numpy()
-    np.testing.assert_allclose(_logits(model, params, none, TOKENS), want, **TOL)
+    np.testing.assert_allclose(_logits(model, params, none, TOKENS), torch_logits(model, TOKENS),
+                               **TOL)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -181,11 +183,9 @@ def test_exported_adapters_give_peft_the_stacked_model_s_logits(tmp_path, arch):
     ours = _logits(model, params, adapters, TOKENS)
     stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES)
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
-    theirs = _peft_logits(peft_model, TOKENS)
+    theirs = torch_logits(peft_model, TOKENS)
     np.testing.assert_allclose(ours, theirs, **TOL)
-    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
-        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
-    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
+    assert_the_adapters_matter(peft_model, TOKENS, theirs, TOL["atol"])
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -197,19 +197,10 @@ def test_a_folder_peft_saved_loads_bitwise_with_peft_s_logits(tmp_path, arch):
     peft_model = peft.get_peft_model(model, config).eval()
     peft_model.save_pretrained(str(tmp_path / "peft"))
     adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
-    for path, module in MODULES.items():
-        leaf = adapters[path[2:-2]]
-        assert leaf.alpha == 16.0
-        for i in range(N):
-            torch_module = peft_model.base_model.model.model.layers[i]
-            for part in module.split("."):
-                torch_module = getattr(torch_module, part)
-            a = torch_module.lora_A["default"].weight.detach().numpy().T
-            b = torch_module.lora_B["default"].weight.detach().numpy().T
-            np.testing.assert_array_equal(np.asarray(leaf.a[i]), a)
-            np.testing.assert_array_equal(np.asarray(leaf.b[i]), b)
+    assert all(adapters[path[2:-2]].alpha == 16.0 for path in MODULES)
+    assert_loaded_bitwise(adapters, MODULES, peft_model.base_model.model.model.layers)
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
-                               _peft_logits(peft_model, TOKENS), **TOL)
+                               torch_logits(peft_model, TOKENS), **TOL)
 
 
 @pytest.mark.parametrize("other, words", [
@@ -260,13 +251,7 @@ def _peft_made(model, tmp_path, **extra):
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                              **{"init_lora_weights": False, **extra})
     peft_model = peft.get_peft_model(model, config).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():  # as if trained
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name and extra.get("init_lora_weights") == "gaussian":
-                p.copy_(0.1 * torch.randn_like(p))      # B starts at zero
-            if "lora_magnitude_vector" in name:       # DoRA's starts at the norms: m / n = 1
-                p.mul_(1 + 0.2 * torch.randn_like(p))
+    peft_as_if_trained(peft_model, gaussian=extra.get("init_lora_weights") == "gaussian")
     peft_model.save_pretrained(str(tmp_path / "peft"))
     return peft_model
 
@@ -277,30 +262,10 @@ def test_a_peft_config_loads_with_peft_s_logits(tmp_path, extra):
     params = _load(model, tmp_path / "hf")
     peft_model = _peft_made(model, tmp_path, **extra)
     adapters = stackwise.lora.load_peft(tmp_path / "peft", params["layers"], MODULES)
-    theirs = _peft_logits(peft_model, TOKENS)
+    theirs = torch_logits(peft_model, TOKENS)
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS), theirs, **TOL)
-    with torch.no_grad(), peft_model.disable_adapter():  # the adapters matter (can fail)
-        plain = peft_model(torch.from_numpy(TOKENS)).logits.numpy()
-    assert np.abs(plain - theirs).max() > 100 * TOL["atol"]
-    # Each module's rank, scale and layers as PEFT built them.
-    for path, module in MODULES.items():
-        leaf = adapters[path[2:-2]]
-        for i in range(N):
-            torch_module = peft_model.base_model.model.model.layers[i]
-            for part in module.split("."):
-                torch_module = getattr(torch_module, part)
-            if "default" not in getattr(torch_module, "lora_A", {}):  # PEFT left it out
-                assert not np.asarray(leaf.a[i]).any() and not np.asarray(leaf.b[i]).any()
-                continue
-            assert leaf.rank == torch_module.r["default"]
-            assert leaf.scale == torch_module.scaling["default"]
-            assert leaf.dropout == getattr(torch_module.lora_dropout["default"], "p", 0.0)
-            if leaf.dora:
-                np.testing.assert_array_equal(
-                    np.asarray(leaf.magnitude[i]),
-                    torch_module.lora_magnitude_vector["default"].weight.detach().numpy())
-            np.testing.assert_array_equal(
-                np.asarray(leaf.a[i]), torch_module.lora_A["default"].weight.detach().numpy().T)
+    assert_the_adapters_matter(peft_model, TOKENS, theirs, TOL["atol"])
+    assert_each_module_as_peft_built(adapters, MODULES, peft_model.base_model.model.model.layers)
 
 
 @pytest.mark.parametrize("bias, adapted", [("all", 3 * N), ("lora_only", 2 * N)])
@@ -316,30 +281,6 @@ def test_peft_s_trained_biases_of_a_qwen2_are_refused_by_name(tmp_path, bias, ad
     words = [f"bias={bias!r}", f"the file holds {adapted} trained biases",
              "stackwise's adapters are LoRA's A and B alone"]
     assert all(w in str(info.value) for w in words), str(info.value)
-
-
-def _ours(params, ranks=None, alphas=None, rslora=False, dora=False, zero_layers=(),
-          dropout=0.0):
-    """Adapters on MODULES with a rank and alpha per leaf, as if trained (a DoRA magnitude
-    off the base's norms too); the layers in `zero_layers` all zero (what a layer without an
-    adapter loads as)."""
-    ranks = ranks or {}
-    alphas = alphas or {}
-    keys = iter(jax.random.split(jax.random.key(1), 16))
-    keep = jnp.asarray([i not in zero_layers for i in range(N)])[:, None, None]
-    adapters = {}
-    for j, path in enumerate(MODULES):
-        leaf = path[2:-2]
-        lw = stackwise.lora.init(
-            jax.random.key(j), params["layers"], rank=ranks.get(leaf, 4),
-            alpha=alphas.get(leaf, 8.0), rslora=rslora, dora=dora, targets=[path])[leaf]
-        a, b = (jnp.where(keep, v + 0.2 * jax.random.normal(next(keys), v.shape), 0.0)
-                for v in (lw.a, lw.b))
-        magnitude = None if not dora else lw.magnitude * (
-            1 + 0.2 * jax.random.normal(next(keys), lw.magnitude.shape))
-        adapters[leaf] = stackwise.lora.LoraWeights(a, b, lw.alpha, lw.rslora, magnitude,
-                                                    dropout)
-    return {**jax.tree.map(lambda _: None, params["layers"]), **adapters}
 
 
 #: Adapters stackwise makes, and the config fields save_peft writes for them.
@@ -367,14 +308,14 @@ def test_a_config_stackwise_saved_gives_peft_the_stacked_model_s_logits(tmp_path
 
     model = _model()
     params = _load(model, tmp_path / "hf")
-    adapters = _ours(params, **kw)
+    adapters = ours(params["layers"], MODULES, **kw)
     dropout = fields.get("lora_dropout", 0.0)
     stackwise.lora.save_peft(tmp_path / "adapter", adapters, MODULES)  # (the adapters' rate)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert {k: config[k] for k in fields} == fields
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
     np.testing.assert_allclose(_logits(model, params, adapters, TOKENS),
-                               _peft_logits(peft_model, TOKENS), **TOL)
+                               torch_logits(peft_model, TOKENS), **TOL)
     if "layers_to_transform" in fields:  # PEFT put no adapter on layer 1
         assert not hasattr(peft_model.base_model.model.model.layers[1].self_attn.q_proj,
                            "lora_A")
@@ -420,7 +361,7 @@ def test_peft_s_modules_to_save_load_with_peft_s_logits(tmp_path):
                                                modules_to_save=True)
     assert sorted(saved) == sorted(["lm_head.weight", "model.embed_tokens.weight"] + [
         f"model.layers.{i}.input_layernorm.weight" for i in range(N)])
-    theirs = _peft_logits(peft_model, TOKENS)
+    theirs = torch_logits(peft_model, TOKENS)
     np.testing.assert_allclose(_logits(model, _with_saved(params, saved), adapters, TOKENS),
                                theirs, **TOL)
     # The copies matter (can fail): with the base's own modules, other logits.
@@ -430,7 +371,7 @@ def test_peft_s_modules_to_save_load_with_peft_s_logits(tmp_path):
 def test_modules_to_save_stackwise_saved_give_peft_the_stacked_model_s_logits(tmp_path):
     model = _model()
     params = _load(model, tmp_path / "hf")
-    adapters = _ours(params)
+    adapters = ours(params["layers"], MODULES)
     keys = iter(jax.random.split(jax.random.key(7), 8))
     saved = {"lm_head.weight": params["head"], "model.embed_tokens.weight": params["embed"],
              **{f"model.layers.{i}.input_layernorm.weight": params["layers"]["attn_norm"][i]
@@ -445,7 +386,7 @@ def test_modules_to_save_stackwise_saved_give_peft_the_stacked_model_s_logits(tm
                                              for i in range(N)])
     peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
     np.testing.assert_allclose(_logits(model, _with_saved(params, saved), adapters, TOKENS),
-                               _peft_logits(peft_model, TOKENS), **TOL)
+                               torch_logits(peft_model, TOKENS), **TOL)
     back, back_saved = stackwise.lora.load_peft(tmp_path / "adapter", params["layers"],
                                                 MODULES, modules_to_save=True)
     jax.tree.map(np.testing.assert_array_equal, back, adapters)
