@@ -8,7 +8,14 @@ from typing import Any
 import numpy as np
 
 from stackwise._autostack.find import Plan, Search, candidates, free_parts
-from stackwise._autostack.signature import KEPT, Signatures, describe, difference, effect_words, unkept
+from stackwise._autostack.signature import (
+    KEPT,
+    Signatures,
+    describe,
+    difference,
+    effect_words,
+    unkept,
+)
 
 __all__ = ["broken", "no_run"]
 

@@ -55,7 +55,6 @@ class Plan(NamedTuple):
     shared: tuple  # atoms every block reads alike
     indexed: tuple = ()  # (j, axis, step): the template's `slice` j, block i's at i * step
 
-
     @property
     def stop(self) -> int:
         return self.start + self.period * self.count

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import checkify
 from _models import mlp, mlp_params
+from jax.experimental import checkify
 
 import stackwise
 

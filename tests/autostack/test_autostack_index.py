@@ -130,7 +130,7 @@ def test_the_program_has_one_loop_and_is_flat_in_depth():
         auto = jax.jit(f).lower(stacked, X, key).as_text()
         loop = jax.jit(dropout_loop).lower(params, X, key).as_text()
         assert auto.count("stablehlo.while") == loop.count("stablehlo.while") + 1, n
-        auto = jax.jit(jax.grad(lambda p: loss(f(p, X, key)))).lower(stacked).as_text()
+        auto = jax.jit(jax.grad(lambda p, f=f: loss(f(p, X, key)))).lower(stacked).as_text()
         loop = jax.jit(jax.grad(lambda p: loss(dropout_loop(p, X, key)))).lower(params).as_text()
         sizes[n] = (len(auto), len(loop))
     (auto4, loop4), (auto16, loop16) = sizes[4], sizes[16]
