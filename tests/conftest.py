@@ -89,7 +89,8 @@ def _runs_on_cpu() -> bool:
 
 
 if _runs_on_cpu():
-    FLAGS = [flag for flag in FLAGS if flag not in OPTIONAL or flag in _xla_knows(OPTIONAL)]
+    KNOWN = _xla_knows(OPTIONAL)
+    FLAGS = [flag for flag in FLAGS if flag not in OPTIONAL or flag in KNOWN]
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *FLAGS]))
 
 import jax  # noqa: E402
