@@ -13,7 +13,9 @@
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
 # dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min),
-# train-unroll-dots and train-unroll-off (the loop, the stack and the stack at unroll=2), preset
+# train-unroll-dots and train-unroll-off (the loop, the stack and the stack at unroll=2),
+# train-profile (the loop and the stack traced by jax.profiler, with their compiled programs),
+# train-compile (each adapter and its tool at dots, 7 interleaved cold compiles each), preset
 # (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024),
 # autostack (benchmarks/autostack_compile.py: compile time at n=48 of the loop, stackwise.stack
 # and stackwise.autostack of the same loop, the transformer block then the MLP block). Copy
@@ -82,6 +84,11 @@ for what in "$@"; do
         part train-full 200 python3 benchmarks/tpu_train.py --remat full \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
             --markdown "$out/tpu_train_full.md" ;;
+    train-compile)  # ~4 min: each adapter and its framework's tool at dots, 7 cold compiles
+        # each, interleaved (their medians: compile against the tool beyond three compiles' noise)
+        part train-compile 280 python3 benchmarks/tpu_train.py --remat dots --compiles 7 \
+            --rounds 3 --variants "nn.scan,stackwise.flax.Stack,hk.layer_stack,stackwise.haiku.Stack" \
+            --markdown "$out/tpu_train_compile_dots.md" ;;
     train-off)  # ~2 min, not in train: without remat at batch 4 (at 8 the scans do not fit)
         part train-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 --compiles 1 \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
@@ -93,6 +100,21 @@ for what in "$@"; do
         part train-unroll-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 \
             --compiles 1 --variants "loop,stackwise,stackwise unroll=2" \
             --markdown "$out/tpu_train_unroll_off_b4.md" ;;
+    train-profile)  # ~3 min: the loop and the stack, traced (jax.profiler) and their compiled
+        # programs' text, with the matmuls saved (batch 8) and without remat (batch 4); each
+        # trace gzipped alone (OUT/<row>.xplane.pb.gz), the tables and programs in one tar
+        local_dir=/tmp/train-profile
+        part train-profile-dots 150 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
+            --rounds 3 --variants "loop,stackwise" --profile $local_dir \
+            --markdown $local_dir/tpu_train_profile_dots.md
+        part train-profile-off 130 python3 benchmarks/tpu_train.py --remat off --batch 4 \
+            --compiles 1 --rounds 3 --variants "loop,stackwise" --profile $local_dir \
+            --markdown $local_dir/tpu_train_profile_off_b4.md
+        for trace in $local_dir/*/; do
+            find "$trace" -name '*.xplane.pb' -exec sh -c 'gzip -c "$1" > "$2"' _ {} \
+                "$out/$(basename "$trace").xplane.pb.gz" \;
+        done
+        (cd $local_dir && tar -czf "$out/train_profile.tar.gz" *.md *.hlo.txt) ;;
     preset)  # the example at the size of one v5e (--preset v5e), as a TPU user runs it
         part preset 300 python3 examples/transformer_lm.py --preset v5e --checkpoint /tmp/lm-v5e \
             --save-every 300 ;;
@@ -106,7 +128,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-profile, train-compile, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done

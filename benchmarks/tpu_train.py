@@ -64,13 +64,21 @@ XLA counts a loop's body once, whatever its trip count, so it is the model's onl
 loop); **MFU**, model TFLOP / (step s x ``--peak`` TFLOP/s, 197: a v5e's bfloat16 peak);
 **peak MiB**, from ``compiled.memory_analysis()``: arguments + outputs - donated + temp;
 **loss**, the first step's.
+
+``--profile DIR`` also writes, per row, a ``jax.profiler`` trace of its timed steps
+(``DIR/<row>/``, e.g. ``DIR/stackwise_remat_dots/``: read it with xprof or TensorBoard) and its
+compiled program's text (``DIR/<row>.hlo.txt``, after XLA's passes: its copies, fusions and
+while loops); ``benchmarks/on_tpu.sh``'s ``train-profile`` part runs the loop and the stack
+so.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import contextlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -133,7 +141,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"the chip's peak TFLOP/s for the MFU (default {V5E_BF16_TFLOPS:g}, "
                         "a v5e's bfloat16)")
     p.add_argument("--markdown", default="", help="also write the table to this file")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help="write each row's jax.profiler trace of its timed steps and its "
+                        "compiled program's text (HLO after XLA's passes) under DIR")
     args = p.parse_args(argv)
+    if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
+        p.error(f"argument --profile: {args.profile!r} is a file; expected a folder (new or "
+                "existing) for the traces")
     sizes = TINY if args.tiny else CHIP
     for name, value in sizes.items():
         if getattr(args, name) is None:
@@ -417,12 +431,14 @@ def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace
         seconds, compiled = cold_compile(loss, *shapes)
         row["compiles"] = [seconds]
         times, first = [], None
-        for i in range(WARMUP + args.rounds):
-            start = time.perf_counter()
+        for _ in range(WARMUP):
             params, value = jax.block_until_ready(compiled(params, x))
-            if i >= WARMUP:
-                times.append(time.perf_counter() - start)
             first = float(value) if first is None else first
+        with profiled(args.profile, name, compiled):
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                params, value = jax.block_until_ready(compiled(params, x))
+                times.append(time.perf_counter() - start)
     except jax.errors.JaxRuntimeError as e:
         if not out_of_memory(e):
             raise
@@ -442,6 +458,21 @@ def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace
         "loss": f"{first:.6g}",
     })
     return row, (loss, *shapes)
+
+
+def profiled(folder: str, name: str, compiled: Any) -> contextlib.AbstractContextManager:
+    """With ``--profile`` (``folder``): writes ``compiled``'s text to ``folder/<row>.hlo.txt``
+    and returns a ``jax.profiler`` trace into ``folder/<row>/`` (``<row>`` is the row's
+    name, e.g. ``stackwise_remat_dots``); without, a context that does nothing."""
+    if not folder:
+        return contextlib.nullcontext()
+    import jax
+
+    slug = "_".join(name.replace(",", " ").split())
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{slug}.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+    return jax.profiler.trace(os.path.join(folder, slug))
 
 
 def measure_all(found: dict[str, Callable[[int], tuple]], args: argparse.Namespace) -> list[dict]:

@@ -62,6 +62,24 @@ def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkey
     assert text.strip() == capsys.readouterr().out.strip()
 
 
+@pytest.mark.slow  # (two rows compiled and traced: ~5 s)
+def test_profile_writes_each_rows_trace_and_compiled_program(train, tmp_path, monkeypatch):
+    folder = tmp_path / "new" / "profile"  # (made, parents too)
+    argv = ["--tiny", "--rounds", "1", "--compiles", "1", "--variants", "loop,stackwise",
+            "--remat", "dots", "--profile", str(folder)]
+    monkeypatch.setattr("sys.argv", ["benchmarks/tpu_train.py", *argv])
+    rows = train.main(argv)
+    assert [(r["variant"], r["remat"]) for r in rows] == [("loop", "dots"), ("stackwise", "dots")]
+    for slug, loops in (("loop_remat_dots", False), ("stackwise_remat_dots", True)):
+        text = (folder / f"{slug}.hlo.txt").read_text()
+        assert text.startswith("HloModule ")
+        assert (" while(" in text) == loops  # (the stack's scan is a while loop, the loop's not)
+        assert list((folder / slug).rglob("*.xplane.pb")), f"no trace of {slug}"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "loop_remat_dots", "loop_remat_dots.hlo.txt", "stackwise_remat_dots",
+        "stackwise_remat_dots.hlo.txt"]
+
+
 def test_variants_picks_rows_by_family_or_part_of_their_name(train):
     args = train.parse_args(["--tiny", "--variants", "stackwise, loop"])
     assert args.rows == [f"{f}, remat {r}" for r in train.REMATS for f in ("loop", "stackwise")]

@@ -92,6 +92,8 @@ TPU_TABLE_CASES = [
       for value in ("0", "-1", "1.5")),
     (TPU_TRAIN, ["--heads", "3"], "--heads", "3 heads do not divide --d 1024"),
     (TPU_TRAIN, ["--tiny", "--d", "33"], "--heads", "2 heads do not divide --d 33"),
+    (TPU_TRAIN, ["--profile", str(TPU_TRAIN)], "--profile",
+     f"{str(TPU_TRAIN)!r} is a file; expected a folder (new or existing) for the traces"),
     (TPU_TRAIN, ["--peak", "0"], "--peak", "expected a positive TFLOP/s, got 0.0"),
     (TPU_TRAIN, ["--peak", "nan"], "--peak", "expected a positive TFLOP/s, got nan"),
     (TPU_TRAIN, ["--variants", "nnx"], "--variants",
