@@ -77,11 +77,14 @@ def call(fn: Callable[..., Any], args: tuple, state: Any) -> tuple[Any, Any, lis
     (static); ``per_layer`` the arrays that leave the layer: each "new" leaf
     whole, and for each "write" leaf its ``(update, starts)`` pairs.
     """
-    if not _ties_hold():  # every leaf leaves the layer whole: slower, the same values
+    state_leaves = jax.tree.leaves(state)
+    # Without state there is nothing to update in place: every leaf the layer returns is
+    # new, and the layer is traced once (as the tools trace it), not twice. Without the
+    # ties every leaf leaves the layer whole: slower, the same values.
+    if not state_leaves or not _ties_hold():
         out, new_state = fn(*args, state)
         leaves = jax.tree.leaves(new_state)
         return out, jax.tree.structure(new_state), [Update("new")] * len(leaves), leaves
-    state_leaves = jax.tree.leaves(state)
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args, state)
     flat_args = jax.tree.leaves((args, state))
     origin = {id(leaf): (leaf, k, ()) for k, leaf in enumerate(state_leaves)}

@@ -145,6 +145,36 @@ def test_writes_inside_jitted_helpers_chains_and_untouched_leaves():
     np.testing.assert_array_equal(new["count"], np.ones(n))
 
 
+def test_a_layer_without_state_is_run_directly_not_from_its_jaxpr(monkeypatch):
+    """A stateful Stack's layer with no state leaves (every adapter's training step: Haiku's
+    Stack always runs with state) has nothing to update in place: it runs as a stateless
+    layer does, and its jaxpr is not evaluated a second time to find updates."""
+    from stackwise._core import inplace
+
+    evaluated = []
+    evaluate = inplace._evaluate
+    monkeypatch.setattr(inplace, "_evaluate", lambda *a: evaluated.append(1) or evaluate(*a))
+
+    def init(key):
+        return {"w": jax.random.normal(key, (D, D)) / D**0.5}
+
+    def plain(params, x):
+        return jnp.tanh(x @ params["w"])
+
+    def counting(params, state, x):
+        return plain(params, x), jax.tree.map(lambda c: c + 1, state)
+
+    x = jnp.ones((2, D))
+    without = stackwise.stack(init, plain, 3)
+    params = without.init(jax.random.key(0))
+    expected = jax.jit(jax.grad(lambda p: without.apply(p, x).sum()))(params)
+    for state, runs in (({}, False), ({"count": jnp.zeros(3, jnp.int32)}, True)):
+        stateful = stackwise.stack(lambda k, s=state: (init(k), s), counting, 3, with_state=True)
+        grads = jax.jit(jax.grad(lambda p, s=state: stateful.apply(p, s, x)[0].sum()))(params)
+        assert bool(evaluated) == runs, state  # (a layer with state is evaluated from its jaxpr)
+        assert_trees_close(grads, expected)
+
+
 @pytest.mark.slow
 def test_state_under_grad_matches_the_loop():
     """Differentiating through a stateful decode step: the in-place path is differentiable."""
