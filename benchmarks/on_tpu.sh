@@ -15,7 +15,8 @@
 # dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min),
 # train-unroll-dots and train-unroll-off (the loop, the stack and the stack at unroll=2),
 # train-profile (the loop and the stack traced by jax.profiler, with their compiled programs),
-# train-compile (each adapter and its tool at dots, 7 interleaved cold compiles each), preset
+# train-compile (each adapter and its tool at dots, 7 interleaved cold compiles each),
+# train-dots-b4 (the loop and the stack at dots, batch 4, beside train-off's rows), preset
 # (the example's --preset v5e), multi-lora (benchmarks/multi_lora_decode.py at D=1024),
 # autostack (benchmarks/autostack_compile.py: compile time at n=48 of the loop, stackwise.stack
 # and stackwise.autostack of the same loop, the transformer block then the MLP block). Copy
@@ -93,6 +94,10 @@ for what in "$@"; do
         part train-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 --compiles 1 \
             --variants "stackwise,.Stack,nn.scan,hk.layer_stack" \
             --markdown "$out/tpu_train_off_b4.md" ;;
+    train-dots-b4)  # ~1.5 min: the loop and the stack with the matmuls saved at batch 4, beside
+        # train-off's rows (the same batch, no remat)
+        part train-dots-b4 130 python3 benchmarks/tpu_train.py --remat dots --batch 4 --compiles 1 \
+            --variants "loop,stackwise" --markdown "$out/tpu_train_dots_b4.md" ;;
     train-unroll-dots)  # <3 min: the loop, the stack and the stack at unroll=2, one compile each
         part train-unroll-dots 170 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
             --variants "loop,stackwise,stackwise unroll=2" --markdown "$out/tpu_train_unroll_dots.md" ;;
@@ -128,7 +133,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-profile, train-compile, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done
