@@ -57,8 +57,9 @@ for what in "$@"; do
             --dtypes float32 --variants loop,stackwise --profile /tmp/decode-profile
         find /tmp/decode-profile -name '*.xplane.pb' -exec sh -c 'gzip -c "$1" > "$2"' _ {} "$out/decode.xplane.pb.gz" \; ;;
     bench-decode)
-        # (stopped by its limit, the bench still writes the depths it measured: exit 130)
-        part bench-decode ${BENCH_DECODE_SECONDS:-240} python3 -P -m stackwise.bench --blocks decode --decode-n 24 \
+        # (stopped by its limit, the bench still writes the depths it measured: exit 130;
+        # BENCH_DECODE_N sets the depths, default 24)
+        part bench-decode ${BENCH_DECODE_SECONDS:-240} python3 -P -m stackwise.bench --blocks decode --decode-n ${BENCH_DECODE_N:-24} \
             --rounds 5 --csv '' --plot '' --no-progress --markdown "$out/bench_decode.md" ;;
     tier)
         (cd /tmp && PYTEST_ADDOPTS="--durations=120" \
