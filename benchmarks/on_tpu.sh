@@ -107,20 +107,15 @@ for what in "$@"; do
             --compiles 1 --variants "loop,stackwise,stackwise unroll=2" \
             --markdown "$out/tpu_train_unroll_off_b4.md" ;;
     train-profile)  # ~3 min: the loop and the stack, traced (jax.profiler) and their compiled
-        # programs' text, with the matmuls saved (batch 8) and without remat (batch 4); each
-        # trace gzipped alone (OUT/<row>.xplane.pb.gz), the tables and programs in one tar
-        local_dir=/tmp/train-profile
+        # programs' text, with the matmuls saved (batch 8) and without remat (batch 4): the
+        # traces (~1-14 MB each), programs and tables in one file, OUT/train_profile.tar.gz
         part train-profile-dots 150 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
-            --rounds 3 --variants "loop,stackwise" --profile $local_dir \
-            --markdown $local_dir/tpu_train_profile_dots.md
+            --rounds 3 --variants "loop,stackwise" --profile /tmp/train-profile \
+            --markdown /tmp/train-profile/tpu_train_profile_dots.md
         part train-profile-off 130 python3 benchmarks/tpu_train.py --remat off --batch 4 \
-            --compiles 1 --rounds 3 --variants "loop,stackwise" --profile $local_dir \
-            --markdown $local_dir/tpu_train_profile_off_b4.md
-        for trace in $local_dir/*/; do
-            find "$trace" -name '*.xplane.pb' -exec sh -c 'gzip -c "$1" > "$2"' _ {} \
-                "$out/$(basename "$trace").xplane.pb.gz" \;
-        done
-        (cd $local_dir && tar -czf "$out/train_profile.tar.gz" *.md *.hlo.txt) ;;
+            --compiles 1 --rounds 3 --variants "loop,stackwise" --profile /tmp/train-profile \
+            --markdown /tmp/train-profile/tpu_train_profile_off_b4.md
+        tar -C /tmp -czf "$out/train_profile.tar.gz" train-profile ;;
     preset)  # the example at the size of one v5e (--preset v5e), as a TPU user runs it
         part preset 300 python3 examples/transformer_lm.py --preset v5e --checkpoint /tmp/lm-v5e \
             --save-every 300 ;;

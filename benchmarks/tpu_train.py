@@ -75,8 +75,8 @@ so.
 from __future__ import annotations
 
 import argparse
-import gc
 import contextlib
+import gc
 import math
 import os
 import statistics

@@ -79,8 +79,9 @@ def call(fn: Callable[..., Any], args: tuple, state: Any) -> tuple[Any, Any, lis
     """
     state_leaves = jax.tree.leaves(state)
     # Without state there is nothing to update in place: every leaf the layer returns is
-    # new, and the layer is traced once (as the tools trace it), not twice. Without the
-    # ties every leaf leaves the layer whole: slower, the same values.
+    # new, and the layer runs directly, as a stateless one does, not made a jaxpr and then
+    # evaluated again. Without the ties every leaf leaves the layer whole: slower, the same
+    # values.
     if not state_leaves or not _ties_hold():
         out, new_state = fn(*args, state)
         leaves = jax.tree.leaves(new_state)
