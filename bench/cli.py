@@ -43,6 +43,7 @@ examples:
   stackwise-bench --variants haiku        every Haiku row (transformer, decode, prefill)
   stackwise-bench --blocks transformer --transformer-n 48 --compile-repeats 7 --rounds 21
   stackwise-bench --blocks decode,prefill --decode-n 24,48 --prefill-n 24,48 --rounds 21
+  stackwise-bench --blocks decode --decode-shape 1024:2048:8 --decode-heads 8
   stackwise-bench --blocks pattern --compile-repeats 3   the pattern [a, a, b] at n=6,26,60"""
 
 
@@ -79,6 +80,20 @@ def _positive(text: str) -> int:
     return value[0]
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    """``D:T:B``: the decode blocks' model width, cache positions and batch."""
+    parts = text.split(":")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected D:T:B, three positive ints (model width, cache positions, batch), e.g. "
+            f"1024:2048:8, got {text!r}")
+    return values
+
+
 def _depth_flag(block: str) -> str:
     """``--n`` for the mlp block (the first), ``--<block>-n`` for the others."""
     return "--n" if block == "mlp" else f"--{block}-n"
@@ -105,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
             dest=f"depths_{block}", help=f"depths of the {block} block (default "
             f"{','.join(map(str, workloads.depths(block, defaults)))})",
         )
+    what.add_argument("--decode-shape", type=_shape, default=None, metavar="D:T:B",
+                      help=f"the decode and prefill blocks' attention layer: model width D, "
+                      f"cache positions T, batch B (default {defaults.dec_d}:"
+                      f"{defaults.dec_cache}:{defaults.dec_batch})")
+    what.add_argument("--decode-heads", type=_positive, default=None, metavar="H",
+                      help=f"its heads, dividing D (default {defaults.dec_heads})")
     what.add_argument("--variants", type=_names, default=(), metavar="TEXT[,TEXT...]",
                       help="run only the variants whose name contains one of these, or whose "
                       f"framework ({', '.join(workloads.frameworks())}) is one: e.g. 'haiku' or "
@@ -148,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for field in ("rounds", "compile_repeats"):
         if getattr(args, field) is not None:
             overrides[field] = getattr(args, field)
+    if args.decode_shape is not None:
+        overrides.update(zip(("dec_d", "dec_cache", "dec_batch"), args.decode_shape))
+    if args.decode_heads is not None:
+        overrides["dec_heads"] = args.decode_heads
     _check(p, args)
     cfg = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
     _check_blocks(p, args, cfg)
@@ -253,7 +278,24 @@ def _check_plot_format(p: argparse.ArgumentParser, path: str) -> None:
 
 
 def _check_blocks(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: BenchConfig):
-    """Each depth flag given belongs to a block that runs, at depths its rows accept."""
+    """Each depth flag given belongs to a block that runs, at depths its rows accept; the
+    decode blocks' sizes, given, fit them."""
+    for flag, given in (("--decode-shape", args.decode_shape), ("--decode-heads",
+                                                                 args.decode_heads)):
+        if given is not None and not {"decode", "prefill"} & set(cfg.blocks):
+            shown = ":".join(map(str, given)) if flag == "--decode-shape" else given
+            p.error(f"{flag} {shown}: neither the decode nor the prefill block is run "
+                    f"(--blocks {','.join(cfg.blocks)}); add one to --blocks, or leave {flag} "
+                    "out")
+    if args.decode_shape is not None or args.decode_heads is not None:
+        flag = "--decode-heads" if args.decode_heads is not None else "--decode-shape"
+        if cfg.dec_d % cfg.dec_heads:
+            p.error(f"{flag}: {cfg.dec_heads} heads do not divide D={cfg.dec_d}; give heads "
+                    "that divide the model width")
+        if cfg.dec_cache <= cfg.dec_prompt:
+            p.error(f"--decode-shape: a cache of {cfg.dec_cache} positions holds no token after "
+                    f"the {cfg.dec_prompt}-token prompt (decode writes position "
+                    f"{cfg.dec_prompt}); give T > {cfg.dec_prompt}")
     for block, entry in workloads.BLOCKS.items():
         given = getattr(args, f"depths_{block}")
         if given is None:

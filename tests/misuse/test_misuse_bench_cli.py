@@ -31,6 +31,21 @@ CASES = [
     # A depth flag of a block that does not run would be ignored: refused.
     (["--blocks", "mlp", "--pattern-n", "4"], "--pattern-n", "block is not run"),
     (["--quick", "--decode-n", "4"], "--decode-n", "block is not run"),
+    # The decode blocks' sizes: well formed, for a block that runs, heads dividing D, a cache
+    # longer than the prompt.
+    (["--decode-shape", "1024:2048"], "--decode-shape", "expected D:T:B, three positive ints"),
+    (["--decode-shape", "1024:0:8"], "--decode-shape", "got '1024:0:8'"),
+    (["--decode-shape", "a:b:c"], "--decode-shape", "e.g. 1024:2048:8, got 'a:b:c'"),
+    (["--decode-heads", "0"], "--decode-heads", "positive"),
+    (["--blocks", "mlp", "--decode-shape", "512:1024:8"], "--decode-shape",
+     "neither the decode nor the prefill block is run (--blocks mlp)"),
+    (["--blocks", "mlp", "--decode-heads", "8"], "--decode-heads", "neither the decode"),
+    (["--blocks", "decode", "--decode-shape", "100:1024:8", "--decode-heads", "8"],
+     "--decode-heads", "8 heads do not divide D=100"),
+    (["--blocks", "prefill", "--decode-shape", "102:1024:8"], "--decode-shape",
+     "4 heads do not divide D=102"),
+    (["--blocks", "decode", "--decode-shape", "256:64:8"], "--decode-shape",
+     "a cache of 64 positions holds no token after the 64-token prompt"),
     (["--rounds", "0"], "--rounds", "positive"),
     (["--rounds", "2,3"], "--rounds", "one positive int"),
     (["--rounds", "1.5"], "--rounds", "comma-separated ints"),
