@@ -170,6 +170,7 @@ def test_a_layer_without_state_is_run_directly_not_from_its_jaxpr(monkeypatch):
     expected = jax.jit(jax.grad(lambda p: without.apply(p, x).sum()))(params)
     for state, runs in (({}, False), ({"count": jnp.zeros(3, jnp.int32)}, True)):
         stateful = stackwise.stack(lambda k, s=state: (init(k), s), counting, 3, with_state=True)
+
         def loss(p, s=state, layers=stateful):
             return layers.apply(p, s, x)[0].sum()
 
