@@ -9,7 +9,8 @@
 # PARTs: main (the README's main command, as a new user runs it), decode (benchmarks/
 # tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
 # program's facts), decode48 (the same at n=48, one size), profile (a jax.profiler trace of the loop and the scanned decode at one
-# size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24), tier
+# size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24),
+# bench-decode-sizes (the same block's loops, unrolled Stacks and serving layout at other sizes), tier
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
 # dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min),
@@ -61,6 +62,20 @@ for what in "$@"; do
         # BENCH_DECODE_N sets the depths, default 24)
         part bench-decode ${BENCH_DECODE_SECONDS:-240} python3 -P -m stackwise.bench --blocks decode --decode-n ${BENCH_DECODE_N:-24} \
             --rounds 5 --csv '' --plot '' --no-progress --markdown "$out/bench_decode.md" ;;
+    bench-decode-sizes)
+        # the bench's decode block beyond its default size: each entry N:D:T:B:H of
+        # BENCH_DECODE_SIZES (depth, width, cache positions, batch, heads) a part of its own,
+        # BENCH_DECODE_SECONDS each, the rows BENCH_DECODE_VARIANTS (default: the loops, the
+        # unrolled Stacks and the serving layout). The bench holds every selected variant's
+        # params and cache at once (11 rows here): each default size keeps that under 9 GB
+        # (at 24:1024:2048:8 eleven 3.6-GB states did not fit a v5e's 15.7 GiB)
+        for size in ${BENCH_DECODE_SIZES:-24:1024:1024:2:8 48:512:1024:2:8 24:256:8192:1:4}; do
+            IFS=: read -r n d t b h <<< "$size"
+            part "bench-decode-$n-$d-$t-$b" ${BENCH_DECODE_SECONDS:-150} python3 -P -m stackwise.bench \
+                --blocks decode --decode-n "$n" --decode-shape "$d:$t:$b" --decode-heads "$h" \
+                --variants "${BENCH_DECODE_VARIANTS:-loop,unroll,serving}" --rounds 5 --csv '' \
+                --plot '' --no-progress --markdown "$out/bench_decode_$n-$d-$t-$b.md"
+        done ;;
     tier)
         (cd /tmp && PYTEST_ADDOPTS="--durations=120" \
             STACKWISE_TPU_TIER_SECONDS=${STACKWISE_TPU_TIER_SECONDS:-450} \
@@ -129,7 +144,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, bench-decode-sizes, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done

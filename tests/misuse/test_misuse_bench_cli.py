@@ -122,3 +122,23 @@ def test_a_variant_that_failed_makes_the_exit_status_1_and_the_rest_is_written(
     code = stackwise.bench.main(["--quick", "--csv", str(csv), "--plot", "", "--no-progress"])
     assert code == 1 and csv.is_file()
     assert "1 variant(s) failed and were left out" in capsys.readouterr().err
+
+
+def test_a_variant_out_of_device_memory_is_told_to_select_fewer(monkeypatch):
+    """Every variant of a depth is held at once (their steps are timed in turns): a variant
+    that finds the device full is skipped with a note that says so and how to fit."""
+    built = measure._build
+
+    def build(case, n):
+        if case.name == "stackwise default":
+            raise RuntimeError("RESOURCE_EXHAUSTED: E0100: RuntimeBufferAllocationFailure:")
+        return built(case, n)
+
+    monkeypatch.setattr(measure, "_build", build)
+    results, notes = run_benchmark(BenchConfig.quick(blocks=("mlp",), ns=(2,), variants=(
+        "stackwise default", "lax.scan (hand)")), progress=False, log=lambda _: None)
+    assert [r.variant for r in results] == ["lax.scan (hand)"]  # the other, measured
+    (note,) = [note for note in notes if measure.FAILED in note]
+    assert note.startswith("mlp/stackwise default n=2: failed, skipped (RuntimeError: "
+                           "RESOURCE_EXHAUSTED")
+    assert "out of device memory" in note and "select fewer with --variants" in note
