@@ -37,7 +37,11 @@ class Stacked(NamedTuple):
         steps, where a step's speed matters more than its compile time (which
         grows with ``n``): on a TPU v5e a decode step takes 1.01-1.09x the
         loop's where the scanned ``apply`` takes 1.4-6x
-        (benchmarks/results/tpu_decode.md); on the CPU the two are close.
+        (benchmarks/results/tpu_decode.md). On the CPU it is slower than both
+        (1.4x the loop at D=256, 4.4x at D=1024: XLA:CPU copies each layer's
+        weights out of the stacked params); serve from
+        :func:`stackwise.to_serving`'s per-layer buffers there
+        (benchmarks/results/decode_serving.md).
         Its values and gradients are ``apply``'s.
 
     A decode step with a stacked KV cache, donated: ``decode`` gives ``apply``'s
