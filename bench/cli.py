@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stackwise.bench import workloads
-from stackwise.bench.config import BenchConfig
+from stackwise.bench.config import DEC_DTYPES, BenchConfig
 
 __all__ = ["main", "parser"]
 
@@ -44,6 +44,7 @@ examples:
   stackwise-bench --blocks transformer --transformer-n 48 --compile-repeats 7 --rounds 21
   stackwise-bench --blocks decode,prefill --decode-n 24,48 --prefill-n 24,48 --rounds 21
   stackwise-bench --blocks decode --decode-shape 1024:2048:8 --decode-heads 8
+  stackwise-bench --blocks decode --decode-dtype bfloat16
   stackwise-bench --blocks pattern --compile-repeats 3   the pattern [a, a, b] at n=6,26,60"""
 
 
@@ -126,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
                       f"{defaults.dec_cache}:{defaults.dec_batch})")
     what.add_argument("--decode-heads", type=_positive, default=None, metavar="H",
                       help=f"its heads, dividing D (default {defaults.dec_heads})")
+    what.add_argument("--decode-dtype", choices=DEC_DTYPES, default=None,
+                      help="the dtype of its params, cache and tokens, in which it computes "
+                      f"(default {defaults.dec_dtype})")
     what.add_argument("--variants", type=_names, default=(), metavar="TEXT[,TEXT...]",
                       help="run only the variants whose name contains one of these, or whose "
                       f"framework ({', '.join(workloads.frameworks())}) is one: e.g. 'haiku' or "
@@ -173,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.update(zip(("dec_d", "dec_cache", "dec_batch"), args.decode_shape))
     if args.decode_heads is not None:
         overrides["dec_heads"] = args.decode_heads
+    if args.decode_dtype is not None:
+        overrides["dec_dtype"] = args.decode_dtype
     _check(p, args)
     cfg = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
     _check_blocks(p, args, cfg)
@@ -280,8 +286,9 @@ def _check_plot_format(p: argparse.ArgumentParser, path: str) -> None:
 def _check_blocks(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: BenchConfig):
     """Each depth flag given belongs to a block that runs, at depths its rows accept; the
     decode blocks' sizes, given, fit them."""
-    for flag, given in (("--decode-shape", args.decode_shape), ("--decode-heads",
-                                                                 args.decode_heads)):
+    for flag, given in (("--decode-shape", args.decode_shape),
+                        ("--decode-heads", args.decode_heads),
+                        ("--decode-dtype", args.decode_dtype)):
         if given is not None and not {"decode", "prefill"} & set(cfg.blocks):
             shown = ":".join(map(str, given)) if flag == "--decode-shape" else given
             p.error(f"{flag} {shown}: neither the decode nor the prefill block is run "

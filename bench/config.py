@@ -6,6 +6,9 @@ import dataclasses
 import math
 from typing import Any
 
+#: The dtypes the decode and prefill blocks run in (:attr:`BenchConfig.dec_dtype`).
+DEC_DTYPES = ("float32", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -25,6 +28,9 @@ class BenchConfig:
         ``prefill`` blocks and its KV cache (``dec_cache`` positions per layer).
       dec_prompt: the prompt's length: ``prefill`` writes that many tokens in one call,
         ``decode`` one token at that position.
+      dec_dtype: the ``decode`` and ``prefill`` blocks' floating dtype (:data:`DEC_DTYPES`):
+        every row's params, cache and tokens are made in float32 and cast to it, so a
+        layer computes in it.
       pattern_hidden: the hidden size of the ``pattern`` block's ``b`` blocks.
       rounds: timed rounds per depth (each times every variant once).
       compile_repeats: cold compiles per variant and depth (the fastest is reported).
@@ -58,6 +64,7 @@ class BenchConfig:
     dec_batch: int = 8
     dec_cache: int = 512
     dec_prompt: int = 64
+    dec_dtype: str = "float32"
     pattern_hidden: int = 1024
     rounds: int = 7
     compile_repeats: int = 1

@@ -35,7 +35,7 @@ import jax
 
 from stackwise.bench import workloads
 from stackwise.bench.barriers import optimization_barrier_bytes
-from stackwise.bench.config import BenchConfig, Result
+from stackwise.bench.config import DEC_DTYPES, BenchConfig, Result
 from stackwise.bench.programs import (
     instructions_unlike,
     program_fingerprint,
@@ -102,6 +102,9 @@ def plan(cfg: BenchConfig, notes: list[str]) -> list[tuple[str, list[Case], tupl
     that lists the variants there are if nothing at all is selected or a ``cfg.variants``
     entry selects nothing, and one for depths a block's rows do not accept.
     """
+    if cfg.dec_dtype not in DEC_DTYPES:
+        raise ValueError(f"dec_dtype={cfg.dec_dtype!r}: the decode and prefill blocks run in "
+                         f"{' or '.join(DEC_DTYPES)}; give one of them.")
     out, every = [], []
     for block in cfg.blocks:
         entry = workloads.BLOCKS[block]

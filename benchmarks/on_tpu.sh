@@ -66,7 +66,8 @@ for what in "$@"; do
         # the bench's decode block beyond its default size: each entry N:D:T:B:H of
         # BENCH_DECODE_SIZES (depth, width, cache positions, batch, heads) a part of its own,
         # BENCH_DECODE_SECONDS each, the rows BENCH_DECODE_VARIANTS (default: the loops, the
-        # unrolled Stacks and the serving layout). The bench holds every selected variant's
+        # unrolled Stacks and the serving layout), in BENCH_DECODE_DTYPE (default float32;
+        # bfloat16: params, cache and tokens cast to it). The bench holds every selected variant's
         # params and cache at once (11 rows here): each default size keeps that under 9 GB
         # (at 24:1024:2048:8 eleven 3.6-GB states did not fit a v5e's 15.7 GiB). A size took
         # 227-281 s on a v5e (7-11 rows, tpu_decode.md's sixth run): one or two sizes a call
@@ -74,6 +75,7 @@ for what in "$@"; do
             IFS=: read -r n d t b h <<< "$size"
             part "bench-decode-$n-$d-$t-$b" ${BENCH_DECODE_SECONDS:-330} python3 -P -m stackwise.bench \
                 --blocks decode --decode-n "$n" --decode-shape "$d:$t:$b" --decode-heads "$h" \
+                --decode-dtype "${BENCH_DECODE_DTYPE:-float32}" \
                 --variants "${BENCH_DECODE_VARIANTS:-loop,unroll,serving}" --rounds 5 --csv '' \
                 --plot '' --no-progress --markdown "$out/bench_decode_$n-$d-$t-$b.md"
         done ;;

@@ -86,7 +86,7 @@ class Block(NamedTuple):
 # The decode and prefill blocks: one layer and one harness, fed one token or a whole prompt.
 _CACHED_ATTENTION = (
     "attention layer over a KV cache of {dec_cache} positions: D={dec_d}, heads={dec_heads}, "
-    "batch={dec_batch}; jit(step) with the cache donated"
+    "batch={dec_batch}, {dec_dtype}; jit(step) with the cache donated"
 )
 _DECODING = dict(modules=("core", "haiku", "flax", "nnx", "equinox"), grad=False, state=True)
 
@@ -169,6 +169,10 @@ def cases(block: str, cfg: BenchConfig, notes: list[str]) -> list[Case]:
             notes.append(f"{why}; the {name} rows of the {block} block are skipped.")
             continue
         out += getattr(module, block)(cfg, notes)
+    if BLOCKS[block].state and cfg.dec_dtype != "float32":
+        from stackwise.bench.workloads.common import in_dtype
+
+        out = [case._replace(build=in_dtype(case.build, cfg.dec_dtype)) for case in out]
     return out
 
 

@@ -128,6 +128,26 @@ def device(tree: Any) -> Any:
     return jax.tree.map(jax.device_put, tree)
 
 
+def in_dtype(build: Build, dtype: str) -> Build:
+    """``build`` of a block with state, its floating params, state and input cast to
+    ``dtype`` (in numpy: no compile), so that every layer computes in it."""
+    target = np.dtype(jnp.dtype(dtype))
+
+    def cast(tree: Any) -> Any:
+        def one(a):
+            if not jnp.issubdtype(a.dtype, jnp.floating):
+                return a
+            return jax.device_put(np.asarray(a).astype(target))
+
+        return jax.tree.map(one, tree)
+
+    def built(n: int) -> tuple:
+        params, state, x, step = build(n)
+        return cast(params), cast(state), cast(x), step
+
+    return built
+
+
 def unstack(stacked: Any) -> list[Any]:
     """Per-layer params, as separate device arrays, sliced in numpy (no compiles)."""
     host = jax.tree.map(np.asarray, stacked)

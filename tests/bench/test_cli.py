@@ -61,21 +61,24 @@ def test_help_says_where_the_outputs_go(capsys):
 
 
 @pytest.mark.parametrize(("argv", "sizes"), [
-    ([], (256, 512, 8, 4)),
-    (["--decode-shape", "1024:2048:16", "--decode-heads", "8"], (1024, 2048, 16, 8)),
-    (["--decode-heads", "2"], (256, 512, 8, 2)),
-    (["--quick", "--blocks", "prefill", "--decode-shape", "32:8:2"], (32, 8, 2, 2)),
+    ([], (256, 512, 8, 4, "float32")),
+    (["--decode-shape", "1024:2048:16", "--decode-heads", "8"], (1024, 2048, 16, 8, "float32")),
+    (["--decode-heads", "2"], (256, 512, 8, 2, "float32")),
+    (["--quick", "--blocks", "prefill", "--decode-shape", "32:8:2"], (32, 8, 2, 2, "float32")),
+    (["--decode-dtype", "bfloat16"], (256, 512, 8, 4, "bfloat16")),
 ])
 def test_decode_shape_and_heads_size_the_decode_blocks(monkeypatch, argv, sizes):
-    """The sizes reach the run's config (and so the blocks' caches and table titles)."""
+    """The sizes and dtype reach the run's config (and so the blocks' caches and table
+    titles)."""
     seen = []
     monkeypatch.setattr("stackwise.bench.measure.run_benchmark",
                         lambda cfg, **_: seen.append(cfg) or ([], []))
     argv = ["--blocks", "decode", *argv] if "--blocks" not in argv else argv
     assert stackwise.bench.main([*argv, "--csv", "", "--plot", "", "--no-progress"]) == 1
     (cfg,) = seen
-    assert (cfg.dec_d, cfg.dec_cache, cfg.dec_batch, cfg.dec_heads) == sizes
-    assert f"D={sizes[0]}, heads={sizes[3]}, batch={sizes[2]}" in workloads.title("decode", cfg)
+    assert (cfg.dec_d, cfg.dec_cache, cfg.dec_batch, cfg.dec_heads, cfg.dec_dtype) == sizes
+    assert (f"D={sizes[0]}, heads={sizes[3]}, batch={sizes[2]}, {sizes[4]}"
+            in workloads.title("decode", cfg))
 
 
 @pytest.mark.slow

@@ -3,9 +3,11 @@ happens when a framework or an adapter is missing, and that the rows of the deco
 and pattern blocks compute what their Python loops compute (so that the benchmark measures
 correct programs)."""
 
+import dataclasses
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _tolerance import assert_close, compare, reassociation_bound
@@ -89,46 +91,54 @@ def _layer_caches(state):
     return out
 
 
-def _assert_same_caches(state, reference, name):
+def _assert_same_caches(state, reference, name, bound=DECODE_BOUND):
     """Each of the loop's per-layer caches is in the row's state, once (the layouts differ:
-    a list of layers, a dict of modules, stacked leaves)."""
+    a list of layers, a dict of modules, stacked leaves), within ``bound``."""
     left = _layer_caches(state)
     expected = _layer_caches(reference)
     assert len(left) == len(expected), (name, len(left), len(expected))
     for i, want in enumerate(expected):
         found = [j for j, got in enumerate(left) if np.shape(got) == np.shape(want)
-                 and compare(got, want)["in_eps"] <= DECODE_BOUND]
+                 and compare(got, want)["in_eps"] <= bound]
         assert found, f"{name}: the loop's cache array {i} is not in the row's state"
         del left[found[0]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", ["decode", "prefill"])
-def test_decoding_rows_compute_what_their_loop_computes(block):
+@pytest.mark.parametrize("block,dtype", [("decode", "float32"), ("prefill", "float32"),
+                                         ("decode", "bfloat16")])
+def test_decoding_rows_compute_what_their_loop_computes(block, dtype):
     """Each row's jitted step (the cache donated, as measured) gives its loop's outputs
-    and updated caches, over steps that read what earlier steps wrote."""
+    and updated caches, over steps that read what earlier steps wrote; in bfloat16
+    (``--decode-dtype``) every row computes in it, within the same bound in its epsilon."""
     n, steps = 3, 3 if block == "decode" else 1  # decode: positions pos, pos + 1, pos + 2
-    more = [np.random.default_rng(t).standard_normal((CFG.dec_batch, 1, CFG.dec_d), np.float32)
-            for t in range(1, steps)]  # the tokens after the first
+    cfg = dataclasses.replace(CFG, dec_dtype=dtype)
+    more = [np.random.default_rng(t).standard_normal((cfg.dec_batch, 1, cfg.dec_d), np.float32)
+            .astype(jnp.dtype(dtype)) for t in range(1, steps)]  # the tokens after the first
+    bound = DECODE_BOUND * float(jnp.finfo(dtype).eps / jnp.finfo(jnp.float32).eps)
     notes = []
-    cases = workloads.cases(block, CFG, notes)
+    cases = workloads.cases(block, cfg, notes)
     assert not [note for note in notes if "skipped" in note and "stackwise" in note], notes
     for framework, rows in _by_framework(cases).items():
         outputs = {}
         for case in rows:
             params, state, x, step = case.build(n)
+            floats = [a.dtype for a in jax.tree.leaves((params, state, x))
+                      if jnp.issubdtype(a.dtype, jnp.floating)]
+            assert set(floats) == {jnp.dtype(dtype)}, (case.name, set(floats))
             h, pos = x
             step = jax.jit(step, donate_argnums=1)
             ys = []
             for t, tokens in enumerate([h, *more]):
                 y, state = step(params, state, (tokens, pos + t))
-                ys.append(np.asarray(y))
-            outputs[case.name] = ys, state
+                assert y.dtype == jnp.dtype(dtype), (case.name, y.dtype)
+                ys.append(np.asarray(y, np.float32))
+            outputs[case.name] = ys, jax.tree.map(lambda a: np.asarray(a, np.float32), state)
         ref_ys, ref_state = outputs[rows[0].name]
         for name, (ys, state) in outputs.items():
             for t, (y, want) in enumerate(zip(ys, ref_ys)):
-                assert_close(y, want, DECODE_BOUND, what=f"{name}, step {t}")
-            _assert_same_caches(state, ref_state, f"{framework}: {name}")
+                assert_close(y, want, bound, what=f"{name}, step {t}")
+            _assert_same_caches(state, ref_state, f"{framework}: {name}", bound)
 
 
 @pytest.mark.slow

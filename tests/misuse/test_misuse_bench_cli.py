@@ -40,6 +40,10 @@ CASES = [
     (["--blocks", "mlp", "--decode-shape", "512:1024:8"], "--decode-shape",
      "neither the decode nor the prefill block is run (--blocks mlp)"),
     (["--blocks", "mlp", "--decode-heads", "8"], "--decode-heads", "neither the decode"),
+    (["--decode-dtype", "float16"], "--decode-dtype",
+     "invalid choice: 'float16'"),  # (argparse lists the choices, quoted or not by version)
+    (["--blocks", "mlp", "--decode-dtype", "bfloat16"], "--decode-dtype",
+     "--decode-dtype bfloat16: neither the decode nor the prefill block is run"),
     (["--blocks", "decode", "--decode-shape", "100:1024:8", "--decode-heads", "8"],
      "--decode-heads", "8 heads do not divide D=100"),
     (["--blocks", "prefill", "--decode-shape", "102:1024:8"], "--decode-shape",
@@ -110,6 +114,12 @@ def test_depths_a_block_does_not_accept_are_refused_by_the_library_too():
     need = r"pattern_ns=\(2,\): the pattern block's rows need n >= 3"
     with pytest.raises(ValueError, match=need):
         run_benchmark(BenchConfig.quick(blocks=("pattern",), pattern_ns=(2,)), progress=False)
+
+
+def test_a_decode_dtype_the_blocks_do_not_run_in_is_refused_by_the_library():
+    with pytest.raises(ValueError, match=r"dec_dtype='float16': the decode and prefill blocks "
+                       r"run in float32 or bfloat16"):
+        run_benchmark(BenchConfig.quick(blocks=("decode",), dec_dtype="float16"), progress=False)
 
 
 def test_a_variant_that_failed_makes_the_exit_status_1_and_the_rest_is_written(
