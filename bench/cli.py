@@ -45,6 +45,7 @@ examples:
   stackwise-bench --blocks decode,prefill --decode-n 24,48 --prefill-n 24,48 --rounds 21
   stackwise-bench --blocks decode --decode-shape 1024:2048:8 --decode-heads 8
   stackwise-bench --blocks decode --decode-dtype bfloat16
+  stackwise-bench --blocks decode --decode-shape 2048:8192:1 --decode-heads 16 --one-at-a-time
   stackwise-bench --blocks pattern --compile-repeats 3   the pattern [a, a, b] at n=6,26,60"""
 
 
@@ -139,6 +140,11 @@ def parser() -> argparse.ArgumentParser:
                      help="timed rounds per depth; the step time is their median (default 7)")
     how.add_argument("--compile-repeats", type=_positive, default=None, metavar="K",
                      help="cold compiles per variant and depth; the fastest is shown (default 1)")
+    how.add_argument("--one-at-a-time", action="store_true",
+                     help="measure each variant alone, built, compiled, timed and freed before "
+                     "the next, so the device holds one variant's params and state at a time "
+                     "(for sizes where all of a depth's variants do not fit together; their "
+                     "rounds are then not interleaved)")
     how.add_argument("--seed", type=int, default=0,
                      help=f"seed of params, inputs and orders, 0 to {MAX_SEED} (default 0)")
     out = p.add_argument_group("outputs")
@@ -164,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     p = parser()
     args = p.parse_args(argv)
-    overrides: dict[str, Any] = {"seed": args.seed, "variants": args.variants}
+    overrides: dict[str, Any] = {"seed": args.seed, "variants": args.variants,
+                                 "one_at_a_time": args.one_at_a_time}
     if args.blocks is not None:
         overrides["blocks"] = tuple(dict.fromkeys(args.blocks))
     for block, entry in workloads.BLOCKS.items():

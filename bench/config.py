@@ -35,6 +35,10 @@ class BenchConfig:
       rounds: timed rounds per depth (each times every variant once).
       compile_repeats: cold compiles per variant and depth (the fastest is reported).
       warmup: compile every variant once at a tiny depth first (not recorded).
+      one_at_a_time: measure the variants of a depth one after another, each built,
+        compiled, timed and freed before the next is built, so that the device holds one
+        variant's params and state at a time (for sizes where a depth's variants do not
+        fit together); its rounds are then not interleaved with the other variants'.
       variants: run only the variants whose name contains one of these strings, or whose
         framework (``jax``, ``haiku``, ``flax``, ``nnx``) is one of them (empty: all).
       seed: the PRNG seed of params and inputs, and of the measuring order.
@@ -69,6 +73,7 @@ class BenchConfig:
     rounds: int = 7
     compile_repeats: int = 1
     warmup: bool = True
+    one_at_a_time: bool = False
     variants: tuple[str, ...] = ()
     seed: int = 0
     smoke: bool = False

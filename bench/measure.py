@@ -18,6 +18,9 @@ For every depth n of a block, every variant is
 
 With ``warmup``, every variant is first compiled and run once at a tiny depth (not
 recorded), so one-time costs (imports, a framework's first trace) are charged to nobody.
+With ``one_at_a_time``, steps 1-3 run for one variant after another (its compiles, then its
+rounds), and its params, state and program are freed before the next is built: the device
+holds one variant at a time, and the rounds are no longer interleaved.
 A variant that fails is dropped with a note; the rest go on.
 """
 
@@ -76,8 +79,10 @@ def run_benchmark(
     blocks = plan(cfg, notes)
     for note in notes:
         log(f"note: {note}")
-    total = sum(
-        len(cases) * cfg.warmup + len(ns) * (len(cases) * cfg.compile_repeats + cfg.rounds + 1)
+    total = sum(  # (one at a time: each variant's own rounds; else rounds of all at once)
+        len(cases) * cfg.warmup + len(ns) * (len(cases) * cfg.compile_repeats
+                                             + (len(cases) if cfg.one_at_a_time else 1)
+                                             * (cfg.rounds + 1))
         for _, cases, ns in blocks
     )
     bar = _Progress(total, progress)
@@ -198,18 +203,32 @@ class _BlockRun:
         for n in ns:
             rows = {c.name: Result(self.block, n, c.framework, c.name, c.remat, tool=c.tool)
                     for c in working}
-            built = {}
-            for case in working:
-                self.bar.describe(f"{self.block} n={n}: build {case.name}")
-                try:
-                    built[case.name] = _build(case, n)
-                except Exception as e:  # noqa: BLE001 - a broken variant is reported, not fatal
-                    self.failed(f"{case.name} n={n}", e)
-            compiled = self.compile(rows, built, n)
-            self.time_steps(rows, compiled, n)
+            programs: dict[str, list[str]] = {}
+            measured = []
+            for group in ([[c] for c in working] if self.cfg.one_at_a_time else [working]):
+                compiled = self.compile(rows, self.build(group, n), n, programs)
+                self.time_steps(rows, compiled, n)
+                measured += compiled
+                del compiled  # (one at a time: its params, state and program go before the next)
+                gc.collect()
+            for row in rows.values():
+                if row.variant in programs and row.tool in programs:
+                    row.ops_unlike_tool = instructions_unlike(programs[row.variant],
+                                                              programs[row.tool])
             if not sys.stderr.isatty():  # no live progress bar: say where we are
-                self.log(f"{self.block} n={n}: measured {len(compiled)} variants")
-            results += [rows[c.name] for c in working if c.name in compiled]  # cases' order
+                self.log(f"{self.block} n={n}: measured {len(measured)} variants")
+            results += [rows[c.name] for c in working if c.name in measured]  # cases' order
+
+    def build(self, cases: list[Case], n: int) -> dict[str, tuple]:
+        """Each case's ``(params, ..., step)`` at depth ``n``; a case that fails is noted."""
+        built = {}
+        for case in cases:
+            self.bar.describe(f"{self.block} n={n}: build {case.name}")
+            try:
+                built[case.name] = _build(case, n)
+            except Exception as e:  # noqa: BLE001 - a broken variant is reported, not fatal
+                self.failed(f"{case.name} n={n}", e)
+        return built
 
     def warm_up(self, cases: list[Case], n: int) -> list[Case]:
         """Each case once at depth ``n``, not recorded; the ones that work."""
@@ -225,9 +244,12 @@ class _BlockRun:
             self.bar.advance()
         return working
 
-    def compile(self, rows: dict[str, Result], built: dict, n: int) -> dict[str, _Compiled]:
-        """The cold compiles, shuffled per repeat; records each program on its first."""
-        compiled, programs = {}, {}
+    def compile(
+        self, rows: dict[str, Result], built: dict, n: int, programs: dict[str, list[str]]
+    ) -> dict[str, _Compiled]:
+        """The cold compiles, shuffled per repeat; records each program on its first (its
+        instructions into ``programs``)."""
+        compiled = {}
         for repeat in range(self.cfg.compile_repeats):
             for name in _shuffled(list(built), self.cfg.seed, repeat):
                 self.bar.describe(f"{self.block} n={n}: compile {name}")
@@ -249,9 +271,6 @@ class _BlockRun:
                     programs[name] = _record_program(row, c, lowered)
                 compiled[name] = c
                 self.bar.advance()
-        for name, row in rows.items():
-            if name in programs and row.tool in programs:
-                row.ops_unlike_tool = instructions_unlike(programs[name], programs[row.tool])
         return compiled
 
     def time_steps(self, rows: dict[str, Result], compiled: dict[str, _Compiled], n: int):

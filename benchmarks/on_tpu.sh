@@ -70,12 +70,14 @@ for what in "$@"; do
         # bfloat16: params, cache and tokens cast to it). The bench holds every selected variant's
         # params and cache at once (11 rows here): each default size keeps that under 9 GB
         # (at 24:1024:2048:8 eleven 3.6-GB states did not fit a v5e's 15.7 GiB). A size took
-        # 227-281 s on a v5e (7-11 rows, tpu_decode.md's sixth run): one or two sizes a call
+        # 227-281 s on a v5e (7-11 rows, tpu_decode.md's sixth run): one or two sizes a call.
+        # BENCH_DECODE_ALONE=1 measures one variant at a time (--one-at-a-time): sizes whose
+        # states do not fit together, e.g. 24:2048:8192:1:16
         for size in ${BENCH_DECODE_SIZES:-24:1024:1024:2:8 48:512:1024:2:8 24:256:8192:1:4}; do
             IFS=: read -r n d t b h <<< "$size"
             part "bench-decode-$n-$d-$t-$b" ${BENCH_DECODE_SECONDS:-330} python3 -P -m stackwise.bench \
                 --blocks decode --decode-n "$n" --decode-shape "$d:$t:$b" --decode-heads "$h" \
-                --decode-dtype "${BENCH_DECODE_DTYPE:-float32}" \
+                --decode-dtype "${BENCH_DECODE_DTYPE:-float32}" ${BENCH_DECODE_ALONE:+--one-at-a-time} \
                 --variants "${BENCH_DECODE_VARIANTS:-loop,unroll,serving}" --rounds 5 --csv '' \
                 --plot '' --no-progress --markdown "$out/bench_decode_$n-$d-$t-$b.md"
         done ;;

@@ -126,12 +126,16 @@ BLOCKS: dict[str, Block] = {
 
 
 def title(block: str, cfg: BenchConfig) -> str:
-    """The block's title with ``cfg``'s sizes.
+    """The block's title with ``cfg``'s sizes (and how it was measured, if one variant at a
+    time).
 
     >>> title("mlp", BenchConfig())
     'mlp block h + gelu(h @ w1) @ w2: D=256, hidden=512, batch=64; jit(grad(mean(y**2)))'
     """
-    return BLOCKS[block].title.format(**dataclasses.asdict(cfg))
+    text = BLOCKS[block].title.format(**dataclasses.asdict(cfg))
+    if cfg.one_at_a_time:
+        text += "; one variant at a time (its rounds not interleaved with the others')"
+    return text
 
 
 def depths(block: str, cfg: BenchConfig) -> tuple[int, ...]:

@@ -150,3 +150,41 @@ def test_an_interrupt_reports_the_depths_measured_before_it(tmp_path, capsys, mo
     with csv_path.open(newline="") as f:
         assert {int(r["n"]) for r in csv.DictReader(f)} == {2}
     assert "exit status 130" in err
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["one at a time", "together"])
+def test_one_at_a_time_holds_one_variant_and_still_gives_every_ratio(monkeypatch, one_at_a_time):
+    """--one-at-a-time: each variant is built, compiled and timed before the next is built
+    (the device holds one variant's params and state); by default every variant of a depth
+    is built before any is timed (their rounds interleave). Both give every row its ratios."""
+    from stackwise.bench import measure
+
+    events, names = [], {}
+    built, timed = measure._build, measure._time_call
+
+    def build(case, n):
+        made = built(case, n)
+        names[id(made[0])] = case.name
+        events.append(("build", case.name))
+        return made
+
+    def time_call(c):
+        events.append(("time", names[id(c.params)]))
+        return timed(c)
+
+    monkeypatch.setattr(measure, "_build", build)
+    monkeypatch.setattr(measure, "_time_call", time_call)
+    variants = ("loop (separate", "stackwise unroll", "serving")
+    results, notes = measure.run_benchmark(BenchConfig.quick(
+        blocks=("decode",), variants=variants, one_at_a_time=one_at_a_time), progress=False,
+        log=lambda _: None)
+    assert not notes and len(results) == 3
+    cfg = BenchConfig.quick(blocks=("decode",), one_at_a_time=one_at_a_time)
+    assert ("one variant at a time" in workloads.title("decode", cfg)) == one_at_a_time
+    assert all(r.step_vs_loop > 0 and r.compile_vs_loop > 0 for r in results)
+    order = [name for _, name in events]
+    runs = [name for i, name in enumerate(order) if i == 0 or name != order[i - 1]]
+    if one_at_a_time:  # each variant's build and calls together, never interleaved
+        assert len(runs) == 3 and set(runs) == {r.variant for r in results}, runs
+    else:  # all built, then the calls of every variant in turns
+        assert [kind for kind, _ in events[:3]] == ["build"] * 3 and len(runs) > 3

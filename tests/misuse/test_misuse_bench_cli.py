@@ -44,6 +44,7 @@ CASES = [
      "invalid choice: 'float16'"),  # (argparse lists the choices, quoted or not by version)
     (["--blocks", "mlp", "--decode-dtype", "bfloat16"], "--decode-dtype",
      "--decode-dtype bfloat16: neither the decode nor the prefill block is run"),
+    (["--one-at-a-time=yes"], "--one-at-a-time", "ignored explicit argument 'yes'"),
     (["--blocks", "decode", "--decode-shape", "100:1024:8", "--decode-heads", "8"],
      "--decode-heads", "8 heads do not divide D=100"),
     (["--blocks", "prefill", "--decode-shape", "102:1024:8"], "--decode-shape",
