@@ -135,9 +135,11 @@ def test_a_variant_that_failed_makes_the_exit_status_1_and_the_rest_is_written(
     assert "1 variant(s) failed and were left out" in capsys.readouterr().err
 
 
-def test_a_variant_out_of_device_memory_is_told_to_select_fewer(monkeypatch):
+@pytest.mark.parametrize("one_at_a_time", [False, True], ids=["together", "one at a time"])
+def test_a_variant_out_of_device_memory_is_told_to_select_fewer(monkeypatch, one_at_a_time):
     """Every variant of a depth is held at once (their steps are timed in turns): a variant
-    that finds the device full is skipped with a note that says so and how to fit."""
+    that finds the device full is skipped with a note that says so and how to fit; measured
+    one at a time, that it does not fit alone."""
     built = measure._build
 
     def build(case, n):
@@ -147,9 +149,14 @@ def test_a_variant_out_of_device_memory_is_told_to_select_fewer(monkeypatch):
 
     monkeypatch.setattr(measure, "_build", build)
     results, notes = run_benchmark(BenchConfig.quick(blocks=("mlp",), ns=(2,), variants=(
-        "stackwise default", "lax.scan (hand)")), progress=False, log=lambda _: None)
+        "stackwise default", "lax.scan (hand)"), one_at_a_time=one_at_a_time), progress=False,
+        log=lambda _: None)
     assert [r.variant for r in results] == ["lax.scan (hand)"]  # the other, measured
     (note,) = [note for note in notes if measure.FAILED in note]
     assert note.startswith("mlp/stackwise default n=2: failed, skipped (RuntimeError: "
                            "RESOURCE_EXHAUSTED")
-    assert "out of device memory" in note and "select fewer with --variants" in note
+    if one_at_a_time:
+        assert note.endswith("out of device memory with this variant alone: give smaller sizes")
+    else:
+        assert "out of device memory" in note and "select fewer with --variants" in note
+        assert "--one-at-a-time" in note
