@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     failed = [note for note in notes if FAILED in note]
     if args.csv:
-        write_csv(results, args.csv)
+        write_csv(results, args.csv, cfg)
         print(f"wrote {os.path.abspath(args.csv)}")
     if args.plot:
         note = write_plot(results, args.plot)

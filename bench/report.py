@@ -220,17 +220,21 @@ _FIELDS = [f.name for f in dataclasses.fields(Result)]
 _SAMPLES = ("compile_samples", "step_samples")  # written as space-separated seconds
 
 
-def write_csv(results: Sequence[Result], path: str) -> None:
-    """Writes one row per result, with the jax version, the machine and the backend on each."""
+def write_csv(results: Sequence[Result], path: str, cfg: BenchConfig | None = None) -> None:
+    """Writes one row per result, with the jax version, the machine and the backend on each,
+    and, given the run's ``cfg``, its block's title (the sizes and dtype it ran at, as the
+    tables' titles say them)."""
     where, measured_on = machine(), backend()
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*_FIELDS, "jax", "machine", "backend"])
+        writer = csv.DictWriter(f, fieldnames=[*_FIELDS, "jax", "machine", "backend",
+                                               "block_title"])
         writer.writeheader()
         for r in results:
             row = dataclasses.asdict(r)
             row.update({k: " ".join(f"{v:.6g}" for v in row[k]) for k in _SAMPLES})
             writer.writerow({**row, "jax": jax.__version__, "machine": where,
-                             "backend": measured_on})
+                             "backend": measured_on,
+                             "block_title": workloads.title(r.block, cfg) if cfg else ""})
 
 
 def read_csv(path: str) -> list[Result]:

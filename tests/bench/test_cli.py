@@ -148,7 +148,10 @@ def test_an_interrupt_reports_the_depths_measured_before_it(tmp_path, capsys, mo
         assert not csv_path.exists() and "before a depth was measured" in err
         return
     with csv_path.open(newline="") as f:
-        assert {int(r["n"]) for r in csv.DictReader(f)} == {2}
+        rows = list(csv.DictReader(f))
+    assert {int(r["n"]) for r in rows} == {2}
+    # each row says its block's sizes (and the decode blocks' dtype), as the tables' titles do
+    assert {r["block_title"] for r in rows} == {workloads.title("mlp", BenchConfig.quick())}
     assert "exit status 130" in err
 
 
