@@ -177,7 +177,7 @@ def test_one_at_a_time_holds_one_variant_and_still_gives_every_ratio(monkeypatch
 
     monkeypatch.setattr(measure, "_build", build)
     monkeypatch.setattr(measure, "_time_call", time_call)
-    variants = ("loop (separate", "stackwise unroll", "serving")
+    variants = ("loop (separate", "lax.scan (hand)", "serving")
     results, notes = measure.run_benchmark(BenchConfig.quick(
         blocks=("decode",), variants=variants, one_at_a_time=one_at_a_time), progress=False,
         log=lambda _: None)
