@@ -134,12 +134,9 @@ def in_dtype(build: Build, dtype: str) -> Build:
     target = np.dtype(jnp.dtype(dtype))
 
     def cast(tree: Any) -> Any:
-        def one(a):
-            if not jnp.issubdtype(a.dtype, jnp.floating):
-                return a
-            return jax.device_put(np.asarray(a).astype(target))
-
-        return jax.tree.map(one, tree)
+        return device(jax.tree.map(
+            lambda a: np.asarray(a).astype(target) if jnp.issubdtype(a.dtype, jnp.floating)
+            else a, tree))
 
     def built(n: int) -> tuple:
         params, state, x, step = build(n)
