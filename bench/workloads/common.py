@@ -130,17 +130,31 @@ def device(tree: Any) -> Any:
 
 def in_dtype(build: Build, dtype: str) -> Build:
     """``build`` of a block with state, its floating params, state and input cast to
-    ``dtype`` (in numpy: no compile), so that every layer computes in it."""
-    target = np.dtype(jnp.dtype(dtype))
+    ``dtype`` on the device, so that every layer computes in it.
 
-    def cast(tree: Any) -> Any:
-        return device(jax.tree.map(
-            lambda a: np.asarray(a).astype(target) if jnp.issubdtype(a.dtype, jnp.floating)
-            else a, tree))
+    One leaf at a time, and each float32 state array deleted once its cast is made (the
+    state is the row's own: every step donates it), so the device holds at most one float32
+    state array beside the cast ones and the host holds nothing: casting whole trees in
+    numpy, a plain ``np.asarray`` of each TPU array kept a host copy on the array, and a v5e
+    host's 40 GiB ran out. Params and input are not deleted: a build may share them with
+    others (the input is the same for every row). The casts compile one small program per
+    shape, at build time (a cold compile clears JAX's caches first)."""
+    target = jnp.dtype(dtype)
+
+    def cast(tree: Any, owned: bool) -> Any:
+        def one(a: Any) -> Any:
+            if not jnp.issubdtype(a.dtype, jnp.floating):
+                return a
+            out = jax.block_until_ready(jnp.asarray(a).astype(target))
+            if owned and isinstance(a, jax.Array):
+                a.delete()
+            return out
+
+        return jax.tree.map(one, tree)
 
     def built(n: int) -> tuple:
         params, state, x, step = build(n)
-        return cast(params), cast(state), cast(x), step
+        return cast(params, False), cast(state, True), cast(x, False), step
 
     return built
 

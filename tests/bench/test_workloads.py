@@ -141,6 +141,26 @@ def test_decoding_rows_compute_what_their_loop_computes(block, dtype):
             _assert_same_caches(state, ref_state, f"{framework}: {name}", bound)
 
 
+def test_the_decode_dtypes_cast_frees_each_float32_state_array():
+    """``--decode-dtype``'s cast: every floating leaf in the dtype with its values; each
+    float32 state array deleted (so a large cache is never held twice; every step donates
+    the state anyway), params and input kept (builds may share them), integers as they
+    were."""
+    from stackwise.bench.workloads.common import in_dtype
+
+    weights, cache, h = jnp.linspace(0.0, 1.0, 6).reshape(2, 3), jnp.ones((3,)), jnp.ones(2)
+    step = object()
+    built = in_dtype(lambda n: ({"w": weights}, {"c": cache}, (h, np.int32(n)), step),
+                     "bfloat16")
+    params, state, (got_h, pos), got_step = built(5)
+    assert cache.is_deleted() and not weights.is_deleted() and not h.is_deleted()
+    assert got_step is step and pos == 5 and pos.dtype == np.int32
+    assert {a.dtype for a in jax.tree.leaves((params, state, got_h))} == {
+        jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(params["w"], np.float32),
+                                  np.asarray(weights.astype(jnp.bfloat16), np.float32))
+
+
 @pytest.mark.slow
 def test_pattern_rows_compute_what_the_loop_computes():
     n, k = 5, 3  # a pattern [a, a, b]: one whole repeat, then a and a
