@@ -132,13 +132,13 @@ def in_dtype(build: Build, dtype: str) -> Build:
     """``build`` of a block with state, its floating params, state and input cast to
     ``dtype`` on the device, so that every layer computes in it.
 
-    One leaf at a time, and each float32 state array deleted once its cast is made (the
-    state is the row's own: every step donates it), so the device holds at most one float32
-    state array beside the cast ones and the host holds nothing: casting whole trees in
-    numpy, a plain ``np.asarray`` of each TPU array kept a host copy on the array, and a v5e
-    host's 40 GiB ran out. Params and input are not deleted: a build may share them with
-    others (the input is the same for every row). The casts compile one small program per
-    shape, at build time (a cold compile clears JAX's caches first)."""
+    One leaf at a time, each float32 state array deleted once its cast is made (the state
+    is the row's own: every step donates it), so the state is never held twice in full and
+    the host holds no copy of it. Cast in numpy, a v5e host's 40 GiB ran out, most likely
+    because ``np.asarray`` of a TPU array keeps its host copy on the array. Params and
+    input are not deleted (a build may share them with others: the input is the same for
+    every row), only dropped with the build's own references. The casts compile one small
+    program per shape, at build time (a cold compile clears JAX's caches first)."""
     target = jnp.dtype(dtype)
 
     def cast(tree: Any, owned: bool) -> Any:
