@@ -188,10 +188,10 @@ class _BlockRun:
     def failed(self, where: str, e: BaseException) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         note = f"{self.block}/{where}: {FAILED} ({type(e).__name__}: {first[:200]})"
-        if "RESOURCE_EXHAUSTED" in str(e) and self.cfg.one_at_a_time:
-            note += " - out of device memory with this variant alone: give smaller sizes"
-        elif "RESOURCE_EXHAUSTED" in str(e):  # every variant of a depth is held at once
-            note += (" - out of device memory: every selected variant's params and state "
+        if "RESOURCE_EXHAUSTED" in str(e):
+            note += (" - out of device memory with this variant alone: give smaller sizes"
+                     if self.cfg.one_at_a_time else  # every variant of a depth is held at once
+                     " - out of device memory: every selected variant's params and state "
                      "are held together while their steps are timed in turns; select fewer "
                      "with --variants, measure them --one-at-a-time, or give smaller sizes")
         self.notes.append(note)
