@@ -132,18 +132,18 @@ def in_dtype(build: Build, dtype: str) -> Build:
     """``build`` of a block with state, its floating params, state and input cast to
     ``dtype`` on the device, so that every layer computes in it.
 
-    One leaf at a time, each float32 state array deleted once its cast is made (the state
-    is the row's own: every step donates it), so the state is never held twice in full and
-    the host holds no copy of it. Cast in numpy, a v5e host's 40 GiB ran out, most likely
-    because ``np.asarray`` of a TPU array keeps its host copy on the array. Params and
-    input are not deleted (a build may share them with others: the input is the same for
-    every row), only dropped with the build's own references. The casts compile one small
-    program per shape, at build time (a cold compile clears JAX's caches first)."""
+    The decode and prefill blocks make their state in ``cfg.dec_dtype`` already
+    (:func:`zero_cache`, the frameworks' blocks), so a leaf in ``dtype`` is kept as it is;
+    a floating leaf in another is cast one at a time, and a state array deleted once its
+    cast is made (the state is the row's own: every step donates it). Params and input are
+    not deleted (a build may share them with others: the input is the same for every row),
+    only dropped with the build's own references. The casts compile one small program per
+    shape, at build time (a cold compile clears JAX's caches first)."""
     target = jnp.dtype(dtype)
 
     def cast(tree: Any, owned: bool) -> Any:
         def one(a: Any) -> Any:
-            if not jnp.issubdtype(a.dtype, jnp.floating):
+            if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype == target:
                 return a
             out = jax.block_until_ready(jnp.asarray(a).astype(target))
             if owned and isinstance(a, jax.Array):
@@ -157,6 +157,31 @@ def in_dtype(build: Build, dtype: str) -> Build:
         return cast(params, False), cast(state, True), cast(x, False), step
 
     return built
+
+
+def zero_cache(cfg: BenchConfig, n: int, per_layer: bool = False) -> Any:
+    """The decode and prefill blocks' KV cache of ``n`` layers: zeros in ``cfg.dec_dtype``,
+    made on the device, so the host never holds it (made in numpy and put on a v5e, then
+    copied back to slice it, a cache of gigabytes ran the host's 40 GiB out). ``{"k", "v"}``
+    stacked ``[n, *cache_shape(cfg)]``; with ``per_layer``, a list of n such dicts without
+    the layer axis (the loops' and the serving layout's separate buffers)."""
+    shape = cache_shape(cfg)
+    if per_layer:
+        return [{c: jnp.zeros(shape, cfg.dec_dtype) for c in "kv"} for _ in range(n)]
+    return {c: jnp.zeros((n, *shape), cfg.dec_dtype) for c in "kv"}
+
+
+def zeroed(state: Any) -> Any:
+    """A framework's state from its ``init`` (which runs the forward, so writes the cache)
+    as zeros of the same shapes and dtypes, made on the device one leaf at a time, each
+    given array deleted once its zeros exist: the state is never held twice in full."""
+
+    def one(a: jax.Array) -> jax.Array:
+        out = jax.block_until_ready(jnp.zeros(a.shape, a.dtype))
+        a.delete()
+        return out
+
+    return jax.tree.map(one, state)
 
 
 def unstack(stacked: Any) -> list[Any]:

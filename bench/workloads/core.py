@@ -23,13 +23,13 @@ from stackwise.bench.workloads.common import (
     Build,
     Case,
     attend,
-    cache_shape,
     decode_attend,
     decode_input,
     device,
     mean_square,
     transformer_input,
     unstack,
+    zero_cache,
 )
 
 
@@ -233,11 +233,10 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
             return {"w": w, "b": 0.1 * rng.standard_normal((n, k), np.float32)}
 
         params = {"qkv": dense_np(d, 3 * d), "out": dense_np(d, d)}
-        cache = {c: np.zeros((n, *cache_shape(cfg)), np.float32) for c in ("k", "v")}
-        return device(params), device(cache), decode_input(cfg, tokens, pos)
+        return device(params), decode_input(cfg, tokens, pos)
 
     def loop_separate(n):
-        params, cache, x = inputs(n)
+        params, x = inputs(n)
 
         def step(ps, caches, x):
             h, pos = x
@@ -247,19 +246,19 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
                 new.append(c)
             return h, new
 
-        return unstack(params), unstack(cache), x, step
+        return unstack(params), zero_cache(cfg, n, per_layer=True), x, step
 
     def hand_scan(n):
-        params, cache, x = inputs(n)
+        params, x = inputs(n)
 
         def step(ps, cache, x):
             h, pos = x
             return jax.lax.scan(lambda h, pc: layer(*pc, h, pos), h, (ps, cache))
 
-        return params, cache, x, step
+        return params, zero_cache(cfg, n), x, step
 
     def hand_scan_carry(n):
-        params, cache, x = inputs(n)
+        params, x = inputs(n)
 
         def step(ps, cache, x):
             h, pos = x
@@ -276,15 +275,18 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
             (h, cache), _ = jax.lax.scan(body, (h, cache), (ps, jnp.arange(n)))
             return h, cache
 
-        return params, cache, x, step
+        return params, zero_cache(cfg, n), x, step
 
     def with_stackwise(serving: bool, unroll: int | bool = 1) -> Build:
         def build(n):
-            params, cache, x = inputs(n)
+            params, x = inputs(n)
             layers = stackwise.stack(None, layer, n, with_state=True, remat=False, unroll=unroll)
-            if serving:  # the serving layout: per-layer buffers, converted once (in numpy)
-                host = jax.tree.map(np.asarray, (params, cache))
-                params, cache = device(tuple(stackwise.to_serving(t) for t in host))
+            if serving:  # the serving layout: per-layer buffers, the params converted once
+                # in numpy, the cache made so (what to_serving gives: a Serving of n layers)
+                params = device(stackwise.to_serving(jax.tree.map(np.asarray, params)))
+                cache = stackwise.Serving(zero_cache(cfg, n, per_layer=True))
+            else:
+                cache = zero_cache(cfg, n)
             return params, cache, x, lambda ps, cache, x: layers.apply(ps, cache, *x)
 
         return build

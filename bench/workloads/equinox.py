@@ -204,8 +204,7 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
             stack = sw.Stack(make_block, n, with_state=True, key=jax.random.key(cfg.seed),
                              **options)
             params, static = eqx.partition(layers(stack, n), eqx.is_array)
-            cache = {c: np.zeros((n, *common.cache_shape(cfg)), np.float32) for c in "kv"}
-            cache = common.unstack(cache) if isinstance(params, list) else common.device(cache)
+            cache = common.zero_cache(cfg, n, per_layer=isinstance(params, list))
 
             def step(params, cache, x):
                 return run(eqx.combine(params, static), cache, *x)

@@ -85,11 +85,12 @@ class DecodeAttention(nn.Module):
     d: int
     heads: int
     cache: tuple[int, ...]
+    dtype: str
 
     @nn.compact
     def __call__(self, x, pos):
-        k = self.variable("cache", "k", jnp.zeros, self.cache)
-        v = self.variable("cache", "v", jnp.zeros, self.cache)
+        k = self.variable("cache", "k", jnp.zeros, self.cache, self.dtype)
+        v = self.variable("cache", "v", jnp.zeros, self.cache, self.dtype)
         qkv = nn.Dense(3 * self.d, name="qkv")(x)
         y, k.value, v.value = common.decode_attend(qkv, k.value, v.value, pos, self.heads)
         return x + nn.Dense(self.d, name="out")(y)
@@ -120,7 +121,7 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     sw = common.adapter_or_note("stackwise.flax", block_name, notes)
     if sw is None:
         return []
-    sizes = (cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg))
+    sizes = (cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg), cfg.dec_dtype)
     block = functools.partial(DecodeAttention, *sizes)
     x = common.decode_input(cfg, tokens, pos)
     axes = {"params": 0, "cache": 0}
@@ -143,7 +144,7 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
                 y, new = model.apply({"params": params, "cache": cache}, *x, mutable=["cache"])
                 return y, new["cache"]
 
-            cache = jax.tree.map(jnp.zeros_like, variables["cache"])
+            cache = common.zeroed(variables["cache"])
             return variables["params"], cache, x, step
 
         return build

@@ -68,13 +68,14 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
 class DecodeAttention(hk.Module):
     """The decode block: attention over a KV cache kept in Haiku state."""
 
-    def __init__(self, d: int, heads: int, cache: tuple[int, ...], name: str | None = None):
+    def __init__(self, d: int, heads: int, cache: tuple[int, ...], dtype: str,
+                 name: str | None = None):
         super().__init__(name=name)
-        self.d, self.heads, self.cache = d, heads, cache
+        self.d, self.heads, self.cache, self.dtype = d, heads, cache, dtype
 
     def __call__(self, x, pos):
-        k = hk.get_state("k", self.cache, init=jnp.zeros)
-        v = hk.get_state("v", self.cache, init=jnp.zeros)
+        k = hk.get_state("k", self.cache, self.dtype, init=jnp.zeros)
+        v = hk.get_state("v", self.cache, self.dtype, init=jnp.zeros)
         y, k, v = common.decode_attend(hk.Linear(3 * self.d, name="qkv")(x), k, v, pos, self.heads)
         hk.set_state("k", k)
         hk.set_state("v", v)
@@ -99,14 +100,15 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
     sw = common.adapter_or_note("stackwise.haiku", block_name, notes)
     if sw is None:
         return []
-    block = functools.partial(DecodeAttention, cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg))
+    block = functools.partial(DecodeAttention, cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg),
+                              cfg.dec_dtype)
     x = common.decode_input(cfg, tokens, pos)
 
     def model(forward, convert):  # forward(n, h, pos); convert(Stack's tree, n) -> its own
         def build(n):
             stack = hk.transform_with_state(lambda h, pos: sw.Stack(block, n=n)(h, pos))
             params, cache = stack.init(jax.random.key(cfg.seed), *x)
-            cache = jax.tree.map(jnp.zeros_like, cache)
+            cache = common.zeroed(cache)
             net = hk.without_apply_rng(hk.transform_with_state(functools.partial(forward, n)))
             return convert(params, n), convert(cache, n), x, lambda p, c, x: net.apply(p, c, *x)
 

@@ -102,12 +102,12 @@ def transformer(cfg: BenchConfig, notes: list[str]) -> list[common.Case]:
 class DecodeAttention(nnx.Module):
     """The decode block: attention over a KV cache kept in ``nnx.Cache`` variables."""
 
-    def __init__(self, d: int, heads: int, cache: tuple[int, ...], rngs: nnx.Rngs):
+    def __init__(self, d: int, heads: int, cache: tuple[int, ...], dtype: str, rngs: nnx.Rngs):
         self.heads = heads
         self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
         self.out = nnx.Linear(d, d, rngs=rngs)
-        self.k = nnx.Cache(jnp.zeros(cache))
-        self.v = nnx.Cache(jnp.zeros(cache))
+        self.k = nnx.Cache(jnp.zeros(cache, dtype))
+        self.v = nnx.Cache(jnp.zeros(cache, dtype))
 
     def __call__(self, x, pos):
         y, self.k[...], self.v[...] = common.decode_attend(
@@ -137,7 +137,8 @@ def _decoding(block_name: str, cfg: BenchConfig, notes: list[str], tokens: int, 
         return []
 
     def make_block(rngs):
-        return DecodeAttention(cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg), rngs)
+        return DecodeAttention(cfg.dec_d, cfg.dec_heads, common.cache_shape(cfg), cfg.dec_dtype,
+                               rngs)
 
     x = common.decode_input(cfg, tokens, pos)
 

@@ -144,22 +144,57 @@ def test_decoding_rows_compute_what_their_loop_computes(block, dtype):
 def test_the_decode_dtypes_cast_frees_each_float32_state_array():
     """``--decode-dtype``'s cast: every floating leaf in the dtype with its values; each
     float32 state array deleted (so a large cache is never held twice; every step donates
-    the state anyway), params and input kept (builds may share them), integers as they
+    the state anyway), a state array already in the dtype kept as it is (the decode blocks
+    make their caches so), params and input kept (builds may share them), integers as they
     were."""
     from stackwise.bench.workloads.common import in_dtype
 
     weights, cache, h = jnp.linspace(0.0, 1.0, 6).reshape(2, 3), jnp.ones((3,)), jnp.ones(2)
+    made = jnp.zeros(4, jnp.bfloat16)
     step = object()
-    built = in_dtype(lambda n: ({"w": weights}, {"c": cache}, (h, np.int32(n)), step),
-                     "bfloat16")
+    built = in_dtype(lambda n: ({"w": weights}, {"c": cache, "made": made}, (h, np.int32(n)),
+                                step), "bfloat16")
     params, state, (got_h, pos), got_step = built(5)
     assert cache.is_deleted() and not weights.is_deleted() and not h.is_deleted()
+    assert state["made"] is made and not made.is_deleted()
     assert got_step is step and pos == 5 and pos.dtype == np.int32
     assert {a.dtype for a in jax.tree.leaves((params, state, got_h))} == {
         jnp.dtype(jnp.bfloat16)}
     # rounded as numpy rounds to bfloat16 (to nearest, ties to even): 0.2, 0.4, ... are inexact
     want = np.linspace(0.0, 1.0, 6, dtype=np.float32).reshape(2, 3).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(params["w"]), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_rows_make_their_cache_on_the_device_in_its_dtype(monkeypatch, dtype):
+    """No decode row's build puts its cache through the host (a v5e host's 40 GiB ran out
+    when the bench made caches in numpy and sliced them there): no array of a layer's cache
+    size passes ``jax.device_put`` or ``np.asarray``, and every cache leaf is made in the
+    decode dtype (none cast from float32)."""
+    cfg = dataclasses.replace(CFG, dec_dtype=dtype, dec_cache=256)  # a layer's k: the largest
+    one_layer = int(np.prod(workloads.common.cache_shape(cfg)))
+    assert one_layer > 3 * 3 * cfg.dec_d * cfg.dec_d  # larger than every stacked param
+    seen = []
+
+    def watch(fn):
+        def watched(a, *args, **kwargs):
+            if np.size(a) >= one_layer:
+                seen.append((fn.__name__, np.shape(a)))
+            return fn(a, *args, **kwargs)
+        return watched
+
+    monkeypatch.setattr(jax, "device_put", watch(jax.device_put))
+    monkeypatch.setattr(np, "asarray", watch(np.asarray))
+    # the builds as made, without --decode-dtype's cast (which keeps a leaf in the dtype)
+    monkeypatch.setattr(workloads.common, "in_dtype", lambda build, dtype: build)
+    for case in workloads.cases("decode", cfg, []):
+        seen.clear()
+        _, state, _, _ = case.build(3)
+        assert not seen, (case.name, seen)
+        caches = [a for a in jax.tree.leaves(state) if np.size(a) >= one_layer]
+        assert len(caches) in (2, 6), (case.name, len(caches))  # k and v: stacked or per layer
+        assert {a.dtype for a in caches} == {jnp.dtype(dtype)}, case.name
+        assert not any(a.is_deleted() for a in caches), case.name
 
 
 @pytest.mark.slow
