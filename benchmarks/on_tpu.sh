@@ -73,6 +73,7 @@ for what in "$@"; do
         # 227-281 s on a v5e (7-11 rows, tpu_decode.md's sixth run): one or two sizes a call.
         # BENCH_DECODE_ALONE=1 measures one variant at a time (--one-at-a-time): sizes whose
         # states do not fit together, e.g. 24:2048:8192:1:16 (7 rows: 204-214 s, seventh run)
+        # or 24:512:2048:32:8, a 6.4-GB cache (7 rows: 114-166 s a size, eighth run)
         for size in ${BENCH_DECODE_SIZES:-24:1024:1024:2:8 48:512:1024:2:8 24:256:8192:1:4}; do
             IFS=: read -r n d t b h <<< "$size"
             part "bench-decode-$n-$d-$t-$b" ${BENCH_DECODE_SECONDS:-330} python3 -P -m stackwise.bench \

@@ -211,10 +211,11 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
     hand-written ``lax.scan`` with the stacked cache as its per-layer input and output
     (every call writes the whole new cache); a hand-written scan with the stacked cache
     in its carry, written at the layer's index (in place); ``stackwise.stack(...,
-    with_state=True)`` on the stacked params and cache, and on the same converted once to
-    the serving layout (``stackwise.to_serving``: per-layer buffers, a Python loop), and
-    ``unroll=True`` (a Python loop writing each layer's row of the stacked cache). Forward
-    only, so remat changes nothing: the stack runs without.
+    with_state=True)`` on the stacked params and cache, and in the serving layout (the
+    params converted once with ``stackwise.to_serving``, the cache made as per-layer buffers
+    in a ``stackwise.Serving``: a Python loop), and ``unroll=True`` (a Python loop writing
+    each layer's row of the stacked cache). Forward only, so remat changes nothing: the
+    stack runs without. Every cache is zeros made on the device (:func:`zero_cache`).
     """
     d, heads = cfg.dec_d, cfg.dec_heads
 
