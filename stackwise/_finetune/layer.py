@@ -229,9 +229,14 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False,
     only), and the state is per row: every state leaf has the batch first (a KV cache),
     so a decode step runs with the cache donated and written in place.
 
-    >>> y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1]), x)
+    >>> with jax.default_matmul_precision("highest"):  # float32 products on any backend
+    ...     y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1]), x)
+    ...     alone = layers.apply(stackwise.lora.attach(base, other), x)
     >>> bool(jnp.allclose(y[0], alone[0], atol=1e-6))
     True
+
+    (Compared at ``'highest'``: at a TPU's default bfloat16 products, a row's ``x @ W +
+    scale * (x @ a) @ b`` and the attached ``x @ (W + scale * a @ b)`` round apart.)
 
     Adapters with a ``dropout`` rate attached with a key (``attach(..., key=)``, a new one
     each training step) drop their input as PEFT does while it trains: each product ``x @ W``
@@ -264,11 +269,11 @@ def wrap(apply: Callable[..., Any], *, with_state: bool = False,
       TypeError: ``apply`` is not callable, or ``dtype`` is not a dtype.
       ValueError: ``dtype`` is not a float dtype.
       ValueError (when the layer runs): attached adapters of two batch sizes in one
-        layer; ``dtype`` with ``rows``; with a batch, ``x`` without g on its leading axis, or state that differs
-        by group; with ``rows``, ``x`` or the state without the rows on their leading
-        axis, or an adapted weight used other than in a matrix product (so too for an
-        adapter that drops its input, with a key); adapters with a dropout rate
-        differentiated without a key.
+        layer; ``dtype`` with ``rows``; with a batch, ``x`` without g on its leading
+        axis, or state that differs by group; with ``rows``, ``x`` or the state without
+        the rows on their leading axis, or an adapted weight used other than in a matrix
+        product (so too for an adapter that drops its input, with a key); adapters with a
+        dropout rate differentiated without a key.
     """
     who = "stackwise.lora.wrap"
     if not callable(apply):

@@ -417,10 +417,14 @@ def attach(base: Any, adapters: Any, *, per_leaf: bool = False, rows: Any = None
     >>> batch = stackwise.lora.stack_adapters([one, two])
     >>> layers = stackwise.lora.stack(lambda p, x: x @ p["w"], 3)
     >>> x = jnp.ones((3, 4))                      # three rows
-    >>> y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1, 0]), x)
-    >>> alone = layers.apply(stackwise.lora.attach(base, two), x[:1])
+    >>> with jax.default_matmul_precision("highest"):  # float32 products on any backend
+    ...     y = layers.apply(stackwise.lora.attach(base, batch, rows=[1, -1, 0]), x)
+    ...     alone = layers.apply(stackwise.lora.attach(base, two), x[:1])
     >>> bool(jnp.allclose(y[0], alone[0], rtol=1e-6)), y.shape
     (True, (3, 4))
+
+    (Compared at ``'highest'``: at a TPU's default bfloat16 products, a row's ``x @ W +
+    scale * (x @ a) @ b`` and the attached ``x @ (W + scale * a @ b)`` round apart.)
 
     With ``key`` (a new one each training step), adapters made with a ``dropout`` rate p
     (``init(..., dropout=p)``, or PEFT's ``lora_dropout`` read by ``load_peft``) drop their
