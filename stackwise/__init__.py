@@ -61,8 +61,8 @@ if TYPE_CHECKING:  # (what type checkers and IDEs read)
     from stackwise._core.serving import to_serving as to_serving
     from stackwise._core.stack import CARRY_NAME as CARRY_NAME
     from stackwise._core.stack import DEFAULT_REMAT as DEFAULT_REMAT
-    from stackwise._core.stacked import Stacked as Stacked
     from stackwise._core.stack import stack as stack
+    from stackwise._core.stacked import Stacked as Stacked
     from stackwise._pipeline.api import pipeline as pipeline
     from stackwise._sharding.fsdp import fsdp_specs as fsdp_specs
     from stackwise._sharding.fsdp import shard_stacked as shard_stacked

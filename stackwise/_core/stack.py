@@ -177,8 +177,9 @@ def stack(
         eagerly under :func:`jax.disable_jit` for debugging, where ``remat`` is
         then skipped). With ``with_state``, a layer that updates its state
         in place (a KV cache written with ``dynamic_update_slice``) reads and
-        writes its own row of the stacked state, in place when it is donated: on a TPU the decode step you then compile
-        is the loop's, where a scan copies each layer's cache every token.
+        writes its own row of the stacked state, in place when it is donated: on
+        a TPU the decode step you then compile is the loop's, where a scan copies
+        each layer's cache every token.
       reverse: run the last layer first. Per-layer inputs and outputs keep
         their layer order.
       has_aux: the layer returns ``(x, aux)``; ``Stacked.apply`` returns

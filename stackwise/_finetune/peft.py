@@ -413,8 +413,8 @@ def load_peft(
         if not take:
             out.append(None)
             continue
-        lw = _read_leaf(tensors, [f"{layer_name(layers, i)}.{modules[path]}" for i in numbers[path]],
-                        path, leaf, config, cfg_path, out_in, used, who)
+        names = [f"{layer_name(layers, i)}.{modules[path]}" for i in numbers[path]]
+        lw = _read_leaf(tensors, names, path, leaf, config, cfg_path, out_in, used, who)
         if dtype is not None:
             lw = jax.tree.map(lambda v: v.astype(dtype), lw)
         out.append(lw)

@@ -27,7 +27,12 @@ import numpy as np
 
 from stackwise._finetune.targets import Targets, check_targets
 
-__all__ = ["DOUBLE_BLOCK", "GAP", "KINDS", "LEVEL", "Quantized", "Scheme", "as_matrix", "as_scheme", "block_size_of", "check_block_size", "check_double", "check_kind", "compute_dtype", "dequantize", "double_rows", "doubled", "from_matrix", "is_quantized", "quantize_rows", "requantize"]
+__all__ = [
+    "DOUBLE_BLOCK", "GAP", "KINDS", "LEVEL", "Quantized", "Scheme", "as_matrix", "as_scheme",
+    "block_size_of", "check_block_size", "check_double", "check_kind", "compute_dtype",
+    "dequantize", "double_rows", "doubled", "from_matrix", "is_quantized", "quantize_rows",
+    "requantize",
+]
 
 #: The 16 values of 4-bit NormalFloat (QLoRA, Dettmers et al. 2023; bitsandbytes' table).
 NF4 = np.array(

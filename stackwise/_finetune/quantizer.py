@@ -12,8 +12,6 @@ import numpy as np
 
 from stackwise._core import checks
 from stackwise._core.served import stacked_only
-from stackwise._finetune.targets import Targets, leaf_paths, select
-
 from stackwise._finetune.quant import (
     Quantized,
     block_size_of,
@@ -25,6 +23,7 @@ from stackwise._finetune.quant import (
     is_quantized,
     quantize_rows,
 )
+from stackwise._finetune.targets import Targets, leaf_paths, select
 
 __all__ = ["check_float", "is_float_matrix", "non_finite", "quantize", "take"]
 

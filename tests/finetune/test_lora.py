@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _reference import D, H, apply, assert_stack_is_loop, gate, init, layer_params, loop, trained
 from _programs import on_cpu
+from _reference import D, H, apply, assert_stack_is_loop, gate, init, layer_params, loop, trained
 from _trees import assert_trees_bitwise, assert_trees_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
