@@ -212,8 +212,8 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
     (every call writes the whole new cache); a hand-written scan with the stacked cache
     in its carry, written at the layer's index (in place); ``stackwise.stack(...,
     with_state=True)`` on the stacked params and cache, and in the serving layout (the
-    params converted once with ``stackwise.to_serving``, the cache made as per-layer buffers
-    in a ``stackwise.Serving``: a Python loop), and ``unroll=True`` (a Python loop writing
+    params and the cache as per-layer buffers in a ``stackwise.Serving``, what
+    ``stackwise.to_serving`` gives: a Python loop), and ``unroll=True`` (a Python loop writing
     each layer's row of the stacked cache). Forward only, so remat changes nothing: the
     stack runs without. Every cache is zeros made on the device (:func:`zero_cache`).
     """
@@ -282,9 +282,9 @@ def _decoding(cfg: BenchConfig, tokens: int, pos: int) -> list[Case]:
         def build(n):
             params, x = inputs(n)
             layers = stackwise.stack(None, layer, n, with_state=True, remat=False, unroll=unroll)
-            if serving:  # the serving layout: per-layer buffers, the params converted once
-                # in numpy, the cache made so (what to_serving gives: a Serving of n layers)
-                params = device(stackwise.to_serving(jax.tree.map(np.asarray, params)))
+            if serving:  # the serving layout (what to_serving gives): per-layer buffers,
+                # the params sliced once in numpy, the cache made so
+                params = stackwise.Serving(unstack(params))
                 cache = stackwise.Serving(zero_cache(cfg, n, per_layer=True))
             else:
                 cache = zero_cache(cfg, n)
