@@ -71,3 +71,77 @@ def test_several_xdist_workers_on_an_accelerator_host_run_on_the_cpu(
     out = subprocess.run([sys.executable, "-c", WORKERS], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
     assert out.stdout.strip() == expected
+
+
+# Two tests that compile the same program (a new function object each: JAX's in-memory caches
+# miss), a third that records the cache's folder; each test's cache hits, from JAX's events.
+SHARED = '''
+import json, os, pathlib
+import jax, jax.numpy as jnp
+
+HITS = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: HITS.append(event) if event.endswith("/cache_hits") else None)
+
+def hits():
+    return sum(1 for _ in HITS)
+
+def test_compiles():
+    jax.jit(lambda x: x * 3.0 + 1.0)(jnp.arange(5.0)).block_until_ready()
+    pathlib.Path(os.environ["RECORD"], "first").write_text(str(hits()))
+
+def test_compiles_the_same_program_again():
+    jax.jit(lambda x: x * 3.0 + 1.0)(jnp.arange(5.0)).block_until_ready()
+    pathlib.Path(os.environ["RECORD"], "second").write_text(str(hits()))
+
+def test_where():
+    pathlib.Path(os.environ["RECORD"], "where").write_text(json.dumps(
+        [jax.config.jax_compilation_cache_dir, os.environ.get("JAX_COMPILATION_CACHE_DIR"),
+         os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")]))
+'''
+
+
+def _run_shared(tmp_path, **environ):
+    """Runs SHARED under a copy of the suite's conftest, in one process; returns the number
+    of cache hits after each of its two compiling tests and what its third test saw."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "conftest.py").write_text(CONFTEST.read_text())
+    (folder / "test_shared.py").write_text(SHARED)
+    record = tmp_path / "record"
+    record.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "PYTEST_XDIST", "STACKWISE_TESTS"))}
+    env.update(JAX_PLATFORMS="cpu", RECORD=str(record), **environ,
+               PYTHONPATH=os.pathsep.join([str(CONFTEST.parent), env.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:xdist", str(folder)], cwd=folder, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return (int((record / "first").read_text()), int((record / "second").read_text()),
+            json.loads((record / "where").read_text()))
+
+
+def test_the_run_shares_its_compiled_programs_in_a_cache_of_its_own(tmp_path):
+    first, second, (folder, exported, floor) = _run_shared(tmp_path)
+    # The second test's program is read from the cache that the first test's compile filled.
+    assert first == 0 and second >= 1
+    # The run's own folder, exported to the tests' subprocesses, with no compile-time floor;
+    # removed when the run ended.
+    assert folder == exported and "stackwise-tests-jax-cache-" in folder and floor == "0"
+    assert not pathlib.Path(folder).exists()
+
+
+def test_a_cache_set_by_the_user_is_theirs(tmp_path):
+    mine = tmp_path / "my-cache"
+    *_, (folder, exported, floor) = _run_shared(tmp_path, JAX_COMPILATION_CACHE_DIR=str(mine))
+    assert folder == exported == str(mine) and floor is None  # (their own floor)
+    assert mine.is_dir()  # kept after the run
+
+
+def test_no_cache_is_made_off_the_cpu():
+    import conftest
+
+    environ = {"HOME": "/h"}
+    assert conftest._share_compiled_programs(environ, on_cpu=False) is None
+    assert environ == {"HOME": "/h"}

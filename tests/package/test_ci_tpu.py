@@ -122,8 +122,10 @@ def test_the_costs_plugin_counts_each_tests_compiles(tmp_path):
         "def test_compiles_the_same_again():\n"
         "    jax.jit(lambda x: x * 3.0)(jnp.ones(3)).block_until_ready()\n")
     out = tmp_path / "costs.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / ".ci"), TPU_COSTS_OUT=str(out),
-               JAX_PLATFORMS="cpu")
+    # (without the suite's compilation cache, tests/conftest.py: the second test's program
+    # would be read from it, not compiled)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(PYTHONPATH=str(ROOT / ".ci"), TPU_COSTS_OUT=str(out), JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-P", "-m", "pytest", "-p", "tpu_costs", "-q",
                           "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
