@@ -51,7 +51,8 @@ always goes first or second in the process; a row's steps run after its first co
 Columns: **compile s**, the median of the row's cold compiles (caches cleared before each;
 tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them
 in round order, seconds (one for the loop's rows by default: ~40 s each on a v5e, and no
-ratio is to the loop's compile); **step ms**, the median of ``--rounds`` steps after two
+ratio is to the loop's compile); **trace / lower / XLA s**, the median of each of those
+three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the median of ``--rounds`` steps after two
 warm-up steps, each waited for (``block_until_ready``); their ratios: **/tool**, an
 adapter's to its own framework's tool at the same remat (``stackwise.flax.Stack`` /
 ``nn.scan``, ``stackwise.haiku.Stack`` / ``hk.layer_stack``; "-" on the other rows),
@@ -401,16 +402,22 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-def cold_compile(loss: Callable, params: Any, x: Any) -> tuple[float, Any]:
-    """``(seconds, compiled)``: the step of ``loss`` traced, lowered and compiled for
-    ``params`` and ``x`` (shapes and dtypes) after every cache was cleared."""
+def cold_compile(loss: Callable, params: Any, x: Any) -> tuple[tuple[float, float, float], Any]:
+    """``((trace, lower, XLA) seconds, compiled)``: the step of ``loss`` traced, lowered and
+    compiled for ``params`` and ``x`` (shapes and dtypes) after every cache was cleared, each
+    stage timed apart."""
     import jax
 
     jax.clear_caches()
     gc.collect()
     start = time.perf_counter()
-    compiled = sgd_step(in_bfloat16(loss)).trace(params, x).lower().compile()
-    return time.perf_counter() - start, compiled
+    traced = sgd_step(in_bfloat16(loss)).trace(params, x)
+    traced_at = time.perf_counter()
+    lowered = traced.lower()
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    end = time.perf_counter()
+    return (traced_at - start, lowered_at - traced_at, end - lowered_at), compiled
 
 
 def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace
@@ -428,8 +435,8 @@ def measure(name: str, build: Callable[[int], tuple], args: argparse.Namespace
     params, x, loss = build(args.n)
     shapes = (abstract(params), abstract(x))
     try:
-        seconds, compiled = cold_compile(loss, *shapes)
-        row["compiles"] = [seconds]
+        stages, compiled = cold_compile(loss, *shapes)
+        row["compiles"] = [stages]
         times, first = [], None
         for _ in range(WARMUP):
             params, value = jax.block_until_ready(compiled(params, x))
@@ -496,8 +503,11 @@ def measure_all(found: dict[str, Callable[[int], tuple]], args: argparse.Namespa
             print(name, rows[name], file=sys.stderr, flush=True)  # (a run cut short keeps these)
     for row in rows.values():
         if "compiles" in row:
-            row["compile s"] = statistics.median(row["compiles"])
-            row["compiles"] = " ".join(f"{s:.3g}" for s in row["compiles"])
+            stages = row["compiles"]
+            row["compile s"] = statistics.median(sum(each) for each in stages)
+            row["compiles"] = " ".join(f"{sum(each):.3g}" for each in stages)
+            row["trace / lower / XLA s"] = " / ".join(
+                f"{statistics.median(each[i] for each in stages):.3g}" for i in range(3))
     return [rows[name] for name in names]
 
 
@@ -529,8 +539,8 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 #: The table's columns, in order (the docstring says what each is).
-COLUMNS = ["variant", "remat", "compile s", "compiles", "compile /tool", "compile /nn.scan",
-           "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
+COLUMNS = ["variant", "remat", "compile s", "compiles", "trace / lower / XLA s", "compile /tool",
+           "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
            "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %", "peak MiB", "loss"]
 
 

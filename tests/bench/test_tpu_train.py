@@ -11,8 +11,8 @@ from _scripts import load_script
 from _tolerance import assert_close, reassociation_bound
 
 BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
-COLUMNS = ["variant", "remat", "compile s", "compiles", "compile /tool", "compile /nn.scan",
-           "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
+COLUMNS = ["variant", "remat", "compile s", "compiles", "trace / lower / XLA s", "compile /tool",
+           "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
            "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %", "peak MiB", "loss"]
 FAMILIES = ["loop", "stackwise", "stackwise unroll=2", "nn.scan", "stackwise.flax.Stack",
             "hk.layer_stack", "stackwise.haiku.Stack"]
@@ -42,6 +42,10 @@ def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkey
         seconds = [float(s) for s in r["compiles"].split()]
         # (the column shows 3 significant digits: 0.5% at most off)
         assert min(seconds) * 0.995 <= r["compile s"] <= max(seconds) * 1.005
+        # each stage's median, apart: together within the compiles' range
+        stages = [float(s) for s in r["trace / lower / XLA s"].split(" / ")]
+        assert len(stages) == 3 and all(s > 0 for s in stages)
+        assert sum(stages) <= max(seconds) * 1.015
     # an adapter's /tool ratios are to its own framework's tool, the other rows have none
     for adapter, tool in (("stackwise.flax.Stack", "nn.scan"),
                           ("stackwise.haiku.Stack", "hk.layer_stack")):
@@ -142,7 +146,8 @@ def test_the_compile_column_is_the_median_of_the_interleaved_compiles(train, mon
     """``measure_all`` with ``measure`` and ``cold_compile`` replaced: who compiles when,
     and what the row gets."""
     calls = []
-    seconds = iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0, 7.0])
+    # (trace, lower, XLA) seconds of each compile, in call order: the XLA stage its total - 2
+    seconds = iter([(0.5, 0.5, t - 1.0) for t in [5.0, 1.5, 2.0, 9.0, 3.0, 4.0, 7.0]])
 
     def measure(name, build, args):
         calls.append(("measure", name))
@@ -167,9 +172,12 @@ def test_the_compile_column_is_the_median_of_the_interleaved_compiles(train, mon
                      ("compile", F), ("compile", S)]
     assert [r["variant"] for r in rows] == ["loop", "stackwise", "nn.scan",
                                            "stackwise.flax.Stack"]
-    # in call order L 5, S 1, F 2, S 9, F 3, F 4, S 7
+    # in call order L 5, S 1.5, F 2, S 9, F 3, F 4, S 7 (each the sum of its three stages)
     assert [r.get("compile s") for r in rows] == [5.0, 7.0, None, 3.0]
-    assert [r.get("compiles") for r in rows] == ["5", "1 9 7", None, "2 3 4"]
+    assert [r.get("compiles") for r in rows] == ["5", "1.5 9 7", None, "2 3 4"]
+    # each stage's own median: S's XLA stages 0.5, 8, 6; F's 1, 2, 3
+    assert [r.get("trace / lower / XLA s") for r in rows] == [
+        "0.5 / 0.5 / 4", "0.5 / 0.5 / 6", None, "0.5 / 0.5 / 2"]
 
 
 def test_the_chip_sizes_are_the_default_and_a_flag_overrides_them(train):
