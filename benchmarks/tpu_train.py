@@ -52,9 +52,9 @@ Columns: **compile s**, the median of the row's cold compiles (caches cleared be
 tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them
 in round order, seconds (one for the loop's rows by default: ~40 s each on a v5e, and no
 ratio is to the loop's compile); **trace / lower / XLA s**, the median of each of those
-three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the median of ``--rounds`` steps after two
-warm-up steps, each waited for (``block_until_ready``); their ratios: **/tool**, an
-adapter's to its own framework's tool at the same remat (``stackwise.flax.Stack`` /
+three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the
+median of ``--rounds`` steps after two warm-up steps, each waited for
+(``block_until_ready``); their ratios: **/tool**, an adapter's to its own framework's tool at the same remat (``stackwise.flax.Stack`` /
 ``nn.scan``, ``stackwise.haiku.Stack`` / ``hk.layer_stack``; "-" on the other rows),
 **/loop** (step only), **/nn.scan** and **/hk.layer_stack**, every row's to those rows' at
 the same remat ("-" where either was not measured); **model TFLOP**, counted:
@@ -540,8 +540,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 #: The table's columns, in order (the docstring says what each is).
 COLUMNS = ["variant", "remat", "compile s", "compiles", "trace / lower / XLA s", "compile /tool",
-           "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
-           "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %", "peak MiB", "loss"]
+           "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool",
+           "step /nn.scan", "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %",
+           "peak MiB", "loss"]
 
 
 def title(args: argparse.Namespace) -> str:

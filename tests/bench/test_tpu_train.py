@@ -12,8 +12,9 @@ from _tolerance import assert_close, reassociation_bound
 
 BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
 COLUMNS = ["variant", "remat", "compile s", "compiles", "trace / lower / XLA s", "compile /tool",
-           "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool", "step /nn.scan",
-           "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %", "peak MiB", "loss"]
+           "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool",
+           "step /nn.scan", "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %",
+           "peak MiB", "loss"]
 FAMILIES = ["loop", "stackwise", "stackwise unroll=2", "nn.scan", "stackwise.flax.Stack",
             "hk.layer_stack", "stackwise.haiku.Stack"]
 
