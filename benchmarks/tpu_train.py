@@ -54,10 +54,10 @@ in round order, seconds (one for the loop's rows by default: ~40 s each on a v5e
 ratio is to the loop's compile); **trace / lower / XLA s**, the median of each of those
 three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the
 median of ``--rounds`` steps after two warm-up steps, each waited for
-(``block_until_ready``); their ratios: **/tool**, an adapter's to its own framework's tool at the same remat (``stackwise.flax.Stack`` /
-``nn.scan``, ``stackwise.haiku.Stack`` / ``hk.layer_stack``; "-" on the other rows),
-**/loop** (step only), **/nn.scan** and **/hk.layer_stack**, every row's to those rows' at
-the same remat ("-" where either was not measured); **model TFLOP**, counted:
+(``block_until_ready``); their ratios: **/tool**, an adapter's to its own framework's tool
+at the same remat (``stackwise.flax.Stack`` / ``nn.scan``, ``stackwise.haiku.Stack`` /
+``hk.layer_stack``; "-" on the other rows), **/loop** (step only), **/nn.scan** and
+**/hk.layer_stack**, every row's to those rows' at the same remat ("-" where either was not measured); **model TFLOP**, counted:
 ``6 * (matmul params) * tokens`` plus the attention's ``12 * n * seq**2 * d * batch`` (the
 full score matrix, as computed; remat's recomputation not counted); **XLA TFLOP**, the
 compiled program's own count (``compiled.cost_analysis()["flops"]``, recomputation included;
