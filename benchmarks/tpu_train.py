@@ -49,22 +49,22 @@ to compile once, in the table's order rotated by r (:func:`compile_order`), so t
 always goes first or second in the process; a row's steps run after its first compile.
 
 Columns: **compile s**, the median of the row's cold compiles (caches cleared before each;
-tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them
-in round order, seconds (one for the loop's rows by default: ~40 s each on a v5e, and no
-ratio is to the loop's compile); **trace / lower / XLA s**, the median of each of those
-three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the
-median of ``--rounds`` steps after two warm-up steps, each waited for
-(``block_until_ready``); their ratios: **/tool**, an adapter's to its own framework's tool
-at the same remat (``stackwise.flax.Stack`` / ``nn.scan``, ``stackwise.haiku.Stack`` /
-``hk.layer_stack``; "-" on the other rows), **/loop** (step only), **/nn.scan** and
-**/hk.layer_stack**, every row's to those rows' at the same remat ("-" where either was not measured); **model TFLOP**, counted:
-``6 * (matmul params) * tokens`` plus the attention's ``12 * n * seq**2 * d * batch`` (the
-full score matrix, as computed; remat's recomputation not counted); **XLA TFLOP**, the
-compiled program's own count (``compiled.cost_analysis()["flops"]``, recomputation included;
-XLA counts a loop's body once, whatever its trip count, so it is the model's only for the
-loop); **MFU**, model TFLOP / (step s x ``--peak`` TFLOP/s, 197: a v5e's bfloat16 peak);
-**peak MiB**, from ``compiled.memory_analysis()``: arguments + outputs - donated + temp;
-**loss**, the first step's.
+tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them in
+round order, seconds (one for the loop's rows by default: ~40 s each on a v5e, and no ratio is
+to the loop's compile); **trace / lower / XLA s**, the median of each of those three stages
+apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the median of
+``--rounds`` steps after two warm-up steps, each waited for (``block_until_ready``); their
+ratios: **/tool**, an adapter's to its own framework's tool at the same remat
+(``stackwise.flax.Stack`` / ``nn.scan``, ``stackwise.haiku.Stack`` / ``hk.layer_stack``; "-" on
+the other rows), **/loop** (step only), **/nn.scan** and **/hk.layer_stack**, every row's to
+those rows' at the same remat ("-" where either was not measured); **model TFLOP**, counted:
+``6 * (matmul params) * tokens`` plus the attention's ``12 * n * seq**2 * d * batch`` (the full
+score matrix, as computed; remat's recomputation not counted); **XLA TFLOP**, the compiled
+program's own count (``compiled.cost_analysis()["flops"]``, recomputation included; XLA counts
+a loop's body once, whatever its trip count, so it is the model's only for the loop); **MFU**,
+model TFLOP / (step s x ``--peak`` TFLOP/s, 197: a v5e's bfloat16 peak); **peak MiB**, from
+``compiled.memory_analysis()``: arguments + outputs - donated + temp; **loss**, the first
+step's.
 
 ``--profile DIR`` also writes, per row, a ``jax.profiler`` trace of its timed steps
 (``DIR/<row>/``, e.g. ``DIR/stackwise_remat_dots/``: read it with xprof or TensorBoard) and its
