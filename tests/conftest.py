@@ -138,9 +138,11 @@ def _share_compiled_programs(environ: dict, on_cpu: bool) -> str | None:
     The suite compiles thousands of small programs and is dominated by compiling them; a
     program compiled before in the run (the same StableHLO and options: JAX's cache key),
     by another test, worker or subprocess, is read back instead of compiled again. Measured on
-    the 2-core VM (2026-12-07, `-n 2`): the whole suite 13:56 -> 11:35, the tests' own seconds
-    1,633 -> 1,354; the fast tier 2:58 -> 2:40, 314 -> 278 s; 185 MB of programs for the
-    whole suite, deleted at its end."""
+    the 2-core VM (2026-12-07, `-n 2`, without and with, back to back): the whole suite 13:56
+    -> 11:35 (the tests' own seconds 1,633 -> 1,354), `tests/finetune` and `tests/adapters`
+    5:29 -> 4:44; the fast tier, which runs each test function once, within the VM's noise
+    (two alternating pairs: 2:44 and 2:32 without, 2:29 and 2:34 with). 185 MB of programs for
+    the whole suite, deleted at its end."""
     if not on_cpu or environ.get(CACHE):
         return None
     folder = tempfile.mkdtemp(prefix="stackwise-tests-jax-cache-")
