@@ -157,7 +157,10 @@ def pytest_configure(config: pytest.Config) -> None:
     that the run compiles (:func:`_share_compiled_programs`; before any compile, and before
     xdist starts its workers, which inherit the environment)."""
     global _OWN_CACHE
-    _OWN_CACHE = _share_compiled_programs(os.environ, _runs_on_cpu())
+    # (not under .ci/tpu's costs plugin: its dry run on the CPU counts the programs that the
+    # chip, which has no such cache, would compile)
+    if not config.pluginmanager.has_plugin("tpu_costs"):
+        _OWN_CACHE = _share_compiled_programs(os.environ, _runs_on_cpu())
     if _OWN_CACHE:
         jax.config.update("jax_compilation_cache_dir", _OWN_CACHE)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

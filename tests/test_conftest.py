@@ -110,7 +110,7 @@ def test_where():
 '''
 
 
-def _run_shared(tmp_path, **environ):
+def _run_shared(tmp_path, *options, **environ):
     """Runs SHARED under a copy of the suite's conftest, in one process; returns the number
     of cache hits after each of its two compiling tests and what its third test saw."""
     folder = tmp_path / "run"
@@ -121,13 +121,16 @@ def _run_shared(tmp_path, **environ):
     record.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(
         ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "PYTEST_XDIST", "STACKWISE_TESTS"))}
-    env.update(JAX_PLATFORMS="cpu", RECORD=str(record), **environ,
-               PYTHONPATH=os.pathsep.join([str(CONFTEST.parent), env.get("PYTHONPATH", "")]))
+    env.update(JAX_PLATFORMS="cpu", RECORD=str(record), TPU_COSTS_OUT=str(tmp_path / "c.json"),
+               **environ, PYTHONPATH=os.pathsep.join(
+                   [str(CONFTEST.parent), str(CONFTEST.parents[1] / ".ci"),
+                    env.get("PYTHONPATH", "")]))
     # (the suite's warning filters, pyproject.toml's: every warning an error but those named)
     filters = tomllib.loads((CONFTEST.parents[1] / "pyproject.toml").read_text())[
         "tool"]["pytest"]["ini_options"]["filterwarnings"]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-p", "no:xdist", *(f"-W{f}" for f in filters), str(folder)],
+                          "-p", "no:xdist", *(f"-W{f}" for f in filters), *options,
+                          str(folder)],
                          cwd=folder, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     return (int((record / "first").read_text()), int((record / "second").read_text()),
@@ -150,6 +153,12 @@ def test_an_entry_read_while_another_worker_writes_it_is_compiled_again(tmp_path
     run = _run_shared(tmp_path, TEAR="1")
     assert int((tmp_path / "record" / "torn").read_text()) == 0
     assert run[1] >= 1  # (the cache was read before it was torn)
+
+
+def test_no_cache_under_the_tpu_tiers_costs_plugin(tmp_path):
+    # (.ci/tpu's dry run on the CPU counts the programs that the chip would compile)
+    first, second, (folder, exported, floor) = _run_shared(tmp_path, "-p", "tpu_costs")
+    assert first == second == 0 and folder is exported is None
 
 
 def test_a_cache_set_by_the_user_is_theirs(tmp_path):
