@@ -121,8 +121,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 #: cache, and read it from there when a later ``jit`` lowers the same program: the run's own
 #: folder (:func:`_share_compiled_programs`), no floor on a program's compile time or size.
 CACHE = "JAX_COMPILATION_CACHE_DIR"
-CACHE_ALL = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+CACHE_ALL = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": 0,
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": 0}
 #: The folder this process made for the run's cache, removed when the run ends; None in the
 #: xdist workers (theirs is the controller's) and where the user set their own.
 _OWN_CACHE: str | None = None
@@ -146,7 +146,7 @@ def _share_compiled_programs(environ: dict, on_cpu: bool) -> str | None:
     if not on_cpu or environ.get(CACHE):
         return None
     folder = tempfile.mkdtemp(prefix="stackwise-tests-jax-cache-")
-    environ.update({CACHE: folder, **CACHE_ALL})
+    environ.update({CACHE: folder, **{name: str(value) for name, value in CACHE_ALL.items()}})
     return folder
 
 
@@ -161,10 +161,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # chip, which has no such cache, would compile)
     if not config.pluginmanager.has_plugin("tpu_costs"):
         _OWN_CACHE = _share_compiled_programs(os.environ, _runs_on_cpu())
-    if _OWN_CACHE:
-        jax.config.update("jax_compilation_cache_dir", _OWN_CACHE)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if _OWN_CACHE:  # (JAX read the environment when imported: its options, the same names)
+        for name, value in {CACHE: _OWN_CACHE, **CACHE_ALL}.items():
+            jax.config.update(name.lower(), value)
     import _tiers
 
     _tiers.FAST = "not slow" in (config.option.markexpr or "")
