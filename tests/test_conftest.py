@@ -119,8 +119,11 @@ def _run_shared(tmp_path, *options, **environ):
     (folder / "test_shared.py").write_text(SHARED)
     record = tmp_path / "record"
     record.mkdir()
+    # (a run of its own; but the XLA flags this jaxlib takes, asked once per session, are
+    # passed on: the child's conftest does not ask again, 1.3 s of each run)
     env = {k: v for k, v in os.environ.items() if not k.startswith(
-        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "PYTEST_XDIST", "STACKWISE_TESTS"))}
+        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "PYTEST_XDIST", "STACKWISE_TESTS"))
+        or k == "STACKWISE_TESTS_XLA_KNOWS"}
     env.update(JAX_PLATFORMS="cpu", RECORD=str(record), TPU_COSTS_OUT=str(tmp_path / "c.json"),
                **environ, PYTHONPATH=os.pathsep.join(
                    [str(CONFTEST.parent), str(CONFTEST.parents[1] / ".ci"),

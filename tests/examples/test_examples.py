@@ -42,12 +42,16 @@ FRAMEWORKS_ATOL = 1e-4
 def env(tmp_path_factory) -> dict:
     """The example runs' environment (with the suite's XLA_FLAGS, tests/conftest.py). They share
     a compilation cache: most of their programs are the same tiny model's, and compiling
-    dominates them."""
+    dominates them. The run's own cache where it has one (tests/conftest.py: on the CPU), so
+    that these runs, test_lora_example.py's and the rest of the run's tests read what another
+    compiled first; else a folder of this module's."""
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
+        tmp_path_factory.mktemp("jax_cache"))
     return dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         JAX_NUMPY_RANK_PROMOTION="raise",
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+        JAX_COMPILATION_CACHE_DIR=cache,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
