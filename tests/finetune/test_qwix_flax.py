@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
+from _versions import EXACT_SCALES, EXACT_SCALES_WHY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -228,6 +229,7 @@ def test_a_param_added_inside_the_layer_is_kept_stacked():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not EXACT_SCALES, reason=EXACT_SCALES_WHY)  # (fake quantization: codes)
 def test_qat_equals_the_loop():
     """Fake-quantized training with static activation scales: each layer's statistics
     (the `quant_stats` collection) stacked; outputs, gradients and updated statistics are

@@ -20,6 +20,7 @@ from _trees import assert_trees_bitwise
 from _versions import (
     EXACT_SCALES,
     EXACT_SCALES_WHY,
+    SCALE_ULP,
     SRQ_IN_SCAN,
     SRQ_IN_SCAN_WHY,
     assert_same_quantization,
@@ -92,6 +93,7 @@ def _linen_srq(model, rule):
     return srq, jax.eval_shape(srq.init, KEY, X)["params"]
 
 
+@pytest.mark.skipif(not EXACT_SCALES, reason=EXACT_SCALES_WHY)  # (the statistics: downstream)
 @pytest.mark.parametrize("calibration", ["absmax", "minmax"])  # minmax: with a zero point
 def test_linen_srq_equals_the_loop(calibration):
     rule = _rule(calibration)
@@ -210,9 +212,9 @@ def test_nnx_srq_equals_the_loop():
 def test_nnx_srq_equals_qwix_converting_the_qat_stack():
     """qwix's other way in NNX, a PTQ model made from the QAT model itself (each layer's
     statistics read and deleted inside the scan), gives the bridge's params: the weights
-    bitwise, the static scales within 1 ulp (there computed in the compiled scan, where XLA
-    may round the mean's division differently; the bridge computes them as qwix does for a
-    loop, bitwise, see above)."""
+    bitwise, the static scales within 1 ulp, 2 off the CPU (there computed in the compiled scan,
+    where XLA may round the mean's division differently; the bridge computes them as qwix does
+    for a loop, bitwise, see above)."""
     rule = _rule()
     qat = qwix.quantize_model(NnxModel(), qwix.QtProvider([rule]), X)
     for batch in CALIBRATION:
@@ -227,7 +229,7 @@ def test_nnx_srq_equals_qwix_converting_the_qat_stack():
     scales = [k for k in flat if str(k[-2]).endswith("_lhs_scale")]
     assert len(scales) == 2  # up's and down's inputs
     for k in scales:
-        np.testing.assert_array_max_ulp(flat.pop(k), flat_theirs.pop(k), maxulp=1)
+        np.testing.assert_array_max_ulp(flat.pop(k), flat_theirs.pop(k), maxulp=SCALE_ULP)
     assert_same_quantization(flat, flat_theirs)  # the weights: bitwise on jax >= 0.10.2
 
 
