@@ -18,6 +18,8 @@ from _nnx import Loop as NnxLoop
 from _tolerance import assert_close, reassociation_bound
 from _trees import assert_trees_bitwise
 from _versions import (
+    CALIBRATION_AS_LOOP,
+    CALIBRATION_AS_LOOP_WHY,
     EXACT_SCALES,
     EXACT_SCALES_WHY,
     SCALE_ULP,
@@ -93,7 +95,7 @@ def _linen_srq(model, rule):
     return srq, jax.eval_shape(srq.init, KEY, X)["params"]
 
 
-@pytest.mark.skipif(not EXACT_SCALES, reason=EXACT_SCALES_WHY)  # (the statistics: downstream)
+@pytest.mark.skipif(not CALIBRATION_AS_LOOP, reason=CALIBRATION_AS_LOOP_WHY)
 @pytest.mark.parametrize("calibration", ["absmax", "minmax"])  # minmax: with a zero point
 def test_linen_srq_equals_the_loop(calibration):
     rule = _rule(calibration)
