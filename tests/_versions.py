@@ -29,8 +29,8 @@ EXACT_SCALES_WHY = (
     "which flips a code and so what is computed downstream of it (tests/_versions.py)"
 )
 #: Calibration statistics gathered through qwix's fake quantization inside a scan are the
-#: loop's (to the reassociation of their sums) on XLA:CPU, 0.10.0's too (its scales 1 ulp
-#: apart flip no code in the tests' models); on a TPU they are not (the TPU tier, 2026-12-07).
+#: loop's (to the reassociation of their sums) on XLA:CPU, on 0.10.0 too (the linen test holds
+#: on .ci/oldest's versions); on a TPU they are not (the TPU tier, 2026-12-07).
 CALIBRATION_AS_LOOP = jax.default_backend() == "cpu"
 CALIBRATION_AS_LOOP_WHY = (
     "a TPU rounds a fake-quantization scale inside the scan 1 ulp from the loop's, which flips "
