@@ -38,10 +38,22 @@ entries' sums: stricter for a sum that cancels (a loss of ``sin`` s), and the me
 stay well within.
 
 What the checks still catch: a relative error of 1e-3 in any leaf is 8,389 eps * scale, over
-2.5 times every bound in the suite (the largest, 3,326, for the multi-process example's step:
-8 transformer blocks of 9 chained sums each; most are 300-1,000); an error in the code (a layer
-skipped, a microbatch counted twice, params of the wrong layer) is far larger.
+2.5 times every float32 bound in the suite (the largest, 3,326, for the multi-process
+example's step: 8 transformer blocks of 9 chained sums each; most are 300-1,000); an error in
+the code (a layer skipped, a microbatch counted twice, params of the wrong layer) is far
+larger.
 tests/test_tolerance.py shows it on a stack and its loop.
+
+Narrow dtypes. Two programs computing in bfloat16 also differ in where they round: the source
+rounds after each bfloat16 operation, but a backend may run an elementwise chain in float32
+and round once at the end of its fusion (XLA:TPU on a v5e, which has no bfloat16 vector unit;
+XLA:CPU rounds after each operation). A rounding one program makes and the other skips moves
+a value by at most u |v| (u = eps_bfloat16 / 2 = 2**-8); to first order these add through the
+chain with a gain about 1 (residual layers, values within the output's scale), all in one
+direction in the worst case: ``rounding_bound`` counts them. (The probabilistic form, lambda
+sqrt(k) u, is looser for the few tens of roundings of a small model, since lambda = 6.) Such a
+bound is loose, 14 eps_bfloat16 for 28 roundings, 11% of the scale: it checks the dtypes and
+the structure; a float32 run of the same model checks the arithmetic.
 
 Where the code promises bitwise equality (checkpoint round trips, conversions), compare exactly
 instead (tests/_trees.py: ``assert_trees_bitwise``).
@@ -56,6 +68,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 #: float32's machine epsilon, 2**-23: the spacing of float32 numbers at 1.0.
@@ -84,6 +97,23 @@ def reassociation_bound(*, depth: int, width: int | Sequence[int], summed: int =
     widths = [width] if isinstance(width, int) else list(width)
     chain = depth * sum(math.sqrt(w) for w in widths)
     return math.ceil(LAMBDA * (2 * chain + math.sqrt(summed)))
+
+
+def rounding_bound(*, roundings: int, dtype=jnp.bfloat16) -> int:
+    """How many float32 ``eps * scale`` two evaluations in ``dtype`` may differ by, when they
+    differ in which of their ``roundings`` to ``dtype`` they make (the module's docstring).
+
+    Args:
+      roundings: the operations the source rounds to ``dtype`` along the chain from the input
+        to the output (per layer, times the layers).
+      dtype: the narrow dtype (bfloat16 by default).
+
+    Returns:
+      ``roundings * u / eps`` with ``u`` half ``dtype``'s epsilon, ``eps`` float32's:
+      ``roundings * 2**15`` for bfloat16.
+    """
+    u = float(jnp.finfo(dtype).eps) / 2
+    return math.ceil(roundings * u / EPS)
 
 
 def compare(got, want, scale: float | None = None, zero: tuple[str, ...] = ()) -> dict:

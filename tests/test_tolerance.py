@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _tolerance import EPS, assert_close, compare, reassociation_bound
+from _tolerance import EPS, assert_close, compare, reassociation_bound, rounding_bound
 
 import stackwise
 
@@ -45,6 +45,8 @@ def results():
 def test_the_bound_is_the_derived_count():
     assert BOUND == 296
     assert reassociation_bound(depth=2, width=(4, 9)) == 6 * (2 * 2 * (2 + 3) + 1)
+    assert rounding_bound(roundings=28) == 28 * 2**15  # (u = 2**-8 of bfloat16, in 2**-23s)
+    assert rounding_bound(roundings=3, dtype=jnp.float16) == 3 * 2**12
 
 
 def test_a_stack_is_within_the_bound_of_its_loop(results):
