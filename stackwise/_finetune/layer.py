@@ -331,9 +331,11 @@ def warn_unrematted(
     held = count(params)
     if held:
         warnings.warn(
-            f"{who}: remat=False with a quantized base keeps every "
+            f"{who}: remat=False with a quantized base can keep every "
             f"layer's dequantized weights for the backward pass when differentiated: "
-            f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model. "
+            f"{held / 2**20:.1f} MiB ({held} bytes), as much as the float model (XLA:CPU "
+            "keeps them; XLA:TPU can fuse the dequantization into each dot and keep none: "
+            "compare the compiled gradient's memory_analysis()). "
             "Keep the default remat (or any policy) to hold one layer at a time; "
             "without gradients (decoding) remat changes nothing, so keep it there too.",
             stacklevel=stacklevel,

@@ -1,9 +1,10 @@
 """`remat=False` on a linen or NNX Stack running qwix-quantized weights (QLoRA int8, nf4).
 
 The backward pass of an unrematted scan keeps each layer's dequantized weight (qwix's dot
-converts the codes to floats before the matmul); the compiled gradient's temp memory shows
-it. The Stack warns then, once per call, giving the bytes counted from qwix's ``QArray`` s,
-and not with the default remat or float weights."""
+converts the codes to floats before the matmul); on XLA:CPU the compiled gradient's temp memory
+shows it (XLA:TPU fuses the conversion into the dots and holds none). The Stack warns then, once
+per call, giving the bytes counted from qwix's ``QArray`` s, and not with the default remat or
+float weights."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from _programs import on_cpu
 from flax import nnx, traverse_util
 
 import stackwise
@@ -114,5 +116,9 @@ def test_remat_false_holds_every_dequantized_layer(framework, qtype):
     build = FRAMEWORKS[framework]
     rematted = _temp(build, qtype, stackwise.DEFAULT_REMAT)
     unrematted = _temp(build, qtype, False)
-    assert unrematted - rematted >= DEQUANTIZED // 2
     assert rematted < 2 * DEQUANTIZED // N + DEQUANTIZED // 4  # about one layer's, not all
+    # What remat=False holds is XLA:CPU's fact: compiled for a v5e (jax 0.10.2), XLA:TPU
+    # fuses the dequantization into each dot, forward and backward, and reports 0 temp bytes
+    # for both programs, int8 and nf4 alike (benchmarks/results/tpu_tier.md).
+    if on_cpu():
+        assert unrematted - rematted >= DEQUANTIZED // 2
