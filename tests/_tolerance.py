@@ -45,15 +45,16 @@ larger.
 tests/test_tolerance.py shows it on a stack and its loop.
 
 Narrow dtypes. Two programs computing in bfloat16 also differ in where they round: the source
-rounds after each bfloat16 operation, but a backend may run an elementwise chain in float32
-and round once at the end of its fusion (XLA:TPU on a v5e, which has no bfloat16 vector unit;
-XLA:CPU rounds after each operation). A rounding one program makes and the other skips moves
-a value by at most u |v| (u = eps_bfloat16 / 2 = 2**-8); to first order these add through the
-chain with a gain about 1 (residual layers, values within the output's scale), all in one
+rounds after each bfloat16 operation, but a backend may run an elementwise chain in float32 and
+round once at the end of its fusion, and fuse a scan's body otherwise than a loop's (on a v5e, a
+bfloat16 Stack and its loop differed by 1.2 bfloat16 eps of the scale, where XLA:CPU kept them
+within 1; benchmarks/results/tpu_tier.md). A rounding one program makes and the other skips
+moves a value by at most u |v| (u = eps_bfloat16 / 2 = 2**-8); to first order these add through
+the chain with a gain about 1 (residual layers, values within the output's scale), all in one
 direction in the worst case: ``rounding_bound`` counts them. (The probabilistic form, lambda
 sqrt(k) u, is looser for the few tens of roundings of a small model, since lambda = 6.) Such a
-bound is loose, 14 eps_bfloat16 for 28 roundings, 11% of the scale: it checks the dtypes and
-the structure; a float32 run of the same model checks the arithmetic.
+bound is loose, 14 eps_bfloat16 for 28 roundings, 11% of the scale: it checks the dtypes and the
+structure; a float32 run of the same model checks the arithmetic.
 
 Where the code promises bitwise equality (checkpoint round trips, conversions), compare exactly
 instead (tests/_trees.py: ``assert_trees_bitwise``).
