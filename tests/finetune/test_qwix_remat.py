@@ -118,7 +118,7 @@ def test_remat_false_holds_every_dequantized_layer(framework, qtype):
     unrematted = _temp(build, qtype, False)
     assert rematted < 2 * DEQUANTIZED // N + DEQUANTIZED // 4  # about one layer's, not all
     # What remat=False holds is XLA:CPU's fact: compiled for a v5e (jax 0.10.2), XLA:TPU
-    # fuses the dequantization into each dot, forward and backward, and reports 0 temp bytes
-    # for both programs, int8 and nf4 alike (benchmarks/results/tpu_tier.md).
+    # reports 0 temp bytes for both programs, int8 and nf4 alike: no dequantized kernel held,
+    # the dequantization fused into the dots (benchmarks/results/tpu_tier.md).
     if on_cpu():
         assert unrematted - rematted >= DEQUANTIZED // 2
