@@ -7,7 +7,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import tomllib
+import types
 
 import pytest
 
@@ -177,3 +179,32 @@ def test_no_cache_is_made_off_the_cpu():
     environ = {"HOME": "/h"}
     assert conftest._share_compiled_programs(environ, on_cpu=False) is None
     assert environ == {"HOME": "/h"}
+
+
+def test_a_threads_lowerings_share_one_mlir_context():
+    import jax
+    import jax.numpy as jnp
+
+    def context(f, *args):  # (each f a new function: no lowering is read from JAX's caches)
+        return jax.jit(f).lower(*args).compiler_ir().context
+
+    first = context(lambda x: jnp.sin(x) + 1, jnp.ones(3))
+    assert context(lambda x, y: x @ y + 1, jnp.ones((2, 2)), jnp.ones((2, 2))) is first
+    other = []
+    thread = threading.Thread(
+        target=lambda: other.append(context(lambda x: jnp.cos(x) + 1, jnp.ones(3))))
+    thread.start()
+    thread.join()
+    assert other[0] is not first and context(lambda x: jnp.cos(x) + 1, jnp.ones(4)) is first
+
+
+def test_no_context_is_shared_where_jax_has_no_make_ir_context_or_shares_it_already():
+    import conftest
+
+    assert conftest._one_mlir_context_per_thread(None) is False
+    assert conftest._one_mlir_context_per_thread(types.SimpleNamespace()) is False
+    made = []
+    mlir = types.SimpleNamespace(make_ir_context=lambda: made.append(object()) or made[-1])
+    assert conftest._one_mlir_context_per_thread(mlir) is True
+    assert mlir.make_ir_context() is mlir.make_ir_context() and len(made) == 1
+    assert conftest._one_mlir_context_per_thread(mlir) is False  # (shared already)
