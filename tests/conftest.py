@@ -119,9 +119,9 @@ def _one_mlir_context_per_thread(mlir: object) -> bool:
     with one context, `tests/finetune`'s fast tier in one process took 54-55 s against 67-68 s
     (two alternating pairs), `tests/adapters`' 58.7 s against 70.8 s with a third of the peak
     memory (1.1 against 3.0 GB), the fast tier (``-n 2``) 127 s against 147 s (2026-12-07).
-    The programs are the same (StableHLO is printed from a module, whatever context holds
-    it). Nothing is changed, and False returned, where ``mlir`` has no ``make_ir_context`` (a
-    JAX that moved it: the suite would run as before, only slower, and
+    The lowered programs are the same text (compared for a Stack's forward, its gradient and an
+    eager operation). Nothing is changed, and False returned, where ``mlir`` has no
+    ``make_ir_context`` (a JAX that moved it: the suite would run as before, only slower, and
     ``tests/test_conftest.py`` fails to say so) or has it shared already."""
     make = getattr(mlir, "make_ir_context", None)
     if make is None or getattr(make, "shared_per_thread", False):
