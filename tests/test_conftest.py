@@ -1,6 +1,7 @@
 """tests/conftest.py's settings by backend, decided before JAX starts: XLA:CPU's compile flags
 on the CPU only (XLA_FLAGS reach every backend's compiler), float32 matmuls at 'highest' off it.
-Checked in subprocesses that load the conftest and start no backend (no TPU needed)."""
+Checked in subprocesses that load the conftest and start no backend (no TPU needed). Then the
+run's compilation cache, and the one MLIR context per thread that JAX's lowerings share."""
 
 import json
 import os
