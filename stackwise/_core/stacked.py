@@ -36,10 +36,11 @@ class Stacked(NamedTuple):
         the stacked state, in place when the state is donated. For inference
         steps, where a step's speed matters more than its compile time (which
         grows with ``n``): on a TPU v5e a decode step takes 1.01-1.09x the
-        loop's in 15 of 17 cases measured, where the scanned ``apply`` takes
-        1.4-6x; 1.13-1.20x where a step reads mostly weights (D 1,536, batch
-        2: XLA:TPU prefetches the loop's per-layer weights, not slices of a
-        stacked one; the serving layout, below, is 1.00x there)
+        loop's in 16 of 19 cases measured, where the scanned ``apply`` takes
+        1.4-6x; 1.13-1.20x in three where a step reads mostly weights (D
+        1,536 with batch 2, D 2,048 with batch 1 in bfloat16: XLA:TPU
+        prefetches the loop's per-layer weights, not slices of a stacked
+        one; the serving layout, below, is 1.00x there)
         (benchmarks/results/tpu_decode.md). On the CPU it is slower than both
         (1.4x the loop at D=256, 4.4x at D=1024: XLA:CPU copies each layer's
         weights out of the stacked params); serve from
