@@ -32,7 +32,8 @@ stackwise-bench.png (compile time, step time and memory against n); --csv/--plot
 run starts. The project's pass/fail targets are checked from the CSV by benchmarks/targets.py.
 The exit status is 0 when every selected variant was measured, 1 when one failed (the notes
 say which; what was measured is still written), 130 when an interrupt (Ctrl-C, timeout -s INT)
-stopped it (the depths measured before it are still written), 2 for a bad command line.
+stopped it (the depths measured before it are still written; with --one-at-a-time also the
+variants measured at the depth it stopped), 2 for a bad command line.
 
 examples:
   stackwise-bench --quick                 smoke run: the mlp and pattern blocks, every variant,
@@ -207,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(results, notes, cfg, wide=args.wide)
     interrupted = any(note.startswith(INTERRUPTED) for note in notes)
     if not results and interrupted:
-        log("stackwise-bench: stopped by an interrupt before a depth was measured; nothing "
+        what = "a variant" if cfg.one_at_a_time else "a depth"
+        log(f"stackwise-bench: stopped by an interrupt before {what} was measured; nothing "
             "written; exit status 130.")
         return 130
     if not results:

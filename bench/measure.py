@@ -68,7 +68,8 @@ def run_benchmark(
     Returns:
       ``(results, notes)``: one :class:`~stackwise.bench.Result` per measured variant and
       depth (ratios filled in), and notes on what was skipped and why. A KeyboardInterrupt
-      (SIGINT) ends the run with the depths measured so far and an :data:`INTERRUPTED` note.
+      (SIGINT) ends the run with the depths measured so far (with ``cfg.one_at_a_time``, and
+      the variants measured whole at the depth it stopped) and an :data:`INTERRUPTED` note.
 
     Raises:
       ValueError: an unknown block, depths a block does not accept, or a ``cfg.variants``
@@ -91,8 +92,8 @@ def run_benchmark(
         for block, cases, ns in blocks:
             _BlockRun(block, cfg, bar, notes, log).run(cases, ns, results)
     except KeyboardInterrupt:  # (e.g. `timeout -s INT`): what was measured is reported
-        notes.append(f"{INTERRUPTED}: the depths measured before it are reported, the rest "
-                     "is not.")
+        notes.append(f"{INTERRUPTED}: the depths measured before it are reported (one at a "
+                     "time, also the variants done at the depth it stopped), the rest is not.")
         log(f"note: {notes[-1]}")
     finally:
         bar.close()
@@ -199,27 +200,45 @@ class _BlockRun:
 
     def run(self, cases: list[Case], ns: Sequence[int], results: list[Result]) -> None:
         """Measures ``cases`` at every depth of ``ns``, appending each depth's rows to
-        ``results`` once they are all timed (an interrupt keeps the depths done)."""
+        ``results`` once they are all timed (an interrupt keeps the depths done and, one at a
+        time, the variants done at its depth)."""
         small = min(workloads.BLOCKS[self.block].warmup_n, *ns)
         working = self.warm_up(cases, small) if self.cfg.warmup else list(cases)
         for n in ns:
             rows = {c.name: Result(self.block, n, c.framework, c.name, c.remat, tool=c.tool)
                     for c in working}
             programs: dict[str, list[str]] = {}
-            measured = []
-            for group in ([[c] for c in working] if self.cfg.one_at_a_time else [working]):
-                compiled = self.compile(rows, self.build(group, n), n, programs)
-                self.time_steps(rows, compiled, n)
-                measured += compiled
-                del compiled  # (one at a time: its params, state and program go before the next)
-                gc.collect()
-            for row in rows.values():
-                if row.variant in programs and row.tool in programs:
-                    row.ops_unlike_tool = instructions_unlike(programs[row.variant],
-                                                              programs[row.tool])
+            measured: list[str] = []
+            try:
+                for group in ([[c] for c in working] if self.cfg.one_at_a_time else [working]):
+                    compiled = self.compile(rows, self.build(group, n), n, programs)
+                    self.time_steps(rows, compiled, n)
+                    measured += compiled
+                    del compiled  # (one at a time: its params, state and program go first)
+                    gc.collect()
+            except KeyboardInterrupt:
+                # One at a time, each variant measured before the interrupt is whole: kept.
+                if self.cfg.one_at_a_time and measured:
+                    self.notes.append(f"{self.block} n={n}: {len(measured)} of {len(working)} "
+                                      "variants measured (one at a time) before the interrupt: "
+                                      "reported")
+                    self.log(f"note: {self.notes[-1]}")
+                    results += self.finish(working, rows, programs, measured)
+                raise
             if not sys.stderr.isatty():  # no live progress bar: say where we are
                 self.log(f"{self.block} n={n}: measured {len(measured)} variants")
-            results += [rows[c.name] for c in working if c.name in measured]  # cases' order
+            results += self.finish(working, rows, programs, measured)
+
+    @staticmethod
+    def finish(cases: list[Case], rows: dict[str, Result], programs: dict[str, list[str]],
+               measured: list[str]) -> list[Result]:
+        """The measured rows of one depth, in the cases' order, each given how many of its
+        program's instructions its tool's lacks (where both were read)."""
+        for row in rows.values():
+            if row.variant in programs and row.tool in programs:
+                row.ops_unlike_tool = instructions_unlike(programs[row.variant],
+                                                          programs[row.tool])
+        return [rows[c.name] for c in cases if c.name in measured]
 
     def build(self, cases: list[Case], n: int) -> dict[str, tuple]:
         """Each case's ``(params, ..., step)`` at depth ``n``; a case that fails is noted."""

@@ -7,6 +7,7 @@ No timing assertions: the smoke run checks that every variant runs and that the 
 import csv
 import importlib.metadata
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -153,6 +154,40 @@ def test_an_interrupt_reports_the_depths_measured_before_it(tmp_path, capsys, mo
     # each row says its block's sizes (and the decode blocks' dtype), as the tables' titles do
     assert {r["block_title"] for r in rows} == {workloads.title("mlp", BenchConfig.quick())}
     assert "exit status 130" in err
+
+
+@pytest.mark.parametrize("stop_after", [1, 0], ids=["second variant", "first variant"])
+def test_one_at_a_time_an_interrupt_keeps_the_variants_measured_at_its_depth(
+        tmp_path, capsys, monkeypatch, stop_after):
+    """Measured one at a time, a variant's rows are whole once its rounds end: an interrupt
+    during the next variant keeps them (a chip's time limit at a size that needs every
+    variant alone), where measured together a depth is all or nothing (the test above)."""
+    from stackwise.bench import cli, measure
+
+    timed, done = measure._BlockRun.time_steps, []
+
+    def time_steps(self, rows, compiled, n):
+        if len(done) == stop_after:
+            raise KeyboardInterrupt
+        done.extend(compiled)
+        return timed(self, rows, compiled, n)
+
+    monkeypatch.setattr(measure._BlockRun, "time_steps", time_steps)
+    csv_path = tmp_path / "bench.csv"
+    status = cli.main(["--quick", "--blocks", "mlp", "--variants", "stackwise,lax.scan",
+                       "--one-at-a-time", "--csv", str(csv_path), "--plot", "",
+                       "--no-progress"])
+    out, err = capsys.readouterr()
+    assert status == 130 and measure.INTERRUPTED in out + err
+    if stop_after == 0:
+        assert not csv_path.exists() and "before a variant was measured" in err
+        return
+    with csv_path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["variant"], int(r["n"])) for r in rows] == [(done[0], 2)]
+    assert float(rows[0]["step_s"]) > 0 and len(rows[0]["step_samples"].split()) == 2
+    assert re.search(r"mlp n=2: 1 of \d+ variants measured \(one at a time\) before the "
+                     "interrupt: reported", out + err)
 
 
 @pytest.mark.parametrize("one_at_a_time", [True, False], ids=["one at a time", "together"])
