@@ -190,8 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check(p, args)
     cfg = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
     _check_blocks(p, args, cfg)
-    import jax  # (after the command line is read: --help and its errors need no JAX)
-
+    # (imported after the command line is read: --help and its errors need no JAX)
     from stackwise.bench.measure import FAILED, INTERRUPTED, run_benchmark
     from stackwise.bench.plot import write_plot
     from stackwise.bench.report import backend, machine, print_report, write_csv, write_markdown
