@@ -40,7 +40,7 @@ class Stacked(NamedTuple):
         1.4-6x; 1.13-1.20x in three where a step reads mostly weights (D
         1,536 with batch 2, D 2,048 with batch 1 in bfloat16: XLA:TPU
         prefetches the loop's per-layer weights, not slices of a stacked
-        one; the serving layout, below, is 1.00x there)
+        one; the serving layout, below, is the loop's program)
         (benchmarks/results/tpu_decode.md). On the CPU it is slower than both
         (1.4x the loop at D=256, 4.4x at D=1024: XLA:CPU copies each layer's
         weights out of the stacked params); serve from
