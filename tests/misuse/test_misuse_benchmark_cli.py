@@ -1,6 +1,6 @@
 """Misuses of the benchmarks' command lines (`benchmarks/checkpoint_load.py`, `optimizer_step.py`,
 `tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`, `autostack_compile.py`,
-`multi_lora_decode.py`).
+`multi_lora_decode.py`, `trace_depth.py`).
 
 Each is refused by argument parsing, before a checkpoint is written or JAX runs: exit status 2 and a
 message naming the flag. The parser runs in-process: `parse_args(argv)`.
@@ -66,6 +66,7 @@ TPU_DECODE_HLO = SCRIPT.parent / "tpu_decode_hlo.py"
 OFFLOAD_MEMORY = SCRIPT.parent / "offload_memory.py"
 TPU_TRAIN = SCRIPT.parent / "tpu_train.py"
 AUTOSTACK_COMPILE = SCRIPT.parent / "autostack_compile.py"
+TRACE_DEPTH = SCRIPT.parent / "trace_depth.py"
 
 #: (script, argv, the flag the message names, a part of the message): the TPU-compiled tables'
 #: flags, refused by the parser before JAX or libtpu is imported.
@@ -110,6 +111,11 @@ TPU_TABLE_CASES = [
      "expected blocks among transformer, mlp, got 'mlp,decode'"),
     (AUTOSTACK_COMPILE, ["--blocks", ","], "--blocks",
      "expected blocks among transformer, mlp, got ','"),
+    *((TRACE_DEPTH, ["--offsets", value], "--offsets",
+       f"expected comma-separated integers of 0 or more, got {value!r}")
+      for value in ("0,-4", "two", "0,,8", "1.5")),
+    *((TRACE_DEPTH, ["--rounds", value], "--rounds", f"expected a positive integer, got {value!r}")
+      for value in ("0", "x")),
 ]
 
 
