@@ -15,6 +15,7 @@
 # (.ci/tpu on the tests that read a backend's facts), train (benchmarks/tpu_train.py at remat
 # dots and full, at most 8 min), train-off (the same without remat, at batch 4, ~2 min),
 # train-unroll-dots and train-unroll-off (the loop, the stack and the stack at unroll=2),
+# train-unrolled (the loop, the stack and the stack at unroll=True, at dots),
 # train-profile (the loop and the stack traced by jax.profiler, with their compiled programs),
 # train-compile (each adapter and its tool at dots, 7 interleaved cold compiles each),
 # train-dots-b4 (the loop and the stack at dots, batch 4, beside train-off's rows), preset

@@ -32,6 +32,9 @@ matmul outputs saved) and ``full`` (nothing but each block's input saved):
   the loop, and the adapters' rows with the tools;
 - ``stackwise unroll=2``: the same stack at ``unroll=2`` (two blocks a scan iteration: the
   loop's program has no loop at all, the scan's one iteration per block);
+- ``stackwise unroll=True``: the same stack as a Python loop over static slices of the
+  stacked params (``unroll=True``, what ``Stacked.decode`` runs): the loop's program on
+  stacked params and gradients, compiled in about the loop's time;
 - ``nn.scan``: linen's ``nn.scan`` of linen's block, in ``nn.remat`` with the policy;
 - ``stackwise.flax.Stack``: the same linen block stacked by ``stackwise.flax.Stack(block,
   n, remat=...)`` (``False``, the policy, ``True``), on the ``nn.scan`` row's params (the
@@ -43,17 +46,18 @@ matmul outputs saved) and ``full`` (nothing but each block's input saved):
   loss is ``hk.layer_stack``'s (tested likewise).
 
 (linen's and Haiku's initialisers differ, so the two frameworks' losses differ, and differ
-from the loop's.) Every row compiles ``--compiles`` times (default 3; the loop's rows
-``--loop-compiles`` times, default 1), cold, interleaved: round r compiles every row still
-to compile once, in the table's order rotated by r (:func:`compile_order`), so that no row
-always goes first or second in the process; a row's steps run after its first compile.
+from the loop's.) Every row compiles ``--compiles`` times (default 3; the rows of the loop and
+of ``stackwise unroll=True`` ``--loop-compiles`` times, default 1), cold, interleaved: round r
+compiles every row still to compile once, in the table's order rotated by r
+(:func:`compile_order`), so that no row always goes first or second in the process; a row's
+steps run after its first compile.
 
 Columns: **compile s**, the median of the row's cold compiles (caches cleared before each;
 tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them in
-round order, seconds (one for the loop's rows by default: ~40 s each on a v5e, and no ratio is
-to the loop's compile); **trace / lower / XLA s**, the median of each of those three stages
-apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the median of
-``--rounds`` steps after two warm-up steps, each waited for (``block_until_ready``); their
+round order, seconds (one for the loop's and the unrolled stack's rows by default: ~40 s each
+on a v5e, and no ratio is to their compile); **trace / lower / XLA s**, the median of each of
+those three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the
+median of ``--rounds`` steps after two warm-up steps, each waited for (``block_until_ready``); their
 ratios: **/tool**, an adapter's to its own framework's tool at the same remat
 (``stackwise.flax.Stack`` / ``nn.scan``, ``stackwise.haiku.Stack`` / ``hk.layer_stack``; "-" on
 the other rows), **/loop** (step only), **/nn.scan** and **/hk.layer_stack**, every row's to
@@ -96,8 +100,10 @@ CHIP = {"d": 1024, "heads": 16, "hidden": 4096, "n": 16, "seq": 1024, "batch": 8
 TINY = {"d": 32, "heads": 2, "hidden": 64, "n": 3, "seq": 16, "batch": 2}
 #: The rows' families, in table order (each adapter after its framework's tool); the loop is
 #: every ``/loop`` ratio's reference.
-FAMILIES = ("loop", "stackwise", "stackwise unroll=2", "nn.scan", "stackwise.flax.Stack",
-            "hk.layer_stack", "stackwise.haiku.Stack")
+FAMILIES = ("loop", "stackwise", "stackwise unroll=2", "stackwise unroll=True", "nn.scan",
+            "stackwise.flax.Stack", "hk.layer_stack", "stackwise.haiku.Stack")
+#: The families that compile as a Python loop of the blocks does (``--loop-compiles``).
+LOOP_LIKE = ("loop", "stackwise unroll=True")
 #: Each adapter's family -> its framework's tool, the reference of its ``/tool`` ratios.
 ADAPTERS = {"stackwise.flax.Stack": "nn.scan", "stackwise.haiku.Stack": "hk.layer_stack"}
 #: The remats, in table order, and the bench's names for them (``common.REMATS``).
@@ -125,11 +131,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=positive, default=5, help="timed steps per row (default 5)")
     p.add_argument("--compiles", type=positive, default=3,
                    help="cold compiles per row, interleaved; the compile column is their median "
-                        "(default 3; the loop's: --loop-compiles)")
+                        "(default 3; the loop's and unroll=True's: --loop-compiles)")
     p.add_argument("--loop-compiles", type=positive, default=1,
-                   help="cold compiles of the loop's rows (default 1: ~40 s each on a v5e at "
-                        "the chip's sizes, and no ratio is to the loop's compile; give "
-                        "--compiles' number to treat it as the others)")
+                   help="cold compiles of the rows of the loop and of the stack at "
+                        "unroll=True (default 1: ~40 s each on a v5e at the chip's sizes, and "
+                        "no ratio is to their compile; give --compiles' number to treat them "
+                        "as the others)")
     p.add_argument("--variants", default="",
                    help="comma-separated row selectors: a family's name (e.g. 'stackwise', "
                         "'loop', 'nn.scan') picks that family's rows, any other text the rows "
@@ -247,7 +254,7 @@ def builds(args: argparse.Namespace, notes: list[str]) -> dict[str, Callable[[in
 
         return build
 
-    def unrolled(remat: str, k: int) -> Callable[[int], tuple]:
+    def unrolled(remat: str, k: int | bool) -> Callable[[int], tuple]:
         import stackwise
 
         def build(n: int) -> tuple:
@@ -259,8 +266,9 @@ def builds(args: argparse.Namespace, notes: list[str]) -> dict[str, Callable[[in
         return build
 
     found = {f"loop, remat {r}": loop(bench) for r, bench in REMATS.items()}
-    found.update({f"stackwise unroll=2, remat {r}": unrolled(bench, 2)
-                  for r, bench in REMATS.items()})
+    for k in (2, True):
+        found.update({f"stackwise unroll={k}, remat {r}": unrolled(bench, k)
+                      for r, bench in REMATS.items()})
     tools = {"stackwise": ("core", "stackwise"), "nn.scan": ("flax", "nn.scan"),
              "hk.layer_stack": ("haiku", "hk.layer_stack")}
     for family, (module, prefix) in tools.items():
@@ -488,8 +496,8 @@ def measure_all(found: dict[str, Callable[[int], tuple]], args: argparse.Namespa
     row that does not fit is not compiled again. Each row's ``"compile s"`` is the median of
     its compiles, ``"compiles"`` their seconds in round order."""
     names = [name for name in args.rows if name in found]
-    counts = {name: args.loop_compiles if name.startswith("loop, ") else args.compiles
-              for name in names}
+    counts = {name: args.loop_compiles if name.split(", remat ")[0] in LOOP_LIKE
+              else args.compiles for name in names}
     rows: dict[str, dict] = {}
     again: dict[str, tuple | None] = {}
     for order in compile_order(names, counts):

@@ -15,8 +15,8 @@ COLUMNS = ["variant", "remat", "compile s", "compiles", "trace / lower / XLA s",
            "compile /nn.scan", "compile /hk.layer_stack", "step ms", "step /loop", "step /tool",
            "step /nn.scan", "step /hk.layer_stack", "model TFLOP", "XLA TFLOP", "MFU %",
            "peak MiB", "loss"]
-FAMILIES = ["loop", "stackwise", "stackwise unroll=2", "nn.scan", "stackwise.flax.Stack",
-            "hk.layer_stack", "stackwise.haiku.Stack"]
+FAMILIES = ["loop", "stackwise", "stackwise unroll=2", "stackwise unroll=True", "nn.scan",
+            "stackwise.flax.Stack", "hk.layer_stack", "stackwise.haiku.Stack"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def train():
         yield load_script(BENCHMARKS / "tpu_train.py")
 
 
-@pytest.mark.slow  # (13 compiles of seven families: 20-40 s)
+@pytest.mark.slow  # (14 compiles of eight families: 20-40 s)
 def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkeypatch, capsys):
     argv = ["--tiny", "--rounds", "1", "--compiles", "2", "--variants", "remat off",
             "--markdown", str(tmp_path / "t.md")]
@@ -34,11 +34,12 @@ def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkey
     rows = train.main(argv)
     assert [(r["variant"], r["remat"]) for r in rows] == [(f, "off") for f in FAMILIES]
     assert all(list(r) == COLUMNS for r in rows)
-    assert rows[0]["step /loop"] == "1.00" and rows[3]["step /nn.scan"] == "1.00"
-    assert rows[5]["step /hk.layer_stack"] == "1.00"
+    assert rows[0]["step /loop"] == "1.00" and rows[4]["step /nn.scan"] == "1.00"
+    assert rows[6]["step /hk.layer_stack"] == "1.00"
     by = {r["variant"]: r for r in rows}
-    # the loop compiles once (--loop-compiles), the others --compiles times: their median
-    assert [len(r["compiles"].split()) for r in rows] == [1, 2, 2, 2, 2, 2, 2]
+    # the loop and the unrolled stack compile once (--loop-compiles), the others --compiles
+    # times: their median
+    assert [len(r["compiles"].split()) for r in rows] == [1, 2, 2, 1, 2, 2, 2, 2]
     for r in rows:
         seconds = [float(s) for s in r["compiles"].split()]
         # (the column shows 3 significant digits: 0.5% at most off)
@@ -55,7 +56,8 @@ def test_the_table_has_a_row_per_family_and_every_column(train, tmp_path, monkey
         # the same block on the same params: the tool's first loss
         assert by[adapter]["loss"] == by[tool]["loss"]
     assert all(by[f]["compile /tool"] == by[f]["step /tool"] == "-"
-               for f in ("loop", "stackwise", "stackwise unroll=2", "nn.scan", "hk.layer_stack"))
+               for f in ("loop", "stackwise", "stackwise unroll=2", "stackwise unroll=True",
+                         "nn.scan", "hk.layer_stack"))
     flops = train.model_flops(**{k: train.TINY[k] for k in ("d", "hidden", "n", "seq", "batch")})
     assert {r["model TFLOP"] for r in rows} == {flops / 1e12}
     assert all(r["MFU %"] > 0 and r["peak MiB"] > 0 and r["XLA TFLOP"] > 0 for r in rows)
@@ -88,7 +90,7 @@ def test_profile_writes_each_rows_trace_and_compiled_program(train, tmp_path, mo
 def test_variants_picks_rows_by_family_or_part_of_their_name(train):
     args = train.parse_args(["--tiny", "--variants", "stackwise, loop"])
     assert args.rows == [f"{f}, remat {r}" for r in train.REMATS for f in ("loop", "stackwise")]
-    assert len(train.parse_args(["--tiny"]).rows) == 21
+    assert len(train.parse_args(["--tiny"]).rows) == 24
 
 
 @pytest.mark.parametrize(("variants", "remat", "rows"), [
@@ -99,8 +101,10 @@ def test_variants_picks_rows_by_family_or_part_of_their_name(train):
     ("haiku", "dots,full", ["stackwise.haiku.Stack, remat dots",
                             "stackwise.haiku.Stack, remat full"]),
     ("stackwise,.Stack,nn.scan,hk.layer_stack", "full",
-     [f"{f}, remat full" for f in FAMILIES if f not in ("loop", "stackwise unroll=2")]),
-    ("unroll", "dots", ["stackwise unroll=2, remat dots"]),
+     [f"{f}, remat full" for f in FAMILIES if f not in ("loop", "stackwise unroll=2",
+                                                        "stackwise unroll=True")]),
+    ("unroll", "dots", ["stackwise unroll=2, remat dots", "stackwise unroll=True, remat dots"]),
+    ("unroll=True", "off", ["stackwise unroll=True, remat off"]),
     ("", "off", [f"{f}, remat off" for f in FAMILIES]),
 ])
 def test_variants_and_remat_pick_the_new_rows(train, variants, remat, rows):
@@ -235,7 +239,7 @@ def test_the_stack_computes_the_loops_loss_and_gradients(train, remat):
     found = train.builds(args, [])
     with jax.default_matmul_precision("highest"):
         results = {}
-        for family in ("loop", "stackwise", "stackwise unroll=2"):
+        for family in ("loop", "stackwise", "stackwise unroll=2", "stackwise unroll=True"):
             params, x, loss = found[f"{family}, remat {remat}"](args.n)
             results[family] = jax.jit(jax.value_and_grad(loss))(params, x)
     loss_loop, grads_loop = results.pop("loop")
