@@ -135,7 +135,7 @@ def main() -> int:
         with open(os.environ["TIER_COSTS"]) as f:
             rows = json.load(f)
     try:
-        text = record(dict(os.environ), log, datetime.datetime.now(datetime.timezone.utc),
+        text = record(dict(os.environ), log, datetime.datetime.now(datetime.UTC),
                       rows)
     except ValueError as e:
         print(f".ci/tpu_record.py: {e} ({os.environ['TIER_LOG']})", file=sys.stderr)

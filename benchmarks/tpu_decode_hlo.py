@@ -217,7 +217,7 @@ def variants(n: int, d: int, heads: int):
         k_all, v_all = cache["k"], cache["v"]
         zero = jnp.zeros((), jnp.int32)
         for i in range(n):  # (a static layer index: static slices, no loop)
-            p = jax.tree.map(lambda a: a[i], ps)
+            p = jax.tree.map(lambda a, i=i: a[i], ps)
             q, k, v = qkv_of(p, h)
             at = (jnp.int32(i), zero, pos, zero, zero)
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), at)
@@ -227,9 +227,9 @@ def variants(n: int, d: int, heads: int):
 
     def unrolled_set(ps, cache, h, pos):
         for i in range(n):  # (a static layer index)
-            p = jax.tree.map(lambda a: a[i], ps)
-            h, mine = layer(p, jax.tree.map(lambda a: a[i], cache), h, pos)
-            cache = jax.tree.map(lambda a, c: a.at[i].set(c), cache, mine)
+            p = jax.tree.map(lambda a, i=i: a[i], ps)
+            h, mine = layer(p, jax.tree.map(lambda a, i=i: a[i], cache), h, pos)
+            cache = jax.tree.map(lambda a, c, i=i: a.at[i].set(c), cache, mine)
         return h, cache
 
     return {

@@ -42,7 +42,7 @@ def test_the_counts_are_read_from_pytests_last_summary_line():
 def test_the_record_names_the_machine_the_counts_and_the_summary():
     env = {"TIER_STATUS": "124", "TIER_SECONDS": "450", "TIER_LIMIT": "450", "TIER_COUNT": "445",
            "TIER_ARGS": "", "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PLATFORMS": "tpu"}
-    now = datetime.datetime(2026, 12, 5, 23, 0, tzinfo=datetime.timezone.utc)
+    now = datetime.datetime(2026, 12, 5, 23, 0, tzinfo=datetime.UTC)
     text = RECORD.record(env, STOPPED, now)
     assert text.startswith("## 2026-12-05 23:00 UTC\n")
     assert "jax 0.10" in text and "jaxlib " in text and "libtpu " in text
@@ -109,7 +109,7 @@ def test_the_record_reports_what_the_tests_cost():
     assert RECORD.costs(walls)[0] == "- costs: 2 tests in 8 s"
     assert RECORD.costs([]) == ["- costs: no test finished"]
     env = {"TIER_STATUS": "0", "TIER_SECONDS": "9", "TIER_LIMIT": "450", "TIER_COUNT": "2"}
-    now = datetime.datetime(2026, 12, 6, tzinfo=datetime.timezone.utc)
+    now = datetime.datetime(2026, 12, 6, tzinfo=datetime.UTC)
     assert "- costs: 2 tests" in RECORD.record(env, FINISHED, now, rows)
     assert "- costs:" not in RECORD.record(env, FINISHED, now)
 
