@@ -34,7 +34,7 @@ matmul outputs saved) and ``full`` (nothing but each block's input saved):
   loop's program has no loop at all, the scan's one iteration per block);
 - ``stackwise unroll=True``: the same stack as a Python loop over static slices of the
   stacked params (``unroll=True``, what ``Stacked.decode`` runs): the loop's program on
-  stacked params and gradients, whose compile grows with n as the loop's does (3.3x the
+  stacked params and gradients, whose compile grows with n as the loop's does (2.8-3.3x the
   loop's, compiled for a compile-only v5e: ``results/tpu_train_compile_standin.md``);
 - ``nn.scan``: linen's ``nn.scan`` of linen's block, in ``nn.remat`` with the policy;
 - ``stackwise.flax.Stack``: the same linen block stacked by ``stackwise.flax.Stack(block,
