@@ -25,7 +25,9 @@ lax.scan). Frameworks that are not installed are skipped with a note."""
 
 _EPILOG = """\
 outputs: a table per block and framework on stdout (columns explained in the project's
-benchmarks/README.md), progress on stderr, and in the current directory
+benchmarks/README.md), progress on stderr (a bar on a terminal; elsewhere, as in a log file,
+lines saying how long the warm-up and each depth's building, compiling and timing took, each
+variant's with --one-at-a-time), and in the current directory
 stackwise-bench.csv (every measurement and the raw timings, one row per variant and n) and
 stackwise-bench.png (compile time, step time and memory against n); --csv/--plot move them
 (the repository's .gitignore covers both names). Every output is checked writable before the

@@ -203,7 +203,10 @@ class _BlockRun:
         ``results`` once they are all timed (an interrupt keeps the depths done and, one at a
         time, the variants done at its depth)."""
         small = min(workloads.BLOCKS[self.block].warmup_n, *ns)
+        start = time.perf_counter()
         working = self.warm_up(cases, small) if self.cfg.warmup else list(cases)
+        if self.cfg.warmup:
+            self.say(f"{self.block}: warm-up at n={small} in {time.perf_counter() - start:.1f} s")
         for n in ns:
             rows = {c.name: Result(self.block, n, c.framework, c.name, c.remat, tool=c.tool)
                     for c in working}
@@ -211,8 +214,14 @@ class _BlockRun:
             measured: list[str] = []
             try:
                 for group in ([[c] for c in working] if self.cfg.one_at_a_time else [working]):
-                    compiled = self.compile(rows, self.build(group, n), n, programs)
+                    marks = [time.perf_counter()]
+                    built = self.build(group, n)
+                    marks.append(time.perf_counter())
+                    compiled = self.compile(rows, built, n, programs)
+                    marks.append(time.perf_counter())
                     self.time_steps(rows, compiled, n)
+                    marks.append(time.perf_counter())
+                    self.say_phases(n, group, marks)
                     measured += compiled
                     del compiled  # (one at a time: its params, state and program go first)
                     gc.collect()
@@ -225,9 +234,22 @@ class _BlockRun:
                     self.log(f"note: {self.notes[-1]}")
                     results += self.finish(working, rows, programs, measured)
                 raise
-            if not sys.stderr.isatty():  # no live progress bar: say where we are
-                self.log(f"{self.block} n={n}: measured {len(measured)} variants")
+            self.say(f"{self.block} n={n}: measured {len(measured)} variants")
             results += self.finish(working, rows, programs, measured)
+
+    def say(self, line: str) -> None:
+        """Logs ``line`` where no live progress bar says where the run is (stderr is not a
+        terminal: a log file, a chip's run)."""
+        if not sys.stderr.isatty():
+            self.log(line)
+
+    def say_phases(self, n: int, group: list[Case], marks: list[float]) -> None:
+        """Where a group's seconds went (``marks``: its start, then the end of building,
+        compiling and timing it): the variant's name, one at a time, else their number."""
+        what = group[0].name if len(group) == 1 else f"{len(group)} variants"
+        build, compile_, steps = (b - a for a, b in zip(marks, marks[1:]))
+        self.say(f"{self.block} n={n}: {what}: built in {build:.1f} s, compiled in "
+                 f"{compile_:.1f} s, timed in {steps:.1f} s")
 
     @staticmethod
     def finish(cases: list[Case], rows: dict[str, Result], programs: dict[str, list[str]],

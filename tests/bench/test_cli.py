@@ -226,3 +226,30 @@ def test_one_at_a_time_holds_one_variant_and_still_gives_every_ratio(monkeypatch
         assert len(runs) == 3 and set(runs) == {r.variant for r in results}, runs
     else:  # all built, then the calls of every variant in turns
         assert [kind for kind, _ in events[:3]] == ["build"] * 3 and len(runs) > 3
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["one at a time", "together"])
+def test_without_a_terminal_the_log_says_where_each_phase_went(monkeypatch, one_at_a_time):
+    """Where no progress bar shows (stderr not a terminal: a log, a chip's run), the log says
+    how long the warm-up took and, per variant (one at a time) or per depth (together), how
+    long building, compiling and timing took; on a terminal it says none of it."""
+    from stackwise.bench import measure
+
+    variants = ("loop (separate", "lax.scan (hand)")
+    cfg = BenchConfig.quick(blocks=("decode",), variants=variants, warmup=True,
+                            one_at_a_time=one_at_a_time)
+    for terminal in (False, True):
+        monkeypatch.setattr(measure.sys.stderr, "isatty", lambda terminal=terminal: terminal)
+        lines: list[str] = []
+        results, _ = measure.run_benchmark(cfg, progress=False, log=lines.append)
+        assert len(results) == 2
+        if terminal:
+            assert not lines
+            continue
+        assert re.fullmatch(r"decode: warm-up at n=2 in \d+\.\d s", lines[0])
+        phases = [line for line in lines if " built in " in line]
+        whats = (["loop (separate params)", "lax.scan (hand)"] if one_at_a_time
+                 else ["2 variants"])
+        assert [re.fullmatch(r"decode n=2: (.+): built in \d+\.\d s, compiled in \d+\.\d s, "
+                             r"timed in \d+\.\d s", line)[1] for line in phases] == whats
+        assert lines[-1] == "decode n=2: measured 2 variants"
