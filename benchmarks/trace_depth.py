@@ -32,8 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tpu_decode_hlo import nonnegative, positive  # benchmarks/tpu_decode_hlo.py
+from tpu_train import CHIP, sgd_step  # benchmarks/tpu_train.py
 
-D, HEADS, HIDDEN, N, SEQ, BATCH = 1024, 16, 4096, 16, 1024, 8
+#: ``tpu_train.py``'s default model.
+D, HEADS, HIDDEN, N, SEQ, BATCH = (CHIP[k] for k in ("d", "heads", "hidden", "n", "seq", "batch"))
 #: Whose page faults are read: this thread's (Linux), else the process's.
 WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
@@ -101,17 +103,6 @@ def _transformed(net: Any) -> tuple[Callable, Any]:
     return loss, (params, x)
 
 
-def step_trace(loss: Callable, shapes: tuple) -> None:
-    """Traces ``jit(value_and_grad(loss))`` and an SGD update, as ``tpu_train.py`` does."""
-    import jax
-
-    def step(p, h):
-        value, grads = jax.value_and_grad(loss)(p, h)
-        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
-
-    jax.jit(step, donate_argnums=0).trace(*shapes)
-
-
 def under(frames: int, fn: Callable[[], Any]) -> Any:
     """``fn()`` called ``frames`` Python frames deeper than this call."""
     return fn() if frames == 0 else under(frames - 1, fn)
@@ -125,7 +116,7 @@ def timed(frames: int, loss: Callable, shapes: tuple) -> tuple[float, int]:
     gc.collect()
     faults = resource.getrusage(WHO).ru_minflt
     start = time.perf_counter()
-    under(frames, lambda: step_trace(loss, shapes))
+    under(frames, lambda: sgd_step(loss).trace(*shapes))
     seconds = time.perf_counter() - start
     return seconds, resource.getrusage(WHO).ru_minflt - faults
 
@@ -157,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [("Haiku", haiku_steps()), ("linen", linen_steps())]
     for _, rows in pairs:  # warm: imports, the tools' first-use caches
         for loss, shapes in rows.values():
-            step_trace(loss, shapes)
+            sgd_step(loss).trace(*shapes)
     lines = [f"Cold trace of the training step (`jit(value_and_grad)` + SGD; d_model {D}, "
              f"{HEADS} heads, MLP {HIDDEN}, {N} blocks, sequence {SEQ}, batch {BATCH}, remat "
              f"saving the matmuls), under `offset` extra Python frames; median of "
