@@ -128,6 +128,10 @@ for what in "$@"; do
         part train-unroll-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 \
             --compiles 1 --variants "loop,stackwise,stackwise unroll=2" \
             --markdown "$out/tpu_train_unroll_off_b4.md" ;;
+    train-unrolled)  # ~4 min: the loop, the stack and the stack at unroll=True (compiled as the
+        # loop is, once: ~40 s for the loop on a v5e's host, ~3x that unrolled on the VM's stand-in)
+        part train-unrolled 300 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
+            --variants "loop,stackwise,stackwise unroll=True" --markdown "$out/tpu_train_unrolled_dots.md" ;;
     train-profile)  # ~3 min: the loop and the stack, traced (jax.profiler) and their compiled
         # programs' text, with the matmuls saved (batch 8) and without remat (batch 4): the
         # traces (~1-14 MB each), programs and tables in one file, OUT/train_profile.tar.gz
@@ -151,7 +155,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, bench-decode-sizes, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, profile, bench-decode, bench-decode-sizes, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-unrolled, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done
