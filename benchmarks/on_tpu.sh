@@ -128,8 +128,8 @@ for what in "$@"; do
         part train-unroll-off 150 python3 benchmarks/tpu_train.py --remat off --batch 4 \
             --compiles 1 --variants "loop,stackwise,stackwise unroll=2" \
             --markdown "$out/tpu_train_unroll_off_b4.md" ;;
-    train-unrolled)  # ~4 min: the loop, the stack and the stack at unroll=True (compiled as the
-        # loop is, once: ~40 s for the loop on a v5e's host, ~3x that unrolled on the VM's stand-in)
+    train-unrolled)  # ~2 min: the loop, the stack and the stack at unroll=True (compiled once,
+        # as the loop is: 38-45 s each on the v5e's host, tpu_train.md's eighth run)
         part train-unrolled 300 python3 benchmarks/tpu_train.py --remat dots --compiles 1 \
             --variants "loop,stackwise,stackwise unroll=True" --markdown "$out/tpu_train_unrolled_dots.md" ;;
     train-profile)  # ~3 min: the loop and the stack, traced (jax.profiler) and their compiled
