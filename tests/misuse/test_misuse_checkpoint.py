@@ -49,6 +49,8 @@ def files(tmp_path_factory):
     (root / "garbage.json").write_bytes(bytes(range(256)) * 4)
     (root / "numbers.json").write_text(json.dumps({"weight_map": {"w": 1}}))
     (root / "list.json").write_text(json.dumps({"weight_map": ["a.safetensors"]}))
+    # an index of another checkpoint: it puts a tensor in a file that does not hold it
+    (root / "stale.json").write_text(json.dumps({"weight_map": {"embed": "a.safetensors"}}))
     (root / "model.bin").write_bytes(b"a torch pickle, say")
     (root / "empty.npz").write_bytes(b"")
     np.savez(root / "whole.npz", w=np.zeros((3, 4, 2), np.float32))
@@ -328,6 +330,19 @@ CASES = {
         ["`transpose`", "tuple of ints", "(1, 0)"]),
     "a Tensor reshape of floats": (
         lambda root: Tensor("l.{}.w", reshape=(2.0, 4)), TypeError, ["`reshape[0]`", "2.0"]),
+    "names with a subtree where the target has a leaf": (
+        _load(".", names={"w": {"x": "model.layers.{}.w"}}),
+        ValueError, ["`names` has a subtree, not a name", "leaf ['w']"]),
+    "a Tensor whose name is not a str": (
+        _load(".", names={"w": Tensor(7)}), TypeError, ["name of leaf ['w']", "must be a str",
+                                                         "got 7"]),
+    "saving under a Tensor whose name is not a str": (
+        _save(names={"w": Tensor(7)}), TypeError, ["save_safetensors", "name of leaf ['w']",
+                                                    "must be a str", "got 7"]),
+    "an index of another checkpoint": (
+        lambda root: stackwise.open_checkpoint(root / "stale.json"), ValueError,
+        ["stale.json", "puts tensor 'embed' in a.safetensors", "does not hold it",
+         "different checkpoints"]),
     "a Tensor stored_shape of strings": (
         lambda root: Tensor("l.{}.w", stored_shape="24"), TypeError, ["`stored_shape`", "'24'"]),
     "a Tensor dtype that is none": (
@@ -392,6 +407,17 @@ def test_a_dtype_stackwise_does_not_read_names_the_tensor(tmp_path):
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     with pytest.raises(ValueError, match=r"'z' in .*c.safetensors has dtype C64"):
         stackwise.open_checkpoint(path)
+
+
+def test_an_orbax_folder_whose_metadata_holds_no_arrays_says_which_folder_to_pass(
+        tmp_path, monkeypatch):
+    # (orbax 0.12 refuses an empty tree itself; the guard is for a version that returns one)
+    ocp = pytest.importorskip("orbax.checkpoint")
+    (tmp_path / "_METADATA").write_text("{}")
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "metadata", lambda self, path: {})
+    with pytest.raises(ValueError, match=r"finds no arrays' metadata in it\. Pass the folder "
+                                         r"of one saved pytree"):
+        stackwise.open_checkpoint(tmp_path)
 
 
 def test_a_broken_orbax_metadata_names_the_folder(tmp_path):
