@@ -1,6 +1,7 @@
-"""autostack's signatures of values that have no key of their own
-(`stackwise/_autostack/signature.py`): each fallback keys such a value so that two equal ones
-still match and two different ones never do, and never raises while a loop is compared."""
+"""autostack's fallbacks, each reached: the signatures of values that have no key of their own
+(`stackwise/_autostack/signature.py`: two equal ones still match, two different ones never do,
+and nothing raises while a loop is compared), and the words for a structure that cannot be
+rebuilt from placeholders (`api._structure_difference`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,32 @@ def test_a_closure_whose_cell_is_not_yet_filled_is_keyed_with_none_there():
     assert before[0] == after[0] == "function"
     assert before[-1] == (("later", ("NoneType", None)),)
     assert after[-1] == (("later", ("int", 1)),)
+
+
+def test_a_structure_that_cannot_be_rebuilt_from_placeholders_is_named_whole():
+    import jax
+
+    from stackwise._autostack import api
+
+    @jax.tree_util.register_pytree_node_class
+    class Strict:  # (a node whose unflatten checks its leaves: ints are refused)
+        def __init__(self, w):
+            if not hasattr(w, "shape"):
+                raise TypeError("Strict holds arrays only")
+            self.w = w
+
+        def tree_flatten(self):
+            return (self.w,), None
+
+        @classmethod
+        def tree_unflatten(cls, aux, children):
+            return cls(*children)
+
+    got = jax.tree.structure({"a": Strict(jnp.ones(2))})
+    want = jax.tree.structure({"a": Strict(jnp.ones(2)), "b": 0})
+    said = api._structure_difference(got, want)
+    assert said == f"it has the structure {got}, but `fn` was traced with {want}"
+    # (a structure that rebuilds: the leaves one lacks, by path)
+    plain = api._structure_difference(jax.tree.structure({"a": 0}),
+                                      jax.tree.structure({"a": 0, "b": 0}))
+    assert "lacks 1 leaves" in plain and "['b']" in plain
