@@ -51,6 +51,8 @@ def files(tmp_path_factory):
     (root / "list.json").write_text(json.dumps({"weight_map": ["a.safetensors"]}))
     # an index of another checkpoint: it puts a tensor in a file that does not hold it
     (root / "stale.json").write_text(json.dumps({"weight_map": {"embed": "a.safetensors"}}))
+    # an index naming a file that was never downloaded
+    (root / "partial.json").write_text(json.dumps({"weight_map": {"w": "c.safetensors"}}))
     (root / "model.bin").write_bytes(b"a torch pickle, say")
     (root / "empty.npz").write_bytes(b"")
     np.savez(root / "whole.npz", w=np.zeros((3, 4, 2), np.float32))
@@ -343,6 +345,12 @@ CASES = {
         lambda root: stackwise.open_checkpoint(root / "stale.json"), ValueError,
         ["stale.json", "puts tensor 'embed' in a.safetensors", "does not hold it",
          "different checkpoints"]),
+    "an index naming a file that is not there": (
+        lambda root: stackwise.open_checkpoint(root / "partial.json"), ValueError,
+        ["the safetensors file {root}/c.safetensors does not exist"]),
+    "a list of files, one not there": (
+        lambda root: stackwise.open_checkpoint([root / "a.safetensors", root / "c.safetensors"]),
+        ValueError, ["the safetensors file {root}/c.safetensors does not exist"]),
     "a Tensor stored_shape of strings": (
         lambda root: Tensor("l.{}.w", stored_shape="24"), TypeError, ["`stored_shape`", "'24'"]),
     "a Tensor dtype that is none": (
