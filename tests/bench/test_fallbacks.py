@@ -1,8 +1,9 @@
 """stackwise-bench without its optional parts, each fallback reached: no matplotlib (no plot,
 said so; any --plot suffix let through), no rich (tqdm's bar), neither (no bar), no
 /proc/cpuinfo (the platform's name), a framework's adapter that cannot be imported (a note,
-its rows skipped), and the two errors of the block list (an unknown block; a module that
-the list names and that is not there, a bug)."""
+its rows skipped), the two errors of the block list (an unknown block; a module that the
+list names and that is not there, a bug), and a variant that fails to compile (a note, no
+row)."""
 
 import argparse
 import sys
@@ -65,3 +66,36 @@ def test_an_unknown_block_and_a_missing_block_module_are_errors(monkeypatch):
                         workloads.BLOCKS["mlp"]._replace(modules=("no_such_module",)))
     with pytest.raises(ImportError, match="no_such_module"):
         workloads.cases("mlp", BenchConfig(), [])
+
+
+@pytest.mark.parametrize("phase", ["warm-up", "compile"])
+def test_a_variant_that_fails_to_compile_is_noted_and_left_out(monkeypatch, phase):
+    """A variant whose compile raises, at the warm-up or at a measured depth, is a note
+    (``failed, skipped``, its error's first line) and no row; the others are measured."""
+    real = measure._compile
+    broken = "lax.scan (hand)"
+    names = {}
+
+    def build(case, n):  # (which variant each built tuple is)
+        made = measure.jax.block_until_ready(case.build(n))
+        names[id(made)] = case.name
+        return made
+
+    calls = {"n": 0}
+
+    def compile_or_fail(built, *args, **kwargs):
+        calls["n"] += 1
+        warm = calls["n"] <= 2  # (the warm-up compiles each of the two variants once)
+        if names.get(id(built)) == broken and warm == (phase == "warm-up"):
+            raise RuntimeError("boom: an XLA error\nits second line")
+        return real(built, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "_build", build)
+    monkeypatch.setattr(measure, "_compile", compile_or_fail)
+    cfg = BenchConfig.quick(blocks=("decode",), variants=("loop (separate", broken),
+                            warmup=True)
+    results, notes = measure.run_benchmark(cfg, progress=False, log=lambda _: None)
+    assert [r.variant for r in results] == ["loop (separate params)"]
+    where = broken if phase == "warm-up" else f"{broken} n="
+    assert len(notes) == 1 and notes[0].startswith(f"decode/{where}"), notes
+    assert notes[0].endswith(f"{measure.FAILED} (RuntimeError: boom: an XLA error)")
