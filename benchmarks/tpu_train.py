@@ -34,8 +34,9 @@ matmul outputs saved) and ``full`` (nothing but each block's input saved):
   loop's program has no loop at all, the scan's one iteration per block);
 - ``stackwise unroll=True``: the same stack as a Python loop over static slices of the
   stacked params (``unroll=True``, what ``Stacked.decode`` runs): the loop's program on
-  stacked params and gradients, whose compile grows with n as the loop's does (2.8-3.3x the
-  loop's, compiled for a compile-only v5e: ``results/tpu_train_compile_standin.md``);
+  stacked params and gradients, whose compile grows with n as the loop's does (on a v5e's
+  host in the loop's time, 38-52 s: ``results/tpu_train.md``, eighth run; the 2-core VM's
+  compile-only stand-in took 2.8-3.3x the loop's);
 - ``nn.scan``: linen's ``nn.scan`` of linen's block, in ``nn.remat`` with the policy;
 - ``stackwise.flax.Stack``: the same linen block stacked by ``stackwise.flax.Stack(block,
   n, remat=...)`` (``False``, the policy, ``True``), on the ``nn.scan`` row's params (the
@@ -55,8 +56,8 @@ steps run after its first compile.
 
 Columns: **compile s**, the median of the row's cold compiles (caches cleared before each;
 tracing, lowering and XLA, for the params' and input's shapes); **compiles**, each of them in
-round order, seconds (one for the loop's and the unrolled stack's rows by default: the loop's
-~40 s on a v5e, and no ratio is to their compile); **trace / lower / XLA s**, the median of each of
+round order, seconds (one for the loop's and the unrolled stack's rows by default: ~40 s each
+on a v5e, and no ratio is to their compile); **trace / lower / XLA s**, the median of each of
 those three stages apart (``jit(...).trace``, ``.lower()``, ``.compile()``); **step ms**, the
 median of ``--rounds`` steps after two warm-up steps, each waited for (``block_until_ready``); their
 ratios: **/tool**, an adapter's to its own framework's tool at the same remat
