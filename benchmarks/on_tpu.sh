@@ -8,7 +8,9 @@
 #
 # PARTs: main (the README's main command, as a new user runs it), decode (benchmarks/
 # tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
-# program's facts), decode48 (the same at n=48, one size), profile (a jax.profiler trace of the loop and the scanned decode at one
+# program's facts), decode48 (the same at n=48, one size), generate (benchmarks/tpu_generate.py
+# --time: 32 tokens under one jit, the stacked layout's decodes and to_serving inside the jit
+# against the loop, at three sizes), profile (a jax.profiler trace of the loop and the scanned decode at one
 # size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24),
 # bench-decode-sizes (the same block's loops, unrolled Stacks and serving layout at other sizes), tier
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
@@ -54,6 +56,10 @@ for what in "$@"; do
         part decode48 100 python3 benchmarks/tpu_decode_hlo.py --time 5 --n 48 \
             --variants loop,stackwise --shapes 512:1024:8,256:4096:16 \
             --markdown "$out/tpu_decode48.md" ;;
+    generate)  # ~4 min: 24 programs (3 sizes, 2 dtypes, 4 variants), each compiled then timed
+        part generate ${GENERATE_SECONDS:-330} python3 benchmarks/tpu_generate.py --n 32 --tokens 32 \
+            --time 5 --shapes ${GENERATE_SHAPES:-1536:1536:2,2048:512:1,768:3072:16} \
+            --markdown "$out/tpu_generate.md" ;;
     profile)
         part profile 150 python3 benchmarks/tpu_decode_hlo.py --time 1 --shapes 512:1024:8 \
             --dtypes float32 --variants loop,stackwise --profile /tmp/decode-profile
@@ -155,7 +161,7 @@ for what in "$@"; do
             --pairs ${AUTOSTACK_PAIRS:-5} --loop-seconds ${AUTOSTACK_LOOP_SECONDS:-60} \
             --markdown "$out/autostack_tpu.md" ;;
     *)
-        echo "unknown part $what (main, decode, decode48, profile, bench-decode, bench-decode-sizes, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-unrolled, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
+        echo "unknown part $what (main, decode, decode48, generate, profile, bench-decode, bench-decode-sizes, tier, tier1, tier2, tier-backend, train, train-off, train-unroll-dots, train-unroll-off, train-unrolled, train-profile, train-compile, train-dots-b4, preset, multi-lora, autostack)" >&2
         exit 2 ;;
     esac
 done

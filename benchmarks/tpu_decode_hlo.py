@@ -414,11 +414,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    dev = tpu_device()
     if args.time and jax.default_backend() != "tpu":
         raise SystemExit("--time runs the programs, so it needs a TPU attached; this host "
-                         f"compiles for {dev.device_kind} without one (JAX's backend is "
-                         f"{jax.default_backend()!r}). Leave out --time here.")
+                         f"has none (JAX's backend is {jax.default_backend()!r}). Leave out "
+                         "--time here: the programs are compiled for a v5e without running.")
+    dev = tpu_device()
     only = tuple(v for v in args.variants.split(",") if v)
     trace = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
     rows = []

@@ -107,3 +107,57 @@ def test_report_prints_and_writes_the_table_with_the_command(decode_hlo, tmp_pat
     assert "| 1.25 |" in text and capsys.readouterr().out.strip() == text.strip()
     decode_hlo.report([{"a": 1234.56}], "machine", "")  # printed only
     assert "| 1234.6 |" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def generate():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))  # (it imports tpu_decode_hlo, its sibling)
+        yield load_script(BENCHMARKS / "tpu_generate.py")
+
+
+def test_the_generate_programs_decode_the_same_tokens_in_every_layout(generate):
+    import jax.numpy as jnp
+    import numpy as np
+
+    n, d, t, b, heads, tokens = 3, 16, 12, 2, 2, 5
+    rng = np.random.default_rng(0)
+    stacked = {name: {"w": jnp.asarray(rng.standard_normal((n, d, k * d)) / 4, jnp.float32),
+                      "b": jnp.asarray(rng.standard_normal((n, k * d)) / 4, jnp.float32)}
+               for name, k in (("qkv", 3), ("out", 1))}
+    cache = {c: jnp.zeros((n, b, t, heads, d // heads)) for c in "kv"}
+    h = jnp.asarray(rng.standard_normal((b, 1, d)), jnp.float32)
+    pos = jnp.int32(2)
+    runs = generate.programs(n, d, heads, tokens)
+    assert list(runs) == list(generate.VARIANTS)
+    layers = lambda tree: [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]  # noqa: E731
+    want_h, want_cache = jax.jit(runs["loop"][0])(layers(stacked), layers(cache), h, pos)
+    want_cache = jax.tree.map(lambda *a: jnp.stack(a), *want_cache)
+    assert float(jnp.abs(want_cache["k"][:, :, pos + tokens - 1]).max()) > 0  # (all written)
+    assert float(jnp.abs(want_cache["k"][:, :, pos + tokens]).max()) == 0
+    for name in generate.VARIANTS[1:]:
+        got_h, got_cache = jax.jit(runs[name][0])(stacked, cache, h, pos)
+        np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5, err_msg=name)
+        for c in "kv":
+            np.testing.assert_allclose(got_cache[c], want_cache[c], rtol=1e-5, atol=1e-5,
+                                       err_msg=name)
+
+
+def test_generate_rows_are_timed_against_the_loop(generate):
+    rows = generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=1,
+                            only=("loop", "to_serving"))
+    assert [r["variant"] for r in rows] == ["loop", "to_serving in the jit"]
+    for row in rows:
+        assert row["compile s"] > 0 and row["temp MiB"] >= 0 and row["slice-start"] == 0
+        assert row["tokens/s"] == pytest.approx(2e3 / row["ms/token"])
+        assert row["/loop"] == pytest.approx(row["ms/token"] / rows[0]["ms/token"])
+    assert generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=0,
+                            only=("scanned",))[0].keys().isdisjoint({"ms/token", "/loop"})
+
+
+@pytest.mark.parametrize("script", ["tpu_decode_hlo.py", "tpu_generate.py"])
+def test_timing_without_a_tpu_attached_is_refused(script, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    with pytest.raises(SystemExit, match="--time runs the programs, so it needs a TPU attached; "
+                                         "this host has none .JAX's backend is 'cpu'."):
+        load_script(BENCHMARKS / script).main(["--time", "1", "--shapes", "16:256:1"])

@@ -1,6 +1,6 @@
 """Misuses of the benchmarks' command lines (`benchmarks/checkpoint_load.py`, `optimizer_step.py`,
 `tpu_decode_hlo.py`, `offload_memory.py`, `tpu_train.py`, `autostack_compile.py`,
-`multi_lora_decode.py`, `trace_depth.py`).
+`multi_lora_decode.py`, `trace_depth.py`, `tpu_generate.py`).
 
 Each is refused by argument parsing, before a checkpoint is written or JAX runs: exit status 2 and a
 message naming the flag. The parser runs in-process: `parse_args(argv)`.
@@ -67,6 +67,7 @@ OFFLOAD_MEMORY = SCRIPT.parent / "offload_memory.py"
 TPU_TRAIN = SCRIPT.parent / "tpu_train.py"
 AUTOSTACK_COMPILE = SCRIPT.parent / "autostack_compile.py"
 TRACE_DEPTH = SCRIPT.parent / "trace_depth.py"
+TPU_GENERATE = SCRIPT.parent / "tpu_generate.py"
 
 #: (script, argv, the flag the message names, a part of the message): the TPU-compiled tables'
 #: flags, refused by the parser before JAX or libtpu is imported.
@@ -85,6 +86,13 @@ TPU_TABLE_CASES = [
     (TPU_DECODE_HLO, ["--time", "2.5"], "--time", "expected an integer of 0 or more, got '2.5'"),
     (TPU_DECODE_HLO, ["--profile", "/tmp/p"], "--profile",
      "traces the timed rounds, so it needs --time R (R >= 1)"),
+    (TPU_GENERATE, ["--tokens", "0"], "--tokens", "expected a positive integer, got '0'"),
+    (TPU_GENERATE, ["--shapes", "512:64:1", "--tokens", "32", "--time", "1"], "--tokens",
+     "2 calls of 32 tokens run past the cache's 64 positions of --shapes; fewer tokens or calls"),
+    (TPU_GENERATE, ["--heads", "3", "--shapes", "512:64:1"], "--heads",
+     "3 heads do not divide D=512 of --shapes"),
+    (TPU_GENERATE, ["--dtypes", "int8"], "--dtypes",
+     "expected float32 and/or bfloat16, comma-separated, got 'int8'"),
     (OFFLOAD_MEMORY, ["--shapes", "24:1024:x"], "--shapes",
      "expected n:d:batch triples of positive integers"),
     *((TPU_TRAIN, [flag, value], flag, f"expected a positive integer, got {value!r}")
