@@ -34,6 +34,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 source "$root/.tpu/install.sh"
+(cd /tmp && python3 -P "$root/.ci/installed_matches.py" "$root") || exit 2  # (a stale wheel)
 python3 -c 'import jax; print(jax.devices(), jax.__version__)' | tee "$out/device.txt"
 
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND from the checkout's root, logged and timed

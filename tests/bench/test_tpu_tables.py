@@ -161,3 +161,29 @@ def test_timing_without_a_tpu_attached_is_refused(script, monkeypatch):
     with pytest.raises(SystemExit, match="--time runs the programs, so it needs a TPU attached; "
                                          "this host has none .JAX's backend is 'cpu'."):
         load_script(BENCHMARKS / script).main(["--time", "1", "--shapes", "16:256:1"])
+
+
+def test_a_generate_program_over_the_chips_memory_is_a_row_that_says_so(generate, monkeypatch):
+    class Fails:
+        def __init__(self, fn, **kw):
+            pass
+
+        def trace(self, *args):
+            return self
+
+        def lower(self):
+            return self
+
+        def compile(self):
+            raise jax.errors.JaxRuntimeError(self.error)
+
+    monkeypatch.setattr(jax, "jit", Fails)
+    Fails.error = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                   "HLO temporaries (21.44G) exceeds available HBM (15.75G).")
+    rows = generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=1, only=())
+    assert [r["variant"] for r in rows] == list(generate.VARIANTS)
+    assert all(r["slice-start"].startswith("does not fit: Ran out of memory on HBM") for r in rows)
+    assert "| does not fit" in generate.hlo.table(rows, "header")
+    Fails.error = "INTERNAL: something else"
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=0, only=())

@@ -160,3 +160,47 @@ def test_every_test_the_chips_selection_names_is_collected():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     collected = {line.strip() for line in run.stdout.splitlines() if "::" in line}
     assert collected == set(ids), sorted(set(ids) ^ collected)
+
+
+MATCHES = load_script(ROOT / ".ci" / "installed_matches.py", "installed_matches")
+
+
+def test_the_installed_package_is_the_checkouts_here():
+    # (the suite runs on an editable install, as CI's is: it imports the checkout itself)
+    assert MATCHES.differences(ROOT) == []
+    assert MATCHES.installed_dir("stackwise.haiku") == ROOT / "adapters" / "haiku"
+    assert MATCHES.installed_dir("no_such_package_here") is None
+    assert MATCHES.installed_dir("no_such_package_here.sub") is None
+
+
+def test_a_stale_or_partial_install_is_named_file_by_file(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "site" / "stackwise"
+    stale.mkdir(parents=True)
+    (stale / "__init__.py").write_bytes((ROOT / "stackwise" / "__init__.py").read_bytes())
+    (stale / "stack.py").write_text("old = True\n")  # (not in the checkout: not a difference)
+    real = MATCHES.installed_dir
+
+    def installed_dir(package):
+        if package == "stackwise":
+            return stale
+        return None if package == "stackwise.haiku" else real(package)
+
+    monkeypatch.setattr(MATCHES, "installed_dir", installed_dir)
+    found = MATCHES.differences(ROOT)
+    assert "stackwise/__init__.py" not in " ".join(found)
+    assert "stackwise/_core/stack.py: not installed" in found
+    assert "stackwise.haiku: not importable" in found
+    assert not any(f.startswith(("stackwise.flax", "stackwise.bench")) for f in found)
+    (stale / "__init__.py").write_text('"""an older stackwise"""\n')
+    assert "stackwise/__init__.py: differs from the checkout's" in MATCHES.differences(ROOT)
+    assert MATCHES.main([str(ROOT)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("the installed stackwise is not the checkout's (")
+    assert err.count(";") >= 8 and "; ..." in err and "run ../shared/tpu/prepare" in err
+
+
+def test_the_installed_check_takes_one_checkout(tmp_path, capsys):
+    assert MATCHES.main([str(ROOT)]) == 0
+    for argv in ([], [str(tmp_path)], [str(ROOT), str(ROOT)]):
+        assert MATCHES.main(argv) == 2
+        assert "usage: python3 -P .ci/installed_matches.py CHECKOUT" in capsys.readouterr().err
