@@ -59,7 +59,7 @@ for what in "$@"; do
             --markdown "$out/tpu_decode48.md" ;;
     generate)  # ~4 min: 24 programs (3 sizes, 2 dtypes, 4 variants), each compiled then timed
         part generate ${GENERATE_SECONDS:-330} python3 benchmarks/tpu_generate.py --n 32 --tokens ${GENERATE_TOKENS:-32} \
-            --time 5 --shapes ${GENERATE_SHAPES:-1536:1536:2,2048:512:1,768:3072:16} \
+            --time 5 --shapes ${GENERATE_SHAPES:-1536:1536:2,2048:512:1,768:2048:8} \
             --markdown "$out/tpu_generate.md" ;;
     profile)
         part profile 150 python3 benchmarks/tpu_decode_hlo.py --time 1 --shapes 512:1024:8 \
