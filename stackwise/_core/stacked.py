@@ -41,7 +41,11 @@ class Stacked(NamedTuple):
         1,536 with batch 2, D 2,048 with batch 1 in bfloat16: XLA:TPU
         prefetches the loop's per-layer weights, not slices of a stacked
         one; the serving layout, below, is the loop's program)
-        (benchmarks/results/tpu_decode.md). On the CPU it is slower than both
+        (benchmarks/results/tpu_decode.md). A generate that runs its token
+        loop inside one jitted program can convert there instead, before the
+        loop (:func:`stackwise.to_serving` on the stacked params and cache):
+        1.02-1.05x the loop at 128 tokens a call where ``decode`` took
+        1.08-1.20x (docs/finetune.md, "Serving"). On the CPU it is slower than both
         (1.4x the loop at D=256, 4.4x at D=1024: XLA:CPU copies each layer's
         weights out of the stacked params); serve from
         :func:`stackwise.to_serving`'s per-layer buffers there
