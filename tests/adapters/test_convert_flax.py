@@ -473,3 +473,28 @@ def test_models_that_do_not_correspond_are_refused():
         )
     with pytest.raises(TypeError, match="must be a linen `nn.Module`"):
         swf.convert(loop_vars, SiblingLoop(), lambda x: x, X)
+
+
+def test_a_pattern_position_missing_from_the_traced_init_is_named():
+    # (no model reaches this through `convert`: every position of a pattern Stack runs while
+    # init is traced. The check guards the bookkeeping of `_correspond._Pattern` itself.)
+    from stackwise.flax import _correspond
+
+    class Local(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(x)
+
+    class Global(Local):
+        pass
+
+    stack = swf.Stack([Local(), Global()], 4)
+    pattern = _correspond._Pattern(stack, (0,), "stackwise.flax.convert")
+    pattern.record(0, (), "Local")
+    with pytest.raises(ValueError, match=r"stackwise.flax.convert: the source model's pattern "
+                       r"Stack at model/layers did not run position 1 \(Global_0\) while init "
+                       r"was traced"):
+        pattern.modules(("model", "layers"), "source")
+    pattern.record(1, (), "Global")
+    assert sorted(pattern.modules(("model", "layers"), "source")) == [
+        ("model", "layers", "Global_0"), ("model", "layers", "Local_0")]
