@@ -10,7 +10,7 @@
 # tpu_decode_hlo.py --time: per-token time of the decode variants over sizes, with the compiled
 # program's facts), decode48 (the same at n=48, one size), generate (benchmarks/tpu_generate.py
 # --time: 32 tokens under one jit, the stacked layout's decodes and to_serving inside the jit
-# against the loop, at three sizes), profile (a jax.profiler trace of the loop and the scanned decode at one
+# against the loop, at three sizes; GENERATE_AUTO_CACHE=1: the cache in the compiler's layout), profile (a jax.profiler trace of the loop and the scanned decode at one
 # size), bench-decode (stackwise-bench's decode block: the core and every adapter, n 24),
 # bench-decode-sizes (the same block's loops, unrolled Stacks and serving layout at other sizes), tier
 # (.ci/tpu), tier1 and tier2 (each half its test files, STACKWISE_TPU_TIER_SHARD), tier-backend
@@ -60,7 +60,7 @@ for what in "$@"; do
     generate)  # ~4 min: 24 programs (3 sizes, 2 dtypes, 4 variants), each compiled then timed
         part generate ${GENERATE_SECONDS:-330} python3 benchmarks/tpu_generate.py --n 32 --tokens ${GENERATE_TOKENS:-32} \
             --time 5 --shapes ${GENERATE_SHAPES:-1536:1536:2,2048:512:1,768:2048:8} \
-            --markdown "$out/tpu_generate.md" ;;
+            ${GENERATE_AUTO_CACHE:+--auto-cache} --markdown "$out/tpu_generate.md" ;;
     profile)
         part profile 150 python3 benchmarks/tpu_decode_hlo.py --time 1 --shapes 512:1024:8 \
             --dtypes float32 --variants loop,stackwise --profile /tmp/decode-profile

@@ -15,7 +15,10 @@ the params and cache in these layouts:
   cache a call), decoded by ``Stacked.apply`` on the serving layout (the loop's program), the
   cache stacked again (``stackwise.from_serving``) at the end.
 
-Each row: the compiled program's temp memory, its count of asynchronous slices
+``--auto-cache`` gives the cache the layout the compiler chooses (``Layout.AUTO``) in and
+out of the program: with the default layout XLA:TPU keeps it in another one inside the token
+loop and copies it in and out each call, in every layout (``tpu_decode.md``, sixteenth
+session). Each row: the compiled program's temp memory, its count of asynchronous slices
 (``slice-start``: on a TPU, XLA's prefetch of a weight into VMEM while the layer before
 computes), and with ``--time R`` the median over R calls of the time per token, its ratio to the
 loop's, tokens per second and the share of the HBM bandwidth (weights and whole cache read once a
@@ -54,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"({', '.join(VARIANTS)})")
     p.add_argument("--time", type=hlo.nonnegative, default=0, metavar="R",
                    help="also time each program, R calls (needs the chip attached; default 0)")
+    p.add_argument("--auto-cache", action="store_true",
+                   help="give the cache the layout the compiler chooses (Layout.AUTO) in and "
+                   "out, and keep it there between calls (default: the default layout, which "
+                   "XLA:TPU copies into another one around the token loop)")
     p.add_argument("--markdown", default="", help="also write the table to this file")
     args = p.parse_args(argv)
     for d, t, _ in args.shapes:
@@ -103,10 +110,12 @@ def _layer(steps: dict, p, cache, h, pos):
 
 
 def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, tokens: int, dev, *,
-            rounds: int, only: tuple[str, ...]) -> list[dict]:
-    """One row per variant: the compiled program's facts and, with ``rounds``, its time."""
+            rounds: int, only: tuple[str, ...], auto_cache: bool = False) -> list[dict]:
+    """One row per variant: the compiled program's facts and, with ``rounds``, its time.
+    ``auto_cache``: the cache in the layout the compiler chooses (``Layout.AUTO``), in and out."""
     import jax
     import jax.numpy as jnp
+    from jax.experimental.layout import Format, Layout
 
     sharding = jax.sharding.SingleDeviceSharding(dev)
     dt = jnp.dtype(dtype)
@@ -131,10 +140,17 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, tokens: int,
         else:
             ps = params((n,))
             cache = {"k": sds((n, *cache_shape)), "v": sds((n, *cache_shape))}
-        row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b}
+        row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b,
+               "cache layout": "AUTO" if auto_cache else "default"}
+        placed = {}
+        if auto_cache:
+            fmt = jax.tree.map(lambda _: Format(Layout.AUTO, sharding), cache)
+            placed = {"in_shardings": (sharding, fmt, sharding, sharding),
+                      "out_shardings": (sharding, fmt)}
         begin = time.perf_counter()
         try:
-            compiled = jax.jit(run, donate_argnums=1).trace(ps, cache, h, pos).lower().compile()
+            compiled = (jax.jit(run, donate_argnums=1, **placed).trace(ps, cache, h, pos)
+                        .lower().compile())
         except jax.errors.JaxRuntimeError as e:  # the compiler's plan exceeds the chip's HBM
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -196,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for d, t, b in args.shapes:
         for dtype in args.dtypes:
             rows += measure(args.n, d, t, b, args.heads, dtype, args.tokens, dev,
-                            rounds=args.time, only=only)
+                            rounds=args.time, only=only, auto_cache=args.auto_cache)
     timed = (f"; timed: median of {args.time} calls, HBM share = (weights + cache bytes) / "
              f"{hlo.HBM_BYTES_PER_S / 1e9:.0f} GB/s / time per token" if args.time else "")
     hlo.report(rows, f"{hlo.compiled_for(dev)}; n={args.n}, {args.heads} heads, "

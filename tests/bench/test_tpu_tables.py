@@ -187,3 +187,13 @@ def test_a_generate_program_over_the_chips_memory_is_a_row_that_says_so(generate
     Fails.error = "INTERNAL: something else"
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=0, only=())
+
+
+def test_generate_rows_with_the_cache_in_the_compilers_layout(generate):
+    rows = generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=2,
+                            only=("loop", "decode"), auto_cache=True)
+    assert [(r["variant"], r["cache layout"]) for r in rows] == [
+        ("loop", "AUTO"), ("Stacked.decode", "AUTO")]
+    assert all(r["ms/token"] > 0 and "/loop" in r for r in rows)
+    assert generate.parse_args(["--auto-cache"]).auto_cache
+    assert not generate.parse_args([]).auto_cache
