@@ -1,5 +1,6 @@
 """benchmarks/on_tpu.sh, read without a TPU: every part its header and its error name is a part
-it runs, and every tpu_train.py command in it parses, each of its row selectors picking a row.
+it runs, and every tpu_train.py command in it parses, each of its row selectors picking a row,
+as does the tpu_generate.py command with its defaults.
 (The fourteenth session named a part, ``train-unrolled``, that the script did not run.)"""
 
 import pathlib
@@ -53,3 +54,18 @@ def test_every_train_command_parses_and_each_selector_picks_a_row(train):
         for w in selectors:
             assert train.select(train.variant_names(), w), (w, argv)
         assert args.rows
+
+
+def test_the_generate_part_parses_with_its_defaults():
+    joined = SCRIPT.replace("\\\n", " ")
+    (command,) = re.findall(r"python3 benchmarks/tpu_generate\.py ([^;\n]*)", joined)
+
+    def default(match):  # ${NAME:-value} -> value; ${NAME:+flag} -> nothing (NAME unset)
+        return match.group(2) if match.group(1) == "-" else ""
+
+    command = re.sub(r"\$\{[A-Z_]+:([-+])([^}]*)\}", default, command)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        generate = load_script(BENCHMARKS / "tpu_generate.py")
+    args = generate.parse_args(shlex.split(command.replace("$out", "/tmp/out")))
+    assert args.time and args.tokens == 32 and len(args.shapes) == 3 and not args.auto_cache
