@@ -270,6 +270,31 @@ HBM_BYTES_PER_S = 819e9
 TOKENS_PER_ROUND = 16
 
 
+def inputs(n: int, d: int, t: int, b: int, heads: int, dtype: str, sharding, per_layer: bool
+           ) -> tuple:
+    """A decoding step's inputs as shapes placed by ``sharding``: the params and the K and V
+    caches (lists of n per-layer trees if ``per_layer``, else stacked trees of n layers), the
+    tokens ``h`` (B, 1, D) and the position."""
+    import jax
+    import jax.numpy as jnp
+
+    def sds(shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sharding)
+
+    def params(lead):
+        return {"qkv": {"w": sds((*lead, d, 3 * d)), "b": sds((*lead, 3 * d))},
+                "out": {"w": sds((*lead, d, d)), "b": sds((*lead, d))}}
+
+    cache_shape = (b, t, heads, d // heads)
+    if per_layer:
+        ps = [params(()) for _ in range(n)]
+        cache = [{"k": sds(cache_shape), "v": sds(cache_shape)} for _ in range(n)]
+    else:
+        ps = params((n,))
+        cache = {"k": sds((n, *cache_shape)), "v": sds((n, *cache_shape))}
+    return ps, cache, sds((b, 1, d)), sds((), jnp.int32)
+
+
 def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, rounds: int = 0,
             only: tuple[str, ...] = ()) -> list[dict]:
     """One row per variant (those whose name contains one of ``only``, all if empty): the
@@ -281,32 +306,20 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
     import stackwise
 
     sharding = jax.sharding.SingleDeviceSharding(dev)
-    dt = jnp.dtype(dtype)
-
-    def sds(shape, dtype=dt):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    def params(lead):
-        return {"qkv": {"w": sds((*lead, d, 3 * d)), "b": sds((*lead, 3 * d))},
-                "out": {"w": sds((*lead, d, d)), "b": sds((*lead, d))}}
-
     cache_shape = (b, t, heads, d // heads)
     one_layer = ",".join(str(s) for s in cache_shape if s != 1)
-    layer_cache_bytes = math.prod(cache_shape) * dt.itemsize
-    h, pos = sds((b, 1, d)), jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
+    itemsize = jnp.dtype(dtype).itemsize
+    layer_cache_bytes = math.prod(cache_shape) * itemsize
     rows = []
     for name, (step, kind, auto) in variants(n, d, heads).items():
         if only and not any(o in name for o in only):
             continue
+        ps, cache, h, pos = inputs(n, d, t, b, heads, dtype, sharding, kind != "stacked")
         if kind in ("layers", "served"):
-            ps = [params(()) for _ in range(n)]
-            cache = [{"k": sds(cache_shape), "v": sds(cache_shape)} for _ in range(n)]
             if kind == "served":
                 ps, cache = stackwise.Serving(ps), stackwise.Serving(cache)
             jitted = jax.jit(step, donate_argnums=1)
         else:
-            ps = params((n,))
-            cache = {"k": sds((n, *cache_shape)), "v": sds((n, *cache_shape))}
             fmt = Format(Layout.AUTO, sharding) if auto else sharding
             cache_fmt = {"k": fmt, "v": fmt}
             jitted = jax.jit(step, donate_argnums=1,
@@ -337,7 +350,7 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
             rows[-1].update({
                 "ms/step": step_s * 1e3,
                 "tokens/s": b / step_s,
-                "HBM share": touched_bytes(n, d, dt.itemsize, layer_cache_bytes)
+                "HBM share": touched_bytes(n, d, itemsize, layer_cache_bytes)
                 / HBM_BYTES_PER_S / step_s,
             })
     if rounds:  # each row's time over the loop's (the first variant, when it ran)

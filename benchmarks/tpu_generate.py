@@ -119,27 +119,12 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, tokens: int,
 
     sharding = jax.sharding.SingleDeviceSharding(dev)
     dt = jnp.dtype(dtype)
-
-    def sds(shape, dtype=dt):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    def params(lead):
-        return {"qkv": {"w": sds((*lead, d, 3 * d)), "b": sds((*lead, 3 * d))},
-                "out": {"w": sds((*lead, d, d)), "b": sds((*lead, d))}}
-
-    cache_shape = (b, t, heads, d // heads)
-    layer_cache_bytes = math.prod(cache_shape) * dt.itemsize
-    h, pos = sds((b, 1, d)), jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
+    layer_cache_bytes = b * t * d * dt.itemsize  # (one layer's K or V: B, T, heads, D/heads)
     rows = []
     for name, (run, kind) in programs(n, d, heads, tokens).items():
         if only and not any(o in name for o in only):
             continue
-        if kind == "layers":
-            ps = [params(()) for _ in range(n)]
-            cache = [{"k": sds(cache_shape), "v": sds(cache_shape)} for _ in range(n)]
-        else:
-            ps = params((n,))
-            cache = {"k": sds((n, *cache_shape)), "v": sds((n, *cache_shape))}
+        ps, cache, h, pos = hlo.inputs(n, d, t, b, heads, dtype, sharding, kind == "layers")
         row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b,
                "cache layout": "AUTO" if auto_cache else "default"}
         placed = {}
