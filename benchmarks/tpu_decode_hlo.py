@@ -132,6 +132,17 @@ def tpu_device():
     return topology.devices[0]
 
 
+def device_for(timed: int):
+    """:func:`tpu_device`, after refusing ``--time`` (``timed``) on a host without a TPU."""
+    import jax
+
+    if timed and jax.default_backend() != "tpu":
+        raise SystemExit("--time runs the programs, so it needs a TPU attached; this host "
+                         f"has none (JAX's backend is {jax.default_backend()!r}). Leave out "
+                         "--time here: the programs are compiled for a v5e without running.")
+    return tpu_device()
+
+
 def compiled_for(dev) -> str:
     """What the programs were compiled for, and with which jax, jaxlib and libtpu."""
     from importlib.metadata import PackageNotFoundError, version
@@ -427,11 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    if args.time and jax.default_backend() != "tpu":
-        raise SystemExit("--time runs the programs, so it needs a TPU attached; this host "
-                         f"has none (JAX's backend is {jax.default_backend()!r}). Leave out "
-                         "--time here: the programs are compiled for a v5e without running.")
-    dev = tpu_device()
+    dev = device_for(args.time)
     only = tuple(v for v in args.variants.split(",") if v)
     trace = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
     rows = []

@@ -51,23 +51,27 @@ def test_a_layer_sized_copy_or_slice_is_found_and_another_size_is_not(decode_hlo
         "copy {4,3,1,2,0} VMEM", "fusion {2,4,3,1,0} HBM"]
 
 
+class FailingJit:
+    """Stands for ``jax.jit``: every program's compile raises ``error``."""
+
+    error = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+             "HLO temporaries (18.14G) exceeds available HBM (15.75G).")
+
+    def __init__(self, fn, **kw):
+        pass
+
+    def trace(self, *args):
+        return self
+
+    def lower(self):
+        return self
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(self.error)
+
+
 def test_a_program_over_the_chips_memory_is_a_row_that_says_so(decode_hlo, monkeypatch):
-    class TooBig:
-        def __init__(self, fn, **kw):
-            pass
-
-        def trace(self, *args):
-            return self
-
-        def lower(self):
-            return self
-
-        def compile(self):
-            raise jax.errors.JaxRuntimeError(
-                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
-                "HLO temporaries (18.14G) exceeds available HBM (15.75G).")
-
-    monkeypatch.setattr(jax, "jit", TooBig)
+    monkeypatch.setattr(jax, "jit", FailingJit)
     rows = decode_hlo.measure(2, 16, 8, 1, 2, "float32", jax.devices()[0])
     assert all(r["made"].startswith("does not fit: Ran out of memory on HBM") for r in rows)
     assert "| does not fit" in decode_hlo.table(rows, "header")
@@ -164,27 +168,12 @@ def test_timing_without_a_tpu_attached_is_refused(script, monkeypatch):
 
 
 def test_a_generate_program_over_the_chips_memory_is_a_row_that_says_so(generate, monkeypatch):
-    class Fails:
-        def __init__(self, fn, **kw):
-            pass
-
-        def trace(self, *args):
-            return self
-
-        def lower(self):
-            return self
-
-        def compile(self):
-            raise jax.errors.JaxRuntimeError(self.error)
-
-    monkeypatch.setattr(jax, "jit", Fails)
-    Fails.error = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
-                   "HLO temporaries (21.44G) exceeds available HBM (15.75G).")
+    monkeypatch.setattr(jax, "jit", FailingJit)
     rows = generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=1, only=())
     assert [r["variant"] for r in rows] == list(generate.VARIANTS)
     assert all(r["slice-start"].startswith("does not fit: Ran out of memory on HBM") for r in rows)
     assert "| does not fit" in generate.hlo.table(rows, "header")
-    Fails.error = "INTERNAL: something else"
+    monkeypatch.setattr(FailingJit, "error", "INTERNAL: something else")
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         generate.measure(2, 16, 12, 2, 2, "float32", 3, jax.devices()[0], rounds=0, only=())
 
