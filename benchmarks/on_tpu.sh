@@ -26,7 +26,8 @@
 # and stackwise.autostack of the same loop, the transformer block then the MLP block). Copy
 # what belongs in
 # benchmarks/results/ from OUT_DIR by hand, with the date. At the end every log and the tier's
-# folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most).
+# folder are packed into OUT_DIR/logs.tar.gz (the device tool brings back 8 files at most; a
+# second call with the same OUT_DIR packs into logs-2.tar.gz).
 set -uo pipefail
 out=${1:?"usage: benchmarks/on_tpu.sh OUT_DIR PART [PART...]"}
 shift
@@ -166,6 +167,9 @@ for what in "$@"; do
         exit 2 ;;
     esac
 done
+# (a second call with the same OUT_DIR packs into logs-2.tar.gz, and so on: none is overwritten)
+logs=logs.tar.gz
+for ((i = 2; ; i++)); do [ -e "$out/$logs" ] || break; logs=logs-$i.tar.gz; done
 (cd "$out" && find . -maxdepth 1 \( -name '*.log' -o -name 'tier*' -type d \) | sed 's#^\./##' \
-    | tar -czf logs.tar.gz -T - --remove-files)
+    | tar -czf "$logs" -T - --remove-files)
 ls "$out"

@@ -69,3 +69,21 @@ def test_the_generate_part_parses_with_its_defaults():
         generate = load_script(BENCHMARKS / "tpu_generate.py")
     args = generate.parse_args(shlex.split(command.replace("$out", "/tmp/out")))
     assert args.time and args.tokens == 32 and len(args.shapes) == 3 and not args.auto_cache
+
+
+def test_a_second_call_into_the_same_folder_keeps_the_first_calls_logs(tmp_path):
+    import subprocess
+    import tarfile
+
+    packing = SCRIPT[SCRIPT.index("# (a second call with the same OUT_DIR"):]
+    for call in ("first", "second"):
+        (tmp_path / f"{call}.log").write_text(call)
+        (tmp_path / "tier").mkdir()
+        (tmp_path / "tier" / "pytest.log").write_text(call)
+        subprocess.run(["bash", "-c", f"out={shlex.quote(str(tmp_path))}\n{packing}"],
+                       check=True, capture_output=True)
+    packed = {name: sorted(tarfile.open(tmp_path / name).getnames())
+              for name in ("logs.tar.gz", "logs-2.tar.gz")}
+    assert packed == {"logs.tar.gz": ["first.log", "tier", "tier/pytest.log"],
+                      "logs-2.tar.gz": ["second.log", "tier", "tier/pytest.log"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs-2.tar.gz", "logs.tar.gz"]
