@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
         return 2
     found = differences(pathlib.Path(argv[0]).resolve())
     if found:
-        print(f"the installed stackwise is not the checkout's ({len(found)} files): "
+        print(f"the installed stackwise is not the checkout's ({len(found)} differences): "
               + "; ".join(found[:8]) + ("; ..." if len(found) > 8 else "")
               + ". Rebuild its wheel: run ../shared/tpu/prepare in the checkout and ship .tpu/ "
               "again.", file=sys.stderr)
