@@ -6,7 +6,10 @@ One property per framework, for one block written once (`_layer`, a write into i
 and a read of it): decoding token by token in the serving layout equals, bitwise, the plain
 loop over per-layer slices of the stacked params and the stacked decode (`Stacked.decode`; a
 framework Stack built with `unroll=True`), which runs the same arithmetic layer by layer; the
-final caches are the loop's; and the round trip gives every leaf back exactly. The first
+final caches are the loop's; the same tokens decoded by one jitted program that is given the
+stacked params and cache and converts them itself, before its token loop (docs/finetune.md,
+"Many tokens in one program"), end with the same output and cache; and the round trip gives
+every leaf back exactly. The first
 framework runs in the fast tier; each framework's own file tests the rest of its serving
 layout (tests/core/test_serving.py, tests/adapters/test_*serving*.py).
 """
@@ -45,6 +48,8 @@ class Served(NamedTuple):
     decoded: list  # each token's output from the stacked decode (unroll=True)
     pairs: list  # (given, from_serving(to_serving(given, path), path)), to be equal bitwise
     unchanged: list  # (a deep copy of what was given, what was given after converting)
+    generated: tuple  # (last output, stacked cache (N, T, D)) of one jitted program that
+    #                   converts the stacked params and cache inside it, then decodes STEPS tokens
 
 
 def _tokens(step: Callable[..., tuple[jax.Array, Any]], state: Any) -> tuple[list, Any]:
@@ -89,8 +94,20 @@ def _core() -> Served:
     back = stackwise.from_serving(served, "blocks")
     cache_back = stackwise.from_serving({"c": served_cache}, "c")["c"]
     assert cache_back.shape == cache.shape
+
+    @jax.jit
+    def generate(model, cache, x):
+        served = stackwise.to_serving(model, "blocks")
+        assert isinstance(served["blocks"], stackwise.Serving)  # (of traced values)
+
+        def one(pos, carry):
+            return layers.apply(served["blocks"], carry[1], carry[0], pos)
+
+        x, cache = jax.lax.fori_loop(0, STEPS, one, (x, stackwise.to_serving(cache)))
+        return x, stackwise.from_serving(cache)
+
     return Served(params["w"], ys, list(served_cache.layers), decoded,
-                  [(model, back)], [(given, model)])  # fmt: skip
+                  [(model, back)], [(given, model)], generate(model, cache, X0))  # fmt: skip
 
 
 def _haiku() -> Served:
@@ -125,8 +142,20 @@ def _haiku() -> Served:
     decoded, _ = _tokens(lambda x, s, pos: decode(params, s, None, x, pos), state)
     caches = list(served_state["stack/block"]["cache"].layers)
     pairs = [(params, back(served_params, "stack")), (state, back(to(state, "stack"), "stack"))]
+
+    @jax.jit
+    def generate(params, state, x):
+        served = to(params, "stack")
+        assert isinstance(served["stack/block"]["w"], stackwise.Serving)  # (of traced values)
+
+        def one(pos, carry):
+            return f.apply(served, carry[1], None, carry[0], pos)
+
+        x, state = jax.lax.fori_loop(0, STEPS, one, (x, to(state, "stack")))
+        return x, back(state, "stack")["stack/block"]["cache"]
+
     return Served(params["stack/block"]["w"], ys, caches, decoded, pairs,
-                  [(given, (params, state))])  # fmt: skip
+                  [(given, (params, state))], generate(params, state, X0))  # fmt: skip
 
 
 def _flax() -> Served:
@@ -165,8 +194,24 @@ def _flax() -> Served:
     back = stackwise.flax.from_serving(served, "layers")  # (before its cache is donated)
     ys, cache = _tokens(stepper(Model(), served["params"], True), served["cache"])
     decoded, _ = _tokens(stepper(Model(True), variables["params"], False), variables["cache"])
+
+    @jax.jit
+    def generate(variables, x):
+        served = stackwise.flax.to_serving(variables, "layers")
+        assert isinstance(served["params"]["layers"]["w"], stackwise.Serving)  # (traced values)
+
+        def one(pos, carry):
+            y, new = Model().apply({"params": served["params"], "cache": carry[1]}, carry[0],
+                                   pos, mutable=["cache"])
+            return y, new["cache"]
+
+        x, cache = jax.lax.fori_loop(0, STEPS, one, (x, served["cache"]))
+        back = stackwise.flax.from_serving({**served, "cache": cache}, "layers")
+        return x, back["cache"]["layers"]["c"]
+
     return Served(variables["params"]["layers"]["w"], ys, list(cache["layers"]["c"].layers),
-                  decoded, [(variables, back)], [(given, variables)])  # fmt: skip
+                  decoded, [(variables, back)], [(given, variables)],
+                  generate(variables, X0))  # fmt: skip
 
 
 def _nnx() -> Served:
@@ -197,9 +242,21 @@ def _nnx() -> Served:
     decoded, _ = _tokens(lambda x, m, pos: (call(m, x, pos), m), Model(unroll=True))
     caches = list(served.blocks.layers.cache.get_value().layers)
     back = stackwise.nnx.from_serving(stackwise.nnx.to_serving(model, "blocks"), "blocks")
+
+    @nnx.jit
+    def generate(model, x):
+        served = stackwise.nnx.to_serving(model, "blocks")
+        assert isinstance(served.blocks.layers.w.get_value(), stackwise.Serving)  # (traced)
+        for pos in range(STEPS):  # (NNX's modules in a lax loop need nnx.fori_loop)
+            x = served.blocks(x, pos)
+        nnx.update(model, nnx.state(stackwise.nnx.from_serving(served, "blocks")))
+        return x
+
+    fresh = nnx.clone(given)  # (its cache still empty)
+    generated = generate(fresh, X0), fresh.blocks.layers.cache[...]
     return Served(model.blocks.layers.w[...], ys, caches, decoded,
                   [(nnx.state(model), nnx.state(back))],
-                  [(nnx.state(given), nnx.state(model))])  # fmt: skip
+                  [(nnx.state(given), nnx.state(model))], generated)  # fmt: skip
 
 
 def _equinox() -> Served:
@@ -232,8 +289,20 @@ def _equinox() -> Served:
     decode = jax.jit(lambda m, x, c, pos: m(x, c, pos))
     decoded, _ = _tokens(lambda x, c, pos: decode(stack(True), x, c, pos), cache)
     back = stackwise.equinox.from_serving(served, "blocks")
+
+    @eqx.filter_jit
+    def generate(model, cache, x):
+        served = stackwise.equinox.to_serving(model, "blocks")
+        assert isinstance(served["blocks"].layers, stackwise.Serving)  # (of traced values)
+
+        def one(pos, carry):
+            return served["blocks"](carry[0], carry[1], pos)
+
+        x, cache = jax.lax.fori_loop(0, STEPS, one, (x, stackwise.to_serving(cache)))
+        return x, stackwise.from_serving(cache)
+
     return Served(model["blocks"].layers.w, ys, list(served_cache.layers), decoded,
-                  [(model, back)], [(given, model)])  # fmt: skip
+                  [(model, back)], [(given, model)], generate(model, cache, X0))  # fmt: skip
 
 
 @pytest.mark.parametrize("framework", [_core, _haiku, _flax, _nnx, _equinox],
@@ -247,6 +316,9 @@ def test_serving_decodes_as_the_loop_and_the_stacked_decode_and_converts_back(fr
     same(case.served, ys_loop)
     same(case.caches, caches_loop)
     same(case.decoded, ys_loop)
+    x, cache = case.generated
+    assert_trees_close(x, ys_loop[-1])
+    assert_trees_close(cache, jnp.stack(caches_loop))
     for given, back in case.pairs:
         assert jax.tree.structure(back) == jax.tree.structure(given)
         assert_trees_bitwise(back, given)
