@@ -9,9 +9,9 @@ framework Stack built with `unroll=True`), which runs the same arithmetic layer 
 final caches are the loop's; the same tokens decoded by one jitted program that is given the
 stacked params and cache and converts them itself, before its token loop (docs/finetune.md,
 "Many tokens in one program"), end with the same output and cache; and the round trip gives
-every leaf back exactly. The first
-framework runs in the fast tier; each framework's own file tests the rest of its serving
-layout (tests/core/test_serving.py, tests/adapters/test_*serving*.py).
+every leaf back exactly. The first framework runs in the fast tier; each framework's own file
+tests the rest of its serving layout (tests/core/test_serving.py,
+tests/adapters/test_*serving*.py).
 """
 
 from __future__ import annotations
