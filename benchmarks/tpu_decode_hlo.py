@@ -306,6 +306,19 @@ def inputs(n: int, d: int, t: int, b: int, heads: int, dtype: str, sharding, per
     return ps, cache, sds((b, 1, d)), sds((), jnp.int32)
 
 
+def compiled_or_why(jitted, *args):
+    """``jitted`` compiled for ``args``, or, where the compiler's plan exceeds the chip's HBM,
+    a row's words for it: "does not fit: ..." (any other error is raised)."""
+    import jax
+
+    try:
+        return jitted.trace(*args).lower().compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return "does not fit: " + str(e).split(": ", 1)[-1][:120]
+
+
 def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, rounds: int = 0,
             only: tuple[str, ...] = ()) -> list[dict]:
     """One row per variant (those whose name contains one of ``only``, all if empty): the
@@ -337,12 +350,9 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
                              in_shardings=(sharding, cache_fmt, sharding, sharding),
                              out_shardings=(sharding, cache_fmt))
         row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b}
-        try:
-            compiled = jitted.trace(ps, cache, h, pos).lower().compile()
-        except jax.errors.JaxRuntimeError as e:  # the compiler's plan exceeds the chip's HBM
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            rows.append({**row, "made": "does not fit: " + str(e).split(": ", 1)[-1][:120]})
+        compiled = compiled_or_why(jitted, ps, cache, h, pos)
+        if isinstance(compiled, str):
+            rows.append({**row, "made": compiled})
             continue
         hlo, memory = compiled.as_text(), compiled.memory_analysis()
         buffers = per_layer_buffers(hlo, one_layer)

@@ -133,13 +133,10 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, tokens: int,
             placed = {"in_shardings": (sharding, fmt, sharding, sharding),
                       "out_shardings": (sharding, fmt)}
         begin = time.perf_counter()
-        try:
-            compiled = (jax.jit(run, donate_argnums=1, **placed).trace(ps, cache, h, pos)
-                        .lower().compile())
-        except jax.errors.JaxRuntimeError as e:  # the compiler's plan exceeds the chip's HBM
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            rows.append({**row, "slice-start": "does not fit: " + str(e).split(": ", 1)[-1][:120]})
+        compiled = hlo.compiled_or_why(jax.jit(run, donate_argnums=1, **placed), ps, cache, h,
+                                       pos)
+        if isinstance(compiled, str):
+            rows.append({**row, "slice-start": compiled})
             print(json.dumps(rows[-1]), flush=True)
             continue
         text, memory = compiled.as_text(), compiled.memory_analysis()
