@@ -63,6 +63,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "XLA:TPU copies into another one around the token loop)")
     p.add_argument("--markdown", default="", help="also write the table to this file")
     args = p.parse_args(argv)
+    for selector in filter(None, args.variants.split(",")):
+        if not any(selector in name for name in VARIANTS):
+            p.error(f"argument --variants: {selector!r} matches no variant; the variants are: "
+                    f"{', '.join(VARIANTS)}")
     for d, t, _ in args.shapes:
         if d % args.heads:
             p.error(f"argument --heads: {args.heads} heads do not divide D={d} of --shapes")

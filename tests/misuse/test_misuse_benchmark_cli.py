@@ -91,6 +91,9 @@ TPU_TABLE_CASES = [
      "2 calls of 32 tokens run past the cache's 64 positions of --shapes; fewer tokens or calls"),
     (TPU_GENERATE, ["--heads", "3", "--shapes", "512:64:1"], "--heads",
      "3 heads do not divide D=512 of --shapes"),
+    (TPU_GENERATE, ["--variants", "loop,nnx"], "--variants",
+     "'nnx' matches no variant; the variants are: loop, Stacked.decode, stackwise (scanned), "
+     "to_serving in the jit"),
     (TPU_GENERATE, ["--dtypes", "int8"], "--dtypes",
      "expected float32 and/or bfloat16, comma-separated, got 'int8'"),
     (OFFLOAD_MEMORY, ["--shapes", "24:1024:x"], "--shapes",
