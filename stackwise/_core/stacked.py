@@ -44,7 +44,7 @@ class Stacked(NamedTuple):
         (benchmarks/results/tpu_decode.md). A generate that runs its token
         loop inside one jitted program can convert there instead, before the
         loop (:func:`stackwise.to_serving` on the stacked params and cache):
-        1.02-1.05x the loop at 128 tokens a call where ``decode`` took
+        1.01-1.05x the loop at 128 tokens a call where ``decode`` took
         1.08-1.20x (docs/finetune.md, "Serving"). On the CPU it is slower than both
         (1.4x the loop at D=256, 4.4x at D=1024: XLA:CPU copies each layer's
         weights out of the stacked params); serve from
