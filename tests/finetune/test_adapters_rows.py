@@ -30,7 +30,8 @@ KEY = jax.random.key(0)
 
 
 def mlp(p, x):
-    """Adapted weights as `@`, as the left operand of an einsum, and transposed."""
+    """Adapted weights as `@`, as an einsum's first operand (`jnp.einsum` passes it to
+    `dot_general` as the right one), and transposed."""
     h = jnp.tanh(x @ p["u"])
     return x + jnp.einsum("oh,bth->bto", p["v"], h) + h @ p["o"].T
 
@@ -104,6 +105,37 @@ def test_each_row_equals_its_adapter_alone(kind, unroll):
     base = _base(kind)
     layers = stackwise.lora.stack(mlp, N, unroll=unroll)
     _assert_rows_are_each_alone(layers, base, _each(base, 3), ROWS, X)
+
+
+def left(p, x):
+    """The adapted weights as `dot_general`'s left operand, each cast before its product."""
+    f32 = jnp.float32
+    h = jnp.tanh(x @ p["u"].astype(f32))
+    t = jax.lax.dot_general(p["v"].astype(f32), h, (((1,), (2,)), ((), ())))  # (o, b, t)
+    return x + jnp.moveaxis(t, 0, -1) @ p["o"].T.astype(f32)
+
+
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_a_weight_on_the_left_of_its_product_equals_its_adapter_alone(kind):
+    base = _base(kind)
+    _assert_rows_are_each_alone(stackwise.lora.stack(left, N), base, _each(base, 3), ROWS, X)
+
+
+def test_a_weight_cast_before_its_product_gets_its_update_in_the_cast_dtype():
+    """A bfloat16 base cast to float32 in the layer: each row computes x @ W + s (x @ a) @ b in
+    float32, as the float32 merge of its adapter does. (Attached alone, the adapted weight is
+    the base's dtype: merged in bfloat16, then cast; that differs from both by bfloat16's
+    rounding of the merged weight.)"""
+    base = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _base())
+    each = _each(base, 3)
+    layers = stackwise.lora.stack(left, N)
+    run = jax.jit(lambda b, idx, x: layers.apply(stackwise.lora.attach(base, b, rows=idx), x))
+    y = run(stackwise.lora.stack_adapters(each), jnp.asarray(ROWS, jnp.int32), X)
+    wide = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731 (exact)
+    alone = jax.jit(layers.apply)
+    for i, r in enumerate(ROWS):
+        merged = wide(base) if r < 0 else stackwise.lora.merge(wide(base), wide(each[r]))
+        assert_trees_close(y[i], alone(merged, X[i:i + 1])[0])
 
 
 @pytest.mark.parametrize("kind", [None, "int8"])
