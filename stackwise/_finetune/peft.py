@@ -201,15 +201,29 @@ def check_layout(layout: Any, who: str) -> bool:
     return layout == "out_in"
 
 
-def _saved_tensors(config: dict, tensors: dict) -> list[str]:
-    """The file's tensors of the modules PEFT's ``modules_to_save`` names (PEFT's
-    ``_set_trainable`` wraps each module whose name ends with one of them), sorted."""
+def _saved_tensors(config: dict, tensors: dict, path: str, who: str) -> list[str]:
+    """The file's tensors of the modules PEFT's ``modules_to_save`` names, sorted, as the
+    PEFT that wrote the file (its config's ``peft_version``) wrapped them: by the end of
+    their names, at a dot from peft 0.22.0 (``stackwise._upstream.peft.saved_module``). A
+    version that says no release is refused where the two rules disagree on the file."""
     names = config.get("modules_to_save") or []
-    return sorted(
-        name for name in tensors
-        if not name.endswith((".lora_A.weight", ".lora_B.weight"))
-        and peft_rules.saved_module(names, peft_rules.strip_prefix(name).rsplit(".", 1)[0])
-    )
+    held = sorted(name for name in tensors
+                  if not name.endswith((".lora_A.weight", ".lora_B.weight")))
+    modules = [peft_rules.strip_prefix(name).rsplit(".", 1)[0] for name in held]
+    peft = peft_rules.release(config.get("peft_version"))
+    if peft is None:
+        old, new = ([n for n, m in zip(held, modules) if peft_rules.saved_module(names, m, v)]
+                    for v in ((), peft_rules.DOTTED_SAVES))
+        if old != new:
+            differs = peft_rules.strip_prefix(sorted(set(old) ^ set(new))[0])
+            raise refuse(
+                who, path, "peft_version", config["peft_version"],
+                f"it reads a release there, such as '0.21.2', to know which modules "
+                f"`modules_to_save` {names!r} names: the module of {differs} before peft "
+                "0.22.0 (the end of a module's name), not from 0.22.0 (the end at a dot); "
+                "give the version of the PEFT that wrote the file")
+        return old
+    return [n for n, m in zip(held, modules) if peft_rules.saved_module(names, m, peft)]
 
 
 def _check_bias(config: dict, tensors: dict, saved: list[str], path: str, who: str) -> None:
@@ -393,7 +407,7 @@ def load_peft(
     config = read_config(directory, who)
     cfg_path = os.path.join(directory, CONFIG)
     tensors = safetensors(who).load_file(os.path.join(directory, WEIGHTS))
-    saved_names = _saved_tensors(config, tensors)
+    saved_names = _saved_tensors(config, tensors, cfg_path, who)
     _check_bias(config, tensors, saved_names, cfg_path, who)
     if saved_names and not modules_to_save:
         raise ValueError(

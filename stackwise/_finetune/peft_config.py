@@ -1,6 +1,7 @@
 """PEFT's ``adapter_config.json`` as :func:`stackwise.lora.load_peft` reads it: every LoraConfig
-field (peft 0.21.2) is read and checked, inert (it changes nothing a loaded adapter computes),
-or refused by name with what stackwise supports (``docs/finetune.md`` has the table).
+field (peft 0.21.2 and 0.22.0) is read and checked, inert (it changes nothing a loaded adapter
+computes), or refused by name with what stackwise supports (``docs/finetune.md`` has the
+table).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 
 
-#: PEFT LoraConfig fields (peft 0.21.2) that change nothing in what a loaded adapter computes,
-#: accepted with any value: bookkeeping, the initialisers' own settings (``init_lora_weights``
-#: decides whether an initialiser changed the base), and settings of features refused below.
+#: PEFT LoraConfig fields (peft 0.21.2 and 0.22.0) that change nothing in what a loaded
+#: adapter computes, accepted with any value: bookkeeping, the initialisers' own settings
+#: (``init_lora_weights`` decides whether an initialiser changed the base), and settings of
+#: features refused below.
 INERT = {
-    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+    "task_type", "auto_mapping", "base_model_name_or_path", "revision",
     "inference_mode", "megatron_core", "qalora_group_size", "loftq_config", "eva_config",
-    "corda_config", "lora_ga_config", "runtime_config",
+    "corda_config", "lora_ga_config", "astra_config", "runtime_config",
     # The file's tensors say which modules are adapted (checked against `modules`).
     "target_modules",
     # Ties the copies of tied modules (modules_to_save, trainable tokens, an adapted tied
@@ -37,7 +39,8 @@ INERT = {
 #: Fields ``load_peft`` reads, each checked in :func:`_read_config`.
 READ = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
         "layers_to_transform", "layers_pattern", "exclude_modules", "lora_dropout", "bias",
-        "init_lora_weights", "modules_to_save", "use_dora"}
+        "init_lora_weights", "modules_to_save", "use_dora",
+        "peft_version"}  # (which rule matched modules_to_save: stackwise.lora.load_peft)
 #: Fields refused unless unset (None, False, empty): what each one is in PEFT.
 REFUSED = {
     "lora_bias": "a trained bias on lora_B",
@@ -182,7 +185,7 @@ def _check_fields(config: dict, path: str, who: str) -> None:
         raise refuse(
             who, path, "init_lora_weights", init,
             "PEFT changed the base weights when it made this adapter (PiSSA, OLoRA, CorDA, "
-            "LoRA-GA and LoftQ train on a residual base; MiCA is a variant), so on the "
+            "LoRA-GA, Astra and LoftQ train on a residual base; MiCA is a variant), so on the "
             "original base it gives other outputs; in PEFT, save it with "
             "`save_pretrained(..., path_initial_model_for_weight_conversion=...)` to convert "
             f"it to plain LoRA. stackwise loads init_lora_weights {list(PLAIN_INITS)}")

@@ -1,6 +1,8 @@
 """PEFT's rules for which module of a model gets a LoRA adapter, and of what rank and alpha.
 
-Mirrored from peft 0.21.2 (December 2026), in plain Python: stackwise does not import peft.
+Mirrored from peft 0.21.2 (December 2026), in plain Python: stackwise does not import peft;
+checked against peft 0.22.0 too, which changed one rule (``saved_module``: which modules
+``modules_to_save`` names), followed by the version that wrote the file.
 ``load_peft`` and ``save_peft`` use them to read and write a config exactly as PEFT applies
 it. ``tests/finetune/test_upstream_peft.py`` checks each against peft's own function on a
 table of keys and configs where peft is installed (it skips otherwise), so a change upstream
@@ -16,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["adapted", "pattern_value", "saved_module", "strip_prefix"]
+__all__ = ["adapted", "pattern_value", "release", "saved_module", "strip_prefix"]
 
 #: The prefix PEFT gives a wrapped model's tensors in its files (``PeftModel`` ->
 #: ``LoraModel`` -> the model): ``base_model.model.`` + the key.
@@ -58,10 +60,29 @@ def _layer_index(key: str, layers_pattern: Any) -> int | None:
     return int(match.group("idx")) if match else None
 
 
-def saved_module(modules_to_save: Sequence[str], key: str) -> bool:
-    """Whether PEFT saves the module ``key`` whole: peft.utils.other._set_trainable (0.21.2)
-    wraps each module whose name ends with one of ``modules_to_save`` (a plain
-    ``str.endswith``)."""
+#: The first peft whose ``_set_trainable`` matches ``modules_to_save`` at a dot.
+DOTTED_SAVES = (0, 22)
+
+
+def release(version: Any) -> tuple[int, ...] | None:
+    """A config's ``peft_version`` as its release numbers: ``"0.22.0"`` and a development
+    version's ``"0.22.0.dev0@1a2b3c"`` give ``(0, 22, 0)``; a missing one (None: PEFT writes
+    it since 0.18.0) gives ``()``, a release older than any numbered one; anything else,
+    None (unknown)."""
+    if version is None:
+        return ()
+    match = re.match(r"\d+(?:\.\d+)*", version) if isinstance(version, str) else None
+    return tuple(int(p) for p in match.group(0).split(".")) if match else None
+
+
+def saved_module(modules_to_save: Sequence[str], key: str, peft: tuple[int, ...] = ()) -> bool:
+    """Whether PEFT saves the module ``key`` whole: peft.utils.other._set_trainable wraps
+    each module whose name ends with one of ``modules_to_save``; before peft 0.22.0 as a
+    plain ``str.endswith`` (``"norm"`` names ``layers.0.xnorm`` too), from 0.22.0 the name
+    itself or a suffix at a dot (``_is_valid_match``). ``peft``: the release that applied
+    the config (:func:`release`); a development version counts as its release."""
+    if peft >= DOTTED_SAVES:
+        return any(key == m or key.endswith(f".{m}") for m in modules_to_save)
     return any(key.endswith(m) for m in modules_to_save)
 
 

@@ -353,8 +353,10 @@ def test_modules_to_save_round_trip_by_their_names_in_the_model(tmp_path):
     for name, v in saved.items():
         np.testing.assert_array_equal(back_saved[name], v)
     # bias='all' with a saved module's bias: a whole module's copy, not a trained LoRA bias.
+    # (And a peft_version that names no release: the modules' own names name them in every
+    # PEFT, so it does not matter which wrote the file.)
     path = tmp_path / "a" / "adapter_config.json"
-    path.write_text(json.dumps({**config, "bias": "all"}))
+    path.write_text(json.dumps({**config, "bias": "all", "peft_version": "main"}))
     stackwise.lora.load_peft(tmp_path / "a", base, MODULES, modules_to_save=True)
     # Without modules_to_save=True the copies would be lost: refused.
     with pytest.raises(ValueError, match="holds full trained copies"):
@@ -365,6 +367,34 @@ def test_modules_to_save_round_trip_by_their_names_in_the_model(tmp_path):
     path = tmp_path / "b" / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "modules_to_save": ["lm_head"]}))
     assert stackwise.lora.load_peft(tmp_path / "b", base, MODULES, modules_to_save=True)[1] == {}
+
+
+@pytest.mark.parametrize("version, both", [(None, True), ("0.21.2", True),
+                                            ("0.21.3.dev0@1a2b3c", True), ("0.22.0", False),
+                                            ("0.22.1.dev0@UNKNOWN", False)])
+def test_modules_to_save_cover_the_modules_the_writing_peft_wrapped(tmp_path, version, both):
+    """`modules_to_save=["norm"]` names `model.norm` in every PEFT, and `model.layers.1.xnorm`
+    (ending in "norm", not at a dot) before peft 0.22.0, whose file then holds its copy too:
+    read as the version in the config says (none: older than 0.18.0, which wrote none). From
+    0.22.0 PEFT neither wraps nor saves it, and a tensor of it fits no layer: refused."""
+    base = _base()
+    adapters = trained(stackwise.lora.init(jax.random.key(1), base, rank=2))
+    saved = {"model.norm.weight": jnp.arange(float(D)),
+             "model.layers.1.xnorm.weight": jnp.ones((D,)) * 1.5}
+    folder = tmp_path / "a"
+    stackwise.lora.save_peft(folder, adapters, MODULES, modules_to_save=saved)
+    path = folder / "adapter_config.json"
+    config = {**json.loads(path.read_text()), "modules_to_save": ["norm"]}
+    path.write_text(json.dumps({**config, "peft_version": version} if version else config))
+    if not both:
+        with pytest.raises(ValueError, match=r"1 tensors .* fit no layer .*xnorm\.weight"):
+            stackwise.lora.load_peft(folder, base, MODULES, modules_to_save=True)
+        return
+    back, back_saved = stackwise.lora.load_peft(folder, base, MODULES, modules_to_save=True)
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+    assert back_saved.keys() == saved.keys()
+    for name, v in saved.items():
+        np.testing.assert_array_equal(back_saved[name], v)
 
 
 # --------------------------------------------------------------------------

@@ -542,6 +542,12 @@ PEFT = [
         {"bias": "all"}, "base_model.model.model.layers.0.self_attn.q_proj.bias"), ValueError,
          "bias='all'", "stackwise does not support", "holds 1 trained biases",
          "layers.0.self_attn.q_proj.bias", "loads bias='none'"),
+    case("load: a peft_version of no release, where it decides modules_to_save",
+         _load_with_tensor({"modules_to_save": ["norm"], "peft_version": "main"},
+                           "base_model.model.model.layers.0.xnorm.weight"), ValueError,
+         "peft_version='main'", "a release there, such as '0.21.2'",
+         "the module of model.layers.0.xnorm.weight before peft 0.22.0",
+         "the version of the PEFT that wrote the file"),
     case("load: modules_to_save, without asking for them", _load_with_tensor(
         {"modules_to_save": ["lm_head"]}, "base_model.model.lm_head.weight"), ValueError,
          "modules_to_save=['lm_head']", "holds full trained copies", "e.g. lm_head.weight",
