@@ -172,7 +172,7 @@ def stack(
         group. It pays off when per-layer activations outweigh per-layer
         params: the backward pass keeps one group's param gradients as well.
       unroll: an int is passed to :func:`jax.lax.scan` (with a pattern: repeats
-        of it per iteration); ``True`` runs a Python loop over the layers
+        of it per iteration; ``False`` is 1); ``True`` runs a Python loop over the layers
         instead (same params layout; each layer traced separately; runs
         eagerly under :func:`jax.disable_jit` for debugging, where ``remat`` is
         then skipped). With ``with_state``, a layer that updates its state

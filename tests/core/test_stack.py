@@ -67,6 +67,7 @@ def _cases():
             yield n, remat, unroll, n == 2, True
     yield 2, "on", 1, False, False
     yield 5, "dots", True, True, False
+    yield 3, "off", False, False, True  # (False: as lax.scan takes it, no unrolling)
 
 
 @pytest.mark.parametrize("n,remat,unroll,reverse,jit", list(_cases()))

@@ -99,6 +99,10 @@ CASES = {
         _load(".", names={"w": "model.layers.{}.w"}),
         ValueError, ["leaf ['w']", "layer 0's tensor 'model.layers.0.w'", "a.safetensors",
                      "transpose=(1, 0)"]),
+    "shape differs, the same size (a reshape)": (
+        _load(".", {"w": _abstract((3, 8, 1))}, {"w": "model.layers.{}.w"}),
+        ValueError, ["leaf ['w']", "per layer (8, 1)", "'model.layers.0.w'", "[4, 2]",
+                     "To split or merge axes", "stackwise.Tensor(..., reshape=(8, 1))"]),
     "bfloat16 into float32 without a cast": (
         _load("bf16.safetensors", {"w": _abstract((2, 2))}, {"w": "l.{}.w"}),
         TypeError, ["leaf ['w']", "layer 0's tensor 'l.0.w'", "bf16.safetensors", "bfloat16",
