@@ -248,7 +248,8 @@ def first_difference(
         children = [(f"[{i}]", u, v) for i, (u, v) in enumerate(zip(a, b))]
     elif children is None and isinstance(a, dict):
         if set(a) != set(b):
-            return where, f"keys {sorted(map(repr, a))} vs {sorted(map(repr, b))}"
+            keys_a, keys_b = (", ".join(sorted(map(repr, d))) for d in (a, b))
+            return where, f"keys [{keys_a}] vs [{keys_b}]"
         children = [(f"[{k!r}]", a[k], b[k]) for k in a]
     elif children is None:
         leaves_a, def_a = jax.tree_util.tree_flatten(a)

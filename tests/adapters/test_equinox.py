@@ -396,6 +396,11 @@ class Summing(eqx.Module):
         return (x * jnp.cos(self.w) * scale, jnp.sum(total)), state.set(self.total, total)
 
 
+class Parts(eqx.Module):
+    b: jax.Array
+    parts: object  # (a dict, tuple or other pytree, for the messages of blocks that differ)
+
+
 class Shift(eqx.Module):
     b: jax.Array
 
@@ -635,6 +640,16 @@ def test_conversion_errors_name_the_block_and_leaf():
         "Plain vs Shift",
     ):
         swe.Stack.from_layers([Plain(keys[0]), Shift(keys[1])])
+    # Containers that differ: a dict's keys, a tuple's length, another pytree's structure.
+    for parts, other, how in (
+        ({"a": 1.0}, {"b": 1.0}, r"`.parts`: keys \['a'\] vs \['b'\]"),
+        ((1.0,), (1.0, 2.0), r"`.parts`: 1 vs 2 entries"),
+        (jax.tree_util.Partial(jnp.add, 1.0), jax.tree_util.Partial(jnp.add, 1.0, 2.0),
+         r"`.parts`: PyTreeDef\(.*\) vs PyTreeDef"),
+    ):
+        blocks = [Parts(jnp.ones(D), parts), Parts(jnp.ones(D), other)]
+        with pytest.raises(TypeError, match=r"block 1 \(Parts\) differs from block 0 at " + how):
+            swe.Stack.from_layers(blocks)
     bn = [eqx.nn.make_with_state(Normed)(k)[0] for k in keys]
     with pytest.raises(
         ValueError,
