@@ -38,6 +38,13 @@ def stacked_spec(spec: PartitionSpec | None, layer_axis: str | None = None) -> P
     return PartitionSpec(layer_axis, *(spec or ()))
 
 
+def _written_as_entries(s: Any) -> bool:
+    """A tuple or list of axis names and Nones, one at least a name: a spec written without
+    ``P`` (a tree of specs holds no str)."""
+    return (isinstance(s, (tuple, list)) and any(isinstance(e, str) for e in s)
+            and all(e is None or isinstance(e, str) for e in s))
+
+
 def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> Any:
     """``NamedSharding`` s for stacked params from a tree of per-layer specs.
 
@@ -60,13 +67,13 @@ def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> 
     who = "stackwise.stacked_shardings"
     mesh = checks.mesh(mesh, who)
     layer_axis = checks.axis_entry(layer_axis, who, "layer_axis", mesh=mesh)
-    is_spec = lambda s: s is None or isinstance(s, PartitionSpec)  # noqa: E731
-    if isinstance(specs, str):
-        checks.partition_spec(specs, who, "specs")
+
+    def is_spec(s: Any) -> bool:  # (and a spec written as a tuple of names, refused below)
+        return s is None or isinstance(s, (PartitionSpec, str)) or _written_as_entries(s)
 
     def sharding(path, s):
         name = jax.tree_util.keystr(path) or "<root>"
-        s = checks.partition_spec(s, who, "specs", leaf=name)
+        s = checks.partition_spec(s, who, "specs", leaf=f"specs{jax.tree_util.keystr(path)}")
         checks.spec_on_mesh(s, mesh, who, f"the spec of leaf {name},")
         return NamedSharding(mesh, stacked_spec(s, layer_axis))
 

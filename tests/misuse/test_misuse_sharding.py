@@ -1,4 +1,5 @@
-"""The misuse catalogue of the sharding tools: fsdp_specs, shard_stacked, logical_specs.
+"""The misuse catalogue of the sharding tools: fsdp_specs, shard_stacked, stacked_shardings,
+logical_specs.
 
 One table per surface: the call, the error it must raise, and words its message must
 hold (the argument or leaf, and the fix). Meshes are abstract (``AbstractMesh``) or of
@@ -189,6 +190,30 @@ SHARD_STACKED = [
 ]
 
 
+STACKED_SHARDINGS = [
+    case("mesh=None", lambda: stackwise.stacked_shardings(None, {"w": P()}), TypeError,
+         "`mesh`", "jax.make_mesh"),
+    case("specs a str", lambda: stackwise.stacked_shardings(DEVICES, "data"), TypeError,
+         "the spec at specs is str 'data'", "P('data')"),
+    case("a spec written as a tuple", lambda: stackwise.stacked_shardings(
+        DEVICES, {"w": ("data", None)}), TypeError,
+         "the spec at specs['w'] is tuple ('data', None)", "P('data', None)"),
+    case("a spec of another type", lambda: stackwise.stacked_shardings(DEVICES, {"w": 0}),
+         TypeError, "the spec at specs['w'] is int 0", "P('data', None)"),
+    case("a spec naming an axis the mesh lacks", lambda: stackwise.stacked_shardings(
+        DEVICES, {"w": P("model")}), ValueError, "the spec of leaf ['w']", "names 'model'",
+         "not an axis of the mesh", "{'data': 1}"),
+    case("a spec naming such an axis in a tuple entry", lambda: stackwise.stacked_shardings(
+        DEVICES, {"w": P(("data", "model"), None)}), ValueError, "names 'model'",
+         "not an axis of the mesh"),
+    case("layer_axis the mesh lacks", lambda: stackwise.stacked_shardings(
+        DEVICES, {"w": P()}, layer_axis="stage"), ValueError, "`layer_axis='stage'`",
+         "not an axis of the mesh"),
+    case("layer_axis an int", lambda: stackwise.stacked_shardings(
+        DEVICES, {"w": P()}, layer_axis=1), TypeError, "`layer_axis`", "int 1"),
+]
+
+
 LOGICAL_SPECS = [
     case(
         "mesh as its axis names",
@@ -238,6 +263,12 @@ def test_misuse_fsdp_specs(call, error, words):
 @pytest.mark.every_case
 @pytest.mark.parametrize("call, error, words", SHARD_STACKED)
 def test_misuse_shard_stacked(call, error, words):
+    assert_refused(call, error, words)
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("call, error, words", STACKED_SHARDINGS)
+def test_misuse_stacked_shardings(call, error, words):
     assert_refused(call, error, words)
 
 
