@@ -104,6 +104,46 @@ def rows_of_the_carry(params, x):
     return x
 
 
+def own_value_then_carry(params, x):
+    """Block 0 adds its own product; the others add what they were given."""
+    for i, p in enumerate(params):
+        h = x @ p["w"]
+        x = jnp.tanh(h) + (h if i == 0 else x)
+    return x
+
+
+def back_to_the_input(params, x):
+    """Block 2 reads the loop's input where block 1 reads block 0's output."""
+    x0 = x
+    for i, p in enumerate(params):
+        x = jnp.tanh((x if i != 2 else x0) @ p["w"])
+    return x
+
+
+def one_output_in_two_places(params, a, b):
+    """Block 0 reads two inputs; block 1 reads block 0's one output in both places."""
+    for p in params:
+        z = jnp.tanh(a @ p["w"]) * b
+        a, b = z, z
+    return a
+
+
+def swapped_outputs(params, a, b):
+    """Block 1 hands its two outputs on swapped: block 2 reads another slot than block 1."""
+    for i, p in enumerate(params):
+        u, v = jnp.tanh(a @ p["w"]), jnp.sin(b @ p["w"])
+        a, b = (u, v) if i != 1 else (v, u)
+    return a + b
+
+
+def two_blocks_back(params, x):
+    """Each block adds the output of the block two before it (the input, for the first two)."""
+    a, b = x, x
+    for p in params:
+        a, b = jnp.tanh(a @ p["w"]) + b, a
+    return a
+
+
 AUTOSTACK = [
     case("fn not callable", lambda: stackwise.autostack("loop", LAYERS, X), TypeError,
          "`fn` must be callable", "stackwise.autostack(fn, params"),
@@ -168,6 +208,27 @@ AUTOSTACK = [
          lambda: stackwise.autostack(rows_of_the_carry, LAYERS, jnp.ones((4, 4))), ValueError,
          "breaks at block 1", "its param `start_indices` is (1, 0)",
          "not one array from before the run"),
+    # Blocks of one computation whose operands come from elsewhere, each named.
+    case("a block reading its given value where block 0 reads its own",
+         lambda: stackwise.autostack(own_value_then_carry, LAYERS, X), ValueError,
+         "breaks at block 1", "(`add`", "reads the previous block's equation 2 output",
+         "where block 0 reads its own equation 0's output", "best_effort=True"),
+    case("a block reading the input where the block before read the carry",
+         lambda: stackwise.autostack(back_to_the_input, LAYERS, X), ValueError,
+         "broken at block 2", "(`dot_general`",
+         "reads a value from before the run where block 1 reads block 0's"),
+    case("one output read where block 0 reads two values",
+         lambda: stackwise.autostack(one_output_in_two_places, LAYERS, X, 2 * X), ValueError,
+         "(`mul`", "reads block 0's equation 2 output at two places",
+         "where block 0 reads two different values"),
+    case("outputs handed on in another order",
+         lambda: stackwise.autostack(swapped_outputs, LAYERS, X, 2 * X), ValueError,
+         "broken at block 2", "where block 1 reads another value"),
+    case("a block reading the output of two blocks back",
+         lambda: stackwise.autostack(two_blocks_back, LAYERS, X), ValueError,
+         "broken at block 2", "2 blocks back",
+         "a block reads only its own values, the previous block's, and values from before "
+         "the run"),
 ]
 
 
