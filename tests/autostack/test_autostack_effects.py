@@ -4,6 +4,8 @@ order, with the loop's per-layer values (a literal layer index in the arguments 
 scanned input). Any other effect, and callbacks that differ from layer to layer, are refused
 by name."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,6 +202,50 @@ def test_callbacks_that_differ_from_layer_to_layer_are_other_blocks():
     message = refused(by_static_argument, mlp_params(KEY, 3))
     assert "breaks at block 1" in message and "`callback`" in message, message
     assert "'layer 1'" in message, message
+
+
+class _Reporter:
+    def __init__(self, calls, tag):
+        self.calls, self.tag = calls, tag
+
+    def report(self, n):
+        self.calls.append((self.tag, float(n)))
+
+
+def test_callbacks_given_as_partials_or_bound_methods_are_keyed_by_what_they_hold():
+    """A `functools.partial` is the same callback where its function and arguments are; a
+    bound method where its function and object are: shared by every layer, the loop stacks
+    and reports as the loop does; one per layer (another argument or object), refused."""
+    calls = []
+
+    def report(tag, n):
+        calls.append((tag, float(n)))
+
+    shared = _Reporter(calls, "m")
+    params = mlp_params(KEY, 3)
+    for callback_of, stacks in (
+        (lambda i: functools.partial(report, "p"), True),
+        (lambda i: shared.report, True),
+        (lambda i: functools.partial(report, i), False),
+        (lambda i: _Reporter(calls, i).report, False),
+    ):
+        def model(params, x, callback_of=callback_of):
+            for i, p in enumerate(params["layers"]):
+                x = layer(p, x)
+                jax.debug.callback(callback_of(i), jnp.linalg.norm(x))
+            return x
+
+        if not stacks:
+            message = refused(model, params)
+            assert "breaks at block 1" in message and "`callback`" in message, message
+            continue
+        stacked, f = stackwise.autostack(model, params, X)
+        assert f.found.n == 3
+        out, got = run(jax.jit(f), stacked, X, calls=calls)
+        want_out, want = run(jax.jit(model), params, X, calls=calls)
+        assert len(want) == 3
+        assert_calls(got, want)
+        assert_trees_close(out, want_out, BOUND)
 
 
 def test_with_the_effects_tie_broken_no_block_with_effects_is_stacked(monkeypatch):
