@@ -5,8 +5,8 @@ checked against peft 0.22.0 too, which changed one rule (``saved_module``: which
 ``modules_to_save`` names), followed by the version that wrote the file.
 ``load_peft`` and ``save_peft`` use them to read and write a config exactly as PEFT applies
 it. ``tests/finetune/test_upstream_peft.py`` checks each against peft's own function on a
-table of keys and configs where peft is installed (it skips otherwise), so a change upstream
-fails there.
+table of keys and configs where peft is installed (it skips otherwise; CI's ``.ci/torch``
+installs it), so a change upstream fails there.
 
 A module's *key* is its name in the model PEFT wraps, without PEFT's prefix: for a
 transformers Llama, ``model.layers.3.self_attn.q_proj``.

@@ -172,6 +172,6 @@ def test_spec_strings_are_refused():
     with pytest.raises(TypeError, match="`layer_axis` must be None"):
         stackwise.stacked_spec(P("data"), layer_axis=0)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    with pytest.raises(TypeError, match=r"spec at \['w'\] is str 'data'.*P\('data'\)"):
+    with pytest.raises(TypeError, match=r"spec at specs\['w'\] is str 'data'.*P\('data'\)"):
         stackwise.stacked_shardings(mesh, {"w": "data", "b": None})
     assert stackwise.stacked_spec(P("data", None), "stage") == P("stage", "data", None)

@@ -1,7 +1,7 @@
 """stackwise's mirror of PEFT's module rules (``stackwise/_upstream/peft.py``, from peft 0.21.2)
-against peft's own functions, where peft is installed (the suite does not install it): a change
-upstream fails here. Without peft, the rules are checked against their hand-made meaning in
-``test_peft_config.py``."""
+against peft's own functions, where peft is installed (the test extra does not install it;
+`.ci/torch` does, at the version it pins): a change upstream fails here. Without peft, the
+rules are checked against their hand-made meaning in ``test_peft_config.py``."""
 
 from __future__ import annotations
 
