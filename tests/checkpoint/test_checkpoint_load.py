@@ -252,3 +252,17 @@ def test_numpy_integers_and_sequences_read_as_in_the_core(tmp_path):
     np.testing.assert_array_equal(ckpt.read("l.3.b"), params["b"][1].reshape(2, 2))
     back = stackwise.load_checkpoint(tmp_path, params, names, pattern=2)
     assert_trees_bitwise(back, params)
+
+
+def test_leaves_that_are_not_arrays_are_kept_and_empty_tensors_load():
+    """A target's functions and static numbers come back as they are (no name needed), and a
+    per-layer tensor with no elements loads into its stacked leaf."""
+    arrays = {f"l.{i}.w": np.arange(6.0, dtype=np.float32).reshape(2, 3) + i for i in range(3)}
+    arrays |= {f"l.{i}.e": np.zeros((0, 3), np.float32) for i in range(3)}
+    target = {"w": jax.ShapeDtypeStruct((3, 2, 3), jnp.float32),
+              "e": jax.ShapeDtypeStruct((3, 0, 3), jnp.float32),
+              "eps": 1e-5, "act": jax.nn.gelu, "depth": 3}
+    back = stackwise.load_checkpoint(arrays, target, {"w": "l.{}.w", "e": "l.{}.e"})
+    assert back["eps"] == 1e-5 and back["act"] is jax.nn.gelu and back["depth"] == 3
+    assert back["e"].shape == (3, 0, 3) and back["e"].dtype == jnp.float32
+    np.testing.assert_array_equal(back["w"], np.stack([arrays[f"l.{i}.w"] for i in range(3)]))
