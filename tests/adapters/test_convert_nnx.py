@@ -137,6 +137,18 @@ def test_sharding_metadata_gains_and_loses_the_layer_axis():
         r"\(layer\) axis should be named None",
     ):
         swn.to_loop(state, "layers")
+    # nnx.scan's layout, the layer axis at 1 for the kernel: its name moves with it.
+    axes = {nnx.PathContains("kernel"): 1, ...: 0}
+    scanned = swn.to_scan(state, "layers", variable_axes=axes, layer_axis_name="stage",
+                          scan_axis_name="layers")
+    kernel = scanned["layers"]["kernel"]
+    assert kernel.get_value().shape == (2, 3, 3)
+    assert kernel.get_metadata("out_sharding") == ("embed", "layers", "mlp")
+    again = swn.from_scan(scanned, "layers", variable_axes=axes, scan_axis_name="layers",
+                          layer_axis_name="stage")
+    assert again["layers"]["layers"]["kernel"].get_metadata("out_sharding") == (
+        "stage", "embed", "mlp")
+    assert_trees_bitwise(again, state)
 
 
 @pytest.mark.slow
