@@ -210,10 +210,13 @@ def _saved_tensors(config: dict, tensors: dict, path: str, who: str) -> list[str
     held = sorted(name for name in tensors
                   if not name.endswith((".lora_A.weight", ".lora_B.weight")))
     modules = [peft_rules.strip_prefix(name).rsplit(".", 1)[0] for name in held]
+
+    def saved(peft: tuple[int, ...]) -> list[str]:
+        return [n for n, m in zip(held, modules) if peft_rules.saved_module(names, m, peft)]
+
     peft = peft_rules.release(config.get("peft_version"))
     if peft is None:
-        old, new = ([n for n, m in zip(held, modules) if peft_rules.saved_module(names, m, v)]
-                    for v in ((), peft_rules.DOTTED_SAVES))
+        old, new = saved(()), saved(peft_rules.DOTTED_SAVES)
         if old != new:
             differs = peft_rules.strip_prefix(sorted(set(old) ^ set(new))[0])
             raise refuse(
@@ -223,7 +226,7 @@ def _saved_tensors(config: dict, tensors: dict, path: str, who: str) -> list[str
                 "0.22.0 (the end of a module's name), not from 0.22.0 (the end at a dot); "
                 "give the version of the PEFT that wrote the file")
         return old
-    return [n for n, m in zip(held, modules) if peft_rules.saved_module(names, m, peft)]
+    return saved(peft)
 
 
 def _check_bias(config: dict, tensors: dict, saved: list[str], path: str, who: str) -> None:

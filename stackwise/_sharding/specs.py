@@ -69,12 +69,12 @@ def stacked_shardings(mesh: Mesh, specs: Any, layer_axis: str | None = None) -> 
     layer_axis = checks.axis_entry(layer_axis, who, "layer_axis", mesh=mesh)
 
     def is_spec(s: Any) -> bool:  # (and a spec written as a tuple of names, refused below)
-        return s is None or isinstance(s, (PartitionSpec, str)) or _written_as_entries(s)
+        return s is None or isinstance(s, PartitionSpec) or _written_as_entries(s)
 
     def sharding(path, s):
-        name = jax.tree_util.keystr(path) or "<root>"
-        s = checks.partition_spec(s, who, "specs", leaf=f"specs{jax.tree_util.keystr(path)}")
-        checks.spec_on_mesh(s, mesh, who, f"the spec of leaf {name},")
+        key = jax.tree_util.keystr(path)
+        s = checks.partition_spec(s, who, "specs", leaf=f"specs{key}")
+        checks.spec_on_mesh(s, mesh, who, f"the spec of leaf {key or '<root>'},")
         return NamedSharding(mesh, stacked_spec(s, layer_axis))
 
     return jax.tree_util.tree_map_with_path(sharding, specs, is_leaf=is_spec)
