@@ -306,6 +306,17 @@ def inputs(n: int, d: int, t: int, b: int, heads: int, dtype: str, sharding, per
     return ps, cache, sds((b, 1, d)), sds((), jnp.int32)
 
 
+def placement(sharding, cache, auto: bool) -> dict:
+    """``jax.jit``'s ``in_shardings`` and ``out_shardings`` for a step ``(params, cache, h,
+    pos) -> (h, cache)`` on one device: the cache in the layout the compiler chooses
+    (``Layout.AUTO``) if ``auto``, else in ``sharding``'s default one."""
+    import jax
+    from jax.experimental.layout import Format, Layout
+
+    fmt = jax.tree.map(lambda _: Format(Layout.AUTO, sharding) if auto else sharding, cache)
+    return {"in_shardings": (sharding, fmt, sharding, sharding), "out_shardings": (sharding, fmt)}
+
+
 def compiled_or_why(jitted, *args):
     """``jitted`` compiled for ``args``, or, where the compiler's plan exceeds the chip's HBM,
     a row's words for it: "does not fit: ..." (any other error is raised)."""
@@ -325,7 +336,6 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
     compiled program's facts, and with ``rounds`` its time per step on ``dev``."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.layout import Format, Layout
 
     import stackwise
 
@@ -344,11 +354,7 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, dev, *, roun
                 ps, cache = stackwise.Serving(ps), stackwise.Serving(cache)
             jitted = jax.jit(step, donate_argnums=1)
         else:
-            fmt = Format(Layout.AUTO, sharding) if auto else sharding
-            cache_fmt = {"k": fmt, "v": fmt}
-            jitted = jax.jit(step, donate_argnums=1,
-                             in_shardings=(sharding, cache_fmt, sharding, sharding),
-                             out_shardings=(sharding, cache_fmt))
+            jitted = jax.jit(step, donate_argnums=1, **placement(sharding, cache, auto))
         row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b}
         compiled = compiled_or_why(jitted, ps, cache, h, pos)
         if isinstance(compiled, str):

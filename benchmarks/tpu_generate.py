@@ -119,7 +119,6 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, tokens: int,
     ``auto_cache``: the cache in the layout the compiler chooses (``Layout.AUTO``), in and out."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.layout import Format, Layout
 
     sharding = jax.sharding.SingleDeviceSharding(dev)
     dt = jnp.dtype(dtype)
@@ -131,11 +130,7 @@ def measure(n: int, d: int, t: int, b: int, heads: int, dtype: str, tokens: int,
         ps, cache, h, pos = hlo.inputs(n, d, t, b, heads, dtype, sharding, kind == "layers")
         row = {"variant": name, "dtype": dtype, "D": d, "T": t, "B": b,
                "cache layout": "AUTO" if auto_cache else "default"}
-        placed = {}
-        if auto_cache:
-            fmt = jax.tree.map(lambda _: Format(Layout.AUTO, sharding), cache)
-            placed = {"in_shardings": (sharding, fmt, sharding, sharding),
-                      "out_shardings": (sharding, fmt)}
+        placed = hlo.placement(sharding, cache, auto=True) if auto_cache else {}
         begin = time.perf_counter()
         compiled = hlo.compiled_or_why(jax.jit(run, donate_argnums=1, **placed), ps, cache, h,
                                        pos)
